@@ -1,0 +1,241 @@
+//! Bytes -> checkpoint: verify, then index every tensor as a byte range.
+//!
+//! Nothing here copies tensor values; the result holds offsets into the
+//! caller's buffer (the mapped file), so decoding costs O(metadata).
+
+use std::collections::HashSet;
+
+use flatbuffers::{ForwardsUOffset, Vector, VerifierOptions};
+
+use super::dtype::{element_count, DataType};
+use super::model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor};
+use super::{Role, CHECKPOINT_VERSION, FILE_IDENTIFIER};
+use crate::error::{Error, ErrorKind, Result};
+use crate::generated::onnxruntime::fbs;
+
+/// Smallest buffer that can hold a root offset and a file identifier.
+const MIN_LEN: usize = 8;
+
+/// Verifies `buf` as an ODTC version-2 checkpoint and indexes its contents.
+///
+/// # Errors
+/// [`ErrorKind::Malformed`] for anything the flatbuffers verifier rejects and for
+/// what it cannot see (version, required fields, dims versus byte length,
+/// duplicate names); [`ErrorKind::UnsupportedDataType`] for unknown type codes.
+pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
+    if buf.len() < MIN_LEN {
+        return Err(Error::malformed(format!(
+            "file is too short to be a checkpoint ({} bytes)",
+            buf.len()
+        )));
+    }
+    if !fbs::checkpoint_buffer_has_identifier(buf) {
+        return Err(Error::malformed(format!(
+            "not an ONNX Runtime training checkpoint: file identifier is {:?}, expected {:?}",
+            String::from_utf8_lossy(&buf[4..8]),
+            FILE_IDENTIFIER
+        )));
+    }
+    let root = fbs::root_as_checkpoint_with_opts(&verifier_options(buf.len()), buf).map_err(|e| {
+        // The verifier's message carries a multi-line trace; its first line says what failed.
+        let first = e.to_string().lines().next().unwrap_or_default().to_owned();
+        Error::malformed(format!("checkpoint verification failed: {first}"))
+    })?;
+    if root.version() != CHECKPOINT_VERSION {
+        return Err(Error::malformed(format!(
+            "checkpoint version {} is not supported (expected {CHECKPOINT_VERSION})",
+            root.version()
+        )));
+    }
+
+    let decoder = Decoder { base: buf.as_ptr() as usize };
+    let mut ckpt = Checkpoint::default();
+    if let Some(module) = root.module_state() {
+        ckpt.is_nominal = module.is_nominal_state();
+        ckpt.has_external_data = module.has_external_data();
+        let trainable = module.requires_grad_params().ok_or_else(|| {
+            Error::malformed("module state has no requires_grad_params vector")
+        })?;
+        let frozen = module
+            .frozen_params()
+            .ok_or_else(|| Error::malformed("module state has no frozen_params vector"))?;
+        ckpt.trainable = decoder.tensors(trainable, Role::Trainable, &ckpt)?;
+        ckpt.frozen = decoder.tensors(frozen, Role::Frozen, &ckpt)?;
+        reject_duplicates(ckpt.trainable.iter().chain(&ckpt.frozen).map(|t| t.name.as_str()), "parameter")?;
+    }
+    if let Some(groups) = root.optimizer_groups() {
+        for group in groups {
+            let decoded = decoder.group(group, &ckpt)?;
+            ckpt.optimizer_groups.push(decoded);
+        }
+        reject_duplicates(ckpt.optimizer_groups.iter().map(|g| g.name.as_str()), "optimizer group")?;
+    }
+    if let Some(bag) = root.property_bag() {
+        ckpt.properties = properties(bag)?;
+    }
+    Ok(ckpt)
+}
+
+/// Limits that keep a hostile file from costing more than its own size.
+fn verifier_options(len: usize) -> VerifierOptions {
+    VerifierOptions {
+        max_depth: 64,
+        // Every table takes at least 4 bytes (its vtable offset).
+        max_tables: len / 4 + 1,
+        // Each byte may be referenced at most twice over before we call it a DAG bomb.
+        max_apparent_size: len.saturating_mul(2),
+        ignore_missing_null_terminator: false,
+    }
+}
+
+struct Decoder {
+    /// Address of the buffer's first byte, to turn slices into file offsets.
+    base: usize,
+}
+
+impl Decoder {
+    fn tensors(
+        &self,
+        list: Vector<'_, ForwardsUOffset<fbs::Tensor<'_>>>,
+        role: Role,
+        ckpt: &Checkpoint<Stored>,
+    ) -> Result<Vec<Tensor<Stored>>> {
+        list.iter()
+            .enumerate()
+            .map(|(i, t)| self.tensor(t, i, role, ckpt))
+            .collect()
+    }
+
+    fn tensor(
+        &self,
+        t: fbs::Tensor<'_>,
+        index: usize,
+        role: Role,
+        ckpt: &Checkpoint<Stored>,
+    ) -> Result<Tensor<Stored>> {
+        let name = t.name().ok_or_else(|| {
+            Error::malformed(format!("{} tensor #{index} has no name", role.label()))
+        })?;
+        let in_tensor = |e: Error| e.in_tensor(name);
+        let dims: Vec<i64> = t
+            .dims()
+            .ok_or_else(|| Error::malformed("tensor has no dims"))
+            .map_err(in_tensor)?
+            .iter()
+            .collect();
+        let data_type = DataType::from_code(t.data_type().0).map_err(in_tensor)?;
+        if data_type == DataType::Undefined {
+            return Err(Error::new(ErrorKind::UnsupportedDataType(0)).in_tensor(name));
+        }
+        let data = if ckpt.is_nominal {
+            Stored::Absent
+        } else {
+            self.values(&t, data_type, &dims, ckpt.has_external_data).map_err(in_tensor)?
+        };
+        Ok(Tensor { name: name.to_owned(), data_type, dims, data })
+    }
+
+    fn values(
+        &self,
+        t: &fbs::Tensor<'_>,
+        data_type: DataType,
+        dims: &[i64],
+        has_external_data: bool,
+    ) -> Result<Stored> {
+        let count = element_count(dims).map_err(Error::malformed)?;
+        if data_type == DataType::String {
+            let strings = t
+                .string_data()
+                .ok_or_else(|| Error::malformed("STRING tensor has no string_data"))?;
+            if strings.len() as u64 != count {
+                return Err(Error::malformed(format!(
+                    "string_data holds {} strings but dims {dims:?} need {count}",
+                    strings.len()
+                )));
+            }
+            return Ok(Stored::Strings(strings.iter().map(str::to_owned).collect()));
+        }
+        let expected = data_type.byte_len(count).ok_or_else(|| {
+            Error::malformed(format!("dims {dims:?} of {} overflow the byte length", data_type.name()))
+        })?;
+        let offset = t.external_data_offset();
+        if offset >= 0 {
+            if !has_external_data {
+                return Err(Error::malformed(
+                    "tensor has an external_data_offset but the checkpoint has no external data",
+                ));
+            }
+            return Ok(Stored::External { offset: offset as u64, len: expected });
+        }
+        let raw = t
+            .raw_data()
+            .ok_or_else(|| Error::malformed("tensor has neither raw_data nor external data"))?
+            .bytes();
+        if raw.len() as u64 != expected {
+            return Err(Error::malformed(format!(
+                "raw_data holds {} bytes but dims {dims:?} of {} need {expected}",
+                raw.len(),
+                data_type.name()
+            )));
+        }
+        Ok(Stored::Inline { offset: raw.as_ptr() as usize - self.base, len: raw.len() })
+    }
+
+    fn group(&self, g: fbs::OptimizerGroup<'_>, ckpt: &Checkpoint<Stored>) -> Result<OptimizerGroup<Stored>> {
+        let name = g.group_name().ok_or_else(|| Error::malformed("optimizer group has no name"))?;
+        let mut states = Vec::new();
+        for (i, s) in g.optimizer_states().into_iter().flatten().enumerate() {
+            let param_name = s.param_name().ok_or_else(|| {
+                Error::malformed(format!("optimizer group '{name}': state #{i} has no param_name"))
+            })?;
+            let momentums = match s.momentums() {
+                Some(list) => self
+                    .tensors(list, Role::Momentum, ckpt)
+                    .map_err(|e| e.in_tensor_scope(&format!("{name}/{param_name}")))?,
+                None => Vec::new(),
+            };
+            reject_duplicates(momentums.iter().map(|m| m.name.as_str()), "momentum")
+                .map_err(|e| e.in_tensor_scope(&format!("{name}/{param_name}")))?;
+            states.push(ParameterOptimizerState { param_name: param_name.to_owned(), momentums });
+        }
+        reject_duplicates(states.iter().map(|s| s.param_name.as_str()), "optimizer state for parameter")
+            .map_err(|e| Error::malformed(format!("optimizer group '{name}': {}", e.detail())))?;
+        Ok(OptimizerGroup {
+            name: name.to_owned(),
+            step: g.step(),
+            initial_learning_rate: g.initial_learning_rate(),
+            states,
+        })
+    }
+}
+
+fn properties(bag: fbs::PropertyBag<'_>) -> Result<PropertyBag> {
+    let missing = |kind: &str, i: usize, what: &str| {
+        Error::malformed(format!("{kind} property #{i} has no {what}"))
+    };
+    let mut out = PropertyBag::default();
+    for (i, p) in bag.ints().into_iter().flatten().enumerate() {
+        let name = p.name().ok_or_else(|| missing("int", i, "name"))?;
+        out.ints.push((name.to_owned(), p.value()));
+    }
+    for (i, p) in bag.floats().into_iter().flatten().enumerate() {
+        let name = p.name().ok_or_else(|| missing("float", i, "name"))?;
+        out.floats.push((name.to_owned(), p.value()));
+    }
+    for (i, p) in bag.strings().into_iter().flatten().enumerate() {
+        let name = p.name().ok_or_else(|| missing("string", i, "name"))?;
+        let value = p.value().ok_or_else(|| missing("string", i, "value"))?;
+        out.strings.push((name.to_owned(), value.to_owned()));
+    }
+    Ok(out)
+}
+
+fn reject_duplicates<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
+    let mut seen = HashSet::new();
+    for name in names {
+        if !seen.insert(name) {
+            return Err(Error::malformed(format!("duplicate {what} name '{name}'")));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,414 @@
+//! Checkpoint -> bytes, without ever holding the tensor values in a buffer.
+//!
+//! The flatbuffers builder lays out the whole file, but each tensor's bytes are
+//! only *reserved* (a zero-sized placeholder element, so nothing is written and
+//! the reserved pages of the anonymous mapping behind the builder stay
+//! untouched). The result is the metadata with holes plus, for every hole, the
+//! caller's slice that fills it; the I/O layer writes both in file order, so each
+//! tensor byte is copied once, from the caller's memory to the file.
+//!
+//! All tensor values are reserved first, so they sit together at the end of the
+//! file and the metadata together at its start: opening touches only the first pages.
+
+use std::collections::HashSet;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+use flatbuffers::{FlatBufferBuilder, Push, PushAlignment, Vector, WIPOffset};
+use memmap2::MmapMut;
+
+use super::dtype::{element_count, DataType};
+use super::model::{Checkpoint, Payload, Tensor};
+use super::CHECKPOINT_VERSION;
+use crate::error::{Error, ErrorKind, Result};
+use crate::generated::onnxruntime::fbs;
+
+/// Tensor values start at multiples of this (a cache line; enough for any dtype and SIMD).
+pub const PAYLOAD_ALIGNMENT: usize = 64;
+
+/// ONNX Runtime verifies inline checkpoints with a 2^31-1 byte limit.
+pub const MAX_INLINE_LEN: u64 = i32::MAX as u64;
+
+/// An encoded checkpoint: metadata with holes, and the bytes that fill them.
+pub struct Encoded<'a> {
+    buffer: AnonBuffer,
+    /// Where the finished flatbuffer starts inside `buffer`.
+    start: usize,
+    /// (offset in the file, bytes): ascending, non-overlapping.
+    payloads: Vec<(usize, &'a [u8])>,
+}
+
+impl<'a> Encoded<'a> {
+    /// Size of the file.
+    pub fn len(&self) -> usize {
+        self.buffer.len() - self.start
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Offsets and lengths of the tensor values in the file, ascending.
+    pub fn payload_ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.payloads.iter().map(|&(at, bytes)| (at, bytes.len()))
+    }
+
+    /// The file's bytes as consecutive slices: metadata from the builder, values from the caller.
+    pub fn segments(&self) -> Vec<&[u8]> {
+        let metadata = &self.buffer[self.start..];
+        let mut out = Vec::with_capacity(2 * self.payloads.len() + 1);
+        let mut at = 0;
+        for &(offset, bytes) in &self.payloads {
+            if offset > at {
+                out.push(&metadata[at..offset]);
+            }
+            out.push(bytes);
+            at = offset + bytes.len();
+        }
+        if at < metadata.len() {
+            out.push(&metadata[at..]);
+        }
+        out
+    }
+}
+
+/// Lays out `ckpt` exactly as given (call [`Checkpoint::sort_like_ort_state_path`]
+/// first for ONNX Runtime's state-path order).
+///
+/// # Errors
+/// [`ErrorKind::InvalidState`] when a tensor's bytes disagree with its dims, names
+/// repeat, or the values exceed what an inline checkpoint holds;
+/// [`ErrorKind::UnsupportedDataType`] for UNDEFINED tensors.
+pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>) -> Result<Encoded<'a>> {
+    validate(ckpt)?;
+    let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt))?);
+    let tensors: Vec<&Tensor<Payload<'a>>> = ckpt.tensors().collect();
+
+    // Values first (they land at the end of the file), last tensor first so that
+    // the file holds them in tensor order.
+    let mut reserved = vec![None; tensors.len()];
+    let mut holes = Vec::with_capacity(tensors.len());
+    if !ckpt.is_nominal {
+        for (i, t) in tensors.iter().enumerate().rev() {
+            if let Payload::Bytes(bytes) = t.data {
+                if !bytes.is_empty() {
+                    let offset = reserve(&mut fbb, bytes.len());
+                    reserved[i] = Some(offset);
+                    holes.push((offset.value(), bytes));
+                }
+            }
+        }
+    }
+
+    let mut tables = tensors
+        .iter()
+        .zip(reserved)
+        .map(|(t, raw)| write_tensor(&mut fbb, t, raw, ckpt.is_nominal))
+        .collect::<Vec<_>>()
+        .into_iter();
+    let trainable: Vec<_> = tables.by_ref().take(ckpt.trainable.len()).collect();
+    let frozen: Vec<_> = tables.by_ref().take(ckpt.frozen.len()).collect();
+
+    let mut groups = Vec::with_capacity(ckpt.optimizer_groups.len());
+    for g in &ckpt.optimizer_groups {
+        let mut states = Vec::with_capacity(g.states.len());
+        for s in &g.states {
+            let momentums: Vec<_> = tables.by_ref().take(s.momentums.len()).collect();
+            let momentums = fbb.create_vector(&momentums);
+            let param_name = fbb.create_string(&s.param_name);
+            let args = fbs::ParameterOptimizerStateArgs {
+                param_name: Some(param_name),
+                momentums: Some(momentums),
+            };
+            states.push(fbs::ParameterOptimizerState::create(&mut fbb, &args));
+        }
+        let optimizer_states = fbb.create_vector(&states);
+        let group_name = fbb.create_string(&g.name);
+        let args = fbs::OptimizerGroupArgs {
+            group_name: Some(group_name),
+            step: g.step,
+            initial_learning_rate: g.initial_learning_rate,
+            optimizer_states: Some(optimizer_states),
+        };
+        groups.push(fbs::OptimizerGroup::create(&mut fbb, &args));
+    }
+    // ONNX Runtime's state path always writes this vector, empty or not.
+    let optimizer_groups = Some(fbb.create_vector(&groups));
+
+    let module_state = if trainable.is_empty() && frozen.is_empty() {
+        None
+    } else {
+        let args = fbs::ModuleStateArgs {
+            requires_grad_params: Some(fbb.create_vector(&trainable)),
+            frozen_params: Some(fbb.create_vector(&frozen)),
+            is_nominal_state: ckpt.is_nominal,
+            has_external_data: false,
+        };
+        Some(fbs::ModuleState::create(&mut fbb, &args))
+    };
+    let property_bag = (!ckpt.properties.is_empty()).then(|| write_properties(&mut fbb, ckpt));
+    let args = fbs::CheckpointArgs {
+        version: CHECKPOINT_VERSION,
+        module_state,
+        optimizer_groups,
+        property_bag,
+    };
+    let root = fbs::Checkpoint::create(&mut fbb, &args);
+    fbs::finish_checkpoint_buffer(&mut fbb, root);
+
+    let (buffer, start) = fbb.collapse_in();
+    let len = buffer.len() - start;
+    if len as u64 > MAX_INLINE_LEN {
+        return Err(too_large(len as u64));
+    }
+    // A reserved vector's offset counts from the buffer's end to its length prefix.
+    let mut payloads: Vec<(usize, &[u8])> = holes
+        .into_iter()
+        .map(|(from_end, bytes)| (len - from_end as usize + 4, bytes))
+        .collect();
+    payloads.sort_unstable_by_key(|&(at, _)| at);
+    Ok(Encoded { buffer, start, payloads })
+}
+
+/// Stands for one tensor byte that the builder must leave room for but not write.
+#[derive(Clone, Copy)]
+struct ReservedByte;
+
+impl Push for ReservedByte {
+    type Output = u8;
+
+    unsafe fn push(&self, _dst: &mut [u8], _written_len: usize) {}
+
+    fn alignment() -> PushAlignment {
+        PushAlignment::new(PAYLOAD_ALIGNMENT)
+    }
+}
+
+fn reserve<'f>(fbb: &mut FlatBufferBuilder<'f, AnonBuffer>, len: usize) -> WIPOffset<Vector<'f, u8>> {
+    // SAFETY: ReservedByte is zero-sized, so a slice of any length of it occupies no
+    // memory and a dangling, well-aligned pointer is a valid base for it.
+    let placeholders: &[ReservedByte] =
+        unsafe { std::slice::from_raw_parts(NonNull::dangling().as_ptr(), len) };
+    fbb.create_vector(placeholders)
+}
+
+fn write_tensor<'f>(
+    fbb: &mut FlatBufferBuilder<'f, AnonBuffer>,
+    t: &Tensor<Payload<'_>>,
+    reserved: Option<WIPOffset<Vector<'f, u8>>>,
+    nominal: bool,
+) -> WIPOffset<fbs::Tensor<'f>> {
+    let name = fbb.create_string(&t.name);
+    let mut string_data = None;
+    let mut raw_data = reserved;
+    let dims = if nominal {
+        // Nominal tensors keep name and type; dims and data are empty (as ONNX Runtime writes them).
+        raw_data = Some(fbb.create_vector::<u8>(&[]));
+        fbb.create_vector::<i64>(&[])
+    } else {
+        match &t.data {
+            Payload::Strings(values) => {
+                let offsets: Vec<_> = values.iter().map(|s| fbb.create_string(s)).collect();
+                string_data = Some(fbb.create_vector(&offsets));
+            }
+            Payload::Bytes(_) | Payload::Absent => {
+                // Empty tensors still need a (zero-length) raw_data vector: ONNX Runtime
+                // rejects a tensor with neither raw_data nor external data.
+                raw_data = raw_data.or_else(|| Some(fbb.create_vector::<u8>(&[])));
+            }
+        }
+        fbb.create_vector(&t.dims)
+    };
+    let args = fbs::TensorArgs {
+        name: Some(name),
+        doc_string: None,
+        dims: Some(dims),
+        data_type: fbs::TensorDataType(t.data_type.code()),
+        raw_data,
+        string_data,
+        external_data_offset: -1,
+    };
+    fbs::Tensor::create(fbb, &args)
+}
+
+fn write_properties<'f>(
+    fbb: &mut FlatBufferBuilder<'f, AnonBuffer>,
+    ckpt: &Checkpoint<Payload<'_>>,
+) -> WIPOffset<fbs::PropertyBag<'f>> {
+    let props = &ckpt.properties;
+    let mut ints = Vec::with_capacity(props.ints.len());
+    for (name, value) in &props.ints {
+        let name = Some(fbb.create_string(name));
+        ints.push(fbs::IntProperty::create(fbb, &fbs::IntPropertyArgs { name, value: *value }));
+    }
+    let mut floats = Vec::with_capacity(props.floats.len());
+    for (name, value) in &props.floats {
+        let name = Some(fbb.create_string(name));
+        floats.push(fbs::FloatProperty::create(fbb, &fbs::FloatPropertyArgs { name, value: *value }));
+    }
+    let mut strings = Vec::with_capacity(props.strings.len());
+    for (name, value) in &props.strings {
+        let name = Some(fbb.create_string(name));
+        let value = Some(fbb.create_string(value));
+        strings.push(fbs::StringProperty::create(fbb, &fbs::StringPropertyArgs { name, value }));
+    }
+    // ONNX Runtime writes all three vectors once the bag is present.
+    let args = fbs::PropertyBagArgs {
+        ints: Some(fbb.create_vector(&ints)),
+        floats: Some(fbb.create_vector(&floats)),
+        strings: Some(fbb.create_vector(&strings)),
+    };
+    fbs::PropertyBag::create(fbb, &args)
+}
+
+/// Checks everything the writer relies on, so the builder never sees bad input.
+fn validate(ckpt: &Checkpoint<Payload<'_>>) -> Result<()> {
+    let mut payload: u64 = 0;
+    for t in ckpt.tensors() {
+        check_tensor(t, ckpt.is_nominal).map_err(|e| e.in_tensor(&t.name))?;
+        if let Payload::Bytes(b) = t.data {
+            payload += b.len() as u64;
+        }
+    }
+    if !ckpt.is_nominal && payload > MAX_INLINE_LEN {
+        return Err(too_large(payload));
+    }
+    unique(ckpt.trainable.iter().chain(&ckpt.frozen).map(|t| t.name.as_str()), "parameter")?;
+    unique(ckpt.optimizer_groups.iter().map(|g| g.name.as_str()), "optimizer group")?;
+    for g in &ckpt.optimizer_groups {
+        unique(g.states.iter().map(|s| s.param_name.as_str()), "optimizer state for parameter")
+            .map_err(|e| e.in_tensor_scope(&g.name))?;
+        for s in &g.states {
+            unique(s.momentums.iter().map(|m| m.name.as_str()), "momentum")
+                .map_err(|e| e.in_tensor_scope(&format!("{}/{}", g.name, s.param_name)))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
+    if t.data_type == DataType::Undefined {
+        return Err(Error::new(ErrorKind::UnsupportedDataType(0)));
+    }
+    if nominal {
+        return Ok(());
+    }
+    let count = element_count(&t.dims).map_err(Error::invalid_state)?;
+    match (&t.data, t.data_type) {
+        (Payload::Strings(values), DataType::String) => {
+            if values.len() as u64 != count {
+                return Err(Error::invalid_state(format!(
+                    "{} strings given for dims {:?} ({count} elements)",
+                    values.len(),
+                    t.dims
+                )));
+            }
+        }
+        (Payload::Bytes(bytes), dt) if dt != DataType::String => {
+            let expected = dt.byte_len(count);
+            if expected != Some(bytes.len() as u64) {
+                return Err(Error::invalid_state(format!(
+                    "{} bytes given but dims {:?} of {} need {}",
+                    bytes.len(),
+                    t.dims,
+                    dt.name(),
+                    expected.map_or("more than 2^64".to_owned(), |n| n.to_string())
+                )));
+            }
+        }
+        (Payload::Absent, _) => {
+            return Err(Error::invalid_state("tensor has no values (only nominal checkpoints may omit them)"))
+        }
+        (_, dt) => {
+            return Err(Error::invalid_state(format!(
+                "{} tensors take {}",
+                dt.name(),
+                if dt == DataType::String { "strings" } else { "bytes" }
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn unique<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
+    let mut seen = HashSet::new();
+    for name in names {
+        if !seen.insert(name) {
+            return Err(Error::invalid_state(format!("duplicate {what} name '{name}'")));
+        }
+    }
+    Ok(())
+}
+
+fn too_large(len: u64) -> Error {
+    Error::invalid_state(format!(
+        "the checkpoint would take {len} bytes, beyond the {MAX_INLINE_LEN} bytes an inline \
+         ONNX Runtime checkpoint can hold"
+    ))
+}
+
+/// An upper bound on the encoded size, so the builder's buffer never has to grow
+/// (growing would copy, and touch the reserved pages).
+fn capacity_bound(ckpt: &Checkpoint<Payload<'_>>) -> usize {
+    let mut values = 0usize;
+    let mut metadata = 4096usize;
+    for t in ckpt.tensors() {
+        metadata += 160 + 2 * t.name.len() + 8 * t.dims.len();
+        match &t.data {
+            Payload::Bytes(b) if !ckpt.is_nominal => values += b.len() + PAYLOAD_ALIGNMENT + 8,
+            Payload::Strings(s) => metadata += 16 + s.iter().map(|v| v.len() + 16).sum::<usize>(),
+            _ => {}
+        }
+    }
+    for g in &ckpt.optimizer_groups {
+        metadata += 128 + 2 * g.name.len();
+        metadata += g.states.iter().map(|s| 64 + 2 * s.param_name.len()).sum::<usize>();
+    }
+    let p = &ckpt.properties;
+    metadata += p.ints.iter().map(|(n, _)| 64 + 2 * n.len()).sum::<usize>();
+    metadata += p.floats.iter().map(|(n, _)| 64 + 2 * n.len()).sum::<usize>();
+    metadata += p.strings.iter().map(|(n, v)| 64 + 2 * (n.len() + v.len())).sum::<usize>();
+    values + 2 * metadata
+}
+
+/// The builder's buffer: an anonymous mapping, whose pages cost memory only once
+/// written. Reserved tensor bytes are never written, so they cost nothing.
+struct AnonBuffer(MmapMut);
+
+impl AnonBuffer {
+    fn new(len: usize) -> Result<Self> {
+        Ok(AnonBuffer(MmapMut::map_anon(len.max(4096))?))
+    }
+}
+
+impl Deref for AnonBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl DerefMut for AnonBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+// SAFETY: grow_downwards doubles the buffer and moves the old contents to its end,
+// as the trait requires; len is the mapping's length.
+unsafe impl flatbuffers::Allocator for AnonBuffer {
+    type Error = std::io::Error;
+
+    fn grow_downwards(&mut self) -> std::io::Result<()> {
+        // Only reached if capacity_bound was wrong: correct, just slower.
+        let old = self.0.len();
+        let mut grown = MmapMut::map_anon(old * 2)?;
+        grown[old..].copy_from_slice(&self.0);
+        self.0 = grown;
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}

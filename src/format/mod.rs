@@ -1,0 +1,36 @@
+//! The ODTC format: bytes <-> [`Checkpoint`]. No filesystem, no Python.
+
+pub mod decode;
+pub mod dtype;
+pub mod encode;
+pub mod endian;
+pub mod model;
+
+pub use decode::decode;
+pub use dtype::DataType;
+pub use encode::{encode, Encoded};
+pub use model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, Payload, PropertyBag, Stored, Tensor};
+
+/// The only checkpoint version ONNX Runtime reads and writes.
+pub const CHECKPOINT_VERSION: i32 = 2;
+
+/// The flatbuffer file identifier of training checkpoints ("ORT On-Device-Training Checkpoint").
+pub const FILE_IDENTIFIER: &str = "ODTC";
+
+/// Where a tensor sits in a checkpoint; used to word errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Trainable,
+    Frozen,
+    Momentum,
+}
+
+impl Role {
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Trainable => "trainable",
+            Role::Frozen => "frozen",
+            Role::Momentum => "momentum",
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! The Python extension `ortckpt._core`: the only module that touches PyO3.
+//!
+//! Tensor bytes cross without copies in both directions: saving borrows each
+//! array's buffer (held while the GIL is released for the write), loading hands
+//! out one buffer over the private mapping that NumPy views slice.
+
+mod errors;
+mod mapped;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::format::{Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor};
+use crate::SaveOptions;
+use errors::to_py_err;
+use mapped::MappedFile;
+
+/// A tensor as Python hands it over: name, ONNX type code, dims, and its values
+/// (an object with a contiguous byte buffer, a list of str, or None when nominal).
+type TensorIn<'py> = (String, i32, Vec<i64>, Bound<'py, PyAny>);
+/// An optimizer group: name, step, initial learning rate, [(param name, momentums)].
+type GroupIn<'py> = (String, i64, f32, Vec<(String, Vec<TensorIn<'py>>)>);
+
+/// Runs `f`, turning a panic into ortckpt.errors.InternalError: no panic crosses into Python.
+fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_owned());
+        Err(errors::internal_error(py, &message))
+    })
+}
+
+/// Opens a checkpoint: returns a dict of its metadata and a `MappedFile` whose
+/// buffer holds the tensor bytes at the offsets given.
+#[pyfunction]
+fn load<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    guarded(py, || {
+        let loaded = py.detach(|| crate::load(&path)).map_err(|e| to_py_err(py, e))?;
+        let (map, ckpt) = loaded.into_parts();
+        let out = PyDict::new(py);
+        out.set_item("mapping", Py::new(py, MappedFile::new(map))?)?;
+        out.set_item("nominal", ckpt.is_nominal)?;
+        out.set_item("trainable", tensors_out(py, &ckpt.trainable)?)?;
+        out.set_item("frozen", tensors_out(py, &ckpt.frozen)?)?;
+        let groups = PyList::empty(py);
+        for g in &ckpt.optimizer_groups {
+            let states = PyList::empty(py);
+            for s in &g.states {
+                states.append((s.param_name.as_str(), tensors_out(py, &s.momentums)?))?;
+            }
+            groups.append((g.name.as_str(), g.step, g.initial_learning_rate, states))?;
+        }
+        out.set_item("optimizer_groups", groups)?;
+        out.set_item("ints", ckpt.properties.ints)?;
+        out.set_item("floats", ckpt.properties.floats)?;
+        out.set_item("strings", ckpt.properties.strings)?;
+        Ok(out)
+    })
+}
+
+fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for t in tensors {
+        let dims = PyTuple::new(py, &t.dims)?;
+        let data = match &t.data {
+            Stored::Inline { offset, len } => (offset, len).into_pyobject(py)?.into_any(),
+            Stored::Strings(values) => values.into_pyobject(py)?.into_any(),
+            // `load` refuses external data today, so only nominal tensors get here.
+            Stored::External { .. } | Stored::Absent => py.None().into_bound(py),
+        };
+        list.append((t.name.as_str(), t.data_type.code(), dims, data))?;
+    }
+    Ok(list)
+}
+
+/// Saves a checkpoint (ONNX Runtime's state-path layout) atomically to `path`.
+#[pyfunction]
+#[pyo3(signature = (path, trainable, frozen, optimizer_groups, ints, floats, strings, *, nominal = false, durable = false))]
+#[allow(clippy::too_many_arguments)]
+fn save(
+    py: Python<'_>,
+    path: PathBuf,
+    trainable: Vec<TensorIn<'_>>,
+    frozen: Vec<TensorIn<'_>>,
+    optimizer_groups: Vec<GroupIn<'_>>,
+    ints: Vec<(String, i64)>,
+    floats: Vec<(String, f32)>,
+    strings: Vec<(String, String)>,
+    nominal: bool,
+    durable: bool,
+) -> PyResult<()> {
+    guarded(py, || {
+        // Hold every buffer export until the write is done: the exports keep the
+        // arrays' memory alive and unresizable while the GIL is released.
+        let mut buffers = Vec::new();
+        let mut ckpt = Checkpoint::<Intake> {
+            trainable: tensors_in(py, trainable, &mut buffers, &path)?,
+            frozen: tensors_in(py, frozen, &mut buffers, &path)?,
+            is_nominal: nominal,
+            ..Default::default()
+        };
+        for (name, step, initial_learning_rate, states) in optimizer_groups {
+            let mut group = OptimizerGroup { name, step, initial_learning_rate, states: Vec::new() };
+            for (param_name, momentums) in states {
+                let momentums = tensors_in(py, momentums, &mut buffers, &path)?;
+                group.states.push(ParameterOptimizerState { param_name, momentums });
+            }
+            ckpt.optimizer_groups.push(group);
+        }
+        ckpt.properties.ints = ints;
+        ckpt.properties.floats = floats;
+        ckpt.properties.strings = strings;
+
+        let mut payloads = ckpt.try_map_data(|t| -> PyResult<Payload<'_>> {
+            Ok(match &t.data {
+                Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i])),
+                Intake::Strings(s) => Payload::Strings(s.clone()),
+                Intake::Absent => Payload::Absent,
+            })
+        })?;
+        let options = SaveOptions { durable };
+        py.detach(|| crate::save(&path, &mut payloads, &options)).map_err(|e| to_py_err(py, e))
+    })
+}
+
+/// A tensor's values on their way in: an index into the held buffers, or owned strings.
+enum Intake {
+    Buffer(usize),
+    Strings(Vec<String>),
+    Absent,
+}
+
+fn tensors_in<'py>(
+    py: Python<'py>,
+    tensors: Vec<TensorIn<'py>>,
+    buffers: &mut Vec<PyBuffer<u8>>,
+    path: &std::path::Path,
+) -> PyResult<Vec<Tensor<Intake>>> {
+    let py_err = |e: crate::Error, name: &str| to_py_err(py, e.in_tensor(name).in_file(path));
+    tensors
+        .into_iter()
+        .map(|(name, code, dims, values)| {
+            let data_type = DataType::from_code(code).map_err(|e| py_err(e, &name))?;
+            let data = if values.is_none() {
+                Intake::Absent
+            } else if let Ok(list) = values.cast::<PyList>() {
+                Intake::Strings(list.extract()?)
+            } else {
+                let buffer = PyBuffer::<u8>::get(&values)?;
+                if !buffer.is_c_contiguous() {
+                    return Err(py_err(crate::Error::invalid_state("values are not contiguous bytes"), &name));
+                }
+                buffers.push(buffer);
+                Intake::Buffer(buffers.len() - 1)
+            };
+            Ok(Tensor { name, data_type, dims, data })
+        })
+        .collect()
+}
+
+fn buffer_bytes(buffer: &PyBuffer<u8>) -> &[u8] {
+    // SAFETY: the buffer is C-contiguous (checked on intake) and its export is held
+    // for as long as the returned slice is used, so the memory stays valid.
+    unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes()) }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_class::<MappedFile>()?;
+    m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
+    m.add("PAYLOAD_ALIGNMENT", crate::format::encode::PAYLOAD_ALIGNMENT)?;
+    Ok(())
+}
