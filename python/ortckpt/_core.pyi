@@ -1,0 +1,27 @@
+# Type stubs for the Rust extension module ortckpt._core.
+from typing import Any, Sequence
+
+CHECKPOINT_VERSION: int
+PAYLOAD_ALIGNMENT: int
+
+class MappedFile:
+    """A loaded checkpoint's bytes (private, copy-on-write mapping); supports the buffer protocol."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+# (name, ONNX type code, dims, values): values are a contiguous byte buffer, a list of str, or None (nominal).
+_TensorIn = tuple[str, int, Sequence[int], Any]
+
+def load(path: str) -> dict[str, Any]: ...
+def save(
+    path: str,
+    trainable: Sequence[_TensorIn],
+    frozen: Sequence[_TensorIn],
+    optimizer_groups: Sequence[tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]],
+    ints: Sequence[tuple[str, int]],
+    floats: Sequence[tuple[str, float]],
+    strings: Sequence[tuple[str, str]],
+    *,
+    nominal: bool = False,
+    durable: bool = False,
+) -> None: ...

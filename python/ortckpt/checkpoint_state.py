@@ -1,0 +1,448 @@
+"""The drop-in for ``onnxruntime.training.api.CheckpointState``.
+
+Mirrors ONNX Runtime's ``checkpoint_state.py``: the same classes, mapping
+behaviour, iteration and error messages, on ortckpt's Rust core. Loaded tensors
+are NumPy views over the file's private (copy-on-write) mapping: nothing is
+read until used, and writing into ``param.data`` changes the state, as in ONNX
+Runtime, without ever touching the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+from . import _core
+from . import dtypes as _dt
+from .dtypes import PackedInt4
+from .errors import CheckpointError, CheckpointStateError, UnsupportedDataTypeError
+
+PropertyValue = Union[int, float, str]
+TensorValue = Union[np.ndarray, PackedInt4]
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _Tensor:
+    """One tensor of a state: its type and shape, and where its values are.
+
+    Values are either in hand (an array, a PackedInt4 or an object array of str)
+    or, for a loaded tensor not yet used, a byte range of the loaded file.
+    """
+
+    __slots__ = ("name", "code", "dims", "_value", "_mapping", "_offset", "_nbytes")
+
+    def __init__(self, name: str, code: int, dims: tuple[int, ...], value: TensorValue | None = None) -> None:
+        self.name = name
+        self.code = code
+        self.dims = dims
+        self._value = value
+        self._mapping: Any = None
+        self._offset = 0
+        self._nbytes = 0
+
+    @classmethod
+    def from_file(cls, name: str, code: int, dims: tuple[int, ...], stored: Any, mapping: Any) -> _Tensor:
+        tensor = cls(name, code, tuple(dims))
+        if isinstance(stored, list):  # STRING: one str per element
+            tensor._value = np.array(stored, dtype=object).reshape(tensor.dims)
+        elif stored is not None:  # (offset, nbytes) in the mapping
+            tensor._mapping = mapping
+            tensor._offset, tensor._nbytes = stored
+        return tensor  # stored is None: nominal, no values
+
+    @classmethod
+    def from_value(cls, name: str, value: Any) -> _Tensor:
+        value = _intake(name, value)
+        shape = value.shape if isinstance(value, PackedInt4) else tuple(value.shape)
+        return cls(name, _dt.code_of(value), shape, value)
+
+    @property
+    def has_values(self) -> bool:
+        return self._value is not None or self._mapping is not None
+
+    def value(self) -> TensorValue:
+        """The values; a loaded tensor becomes a view over the mapping on first use."""
+        if self._value is None:
+            if self._mapping is None:
+                raise CheckpointError(
+                    f"Parameter {self.name} comes from a nominal checkpoint and has no data yet; "
+                    "assign its data first."
+                )
+            self._value = self._view()
+        return self._value
+
+    def _view(self) -> TensorValue:
+        if self.code in (_dt.INT4, _dt.UINT4):
+            packed = np.frombuffer(self._mapping, np.uint8, self._nbytes, self._offset)
+            return PackedInt4(packed, self.dims, self.code == _dt.INT4)
+        dtype = _dt.numpy_dtype(self.code)
+        if self._nbytes == 0:
+            return np.zeros(self.dims, dtype)
+        count = self._nbytes // dtype.itemsize
+        return np.frombuffer(self._mapping, dtype, count, self._offset).reshape(self.dims)
+
+    def assign(self, value: Any) -> None:
+        """Copies ``value`` in, as ONNX Runtime's ``copy_from``: same shape and dtype required."""
+        value = _intake(self.name, value)
+        code = _dt.code_of(value)
+        if code != self.code:
+            raise CheckpointStateError(
+                f"Parameter {self.name}: data type mismatch: expected {_dt.name_of(self.code)}, "
+                f"got {_dt.name_of(code)} ({_dtype_text(value)})"
+            )
+        shape = value.shape if isinstance(value, PackedInt4) else tuple(value.shape)
+        if not self.has_values:  # nominal: the first assignment defines the shape
+            self._value, self.dims = _owned_copy(value), shape
+            return
+        if shape != self.dims:
+            raise CheckpointStateError(
+                f"Parameter {self.name}: shape mismatch: expected {self.dims}, got {shape}"
+            )
+        current = self.value()
+        target = current.packed if isinstance(current, PackedInt4) else current
+        source = value.packed if isinstance(value, PackedInt4) else value
+        if target.flags.writeable:
+            np.copyto(target, source)
+        else:  # e.g. a read-only array handed to from_arrays: keep our own copy instead
+            self._value = _owned_copy(value)
+
+    def to_core(self, nominal: bool) -> tuple[str, int, tuple[int, ...], Any]:
+        """(name, code, dims, values) as ``_core.save`` takes them."""
+        if nominal:
+            return self.name, self.code, self.dims, None
+        value = self.value()
+        if self.code == _dt.STRING:
+            strings = [v.decode() if isinstance(v, bytes) else str(v) for v in np.asarray(value).reshape(-1)]
+            return self.name, self.code, self.dims, strings
+        array = value.packed if isinstance(value, PackedInt4) else value
+        return self.name, self.code, self.dims, _as_bytes(array)
+
+
+def _intake(name: str, value: Any) -> TensorValue:
+    """An array (or PackedInt4) of a type the format holds; int4 arrays are packed."""
+    if isinstance(value, PackedInt4):
+        return value
+    array = np.asarray(value)
+    try:
+        code = _dt.code_of(array)
+    except UnsupportedDataTypeError as e:
+        raise UnsupportedDataTypeError(f"tensor {name}: {e}") from None
+    if code in (_dt.INT4, _dt.UINT4):
+        return PackedInt4.pack(array)
+    return array
+
+
+def _owned_copy(value: TensorValue) -> TensorValue:
+    if isinstance(value, PackedInt4):
+        return PackedInt4(value.packed.copy(), value.shape, value.signed)
+    return np.array(value, copy=True)
+
+
+def _dtype_text(value: TensorValue) -> str:
+    return "packed int4" if isinstance(value, PackedInt4) else str(value.dtype)
+
+
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """A flat little-endian uint8 view of ``array``: no copy when it is contiguous and little-endian."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array.reshape(-1).view(np.uint8)
+
+
+class Parameter:
+    """A model parameter: its name, data, gradient and whether it is trained.
+
+    Returned by :class:`CheckpointState`; not meant to be built directly.
+    """
+
+    def __init__(self, tensor: _Tensor, requires_grad: bool) -> None:
+        self._tensor = tensor
+        self._requires_grad = requires_grad
+
+    @property
+    def name(self) -> str:
+        """The name of the parameter"""
+        return self._tensor.name
+
+    @property
+    def data(self) -> TensorValue:
+        """The data of the parameter: a NumPy view of the checkpoint's bytes (writable,
+        copy-on-write), or a :class:`PackedInt4` for UINT4/INT4 tensors."""
+        return self._tensor.value()
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        """Copies ``value`` into the parameter (same shape and dtype required)."""
+        self._tensor.assign(value)
+
+    @property
+    def grad(self) -> np.ndarray | None:
+        """The gradient of the parameter: always None, as no training session runs here."""
+        return None
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether or not the parameter requires its gradient to be computed"""
+        return self._requires_grad
+
+    @property
+    def data_type(self) -> str:
+        """ONNX's name for the element type (``"FLOAT"``, ``"BFLOAT16"``...)."""
+        return _dt.name_of(self._tensor.code)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape (for UINT4/INT4 too), available even for nominal checkpoints."""
+        return self._tensor.dims
+
+    def __repr__(self) -> str:
+        return f"Parameter(name={self.name}, requires_grad={self.requires_grad})"
+
+
+class Parameters:
+    """All model parameters, by name, like ONNX Runtime's ``Parameters``.
+
+    ``[name]`` gives a :class:`Parameter`, ``[name] = array`` copies values in,
+    ``in`` and ``len`` work, and iteration yields ``(name, Parameter)`` sorted by name.
+    """
+
+    def __init__(self, state: CheckpointState) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> Parameter:
+        if name not in self:
+            raise KeyError(f"Parameter {name} not found.")
+        return self._state._parameter(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if name not in self:
+            raise KeyError(f"Parameter {name} not found.")
+        self._state._tensors[name][0].assign(value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state._tensors
+
+    def __iter__(self) -> Iterator[tuple[str, Parameter]]:
+        for name in sorted(self._state._tensors):
+            yield name, self._state._parameter(name)
+
+    def __len__(self) -> int:
+        return len(self._state._tensors)
+
+    def __repr__(self) -> str:
+        return f"Parameters({sorted(self._state._tensors)})"
+
+
+class Properties:
+    """User properties (int, float, str) by name, like ONNX Runtime's ``Properties``.
+
+    As in ONNX Runtime, a bool is stored as an int and a float as float32.
+    """
+
+    def __init__(self, state: CheckpointState) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> PropertyValue:
+        if name not in self:
+            raise KeyError(f"Property {name} not found.")
+        return self._state._properties[name]
+
+    def __setitem__(self, name: str, value: PropertyValue) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"property names are str, got {type(name).__name__}")
+        self._state._properties[name] = _property_value(name, value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state._properties
+
+    def __iter__(self) -> Iterator[tuple[str, PropertyValue]]:
+        for name in sorted(self._state._properties):
+            yield name, self._state._properties[name]
+
+    def __len__(self) -> int:
+        return len(self._state._properties)
+
+    def __repr__(self) -> str:
+        return f"Properties({sorted(self._state._properties)})"
+
+
+def _property_value(name: str, value: Any) -> PropertyValue:
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        value = int(value)
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise OverflowError(f"Property {name}: {value} does not fit in int64")
+        return value
+    if isinstance(value, (float, np.floating)):
+        return float(np.float32(value))  # stored as float32, so read back as ONNX Runtime does
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"Property {name}: properties hold int, float or str, got {type(value).__name__}")
+
+
+@dataclass
+class OptimizerGroup:
+    """One optimizer parameter group (ONNX Runtime's AdamW and SGD use ``"group0"``).
+
+    ``momentums`` maps a parameter name to its momentums by name: AdamW keeps
+    ``momentum0`` (first moment) and ``momentum1`` (second moment), SGD ``momentum0``.
+    Only the *initial* learning rate is stored, as in ONNX Runtime.
+    """
+
+    step: int = 0
+    initial_learning_rate: float = 0.0
+    momentums: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class CheckpointState:
+    """The state of a training session: parameters, optimizer state and properties.
+
+    Create one with :meth:`load_checkpoint` or :meth:`from_arrays`.
+    """
+
+    def __init__(self) -> None:
+        # name -> (tensor, requires_grad); sorted on output, as ONNX Runtime does.
+        self._tensors: dict[str, tuple[_Tensor, bool]] = {}
+        self._properties: dict[str, PropertyValue] = {}
+        self._groups: dict[str, OptimizerGroup] = {}
+        # Optimizer groups of a loaded file, turned into arrays on first access.
+        self._pending_groups: list[Any] | None = None
+        self._mapping: Any = None
+        self._parameters = Parameters(self)
+        self._props_view = Properties(self)
+
+    def _parameter(self, name: str) -> Parameter:
+        tensor, requires_grad = self._tensors[name]
+        return Parameter(tensor, requires_grad)
+
+    @classmethod
+    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike[str]) -> CheckpointState:
+        """Loads the checkpoint state from the checkpoint file (complete or nominal).
+
+        The file is memory-mapped and verified; parameter data are views over it,
+        read from disk only when used.
+        """
+        raw = _core.load(os.fspath(checkpoint_uri))
+        state = cls()
+        state._mapping = mapping = raw["mapping"]
+        for requires_grad, key in ((True, "trainable"), (False, "frozen")):
+            for name, code, dims, stored in raw[key]:
+                state._tensors[name] = (_Tensor.from_file(name, code, dims, stored, mapping), requires_grad)
+        state._pending_groups = raw["optimizer_groups"]
+        # ONNX Runtime keeps one bag: for a repeated name the last entry read wins.
+        for key in ("ints", "floats", "strings"):
+            state._properties.update(raw[key])
+        return state
+
+    @classmethod
+    def save_checkpoint(
+        cls,
+        state: CheckpointState,
+        checkpoint_uri: str | os.PathLike[str],
+        include_optimizer_state: bool = False,
+    ) -> None:
+        """Saves the checkpoint state to the checkpoint file, atomically.
+
+        Args:
+            state: The checkpoint state object.
+            checkpoint_uri: The path to the checkpoint file.
+            include_optimizer_state: If True, the optimizer state is also saved to the checkpoint file.
+        """
+        if not isinstance(state, CheckpointState):
+            raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
+        nominal = state.is_nominal
+        trainable = [t.to_core(nominal) for t, grad in state._tensors.values() if grad]
+        frozen = [t.to_core(nominal) for t, grad in state._tensors.values() if not grad]
+        groups = state._groups_to_core() if include_optimizer_state else []
+        props = state._properties
+        _core.save(
+            os.fspath(checkpoint_uri),
+            trainable,
+            frozen,
+            groups,
+            [(k, v) for k, v in props.items() if isinstance(v, int)],
+            [(k, v) for k, v in props.items() if isinstance(v, float)],
+            [(k, v) for k, v in props.items() if isinstance(v, str)],
+            nominal=nominal,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        trainable: Mapping[str, Any],
+        frozen: Mapping[str, Any] | None = None,
+        properties: Mapping[str, PropertyValue] | None = None,
+    ) -> CheckpointState:
+        """A state from NumPy arrays, without a training session.
+
+        The arrays are referenced, not copied: saving writes them straight to the file.
+        """
+        state = cls()
+        for requires_grad, arrays in ((True, trainable), (False, frozen or {})):
+            for name, value in arrays.items():
+                if name in state._tensors:
+                    raise CheckpointStateError(f"Parameter {name} is given as both trainable and frozen.")
+                state._tensors[name] = (_Tensor.from_value(name, value), requires_grad)
+        for name, value in (properties or {}).items():
+            state.properties[name] = value
+        return state
+
+    @property
+    def parameters(self) -> Parameters:
+        """Returns the model parameters from the checkpoint state"""
+        return self._parameters
+
+    @property
+    def properties(self) -> Properties:
+        """Returns the properties from the checkpoint state"""
+        return self._props_view
+
+    @property
+    def optimizer_groups(self) -> dict[str, OptimizerGroup]:
+        """Optimizer state by group name; edit it, or assign a new dict."""
+        if self._pending_groups is not None:
+            pending, self._pending_groups = self._pending_groups, None
+            for group_name, step, lr, states in pending:
+                momentums = {
+                    param: {
+                        m: _Tensor.from_file(m, code, dims, stored, self._mapping).value()
+                        for m, code, dims, stored in moms
+                    }
+                    for param, moms in states
+                }
+                self._groups[group_name] = OptimizerGroup(step, lr, momentums)
+        return self._groups
+
+    @optimizer_groups.setter
+    def optimizer_groups(self, groups: Mapping[str, OptimizerGroup]) -> None:
+        self._pending_groups = None
+        self._groups = dict(groups)
+
+    @property
+    def is_nominal(self) -> bool:
+        """True while some parameter has no data (a nominal checkpoint not yet filled in)."""
+        return any(not t.has_values for t, _ in self._tensors.values())
+
+    def _groups_to_core(self) -> list[Any]:
+        out = []
+        for group_name, group in self.optimizer_groups.items():
+            if not isinstance(group, OptimizerGroup):
+                raise TypeError(f"optimizer group {group_name}: expected OptimizerGroup, got {type(group).__name__}")
+            states = [
+                (param, [_Tensor.from_value(m, v).to_core(False) for m, v in moms.items()])
+                for param, moms in group.momentums.items()
+            ]
+            out.append((group_name, int(group.step), float(group.initial_learning_rate), states))
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointState(parameters={len(self._tensors)}, properties={len(self._properties)}, "
+            f"optimizer_groups={sorted(self.optimizer_groups)})"
+        )
