@@ -9,6 +9,7 @@ use flatbuffers::{ForwardsUOffset, Vector, VerifierOptions};
 
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor};
+use super::verify::verify_checkpoint;
 use super::{Role, CHECKPOINT_VERSION, FILE_IDENTIFIER};
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
@@ -36,11 +37,15 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
             FILE_IDENTIFIER
         )));
     }
-    let root = fbs::root_as_checkpoint_with_opts(&verifier_options(buf.len()), buf).map_err(|e| {
+    verify_checkpoint(&verifier_options(buf.len()), buf).map_err(|e| {
         // The verifier's message carries a multi-line trace; its first line says what failed.
         let first = e.to_string().lines().next().unwrap_or_default().to_owned();
         Error::malformed(format!("checkpoint verification failed: {first}"))
     })?;
+    // SAFETY: verify_checkpoint checked every table, vector and string reachable from
+    // the root, as the generated verifier would (int64 vectors only 4-byte aligned,
+    // which is sound because flatbuffers reads scalars with unaligned copies).
+    let root = unsafe { fbs::root_as_checkpoint_unchecked(buf) };
     if root.version() != CHECKPOINT_VERSION {
         return Err(Error::malformed(format!(
             "checkpoint version {} is not supported (expected {CHECKPOINT_VERSION})",

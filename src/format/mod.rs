@@ -5,6 +5,7 @@ pub mod dtype;
 pub mod encode;
 pub mod endian;
 pub mod model;
+mod verify;
 
 pub use decode::decode;
 pub use dtype::DataType;
