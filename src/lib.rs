@@ -56,6 +56,16 @@ pub struct LoadedCheckpoint {
     checkpoint: Checkpoint<Stored>,
 }
 
+impl std::fmt::Debug for LoadedCheckpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedCheckpoint")
+            .field("path", &self.path)
+            .field("len", &self.map.len())
+            .field("checkpoint", &self.checkpoint)
+            .finish()
+    }
+}
+
 impl LoadedCheckpoint {
     pub fn checkpoint(&self) -> &Checkpoint<Stored> {
         &self.checkpoint

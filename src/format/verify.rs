@@ -173,12 +173,4 @@ mod tests {
         assert!(matches!(generated, InvalidFlatbuffer::Unaligned { .. }), "{generated}");
         verify_checkpoint(&VerifierOptions::default(), &buf).unwrap();
     }
-
-    #[test]
-    fn every_truncation_fails_verification() {
-        let buf = ort_nominal_file();
-        for cut in 0..buf.len() {
-            assert!(verify_checkpoint(&VerifierOptions::default(), &buf[..cut]).is_err(), "cut at {cut}");
-        }
-    }
 }
