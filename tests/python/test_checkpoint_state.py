@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import GOLDEN, sha256
+from goldens import GOLDEN, sha256
 import ortckpt
 from ortckpt import (
     CheckpointError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import golden_checkpoints, load_json, sha256
+from goldens import golden_checkpoints, load_json, sha256
 from ortckpt import CheckpointState, PackedInt4
 
 

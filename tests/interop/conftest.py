@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def ort():
+    """Runs ort_helper.py under ONNX Runtime's own interpreter and returns its JSON."""
+    python = os.environ.get("ORTCKPT_ORT_PYTHON")
+    if not python or not Path(python).exists():
+        pytest.fail(
+            "the interop tests need ONNX Runtime's virtualenv: set ORTCKPT_ORT_PYTHON to its python "
+            "(`make test` builds .venv-ort and sets it)"
+        )
+
+    def run(*args) -> dict:
+        done = subprocess.run(
+            [python, str(HERE / "ort_helper.py"), *map(str, args)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"ONNX Runtime failed on {args}:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run

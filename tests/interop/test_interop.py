@@ -1,0 +1,147 @@
+"""Files ortckpt writes load in the real ONNX Runtime 1.19.2, and the other way round.
+
+ONNX Runtime runs in its own virtualenv (tests/interop/ort_helper.py, through the `ort` fixture).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortckpt import CheckpointState, OptimizerGroup
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "ort-vectors"
+
+# Every dtype ONNX Runtime 1.19.2 can load into a CheckpointState.
+ORT_LOADABLE = [np.float32, np.float64, np.bool_, np.int8, np.int16, np.int32, np.int64,
+                np.uint8, np.uint16, np.uint32, np.uint64]  # fmt: skip
+
+
+def sha256(array) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+@pytest.fixture
+def rich_state() -> CheckpointState:
+    """Parameters of every ORT-loadable dtype and several shapes, AdamW state, properties."""
+    rng = np.random.default_rng(42)
+    shapes = [(3, 4), (), (0,), (2, 1, 3, 1, 2), (17,)]
+    trainable, frozen = {}, {}
+    for i, dtype in enumerate(ORT_LOADABLE):
+        array = (rng.integers(0, 2, shapes[i % len(shapes)]) if dtype == np.bool_ else
+                 rng.integers(-100, 100, shapes[i % len(shapes)]) % 100).astype(dtype)  # fmt: skip
+        (trainable if i % 3 else frozen)[f"layer{i}.{np.dtype(dtype).name}"] = array
+    trainable["fc.weight"] = rng.standard_normal((64, 32)).astype(np.float32)
+    state = CheckpointState.from_arrays(
+        trainable, frozen, {"epoch": 7, "best_accuracy": 0.875, "run": "interop ünïcødé", "flag": True}
+    )
+    float_params = {n: a for n, a in trainable.items() if a.dtype in (np.float32, np.float64)}
+    state.optimizer_groups["group0"] = OptimizerGroup(
+        step=12,
+        initial_learning_rate=3e-4,
+        momentums={n: {"momentum0": a * 0.5, "momentum1": a * a} for n, a in float_params.items()},
+    )
+    return state
+
+
+def expected_view(state: CheckpointState) -> dict:
+    params = []
+    for name, p in state.parameters:
+        params.append({"name": name, "requires_grad": p.requires_grad, "dtype": str(p.data.dtype),
+                       "shape": list(p.data.shape), "sha256": sha256(p.data)})  # fmt: skip
+    return {"parameter_names": [n for n, _ in state.parameters], "parameters": params,
+            "properties": dict(state.properties)}  # fmt: skip
+
+
+def assert_same_state(a: CheckpointState, b: CheckpointState, with_optimizer: bool = True) -> None:
+    assert expected_view(a) == expected_view(b)
+    if not with_optimizer:
+        return
+    ga, gb = a.optimizer_groups, b.optimizer_groups
+    assert sorted(ga) == sorted(gb)
+    for name in ga:
+        assert ga[name].step == gb[name].step
+        # The file holds float32; a group built in Python may still hold the float64 it was given.
+        assert np.float32(ga[name].initial_learning_rate) == np.float32(gb[name].initial_learning_rate)
+        assert sorted(ga[name].momentums) == sorted(gb[name].momentums)
+        for param, moms in ga[name].momentums.items():
+            assert sorted(moms) == sorted(gb[name].momentums[param])
+            for m, value in moms.items():
+                other = gb[name].momentums[param][m]
+                assert (value.dtype, value.shape, sha256(value)) == (other.dtype, other.shape, sha256(other))
+
+
+def test_a_file_ortckpt_writes_loads_in_onnx_runtime_identically(ort, rich_state, tmp_path):
+    path = tmp_path / "ours.ckpt"
+    CheckpointState.save_checkpoint(rich_state, path, include_optimizer_state=True)
+    assert ort("describe", path) == expected_view(rich_state)
+
+
+def test_onnx_runtime_resaving_our_file_keeps_every_byte(ort, rich_state, tmp_path):
+    ours, theirs = tmp_path / "ours.ckpt", tmp_path / "theirs.ckpt"
+    CheckpointState.save_checkpoint(rich_state, ours, include_optimizer_state=True)
+    ort("resave", ours, theirs)
+    assert_same_state(CheckpointState.load_checkpoint(theirs), rich_state)
+    # Without optimizer state, ONNX Runtime drops the groups, as ortckpt does.
+    ort("resave", ours, tmp_path / "no_opt.ckpt", "--no-optimizer")
+    assert CheckpointState.load_checkpoint(tmp_path / "no_opt.ckpt").optimizer_groups == {}
+
+
+@pytest.mark.parametrize(
+    "name", ["trained_with_optimizer.ckpt", "trained_no_optimizer.ckpt", "protos.ckpt", "protos_properties.ckpt"]
+)
+def test_files_onnx_runtime_writes_load_identically_in_ortckpt(ort, name, tmp_path):
+    # ONNX Runtime re-saves its own file; ortckpt must read what ONNX Runtime reads.
+    fresh = tmp_path / "fresh.ckpt"
+    ort("resave", GOLDEN / name, fresh)
+    state = CheckpointState.load_checkpoint(fresh)
+    assert ort("describe", fresh) == expected_view(state)
+    assert_same_state(state, CheckpointState.load_checkpoint(GOLDEN / name))
+
+
+def test_nominal_files_written_by_ortckpt_load_in_onnx_runtime(ort, tmp_path):
+    state = CheckpointState.load_checkpoint(GOLDEN / "protos_nominal.ckpt")
+    CheckpointState.save_checkpoint(state, tmp_path / "nominal.ckpt")
+    seen = ort("describe", tmp_path / "nominal.ckpt")
+    assert seen["parameter_names"] == [n for n, _ in state.parameters]
+    assert all("nominal" in p["error"] for p in seen["parameters"])
+
+
+def test_training_resumes_in_onnx_runtime_from_an_ortckpt_file(ort, tmp_path):
+    """Module + Optimizer step from our copy of a trained state: bit-identical to ONNX Runtime's own file."""
+    artifacts = GOLDEN / "artifacts"
+    ours = tmp_path / "ours.ckpt"
+    state = CheckpointState.load_checkpoint(GOLDEN / "trained_with_optimizer.ckpt")
+    CheckpointState.save_checkpoint(state, ours, include_optimizer_state=True)
+    from_ours = ort("train", ours, artifacts, tmp_path / "after_ours.ckpt")
+    from_theirs = ort("train", GOLDEN / "trained_with_optimizer.ckpt", artifacts, tmp_path / "after_theirs.ckpt")
+    assert from_ours["loss"] == from_theirs["loss"] and np.isfinite(from_ours["loss"])
+    after_ours = CheckpointState.load_checkpoint(tmp_path / "after_ours.ckpt")
+    after_theirs = CheckpointState.load_checkpoint(tmp_path / "after_theirs.ckpt")
+    assert_same_state(after_ours, after_theirs)
+    assert after_ours.optimizer_groups["group0"].step == 4  # one more AdamW step than the file held
+    moved = after_ours.parameters["0.weight"].data
+    assert not np.array_equal(moved, state.parameters["0.weight"].data)
+
+
+def test_training_starts_from_a_state_built_with_from_arrays(ort, tmp_path):
+    """A fresh AdamW state made in Python (no ONNX Runtime) trains in ONNX Runtime."""
+    initial = CheckpointState.load_checkpoint(GOLDEN / "artifacts" / "checkpoint")
+    trainable = {n: p.data.copy() for n, p in initial.parameters if p.requires_grad}
+    frozen = {n: p.data.copy() for n, p in initial.parameters if not p.requires_grad}
+    state = CheckpointState.from_arrays(trainable, frozen, {"epoch": 0})
+    state.optimizer_groups["group0"] = OptimizerGroup(
+        step=0, initial_learning_rate=0.01,
+        momentums={n: {"momentum0": np.zeros_like(a), "momentum1": np.zeros_like(a)} for n, a in trainable.items()},
+    )  # fmt: skip
+    CheckpointState.save_checkpoint(state, tmp_path / "start.ckpt", include_optimizer_state=True)
+    result = ort("train", tmp_path / "start.ckpt", GOLDEN / "artifacts", tmp_path / "after.ckpt")
+    assert np.isfinite(result["loss"])
+    after = CheckpointState.load_checkpoint(tmp_path / "after.ckpt")
+    assert after.optimizer_groups["group0"].step == 1
+    assert after.properties["epoch"] == 0
+    assert not np.array_equal(after.parameters["0.weight"].data, trainable["0.weight"])
+    np.testing.assert_array_equal(after.parameters["2.bias"].data, frozen["2.bias"])  # frozen stays

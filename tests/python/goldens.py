@@ -1,0 +1,27 @@
+"""Golden files and hashing helpers shared by the pytest modules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+GOLDEN = DATA / "ort-vectors"
+
+
+def golden_checkpoints() -> list[Path]:
+    """Every checkpoint ONNX Runtime wrote for us (each has a .json beside it)."""
+    files = sorted(p for p in GOLDEN.rglob("*") if p.is_file() and p.suffix not in (".json", ".md", ".onnx"))
+    assert len(files) == 25, files
+    return files
+
+
+def sha256(data) -> str:
+    return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(f"{path}.json").read_text())
