@@ -36,6 +36,7 @@ class _Tensor:
     __slots__ = ("name", "code", "dims", "_value", "_mapping", "_offset", "_nbytes")
 
     def __init__(self, name: str, code: int, dims: tuple[int, ...], value: TensorValue | None = None) -> None:
+        # No value and no mapping: a tensor of a nominal checkpoint.
         self.name = name
         self.code = code
         self.dims = dims
@@ -60,18 +61,9 @@ class _Tensor:
         shape = value.shape if isinstance(value, PackedInt4) else tuple(value.shape)
         return cls(name, _dt.code_of(value), shape, value)
 
-    @property
-    def has_values(self) -> bool:
-        return self._value is not None or self._mapping is not None
-
     def value(self) -> TensorValue:
         """The values; a loaded tensor becomes a view over the mapping on first use."""
         if self._value is None:
-            if self._mapping is None:
-                raise CheckpointError(
-                    f"Parameter {self.name} comes from a nominal checkpoint and has no data yet; "
-                    "assign its data first."
-                )
             self._value = self._view()
         return self._value
 
@@ -95,9 +87,6 @@ class _Tensor:
                 f"got {_dt.name_of(code)} ({_dtype_text(value)})"
             )
         shape = value.shape if isinstance(value, PackedInt4) else tuple(value.shape)
-        if not self.has_values:  # nominal: the first assignment defines the shape
-            self._value, self.dims = _owned_copy(value), shape
-            return
         if shape != self.dims:
             raise CheckpointStateError(
                 f"Parameter {self.name}: shape mismatch: expected {self.dims}, got {shape}"
@@ -197,7 +186,7 @@ class Parameter:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical shape (for UINT4/INT4 too), available even for nominal checkpoints."""
+        """The logical shape (for UINT4/INT4 too, whose ``data`` is packed)."""
         return self._tensor.dims
 
     def __repr__(self) -> str:
@@ -217,19 +206,31 @@ class Parameters:
     def __getitem__(self, name: str) -> Parameter:
         if name not in self:
             raise KeyError(f"Parameter {name} not found.")
+        if self._state.is_nominal:
+            raise CheckpointError(
+                f"Cannot get parameter {name} from a nominal state. Please load the parameter states first."
+            )
         return self._state._parameter(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
         if name not in self:
             raise KeyError(f"Parameter {name} not found.")
+        if self._state.is_nominal:
+            raise CheckpointError(
+                f"Cannot set parameter {name} of a nominal state. Please load all the parameter states first."
+            )
         self._state._tensors[name][0].assign(value)
+
+    def names(self) -> list[str]:
+        """The parameter names, sorted; unlike iteration, this works on nominal states too."""
+        return sorted(self._state._tensors)
 
     def __contains__(self, name: object) -> bool:
         return name in self._state._tensors
 
     def __iter__(self) -> Iterator[tuple[str, Parameter]]:
         for name in sorted(self._state._tensors):
-            yield name, self._state._parameter(name)
+            yield name, self[name]
 
     def __len__(self) -> int:
         return len(self._state._tensors)
@@ -314,6 +315,7 @@ class CheckpointState:
         # Optimizer groups of a loaded file, turned into arrays on first access.
         self._pending_groups: list[Any] | None = None
         self._mapping: Any = None
+        self._nominal = False
         self._parameters = Parameters(self)
         self._props_view = Properties(self)
 
@@ -331,6 +333,7 @@ class CheckpointState:
         raw = _core.load(os.fspath(checkpoint_uri))
         state = cls()
         state._mapping = mapping = raw["mapping"]
+        state._nominal = raw["nominal"]
         for requires_grad, key in ((True, "trainable"), (False, "frozen")):
             for name, code, dims, stored in raw[key]:
                 state._tensors[name] = (_Tensor.from_file(name, code, dims, stored, mapping), requires_grad)
@@ -426,8 +429,11 @@ class CheckpointState:
 
     @property
     def is_nominal(self) -> bool:
-        """True while some parameter has no data (a nominal checkpoint not yet filled in)."""
-        return any(not t.has_values for t, _ in self._tensors.values())
+        """True for a nominal checkpoint: parameter names and types, no values.
+
+        As in ONNX Runtime, its parameters cannot be read or set; saving it writes a nominal checkpoint.
+        """
+        return self._nominal
 
     def _groups_to_core(self) -> list[Any]:
         out = []

@@ -106,7 +106,7 @@ def test_nominal_files_written_by_ortckpt_load_in_onnx_runtime(ort, tmp_path):
     state = CheckpointState.load_checkpoint(GOLDEN / "protos_nominal.ckpt")
     CheckpointState.save_checkpoint(state, tmp_path / "nominal.ckpt")
     seen = ort("describe", tmp_path / "nominal.ckpt")
-    assert seen["parameter_names"] == [n for n, _ in state.parameters]
+    assert seen["parameter_names"] == state.parameters.names()
     assert all("nominal" in p["error"] for p in seen["parameters"])
 
 

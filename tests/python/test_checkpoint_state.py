@@ -317,26 +317,64 @@ def test_golden_int4_file_unpacks(tmp_path):
 # --- nominal checkpoints ---------------------------------------------------------------------
 
 
-def test_nominal_checkpoints(tmp_path):
+def test_nominal_checkpoints_behave_like_onnx_runtimes(tmp_path):
     state = CheckpointState.load_checkpoint(GOLDEN / "protos_nominal.ckpt")
     assert state.is_nominal
-    assert [n for n, _ in state.parameters] == ["encoder.bias", "encoder.weight", "mask", "position_ids", "scale"]
-    assert state.parameters["mask"].requires_grad is False
-    with pytest.raises(CheckpointError, match="nominal checkpoint and has no data"):
-        state.parameters["scale"].data
-    # Saved while nominal: still nominal, names and types kept.
+    assert len(state.parameters) == 5 and "scale" in state.parameters
+    assert state.parameters.names() == ["encoder.bias", "encoder.weight", "mask", "position_ids", "scale"]
+    with pytest.raises(CheckpointError, match="Please load the parameter states first"):
+        state.parameters["scale"]
+    with pytest.raises(CheckpointError, match="Please load the parameter states first"):
+        list(state.parameters)
+    with pytest.raises(CheckpointError, match="Please load all the parameter states first"):
+        state.parameters["scale"] = np.ones((10, 10), np.float64)
+    with pytest.raises(KeyError, match="Parameter nope not found."):
+        state.parameters["nope"]
+    # Saved as it is: still nominal, names and types kept; properties can be added.
+    state.properties["epoch"] = 1
     CheckpointState.save_checkpoint(state, tmp_path / "nominal")
     again = CheckpointState.load_checkpoint(tmp_path / "nominal")
-    assert again.is_nominal and again.parameters["scale"].data_type == "DOUBLE"
-    # Fill every parameter in: now a complete checkpoint.
-    full = CheckpointState.load_checkpoint(GOLDEN / "protos.ckpt")
-    for name, param in full.parameters:
-        state.parameters[name] = param.data
-    assert not state.is_nominal
-    CheckpointState.save_checkpoint(state, tmp_path / "full")
-    filled = CheckpointState.load_checkpoint(tmp_path / "full")
-    for name, param in full.parameters:
-        assert sha256(filled.parameters[name].data) == sha256(param.data)
+    assert again.is_nominal and again.parameters.names() == state.parameters.names()
+    assert again.properties["epoch"] == 1
+    assert (tmp_path / "nominal").stat().st_size < 1024  # no values written
+
+
+# --- ONNX Runtime's own checkpoint tests, behaviour by behaviour ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "value", [-1, 0, 1, 1234567890, -1.0, -0.1, 0.1, 1.0, 1234.0, "hello", "world", "onnxruntime"]
+)
+def test_add_get_property_and_save_over_the_same_file(value, tmp_path):
+    path = tmp_path / "checkpoint"
+    shutil.copy(GOLDEN / "artifacts" / "checkpoint", path)
+    state = CheckpointState.load_checkpoint(path)
+    if isinstance(value, float):
+        value = float(np.float32(value))  # properties hold float32
+    assert len(state.properties) == 0
+    state.properties["property"] = value
+    assert "property" in state.properties and state.properties["property"] == value
+    assert len(state.properties) == 1
+    CheckpointState.save_checkpoint(state, path)
+    new_state = CheckpointState.load_checkpoint(path)
+    assert "property" in new_state.properties and new_state.properties["property"] == value
+    assert len(new_state.properties) == 1
+
+
+def test_get_and_set_parameter_values():
+    state = CheckpointState.load_checkpoint(GOLDEN / "artifacts" / "checkpoint")
+    expected = {"0.weight": True, "0.bias": True, "2.weight": True, "2.bias": False}
+    assert len(state.parameters) == len(expected)
+    for name, param in state.parameters:
+        assert name in expected and param.name == name
+        assert param.requires_grad is expected[name]
+        assert param.grad is None
+    original = state.parameters["2.bias"].data
+    saved = original.copy()
+    state.parameters["2.bias"].data = np.ones_like(original, dtype=np.float32)
+    assert np.allclose(state.parameters["2.bias"].data, 1.0)
+    state.parameters["2.bias"] = saved
+    assert np.allclose(state.parameters["2.bias"].data, saved)
 
 
 # --- errors on bad files ------------------------------------------------------------------------

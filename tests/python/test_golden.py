@@ -20,15 +20,15 @@ def test_golden_file_matches_its_json(path):
     assert state.is_nominal == expected["is_nominal_state"]
 
     want = {p["name"]: p for p in expected["parameters"]}
-    assert sorted(want) == [name for name, _ in state.parameters]
+    assert state.parameters.names() == sorted(want)
+    if state.is_nominal:  # names only: as in ONNX Runtime, the parameters cannot be read
+        return
     for name, param in state.parameters:
         w = want[name]
         assert param.name == name
         assert param.requires_grad == w["requires_grad"]
         assert param.data_type == w["dtype"]
         assert list(param.shape) == (w["dims"])
-        if state.is_nominal:
-            continue
         data = _bytes_of(param.data)
         assert data.nbytes == w["nbytes"]
         assert sha256(data) == w["sha256"]
