@@ -419,6 +419,39 @@ def test_wrong_version_and_bad_dims(trained_path, tmp_path):
         CheckpointState.load_checkpoint(bad)
 
 
+def _patch_dims_of_0_bias(trained_path, tmp_path, new_dims: int) -> pathlib.Path:
+    """Rewrites the first dims vector [16] in the file: 0.bias or one of its momentums."""
+    data = trained_path.read_bytes()
+    pattern = (1).to_bytes(4, "little") + (16).to_bytes(8, "little")
+    at = data.index(pattern)
+    bad = tmp_path / "bad_dims.ckpt"
+    bad.write_bytes(data[:at] + (1).to_bytes(4, "little") + new_dims.to_bytes(8, "little", signed=True) + data[at + 12 :])
+    return bad
+
+
+@pytest.mark.parametrize(
+    "dims, message",
+    [
+        (17, r"raw_data holds 64 bytes but dims \[17\] of FLOAT need 68"),
+        (-16, r"negative dimension -16"),
+        (2**62, r"overflow the byte length"),
+    ],
+)
+def test_dims_that_disagree_with_the_data(dims, message, trained_path, tmp_path):
+    bad = _patch_dims_of_0_bias(trained_path, tmp_path, dims)
+    with pytest.raises(CheckpointFormatError, match=message) as e:
+        CheckpointState.load_checkpoint(bad)
+    assert e.value.tensor in ("0.bias", "group0/0.bias/momentum0", "group0/0.bias/momentum1")
+    assert e.value.filename == str(bad)
+    assert f"{bad}: tensor '{e.value.tensor}': " in str(e.value)
+
+
+def test_unknown_data_type_codes_are_refused_on_save(tmp_path):
+    with pytest.raises(UnsupportedDataTypeError, match="tensor 'w': unsupported tensor data type 99") as e:
+        _core.save(str(tmp_path / "c"), [("w", 99, [2], b"\0" * 8)], [], [], [], [], [])
+    assert e.value.tensor == "w" and not (tmp_path / "c").exists()
+
+
 # --- the GIL -----------------------------------------------------------------------------------
 
 
