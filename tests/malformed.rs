@@ -9,7 +9,10 @@ use ortckpt::{load, save, ErrorKind, SaveOptions};
 fn malformed_message(buf: &[u8]) -> String {
     match decode(buf) {
         Err(e) => match e.kind() {
-            ErrorKind::Malformed(m) => format!("{}", if let Some(t) = e.tensor() { format!("{t}: {m}") } else { m.clone() }),
+            ErrorKind::Malformed(m) => match e.tensor() {
+                Some(t) => format!("{t}: {m}"),
+                None => m.clone(),
+            },
             other => panic!("expected Malformed, got {other:?}"),
         },
         Ok(_) => panic!("decoded a malformed buffer"),

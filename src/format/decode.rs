@@ -3,14 +3,12 @@
 //! Nothing here copies tensor values; the result holds offsets into the
 //! caller's buffer (the mapped file), so decoding costs O(metadata).
 
-use std::collections::HashSet;
-
 use flatbuffers::{ForwardsUOffset, Vector, VerifierOptions};
 
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor};
 use super::verify::verify_checkpoint;
-use super::{Role, CHECKPOINT_VERSION, FILE_IDENTIFIER};
+use super::{first_duplicate, Role, CHECKPOINT_VERSION, FILE_IDENTIFIER};
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
 
@@ -236,11 +234,8 @@ fn properties(bag: fbs::PropertyBag<'_>) -> Result<PropertyBag> {
 }
 
 fn reject_duplicates<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
-    let mut seen = HashSet::new();
-    for name in names {
-        if !seen.insert(name) {
-            return Err(Error::malformed(format!("duplicate {what} name '{name}'")));
-        }
+    match first_duplicate(names) {
+        Some(name) => Err(Error::malformed(format!("duplicate {what} name '{name}'"))),
+        None => Ok(()),
     }
-    Ok(())
 }

@@ -10,7 +10,6 @@
 //! All tensor values are reserved first, so they sit together at the end of the
 //! file and the metadata together at its start: opening touches only the first pages.
 
-use std::collections::HashSet;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
@@ -19,7 +18,7 @@ use memmap2::MmapMut;
 
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, Payload, Tensor};
-use super::CHECKPOINT_VERSION;
+use super::{first_duplicate, CHECKPOINT_VERSION};
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
 
@@ -331,13 +330,10 @@ fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
 }
 
 fn unique<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
-    let mut seen = HashSet::new();
-    for name in names {
-        if !seen.insert(name) {
-            return Err(Error::invalid_state(format!("duplicate {what} name '{name}'")));
-        }
+    match first_duplicate(names) {
+        Some(name) => Err(Error::invalid_state(format!("duplicate {what} name '{name}'"))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn too_large(len: u64) -> Error {
