@@ -21,6 +21,9 @@
 //! # Ok::<(), ortckpt::Error>(())
 //! ```
 //!
+//! Checkpoints whose values exceed a threshold (1800 MiB by default, as in ONNX
+//! Runtime) keep them in an external data file, `<checkpoint>.data`.
+//!
 //! Layout: [`format`] turns bytes into a [`format::Checkpoint`] and back without
 //! touching the filesystem; [`io`] maps and atomically writes files; the
 //! `python` feature adds the PyO3 extension module.
@@ -34,25 +37,52 @@ pub mod io;
 #[cfg(feature = "python")]
 mod python;
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use memmap2::MmapMut;
 
 pub use error::{Error, ErrorKind, Result};
-use format::{Checkpoint, Payload, Stored, Tensor};
+use format::{Checkpoint, Payload, Placement, Stored, Tensor};
+
+/// ONNX Runtime's default: above this many bytes of values, a checkpoint uses external data.
+pub const DEFAULT_EXTERNAL_DATA_THRESHOLD: u64 = 1800 << 20;
 
 /// Options for [`save`].
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SaveOptions {
-    /// fsync the file and its directory before returning (survives power loss, costs time).
+    /// fsync the files and their directory before returning (survives power loss, costs time).
     pub durable: bool,
+    /// Values totalling more than this go to `<path>.data` (0: always, when there are any).
+    pub external_data_threshold: u64,
+    /// Threads writing the external data file.
+    pub threads: usize,
 }
 
-/// A checkpoint opened by [`load`]: the decoded metadata and the private mapping
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            durable: false,
+            external_data_threshold: DEFAULT_EXTERNAL_DATA_THRESHOLD,
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+        }
+    }
+}
+
+/// The external data file of a checkpoint: `<path>.data`, as ONNX Runtime names it.
+pub fn external_data_path(path: &Path) -> PathBuf {
+    let mut name = OsString::from(path.as_os_str());
+    name.push(".data");
+    PathBuf::from(name)
+}
+
+/// A checkpoint opened by [`load`]: the decoded metadata and the private mappings
 /// its tensor bytes live in.
 pub struct LoadedCheckpoint {
     path: PathBuf,
     map: MmapMut,
+    /// The external data file's mapping (None when there is none, or it is empty).
+    data: Option<MmapMut>,
     checkpoint: Checkpoint<Stored>,
 }
 
@@ -61,6 +91,7 @@ impl std::fmt::Debug for LoadedCheckpoint {
         f.debug_struct("LoadedCheckpoint")
             .field("path", &self.path)
             .field("len", &self.map.len())
+            .field("data_len", &self.data.as_ref().map_or(0, |d| d.len()))
             .field("checkpoint", &self.checkpoint)
             .finish()
     }
@@ -80,19 +111,22 @@ impl LoadedCheckpoint {
     /// # Errors
     /// STRING tensors and nominal tensors have no bytes.
     pub fn bytes(&self, tensor: &Tensor<Stored>) -> Result<&[u8]> {
+        let outside = || Error::malformed("tensor bytes lie outside the file");
         match tensor.data {
-            Stored::Inline { offset, len } => self
-                .map
-                .get(offset..offset + len)
-                .ok_or_else(|| Error::malformed("tensor bytes lie outside the file")),
-            Stored::External { .. } | Stored::Strings(_) | Stored::Absent => Err(Error::invalid_state(
-                "tensor has no inline bytes (strings or nominal values)",
-            )),
+            Stored::Inline { offset, len } => self.map.get(offset..offset + len).ok_or_else(outside),
+            Stored::External { offset, len } => {
+                let data: &[u8] = self.data.as_deref().unwrap_or_default();
+                // In range: load() checked every external range against the file's size.
+                data.get(offset as usize..(offset + len) as usize).ok_or_else(outside)
+            }
+            Stored::Strings(_) | Stored::Absent => {
+                Err(Error::invalid_state("tensor has no bytes (strings or nominal values)"))
+            }
         }
         .map_err(|e| e.in_tensor(&tensor.name).in_file(&self.path))
     }
 
-    /// The checkpoint with every tensor's values borrowed from the mapping,
+    /// The checkpoint with every tensor's values borrowed from the mappings,
     /// ready to be saved elsewhere.
     pub fn as_payloads(&self) -> Result<Checkpoint<Payload<'_>>> {
         self.checkpoint.try_map_data(|t| match &t.data {
@@ -102,34 +136,56 @@ impl LoadedCheckpoint {
         })
     }
 
-    /// The mapping and the metadata, for callers (the Python layer) that hand out views.
-    pub fn into_parts(self) -> (MmapMut, Checkpoint<Stored>) {
-        (self.map, self.checkpoint)
+    /// The mappings (checkpoint, external data) and the metadata, for callers
+    /// (the Python layer) that hand out views.
+    pub fn into_parts(self) -> (MmapMut, Option<MmapMut>, Checkpoint<Stored>) {
+        (self.map, self.data, self.checkpoint)
     }
 }
 
-/// Maps and verifies the checkpoint at `path`; tensor bytes are not read until used.
+/// Maps and verifies the checkpoint at `path` (and `<path>.data` when it has
+/// external data); tensor bytes are not read until used.
 ///
 /// # Errors
-/// OS errors (missing file...), malformed files and unsupported data types, each
-/// naming the file and, where there is one, the tensor.
+/// OS errors (missing file or data file...), malformed files, external ranges
+/// beyond the data file, unsupported data types: each naming the file and, where
+/// there is one, the tensor.
 pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     format::endian::ensure_host_little_endian()?;
     let map = io::map_private(path, 8, |len| {
         Error::malformed(format!("file is too short to be a checkpoint ({len} bytes)"))
     })?;
     let checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
-    if checkpoint.has_external_data {
-        return Err(Error::invalid_state(
-            "checkpoints with external data (<checkpoint>.data) are not supported by this version",
-        )
-        .in_file(path));
+    let data = if checkpoint.has_external_data {
+        let data_path = external_data_path(path);
+        let (data, len) = io::map_private_any(&data_path)?;
+        check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
+        data
+    } else {
+        None
+    };
+    Ok(LoadedCheckpoint { path: path.to_path_buf(), map, data, checkpoint })
+}
+
+/// Every external tensor must lie inside the data file, before any view exists.
+fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()> {
+    for t in ckpt.tensors() {
+        if let Stored::External { offset, len } = t.data {
+            if offset.checked_add(len).is_none_or(|end| end > data_len) {
+                return Err(Error::malformed(format!(
+                    "external data at offset {offset}, {len} bytes long, lies beyond the end of the \
+                     data file ({data_len} bytes)"
+                ))
+                .in_tensor(&t.name));
+            }
+        }
     }
-    Ok(LoadedCheckpoint { path: path.to_path_buf(), map, checkpoint })
+    Ok(())
 }
 
 /// Writes `ckpt` to `path` the way ONNX Runtime's state-path saver does (sorted
 /// by name; `ckpt` is sorted in place), replacing any previous file atomically.
+/// Above `options.external_data_threshold` bytes of values, they go to `<path>.data`.
 ///
 /// # Errors
 /// Invalid states (bytes that disagree with dims, duplicate names) and OS errors,
@@ -137,6 +193,30 @@ pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
 pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
     format::endian::ensure_host_little_endian()?;
     ckpt.sort_like_ort_state_path();
-    let encoded = format::encode(ckpt).map_err(|e| e.in_file(path))?;
-    io::replace_atomically(path, options.durable, |file| io::write_segments(file, &encoded.segments()))
+    let values: u64 = ckpt
+        .tensors()
+        .map(|t| match t.data {
+            Payload::Bytes(b) => b.len() as u64,
+            _ => 0,
+        })
+        .sum();
+    let placement = if values > options.external_data_threshold { Placement::External } else { Placement::Inline };
+    let encoded = format::encode(ckpt, placement).map_err(|e| e.in_file(path))?;
+    let data_path = external_data_path(path);
+    if encoded.has_external_data() {
+        // The data file goes first: the checkpoint that points into it is committed last.
+        let (len, values) = encoded.external_data();
+        io::replace_atomically(&data_path, options.durable, |file| {
+            io::write_at_parallel(file, len, values, options.threads)
+        })?;
+    }
+    io::replace_atomically(path, options.durable, |file| io::write_segments(file, &encoded.segments()))?;
+    if !encoded.has_external_data() {
+        // A data file left from an earlier, larger save would only mislead.
+        match std::fs::remove_file(&data_path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::from(e).in_file(&data_path)),
+            _ => {}
+        }
+    }
+    Ok(())
 }

@@ -3,7 +3,7 @@
 use ortckpt::format::dtype::ALL_DATA_TYPES;
 use ortckpt::format::encode::PAYLOAD_ALIGNMENT;
 use ortckpt::format::{
-    decode, encode, Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, PropertyBag, Stored,
+    decode, encode, Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Placement, PropertyBag, Stored,
     Tensor,
 };
 use ortckpt::generated::onnxruntime::fbs;
@@ -32,7 +32,7 @@ fn payloads_of<'a>(buf: &'a [u8], ckpt: &Checkpoint<Stored>) -> Checkpoint<Paylo
 }
 
 fn encode_to_vec(ckpt: &Checkpoint<Payload>) -> Vec<u8> {
-    encode(ckpt).unwrap().segments().concat()
+    encode(ckpt, Placement::Inline).unwrap().segments().concat()
 }
 
 #[test]
@@ -86,7 +86,7 @@ fn metadata_comes_first_and_values_follow_in_tensor_order() {
         ..Default::default()
     };
     ckpt.sort_like_ort_state_path();
-    let encoded = encode(&ckpt).unwrap();
+    let encoded = encode(&ckpt, Placement::Inline).unwrap();
     let ranges: Vec<(usize, usize)> = encoded.payload_ranges().collect();
     assert_eq!(ranges.len(), 2);
     assert!(ranges[0].0 + ranges[0].1 <= ranges[1].0, "a before b");
@@ -187,7 +187,7 @@ fn saving_over_the_file_a_live_load_maps_keeps_both_intact() {
     let loaded = load(&path).unwrap();
     let mut again = loaded.as_payloads().unwrap();
     again.properties.ints.push(("epoch".into(), 2));
-    save(&path, &mut again, &SaveOptions { durable: true }).unwrap();
+    save(&path, &mut again, &SaveOptions { durable: true, ..SaveOptions::default() }).unwrap();
     // The live mapping still reads the old bytes; the file holds the new checkpoint.
     assert_eq!(loaded.bytes(&loaded.checkpoint().trainable[0]).unwrap(), &w[..]);
     let reloaded = load(&path).unwrap();

@@ -3,6 +3,7 @@ from typing import Any, Sequence
 
 CHECKPOINT_VERSION: int
 PAYLOAD_ALIGNMENT: int
+DEFAULT_EXTERNAL_DATA_THRESHOLD: int
 
 class MappedFile:
     """A loaded checkpoint's bytes (private, copy-on-write mapping); supports the buffer protocol."""
@@ -24,4 +25,5 @@ def save(
     *,
     nominal: bool = False,
     durable: bool = False,
+    external_data_threshold: int = ...,
 ) -> None: ...

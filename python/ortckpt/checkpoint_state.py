@@ -46,13 +46,14 @@ class _Tensor:
         self._nbytes = 0
 
     @classmethod
-    def from_file(cls, name: str, code: int, dims: tuple[int, ...], stored: Any, mapping: Any) -> _Tensor:
+    def from_file(cls, name: str, code: int, dims: tuple[int, ...], stored: Any, mappings: tuple[Any, Any]) -> _Tensor:
+        """``stored`` as ``_core.load`` gives it; ``mappings``: (checkpoint, external data)."""
         tensor = cls(name, code, tuple(dims))
         if isinstance(stored, list):  # STRING: one str per element
             tensor._value = np.array(stored, dtype=object).reshape(tensor.dims)
-        elif stored is not None:  # (offset, nbytes) in the mapping
-            tensor._mapping = mapping
-            tensor._offset, tensor._nbytes = stored
+        elif stored is not None:  # (offset, nbytes, in the external data file?)
+            tensor._offset, tensor._nbytes, external = stored
+            tensor._mapping = mappings[1] if external else mappings[0]
         return tensor  # stored is None: nominal, no values
 
     @classmethod
@@ -314,7 +315,8 @@ class CheckpointState:
         self._groups: dict[str, OptimizerGroup] = {}
         # Optimizer groups of a loaded file, turned into arrays on first access.
         self._pending_groups: list[Any] | None = None
-        self._mapping: Any = None
+        # The loaded file's mappings (checkpoint, external data), which views keep alive.
+        self._mappings: tuple[Any, Any] = (None, None)
         self._nominal = False
         self._parameters = Parameters(self)
         self._props_view = Properties(self)
@@ -332,11 +334,11 @@ class CheckpointState:
         """
         raw = _core.load(os.fspath(checkpoint_uri))
         state = cls()
-        state._mapping = mapping = raw["mapping"]
+        state._mappings = mappings = (raw["mapping"], raw["external_mapping"])
         state._nominal = raw["nominal"]
         for requires_grad, key in ((True, "trainable"), (False, "frozen")):
             for name, code, dims, stored in raw[key]:
-                state._tensors[name] = (_Tensor.from_file(name, code, dims, stored, mapping), requires_grad)
+                state._tensors[name] = (_Tensor.from_file(name, code, dims, stored, mappings), requires_grad)
         state._pending_groups = raw["optimizer_groups"]
         # ONNX Runtime keeps one bag: for a repeated name the last entry read wins.
         for key in ("ints", "floats", "strings"):
@@ -349,6 +351,8 @@ class CheckpointState:
         state: CheckpointState,
         checkpoint_uri: str | os.PathLike[str],
         include_optimizer_state: bool = False,
+        *,
+        external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
     ) -> None:
         """Saves the checkpoint state to the checkpoint file, atomically.
 
@@ -356,6 +360,10 @@ class CheckpointState:
             state: The checkpoint state object.
             checkpoint_uri: The path to the checkpoint file.
             include_optimizer_state: If True, the optimizer state is also saved to the checkpoint file.
+            external_data_threshold: When the tensor values (momentums included) total more bytes
+                than this (1800 MiB by default, as in ONNX Runtime), they go to
+                ``<checkpoint_uri>.data`` and the checkpoint records their offsets; tensors under
+                64 bytes and strings stay inline. 0 forces external data.
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
@@ -373,6 +381,7 @@ class CheckpointState:
             [(k, v) for k, v in props.items() if isinstance(v, float)],
             [(k, v) for k, v in props.items() if isinstance(v, str)],
             nominal=nominal,
+            external_data_threshold=external_data_threshold,
         )
 
     @classmethod
@@ -414,7 +423,7 @@ class CheckpointState:
             for group_name, step, lr, states in pending:
                 momentums = {
                     param: {
-                        m: _Tensor.from_file(m, code, dims, stored, self._mapping).value()
+                        m: _Tensor.from_file(m, code, dims, stored, self._mappings).value()
                         for m, code, dims, stored in moms
                     }
                     for param, moms in states

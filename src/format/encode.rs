@@ -9,6 +9,10 @@
 //!
 //! All tensor values are reserved first, so they sit together at the end of the
 //! file and the metadata together at its start: opening touches only the first pages.
+//!
+//! With [`Placement::External`], values of [`EXTERNAL_MIN_BYTES`] or more go to the
+//! external data file (`<checkpoint>.data`) instead, at 64-byte-aligned offsets, and
+//! the flatbuffer records only their offsets: the layout ONNX Runtime uses beyond 2 GiB.
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
@@ -28,6 +32,30 @@ pub const PAYLOAD_ALIGNMENT: usize = 64;
 /// ONNX Runtime verifies inline checkpoints with a 2^31-1 byte limit.
 pub const MAX_INLINE_LEN: u64 = i32::MAX as u64;
 
+/// With external data, smaller values stay inline (as in ONNX Runtime, which keeps
+/// tensors under 64 bytes, empty ones and strings in the flatbuffer).
+pub const EXTERNAL_MIN_BYTES: usize = 64;
+
+/// Where tensor values are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Inside the flatbuffer (files up to 2 GiB).
+    Inline,
+    /// In the external data file, but for values under [`EXTERNAL_MIN_BYTES`].
+    External,
+}
+
+/// Where one tensor's values go.
+#[derive(Clone, Copy)]
+enum Slot<'f> {
+    /// No bytes to place (strings, empty or nominal tensors).
+    Nothing,
+    /// Reserved inside the flatbuffer.
+    Inline(WIPOffset<Vector<'f, u8>>),
+    /// At this offset of the external data file.
+    External(u64),
+}
+
 /// An encoded checkpoint: metadata with holes, and the bytes that fill them.
 pub struct Encoded<'a> {
     buffer: AnonBuffer,
@@ -35,6 +63,10 @@ pub struct Encoded<'a> {
     start: usize,
     /// (offset in the file, bytes): ascending, non-overlapping.
     payloads: Vec<(usize, &'a [u8])>,
+    /// (offset in the external data file, bytes): ascending, non-overlapping.
+    external: Vec<(u64, &'a [u8])>,
+    external_len: u64,
+    has_external_data: bool,
 }
 
 impl<'a> Encoded<'a> {
@@ -50,6 +82,16 @@ impl<'a> Encoded<'a> {
     /// Offsets and lengths of the tensor values in the file, ascending.
     pub fn payload_ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         self.payloads.iter().map(|&(at, bytes)| (at, bytes.len()))
+    }
+
+    /// Whether the checkpoint needs its external data file.
+    pub fn has_external_data(&self) -> bool {
+        self.has_external_data
+    }
+
+    /// The external data file's size and its values by offset (gaps are zero padding).
+    pub fn external_data(&self) -> (u64, &[(u64, &'a [u8])]) {
+        (self.external_len, &self.external)
     }
 
     /// The file's bytes as consecutive slices: metadata from the builder, values from the caller.
@@ -78,31 +120,53 @@ impl<'a> Encoded<'a> {
 /// [`ErrorKind::InvalidState`] when a tensor's bytes disagree with its dims, names
 /// repeat, or the values exceed what an inline checkpoint holds;
 /// [`ErrorKind::UnsupportedDataType`] for UNDEFINED tensors.
-pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>) -> Result<Encoded<'a>> {
+pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Result<Encoded<'a>> {
     validate(ckpt)?;
-    let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt))?);
     let tensors: Vec<&Tensor<Payload<'a>>> = ckpt.tensors().collect();
+    let has_external_data = placement == Placement::External && !ckpt.is_nominal;
 
-    // Values first (they land at the end of the file), last tensor first so that
-    // the file holds them in tensor order.
-    let mut reserved = vec![None; tensors.len()];
-    let mut holes = Vec::with_capacity(tensors.len());
-    if !ckpt.is_nominal {
-        for (i, t) in tensors.iter().enumerate().rev() {
-            if let Payload::Bytes(bytes) = t.data {
-                if !bytes.is_empty() {
-                    let offset = reserve(&mut fbb, bytes.len());
-                    reserved[i] = Some(offset);
-                    holes.push((offset.value(), bytes));
+    // External values first: the data file holds them in tensor order.
+    let mut slots = vec![Slot::Nothing; tensors.len()];
+    let mut external = Vec::new();
+    let mut external_len = 0u64;
+    let mut inline_len = 0u64;
+    for (slot, t) in slots.iter_mut().zip(&tensors) {
+        match t.data {
+            Payload::Bytes(bytes) if !ckpt.is_nominal => {
+                if has_external_data && bytes.len() >= EXTERNAL_MIN_BYTES {
+                    let offset = external_len.next_multiple_of(PAYLOAD_ALIGNMENT as u64);
+                    *slot = Slot::External(offset);
+                    external.push((offset, bytes));
+                    external_len = offset + bytes.len() as u64;
+                } else {
+                    inline_len += bytes.len() as u64;
                 }
+            }
+            _ => {}
+        }
+    }
+    if inline_len > MAX_INLINE_LEN {
+        return Err(too_large(inline_len));
+    }
+
+    let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len as usize))?);
+    // Inline values next (they land at the end of the flatbuffer), last tensor first so
+    // that the file holds them in tensor order.
+    let mut holes = Vec::with_capacity(tensors.len());
+    for (slot, t) in slots.iter_mut().zip(&tensors).rev() {
+        if let (Slot::Nothing, Payload::Bytes(bytes)) = (*slot, &t.data) {
+            if !bytes.is_empty() && !ckpt.is_nominal {
+                let offset = reserve(&mut fbb, bytes.len());
+                *slot = Slot::Inline(offset);
+                holes.push((offset.value(), *bytes));
             }
         }
     }
 
     let mut tables = tensors
         .iter()
-        .zip(reserved)
-        .map(|(t, raw)| write_tensor(&mut fbb, t, raw, ckpt.is_nominal))
+        .zip(slots)
+        .map(|(t, slot)| write_tensor(&mut fbb, t, slot, ckpt.is_nominal))
         .collect::<Vec<_>>()
         .into_iter();
     let trainable: Vec<_> = tables.by_ref().take(ckpt.trainable.len()).collect();
@@ -134,14 +198,15 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>) -> Result<Encoded<'a>> {
     // ONNX Runtime's state path always writes this vector, empty or not.
     let optimizer_groups = Some(fbb.create_vector(&groups));
 
-    let module_state = if trainable.is_empty() && frozen.is_empty() {
+    // The external-data flag lives in the module state, so it is written whenever it is set.
+    let module_state = if trainable.is_empty() && frozen.is_empty() && !has_external_data {
         None
     } else {
         let args = fbs::ModuleStateArgs {
             requires_grad_params: Some(fbb.create_vector(&trainable)),
             frozen_params: Some(fbb.create_vector(&frozen)),
             is_nominal_state: ckpt.is_nominal,
-            has_external_data: false,
+            has_external_data,
         };
         Some(fbs::ModuleState::create(&mut fbb, &args))
     };
@@ -166,7 +231,7 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>) -> Result<Encoded<'a>> {
         .map(|(from_end, bytes)| (len - from_end as usize + 4, bytes))
         .collect();
     payloads.sort_unstable_by_key(|&(at, _)| at);
-    Ok(Encoded { buffer, start, payloads })
+    Ok(Encoded { buffer, start, payloads, external, external_len, has_external_data })
 }
 
 /// Stands for one tensor byte that the builder must leave room for but not write.
@@ -194,12 +259,17 @@ fn reserve<'f>(fbb: &mut FlatBufferBuilder<'f, AnonBuffer>, len: usize) -> WIPOf
 fn write_tensor<'f>(
     fbb: &mut FlatBufferBuilder<'f, AnonBuffer>,
     t: &Tensor<Payload<'_>>,
-    reserved: Option<WIPOffset<Vector<'f, u8>>>,
+    slot: Slot<'f>,
     nominal: bool,
 ) -> WIPOffset<fbs::Tensor<'f>> {
     let name = fbb.create_string(&t.name);
     let mut string_data = None;
-    let mut raw_data = reserved;
+    let (mut raw_data, external_data_offset) = match slot {
+        Slot::Inline(reserved) => (Some(reserved), -1),
+        // Offsets fit: the data file is at most a few TiB, far below 2^63.
+        Slot::External(offset) => (None, offset as i64),
+        Slot::Nothing => (None, -1),
+    };
     let dims = if nominal {
         // Nominal tensors keep name and type; dims and data are empty (as ONNX Runtime writes them).
         raw_data = Some(fbb.create_vector::<u8>(&[]));
@@ -213,7 +283,9 @@ fn write_tensor<'f>(
             Payload::Bytes(_) | Payload::Absent => {
                 // Empty tensors still need a (zero-length) raw_data vector: ONNX Runtime
                 // rejects a tensor with neither raw_data nor external data.
-                raw_data = raw_data.or_else(|| Some(fbb.create_vector::<u8>(&[])));
+                if external_data_offset < 0 && raw_data.is_none() {
+                    raw_data = Some(fbb.create_vector::<u8>(&[]));
+                }
             }
         }
         fbb.create_vector(&t.dims)
@@ -225,7 +297,7 @@ fn write_tensor<'f>(
         data_type: fbs::TensorDataType(t.data_type.code()),
         raw_data,
         string_data,
-        external_data_offset: -1,
+        external_data_offset,
     };
     fbs::Tensor::create(fbb, &args)
 }
@@ -262,15 +334,8 @@ fn write_properties<'f>(
 
 /// Checks everything the writer relies on, so the builder never sees bad input.
 fn validate(ckpt: &Checkpoint<Payload<'_>>) -> Result<()> {
-    let mut payload: u64 = 0;
     for t in ckpt.tensors() {
         check_tensor(t, ckpt.is_nominal).map_err(|e| e.in_tensor(&t.name))?;
-        if let Payload::Bytes(b) = t.data {
-            payload += b.len() as u64;
-        }
-    }
-    if !ckpt.is_nominal && payload > MAX_INLINE_LEN {
-        return Err(too_large(payload));
     }
     unique(ckpt.trainable.iter().chain(&ckpt.frozen).map(|t| t.name.as_str()), "parameter")?;
     unique(ckpt.optimizer_groups.iter().map(|g| g.name.as_str()), "optimizer group")?;
@@ -338,22 +403,22 @@ fn unique<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
 
 fn too_large(len: u64) -> Error {
     Error::invalid_state(format!(
-        "the checkpoint would take {len} bytes, beyond the {MAX_INLINE_LEN} bytes an inline \
-         ONNX Runtime checkpoint can hold"
+        "the checkpoint would hold {len} bytes of values inline, beyond the {MAX_INLINE_LEN} bytes an \
+         ONNX Runtime flatbuffer can hold; save with external data (a lower external_data_threshold)"
     ))
 }
 
 /// An upper bound on the encoded size, so the builder's buffer never has to grow
 /// (growing would copy, and touch the reserved pages).
-fn capacity_bound(ckpt: &Checkpoint<Payload<'_>>) -> usize {
-    let mut values = 0usize;
+fn capacity_bound(ckpt: &Checkpoint<Payload<'_>>, inline_values: usize) -> usize {
     let mut metadata = 4096usize;
+    let mut values = inline_values;
     for t in ckpt.tensors() {
+        // Room for each tensor's table, name, dims, and its values' alignment and length prefix.
         metadata += 160 + 2 * t.name.len() + 8 * t.dims.len();
-        match &t.data {
-            Payload::Bytes(b) if !ckpt.is_nominal => values += b.len() + PAYLOAD_ALIGNMENT + 8,
-            Payload::Strings(s) => metadata += 16 + s.iter().map(|v| v.len() + 16).sum::<usize>(),
-            _ => {}
+        values += PAYLOAD_ALIGNMENT + 8;
+        if let Payload::Strings(s) = &t.data {
+            metadata += 16 + s.iter().map(|v| v.len() + 16).sum::<usize>();
         }
     }
     for g in &ckpt.optimizer_groups {

@@ -9,7 +9,7 @@ mod verify;
 
 pub use decode::decode;
 pub use dtype::DataType;
-pub use encode::{encode, Encoded};
+pub use encode::{encode, Encoded, Placement};
 pub use model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, Payload, PropertyBag, Stored, Tensor};
 
 /// The only checkpoint version ONNX Runtime reads and writes.

@@ -27,3 +27,21 @@ pub fn map_private(path: &Path, min_len: u64, too_short: impl FnOnce(u64) -> Err
     let map = unsafe { MmapOptions::new().map_copy(&file) };
     map.map_err(|e| Error::from(e).in_file(path))
 }
+
+/// Maps `path` privately, whatever its size: `None` for an empty file (which
+/// cannot be mapped and holds nothing). Returns the file's length too.
+///
+/// # Errors
+/// OS errors, with the path attached.
+pub fn map_private_any(path: &Path) -> Result<(Option<MmapMut>, u64)> {
+    let len = std::fs::metadata(path).map_err(|e| Error::from(e).in_file(path))?.len();
+    if len == 0 {
+        return Ok((None, 0));
+    }
+    let map = map_private(path, 1, |_| unreachable_short())?;
+    Ok((Some(map), len))
+}
+
+fn unreachable_short() -> Error {
+    Error::malformed("the file shrank while being opened")
+}

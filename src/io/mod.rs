@@ -4,5 +4,5 @@
 mod atomic;
 mod mapped;
 
-pub use atomic::{replace_atomically, temp_path_for, write_segments};
-pub use mapped::map_private;
+pub use atomic::{replace_atomically, temp_path_for, write_at_parallel, write_segments};
+pub use mapped::{map_private, map_private_any};

@@ -43,9 +43,11 @@ fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 fn load<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
     guarded(py, || {
         let loaded = py.detach(|| crate::load(&path)).map_err(|e| to_py_err(py, e))?;
-        let (map, ckpt) = loaded.into_parts();
+        let (map, data, ckpt) = loaded.into_parts();
         let out = PyDict::new(py);
         out.set_item("mapping", Py::new(py, MappedFile::new(map))?)?;
+        let external = data.map(|d| Py::new(py, MappedFile::new(d))).transpose()?;
+        out.set_item("external_mapping", external)?;
         out.set_item("nominal", ckpt.is_nominal)?;
         out.set_item("trainable", tensors_out(py, &ckpt.trainable)?)?;
         out.set_item("frozen", tensors_out(py, &ckpt.frozen)?)?;
@@ -69,11 +71,12 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
     let list = PyList::empty(py);
     for t in tensors {
         let dims = PyTuple::new(py, &t.dims)?;
+        // (offset, length, in the external data file?) | [str] | None (nominal)
         let data = match &t.data {
-            Stored::Inline { offset, len } => (offset, len).into_pyobject(py)?.into_any(),
+            Stored::Inline { offset, len } => (*offset as u64, *len as u64, false).into_pyobject(py)?.into_any(),
+            Stored::External { offset, len } => (*offset, *len, true).into_pyobject(py)?.into_any(),
             Stored::Strings(values) => values.into_pyobject(py)?.into_any(),
-            // `load` refuses external data today, so only nominal tensors get here.
-            Stored::External { .. } | Stored::Absent => py.None().into_bound(py),
+            Stored::Absent => py.None().into_bound(py),
         };
         list.append((t.name.as_str(), t.data_type.code(), dims, data))?;
     }
@@ -82,7 +85,10 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
 
 /// Saves a checkpoint (ONNX Runtime's state-path layout) atomically to `path`.
 #[pyfunction]
-#[pyo3(signature = (path, trainable, frozen, optimizer_groups, ints, floats, strings, *, nominal = false, durable = false))]
+#[pyo3(signature = (
+    path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
+    nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
+))]
 #[allow(clippy::too_many_arguments)]
 fn save(
     py: Python<'_>,
@@ -95,6 +101,7 @@ fn save(
     strings: Vec<(String, String)>,
     nominal: bool,
     durable: bool,
+    external_data_threshold: u64,
 ) -> PyResult<()> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
@@ -125,7 +132,7 @@ fn save(
                 Intake::Absent => Payload::Absent,
             })
         })?;
-        let options = SaveOptions { durable };
+        let options = SaveOptions { durable, external_data_threshold, ..SaveOptions::default() };
         py.detach(|| crate::save(&path, &mut payloads, &options)).map_err(|e| to_py_err(py, e))
     })
 }
@@ -178,5 +185,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MappedFile>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add("PAYLOAD_ALIGNMENT", crate::format::encode::PAYLOAD_ALIGNMENT)?;
+    m.add("DEFAULT_EXTERNAL_DATA_THRESHOLD", crate::DEFAULT_EXTERNAL_DATA_THRESHOLD)?;
     Ok(())
 }

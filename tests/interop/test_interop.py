@@ -145,3 +145,27 @@ def test_training_starts_from_a_state_built_with_from_arrays(ort, tmp_path):
     assert after.properties["epoch"] == 0
     assert not np.array_equal(after.parameters["0.weight"].data, trainable["0.weight"])
     np.testing.assert_array_equal(after.parameters["2.bias"].data, frozen["2.bias"])  # frozen stays
+
+
+def test_external_data_written_by_ortckpt_loads_in_onnx_runtime_and_back(ort, rich_state, tmp_path):
+    """Momentums external too (ONNX Runtime reads them); ONNX Runtime's own re-save of an
+    external state (state path: module tensors external, momentums inline) loads back identically."""
+    ours, theirs = tmp_path / "ours.ckpt", tmp_path / "theirs.ckpt"
+    CheckpointState.save_checkpoint(rich_state, ours, include_optimizer_state=True, external_data_threshold=0)
+    assert (tmp_path / "ours.ckpt.data").exists()
+    assert ort("describe", ours) == expected_view(rich_state)
+    ort("resave", ours, theirs)
+    assert (tmp_path / "theirs.ckpt.data").exists()  # ONNX Runtime kept the state external
+    assert_same_state(CheckpointState.load_checkpoint(theirs), rich_state)
+
+
+def test_training_resumes_in_onnx_runtime_from_an_external_ortckpt_file(ort, tmp_path):
+    ours = tmp_path / "ours.ckpt"
+    state = CheckpointState.load_checkpoint(GOLDEN / "trained_with_optimizer.ckpt")
+    CheckpointState.save_checkpoint(state, ours, include_optimizer_state=True, external_data_threshold=0)
+    from_ours = ort("train", ours, GOLDEN / "artifacts", tmp_path / "after_ours.ckpt")
+    from_theirs = ort("train", GOLDEN / "trained_with_optimizer.ckpt", GOLDEN / "artifacts", tmp_path / "after.ckpt")
+    assert from_ours["loss"] == from_theirs["loss"]
+    assert_same_state(
+        CheckpointState.load_checkpoint(tmp_path / "after_ours.ckpt"), CheckpointState.load_checkpoint(tmp_path / "after.ckpt")
+    )
