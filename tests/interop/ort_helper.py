@@ -7,6 +7,8 @@ command prints one JSON object on stdout.
   describe PATH                 what ONNX Runtime reads from a checkpoint
   resave SRC DST [--no-optimizer]  ONNX Runtime loads SRC and saves it (state path)
   train CKPT ARTIFACTS OUT      one training step and one optimizer step, then save OUT
+  write_protos DST MIB          ONNX Runtime's TensorProto-path saver (onnxblock's), on about MIB
+                                MiB of deterministic float32 tensors; prints their sha256s
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ def train(ckpt: str, artifacts: str, out: str) -> dict:
     return {"loss": loss, "saved": out}
 
 
+def write_protos(dst: str, mib: str) -> dict:
+    from onnx import numpy_helper
+
+    count = 8
+    per = int(mib) * 2**20 // 4 // count
+    trainable, frozen, sums = [], [], {}
+    for i in range(count):
+        array = np.full(per, i + 0.5, np.float32)
+        array[:: 4097] = i  # not constant, so misplaced bytes would show
+        name = f"layer{i}.weight"
+        sums[name] = hashlib.sha256(array.tobytes()).hexdigest()
+        proto = numpy_helper.from_array(array, name).SerializeToString()
+        (trainable if i % 4 else frozen).append(proto)
+        del array
+    small = np.arange(10, dtype=np.int64)
+    sums["small"] = hashlib.sha256(small.tobytes()).hexdigest()
+    frozen.append(numpy_helper.from_array(small, "small").SerializeToString())
+    C.save_checkpoint(trainable, frozen, dst, False)
+    return {"sha256": sums}
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "describe":
@@ -70,6 +93,8 @@ def main(argv: list[str]) -> None:
         result = resave(args[0], args[1], "--no-optimizer" not in args)
     elif command == "train":
         result = train(*args)
+    elif command == "write_protos":
+        result = write_protos(*args)
     else:
         raise SystemExit(f"unknown command {command}")
     print(json.dumps(result))
