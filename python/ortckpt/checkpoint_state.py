@@ -353,6 +353,7 @@ class CheckpointState:
         include_optimizer_state: bool = False,
         *,
         external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        durable: bool = False,
     ) -> None:
         """Saves the checkpoint state to the checkpoint file, atomically.
 
@@ -364,6 +365,8 @@ class CheckpointState:
                 than this (1800 MiB by default, as in ONNX Runtime), they go to
                 ``<checkpoint_uri>.data`` and the checkpoint records their offsets; tensors under
                 64 bytes and strings stay inline. 0 forces external data.
+            durable: fsync the file(s) and their directory before returning, so the new
+                checkpoint survives a power cut (not only a crash of this process).
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
@@ -382,6 +385,7 @@ class CheckpointState:
             [(k, v) for k, v in props.items() if isinstance(v, str)],
             nominal=nominal,
             external_data_threshold=external_data_threshold,
+            durable=durable,
         )
 
     @classmethod

@@ -13,9 +13,13 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
     let filename = e.path().map(|p| p.to_string_lossy().into_owned());
     let class = match e.kind() {
         ErrorKind::Io(io) => {
-            let message = e.detail();
             return match io.raw_os_error() {
-                Some(errno) => PyOSError::new_err((errno, message, filename)),
+                // Python builds "[Errno N] strerror: 'filename'" and picks the subclass from errno.
+                Some(errno) => {
+                    let full = io.to_string();
+                    let strerror = full.strip_suffix(&format!(" (os error {errno})")).unwrap_or(&full);
+                    PyOSError::new_err((errno, strerror.to_owned(), filename))
+                }
                 None => PyOSError::new_err(format!("{e}")),
             };
         }

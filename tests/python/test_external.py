@@ -60,7 +60,7 @@ def test_writes_into_external_views_change_the_state_not_the_file(state, tmp_pat
     loaded = CheckpointState.load_checkpoint(path)
     loaded.parameters["w"].data[0, 0] = 42.0
     assert (tmp_path / "c.data").read_bytes() == before
-    CheckpointState.save_checkpoint(loaded, path, external_data_threshold=0)  # over its own files
+    CheckpointState.save_checkpoint(loaded, path, external_data_threshold=0, durable=True)  # over its own files
     assert CheckpointState.load_checkpoint(path).parameters["w"].data[0, 0] == 42.0
     assert loaded.parameters["w"].data[0, 0] == 42.0  # the live view is intact
     assert sorted(os.listdir(tmp_path)) == ["c", "c.data"]
