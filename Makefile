@@ -49,10 +49,12 @@ test-large: build $(ORT_VENV)/.ok
 regen: $(VENV)/.ok
 	schema/regen.sh
 
-# The benchmark suite (not part of `make test`): writes benches/out/results.{md,json} and throughput.png.
+# The benchmark suite (not part of `make test`): writes benches/out/results.{md,json}, throughput.png
+# and scale.md, then runs the writer-strategy measurement.
 # BENCH_ARGS narrows it, e.g. make bench BENCH_ARGS="--sizes 1 --rounds 3".
 bench: build $(ORT_VENV)/.ok $(VENV)/.bench-ok
 	$(PY) benches/suite.py $(BENCH_ARGS)
+	$(PY) benches/scale.py
 	cargo bench --quiet --bench writers
 
 $(VENV)/.bench-ok: $(VENV)/.ok
