@@ -181,7 +181,7 @@ def have(module: str) -> bool:
         return False
 
 
-def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_python: bool):
+def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_python: bool, ort_protos: bool):
     """name -> (fn(path) -> seconds or None, files it writes), in the same order every round."""
     out: dict[str, Callable[[Path], float | None]] = {}
 
@@ -213,7 +213,8 @@ def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_
         )
     if ort_python and work.dtype == "float32":  # ONNX Runtime 1.19.2 cannot load bfloat16
         out["ONNX Runtime state path"] = lambda p: ort_state_save(ort_python, state, p)
-        out["ONNX Runtime TensorProto path"] = lambda p: ort_protos_save(ort_python, work, p)
+        if ort_protos:
+            out["ONNX Runtime TensorProto path"] = lambda p: ort_protos_save(ort_python, work, p)
     return out
 
 
@@ -348,9 +349,10 @@ def clear(directory: Path) -> None:
     os.sync()
 
 
-def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str | None, pure_python: bool) -> dict:
+def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str | None, pure_python: bool,
+                 ort_protos: bool) -> dict:  # fmt: skip
     state = work.state()
-    save_fns = savers(work, state, ort_python, pure_python)
+    save_fns = savers(work, state, ort_python, pure_python, ort_protos)
     save_times: dict[str, list[float]] = {k: [] for k in save_fns}
     load_times: dict[str, list[float]] = {}
     sizes: dict[str, int] = {}
@@ -385,7 +387,7 @@ def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str |
                 continue
             seconds = reported if isinstance(reported, float) else time.perf_counter() - start
             load_times.setdefault(name, []).append(seconds)
-        latency = open_latency(work, files)
+    latency = open_latency(work, files)  # on the last round's files
     clear(directory)
     peaks = {"ortckpt save": peak_growth(work, "save", directory), "ortckpt load": peak_growth(work, "load", directory)}
     peaks.update({f"{k} save": v for k, v in ORT_RSS.items()})
@@ -497,7 +499,10 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temp dir on /tmp)")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     parser.add_argument("--ort-python", default=os.environ.get("ORTCKPT_ORT_PYTHON"))
-    parser.add_argument("--pure-python-max-gib", type=float, default=1.0, help="the slow pure-Python saver only up to here")
+    parser.add_argument("--pure-python-max-gib", type=float, default=1.0,
+                        help="the pure-Python saver only up to here (slow, and its builder stops at 2 GiB)")
+    parser.add_argument("--ort-protos-max-gib", type=float, default=2.0,
+                        help="ONNX Runtime's TensorProto path only up to here (it holds about 4 copies in RAM)")
     parser.add_argument("--child", choices=["save", "load"], help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--gib", type=float, help=argparse.SUPPRESS)
@@ -528,7 +533,8 @@ def main() -> None:
                     print(f"{work.name}: {len(work.arrays())} tensors", file=sys.stderr, flush=True)
                     ORT_RSS.clear()
                     results.append(run_workload(work, directory, args.rounds, ort_python,
-                                                pure_python=gib <= args.pure_python_max_gib))  # fmt: skip
+                                                pure_python=gib <= args.pure_python_max_gib,
+                                                ort_protos=gib <= args.ort_protos_max_gib))  # fmt: skip
                     del work
                     gc.collect()
     finally:
