@@ -220,7 +220,7 @@ class Parameters:
             raise CheckpointError(
                 f"Cannot set parameter {name} of a nominal state. Please load all the parameter states first."
             )
-        self._state._tensors[name][0].assign(value)
+        self._state._tensor(name).assign(value)
 
     def names(self) -> list[str]:
         """The parameter names, sorted; unlike iteration, this works on nominal states too."""
@@ -309,8 +309,10 @@ class CheckpointState:
     """
 
     def __init__(self) -> None:
-        # name -> (tensor, requires_grad); sorted on output, as ONNX Runtime does.
-        self._tensors: dict[str, tuple[_Tensor, bool]] = {}
+        # name -> tensor; sorted on output, as ONNX Runtime does. A loaded tensor stays the raw
+        # entry _core.load gave until first used, so opening costs little per tensor.
+        self._tensors: dict[str, _Tensor | tuple] = {}
+        self._frozen: set[str] = set()
         self._properties: dict[str, PropertyValue] = {}
         self._groups: dict[str, OptimizerGroup] = {}
         # Optimizer groups of a loaded file, turned into arrays on first access.
@@ -321,9 +323,14 @@ class CheckpointState:
         self._parameters = Parameters(self)
         self._props_view = Properties(self)
 
+    def _tensor(self, name: str) -> _Tensor:
+        entry = self._tensors[name]
+        if isinstance(entry, tuple):
+            entry = self._tensors[name] = _Tensor.from_file(*entry, self._mappings)
+        return entry
+
     def _parameter(self, name: str) -> Parameter:
-        tensor, requires_grad = self._tensors[name]
-        return Parameter(tensor, requires_grad)
+        return Parameter(self._tensor(name), name not in self._frozen)
 
     @classmethod
     def load_checkpoint(cls, checkpoint_uri: str | os.PathLike[str]) -> CheckpointState:
@@ -334,11 +341,13 @@ class CheckpointState:
         """
         raw = _core.load(os.fspath(checkpoint_uri))
         state = cls()
-        state._mappings = mappings = (raw["mapping"], raw["external_mapping"])
+        state._mappings = (raw["mapping"], raw["external_mapping"])
         state._nominal = raw["nominal"]
-        for requires_grad, key in ((True, "trainable"), (False, "frozen")):
-            for name, code, dims, stored in raw[key]:
-                state._tensors[name] = (_Tensor.from_file(name, code, dims, stored, mappings), requires_grad)
+        # Entries are (name, code, dims, stored): from_file's arguments, kept as they are until used.
+        state._tensors = {entry[0]: entry for entry in raw["trainable"]}
+        frozen = {entry[0]: entry for entry in raw["frozen"]}
+        state._tensors.update(frozen)
+        state._frozen = set(frozen)
         state._pending_groups = raw["optimizer_groups"]
         # ONNX Runtime keeps one bag: for a repeated name the last entry read wins.
         for key in ("ints", "floats", "strings"):
@@ -371,8 +380,8 @@ class CheckpointState:
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
         nominal = state.is_nominal
-        trainable = [t.to_core(nominal) for t, grad in state._tensors.values() if grad]
-        frozen = [t.to_core(nominal) for t, grad in state._tensors.values() if not grad]
+        trainable = [state._tensor(n).to_core(nominal) for n in state._tensors if n not in state._frozen]
+        frozen = [state._tensor(n).to_core(nominal) for n in state._frozen]
         groups = state._groups_to_core() if include_optimizer_state else []
         props = state._properties
         _core.save(
@@ -404,7 +413,9 @@ class CheckpointState:
             for name, value in arrays.items():
                 if name in state._tensors:
                     raise CheckpointStateError(f"Parameter {name} is given as both trainable and frozen.")
-                state._tensors[name] = (_Tensor.from_value(name, value), requires_grad)
+                state._tensors[name] = _Tensor.from_value(name, value)
+                if not requires_grad:
+                    state._frozen.add(name)
         for name, value in (properties or {}).items():
             state.properties[name] = value
         return state
