@@ -259,26 +259,21 @@ def ort_protos_save(ort_python: str, work: Workload, path: Path) -> float:
     return result["seconds"]
 
 
-def loaders(work: Workload, files: dict[str, Path], ort_python: str | None):
-    out = {}
-    out["read() (baseline)"] = lambda: plain_read(files["write() (baseline)"])
-    arrays = list(work.arrays().values())
-    out["memcpy (baseline)"] = lambda: [np.copyto(np.empty_like(a), a) for a in arrays]
-    out["ortckpt"] = lambda: ortckpt_load(files["ortckpt"])
-    if "safetensors" in files:
+def loaders(ort_python: str | None) -> dict[str, tuple[str, Callable[[Path], float | None]]]:
+    """saver name -> (loader name, fn(the file that saver wrote))."""
+    out = {"write() (baseline)": ("read() (baseline)", plain_read), "ortckpt": ("ortckpt", ortckpt_load)}
+    if have("safetensors"):
         from safetensors.numpy import load_file
 
-        out["safetensors"] = lambda: xor_all(load_file(str(files["safetensors"])).values())
-    if "numpy savez" in files:
-        out["numpy load"] = lambda: xor_all(v for _, v in np.load(files["numpy savez"]).items())
-    if ort_python and "ONNX Runtime state path" in files:
-        out["ONNX Runtime"] = lambda: ort_run(ort_python, "load", files["ortckpt"])["seconds"]
+        out["safetensors"] = ("safetensors", lambda p: xor_all(load_file(str(p)).values()))
+    out["numpy savez"] = ("numpy load", lambda p: xor_all(v for _, v in np.load(p).items()))
+    if ort_python:  # ONNX Runtime loading the file it wrote itself
+        out["ONNX Runtime state path"] = ("ONNX Runtime", lambda p: ort_run(ort_python, "load", p)["seconds"])
     return out
 
 
-def open_latency(work: Workload, files: dict[str, Path]) -> dict[str, tuple[float, float]]:
-    """Seconds to open, and to open and read the first tensor, medians of 5."""
-    out = {}
+def open_latency(work: Workload, name: str, path: Path) -> tuple[float, float]:
+    """Seconds to open, and to open and read the first tensor: medians of 5."""
 
     def med(fn):
         times = []
@@ -289,23 +284,22 @@ def open_latency(work: Workload, files: dict[str, Path]) -> dict[str, tuple[floa
         return statistics.median(times)
 
     first = next(iter(sorted(work.trainable)))
-    out["ortckpt"] = (
-        med(lambda: CheckpointState.load_checkpoint(files["ortckpt"])),
-        med(lambda: xor_all([CheckpointState.load_checkpoint(files["ortckpt"]).parameters[first].data])),
-    )
-    if "safetensors" in files and have("safetensors"):
-        from safetensors import safe_open
+    if name == "ortckpt":
+        return (
+            med(lambda: CheckpointState.load_checkpoint(path)),
+            med(lambda: xor_all([CheckpointState.load_checkpoint(path).parameters[first].data])),
+        )
+    from safetensors import safe_open
 
-        def st_open():
-            with safe_open(str(files["safetensors"]), "np") as f:
-                return f
+    def st_open():
+        with safe_open(str(path), "np"):
+            pass
 
-        def st_first():
-            with safe_open(str(files["safetensors"]), "np") as f:
-                xor_all([f.get_tensor(first)])
+    def st_first():
+        with safe_open(str(path), "np") as f:
+            xor_all([f.get_tensor(first)])
 
-        out["safetensors"] = (med(st_open), med(st_first))
-    return out
+    return med(st_open), med(st_first)
 
 
 # --- peak memory, in a fresh interpreter ----------------------------------------------------------------
@@ -351,44 +345,53 @@ def clear(directory: Path) -> None:
 
 def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str | None, pure_python: bool,
                  ort_protos: bool) -> dict:  # fmt: skip
+    """Each round, in rotated order, each contender saves, the matching loader reads that file
+    back, and the file is deleted: one checkpoint's worth of page cache at a time, so no
+    contender pays for another's dirty pages."""
     state = work.state()
     save_fns = savers(work, state, ort_python, pure_python, ort_protos)
+    load_fns = loaders(ort_python)
+    arrays = list(work.arrays().values())
     save_times: dict[str, list[float]] = {k: [] for k in save_fns}
-    load_times: dict[str, list[float]] = {}
+    load_times: dict[str, list[float]] = {"memcpy (baseline)": []}
     sizes: dict[str, int] = {}
+    latency: dict[str, tuple[float, float]] = {}
     failed: dict[str, str] = {}  # contenders that cannot handle this workload (e.g. a dtype), and why
+
+    def attempt(name: str, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this workload is reported, not fatal
+            failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}"
+            return None
+
     for r in range(rounds):
         clear(directory)
         names = [n for n in save_fns if n not in failed]
         names = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
-        files = {}
         for name in names:
             path = directory / name.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
-            try:
-                seconds = save_fns[name](path)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot save this workload is reported, not fatal
-                failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}"
+            seconds = attempt(name, lambda: save_fns[name](path))
+            if seconds is None:
                 save_times.pop(name, None)
                 continue
-            os.sync()  # write back now, so the next contender starts on a quiet disk
+            os.sync()  # written back before anything else runs
             save_times[name].append(seconds)
-            files[name] = path
             sizes[name] = sum(f.stat().st_size for f in directory.iterdir() if f.name.startswith(path.name))
-        load_fns = loaders(work, files, ort_python)
-        order = [n for n in load_fns if f"load: {n}" not in failed]
-        order = order[r % len(order) :] + order[: r % len(order)]
-        for name in order:
-            start = time.perf_counter()
-            try:
-                reported = load_fns[name]()
-            except Exception as e:  # noqa: BLE001
-                failed[f"load: {name}"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}"
-                load_times.pop(name, None)
-                continue
-            seconds = reported if isinstance(reported, float) else time.perf_counter() - start
-            load_times.setdefault(name, []).append(seconds)
-    latency = open_latency(work, files)  # on the last round's files
-    clear(directory)
+            if name in load_fns and f"load: {name}" not in failed:
+                load_name, load = load_fns[name]
+                start = time.perf_counter()
+                reported = attempt(f"load: {name}", lambda: load(path))
+                seconds = reported if isinstance(reported, float) else time.perf_counter() - start
+                if f"load: {name}" not in failed:
+                    load_times.setdefault(load_name, []).append(seconds)
+            if r == rounds - 1 and name in ("ortckpt", "safetensors"):
+                latency[name] = open_latency(work, name, path)
+            clear(directory)
+        start = time.perf_counter()
+        for a in arrays:
+            np.copyto(np.empty_like(a), a)
+        load_times["memcpy (baseline)"].append(time.perf_counter() - start)
     peaks = {"ortckpt save": peak_growth(work, "save", directory), "ortckpt load": peak_growth(work, "load", directory)}
     peaks.update({f"{k} save": v for k, v in ORT_RSS.items()})
     return {
@@ -521,6 +524,7 @@ def main() -> None:
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM, {platform.system()}",
         "command": "python benches/suite.py " + " ".join(sys.argv[1:]),
         "rounds": args.rounds,
+        "method": "per round, in rotated order: save, os.sync(), read that file back, delete it",
         "ortckpt": ortckpt.__version__,
         "peers": {"safetensors": have("safetensors"), "torch": have("torch"), "onnxruntime": bool(ort_python)},
     }

@@ -158,7 +158,8 @@ pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     let checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
     let data = if checkpoint.has_external_data {
         let data_path = external_data_path(path);
-        let (data, len) = io::map_private_any(&data_path)?;
+        let data = io::map_private_any(&data_path)?;
+        let len = data.as_ref().map_or(0, |d| d.len() as u64);
         check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
         data
     } else {
@@ -203,20 +204,32 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     let placement = if values > options.external_data_threshold { Placement::External } else { Placement::Inline };
     let encoded = format::encode(ckpt, placement).map_err(|e| e.in_file(path))?;
     let data_path = external_data_path(path);
-    if encoded.has_external_data() {
-        // The data file goes first: the checkpoint that points into it is committed last.
+    // Both files are written in full before either replaces its target, so a failed save
+    // leaves the previous checkpoint whole. The data file is committed first: the
+    // checkpoint that points into it goes last (a crash between the two renames is
+    // the one window left, microseconds wide).
+    let data = if encoded.has_external_data() {
         let (len, values) = encoded.external_data();
-        io::replace_atomically(&data_path, options.durable, |file| {
+        Some(io::write_pending(&data_path, options.durable, |file| {
             io::write_at_parallel(file, len, values, options.threads)
-        })?;
+        })?)
+    } else {
+        None
+    };
+    let main = io::write_pending(path, options.durable, |file| io::write_segments(file, &encoded.segments()))?;
+    if let Some(data) = data {
+        data.commit()?;
     }
-    io::replace_atomically(path, options.durable, |file| io::write_segments(file, &encoded.segments()))?;
+    main.commit()?;
     if !encoded.has_external_data() {
         // A data file left from an earlier, larger save would only mislead.
         match std::fs::remove_file(&data_path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::from(e).in_file(&data_path)),
             _ => {}
         }
+    }
+    if options.durable {
+        io::sync_parent_dir(path)?;
     }
     Ok(())
 }

@@ -27,6 +27,72 @@ pub fn temp_path_for(target: &Path) -> PathBuf {
     target.with_file_name(unique)
 }
 
+/// A fully written temporary file waiting to replace its target. Dropped
+/// without [`PendingFile::commit`], it removes itself: the target is untouched.
+pub struct PendingFile {
+    temp: PathBuf,
+    target: PathBuf,
+    committed: bool,
+}
+
+impl PendingFile {
+    /// Renames the temporary file over the target (atomic within a filesystem).
+    ///
+    /// # Errors
+    /// The OS error of the rename, with the target's path; the temporary file is removed.
+    pub fn commit(mut self) -> Result<()> {
+        fs::rename(&self.temp, &self.target).map_err(|e| Error::from(e).in_file(&self.target))?;
+        self.committed = true;
+        Ok(())
+    }
+
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+}
+
+impl Drop for PendingFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_file(&self.temp);
+        }
+    }
+}
+
+/// Runs `write` on a fresh temporary file beside `path` (fsynced when `durable`)
+/// and returns it uncommitted, so that several files can be written before any
+/// replaces its target.
+///
+/// # Errors
+/// Any OS error, with the target's path attached; the temporary file is removed.
+pub fn write_pending(
+    path: &Path,
+    durable: bool,
+    write: impl FnOnce(&mut File) -> io::Result<()>,
+) -> Result<PendingFile> {
+    if path.file_name().is_none() {
+        let e = io::Error::new(io::ErrorKind::InvalidInput, "the checkpoint path names no file");
+        return Err(Error::from(e).in_file(path));
+    }
+    let temp = temp_path_for(path);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&temp)
+        .map_err(|e| Error::from(e).in_file(path))?;
+    // From here on, dropping `pending` (on any error) removes the temporary file.
+    let pending = PendingFile { temp, target: path.to_path_buf(), committed: false };
+    let written = write(&mut file).and_then(|()| if durable { file.sync_all() } else { Ok(()) });
+    written.map_err(|e| Error::from(e).in_file(path))?;
+    Ok(pending)
+}
+
+/// fsyncs the directory holding `path`, so that renames into it survive a power cut.
+pub fn sync_parent_dir(path: &Path) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::from(e).in_file(dir))
+}
+
 /// Runs `write` on a fresh temporary file and renames it over `path`.
 /// With `durable`, the file and its directory are fsynced so the new
 /// checkpoint also survives a power cut; without, it survives a process crash.
@@ -38,33 +104,11 @@ pub fn replace_atomically(
     durable: bool,
     write: impl FnOnce(&mut File) -> io::Result<()>,
 ) -> Result<()> {
-    if path.file_name().is_none() {
-        return Err(Error::from(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "the checkpoint path names no file",
-        ))
-        .in_file(path));
+    write_pending(path, durable, write)?.commit()?;
+    if durable {
+        sync_parent_dir(path)?;
     }
-    let temp = temp_path_for(path);
-    let result = (|| {
-        let mut file = OpenOptions::new().write(true).create_new(true).open(&temp)?;
-        write(&mut file)?;
-        if durable {
-            file.sync_all()?;
-        }
-        drop(file);
-        fs::rename(&temp, path)?;
-        if durable {
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                File::open(dir)?.sync_all()?;
-            }
-        }
-        Ok(())
-    })();
-    result.map_err(|e: io::Error| {
-        let _ = fs::remove_file(&temp);
-        Error::from(e).in_file(path)
-    })
+    Ok(())
 }
 
 /// Writes consecutive slices with as few system calls as the kernel allows
@@ -113,7 +157,6 @@ pub fn write_at_parallel(file: &File, len: u64, values: &[(u64, &[u8])], threads
             .collect();
         workers
             .into_iter()
-            .map(|w| w.join().unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked"))))
-            .collect::<io::Result<()>>()
+            .try_for_each(|w| w.join().unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked"))))
     })
 }
