@@ -471,7 +471,7 @@ def plot(results: list[dict], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    fig, axes = plt.subplots(2, 1, figsize=(13, 9))
+    fig, axes = plt.subplots(2, 1, figsize=(15, 9))
     for ax, kind, title in ((axes[0], "save", "save throughput"), (axes[1], "load", "eager load throughput")):
         names = sorted({n for r in results for n in r[kind]}, key=lambda n: (n != "ortckpt", n))
         width = 0.8 / len(names)
@@ -485,7 +485,8 @@ def plot(results: list[dict], path: Path) -> None:
                     errs.append([[s["gib_s"] - r["bytes"] / GiB / s["max_s"]], [r["bytes"] / GiB / s["min_s"] - s["gib_s"]]])
             err = np.array(errs).reshape(len(errs), 2).T if errs else None
             ax.bar(xs, ys, width, yerr=err, label=name, capsize=2)
-        ax.set_xticks([j + 0.4 for j in range(len(results))], [r["workload"] for r in results], fontsize=8)
+        labels = [r["workload"].replace(" GiB ", " GiB\n") for r in results]
+        ax.set_xticks([j + 0.4 for j in range(len(results))], labels, fontsize=7)
         ax.set_ylabel("GiB/s (median, range)")
         ax.set_title(title)
         ax.legend(fontsize=7, ncol=3)
