@@ -182,7 +182,7 @@ def have(module: str) -> bool:
 
 
 def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_python: bool, ort_protos: bool):
-    """name -> (fn(path) -> seconds or None, files it writes), in the same order every round."""
+    """name -> fn(path) that saves the workload there and returns the seconds it took."""
     out: dict[str, Callable[[Path], float | None]] = {}
 
     def timed(fn):
