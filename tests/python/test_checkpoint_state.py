@@ -482,3 +482,11 @@ def test_another_thread_runs_while_a_large_checkpoint_saves(tmp_path):
 
 def test_version_is_exposed():
     assert ortckpt.__version__ != "0+unknown"
+
+
+def test_durable_saves_write_the_same_checkpoint(state_path, tmp_path):
+    state = CheckpointState.load_checkpoint(state_path)
+    CheckpointState.save_checkpoint(state, tmp_path / "fast", include_optimizer_state=True)
+    CheckpointState.save_checkpoint(state, tmp_path / "durable", include_optimizer_state=True, durable=True)
+    assert (tmp_path / "fast").read_bytes() == (tmp_path / "durable").read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "durable", "fast"]
