@@ -36,7 +36,11 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn new(kind: ErrorKind) -> Self {
-        Error(Box::new(Inner { kind, path: None, tensor: None }))
+        Error(Box::new(Inner {
+            kind,
+            path: None,
+            tensor: None,
+        }))
     }
 
     pub fn malformed(message: impl Into<String>) -> Self {

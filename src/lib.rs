@@ -113,15 +113,18 @@ impl LoadedCheckpoint {
     pub fn bytes(&self, tensor: &Tensor<Stored>) -> Result<&[u8]> {
         let outside = || Error::malformed("tensor bytes lie outside the file");
         match tensor.data {
-            Stored::Inline { offset, len } => self.map.get(offset..offset + len).ok_or_else(outside),
+            Stored::Inline { offset, len } => {
+                self.map.get(offset..offset + len).ok_or_else(outside)
+            }
             Stored::External { offset, len } => {
                 let data: &[u8] = self.data.as_deref().unwrap_or_default();
                 // In range: load() checked every external range against the file's size.
-                data.get(offset as usize..(offset + len) as usize).ok_or_else(outside)
+                data.get(offset as usize..(offset + len) as usize)
+                    .ok_or_else(outside)
             }
-            Stored::Strings(_) | Stored::Absent => {
-                Err(Error::invalid_state("tensor has no bytes (strings or nominal values)"))
-            }
+            Stored::Strings(_) | Stored::Absent => Err(Error::invalid_state(
+                "tensor has no bytes (strings or nominal values)",
+            )),
         }
         .map_err(|e| e.in_tensor(&tensor.name).in_file(&self.path))
     }
@@ -153,7 +156,9 @@ impl LoadedCheckpoint {
 pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     format::endian::ensure_host_little_endian()?;
     let map = io::map_private(path, 8, |len| {
-        Error::malformed(format!("file is too short to be a checkpoint ({len} bytes)"))
+        Error::malformed(format!(
+            "file is too short to be a checkpoint ({len} bytes)"
+        ))
     })?;
     let checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
     let data = if checkpoint.has_external_data {
@@ -165,20 +170,39 @@ pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     } else {
         None
     };
-    Ok(LoadedCheckpoint { path: path.to_path_buf(), map, data, checkpoint })
+    Ok(LoadedCheckpoint {
+        path: path.to_path_buf(),
+        map,
+        data,
+        checkpoint,
+    })
 }
 
 /// Every external tensor must lie inside the data file, before any view exists.
 fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()> {
-    for t in ckpt.tensors() {
-        if let Stored::External { offset, len } = t.data {
-            if offset.checked_add(len).is_none_or(|end| end > data_len) {
-                return Err(Error::malformed(format!(
-                    "external data at offset {offset}, {len} bytes long, lies beyond the end of the \
-                     data file ({data_len} bytes)"
-                ))
-                .in_tensor(&t.name));
-            }
+    let check = |t: &Tensor<Stored>| match t.data {
+        Stored::External { offset, len }
+            if offset.checked_add(len).is_none_or(|end| end > data_len) =>
+        {
+            Err(Error::malformed(format!(
+                "external data at offset {offset}, {len} bytes long, lies beyond the end of the \
+                 data file ({data_len} bytes)"
+            ))
+            .in_tensor(&t.name))
+        }
+        _ => Ok(()),
+    };
+    ckpt.trainable
+        .iter()
+        .chain(&ckpt.frozen)
+        .try_for_each(check)?;
+    for g in &ckpt.optimizer_groups {
+        for s in &g.states {
+            // Momentums are named within their group and parameter, as the decoder names them.
+            s.momentums
+                .iter()
+                .try_for_each(check)
+                .map_err(|e| e.in_tensor_scope(&format!("{}/{}", g.name, s.param_name)))?;
         }
     }
     Ok(())
@@ -201,7 +225,11 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
             _ => 0,
         })
         .sum();
-    let placement = if values > options.external_data_threshold { Placement::External } else { Placement::Inline };
+    let placement = if values > options.external_data_threshold {
+        Placement::External
+    } else {
+        Placement::Inline
+    };
     let encoded = format::encode(ckpt, placement).map_err(|e| e.in_file(path))?;
     let data_path = external_data_path(path);
     // Both files are written in full before either replaces its target, so a failed save
@@ -216,7 +244,9 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     } else {
         None
     };
-    let main = io::write_pending(path, options.durable, |file| io::write_segments(file, &encoded.segments()))?;
+    let main = io::write_pending(path, options.durable, |file| {
+        io::write_segments(file, &encoded.segments())
+    })?;
     if let Some(data) = data {
         data.commit()?;
     }
@@ -224,7 +254,9 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     if !encoded.has_external_data() {
         // A data file left from an earlier, larger save would only mislead.
         match std::fs::remove_file(&data_path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::from(e).in_file(&data_path)),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::from(e).in_file(&data_path))
+            }
             _ => {}
         }
     }

@@ -112,3 +112,24 @@ fn a_missing_or_short_data_file_is_a_clear_error() {
     assert!(matches!(e.kind(), ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::NotFound));
     assert_eq!(e.path(), Some(data.as_path()));
 }
+
+#[test]
+fn a_momentum_beyond_the_data_file_is_named_within_its_group_and_parameter() {
+    let (w, m0) = (bytes(16, 1), bytes(4000, 2));
+    let mut ckpt = Checkpoint {
+        trainable: vec![float("w", &w)], // under 64 bytes: stays inline
+        optimizer_groups: vec![OptimizerGroup {
+            name: "group0".into(),
+            step: 1,
+            initial_learning_rate: 0.1,
+            states: vec![ParameterOptimizerState { param_name: "w".into(), momentums: vec![float("momentum0", &m0)] }],
+        }],
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c");
+    save(&path, &mut ckpt, &external()).unwrap();
+    std::fs::write(external_data_path(&path), &m0[..100]).unwrap();
+    let e = load(&path).unwrap_err();
+    assert_eq!(e.tensor(), Some("group0/w/momentum0"), "{e}");
+}

@@ -6,7 +6,9 @@
 use flatbuffers::{ForwardsUOffset, Vector, VerifierOptions};
 
 use super::dtype::{element_count, DataType};
-use super::model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor};
+use super::model::{
+    Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor,
+};
 use super::verify::verify_checkpoint;
 use super::{first_duplicate, Role, CHECKPOINT_VERSION, FILE_IDENTIFIER};
 use crate::error::{Error, ErrorKind, Result};
@@ -51,27 +53,38 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
         )));
     }
 
-    let decoder = Decoder { base: buf.as_ptr() as usize };
+    let decoder = Decoder {
+        base: buf.as_ptr() as usize,
+    };
     let mut ckpt = Checkpoint::default();
     if let Some(module) = root.module_state() {
         ckpt.is_nominal = module.is_nominal_state();
         ckpt.has_external_data = module.has_external_data();
-        let trainable = module.requires_grad_params().ok_or_else(|| {
-            Error::malformed("module state has no requires_grad_params vector")
-        })?;
+        let trainable = module
+            .requires_grad_params()
+            .ok_or_else(|| Error::malformed("module state has no requires_grad_params vector"))?;
         let frozen = module
             .frozen_params()
             .ok_or_else(|| Error::malformed("module state has no frozen_params vector"))?;
         ckpt.trainable = decoder.tensors(trainable, Role::Trainable, &ckpt)?;
         ckpt.frozen = decoder.tensors(frozen, Role::Frozen, &ckpt)?;
-        reject_duplicates(ckpt.trainable.iter().chain(&ckpt.frozen).map(|t| t.name.as_str()), "parameter")?;
+        reject_duplicates(
+            ckpt.trainable
+                .iter()
+                .chain(&ckpt.frozen)
+                .map(|t| t.name.as_str()),
+            "parameter",
+        )?;
     }
     if let Some(groups) = root.optimizer_groups() {
         for group in groups {
             let decoded = decoder.group(group, &ckpt)?;
             ckpt.optimizer_groups.push(decoded);
         }
-        reject_duplicates(ckpt.optimizer_groups.iter().map(|g| g.name.as_str()), "optimizer group")?;
+        reject_duplicates(
+            ckpt.optimizer_groups.iter().map(|g| g.name.as_str()),
+            "optimizer group",
+        )?;
     }
     if let Some(bag) = root.property_bag() {
         ckpt.properties = properties(bag)?;
@@ -133,9 +146,15 @@ impl Decoder {
         let data = if ckpt.is_nominal {
             Stored::Absent
         } else {
-            self.values(&t, data_type, &dims, ckpt.has_external_data).map_err(in_tensor)?
+            self.values(&t, data_type, &dims, ckpt.has_external_data)
+                .map_err(in_tensor)?
         };
-        Ok(Tensor { name: name.to_owned(), data_type, dims, data })
+        Ok(Tensor {
+            name: name.to_owned(),
+            data_type,
+            dims,
+            data,
+        })
     }
 
     fn values(
@@ -159,7 +178,10 @@ impl Decoder {
             return Ok(Stored::Strings(strings.iter().map(str::to_owned).collect()));
         }
         let expected = data_type.byte_len(count).ok_or_else(|| {
-            Error::malformed(format!("dims {dims:?} of {} overflow the byte length", data_type.name()))
+            Error::malformed(format!(
+                "dims {dims:?} of {} overflow the byte length",
+                data_type.name()
+            ))
         })?;
         let offset = t.external_data_offset();
         if offset >= 0 {
@@ -168,7 +190,10 @@ impl Decoder {
                     "tensor has an external_data_offset but the checkpoint has no external data",
                 ));
             }
-            return Ok(Stored::External { offset: offset as u64, len: expected });
+            return Ok(Stored::External {
+                offset: offset as u64,
+                len: expected,
+            });
         }
         let raw = t
             .raw_data()
@@ -181,15 +206,26 @@ impl Decoder {
                 data_type.name()
             )));
         }
-        Ok(Stored::Inline { offset: raw.as_ptr() as usize - self.base, len: raw.len() })
+        Ok(Stored::Inline {
+            offset: raw.as_ptr() as usize - self.base,
+            len: raw.len(),
+        })
     }
 
-    fn group(&self, g: fbs::OptimizerGroup<'_>, ckpt: &Checkpoint<Stored>) -> Result<OptimizerGroup<Stored>> {
-        let name = g.group_name().ok_or_else(|| Error::malformed("optimizer group has no name"))?;
+    fn group(
+        &self,
+        g: fbs::OptimizerGroup<'_>,
+        ckpt: &Checkpoint<Stored>,
+    ) -> Result<OptimizerGroup<Stored>> {
+        let name = g
+            .group_name()
+            .ok_or_else(|| Error::malformed("optimizer group has no name"))?;
         let mut states = Vec::new();
         for (i, s) in g.optimizer_states().into_iter().flatten().enumerate() {
             let param_name = s.param_name().ok_or_else(|| {
-                Error::malformed(format!("optimizer group '{name}': state #{i} has no param_name"))
+                Error::malformed(format!(
+                    "optimizer group '{name}': state #{i} has no param_name"
+                ))
             })?;
             let momentums = match s.momentums() {
                 Some(list) => self
@@ -199,10 +235,16 @@ impl Decoder {
             };
             reject_duplicates(momentums.iter().map(|m| m.name.as_str()), "momentum")
                 .map_err(|e| e.in_tensor_scope(&format!("{name}/{param_name}")))?;
-            states.push(ParameterOptimizerState { param_name: param_name.to_owned(), momentums });
+            states.push(ParameterOptimizerState {
+                param_name: param_name.to_owned(),
+                momentums,
+            });
         }
-        reject_duplicates(states.iter().map(|s| s.param_name.as_str()), "optimizer state for parameter")
-            .map_err(|e| Error::malformed(format!("optimizer group '{name}': {}", e.detail())))?;
+        reject_duplicates(
+            states.iter().map(|s| s.param_name.as_str()),
+            "optimizer state for parameter",
+        )
+        .map_err(|e| Error::malformed(format!("optimizer group '{name}': {}", e.detail())))?;
         Ok(OptimizerGroup {
             name: name.to_owned(),
             step: g.step(),

@@ -174,6 +174,8 @@ mod tests {
         assert_eq!(element_count(&[2, 0, 5]), Ok(0));
         assert_eq!(element_count(&[16, 8]), Ok(128));
         assert!(element_count(&[2, -1]).unwrap_err().contains("negative"));
-        assert!(element_count(&[i64::MAX, i64::MAX]).unwrap_err().contains("overflow"));
+        assert!(element_count(&[i64::MAX, i64::MAX])
+            .unwrap_err()
+            .contains("overflow"));
     }
 }

@@ -149,7 +149,8 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         return Err(too_large(inline_len));
     }
 
-    let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len as usize))?);
+    let mut fbb =
+        FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len as usize))?);
     // Inline values next (they land at the end of the flatbuffer), last tensor first so
     // that the file holds them in tensor order.
     let mut holes = Vec::with_capacity(tensors.len());
@@ -231,7 +232,14 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         .map(|(from_end, bytes)| (len - from_end as usize + 4, bytes))
         .collect();
     payloads.sort_unstable_by_key(|&(at, _)| at);
-    Ok(Encoded { buffer, start, payloads, external, external_len, has_external_data })
+    Ok(Encoded {
+        buffer,
+        start,
+        payloads,
+        external,
+        external_len,
+        has_external_data,
+    })
 }
 
 /// Stands for one tensor byte that the builder must leave room for but not write.
@@ -248,7 +256,10 @@ impl Push for ReservedByte {
     }
 }
 
-fn reserve<'f>(fbb: &mut FlatBufferBuilder<'f, AnonBuffer>, len: usize) -> WIPOffset<Vector<'f, u8>> {
+fn reserve<'f>(
+    fbb: &mut FlatBufferBuilder<'f, AnonBuffer>,
+    len: usize,
+) -> WIPOffset<Vector<'f, u8>> {
     // SAFETY: ReservedByte is zero-sized, so a slice of any length of it occupies no
     // memory and a dangling, well-aligned pointer is a valid base for it.
     let placeholders: &[ReservedByte] =
@@ -310,18 +321,33 @@ fn write_properties<'f>(
     let mut ints = Vec::with_capacity(props.ints.len());
     for (name, value) in &props.ints {
         let name = Some(fbb.create_string(name));
-        ints.push(fbs::IntProperty::create(fbb, &fbs::IntPropertyArgs { name, value: *value }));
+        ints.push(fbs::IntProperty::create(
+            fbb,
+            &fbs::IntPropertyArgs {
+                name,
+                value: *value,
+            },
+        ));
     }
     let mut floats = Vec::with_capacity(props.floats.len());
     for (name, value) in &props.floats {
         let name = Some(fbb.create_string(name));
-        floats.push(fbs::FloatProperty::create(fbb, &fbs::FloatPropertyArgs { name, value: *value }));
+        floats.push(fbs::FloatProperty::create(
+            fbb,
+            &fbs::FloatPropertyArgs {
+                name,
+                value: *value,
+            },
+        ));
     }
     let mut strings = Vec::with_capacity(props.strings.len());
     for (name, value) in &props.strings {
         let name = Some(fbb.create_string(name));
         let value = Some(fbb.create_string(value));
-        strings.push(fbs::StringProperty::create(fbb, &fbs::StringPropertyArgs { name, value }));
+        strings.push(fbs::StringProperty::create(
+            fbb,
+            &fbs::StringPropertyArgs { name, value },
+        ));
     }
     // ONNX Runtime writes all three vectors once the bag is present.
     let args = fbs::PropertyBagArgs {
@@ -337,11 +363,23 @@ fn validate(ckpt: &Checkpoint<Payload<'_>>) -> Result<()> {
     for t in ckpt.tensors() {
         check_tensor(t, ckpt.is_nominal).map_err(|e| e.in_tensor(&t.name))?;
     }
-    unique(ckpt.trainable.iter().chain(&ckpt.frozen).map(|t| t.name.as_str()), "parameter")?;
-    unique(ckpt.optimizer_groups.iter().map(|g| g.name.as_str()), "optimizer group")?;
+    unique(
+        ckpt.trainable
+            .iter()
+            .chain(&ckpt.frozen)
+            .map(|t| t.name.as_str()),
+        "parameter",
+    )?;
+    unique(
+        ckpt.optimizer_groups.iter().map(|g| g.name.as_str()),
+        "optimizer group",
+    )?;
     for g in &ckpt.optimizer_groups {
-        unique(g.states.iter().map(|s| s.param_name.as_str()), "optimizer state for parameter")
-            .map_err(|e| e.in_tensor_scope(&g.name))?;
+        unique(
+            g.states.iter().map(|s| s.param_name.as_str()),
+            "optimizer state for parameter",
+        )
+        .map_err(|e| e.in_tensor_scope(&g.name))?;
         for s in &g.states {
             unique(s.momentums.iter().map(|m| m.name.as_str()), "momentum")
                 .map_err(|e| e.in_tensor_scope(&format!("{}/{}", g.name, s.param_name)))?;
@@ -381,13 +419,19 @@ fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
             }
         }
         (Payload::Absent, _) => {
-            return Err(Error::invalid_state("tensor has no values (only nominal checkpoints may omit them)"))
+            return Err(Error::invalid_state(
+                "tensor has no values (only nominal checkpoints may omit them)",
+            ))
         }
         (_, dt) => {
             return Err(Error::invalid_state(format!(
                 "{} tensors take {}",
                 dt.name(),
-                if dt == DataType::String { "strings" } else { "bytes" }
+                if dt == DataType::String {
+                    "strings"
+                } else {
+                    "bytes"
+                }
             )))
         }
     }
@@ -396,7 +440,9 @@ fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
 
 fn unique<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
     match first_duplicate(names) {
-        Some(name) => Err(Error::invalid_state(format!("duplicate {what} name '{name}'"))),
+        Some(name) => Err(Error::invalid_state(format!(
+            "duplicate {what} name '{name}'"
+        ))),
         None => Ok(()),
     }
 }
@@ -423,12 +469,24 @@ fn capacity_bound(ckpt: &Checkpoint<Payload<'_>>, inline_values: usize) -> usize
     }
     for g in &ckpt.optimizer_groups {
         metadata += 128 + 2 * g.name.len();
-        metadata += g.states.iter().map(|s| 64 + 2 * s.param_name.len()).sum::<usize>();
+        metadata += g
+            .states
+            .iter()
+            .map(|s| 64 + 2 * s.param_name.len())
+            .sum::<usize>();
     }
     let p = &ckpt.properties;
     metadata += p.ints.iter().map(|(n, _)| 64 + 2 * n.len()).sum::<usize>();
-    metadata += p.floats.iter().map(|(n, _)| 64 + 2 * n.len()).sum::<usize>();
-    metadata += p.strings.iter().map(|(n, v)| 64 + 2 * (n.len() + v.len())).sum::<usize>();
+    metadata += p
+        .floats
+        .iter()
+        .map(|(n, _)| 64 + 2 * n.len())
+        .sum::<usize>();
+    metadata += p
+        .strings
+        .iter()
+        .map(|(n, v)| 64 + 2 * (n.len() + v.len()))
+        .sum::<usize>();
     values + 2 * metadata
 }
 

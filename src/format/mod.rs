@@ -10,7 +10,9 @@ mod verify;
 pub use decode::decode;
 pub use dtype::DataType;
 pub use encode::{encode, Encoded, Placement};
-pub use model::{Checkpoint, OptimizerGroup, ParameterOptimizerState, Payload, PropertyBag, Stored, Tensor};
+pub use model::{
+    Checkpoint, OptimizerGroup, ParameterOptimizerState, Payload, PropertyBag, Stored, Tensor,
+};
 
 /// The only checkpoint version ONNX Runtime reads and writes.
 pub const CHECKPOINT_VERSION: i32 = 2;

@@ -101,7 +101,10 @@ impl<D> Checkpoint<D> {
             .optimizer_groups
             .iter()
             .flat_map(|g| g.states.iter().flat_map(|s| s.momentums.iter()));
-        self.trainable.iter().chain(self.frozen.iter()).chain(momentums)
+        self.trainable
+            .iter()
+            .chain(self.frozen.iter())
+            .chain(momentums)
     }
 
     /// Sorts everything the way ONNX Runtime's state-path saver writes it:

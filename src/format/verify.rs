@@ -8,7 +8,9 @@
 //! field, except that int64 vectors need 4-byte alignment. Reading them is still
 //! sound: flatbuffers reads every scalar with an unaligned copy.
 
-use flatbuffers::{ForwardsUOffset, InvalidFlatbuffer, Verifiable, Vector, Verifier, VerifierOptions};
+use flatbuffers::{
+    ForwardsUOffset, InvalidFlatbuffer, Vector, Verifiable, Verifier, VerifierOptions,
+};
 
 use crate::generated::onnxruntime::fbs;
 
@@ -51,7 +53,11 @@ impl Verifiable for CheckpointTable {
         v.visit_table(pos)?
             .visit_field::<i32>("version", T::VT_VERSION, false)?
             .visit_field::<Table<ModuleStateTable>>("module_state", T::VT_MODULE_STATE, false)?
-            .visit_field::<List<OptimizerGroupTable>>("optimizer_groups", T::VT_OPTIMIZER_GROUPS, false)?
+            .visit_field::<List<OptimizerGroupTable>>(
+                "optimizer_groups",
+                T::VT_OPTIMIZER_GROUPS,
+                false,
+            )?
             .visit_field::<Table<PropertyBagTable>>("property_bag", T::VT_PROPERTY_BAG, false)?
             .finish();
         Ok(())
@@ -62,7 +68,11 @@ impl Verifiable for ModuleStateTable {
     fn run_verifier(v: &mut Verifier, pos: usize) -> VResult {
         use fbs::ModuleState as T;
         v.visit_table(pos)?
-            .visit_field::<List<TensorTable>>("requires_grad_params", T::VT_REQUIRES_GRAD_PARAMS, false)?
+            .visit_field::<List<TensorTable>>(
+                "requires_grad_params",
+                T::VT_REQUIRES_GRAD_PARAMS,
+                false,
+            )?
             .visit_field::<List<TensorTable>>("frozen_params", T::VT_FROZEN_PARAMS, false)?
             .visit_field::<bool>("is_nominal_state", T::VT_IS_NOMINAL_STATE, false)?
             .visit_field::<bool>("has_external_data", T::VT_HAS_EXTERNAL_DATA, false)?
@@ -94,7 +104,11 @@ impl Verifiable for OptimizerGroupTable {
             .visit_field::<Str>("group_name", T::VT_GROUP_NAME, false)?
             .visit_field::<i64>("step", T::VT_STEP, false)?
             .visit_field::<f32>("initial_learning_rate", T::VT_INITIAL_LEARNING_RATE, false)?
-            .visit_field::<List<ParameterOptimizerStateTable>>("optimizer_states", T::VT_OPTIMIZER_STATES, false)?
+            .visit_field::<List<ParameterOptimizerStateTable>>(
+                "optimizer_states",
+                T::VT_OPTIMIZER_STATES,
+                false,
+            )?
             .finish();
         Ok(())
     }
@@ -162,7 +176,10 @@ mod tests {
 
     /// ONNX Runtime's nominal checkpoint: its empty dims vectors sit 4 bytes off 8.
     fn ort_nominal_file() -> Vec<u8> {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/ort-vectors/protos_nominal.ckpt");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/ort-vectors/protos_nominal.ckpt"
+        );
         std::fs::read(path).unwrap()
     }
 
@@ -170,7 +187,10 @@ mod tests {
     fn int64_vectors_on_4_byte_boundaries_pass_like_in_onnx_runtime() {
         let buf = ort_nominal_file();
         let generated = fbs::root_as_checkpoint(&buf).unwrap_err();
-        assert!(matches!(generated, InvalidFlatbuffer::Unaligned { .. }), "{generated}");
+        assert!(
+            matches!(generated, InvalidFlatbuffer::Unaligned { .. }),
+            "{generated}"
+        );
         verify_checkpoint(&VerifierOptions::default(), &buf).unwrap();
     }
 }

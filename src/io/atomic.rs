@@ -18,7 +18,10 @@ const TEMP_MARKER: &str = ".ortckpt-tmp";
 /// directory (rename is only atomic within one filesystem), unique per call.
 pub fn temp_path_for(target: &Path) -> PathBuf {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let unique = format!(
         ".{name}{TEMP_MARKER}.{}.{}",
         std::process::id(),
@@ -71,7 +74,10 @@ pub fn write_pending(
     write: impl FnOnce(&mut File) -> io::Result<()>,
 ) -> Result<PendingFile> {
     if path.file_name().is_none() {
-        let e = io::Error::new(io::ErrorKind::InvalidInput, "the checkpoint path names no file");
+        let e = io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the checkpoint path names no file",
+        );
         return Err(Error::from(e).in_file(path));
     }
     let temp = temp_path_for(path);
@@ -81,7 +87,11 @@ pub fn write_pending(
         .open(&temp)
         .map_err(|e| Error::from(e).in_file(path))?;
     // From here on, dropping `pending` (on any error) removes the temporary file.
-    let pending = PendingFile { temp, target: path.to_path_buf(), committed: false };
+    let pending = PendingFile {
+        temp,
+        target: path.to_path_buf(),
+        committed: false,
+    };
     let written = write(&mut file).and_then(|()| if durable { file.sync_all() } else { Ok(()) });
     written.map_err(|e| Error::from(e).in_file(path))?;
     Ok(pending)
@@ -89,8 +99,13 @@ pub fn write_pending(
 
 /// fsyncs the directory holding `path`, so that renames into it survive a power cut.
 pub fn sync_parent_dir(path: &Path) -> Result<()> {
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::from(e).in_file(dir))
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::from(e).in_file(dir))
 }
 
 /// Runs `write` on a fresh temporary file and renames it over `path`.
@@ -120,7 +135,12 @@ pub fn write_segments(file: &mut File, segments: &[&[u8]]) -> io::Result<()> {
         let mut rest = &mut slices[..];
         while !rest.is_empty() {
             match file.write_vectored(rest) {
-                Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "failed to write the checkpoint")),
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "failed to write the checkpoint",
+                    ))
+                }
                 Ok(n) => IoSlice::advance_slices(&mut rest, n),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
@@ -138,7 +158,12 @@ pub fn write_segments(file: &mut File, segments: &[&[u8]]) -> io::Result<()> {
 /// the kernel throttles dirty pages, two pwrite threads had the best median and
 /// the tightest spread; at 1 GiB they were within 8 % of one sequential writer,
 /// and the memory map was slowest at both sizes (a page fault per 4 KiB page).
-pub fn write_at_parallel(file: &File, len: u64, values: &[(u64, &[u8])], threads: usize) -> io::Result<()> {
+pub fn write_at_parallel(
+    file: &File,
+    len: u64,
+    values: &[(u64, &[u8])],
+    threads: usize,
+) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
 
     file.set_len(len)?;
@@ -155,8 +180,9 @@ pub fn write_at_parallel(file: &File, len: u64, values: &[(u64, &[u8])], threads
                 })
             })
             .collect();
-        workers
-            .into_iter()
-            .try_for_each(|w| w.join().unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked"))))
+        workers.into_iter().try_for_each(|w| {
+            w.join()
+                .unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked")))
+        })
     })
 }

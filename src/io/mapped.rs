@@ -15,7 +15,11 @@ use crate::error::{Error, Result};
 ///
 /// # Errors
 /// OS errors (missing file, permissions) and the `too_short` error, with the path attached.
-pub fn map_private(path: &Path, min_len: u64, too_short: impl FnOnce(u64) -> Error) -> Result<MmapMut> {
+pub fn map_private(
+    path: &Path,
+    min_len: u64,
+    too_short: impl FnOnce(u64) -> Error,
+) -> Result<MmapMut> {
     let (file, len) = open(path)?;
     if len < min_len.max(1) {
         return Err(too_short(len).in_file(path));
@@ -38,7 +42,10 @@ pub fn map_private_any(path: &Path) -> Result<Option<MmapMut>> {
 
 fn open(path: &Path) -> Result<(File, u64)> {
     let file = File::open(path).map_err(|e| Error::from(e).in_file(path))?;
-    let len = file.metadata().map_err(|e| Error::from(e).in_file(path))?.len();
+    let len = file
+        .metadata()
+        .map_err(|e| Error::from(e).in_file(path))?
+        .len();
     Ok((file, len))
 }
 

@@ -5,6 +5,7 @@ mod atomic;
 mod mapped;
 
 pub use atomic::{
-    replace_atomically, sync_parent_dir, temp_path_for, write_at_parallel, write_pending, write_segments, PendingFile,
+    replace_atomically, sync_parent_dir, temp_path_for, write_at_parallel, write_pending,
+    write_segments, PendingFile,
 };
 pub use mapped::{map_private, map_private_any};

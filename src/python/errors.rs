@@ -17,7 +17,9 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
                 // Python builds "[Errno N] strerror: 'filename'" and picks the subclass from errno.
                 Some(errno) => {
                     let full = io.to_string();
-                    let strerror = full.strip_suffix(&format!(" (os error {errno})")).unwrap_or(&full);
+                    let strerror = full
+                        .strip_suffix(&format!(" (os error {errno})"))
+                        .unwrap_or(&full);
                     PyOSError::new_err((errno, strerror.to_owned(), filename))
                 }
                 None => PyOSError::new_err(format!("{e}")),
@@ -32,10 +34,22 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
 }
 
 pub fn internal_error(py: Python<'_>, message: &str) -> PyErr {
-    package_error(py, "InternalError", &format!("internal error in ortckpt (please report): {message}"), None, None)
+    package_error(
+        py,
+        "InternalError",
+        &format!("internal error in ortckpt (please report): {message}"),
+        None,
+        None,
+    )
 }
 
-fn package_error(py: Python<'_>, class: &str, message: &str, filename: Option<String>, tensor: Option<&str>) -> PyErr {
+fn package_error(
+    py: Python<'_>,
+    class: &str,
+    message: &str,
+    filename: Option<String>,
+    tensor: Option<&str>,
+) -> PyErr {
     let build = || -> PyResult<PyErr> {
         let class = py.import("ortckpt.errors")?.getattr(class)?;
         let instance = class.call1((message,))?;

@@ -31,7 +31,11 @@ unsafe impl Sync for BasePtr {}
 
 impl MappedFile {
     pub fn new(mut map: MmapMut) -> Self {
-        MappedFile { base: BasePtr(map.as_mut_ptr()), len: map.len(), _map: map }
+        MappedFile {
+            base: BasePtr(map.as_mut_ptr()),
+            len: map.len(),
+            _map: map,
+        }
     }
 }
 
@@ -43,7 +47,11 @@ impl MappedFile {
 
     /// # Safety
     /// Called by Python with a valid `view` to fill.
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         if view.is_null() {
             return Err(PyBufferError::new_err("null Py_buffer"));
         }

@@ -14,7 +14,9 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::format::{Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor};
+use crate::format::{
+    Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
+};
 use crate::SaveOptions;
 use errors::to_py_err;
 use mapped::MappedFile;
@@ -42,7 +44,9 @@ fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 #[pyfunction]
 fn load<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
     guarded(py, || {
-        let loaded = py.detach(|| crate::load(&path)).map_err(|e| to_py_err(py, e))?;
+        let loaded = py
+            .detach(|| crate::load(&path))
+            .map_err(|e| to_py_err(py, e))?;
         let (map, data, ckpt) = loaded.into_parts();
         let out = PyDict::new(py);
         out.set_item("mapping", Py::new(py, MappedFile::new(map))?)?;
@@ -73,7 +77,9 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
         let dims = PyTuple::new(py, &t.dims)?;
         // (offset, length, in the external data file?) | [str] | None (nominal)
         let data = match &t.data {
-            Stored::Inline { offset, len } => (*offset as u64, *len as u64, false).into_pyobject(py)?.into_any(),
+            Stored::Inline { offset, len } => (*offset as u64, *len as u64, false)
+                .into_pyobject(py)?
+                .into_any(),
             Stored::External { offset, len } => (*offset, *len, true).into_pyobject(py)?.into_any(),
             Stored::Strings(values) => values.into_pyobject(py)?.into_any(),
             Stored::Absent => py.None().into_bound(py),
@@ -114,10 +120,18 @@ fn save(
             ..Default::default()
         };
         for (name, step, initial_learning_rate, states) in optimizer_groups {
-            let mut group = OptimizerGroup { name, step, initial_learning_rate, states: Vec::new() };
+            let mut group = OptimizerGroup {
+                name,
+                step,
+                initial_learning_rate,
+                states: Vec::new(),
+            };
             for (param_name, momentums) in states {
                 let momentums = tensors_in(py, momentums, &mut buffers, &path)?;
-                group.states.push(ParameterOptimizerState { param_name, momentums });
+                group.states.push(ParameterOptimizerState {
+                    param_name,
+                    momentums,
+                });
             }
             ckpt.optimizer_groups.push(group);
         }
@@ -132,8 +146,13 @@ fn save(
                 Intake::Absent => Payload::Absent,
             })
         })?;
-        let options = SaveOptions { durable, external_data_threshold, ..SaveOptions::default() };
-        py.detach(|| crate::save(&path, &mut payloads, &options)).map_err(|e| to_py_err(py, e))
+        let options = SaveOptions {
+            durable,
+            external_data_threshold,
+            ..SaveOptions::default()
+        };
+        py.detach(|| crate::save(&path, &mut payloads, &options))
+            .map_err(|e| to_py_err(py, e))
     })
 }
 
@@ -162,12 +181,20 @@ fn tensors_in<'py>(
             } else {
                 let buffer = PyBuffer::<u8>::get(&values)?;
                 if !buffer.is_c_contiguous() {
-                    return Err(py_err(crate::Error::invalid_state("values are not contiguous bytes"), &name));
+                    return Err(py_err(
+                        crate::Error::invalid_state("values are not contiguous bytes"),
+                        &name,
+                    ));
                 }
                 buffers.push(buffer);
                 Intake::Buffer(buffers.len() - 1)
             };
-            Ok(Tensor { name, data_type, dims, data })
+            Ok(Tensor {
+                name,
+                data_type,
+                dims,
+                data,
+            })
         })
         .collect()
 }
@@ -184,7 +211,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_class::<MappedFile>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
-    m.add("PAYLOAD_ALIGNMENT", crate::format::encode::PAYLOAD_ALIGNMENT)?;
-    m.add("DEFAULT_EXTERNAL_DATA_THRESHOLD", crate::DEFAULT_EXTERNAL_DATA_THRESHOLD)?;
+    m.add(
+        "PAYLOAD_ALIGNMENT",
+        crate::format::encode::PAYLOAD_ALIGNMENT,
+    )?;
+    m.add(
+        "DEFAULT_EXTERNAL_DATA_THRESHOLD",
+        crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    )?;
     Ok(())
 }

@@ -78,6 +78,7 @@ def test_a_short_data_file_is_refused_before_any_view_exists(state, tmp_path):
     CheckpointState.save_checkpoint(state, tmp_path / "c", external_data_threshold=0)
     data = tmp_path / "c.data"
     data.write_bytes(data.read_bytes()[:100])
+    # (w is first in the data file, so it is the tensor named; momentums are named group/param/momentum)
     with pytest.raises(CheckpointFormatError, match="lies beyond the end of the data file \\(100 bytes\\)") as e:
         CheckpointState.load_checkpoint(tmp_path / "c")
     assert e.value.filename == str(data)
