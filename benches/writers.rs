@@ -32,7 +32,13 @@ fn positioned(path: &str, bufs: &[Vec<u8>], threads: usize) {
 }
 
 fn mapped(path: &str, bufs: &[Vec<u8>], threads: usize) {
-    let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).unwrap();
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .unwrap();
     let total: usize = bufs.iter().map(|b| b.len()).sum();
     f.set_len(total as u64).unwrap();
     // SAFETY: the file was just created by this process and nothing else maps it.
@@ -46,14 +52,22 @@ fn mapped(path: &str, bufs: &[Vec<u8>], threads: usize) {
     }
     std::thread::scope(|s| {
         for work in per_thread {
-            s.spawn(move || work.into_iter().for_each(|(dst, src)| dst.copy_from_slice(src)));
+            s.spawn(move || {
+                work.into_iter()
+                    .for_each(|(dst, src)| dst.copy_from_slice(src))
+            });
         }
     });
 }
 
 fn main() {
-    let gib: usize = std::env::var("ORTCKPT_BENCH_GIB").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
-    let bufs: Vec<Vec<u8>> = (0..32 * gib).map(|i| vec![(i % 251) as u8 + 1; 32 << 20]).collect();
+    let gib: usize = std::env::var("ORTCKPT_BENCH_GIB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    let bufs: Vec<Vec<u8>> = (0..32 * gib)
+        .map(|i| vec![(i % 251) as u8 + 1; 32 << 20])
+        .collect();
     let dir = std::env::temp_dir().join(format!("ortckpt-writers-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     type Strategy = (&'static str, fn(&str, &[Vec<u8>]));
@@ -80,7 +94,13 @@ fn main() {
     for (k, (name, _)) in strategies.iter().enumerate() {
         let mut t = times[k].clone();
         t.sort_by(|a, b| a.total_cmp(b));
-        println!("  {name:20} median {:.3} s ({:.2} GiB/s), range {:.3}-{:.3} s", t[2], gib as f64 / t[2], t[0], t[4]);
+        println!(
+            "  {name:20} median {:.3} s ({:.2} GiB/s), range {:.3}-{:.3} s",
+            t[2],
+            gib as f64 / t[2],
+            t[0],
+            t[4]
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,19 +1,31 @@
 //! External data: values in `<checkpoint>.data`, the layout beyond 2 GiB.
 
 use ortckpt::format::encode::{EXTERNAL_MIN_BYTES, PAYLOAD_ALIGNMENT};
-use ortckpt::format::{Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor};
+use ortckpt::format::{
+    Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
+};
 use ortckpt::{external_data_path, load, save, ErrorKind, SaveOptions};
 
 fn bytes(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
+        .collect()
 }
 
 fn float<'a>(name: &str, data: &'a [u8]) -> Tensor<Payload<'a>> {
-    Tensor { name: name.into(), data_type: DataType::Float, dims: vec![(data.len() / 4) as i64], data: Payload::Bytes(data) }
+    Tensor {
+        name: name.into(),
+        data_type: DataType::Float,
+        dims: vec![(data.len() / 4) as i64],
+        data: Payload::Bytes(data),
+    }
 }
 
 fn external() -> SaveOptions {
-    SaveOptions { external_data_threshold: 0, ..SaveOptions::default() }
+    SaveOptions {
+        external_data_threshold: 0,
+        ..SaveOptions::default()
+    }
 }
 
 #[test]
@@ -21,12 +33,20 @@ fn values_move_out_momentums_included_small_ones_stay() {
     let (big, small, m0, m1) = (bytes(4000, 1), bytes(16, 2), bytes(4000, 3), bytes(4000, 4));
     let mut ckpt = Checkpoint {
         trainable: vec![float("w", &big), float("b", &small)],
-        frozen: vec![Tensor { name: "vocab".into(), data_type: DataType::String, dims: vec![1], data: Payload::Strings(vec!["x".into()]) }],
+        frozen: vec![Tensor {
+            name: "vocab".into(),
+            data_type: DataType::String,
+            dims: vec![1],
+            data: Payload::Strings(vec!["x".into()]),
+        }],
         optimizer_groups: vec![OptimizerGroup {
             name: "group0".into(),
             step: 2,
             initial_learning_rate: 0.1,
-            states: vec![ParameterOptimizerState { param_name: "w".into(), momentums: vec![float("momentum0", &m0), float("momentum1", &m1)] }],
+            states: vec![ParameterOptimizerState {
+                param_name: "w".into(),
+                momentums: vec![float("momentum0", &m0), float("momentum1", &m1)],
+            }],
         }],
         ..Default::default()
     };
@@ -51,11 +71,21 @@ fn values_move_out_momentums_included_small_ones_stay() {
         }
     }
     offsets.sort();
-    assert_eq!(offsets, [0, 4032, 8064], "w, then its momentums, packed at 64-byte boundaries");
-    assert_eq!(std::fs::metadata(external_data_path(&path)).unwrap().len(), 8064 + 4000);
+    assert_eq!(
+        offsets,
+        [0, 4032, 8064],
+        "w, then its momentums, packed at 64-byte boundaries"
+    );
+    assert_eq!(
+        std::fs::metadata(external_data_path(&path)).unwrap().len(),
+        8064 + 4000
+    );
     ckpt.sort_like_ort_state_path();
     ckpt.has_external_data = true;
-    assert!(loaded.as_payloads().unwrap() == ckpt, "every value read back from the data file");
+    assert!(
+        loaded.as_payloads().unwrap() == ckpt,
+        "every value read back from the data file"
+    );
 }
 
 #[test]
@@ -63,14 +93,28 @@ fn below_the_threshold_everything_stays_inline_and_a_stale_data_file_goes() {
     let w = bytes(4000, 1);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c");
-    let mut ckpt = Checkpoint { trainable: vec![float("w", &w)], ..Default::default() };
+    let mut ckpt = Checkpoint {
+        trainable: vec![float("w", &w)],
+        ..Default::default()
+    };
     save(&path, &mut ckpt, &external()).unwrap();
     let live = load(&path).unwrap();
-    save(&path, &mut ckpt, &SaveOptions { external_data_threshold: 4000, ..SaveOptions::default() }).unwrap();
+    save(
+        &path,
+        &mut ckpt,
+        &SaveOptions {
+            external_data_threshold: 4000,
+            ..SaveOptions::default()
+        },
+    )
+    .unwrap();
     assert!(!external_data_path(&path).exists());
     let inline = load(&path).unwrap();
     assert!(!inline.checkpoint().has_external_data);
-    assert_eq!(inline.bytes(&inline.checkpoint().trainable[0]).unwrap(), &w[..]);
+    assert_eq!(
+        inline.bytes(&inline.checkpoint().trainable[0]).unwrap(),
+        &w[..]
+    );
     // The earlier load still reads its (now unlinked) data file.
     assert_eq!(live.bytes(&live.checkpoint().trainable[0]).unwrap(), &w[..]);
 }
@@ -80,13 +124,39 @@ fn saving_a_loaded_external_checkpoint_over_itself() {
     let w = bytes(1 << 20, 5);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c");
-    save(&path, &mut Checkpoint { trainable: vec![float("w", &w)], ..Default::default() }, &external()).unwrap();
+    save(
+        &path,
+        &mut Checkpoint {
+            trainable: vec![float("w", &w)],
+            ..Default::default()
+        },
+        &external(),
+    )
+    .unwrap();
     let loaded = load(&path).unwrap();
-    save(&path, &mut loaded.as_payloads().unwrap(), &SaveOptions { durable: true, ..external() }).unwrap();
-    assert_eq!(loaded.bytes(&loaded.checkpoint().trainable[0]).unwrap(), &w[..]);
+    save(
+        &path,
+        &mut loaded.as_payloads().unwrap(),
+        &SaveOptions {
+            durable: true,
+            ..external()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        loaded.bytes(&loaded.checkpoint().trainable[0]).unwrap(),
+        &w[..]
+    );
     let again = load(&path).unwrap();
-    assert_eq!(again.bytes(&again.checkpoint().trainable[0]).unwrap(), &w[..]);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "c and c.data, no temporary files");
+    assert_eq!(
+        again.bytes(&again.checkpoint().trainable[0]).unwrap(),
+        &w[..]
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        2,
+        "c and c.data, no temporary files"
+    );
 }
 
 #[test]
@@ -94,7 +164,15 @@ fn a_missing_or_short_data_file_is_a_clear_error() {
     let w = bytes(4000, 1);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c");
-    save(&path, &mut Checkpoint { trainable: vec![float("w", &w)], ..Default::default() }, &external()).unwrap();
+    save(
+        &path,
+        &mut Checkpoint {
+            trainable: vec![float("w", &w)],
+            ..Default::default()
+        },
+        &external(),
+    )
+    .unwrap();
     let data = external_data_path(&path);
 
     std::fs::write(&data, &w[..3999]).unwrap();
@@ -102,10 +180,18 @@ fn a_missing_or_short_data_file_is_a_clear_error() {
     assert!(matches!(e.kind(), ErrorKind::Malformed(_)), "{e}");
     assert_eq!(e.path(), Some(data.as_path()));
     assert_eq!(e.tensor(), Some("w"));
-    assert!(e.to_string().contains("offset 0, 4000 bytes long, lies beyond the end of the data file (3999 bytes)"), "{e}");
+    assert!(
+        e.to_string().contains(
+            "offset 0, 4000 bytes long, lies beyond the end of the data file (3999 bytes)"
+        ),
+        "{e}"
+    );
 
     std::fs::write(&data, b"").unwrap();
-    assert!(matches!(load(&path).unwrap_err().kind(), ErrorKind::Malformed(_)));
+    assert!(matches!(
+        load(&path).unwrap_err().kind(),
+        ErrorKind::Malformed(_)
+    ));
 
     std::fs::remove_file(&data).unwrap();
     let e = load(&path).unwrap_err();
@@ -122,7 +208,10 @@ fn a_momentum_beyond_the_data_file_is_named_within_its_group_and_parameter() {
             name: "group0".into(),
             step: 1,
             initial_learning_rate: 0.1,
-            states: vec![ParameterOptimizerState { param_name: "w".into(), momentums: vec![float("momentum0", &m0)] }],
+            states: vec![ParameterOptimizerState {
+                param_name: "w".into(),
+                momentums: vec![float("momentum0", &m0)],
+            }],
         }],
         ..Default::default()
     };

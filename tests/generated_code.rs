@@ -29,12 +29,23 @@ fn generated_code_matches_the_schema() {
         .arg(fresh.path())
         .status()
         .expect("schema/regen.sh runs (it needs bash and flatc 25.12.19 on PATH: run `make test`)");
-    assert!(status.success(), "schema/regen.sh failed; is flatc 25.12.19 on PATH? (`make test` provides it)");
+    assert!(
+        status.success(),
+        "schema/regen.sh failed; is flatc 25.12.19 on PATH? (`make test` provides it)"
+    );
     let committed = root.join("src/generated");
-    assert_eq!(files_under(fresh.path()), files_under(&committed), "generated file set differs");
+    assert_eq!(
+        files_under(fresh.path()),
+        files_under(&committed),
+        "generated file set differs"
+    );
     for rel in files_under(&committed) {
         let want = std::fs::read(fresh.path().join(&rel)).unwrap();
         let have = std::fs::read(committed.join(&rel)).unwrap();
-        assert!(want == have, "src/generated/{} drifted from schema/: run `make regen`", rel.display());
+        assert!(
+            want == have,
+            "src/generated/{} drifted from schema/: run `make regen`",
+            rel.display()
+        );
     }
 }

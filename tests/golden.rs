@@ -9,7 +9,10 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn tensor_json(loaded: &LoadedCheckpoint, t: &Tensor<Stored>) -> Value {
@@ -45,7 +48,8 @@ fn describe(loaded: &LoadedCheckpoint) -> Value {
                 .states
                 .iter()
                 .map(|s| {
-                    let momentums: Vec<Value> = s.momentums.iter().map(|m| tensor_json(loaded, m)).collect();
+                    let momentums: Vec<Value> =
+                        s.momentums.iter().map(|m| tensor_json(loaded, m)).collect();
                     serde_json::json!({"param_name": s.param_name, "momentums": momentums})
                 })
                 .collect();
@@ -58,11 +62,21 @@ fn describe(loaded: &LoadedCheckpoint) -> Value {
         })
         .collect();
     let p = &ckpt.properties;
-    let ints: serde_json::Map<String, Value> = p.ints.iter().map(|(k, v)| (k.clone(), (*v).into())).collect();
-    let floats: serde_json::Map<String, Value> =
-        p.floats.iter().map(|(k, v)| (k.clone(), (*v as f64).into())).collect();
-    let strings: serde_json::Map<String, Value> =
-        p.strings.iter().map(|(k, v)| (k.clone(), v.clone().into())).collect();
+    let ints: serde_json::Map<String, Value> = p
+        .ints
+        .iter()
+        .map(|(k, v)| (k.clone(), (*v).into()))
+        .collect();
+    let floats: serde_json::Map<String, Value> = p
+        .floats
+        .iter()
+        .map(|(k, v)| (k.clone(), (*v as f64).into()))
+        .collect();
+    let strings: serde_json::Map<String, Value> = p
+        .strings
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
     serde_json::json!({
         "version": 2,
         "has_external_data": ckpt.has_external_data,
@@ -89,15 +103,28 @@ fn golden_files_round_trip_through_ortckpt() {
         let expected: Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
         let loaded = load(&ckpt_path).unwrap();
         let out = dir.path().join("copy.ckpt");
-        save(&out, &mut loaded.as_payloads().unwrap(), &SaveOptions::default()).unwrap();
+        save(
+            &out,
+            &mut loaded.as_payloads().unwrap(),
+            &SaveOptions::default(),
+        )
+        .unwrap();
         let reloaded = load(&out).unwrap();
         // ortckpt writes the state-path order (sorted by name); compare as sets.
         let sorted = |mut v: Value| {
             v["parameters"].as_array_mut().unwrap().sort_by_key(|p| {
-                (!p["requires_grad"].as_bool().unwrap(), p["name"].as_str().unwrap().to_owned())
+                (
+                    !p["requires_grad"].as_bool().unwrap(),
+                    p["name"].as_str().unwrap().to_owned(),
+                )
             });
             v
         };
-        assert_eq!(sorted(describe(&reloaded)), sorted(expected), "{}", ckpt_path.display());
+        assert_eq!(
+            sorted(describe(&reloaded)),
+            sorted(expected),
+            "{}",
+            ckpt_path.display()
+        );
     }
 }

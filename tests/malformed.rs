@@ -25,7 +25,11 @@ fn golden(name: &str) -> Vec<u8> {
 
 #[test]
 fn every_truncation_fails_or_decodes_identically() {
-    for name in ["trained_with_optimizer.ckpt", "protos.ckpt", "protos_nominal.ckpt"] {
+    for name in [
+        "trained_with_optimizer.ckpt",
+        "protos.ckpt",
+        "protos_nominal.ckpt",
+    ] {
         let buf = golden(name);
         let full = decode(&buf).unwrap();
         for cut in 0..buf.len() {
@@ -56,8 +60,10 @@ fn wrong_identifier() {
 fn wrong_and_missing_version() {
     let raw = [0u8; 4];
     let t = [RawTensor::float("w", &[1], &raw)];
-    assert!(malformed_message(&build_raw(3, Some(&t), Some(&[]))).contains("version 3 is not supported"));
-    assert!(malformed_message(&build_raw(0, Some(&t), Some(&[]))).contains("version 0 is not supported"));
+    assert!(malformed_message(&build_raw(3, Some(&t), Some(&[])))
+        .contains("version 3 is not supported"));
+    assert!(malformed_message(&build_raw(0, Some(&t), Some(&[])))
+        .contains("version 0 is not supported"));
     decode(&build_raw(2, Some(&t), Some(&[]))).unwrap();
 }
 
@@ -67,12 +73,28 @@ fn missing_required_parts() {
     let ok = RawTensor::float("w", &[1], &raw);
     assert!(malformed_message(&build_raw(2, None, Some(&[]))).contains("no requires_grad_params"));
     assert!(malformed_message(&build_raw(2, Some(&[]), None)).contains("no frozen_params"));
-    let no_name = RawTensor { name: None, ..RawTensor::float("w", &[1], &raw) };
-    assert!(malformed_message(&build_raw(2, Some(&[no_name]), Some(&[]))).contains("#0 has no name"));
-    let no_dims = RawTensor { dims: None, ..RawTensor::float("w", &[1], &raw) };
-    assert_eq!(malformed_message(&build_raw(2, Some(&[]), Some(&[no_dims]))), "w: tensor has no dims");
-    let no_data = RawTensor { raw_data: None, ..RawTensor::float("w", &[1], &raw) };
-    assert!(malformed_message(&build_raw(2, Some(&[no_data]), Some(&[]))).contains("neither raw_data"));
+    let no_name = RawTensor {
+        name: None,
+        ..RawTensor::float("w", &[1], &raw)
+    };
+    assert!(
+        malformed_message(&build_raw(2, Some(&[no_name]), Some(&[]))).contains("#0 has no name")
+    );
+    let no_dims = RawTensor {
+        dims: None,
+        ..RawTensor::float("w", &[1], &raw)
+    };
+    assert_eq!(
+        malformed_message(&build_raw(2, Some(&[]), Some(&[no_dims]))),
+        "w: tensor has no dims"
+    );
+    let no_data = RawTensor {
+        raw_data: None,
+        ..RawTensor::float("w", &[1], &raw)
+    };
+    assert!(
+        malformed_message(&build_raw(2, Some(&[no_data]), Some(&[]))).contains("neither raw_data")
+    );
     let _ = ok;
 }
 
@@ -80,7 +102,10 @@ fn missing_required_parts() {
 fn dims_that_disagree_with_the_bytes() {
     let raw = [0u8; 12];
     let cases: [(&[i64], &str); 4] = [
-        (&[2, 2], "raw_data holds 12 bytes but dims [2, 2] of FLOAT need 16"),
+        (
+            &[2, 2],
+            "raw_data holds 12 bytes but dims [2, 2] of FLOAT need 16",
+        ),
         (&[3, -1], "negative dimension -1"),
         (&[i64::MAX, i64::MAX], "overflow the element count"),
         (&[1 << 61, 1], "overflow the byte length"),
@@ -88,7 +113,10 @@ fn dims_that_disagree_with_the_bytes() {
     for (dims, expected) in cases {
         let t = RawTensor::float("layer.w", dims, &raw);
         let m = malformed_message(&build_raw(2, Some(&[t]), Some(&[])));
-        assert!(m.starts_with("layer.w: ") && m.contains(expected), "{dims:?}: {m}");
+        assert!(
+            m.starts_with("layer.w: ") && m.contains(expected),
+            "{dims:?}: {m}"
+        );
     }
 }
 
@@ -96,9 +124,15 @@ fn dims_that_disagree_with_the_bytes() {
 fn unknown_and_undefined_data_types() {
     let raw = [0u8; 4];
     for code in [0, 23, 99, -5] {
-        let t = RawTensor { data_type: code, ..RawTensor::float("w", &[1], &raw) };
+        let t = RawTensor {
+            data_type: code,
+            ..RawTensor::float("w", &[1], &raw)
+        };
         let e = decode(&build_raw(2, Some(&[t]), Some(&[]))).unwrap_err();
-        assert!(matches!(e.kind(), ErrorKind::UnsupportedDataType(c) if *c == code.max(0) || *c == code), "{e}");
+        assert!(
+            matches!(e.kind(), ErrorKind::UnsupportedDataType(c) if *c == code.max(0) || *c == code),
+            "{e}"
+        );
         assert_eq!(e.tensor(), Some("w"));
     }
 }
@@ -108,13 +142,20 @@ fn duplicate_parameter_names() {
     let raw = [0u8; 4];
     let a = RawTensor::float("w", &[1], &raw);
     let b = RawTensor::float("w", &[1], &raw);
-    assert!(malformed_message(&build_raw(2, Some(&[a]), Some(&[b]))).contains("duplicate parameter name 'w'"));
+    assert!(malformed_message(&build_raw(2, Some(&[a]), Some(&[b])))
+        .contains("duplicate parameter name 'w'"));
 }
 
 #[test]
 fn external_offset_without_external_data_flag() {
-    let t = RawTensor { raw_data: None, external_data_offset: 0, ..RawTensor::float("w", &[1], &[]) };
-    assert!(malformed_message(&build_raw(2, Some(&[t]), Some(&[]))).contains("external_data_offset"));
+    let t = RawTensor {
+        raw_data: None,
+        external_data_offset: 0,
+        ..RawTensor::float("w", &[1], &[])
+    };
+    assert!(
+        malformed_message(&build_raw(2, Some(&[t]), Some(&[]))).contains("external_data_offset")
+    );
 }
 
 #[test]
@@ -140,7 +181,13 @@ fn load_names_the_file_and_missing_files_are_io_not_found() {
     let garbage = dir.path().join("garbage.ckpt");
     std::fs::write(&garbage, b"this is not a checkpoint at all").unwrap();
     let e = load(&garbage).unwrap_err();
-    assert!(e.to_string().starts_with(&format!("{}: not an ONNX Runtime training checkpoint", garbage.display())), "{e}");
+    assert!(
+        e.to_string().starts_with(&format!(
+            "{}: not an ONNX Runtime training checkpoint",
+            garbage.display()
+        )),
+        "{e}"
+    );
 }
 
 #[test]
@@ -157,7 +204,10 @@ fn invalid_states_are_refused_before_anything_is_written() {
     };
     let cases: Vec<(Checkpoint<Payload>, &str)> = vec![
         (
-            Checkpoint { trainable: vec![tensor("a", vec![3], DataType::Float)], ..Default::default() },
+            Checkpoint {
+                trainable: vec![tensor("a", vec![3], DataType::Float)],
+                ..Default::default()
+            },
             "tensor 'a': 8 bytes given but dims [3] of FLOAT need 12",
         ),
         (
@@ -169,7 +219,10 @@ fn invalid_states_are_refused_before_anything_is_written() {
             "duplicate parameter name 'a'",
         ),
         (
-            Checkpoint { trainable: vec![tensor("s", vec![1], DataType::String)], ..Default::default() },
+            Checkpoint {
+                trainable: vec![tensor("s", vec![1], DataType::String)],
+                ..Default::default()
+            },
             "STRING tensors take strings",
         ),
     ];
@@ -181,10 +234,17 @@ fn invalid_states_are_refused_before_anything_is_written() {
     }
     let e = save(
         &path,
-        &mut Checkpoint { trainable: vec![tensor("u", vec![2], DataType::Undefined)], ..Default::default() },
+        &mut Checkpoint {
+            trainable: vec![tensor("u", vec![2], DataType::Undefined)],
+            ..Default::default()
+        },
         &SaveOptions::default(),
     )
     .unwrap_err();
     assert!(matches!(e.kind(), ErrorKind::UnsupportedDataType(0)));
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left behind");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file left behind"
+    );
 }

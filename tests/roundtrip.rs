@@ -3,19 +3,31 @@
 use ortckpt::format::dtype::ALL_DATA_TYPES;
 use ortckpt::format::encode::PAYLOAD_ALIGNMENT;
 use ortckpt::format::{
-    decode, encode, Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Placement, PropertyBag, Stored,
-    Tensor,
+    decode, encode, Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload,
+    Placement, PropertyBag, Stored, Tensor,
 };
 use ortckpt::generated::onnxruntime::fbs;
 use ortckpt::{load, save, SaveOptions};
 
 /// Deterministic bytes, different per seed.
 fn bytes(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
-fn tensor<'a>(name: &str, data_type: DataType, dims: &[i64], data: &'a [u8]) -> Tensor<Payload<'a>> {
-    Tensor { name: name.into(), data_type, dims: dims.to_vec(), data: Payload::Bytes(data) }
+fn tensor<'a>(
+    name: &str,
+    data_type: DataType,
+    dims: &[i64],
+    data: &'a [u8],
+) -> Tensor<Payload<'a>> {
+    Tensor {
+        name: name.into(),
+        data_type,
+        dims: dims.to_vec(),
+        data: Payload::Bytes(data),
+    }
 }
 
 /// Decodes `buf` and turns the byte ranges back into slices of it.
@@ -37,7 +49,11 @@ fn encode_to_vec(ckpt: &Checkpoint<Payload>) -> Vec<u8> {
 
 #[test]
 fn every_data_type_round_trips_with_aligned_payloads() {
-    let sized: Vec<DataType> = ALL_DATA_TYPES.iter().copied().filter(|t| t.bits().is_some()).collect();
+    let sized: Vec<DataType> = ALL_DATA_TYPES
+        .iter()
+        .copied()
+        .filter(|t| t.bits().is_some())
+        .collect();
     let shapes: [&[i64]; 5] = [&[2, 3], &[], &[0], &[1, 1, 1, 1, 1, 1, 1, 5], &[7]];
     let datas: Vec<Vec<u8>> = sized
         .iter()
@@ -49,8 +65,17 @@ fn every_data_type_round_trips_with_aligned_payloads() {
         .collect();
     let mut ckpt = Checkpoint::default();
     for (i, t) in sized.iter().enumerate() {
-        let target = if i % 2 == 0 { &mut ckpt.trainable } else { &mut ckpt.frozen };
-        target.push(tensor(&format!("{}.{i}", t.name()), *t, shapes[i % shapes.len()], &datas[i]));
+        let target = if i % 2 == 0 {
+            &mut ckpt.trainable
+        } else {
+            &mut ckpt.frozen
+        };
+        target.push(tensor(
+            &format!("{}.{i}", t.name()),
+            *t,
+            shapes[i % shapes.len()],
+            &datas[i],
+        ));
     }
     ckpt.frozen.push(Tensor {
         name: "vocab".into(),
@@ -82,7 +107,10 @@ fn metadata_comes_first_and_values_follow_in_tensor_order() {
     let a = bytes(1000, 1);
     let b = bytes(3000, 2);
     let mut ckpt = Checkpoint {
-        trainable: vec![tensor("a", DataType::Uint8, &[1000], &a), tensor("b", DataType::Uint8, &[3000], &b)],
+        trainable: vec![
+            tensor("a", DataType::Uint8, &[1000], &a),
+            tensor("b", DataType::Uint8, &[3000], &b),
+        ],
         ..Default::default()
     };
     ckpt.sort_like_ort_state_path();
@@ -107,12 +135,25 @@ fn optional_parts_follow_onnx_runtimes_state_path() {
 
     // One property: all three property vectors are written.
     let ckpt = Checkpoint::<Payload> {
-        properties: PropertyBag { ints: vec![("epoch".into(), 1)], ..Default::default() },
+        properties: PropertyBag {
+            ints: vec![("epoch".into(), 1)],
+            ..Default::default()
+        },
         ..Default::default()
     };
     let buf = encode_to_vec(&ckpt);
-    let bag = fbs::root_as_checkpoint(&buf).unwrap().property_bag().unwrap();
-    assert_eq!((bag.ints().unwrap().len(), bag.floats().unwrap().len(), bag.strings().unwrap().len()), (1, 0, 0));
+    let bag = fbs::root_as_checkpoint(&buf)
+        .unwrap()
+        .property_bag()
+        .unwrap();
+    assert_eq!(
+        (
+            bag.ints().unwrap().len(),
+            bag.floats().unwrap().len(),
+            bag.strings().unwrap().len()
+        ),
+        (1, 0, 0)
+    );
 }
 
 #[test]
@@ -123,14 +164,25 @@ fn sorting_matches_the_state_path() {
         trainable: vec![m("z"), m("a"), m("m")],
         frozen: vec![m("y"), m("b")],
         optimizer_groups: vec![
-            OptimizerGroup { name: "g1".into(), step: 1, initial_learning_rate: 0.1, states: vec![] },
+            OptimizerGroup {
+                name: "g1".into(),
+                step: 1,
+                initial_learning_rate: 0.1,
+                states: vec![],
+            },
             OptimizerGroup {
                 name: "g0".into(),
                 step: 5,
                 initial_learning_rate: 1e-3,
                 states: vec![
-                    ParameterOptimizerState { param_name: "z".into(), momentums: vec![m("momentum1"), m("momentum0")] },
-                    ParameterOptimizerState { param_name: "a".into(), momentums: vec![m("momentum0")] },
+                    ParameterOptimizerState {
+                        param_name: "z".into(),
+                        momentums: vec![m("momentum1"), m("momentum0")],
+                    },
+                    ParameterOptimizerState {
+                        param_name: "a".into(),
+                        momentums: vec![m("momentum0")],
+                    },
                 ],
             },
         ],
@@ -147,12 +199,27 @@ fn sorting_matches_the_state_path() {
     let names = |ts: &[Tensor<Stored>]| ts.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
     assert_eq!(names(&d.trainable), ["a", "m", "z"]);
     assert_eq!(names(&d.frozen), ["b", "y"]);
-    assert_eq!(d.optimizer_groups.iter().map(|g| g.name.as_str()).collect::<Vec<_>>(), ["g0", "g1"]);
+    assert_eq!(
+        d.optimizer_groups
+            .iter()
+            .map(|g| g.name.as_str())
+            .collect::<Vec<_>>(),
+        ["g0", "g1"]
+    );
     let g0 = &d.optimizer_groups[0];
     assert_eq!((g0.step, g0.initial_learning_rate), (5, 1e-3));
-    assert_eq!(g0.states.iter().map(|s| s.param_name.as_str()).collect::<Vec<_>>(), ["a", "z"]);
+    assert_eq!(
+        g0.states
+            .iter()
+            .map(|s| s.param_name.as_str())
+            .collect::<Vec<_>>(),
+        ["a", "z"]
+    );
     assert_eq!(names(&g0.states[1].momentums), ["momentum0", "momentum1"]);
-    assert_eq!(d.properties.ints, [("a".to_string(), 2), ("b".to_string(), 1)]);
+    assert_eq!(
+        d.properties.ints,
+        [("a".to_string(), 2), ("b".to_string(), 1)]
+    );
     assert_eq!(d.properties.floats[0].0, "x");
     assert_eq!(d.properties.strings[0].0, "p");
 }
@@ -162,7 +229,12 @@ fn nominal_checkpoints_keep_names_and_types_only() {
     let w = bytes(24, 3);
     let mut ckpt = Checkpoint {
         trainable: vec![tensor("w", DataType::Float, &[2, 3], &w)],
-        frozen: vec![Tensor { name: "mask".into(), data_type: DataType::Bool, dims: vec![4], data: Payload::Absent }],
+        frozen: vec![Tensor {
+            name: "mask".into(),
+            data_type: DataType::Bool,
+            dims: vec![4],
+            data: Payload::Absent,
+        }],
         is_nominal: true,
         ..Default::default()
     };
@@ -172,7 +244,10 @@ fn nominal_checkpoints_keep_names_and_types_only() {
     let d = decode(&buf).unwrap();
     assert!(d.is_nominal);
     let t = &d.trainable[0];
-    assert_eq!((t.name.as_str(), t.data_type, t.dims.len(), &t.data), ("w", DataType::Float, 0, &Stored::Absent));
+    assert_eq!(
+        (t.name.as_str(), t.data_type, t.dims.len(), &t.data),
+        ("w", DataType::Float, 0, &Stored::Absent)
+    );
     assert_eq!(d.frozen[0].data_type, DataType::Bool);
 }
 
@@ -181,17 +256,41 @@ fn saving_over_the_file_a_live_load_maps_keeps_both_intact() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.ckpt");
     let w = bytes(1 << 20, 9);
-    let mut ckpt = Checkpoint { trainable: vec![tensor("w", DataType::Float, &[1 << 18], &w)], ..Default::default() };
+    let mut ckpt = Checkpoint {
+        trainable: vec![tensor("w", DataType::Float, &[1 << 18], &w)],
+        ..Default::default()
+    };
     save(&path, &mut ckpt, &SaveOptions::default()).unwrap();
 
     let loaded = load(&path).unwrap();
     let mut again = loaded.as_payloads().unwrap();
     again.properties.ints.push(("epoch".into(), 2));
-    save(&path, &mut again, &SaveOptions { durable: true, ..SaveOptions::default() }).unwrap();
+    save(
+        &path,
+        &mut again,
+        &SaveOptions {
+            durable: true,
+            ..SaveOptions::default()
+        },
+    )
+    .unwrap();
     // The live mapping still reads the old bytes; the file holds the new checkpoint.
-    assert_eq!(loaded.bytes(&loaded.checkpoint().trainable[0]).unwrap(), &w[..]);
+    assert_eq!(
+        loaded.bytes(&loaded.checkpoint().trainable[0]).unwrap(),
+        &w[..]
+    );
     let reloaded = load(&path).unwrap();
-    assert_eq!(reloaded.bytes(&reloaded.checkpoint().trainable[0]).unwrap(), &w[..]);
-    assert_eq!(reloaded.checkpoint().properties.ints, [("epoch".to_string(), 2)]);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left behind");
+    assert_eq!(
+        reloaded.bytes(&reloaded.checkpoint().trainable[0]).unwrap(),
+        &w[..]
+    );
+    assert_eq!(
+        reloaded.checkpoint().properties.ints,
+        [("epoch".to_string(), 2)]
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file left behind"
+    );
 }

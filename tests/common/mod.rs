@@ -19,7 +19,10 @@ pub fn golden_files() -> Vec<(PathBuf, PathBuf)> {
             let path = entry.unwrap().path();
             if path.is_dir() {
                 dirs.push(path);
-            } else if path.extension().is_none_or(|e| e != "json" && e != "md" && e != "onnx") {
+            } else if path
+                .extension()
+                .is_none_or(|e| e != "json" && e != "md" && e != "onnx")
+            {
                 let json = PathBuf::from(format!("{}.json", path.display()));
                 assert!(json.exists(), "{} has no JSON description", path.display());
                 out.push((path, json));
@@ -42,21 +45,40 @@ pub struct RawTensor<'a> {
 
 impl<'a> RawTensor<'a> {
     pub fn float(name: &'a str, dims: &'a [i64], raw: &'a [u8]) -> Self {
-        RawTensor { name: Some(name), dims: Some(dims), data_type: 1, raw_data: Some(raw), external_data_offset: -1 }
+        RawTensor {
+            name: Some(name),
+            dims: Some(dims),
+            data_type: 1,
+            raw_data: Some(raw),
+            external_data_offset: -1,
+        }
     }
 }
 
 /// Builds a checkpoint with the generated code directly, so tests can write
 /// files that ortckpt's own encoder would refuse to produce.
-pub fn build_raw(version: i32, trainable: Option<&[RawTensor]>, frozen: Option<&[RawTensor]>) -> Vec<u8> {
+pub fn build_raw(
+    version: i32,
+    trainable: Option<&[RawTensor]>,
+    frozen: Option<&[RawTensor]>,
+) -> Vec<u8> {
     let mut fbb = FlatBufferBuilder::new();
     let requires_grad_params = trainable.map(|l| raw_tensors(&mut fbb, l));
     let frozen_params = frozen.map(|l| raw_tensors(&mut fbb, l));
-    let args = fbs::ModuleStateArgs { requires_grad_params, frozen_params, ..Default::default() };
+    let args = fbs::ModuleStateArgs {
+        requires_grad_params,
+        frozen_params,
+        ..Default::default()
+    };
     let module_state = Some(fbs::ModuleState::create(&mut fbb, &args));
     let root = fbs::Checkpoint::create(
         &mut fbb,
-        &fbs::CheckpointArgs { version, module_state, optimizer_groups: None, property_bag: None },
+        &fbs::CheckpointArgs {
+            version,
+            module_state,
+            optimizer_groups: None,
+            property_bag: None,
+        },
     );
     fbs::finish_checkpoint_buffer(&mut fbb, root);
     fbb.finished_data().to_vec()
@@ -65,7 +87,8 @@ pub fn build_raw(version: i32, trainable: Option<&[RawTensor]>, frozen: Option<&
 fn raw_tensors<'f>(
     fbb: &mut FlatBufferBuilder<'f>,
     list: &[RawTensor],
-) -> flatbuffers::WIPOffset<flatbuffers::Vector<'f, flatbuffers::ForwardsUOffset<fbs::Tensor<'f>>>> {
+) -> flatbuffers::WIPOffset<flatbuffers::Vector<'f, flatbuffers::ForwardsUOffset<fbs::Tensor<'f>>>>
+{
     let offsets: Vec<_> = list
         .iter()
         .map(|t| {
