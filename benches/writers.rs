@@ -28,7 +28,7 @@ fn positioned(path: &str, bufs: &[Vec<u8>], threads: usize) {
         values.push((at, &b[..]));
         at += b.len() as u64;
     }
-    write_at_parallel(&f, at, &values, threads).unwrap();
+    write_at_parallel(&f, at, &values, threads, false).unwrap();
 }
 
 fn mapped(path: &str, bufs: &[Vec<u8>], threads: usize) {

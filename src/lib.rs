@@ -239,13 +239,13 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     let data = if encoded.has_external_data() {
         let (len, values) = encoded.external_data();
         Some(io::write_pending(&data_path, options.durable, |file| {
-            io::write_at_parallel(file, len, values, options.threads)
+            io::write_at_parallel(file, len, values, options.threads, options.durable)
         })?)
     } else {
         None
     };
     let main = io::write_pending(path, options.durable, |file| {
-        io::write_segments(file, &encoded.segments())
+        io::write_segments(file, &encoded.segments(), options.durable)
     })?;
     if let Some(data) = data {
         data.commit()?;

@@ -138,10 +138,13 @@ def _dtype_text(value: TensorValue) -> str:
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
     """A flat little-endian uint8 view of ``array``: no copy when it is contiguous and little-endian."""
-    array = np.ascontiguousarray(array)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return array.reshape(-1).view(np.uint8)
+    # The core reads the buffer as flat bytes, so any C-contiguous shape will do
+    # (a 0-d array cannot change its item size, hence the reshape there only).
+    return array.view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
 
 
 class Parameter:

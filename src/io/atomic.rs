@@ -9,6 +9,7 @@ use std::io::{self, IoSlice, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::writeback::{start_writeback, PIECE};
 use crate::error::{Error, Result};
 
 /// Prefix of temporary files, so readers and cleaners can recognise them.
@@ -126,25 +127,51 @@ pub fn replace_atomically(
     Ok(())
 }
 
-/// Writes consecutive slices with as few system calls as the kernel allows
-/// (writev, up to 1024 slices at a time) and no copy on our side.
-pub fn write_segments(file: &mut File, segments: &[&[u8]]) -> io::Result<()> {
+/// Writes consecutive slices to a fresh file with few system calls (writev of
+/// up to 1024 slices and [`PIECE`] bytes at a time) and no copy on our side;
+/// with `writeback`, each piece's writeback starts as soon as it is written.
+pub fn write_segments(file: &mut File, segments: &[&[u8]], writeback: bool) -> io::Result<()> {
     const MAX_IOV: usize = 1024;
-    for batch in segments.chunks(MAX_IOV) {
-        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|s| IoSlice::new(s)).collect();
-        let mut rest = &mut slices[..];
-        while !rest.is_empty() {
-            match file.write_vectored(rest) {
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::WriteZero,
-                        "failed to write the checkpoint",
-                    ))
+    let mut pieces = segments.iter().flat_map(|s| s.chunks(PIECE)).peekable();
+    let mut position = 0u64;
+    let mut batch: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
+    loop {
+        let mut bytes = 0;
+        while batch.len() < MAX_IOV {
+            match pieces.peek() {
+                Some(next) if batch.is_empty() || bytes + next.len() <= PIECE => {
+                    bytes += next.len();
+                    batch.push(IoSlice::new(next));
+                    pieces.next();
                 }
-                Ok(n) => IoSlice::advance_slices(&mut rest, n),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+                _ => break,
             }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        write_all_vectored(file, &mut batch)?;
+        if writeback {
+            start_writeback(file, position, bytes as u64);
+        }
+        position += bytes as u64;
+        batch.clear();
+    }
+}
+
+fn write_all_vectored(file: &mut File, slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut rest = slices;
+    while !rest.is_empty() {
+        match file.write_vectored(rest) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "failed to write the checkpoint",
+                ))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -158,11 +185,13 @@ pub fn write_segments(file: &mut File, segments: &[&[u8]]) -> io::Result<()> {
 /// the kernel throttles dirty pages, two pwrite threads had the best median and
 /// the tightest spread; at 1 GiB they were within 8 % of one sequential writer,
 /// and the memory map was slowest at both sizes (a page fault per 4 KiB page).
+/// With `writeback`, each [`PIECE`]'s writeback starts as soon as it is written.
 pub fn write_at_parallel(
     file: &File,
     len: u64,
     values: &[(u64, &[u8])],
     threads: usize,
+    writeback: bool,
 ) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
 
@@ -174,7 +203,14 @@ pub fn write_at_parallel(
             .map(|t| {
                 scope.spawn(move || -> io::Result<()> {
                     for &(offset, bytes) in values.iter().skip(t).step_by(threads) {
-                        file.write_all_at(bytes, offset)?;
+                        let mut at = offset;
+                        for piece in bytes.chunks(PIECE) {
+                            file.write_all_at(piece, at)?;
+                            if writeback {
+                                start_writeback(file, at, piece.len() as u64);
+                            }
+                            at += piece.len() as u64;
+                        }
                     }
                     Ok(())
                 })
@@ -185,4 +221,52 @@ pub fn write_at_parallel(
                 .unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked")))
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Slices of every kind of size: empty, tiny, and larger than one write piece.
+    fn segments() -> Vec<Vec<u8>> {
+        let sizes = [0, 1, 4, PIECE + 3, 7, 0, 2 * PIECE, 60, 1 << 20];
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (i * 31 + j) as u8).collect())
+            .collect()
+    }
+
+    #[test]
+    fn write_segments_writes_every_byte_in_order_with_and_without_writeback() {
+        let segments = segments();
+        let slices: Vec<&[u8]> = segments.iter().map(Vec::as_slice).collect();
+        let expected = segments.concat();
+        for writeback in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("f");
+            let mut file = File::create(&path).unwrap();
+            write_segments(&mut file, &slices, writeback).unwrap();
+            assert!(fs::read(&path).unwrap() == expected, "writeback {writeback}");
+        }
+    }
+
+    #[test]
+    fn write_at_parallel_places_every_value_and_zeroes_the_gaps() {
+        let segments = segments();
+        let mut values = Vec::new();
+        let mut expected = Vec::new();
+        for s in &segments {
+            expected.resize(expected.len().next_multiple_of(64), 0);
+            values.push((expected.len() as u64, s.as_slice()));
+            expected.extend_from_slice(s);
+        }
+        for (threads, writeback) in [(1, false), (2, true), (3, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("f");
+            let file = File::create(&path).unwrap();
+            write_at_parallel(&file, expected.len() as u64, &values, threads, writeback).unwrap();
+            assert!(fs::read(&path).unwrap() == expected, "{threads} threads");
+        }
+    }
 }

@@ -3,6 +3,7 @@
 
 mod atomic;
 mod mapped;
+mod writeback;
 
 pub use atomic::{
     replace_atomically, sync_parent_dir, temp_path_for, write_at_parallel, write_pending,
