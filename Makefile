@@ -15,7 +15,7 @@ ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
 
-.PHONY: run test test-large build cargo-test pytest regen bench clean
+.PHONY: run test test-large build cargo-test pytest regen corpus bench clean
 
 run: build
 	$(PY) benches/demo.py
@@ -48,6 +48,11 @@ test-large: build $(ORT_VENV)/.ok
 # Rewrites src/generated from schema/ (tests/generated_code.rs fails when they drift).
 regen: $(VENV)/.ok
 	schema/regen.sh
+
+# Rewrites the malformed-file corpus tests/data/malformed from tests/malformed_corpus.rs
+# (which fails when the committed files drift from it).
+corpus:
+	ORTCKPT_WRITE_CORPUS=1 cargo test --quiet --test malformed_corpus the_committed_corpus
 
 # The benchmark suite (not part of `make test`): writes benches/out/results.{md,json}, throughput.png
 # and scale.md, then runs the writer-strategy measurement.

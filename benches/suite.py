@@ -499,7 +499,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="many-small,transformer,huge")
     parser.add_argument("--sizes", default="1,4", help="GiB, comma-separated")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temp dir on /tmp)")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     parser.add_argument("--ort-python", default=os.environ.get("ORTCKPT_ORT_PYTHON"))

@@ -247,7 +247,10 @@ mod tests {
             let path = dir.path().join("f");
             let mut file = File::create(&path).unwrap();
             write_segments(&mut file, &slices, writeback).unwrap();
-            assert!(fs::read(&path).unwrap() == expected, "writeback {writeback}");
+            assert!(
+                fs::read(&path).unwrap() == expected,
+                "writeback {writeback}"
+            );
         }
     }
 
