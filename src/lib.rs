@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use memmap2::MmapMut;
 
 pub use error::{Error, ErrorKind, Result};
-use format::{Checkpoint, Payload, Placement, Stored, Tensor};
+use format::{pairing, Checkpoint, Payload, Placement, Stored, Tensor};
 
 /// ONNX Runtime's default: above this many bytes of values, a checkpoint uses external data.
 pub const DEFAULT_EXTERNAL_DATA_THRESHOLD: u64 = 1800 << 20;
@@ -155,27 +155,76 @@ impl LoadedCheckpoint {
 /// there is one, the tensor.
 pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     format::endian::ensure_host_little_endian()?;
-    let map = io::map_private(path, 8, |len| {
-        Error::malformed(format!(
-            "file is too short to be a checkpoint ({len} bytes)"
-        ))
-    })?;
+    let map = map_checkpoint(path)?;
     let checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
-    let data = if checkpoint.has_external_data {
-        let data_path = external_data_path(path);
-        let data = io::map_private_any(&data_path)?;
-        let len = data.as_ref().map_or(0, |d| d.len() as u64);
-        check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
-        data
-    } else {
-        None
-    };
+    if !checkpoint.has_external_data {
+        return Ok(LoadedCheckpoint {
+            path: path.to_path_buf(),
+            map,
+            data: None,
+            checkpoint,
+        });
+    }
+    let data_path = external_data_path(path);
+    let data = io::map_private_any(&data_path)?;
+    let data_id = data.as_deref().and_then(pairing::pair_id);
+    if let (Some(main_id), Some(data_id)) = (pairing::pair_id(&map), data_id) {
+        if main_id != data_id {
+            return load_interrupted_save(path, data, data_id);
+        }
+    }
+    let len = data.as_ref().map_or(0, |d| d.len() as u64);
+    check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
     Ok(LoadedCheckpoint {
         path: path.to_path_buf(),
         map,
         data,
         checkpoint,
     })
+}
+
+fn map_checkpoint(path: &Path) -> Result<MmapMut> {
+    io::map_private(path, 8, |len| {
+        Error::malformed(format!(
+            "file is too short to be a checkpoint ({len} bytes)"
+        ))
+    })
+}
+
+/// `path` and its data file come from different saves: a save was stopped between
+/// renaming its data file into place and renaming its checkpoint (see
+/// [`format::pairing`]). That save's checkpoint is complete in its temporary file,
+/// so it is the one loaded (nothing is renamed or deleted here; the next save
+/// cleans up).
+fn load_interrupted_save(
+    path: &Path,
+    data: Option<MmapMut>,
+    data_id: pairing::PairId,
+) -> Result<LoadedCheckpoint> {
+    let data_path = external_data_path(path);
+    for (temp, _pid) in io::pending_temps(path) {
+        let Ok(map) = map_checkpoint(&temp) else {
+            continue;
+        };
+        if pairing::pair_id(&map) != Some(data_id) {
+            continue;
+        }
+        let checkpoint = format::decode(&map).map_err(|e| e.in_file(&temp))?;
+        let len = data.as_ref().map_or(0, |d| d.len() as u64);
+        check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
+        return Ok(LoadedCheckpoint {
+            path: path.to_path_buf(),
+            map,
+            data,
+            checkpoint,
+        });
+    }
+    Err(Error::malformed(format!(
+        "the checkpoint and its data file {} come from different saves (a save was \
+         interrupted), and the checkpoint matching the data file is gone",
+        data_path.display()
+    ))
+    .in_file(path))
 }
 
 /// Every external tensor must lie inside the data file, before any view exists.
@@ -234,12 +283,13 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     let data_path = external_data_path(path);
     // Both files are written in full before either replaces its target, so a failed save
     // leaves the previous checkpoint whole. The data file is committed first: the
-    // checkpoint that points into it goes last (a crash between the two renames is
-    // the one window left, microseconds wide).
+    // checkpoint that points into it goes last. A crash between the two renames leaves
+    // the new data beside the old checkpoint; their pair trailers tell, and load then
+    // reads the new checkpoint from its temporary file (see format::pairing).
     let data = if encoded.has_external_data() {
         let (len, values) = encoded.external_data();
         Some(io::write_pending(&data_path, options.durable, |file| {
-            io::write_at_parallel(file, len, values, options.threads, options.durable)
+            io::write_at_parallel(file, len, &values, options.threads, options.durable)
         })?)
     } else {
         None
@@ -263,5 +313,9 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     if options.durable {
         io::sync_parent_dir(path)?;
     }
+    // Only now: until this save committed, a crashed save's temporary checkpoint
+    // may be the one that matches the data file (see load).
+    io::remove_stale_temps(path);
+    io::remove_stale_temps(&data_path);
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! External data: values in `<checkpoint>.data`, the layout beyond 2 GiB.
 
 use ortckpt::format::encode::{EXTERNAL_MIN_BYTES, PAYLOAD_ALIGNMENT};
+use ortckpt::format::pairing::PAIR_TRAILER_LEN;
 use ortckpt::format::{
     Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
 };
@@ -78,7 +79,8 @@ fn values_move_out_momentums_included_small_ones_stay() {
     );
     assert_eq!(
         std::fs::metadata(external_data_path(&path)).unwrap().len(),
-        8064 + 4000
+        8064 + 4000 + PAIR_TRAILER_LEN as u64,
+        "the values, then the pair trailer"
     );
     ckpt.sort_like_ort_state_path();
     ckpt.has_external_data = true;

@@ -27,6 +27,7 @@ use memmap2::MmapMut;
 
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, Payload, Tensor};
+use super::pairing::{self, PAIR_TRAILER_LEN};
 use super::{first_duplicate, CHECKPOINT_VERSION};
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
@@ -69,8 +70,12 @@ pub struct Encoded<'a> {
     /// (offset in the file, bytes): ascending, non-overlapping.
     payloads: Vec<(usize, &'a [u8])>,
     /// Where the inline values' region starts in the file (the builder wrote
-    /// everything before it).
+    /// everything before it), and its length.
     region_start: usize,
+    region_len: usize,
+    /// The region's bytes after the last value: zero padding, then the pair
+    /// trailer when the checkpoint has external data.
+    region_tail: Vec<u8>,
     /// What precedes each value in the region (padding, then its length prefix),
     /// which the builder's buffer leaves unwritten: value `i`'s gap ends at
     /// `gap_ends[i]` and starts where value `i - 1`'s ends (or at 0).
@@ -80,6 +85,8 @@ pub struct Encoded<'a> {
     external: Vec<(u64, &'a [u8])>,
     external_len: u64,
     has_external_data: bool,
+    /// The end of both files of an external pair (see [`super::pairing`]).
+    pair_trailer: Option<[u8; PAIR_TRAILER_LEN]>,
 }
 
 impl<'a> Encoded<'a> {
@@ -102,18 +109,22 @@ impl<'a> Encoded<'a> {
         self.has_external_data
     }
 
-    /// The external data file's size and its values by offset (gaps are zero padding).
-    pub fn external_data(&self) -> (u64, &[(u64, &'a [u8])]) {
-        (self.external_len, &self.external)
+    /// The external data file's size and its contents by offset (gaps are zero
+    /// padding): the values, then the pair trailer.
+    pub fn external_data(&self) -> (u64, Vec<(u64, &[u8])>) {
+        let mut parts: Vec<(u64, &[u8])> = self.external.clone();
+        let mut len = self.external_len;
+        if let Some(trailer) = &self.pair_trailer {
+            parts.push((len, trailer));
+            len += trailer.len() as u64;
+        }
+        (len, parts)
     }
 
     /// The file's bytes as consecutive slices: metadata from the builder, values from the caller.
     pub fn segments(&self) -> Vec<&[u8]> {
         let metadata = &self.buffer[self.start..];
-        let Some(&(last_at, last)) = self.payloads.last() else {
-            return vec![metadata];
-        };
-        let mut out = Vec::with_capacity(2 * self.payloads.len() + 2);
+        let mut out = Vec::with_capacity(2 * self.payloads.len() + 3);
         out.push(&metadata[..self.region_start]);
         let mut gap_start = 0;
         for (&(_, bytes), &gap_end) in self.payloads.iter().zip(&self.gap_ends) {
@@ -121,8 +132,10 @@ impl<'a> Encoded<'a> {
             out.push(bytes);
             gap_start = gap_end;
         }
-        // The builder's alignment padding after the last value.
-        out.push(&metadata[last_at + last.len()..]);
+        out.push(&self.region_tail);
+        // The builder's alignment padding after the region, if any.
+        out.push(&metadata[(self.region_start + self.region_len).min(metadata.len())..]);
+        out.retain(|s| !s.is_empty());
         out
     }
 }
@@ -165,17 +178,28 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
 
     // The inline values' region, in tensor order: where each value starts in it,
     // aligned, with room for its length prefix before it (the region itself starts
-    // aligned in the file).
-    let mut region_len = 0usize;
+    // aligned in the file). An external pair's trailer ends the region, and with
+    // it the file.
+    let mut values_end = 0usize;
     let mut inline_values = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
         if let (Slot::Nothing, Payload::Bytes(bytes)) = (slots[i], &t.data) {
             if !bytes.is_empty() && !ckpt.is_nominal {
-                let start = (region_len + 4).next_multiple_of(PAYLOAD_ALIGNMENT);
+                let start = (values_end + 4).next_multiple_of(PAYLOAD_ALIGNMENT);
                 inline_values.push((i, start, *bytes));
-                region_len = start + bytes.len();
+                values_end = start + bytes.len();
             }
         }
+    }
+    let pair_trailer = has_external_data.then(|| pairing::trailer(&pairing::new_pair_id()));
+    let region_len = match pair_trailer {
+        // A multiple of the alignment, so the builder pads nothing after it.
+        Some(_) => (values_end + PAIR_TRAILER_LEN).next_multiple_of(PAYLOAD_ALIGNMENT),
+        None => values_end,
+    };
+    let mut region_tail = vec![0u8; region_len - values_end];
+    if let Some(trailer) = &pair_trailer {
+        region_tail[region_len - values_end - PAIR_TRAILER_LEN..].copy_from_slice(trailer);
     }
 
     let mut fbb =
@@ -187,7 +211,7 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
     let mut gap_ends = Vec::with_capacity(inline_values.len());
     let mut holes = Vec::with_capacity(inline_values.len());
     let mut region_from_end = 0;
-    if !inline_values.is_empty() {
+    if region_len > 0 {
         // Offsets count from the buffer's end to a vector's length prefix.
         region_from_end = reserve(&mut fbb, region_len).value() as usize - 4;
         let mut at = 0;
@@ -276,11 +300,14 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         start,
         payloads,
         region_start: len - region_from_end,
+        region_len,
+        region_tail,
         gaps,
         gap_ends,
         external,
         external_len,
         has_external_data,
+        pair_trailer,
     })
 }
 

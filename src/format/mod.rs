@@ -5,6 +5,7 @@ pub mod dtype;
 pub mod encode;
 pub mod endian;
 pub mod model;
+pub mod pairing;
 mod verify;
 
 pub use decode::decode;

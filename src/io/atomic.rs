@@ -98,6 +98,60 @@ pub fn write_pending(
     Ok(pending)
 }
 
+/// The temporary files of saves to `target` that never committed (or still run):
+/// `(path, pid of the process that wrote it)`.
+pub fn pending_temps(target: &Path) -> Vec<(PathBuf, u32)> {
+    let (Some(dir), Some(name)) = (target.parent(), target.file_name()) else {
+        return Vec::new();
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!(".{}{TEMP_MARKER}.", name.to_string_lossy());
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            let rest = name.strip_prefix(&prefix)?;
+            let pid = rest.split('.').next()?.parse().ok()?;
+            Some((dir.join(&name), pid))
+        })
+        .collect()
+}
+
+/// Removes what crashed or killed saves to `target` left behind: temporary files
+/// whose writing process no longer runs. Files of live processes (a save in
+/// progress elsewhere) are left alone.
+pub fn remove_stale_temps(target: &Path) {
+    for (temp, pid) in pending_temps(target) {
+        if !process_is_alive(pid) {
+            let _ = fs::remove_file(temp);
+        }
+    }
+}
+
+#[cfg(unix)]
+fn process_is_alive(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return true; // another thread of ours may be mid-save
+    }
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+#[cfg(not(unix))]
+fn process_is_alive(_pid: u32) -> bool {
+    true // no cheap check: keep everything
+}
+
 /// fsyncs the directory holding `path`, so that renames into it survive a power cut.
 pub fn sync_parent_dir(path: &Path) -> Result<()> {
     let dir = path

@@ -6,7 +6,7 @@ mod mapped;
 mod writeback;
 
 pub use atomic::{
-    replace_atomically, sync_parent_dir, temp_path_for, write_at_parallel, write_pending,
-    write_segments, PendingFile,
+    pending_temps, remove_stale_temps, replace_atomically, sync_parent_dir, temp_path_for,
+    write_at_parallel, write_pending, write_segments, PendingFile,
 };
 pub use mapped::{map_private, map_private_any};
