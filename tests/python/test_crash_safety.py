@@ -1,0 +1,117 @@
+"""Saves stopped from outside: SIGKILL at random moments, a full disk. The target
+path must always load as the complete old checkpoint or the complete new one;
+leftover temporary files must not matter to readers and must go at the next save."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortckpt import CheckpointState
+
+TRIALS = 200
+
+
+def _arrays(seed: int) -> dict[str, np.ndarray]:
+    """Different names, shapes and values per seed, so a mix of two saves would show."""
+    rng = np.random.default_rng(seed)
+    arrays = {f"s{seed}.big{i}": rng.standard_normal(256 * 1024 + seed).astype(np.float32) for i in range(3)}
+    arrays.update({f"s{seed}.small{i}": rng.standard_normal(17).astype(np.float32) for i in range(64)})
+    return arrays
+
+
+def _matches(state: CheckpointState, arrays: dict[str, np.ndarray]) -> bool:
+    names = state.parameters.names()
+    if sorted(names) != sorted(arrays):
+        return False
+    return all(np.array_equal(state.parameters[n].data, arrays[n]) for n in names)
+
+
+def _temps(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir() if ".ortckpt-tmp." in p.name]
+
+
+def _save_forever(states: list[CheckpointState], target: Path, threshold: int) -> None:
+    """In a forked child: save the states in turn until killed."""
+    try:
+        while True:
+            for state in states:
+                CheckpointState.save_checkpoint(state, target, external_data_threshold=threshold)
+    finally:
+        os._exit(1)
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
+def test_sigkill_at_random_moments_leaves_the_old_or_the_new_checkpoint(external, tmp_path):
+    olds, news = _arrays(1), _arrays(2)
+    states = [CheckpointState.from_arrays(news), CheckpointState.from_arrays(olds)]
+    threshold = 0 if external else 1 << 40
+    target = tmp_path / "ckpt"
+    CheckpointState.save_checkpoint(states[1], target, external_data_threshold=threshold)
+    rng = random.Random(20261122)
+    seen = {"old": 0, "new": 0}
+    killed_mid_save = 0
+    for _ in range(TRIALS):
+        pid = os.fork()
+        if pid == 0:
+            _save_forever(states, target, threshold)
+        time.sleep(rng.uniform(0, 0.012))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        killed_mid_save += bool(_temps(tmp_path))
+        loaded = CheckpointState.load_checkpoint(target)  # leftovers or not, the target loads
+        if _matches(loaded, olds):
+            seen["old"] += 1
+        elif _matches(loaded, news):
+            seen["new"] += 1
+        else:
+            pytest.fail(f"after a kill the checkpoint is neither the old nor the new one: {seen}")
+    # The kills landed both between saves and inside them, and both outcomes occurred.
+    print(f"{TRIALS} kills: {seen}, {killed_mid_save} left temporary files")
+    assert seen["old"] > 0 and seen["new"] > 0, seen
+    assert killed_mid_save > 0
+    # Dead saves' temporaries go at the next save.
+    CheckpointState.save_checkpoint(states[0], target, external_data_threshold=threshold)
+    assert _temps(tmp_path) == []
+    assert _matches(CheckpointState.load_checkpoint(target), news)
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
+def test_a_full_disk_is_an_oserror_and_the_old_checkpoint_stays(external, tmp_path):
+    """The file size limit (RLIMIT_FSIZE) stands in for a full disk: writes past it
+    fail with EFBIG, as they would with ENOSPC on a full one."""
+    target = tmp_path / "ckpt"
+    olds = _arrays(1)
+    threshold = 0 if external else 1 << 40
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays(olds), target, external_data_threshold=threshold)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    script = textwrap.dedent(f"""
+        import resource, sys
+        import numpy as np
+        from ortckpt import CheckpointState
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # 1 MiB per file
+        state = CheckpointState.from_arrays({{"w": np.ones(1 << 20, np.float32)}})  # 4 MiB
+        try:
+            CheckpointState.save_checkpoint(state, {str(target)!r}, external_data_threshold={threshold})
+        except OSError as e:
+            print(e.errno, e.filename)
+            sys.exit(0)
+        sys.exit("the save succeeded past the file size limit")
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    code, filename = run.stdout.split()
+    assert int(code) in (errno.EFBIG, errno.ENOSPC)
+    assert filename == str(target) + (".data" if external else "")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporaries either
+    assert _matches(CheckpointState.load_checkpoint(target), olds)
