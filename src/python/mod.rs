@@ -205,10 +205,25 @@ fn buffer_bytes(buffer: &PyBuffer<u8>) -> &[u8] {
     unsafe { std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes()) }
 }
 
+/// Panics on purpose, inside the same guard as `load` and `save` (with the GIL
+/// released or held), so the test suite can prove that a panic arrives in Python
+/// as ortckpt.errors.InternalError. Not part of the API.
+#[pyfunction]
+fn _panic_for_test(py: Python<'_>, message: String, release_gil: bool) -> PyResult<()> {
+    guarded(py, || {
+        if release_gil {
+            py.detach(|| panic!("{message}"))
+        } else {
+            panic!("{message}")
+        }
+    })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add(

@@ -1,0 +1,75 @@
+"""The Rust boundary: no panic reaches Python as a crash, and threads share the
+library safely (what is and is not safe to share is documented in the README)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from ortckpt import CheckpointState, _core
+from ortckpt.errors import CheckpointError, InternalError
+
+
+@pytest.mark.parametrize("release_gil", [False, True], ids=["gil-held", "gil-released"])
+def test_a_panic_in_the_core_becomes_an_internal_error(release_gil):
+    with pytest.raises(InternalError, match="deliberate panic") as caught:
+        _core._panic_for_test("deliberate panic", release_gil)
+    assert isinstance(caught.value, CheckpointError)
+    # The interpreter and the library still work afterwards.
+    assert CheckpointState.from_arrays({"w": np.ones(3, np.float32)}).parameters["w"].data.sum() == 3
+
+
+def _arrays(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"t{seed}.{i}": rng.standard_normal(1000 + 37 * i).astype(np.float32) for i in range(20)}
+
+
+def test_threads_loading_reading_and_saving_different_checkpoints_at_once(tmp_path):
+    def work(seed: int) -> None:
+        arrays = _arrays(seed)
+        path = tmp_path / f"c{seed}"
+        for round_ in range(10):
+            threshold = 0 if (seed + round_) % 2 else 1 << 40
+            CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path, external_data_threshold=threshold)
+            loaded = CheckpointState.load_checkpoint(path)
+            for name, expected in arrays.items():
+                assert np.array_equal(loaded.parameters[name].data, expected)
+            arrays = {k: v + 1 for k, v in arrays.items()}
+
+    with ThreadPoolExecutor(8) as pool:
+        for future in [pool.submit(work, seed) for seed in range(16)]:
+            future.result()
+
+
+def test_threads_reading_one_loaded_state_see_the_same_values(tmp_path):
+    arrays = _arrays(7)
+    path = tmp_path / "shared"
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path)
+    state = CheckpointState.load_checkpoint(path)
+
+    def read_all(_: int) -> dict[str, float]:
+        return {name: float(state.parameters[name].data.sum()) for name in state.parameters.names()}
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(read_all, range(32)))
+    assert all(r == results[0] for r in results)
+    assert results[0] == pytest.approx({k: float(v.sum()) for k, v in arrays.items()})
+
+
+def test_threads_saving_to_the_same_path_leave_one_complete_checkpoint(tmp_path):
+    path = tmp_path / "contested"
+    candidates = [_arrays(seed) for seed in range(6)]
+
+    def save(arrays):
+        for _ in range(5):
+            CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path)
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(save, candidates))
+    loaded = CheckpointState.load_checkpoint(path)
+    names = sorted(loaded.parameters.names())
+    winner = next(a for a in candidates if sorted(a) == names)
+    assert all(np.array_equal(loaded.parameters[n].data, winner[n]) for n in names)
+    assert [p.name for p in tmp_path.iterdir()] == ["contested"]
