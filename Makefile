@@ -15,12 +15,12 @@ ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
 
-.PHONY: run test test-large build cargo-test pytest regen corpus bench clean
+.PHONY: run test test-large build cargo-test pytest fuzz fuzz-smoke regen corpus bench clean
 
 run: build
 	$(PY) benches/demo.py
 
-test: build $(ORT_VENV)/.ok cargo-test pytest
+test: build $(ORT_VENV)/.ok cargo-test pytest fuzz-smoke
 
 build: $(VENV)/.ok
 	maturin develop --release --quiet
@@ -40,6 +40,19 @@ cargo-test: $(VENV)/.ok
 
 pytest: build $(ORT_VENV)/.ok
 	$(PY) -m pytest -q tests/python tests/interop
+
+# Fuzzing (cargo-fuzz targets load_bytes and roundtrip, atheris over the Python API):
+# `make fuzz FUZZ_SECONDS=3600` for long runs; `make test` runs each for 20 s.
+FUZZ_SECONDS ?= 600
+fuzz: build $(VENV)/.fuzz-ok
+	tests/fuzz/run.sh $(FUZZ_SECONDS)
+
+fuzz-smoke: build $(VENV)/.fuzz-ok
+	tests/fuzz/run.sh 20
+
+$(VENV)/.fuzz-ok: $(VENV)/.ok
+	$(PY) -m pip install --quiet --disable-pip-version-check "atheris==3.0.0"
+	touch $@
 
 # Multi-GiB cases (a 12 GiB state, checkpoints past ONNX Runtime's 1800 MiB threshold): not in `make test`.
 test-large: build $(ORT_VENV)/.ok

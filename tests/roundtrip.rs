@@ -251,6 +251,17 @@ fn nominal_checkpoints_keep_names_and_types_only() {
     assert_eq!(d.frozen[0].data_type, DataType::Bool);
 }
 
+/// Found by the roundtrip fuzzer (tests/fuzz/regressions/roundtrip-nominal-without-parameters):
+/// the module state, which holds the nominal flag, was left out when there were no parameters.
+#[test]
+fn a_nominal_checkpoint_without_parameters_stays_nominal() {
+    let ckpt = Checkpoint::<Payload<'_>> {
+        is_nominal: true,
+        ..Default::default()
+    };
+    assert!(decode(&encode_to_vec(&ckpt)).unwrap().is_nominal);
+}
+
 #[test]
 fn saving_over_the_file_a_live_load_maps_keeps_both_intact() {
     let dir = tempfile::tempdir().unwrap();

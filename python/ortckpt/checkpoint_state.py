@@ -69,6 +69,8 @@ class _Tensor:
         return self._value
 
     def _view(self) -> TensorValue:
+        if self._mapping is None:
+            raise CheckpointStateError(f"tensor {self.name} has no values (it is from a nominal checkpoint)")
         if self.code in (_dt.INT4, _dt.UINT4):
             packed = np.frombuffer(self._mapping, np.uint8, self._nbytes, self._offset)
             return PackedInt4(packed, self.dims, self.code == _dt.INT4)
@@ -297,7 +299,8 @@ class OptimizerGroup:
 
     ``momentums`` maps a parameter name to its momentums by name: AdamW keeps
     ``momentum0`` (first moment) and ``momentum1`` (second moment), SGD ``momentum0``.
-    Only the *initial* learning rate is stored, as in ONNX Runtime.
+    Only the *initial* learning rate is stored, as in ONNX Runtime. In a nominal
+    checkpoint the momentums have no values: they are ``None``.
     """
 
     step: int = 0
@@ -441,7 +444,7 @@ class CheckpointState:
             for group_name, step, lr, states in pending:
                 momentums = {
                     param: {
-                        m: _Tensor.from_file(m, code, dims, stored, self._mappings).value()
+                        m: None if stored is None else _Tensor.from_file(m, code, dims, stored, self._mappings).value()
                         for m, code, dims, stored in moms
                     }
                     for param, moms in states
@@ -467,6 +470,13 @@ class CheckpointState:
         for group_name, group in self.optimizer_groups.items():
             if not isinstance(group, OptimizerGroup):
                 raise TypeError(f"optimizer group {group_name}: expected OptimizerGroup, got {type(group).__name__}")
+            for param, moms in group.momentums.items():
+                for m, v in moms.items():
+                    if v is None:
+                        raise CheckpointStateError(
+                            f"optimizer group {group_name}: {param}/{m} has no values (a nominal "
+                            "checkpoint's momentums cannot be saved; save without the optimizer state)"
+                        )
             states = [
                 (param, [_Tensor.from_value(m, v).to_core(False) for m, v in moms.items()])
                 for param, moms in group.momentums.items()

@@ -262,18 +262,20 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
     // ONNX Runtime's state path always writes this vector, empty or not.
     let optimizer_groups = Some(fbb.create_vector(&groups));
 
-    // The external-data flag lives in the module state, so it is written whenever it is set.
-    let module_state = if trainable.is_empty() && frozen.is_empty() && !has_external_data {
-        None
-    } else {
-        let args = fbs::ModuleStateArgs {
-            requires_grad_params: Some(fbb.create_vector(&trainable)),
-            frozen_params: Some(fbb.create_vector(&frozen)),
-            is_nominal_state: ckpt.is_nominal,
-            has_external_data,
+    // The external-data and nominal flags live in the module state, so it is written
+    // whenever one is set (a fuzzer found a nominal state without parameters losing its flag).
+    let module_state =
+        if trainable.is_empty() && frozen.is_empty() && !has_external_data && !ckpt.is_nominal {
+            None
+        } else {
+            let args = fbs::ModuleStateArgs {
+                requires_grad_params: Some(fbb.create_vector(&trainable)),
+                frozen_params: Some(fbb.create_vector(&frozen)),
+                is_nominal_state: ckpt.is_nominal,
+                has_external_data,
+            };
+            Some(fbs::ModuleState::create(&mut fbb, &args))
         };
-        Some(fbs::ModuleState::create(&mut fbb, &args))
-    };
     let property_bag = (!ckpt.properties.is_empty()).then(|| write_properties(&mut fbb, ckpt));
     let args = fbs::CheckpointArgs {
         version: CHECKPOINT_VERSION,

@@ -490,3 +490,22 @@ def test_durable_saves_write_the_same_checkpoint(state_path, tmp_path):
     CheckpointState.save_checkpoint(state, tmp_path / "durable", include_optimizer_state=True, durable=True)
     assert (tmp_path / "fast").read_bytes() == (tmp_path / "durable").read_bytes()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "durable", "fast"]
+
+
+def test_a_nominal_checkpoints_momentums_have_no_values(tmp_path):
+    """Found by the atheris fuzzer (tests/fuzz/regressions/atheris-nominal-momentums-huge-dims):
+    momentums of a nominal file were materialised as zeros of their dims, which a
+    hostile file can make exabytes large."""
+    corpus = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "regressions"
+    data = (corpus / "atheris-nominal-momentums-huge-dims").read_bytes()
+    n = int.from_bytes(data[:4], "little")
+    path = tmp_path / "nominal.ckpt"
+    path.write_bytes(data[4 : 4 + n])
+    state = CheckpointState.load_checkpoint(path)
+    assert state.is_nominal
+    momentums = state.optimizer_groups["group0"].momentums["layer.weight"]
+    assert momentums == {"momentum0": None, "momentum1": None}
+    with pytest.raises(CheckpointStateError, match="nominal"):
+        CheckpointState.save_checkpoint(state, tmp_path / "again.ckpt", include_optimizer_state=True)
+    CheckpointState.save_checkpoint(state, tmp_path / "again.ckpt")
+    assert CheckpointState.load_checkpoint(tmp_path / "again.ckpt").is_nominal

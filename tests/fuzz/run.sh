@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs every fuzz target for SECONDS each (default 60), seeded with the golden
+# and malformed files and every past finding (tests/fuzz/regressions), keeping
+# the growing corpora under target/fuzz-corpus. Prints one summary line per
+# target; exits non-zero on the first finding (libFuzzer writes the input to
+# target/fuzz-artifacts: add it to tests/fuzz/regressions with a test).
+#
+#   tests/fuzz/run.sh [SECONDS]     (make fuzz, make fuzz-smoke)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+SECONDS_EACH=${1:-60}
+PY=${PY:-.venv/bin/python}
+CORPUS=target/fuzz-corpus
+ARTIFACTS=target/fuzz-artifacts/
+BIN=tests/fuzz/target/x86_64-unknown-linux-gnu/release
+mkdir -p "$CORPUS" "$ARTIFACTS"
+
+command -v cargo-fuzz >/dev/null || cargo install --quiet --locked cargo-fuzz@0.13.2
+# cargo-fuzz builds with sanitizer flags that stable rustc accepts only with RUSTC_BOOTSTRAP.
+RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O >/dev/null 2>&1 || RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O
+
+for target in load_bytes roundtrip atheris; do
+    mkdir -p "$CORPUS/$target"
+    "$PY" tests/fuzz/seed_corpus.py "$CORPUS/$target" >/dev/null
+    flags=(-max_total_time="$SECONDS_EACH" -rss_limit_mb=2048 -timeout=10 -artifact_prefix="$ARTIFACTS$target-" -print_final_stats=1)
+    if [ "$target" = atheris ]; then
+        cmd=("$PY" tests/fuzz/atheris_load.py)
+    else
+        cmd=("$BIN/$target")
+    fi
+    log=target/fuzz-$target.log
+    if ! "${cmd[@]}" "$CORPUS/$target" tests/fuzz/regressions "${flags[@]}" >"$log" 2>&1; then
+        grep -E "panicked|Error|SUMMARY" "$log" | head -20
+        echo "fuzz $target: FINDING, see $log and $ARTIFACTS"
+        exit 1
+    fi
+    runs=$(grep -oE "stat::number_of_executed_units: [0-9]+" "$log" | grep -oE "[0-9]+$")
+    cov=$(grep -E "(DONE|pulse|NEW|REDUCE|INITED)" "$log" | tail -1 | grep -oE "cov: [0-9]+" || true)
+    echo "fuzz $target: ${SECONDS_EACH}s, $runs runs, $cov, corpus $(ls "$CORPUS/$target" | wc -l) inputs, no findings"
+done
