@@ -15,12 +15,12 @@ ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
 
-.PHONY: run test test-large build cargo-test pytest fuzz fuzz-smoke regen corpus bench clean
+.PHONY: run test test-large build cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
 
 run: build
 	$(PY) benches/demo.py
 
-test: build $(ORT_VENV)/.ok cargo-test pytest fuzz-smoke
+test: build $(ORT_VENV)/.ok cargo-test pytest fuzz-smoke test-wheel
 
 build: $(VENV)/.ok
 	maturin develop --release --quiet
@@ -53,6 +53,35 @@ fuzz-smoke: build $(VENV)/.fuzz-ok
 $(VENV)/.fuzz-ok: $(VENV)/.ok
 	$(PY) -m pip install --quiet --disable-pip-version-check "atheris==3.0.0"
 	touch $@
+
+# Release artifacts in dist/: one abi3 wheel (CPython 3.11 and every later version) tagged manylinux2014,
+# linked with zig so that it runs on glibc 2.17+, and an sdist.
+WHEEL_DEPS := "ziglang==0.13.0" "auditwheel>=6"
+wheel: $(VENV)/.wheel-ok
+	rm -rf dist
+	maturin build --release --zig --compatibility manylinux2014 --out dist --quiet
+	maturin sdist --out dist
+	$(PY) -m auditwheel show dist/*.whl
+	@ls -l dist | awk 'NR > 1 { printf "%s  %.2f MiB\n", $$9, $$5 / 1048576 }'
+
+$(VENV)/.wheel-ok: $(VENV)/.ok
+	$(PY) -m pip install --quiet --disable-pip-version-check $(WHEEL_DEPS)
+	touch $@
+
+# The wheel installed into a fresh virtualenv with no Rust on PATH, then the Python test suite
+# (and the stubs, by mypy's stubtest) run against the installed package, not the source tree.
+WHEEL_VENV := target/wheel-venv
+test-wheel: wheel $(ORT_VENV)/.ok
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl \
+		"pytest>=8" "hypothesis>=6" "mypy>=1.10"
+	env -u VIRTUAL_ENV PATH="$(CURDIR)/$(WHEEL_VENV)/bin:/usr/bin:/bin" sh -c '\
+		! command -v cargo && ! command -v rustc && \
+		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
+		ortckpt --version && python -m ortckpt --version && \
+		python -m mypy.stubtest ortckpt._core && \
+		python -m pytest -q -p no:cacheprovider tests/python tests/interop'
 
 # Multi-GiB cases (a 12 GiB state, checkpoints past ONNX Runtime's 1800 MiB threshold): not in `make test`.
 test-large: build $(ORT_VENV)/.ok
