@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import platform
+import random
 import resource
 import shutil
 import statistics
@@ -345,7 +346,7 @@ def clear(directory: Path) -> None:
 
 def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str | None, pure_python: bool,
                  ort_protos: bool) -> dict:  # fmt: skip
-    """Each round, in rotated order, each contender saves, the matching loader reads that file
+    """Each round, in a shuffled order, each contender saves, the matching loader reads that file
     back, and the file is deleted: one checkpoint's worth of page cache at a time, so no
     contender pays for another's dirty pages."""
     state = work.state()
@@ -368,7 +369,10 @@ def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str |
     for r in range(rounds):
         clear(directory)
         names = [n for n in save_fns if n not in failed]
-        names = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+        # A fresh order each round (seeded): with a fixed cyclic rotation each contender always
+        # followed the same one, and the disk's state after it (e.g. discards of the file it
+        # deleted) landed on the same contender every round.
+        random.Random(f"{work.name} {r}").shuffle(names)
         for name in names:
             path = directory / name.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
             seconds = attempt(name, lambda: save_fns[name](path))
@@ -421,9 +425,10 @@ def report(results: list[dict], meta: dict, out: Path) -> str:
     lines = [
         f"# ortckpt benchmark results\n",
         f"{meta['date']}, {meta['machine']}; `{meta['command']}`; medians of {meta['rounds']} rounds "
-        "(order rotated each round, new files, page cache); ratios are medians of per-round ratios to the "
+        f"({meta['method']}; new files, page cache); ratios are medians of per-round ratios to the "
         "baseline measured in the same round.\n",
     ]
+    lines += goals_table(results)
     for r in results:
         n = r["bytes"]
         lines.append(f"\n## {r['workload']} ({r['tensors']} tensors, {n / GiB:.2f} GiB)\n")
@@ -460,6 +465,42 @@ def report(results: list[dict], meta: dict, out: Path) -> str:
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     plot(results, out / "throughput.png")
     return text
+
+
+def goals_table(results: list[dict]) -> list[str]:
+    """One row per workload: where ortckpt stands against each of the suite's goals."""
+    peers = ("safetensors", "numpy savez", "pure-Python flatbuffers", "ONNX Runtime state path",
+             "ONNX Runtime TensorProto path", "torch.save")  # fmt: skip
+    lines = [
+        "\n## Summary\n",
+        "| workload | tensors | ortckpt save GiB/s | save vs write() | vs fastest peer | x ONNX Runtime's saver "
+        "| durable vs write()+fsync | eager load GiB/s | load vs read() | x safetensors load | lazy open ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        save, load, n = r["save"], r["load"], r["bytes"]
+        ours = save["ortckpt"]
+        ran = [p for p in peers if p in save]
+        fastest = min(ran, key=lambda p: statistics.median(save[p])) if ran else None
+        vs_peer = f"{paired_ratio(ours, save[fastest]):.2f} ({fastest})" if fastest else "n/a"
+        ort = save.get("ONNX Runtime state path")
+        why = r["failed"].get("ONNX Runtime state path", "")
+        x_ort = f"{paired_ratio(ours, ort):.1f}" if ort else ("fails (2 GiB)" if "2GB" in why or "addOb" in why else "n/a")
+        safetensors_load = load.get("safetensors")
+        x_st = f"{paired_ratio(load['ortckpt'], safetensors_load):.2f}" if safetensors_load else "n/a"
+        lines.append(
+            f"| {r['workload']} | {r['tensors']} | {summary(ours, n)['gib_s']:.2f} "
+            f"| {paired_ratio(ours, save['write() (baseline)']):.2f} | {vs_peer} | {x_ort} "
+            f"| {paired_ratio(save['ortckpt durable'], save['write()+fsync (baseline)']):.2f} "
+            f"| {summary(load['ortckpt'], n)['gib_s']:.2f} | {paired_ratio(load['ortckpt'], load['read() (baseline)']):.2f} "
+            f"| {x_st} | {r['open']['ortckpt'][0] * 1e3:.2f} |"
+        )
+    lines.append(
+        "\nRatios are medians over rounds of (other's time / ortckpt's time) within the same round: above 1, "
+        "ortckpt is faster. Goals: save >= 0.9x write() and ahead of every peer, >= 3x ONNX Runtime's saver; "
+        "durable <= write()+fsync (ratio >= 1); eager load >= 0.9x read() and >= 2x safetensors."
+    )
+    return lines
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -512,9 +553,15 @@ def main() -> None:
     parser.add_argument("--gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite results.md and the plot from the results.json in --out, measuring nothing")
     args = parser.parse_args()
     if args.child:
         return child_peak(args)
+    if args.report_only:
+        saved = json.loads((args.out / "results.json").read_text())
+        print(report(saved["results"], saved["meta"], args.out))
+        return None
 
     ort_python = args.ort_python if args.ort_python and Path(args.ort_python).exists() else None
     args.out.mkdir(parents=True, exist_ok=True)
@@ -525,7 +572,7 @@ def main() -> None:
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM, {platform.system()}",
         "command": "python benches/suite.py " + " ".join(sys.argv[1:]),
         "rounds": args.rounds,
-        "method": "per round, in rotated order: save, os.sync(), read that file back, delete it",
+        "method": "per round, in a shuffled order: save, os.sync(), read that file back, delete it",
         "ortckpt": ortckpt.__version__,
         "peers": {"safetensors": have("safetensors"), "torch": have("torch"), "onnxruntime": bool(ort_python)},
     }
