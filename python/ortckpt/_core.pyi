@@ -1,14 +1,27 @@
-# Type stubs for the Rust extension module ortckpt._core.
-from typing import Any, Sequence
+# Type stubs for the Rust extension module ortckpt._core (checked by mypy's stubtest in `make test-wheel`).
+import sys
+from typing import Any, Sequence, final
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "DEFAULT_EXTERNAL_DATA_THRESHOLD",
+    "MappedFile",
+    "PAYLOAD_ALIGNMENT",
+    "_panic_for_test",
+    "load",
+    "save",
+]
 
 CHECKPOINT_VERSION: int
 PAYLOAD_ALIGNMENT: int
 DEFAULT_EXTERNAL_DATA_THRESHOLD: int
 
+@final
 class MappedFile:
     """A loaded checkpoint's bytes (private, copy-on-write mapping); supports the buffer protocol."""
     def __len__(self) -> int: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
+    if sys.version_info >= (3, 12):
+        def __buffer__(self, flags: int, /) -> memoryview: ...
 
 # (name, ONNX type code, dims, values): values are a contiguous byte buffer, a list of str, or None (nominal).
 _TensorIn = tuple[str, int, Sequence[int], Any]
