@@ -262,6 +262,17 @@ fn a_nominal_checkpoint_without_parameters_stays_nominal() {
     assert!(decode(&encode_to_vec(&ckpt)).unwrap().is_nominal);
 }
 
+/// Found by both fuzz targets: flatbuffers leaves out a scalar equal to its default,
+/// and -0.0 equals 0.0, so a -0.0 property or learning rate reads back as 0.0. ONNX
+/// Runtime's writer does the same; the README says so.
+#[test]
+fn negative_zero_floats_read_back_as_zero_as_in_onnx_runtime() {
+    let mut ckpt = Checkpoint::<Payload<'_>>::default();
+    ckpt.properties.floats.push(("loss".into(), -0.0));
+    let d = decode(&encode_to_vec(&ckpt)).unwrap();
+    assert_eq!(d.properties.floats[0].1.to_bits(), 0.0f32.to_bits());
+}
+
 #[test]
 fn saving_over_the_file_a_live_load_maps_keeps_both_intact() {
     let dir = tempfile::tempdir().unwrap();
