@@ -445,6 +445,18 @@ fn corpus() -> Vec<Case> {
             Malformed("verification failed", None),
         ),
         case(
+            "huge_root_table",
+            "the root table's vtable claiming a 65,535-byte vtable and table",
+            {
+                let mut b = valid.clone();
+                let soffset = i32::from_le_bytes(b[root_table..root_table + 4].try_into().unwrap());
+                let vtable = (root_table as i64 - i64::from(soffset)) as usize;
+                b[vtable..vtable + 4].copy_from_slice(&[0xff, 0xff, 0xff, 0xff]);
+                b
+            },
+            Malformed("verification failed", None),
+        ),
+        case(
             "bitflip_in_values",
             "one bit of a tensor's bytes flipped: the format has no checksum, so \
              the file loads with a changed value (ortckpt cannot tell, nor can ONNX Runtime)",
