@@ -216,7 +216,7 @@ impl Decoder {
         dims: &[i64],
         has_external_data: bool,
     ) -> Result<Stored> {
-        let count = element_count(dims).map_err(Error::malformed)?;
+        let count = element_count(dims, data_type).map_err(Error::malformed)?;
         if data_type == DataType::String {
             let strings = t
                 .string_data()

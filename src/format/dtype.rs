@@ -129,21 +129,58 @@ impl DataType {
     }
 }
 
-/// Number of elements of a tensor with these dims, with checked arithmetic.
+/// Number of elements of a tensor of `data_type` with these dims, with checked arithmetic.
 ///
-/// A negative dim or a product beyond `u64` is an error (the message says which).
-pub fn element_count(dims: &[i64]) -> std::result::Result<u64, String> {
-    dims.iter().try_fold(1u64, |count, &d| {
-        let d = u64::try_from(d).map_err(|_| format!("negative dimension {d} in dims {dims:?}"))?;
-        count
-            .checked_mul(d)
-            .ok_or_else(|| format!("dims {dims:?} overflow the element count"))
-    })
+/// A negative dim is an error, and so are dims whose non-zero ones need more than
+/// `i64::MAX` elements or bytes, even when another dim is 0: such a shape has no
+/// NumPy (or ONNX Runtime) representation, empty or not. (Found by fuzzing: dims
+/// `[0, 2^62, 2^62]` passed as an empty tensor, then failed in NumPy.)
+pub fn element_count(dims: &[i64], data_type: DataType) -> std::result::Result<u64, String> {
+    let mut nonzero = 1i64;
+    let mut has_zero = false;
+    for &d in dims {
+        if d < 0 {
+            return Err(format!("negative dimension {d} in dims {dims:?}"));
+        }
+        if d == 0 {
+            has_zero = true;
+        } else {
+            nonzero = nonzero
+                .checked_mul(d)
+                .ok_or_else(|| format!("dims {dims:?} overflow the element count"))?;
+        }
+    }
+    // Whole bytes per element as NumPy holds them (a str is an object pointer).
+    let item_bytes = data_type.bits().map_or(8, |b| b.div_ceil(8).max(1)) as i64;
+    if nonzero.checked_mul(item_bytes).is_none() {
+        return Err(format!(
+            "dims {dims:?} of {} overflow the byte length",
+            data_type.name()
+        ));
+    }
+    Ok(if has_zero { 0 } else { nonzero as u64 })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn element_counts_are_checked_even_when_a_dim_is_zero() {
+        let f32 = DataType::Float;
+        assert_eq!(element_count(&[2, 3], f32), Ok(6));
+        assert_eq!(element_count(&[], f32), Ok(1));
+        assert_eq!(element_count(&[4, 0, 9], f32), Ok(0));
+        let e = element_count(&[0, 1 << 62, 1 << 62], f32).unwrap_err();
+        assert!(e.contains("overflow the element count"), "{e}");
+        let e = element_count(&[0, 1 << 62], f32).unwrap_err();
+        assert!(e.contains("overflow the byte length"), "{e}");
+        assert_eq!(element_count(&[0, 1 << 62], DataType::Uint8), Ok(0));
+        assert!(element_count(&[i64::MAX, 2], f32).is_err());
+        assert!(element_count(&[3, -1], f32)
+            .unwrap_err()
+            .contains("negative dimension -1"));
+    }
 
     #[test]
     fn codes_round_trip_and_unknown_codes_fail() {
@@ -170,11 +207,12 @@ mod tests {
 
     #[test]
     fn element_counts_are_checked() {
-        assert_eq!(element_count(&[]), Ok(1));
-        assert_eq!(element_count(&[2, 0, 5]), Ok(0));
-        assert_eq!(element_count(&[16, 8]), Ok(128));
-        assert!(element_count(&[2, -1]).unwrap_err().contains("negative"));
-        assert!(element_count(&[i64::MAX, i64::MAX])
+        let f = DataType::Float;
+        assert_eq!(element_count(&[], f), Ok(1));
+        assert_eq!(element_count(&[2, 0, 5], f), Ok(0));
+        assert_eq!(element_count(&[16, 8], f), Ok(128));
+        assert!(element_count(&[2, -1], f).unwrap_err().contains("negative"));
+        assert!(element_count(&[i64::MAX, i64::MAX], f)
             .unwrap_err()
             .contains("overflow"));
     }

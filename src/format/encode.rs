@@ -466,7 +466,7 @@ fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
     if nominal {
         return Ok(());
     }
-    let count = element_count(&t.dims).map_err(Error::invalid_state)?;
+    let count = element_count(&t.dims, t.data_type).map_err(Error::invalid_state)?;
     match (&t.data, t.data_type) {
         (Payload::Strings(values), DataType::String) => {
             if values.len() as u64 != count {

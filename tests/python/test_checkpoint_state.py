@@ -509,3 +509,18 @@ def test_a_nominal_checkpoints_momentums_have_no_values(tmp_path):
         CheckpointState.save_checkpoint(state, tmp_path / "again.ckpt", include_optimizer_state=True)
     CheckpointState.save_checkpoint(state, tmp_path / "again.ckpt")
     assert CheckpointState.load_checkpoint(tmp_path / "again.ckpt").is_nominal
+
+
+def test_an_empty_tensor_whose_other_dims_overflow_is_a_format_error(tmp_path):
+    """Found by the atheris fuzzer (tests/fuzz/regressions/atheris-empty-tensor-huge-dims):
+    a momentum with dims like (0, 2**62, 2**62) passed as empty, then NumPy refused the
+    shape with a ValueError that was not one of ortckpt's errors."""
+    corpus = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "regressions"
+    data = (corpus / "atheris-empty-tensor-huge-dims").read_bytes()
+    n = int.from_bytes(data[:4], "little")
+    path = tmp_path / "c.ckpt"
+    path.write_bytes(data[4 : 4 + n])
+    (tmp_path / "c.ckpt.data").write_bytes(data[4 + n :])
+    with pytest.raises(CheckpointFormatError, match="overflow") as caught:
+        CheckpointState.load_checkpoint(path)
+    assert caught.value.filename == str(path)
