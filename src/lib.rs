@@ -155,26 +155,21 @@ impl LoadedCheckpoint {
 /// there is one, the tensor.
 pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     format::endian::ensure_host_little_endian()?;
-    let map = map_checkpoint(path)?;
-    let checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
-    if !checkpoint.has_external_data {
-        return Ok(LoadedCheckpoint {
-            path: path.to_path_buf(),
-            map,
-            data: None,
-            checkpoint,
-        });
-    }
-    let data_path = external_data_path(path);
-    let data = io::map_private_any(&data_path)?;
-    let data_id = data.as_deref().and_then(pairing::pair_id);
-    if let (Some(main_id), Some(data_id)) = (pairing::pair_id(&map), data_id) {
-        if main_id != data_id {
-            return load_interrupted_save(path, data, data_id);
+    let mut map = map_checkpoint(path)?;
+    let mut checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
+    let mut data = None;
+    if checkpoint.has_external_data {
+        let data_path = external_data_path(path);
+        data = io::map_private_any(&data_path)?;
+        let data_id = data.as_deref().and_then(pairing::pair_id);
+        if let (Some(main_id), Some(data_id)) = (pairing::pair_id(&map), data_id) {
+            if main_id != data_id {
+                (map, checkpoint) = checkpoint_of_interrupted_save(path, data_id)?;
+            }
         }
+        let len = data.as_ref().map_or(0, |d| d.len() as u64);
+        check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
     }
-    let len = data.as_ref().map_or(0, |d| d.len() as u64);
-    check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
     Ok(LoadedCheckpoint {
         path: path.to_path_buf(),
         map,
@@ -196,62 +191,38 @@ fn map_checkpoint(path: &Path) -> Result<MmapMut> {
 /// [`format::pairing`]). That save's checkpoint is complete in its temporary file,
 /// so it is the one loaded (nothing is renamed or deleted here; the next save
 /// cleans up).
-fn load_interrupted_save(
+fn checkpoint_of_interrupted_save(
     path: &Path,
-    data: Option<MmapMut>,
     data_id: pairing::PairId,
-) -> Result<LoadedCheckpoint> {
-    let data_path = external_data_path(path);
+) -> Result<(MmapMut, Checkpoint<Stored>)> {
     for (temp, _pid) in io::pending_temps(path) {
         let Ok(map) = map_checkpoint(&temp) else {
             continue;
         };
-        if pairing::pair_id(&map) != Some(data_id) {
-            continue;
+        if pairing::pair_id(&map) == Some(data_id) {
+            let checkpoint = format::decode(&map).map_err(|e| e.in_file(&temp))?;
+            return Ok((map, checkpoint));
         }
-        let checkpoint = format::decode(&map).map_err(|e| e.in_file(&temp))?;
-        let len = data.as_ref().map_or(0, |d| d.len() as u64);
-        check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
-        return Ok(LoadedCheckpoint {
-            path: path.to_path_buf(),
-            map,
-            data,
-            checkpoint,
-        });
     }
     Err(Error::malformed(format!(
         "the checkpoint and its data file {} come from different saves (a save was \
          interrupted), and the checkpoint matching the data file is gone",
-        data_path.display()
+        external_data_path(path).display()
     ))
     .in_file(path))
 }
 
 /// Every external tensor must lie inside the data file, before any view exists.
 fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()> {
-    let check = |t: &Tensor<Stored>| match t.data {
-        Stored::External { offset, len }
-            if offset.checked_add(len).is_none_or(|end| end > data_len) =>
-        {
-            Err(Error::malformed(format!(
-                "external data at offset {offset}, {len} bytes long, lies beyond the end of the \
-                 data file ({data_len} bytes)"
-            ))
-            .in_tensor(&t.name))
-        }
-        _ => Ok(()),
-    };
-    ckpt.trainable
-        .iter()
-        .chain(&ckpt.frozen)
-        .try_for_each(check)?;
-    for g in &ckpt.optimizer_groups {
-        for s in &g.states {
-            // Momentums are named within their group and parameter, as the decoder names them.
-            s.momentums
-                .iter()
-                .try_for_each(check)
-                .map_err(|e| e.in_tensor_scope(&format!("{}/{}", g.name, s.param_name)))?;
+    for (name, t) in ckpt.tensors_named() {
+        if let Stored::External { offset, len } = t.data {
+            if offset.checked_add(len).is_none_or(|end| end > data_len) {
+                return Err(Error::malformed(format!(
+                    "external data at offset {offset}, {len} bytes long, lies beyond the end of the \
+                     data file ({data_len} bytes)"
+                ))
+                .in_tensor(&name));
+            }
         }
     }
     Ok(())
@@ -315,7 +286,6 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     }
     // Only now: until this save committed, a crashed save's temporary checkpoint
     // may be the one that matches the data file (see load).
-    io::remove_stale_temps(path);
-    io::remove_stale_temps(&data_path);
+    io::remove_stale_temps(&[path, &data_path]);
     Ok(())
 }

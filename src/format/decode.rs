@@ -97,33 +97,19 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
 /// one parameter would silently change another. ONNX Runtime never writes such a
 /// file (it copies every tensor on load), so one is malformed or hostile.
 fn reject_shared_values(ckpt: &Checkpoint<Stored>) -> Result<()> {
-    // (in the data file?, start, end, name), momentums named group/param/momentum.
-    let mut ranges: Vec<(bool, u64, u64, String)> = Vec::new();
-    let mut add = |t: &Tensor<Stored>, scope: Option<(&str, &str)>| {
-        let (external, start, len) = match t.data {
-            Stored::Inline { offset, len } => (false, offset as u64, len as u64),
-            Stored::External { offset, len } => (true, offset, len),
-            _ => return,
-        };
-        if len > 0 {
-            let name = match scope {
-                Some((group, param)) => format!("{group}/{param}/{}", t.name),
-                None => t.name.clone(),
-            };
-            ranges.push((external, start, start.saturating_add(len), name));
-        }
-    };
-    ckpt.trainable
-        .iter()
-        .chain(&ckpt.frozen)
-        .for_each(|t| add(t, None));
-    for g in &ckpt.optimizer_groups {
-        for s in &g.states {
-            s.momentums
-                .iter()
-                .for_each(|m| add(m, Some((&g.name, &s.param_name))));
-        }
-    }
+    // (in the data file?, start, end, name)
+    let mut ranges: Vec<(bool, u64, u64, String)> = ckpt
+        .tensors_named()
+        .filter_map(|(name, t)| match t.data {
+            Stored::Inline { offset, len } if len > 0 => {
+                Some((false, offset as u64, (offset + len) as u64, name))
+            }
+            Stored::External { offset, len } if len > 0 => {
+                Some((true, offset, offset.saturating_add(len), name))
+            }
+            _ => None,
+        })
+        .collect();
     ranges.sort_unstable();
     for pair in ranges.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);

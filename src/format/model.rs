@@ -107,6 +107,24 @@ impl<D> Checkpoint<D> {
             .chain(momentums)
     }
 
+    /// Every tensor with the name errors should give it: a parameter's own name, a
+    /// momentum's `group/param/momentum` (momentum names repeat across parameters).
+    pub fn tensors_named(&self) -> impl Iterator<Item = (String, &Tensor<D>)> {
+        let params = self
+            .trainable
+            .iter()
+            .chain(&self.frozen)
+            .map(|t| (t.name.clone(), t));
+        let momentums = self.optimizer_groups.iter().flat_map(|g| {
+            g.states.iter().flat_map(move |s| {
+                s.momentums
+                    .iter()
+                    .map(move |m| (format!("{}/{}/{}", g.name, s.param_name, m.name), m))
+            })
+        });
+        params.chain(momentums)
+    }
+
     /// Sorts everything the way ONNX Runtime's state-path saver writes it:
     /// parameters, groups, per-parameter states, momentums and properties by name.
     pub fn sort_like_ort_state_path(&mut self) {

@@ -101,33 +101,43 @@ pub fn write_pending(
 /// The temporary files of saves to `target` that never committed (or still run):
 /// `(path, pid of the process that wrote it)`.
 pub fn pending_temps(target: &Path) -> Vec<(PathBuf, u32)> {
-    let (Some(dir), Some(name)) = (target.parent(), target.file_name()) else {
+    pending_temps_of(&[target])
+}
+
+/// [`pending_temps`] of targets in one directory, with one scan of it.
+fn pending_temps_of(targets: &[&Path]) -> Vec<(PathBuf, u32)> {
+    let Some(first) = targets.first() else {
         return Vec::new();
     };
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
+    let dir = match first.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
     };
-    let prefix = format!(".{}{TEMP_MARKER}.", name.to_string_lossy());
+    let prefixes: Vec<String> = targets
+        .iter()
+        .filter_map(|t| t.file_name())
+        .map(|n| format!(".{}{TEMP_MARKER}.", n.to_string_lossy()))
+        .collect();
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
     };
     entries
         .filter_map(|e| {
             let name = e.ok()?.file_name().into_string().ok()?;
-            let rest = name.strip_prefix(&prefix)?;
+            let rest = prefixes
+                .iter()
+                .find_map(|p| name.strip_prefix(p.as_str()))?;
             let pid = rest.split('.').next()?.parse().ok()?;
             Some((dir.join(&name), pid))
         })
         .collect()
 }
 
-/// Removes what crashed or killed saves to `target` left behind: temporary files
-/// whose writing process no longer runs. Files of live processes (a save in
-/// progress elsewhere) are left alone.
-pub fn remove_stale_temps(target: &Path) {
-    for (temp, pid) in pending_temps(target) {
+/// Removes what crashed or killed saves to `targets` (files of one directory) left
+/// behind: temporary files whose writing process no longer runs. Files of live
+/// processes (a save in progress elsewhere) are left alone.
+pub fn remove_stale_temps(targets: &[&Path]) {
+    for (temp, pid) in pending_temps_of(targets) {
         if !process_is_alive(pid) {
             let _ = fs::remove_file(temp);
         }

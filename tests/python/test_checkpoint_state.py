@@ -492,15 +492,20 @@ def test_durable_saves_write_the_same_checkpoint(state_path, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint", "durable", "fast"]
 
 
+def _fuzz_regression(name: str, path: pathlib.Path) -> pathlib.Path:
+    """Writes a fuzz input of tests/fuzz/regressions (u32 length, checkpoint, data file) to path."""
+    data = (pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "regressions" / name).read_bytes()
+    n = int.from_bytes(data[:4], "little")
+    path.write_bytes(data[4 : 4 + n])
+    pathlib.Path(f"{path}.data").write_bytes(data[4 + n :])
+    return path
+
+
 def test_a_nominal_checkpoints_momentums_have_no_values(tmp_path):
     """Found by the atheris fuzzer (tests/fuzz/regressions/atheris-nominal-momentums-huge-dims):
     momentums of a nominal file were materialised as zeros of their dims, which a
     hostile file can make exabytes large."""
-    corpus = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "regressions"
-    data = (corpus / "atheris-nominal-momentums-huge-dims").read_bytes()
-    n = int.from_bytes(data[:4], "little")
-    path = tmp_path / "nominal.ckpt"
-    path.write_bytes(data[4 : 4 + n])
+    path = _fuzz_regression("atheris-nominal-momentums-huge-dims", tmp_path / "nominal.ckpt")
     state = CheckpointState.load_checkpoint(path)
     assert state.is_nominal
     momentums = state.optimizer_groups["group0"].momentums["layer.weight"]
@@ -515,12 +520,7 @@ def test_an_empty_tensor_whose_other_dims_overflow_is_a_format_error(tmp_path):
     """Found by the atheris fuzzer (tests/fuzz/regressions/atheris-empty-tensor-huge-dims):
     a momentum with dims like (0, 2**62, 2**62) passed as empty, then NumPy refused the
     shape with a ValueError that was not one of ortckpt's errors."""
-    corpus = pathlib.Path(__file__).resolve().parents[1] / "fuzz" / "regressions"
-    data = (corpus / "atheris-empty-tensor-huge-dims").read_bytes()
-    n = int.from_bytes(data[:4], "little")
-    path = tmp_path / "c.ckpt"
-    path.write_bytes(data[4 : 4 + n])
-    (tmp_path / "c.ckpt.data").write_bytes(data[4 + n :])
+    path = _fuzz_regression("atheris-empty-tensor-huge-dims", tmp_path / "c.ckpt")
     with pytest.raises(CheckpointFormatError, match="overflow") as caught:
         CheckpointState.load_checkpoint(path)
     assert caught.value.filename == str(path)
