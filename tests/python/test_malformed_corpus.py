@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ortckpt import CheckpointState
@@ -34,9 +33,10 @@ def test_each_file_gives_its_typed_error(case, tmp_path):
     path = CORPUS / case["file"]
     expect = case["expect"]
     if expect == "loads":
+        # The one such case flips a bit inside the valid base checkpoint's tensor bytes.
         state = CheckpointState.load_checkpoint(path)
-        for name in state.parameters.names():
-            assert np.asarray(state.parameters[name].data).size >= 0
+        assert sorted(state.parameters.names()) == ["layer.bias", "layer.weight"]
+        assert state.parameters["layer.weight"].data.shape == (4, 6)
         return
     if expect == "not_found":
         with pytest.raises(FileNotFoundError) as caught:
