@@ -14,6 +14,11 @@ DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "pytest>=8" "hypoth
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
+# torch for the benchmark suite, in its own venv: PyPI's only Linux build brings about 5 GB
+# of CUDA packages (no CPU-only build is published there), so `make test` never installs it.
+TORCH_VENV := .venv-torch
+TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
+TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
 .PHONY: run test test-large build cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
 
@@ -99,14 +104,19 @@ corpus:
 # The benchmark suite (not part of `make test`): writes benches/out/results.{md,json}, throughput.png
 # and scale.md, then runs the writer-strategy measurement.
 # BENCH_ARGS narrows it, e.g. make bench BENCH_ARGS="--sizes 1 --rounds 3".
-bench: build $(ORT_VENV)/.ok $(VENV)/.bench-ok
-	$(PY) benches/suite.py $(BENCH_ARGS)
+bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(VENV)/.bench-ok
+	$(PY) benches/suite.py --torch-python $(TORCH_PY) $(BENCH_ARGS)
 	$(PY) benches/scale.py
 	cargo bench --quiet --bench writers
+
+$(TORCH_VENV)/.ok:
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install --quiet --disable-pip-version-check $(TORCH_DEPS)
+	touch $@
 
 $(VENV)/.bench-ok: $(VENV)/.ok
 	$(PY) -m pip install --quiet --disable-pip-version-check $(BENCH_DEPS)
 	touch $@
 
 clean:
-	rm -rf target $(VENV) $(ORT_VENV) python/ortckpt/*.so
+	rm -rf target $(VENV) $(ORT_VENV) $(TORCH_VENV) python/ortckpt/*.so

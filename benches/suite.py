@@ -1,7 +1,7 @@
 """The benchmark suite (`make bench`): ortckpt against same-run baselines and its peers.
 
 For each workload (a model shape, a size, a dtype) every contender saves the same
-tensors to a new file and loads them back, in rounds whose order rotates, so the
+tensors to a new file and loads them back, in rounds whose order is shuffled, so the
 disk's swings hit everyone alike. Results are medians with their spread, and ratios
 to the baselines measured in the same round: plain write() of the same bytes, plain
 read() into a fresh buffer, and memcpy. Peak RSS is measured in a fresh interpreter
@@ -182,7 +182,8 @@ def have(module: str) -> bool:
         return False
 
 
-def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_python: bool, ort_protos: bool):
+def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_python: bool, ort_protos: bool,
+           torch_python: str | None):  # fmt: skip
     """name -> fn(path) that saves the workload there and returns the seconds it took."""
     out: dict[str, Callable[[Path], float | None]] = {}
 
@@ -216,17 +217,38 @@ def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_
         out["ONNX Runtime state path"] = lambda p: ort_state_save(ort_python, state, p)
         if ort_protos:
             out["ONNX Runtime TensorProto path"] = lambda p: ort_protos_save(ort_python, work, p)
+    if torch_python:
+        out["torch.save"] = lambda p: torch_save(torch_python, work, p)
     return out
 
 
-ORT_RSS: dict[str, float] = {}
+PEER_RSS: dict[str, float] = {}  # peak RSS growth that peers timed in a subprocess report
 
 
-def ort_run(ort_python: str, *args) -> dict:
-    done = subprocess.run([ort_python, str(HERE / "ort_bench.py"), *map(str, args)], capture_output=True, text=True)
+def peer_run(python: str, script: str, *args) -> dict:
+    done = subprocess.run([python, str(HERE / script), *map(str, args)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ort_run(ort_python: str, *args) -> dict:
+    return peer_run(ort_python, "ort_bench.py", *args)
+
+
+def raw_with_manifest(work: Workload, path: Path) -> tuple[Path, Path]:
+    """The workload's bytes in one file and a JSON of where each tensor lies in it: how a peer
+    in another virtualenv gets the same tensors."""
+    raw, manifest = path.with_name("peer_raw.bin"), path.with_name("peer_manifest.json")
+    plain_write(work, raw)
+    layout, at = [], 0
+    trainable = set(work.trainable) | {f"{p}.{m}" for p, ms in work.momentums.items() for m in ms}
+    for name, a in work.arrays().items():
+        layout.append({"name": name, "offset": at, "nbytes": a.nbytes, "dtype": str(a.dtype), "shape": list(a.shape),
+                       "trainable": name in trainable})  # fmt: skip
+        at += a.nbytes
+    manifest.write_text(json.dumps({"parameters": layout}))
+    return raw, manifest
 
 
 def ort_state_save(ort_python: str, state: CheckpointState, path: Path) -> float:
@@ -237,43 +259,57 @@ def ort_state_save(ort_python: str, state: CheckpointState, path: Path) -> float
     finally:
         for f in (src, Path(f"{src}.data")):
             f.unlink(missing_ok=True)
-    ORT_RSS["ONNX Runtime state path"] = result["peak_growth_mib"]
+    PEER_RSS["ONNX Runtime state path"] = result["peak_growth_mib"]
     return result["seconds"]
 
 
 def ort_protos_save(ort_python: str, work: Workload, path: Path) -> float:
-    raw, manifest = path.with_name("ort_raw.bin"), path.with_name("ort_manifest.json")
-    plain_write(work, raw)
-    layout, at = [], 0
-    trainable = set(work.trainable) | {f"{p}.{m}" for p, ms in work.momentums.items() for m in ms}
-    for name, a in work.arrays().items():
-        layout.append({"name": name, "offset": at, "nbytes": a.nbytes, "dtype": str(a.dtype), "shape": list(a.shape),
-                       "trainable": name in trainable})  # fmt: skip
-        at += a.nbytes
-    manifest.write_text(json.dumps({"parameters": layout}))
+    raw, manifest = raw_with_manifest(work, path)
     try:
         result = ort_run(ort_python, "protos_save", raw, manifest, path)
     finally:
         raw.unlink(missing_ok=True)
         manifest.unlink(missing_ok=True)
-    ORT_RSS["ONNX Runtime TensorProto path"] = result["peak_growth_mib"]
+    PEER_RSS["ONNX Runtime TensorProto path"] = result["peak_growth_mib"]
     return result["seconds"]
 
 
-def loaders(ort_python: str | None) -> dict[str, tuple[str, Callable[[Path], float | None]]]:
-    """saver name -> (loader name, fn(the file that saver wrote))."""
-    out = {"write() (baseline)": ("read() (baseline)", plain_read), "ortckpt": ("ortckpt", ortckpt_load)}
+def torch_save(torch_python: str, work: Workload, path: Path) -> float:
+    raw, manifest = raw_with_manifest(work, path)
+    try:
+        result = peer_run(torch_python, "torch_bench.py", "save", raw, manifest, path)
+    finally:
+        raw.unlink(missing_ok=True)
+        manifest.unlink(missing_ok=True)
+    PEER_RSS["torch.save"] = result["peak_growth_mib"]
+    return result["seconds"]
+
+
+Loader = Callable[[Path], "float | None"]  # reads every byte; returns its own timing when it measured one
+
+
+def loaders(ort_python: str | None, torch_python: str | None) -> dict[str, list[tuple[str, Loader]]]:
+    """saver name -> [(loader name, fn(the file that saver wrote))]."""
+    out: dict[str, list[tuple[str, Loader]]] = {
+        "write() (baseline)": [("read() (baseline)", plain_read)],
+        "ortckpt": [("ortckpt", ortckpt_load)],
+    }
     if have("safetensors"):
         from safetensors.numpy import load_file
 
-        out["safetensors"] = ("safetensors", lambda p: xor_all(load_file(str(p)).values()))
-    out["numpy savez"] = ("numpy load", lambda p: xor_all(v for _, v in np.load(p).items()))
+        out["safetensors"] = [("safetensors", lambda p: xor_all(load_file(str(p)).values()))]
+    out["numpy savez"] = [("numpy load", lambda p: xor_all(v for _, v in np.load(p).items()))]
     if ort_python:  # ONNX Runtime loading the file it wrote itself
-        out["ONNX Runtime state path"] = ("ONNX Runtime", lambda p: ort_run(ort_python, "load", p)["seconds"])
+        out["ONNX Runtime state path"] = [("ONNX Runtime", lambda p: ort_run(ort_python, "load", p)["seconds"])]
+    if torch_python:
+        out["torch.save"] = [
+            ("torch.load", lambda p: peer_run(torch_python, "torch_bench.py", "load", p)["seconds"]),
+            ("torch.load mmap=True", lambda p: peer_run(torch_python, "torch_bench.py", "load", p, "mmap")["seconds"]),
+        ]
     return out
 
 
-def open_latency(work: Workload, name: str, path: Path) -> tuple[float, float]:
+def open_latency(work: Workload, name: str, path: Path, torch_python: str | None) -> tuple[float, float]:
     """Seconds to open, and to open and read the first tensor: medians of 5."""
 
     def med(fn):
@@ -290,6 +326,9 @@ def open_latency(work: Workload, name: str, path: Path) -> tuple[float, float]:
             med(lambda: CheckpointState.load_checkpoint(path)),
             med(lambda: xor_all([CheckpointState.load_checkpoint(path).parameters[first].data])),
         )
+    if name == "torch.save":
+        result = peer_run(torch_python, "torch_bench.py", "open", path, first)
+        return result["open_seconds"], result["first_seconds"]
     from safetensors import safe_open
 
     def st_open():
@@ -345,13 +384,13 @@ def clear(directory: Path) -> None:
 
 
 def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str | None, pure_python: bool,
-                 ort_protos: bool) -> dict:  # fmt: skip
+                 ort_protos: bool, torch_python: str | None) -> dict:  # fmt: skip
     """Each round, in a shuffled order, each contender saves, the matching loader reads that file
     back, and the file is deleted: one checkpoint's worth of page cache at a time, so no
     contender pays for another's dirty pages."""
     state = work.state()
-    save_fns = savers(work, state, ort_python, pure_python, ort_protos)
-    load_fns = loaders(ort_python)
+    save_fns = savers(work, state, ort_python, pure_python, ort_protos, torch_python)
+    load_fns = loaders(ort_python, torch_python)
     arrays = list(work.arrays().values())
     save_times: dict[str, list[float]] = {k: [] for k in save_fns}
     load_times: dict[str, list[float]] = {"memcpy (baseline)": []}
@@ -382,22 +421,23 @@ def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str |
             os.sync()  # written back before anything else runs
             save_times[name].append(seconds)
             sizes[name] = sum(f.stat().st_size for f in directory.iterdir() if f.name.startswith(path.name))
-            if name in load_fns and f"load: {name}" not in failed:
-                load_name, load = load_fns[name]
+            for load_name, load in load_fns.get(name, []):
+                if f"load: {load_name}" in failed:
+                    continue
                 start = time.perf_counter()
-                reported = attempt(f"load: {name}", lambda: load(path))
+                reported = attempt(f"load: {load_name}", lambda: load(path))
                 seconds = reported if isinstance(reported, float) else time.perf_counter() - start
-                if f"load: {name}" not in failed:
+                if f"load: {load_name}" not in failed:
                     load_times.setdefault(load_name, []).append(seconds)
-            if r == rounds - 1 and name in ("ortckpt", "safetensors"):
-                latency[name] = open_latency(work, name, path)
+            if r == rounds - 1 and name in ("ortckpt", "safetensors", "torch.save"):
+                latency[name] = attempt(f"open: {name}", lambda: open_latency(work, name, path, torch_python))
             clear(directory)
         start = time.perf_counter()
         for a in arrays:
             np.copyto(np.empty_like(a), a)
         load_times["memcpy (baseline)"].append(time.perf_counter() - start)
     peaks = {"ortckpt save": peak_growth(work, "save", directory), "ortckpt load": peak_growth(work, "load", directory)}
-    peaks.update({f"{k} save": v for k, v in ORT_RSS.items()})
+    peaks.update({f"{k} save": v for k, v in PEER_RSS.items()})
     return {
         "workload": work.name,
         "tensors": len(work.arrays()),
@@ -450,7 +490,8 @@ def report(results: list[dict], meta: dict, out: Path) -> str:
                          f"{paired_ratio(times, rbase):.2f} | {paired_ratio(times, mbase):.2f} |")  # fmt: skip
         lines.append("\n| open | lazy open ms | open + first tensor ms |")
         lines.append("|---|---|---|")
-        for name, (lazy, first) in r["open"].items():
+        for name, (lazy, first) in ((n, t) for n, t in r["open"].items() if t):
+            name = {"torch.save": "torch.load mmap=True"}.get(name, name)
             lines.append(f"| {name} | {lazy * 1e3:.2f} | {first * 1e3:.2f} |")
         ort = r["load"].get("ONNX Runtime")
         if ort:
@@ -544,6 +585,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temp dir on /tmp)")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     parser.add_argument("--ort-python", default=os.environ.get("ORTCKPT_ORT_PYTHON"))
+    parser.add_argument("--torch-python", default=os.environ.get("ORTCKPT_TORCH_PYTHON"),
+                        help="an interpreter with torch installed (torch.save/torch.load are timed through it)")
     parser.add_argument("--pure-python-max-gib", type=float, default=1.0,
                         help="the pure-Python saver only up to here (slow, and its builder stops at 2 GiB)")
     parser.add_argument("--ort-protos-max-gib", type=float, default=2.0,
@@ -564,6 +607,7 @@ def main() -> None:
         return None
 
     ort_python = args.ort_python if args.ort_python and Path(args.ort_python).exists() else None
+    torch_python = args.torch_python if args.torch_python and Path(args.torch_python).exists() else None
     args.out.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="ortckpt-bench-", dir=args.dir))
     meta = {
@@ -574,7 +618,7 @@ def main() -> None:
         "rounds": args.rounds,
         "method": "per round, in a shuffled order: save, os.sync(), read that file back, delete it",
         "ortckpt": ortckpt.__version__,
-        "peers": {"safetensors": have("safetensors"), "torch": have("torch"), "onnxruntime": bool(ort_python)},
+        "peers": {"safetensors": have("safetensors"), "torch": bool(torch_python), "onnxruntime": bool(ort_python)},
     }
     results = []
     try:
@@ -583,10 +627,11 @@ def main() -> None:
                 for dtype in args.dtypes.split(","):
                     work = make_workload(shape, gib, dtype)
                     print(f"{work.name}: {len(work.arrays())} tensors", file=sys.stderr, flush=True)
-                    ORT_RSS.clear()
+                    PEER_RSS.clear()
                     results.append(run_workload(work, directory, args.rounds, ort_python,
                                                 pure_python=gib <= args.pure_python_max_gib,
-                                                ort_protos=gib <= args.ort_protos_max_gib))  # fmt: skip
+                                                ort_protos=gib <= args.ort_protos_max_gib,
+                                                torch_python=torch_python))  # fmt: skip
                     del work
                     gc.collect()
     finally:
