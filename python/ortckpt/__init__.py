@@ -15,12 +15,18 @@ from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parame
 from .dtypes import PackedInt4
 from .errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointFormatError,
+    CheckpointIntegrityError,
     CheckpointStateError,
     InternalError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
 )
+from .integrity import Verified, verify
+from .manager import CheckpointInfo, CheckpointManager
+from .retention import RetentionPolicy
+from .rng import capture_rng_state, restore_rng_state
 
 try:
     __version__ = version("ortckpt")
@@ -29,7 +35,11 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointFormatError",
+    "CheckpointInfo",
+    "CheckpointIntegrityError",
+    "CheckpointManager",
     "CheckpointState",
     "CheckpointStateError",
     "InternalError",
@@ -38,7 +48,12 @@ __all__ = [
     "Parameter",
     "Parameters",
     "Properties",
+    "RetentionPolicy",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
+    "Verified",
     "__version__",
+    "capture_rng_state",
+    "restore_rng_state",
+    "verify",
 ]

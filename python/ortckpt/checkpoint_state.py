@@ -465,6 +465,33 @@ class CheckpointState:
         """
         return self._nominal
 
+    def _snapshot(self, *, copy_values: bool, include_optimizer_state: bool,
+                  properties: Mapping[str, PropertyValue]) -> CheckpointState:  # fmt: skip
+        """A state to save: this one's tensors (copied when ``copy_values``, so that the
+        caller may change its arrays while the copy is written) and properties updated
+        with ``properties``. This state is left unchanged."""
+        other = CheckpointState()
+        other._nominal = self._nominal
+        other._frozen = set(self._frozen)
+        for name in self._tensors:
+            tensor = self._tensor(name)
+            if copy_values and not self._nominal:
+                tensor = _Tensor(name, tensor.code, tensor.dims, _owned_copy(tensor.value()))
+            other._tensors[name] = tensor
+        other._properties = dict(self._properties)
+        for name, value in properties.items():
+            other.properties[name] = value
+        if include_optimizer_state:
+            for group_name, group in self.optimizer_groups.items():
+                momentums = group.momentums
+                if copy_values:
+                    momentums = {
+                        param: {m: None if v is None else _owned_copy(_intake(f"{param}/{m}", v)) for m, v in moms.items()}
+                        for param, moms in momentums.items()
+                    }
+                other._groups[group_name] = OptimizerGroup(group.step, group.initial_learning_rate, momentums)
+        return other
+
     def _groups_to_core(self) -> list[Any]:
         out = []
         for group_name, group in self.optimizer_groups.items():

@@ -35,13 +35,29 @@ class UnsupportedPlatformError(CheckpointError):
     """The host cannot read or write the format (it is big-endian)."""
 
 
+class CheckpointIntegrityError(CheckpointError):
+    """:func:`ortckpt.verify` found a damaged or incomplete checkpoint; ``problems`` lists
+    every finding, each naming its file."""
+
+    def __init__(self, path: object, problems: list[str]) -> None:
+        self.filename = str(path)
+        self.problems = list(problems)
+        super().__init__(f"{path} failed verification:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A :class:`~ortckpt.CheckpointManager` already holds a checkpoint for this step."""
+
+
 class InternalError(CheckpointError):
     """A bug in ortckpt, caught at the Rust boundary instead of crashing."""
 
 
 __all__ = [
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointFormatError",
+    "CheckpointIntegrityError",
     "CheckpointStateError",
     "InternalError",
     "UnsupportedDataTypeError",

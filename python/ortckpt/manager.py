@@ -1,0 +1,379 @@
+"""Checkpoints of a long training run: periodic saves, retention, resume, async saves.
+
+What ONNX Runtime's distributed TrainingRunner offered (``checkpoints_dir``,
+``checkpoint_period``, ``max_num_checkpoints``, resume from the latest on start), shaped
+like Orbax's ``CheckpointManager``, in ONNX Runtime's own format::
+
+    with CheckpointManager("ckpts", save_every=100, max_to_keep=3) as manager:
+        state = manager.restore() if manager.latest() else initial_state
+        for step in range(start, steps):
+            ...
+            if manager.should_save(step):
+                manager.save(state, step, metrics={"loss": loss})
+
+Layout of ``directory``: one directory per step, ``step_00000100/`` holding
+``checkpoint`` (what ONNX Runtime's ``load_checkpoint`` takes; ``checkpoint.data``
+beside it when large) and ``metadata.json``. A step directory is written under a hidden
+temporary name and renamed into place only once complete (and fsynced, when durable), so
+a reader never sees half a checkpoint; leftovers of a crash are removed on start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from . import metadata as _metadata
+from .checkpoint_state import CheckpointState
+from .errors import CheckpointExistsError, CheckpointIntegrityError
+from .integrity import CHECKPOINT_NAME, Verified, verify
+from .retention import RetentionPolicy
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+# Hidden work directories: a save in progress, and a checkpoint being deleted.
+_TEMP_DIR = re.compile(r"\.step_(\d+)\.tmp-(\d+)-[0-9a-f]+")
+_DELETING_DIR = re.compile(r"\.step_(\d+)\.deleting-[0-9a-f]+")
+
+
+def step_directory_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One complete checkpoint of a :class:`CheckpointManager`."""
+
+    step: int
+    directory: Path
+    metadata: dict[str, Any]
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint file: what ``load_checkpoint`` (ortckpt's or ONNX Runtime's) takes."""
+        return self.directory / CHECKPOINT_NAME
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.metadata.get("metrics") or {}
+
+    @property
+    def epoch(self) -> int | None:
+        return self.metadata.get("epoch")
+
+    @property
+    def rng_state(self) -> dict[str, Any] | None:
+        """What :func:`ortckpt.capture_rng_state` captured at save, if given."""
+        return self.metadata.get("rng_state")
+
+    def load(self) -> CheckpointState:
+        return CheckpointState.load_checkpoint(self.path)
+
+
+class CheckpointManager:
+    """Saves, keeps and restores the checkpoints of one training run in ``directory``.
+
+    Args:
+        directory: Where step directories go (created if missing).
+        save_every: :meth:`should_save` is True every this many steps (an int), or once this
+            much time has passed since the last save (a ``datetime.timedelta``); None: every step.
+        max_to_keep: Keep the newest K checkpoints.
+        keep_best: ``(metric name, "min" or "max", k)``: keep the k best by that metric.
+        keep_every: Keep every checkpoint whose step is a multiple of this, forever.
+            The rules combine as Orbax's: a checkpoint is kept when any rule keeps it; the
+            newest is always kept; with no rule, all are kept (see :mod:`ortckpt.retention`).
+        async_save: :meth:`save` returns once it has copied the state (the caller may then
+            change its arrays); writing, fsync, commit and retention happen in a background
+            thread. An error there is raised by the next :meth:`save` or :meth:`wait`.
+        durable: fsync each checkpoint's files and directories before it counts as saved.
+        verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
+            True in this process, ``"process"`` in a fresh Python process. A checkpoint that
+            fails is not committed.
+        run_id: Recorded in every checkpoint's metadata; default: the latest checkpoint's
+            (a resumed run keeps its id), else a new random id.
+        config: The run's hyperparameters or configuration (JSON-able), recorded in every
+            checkpoint's metadata.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save_every: int | datetime.timedelta | None = None,
+        max_to_keep: int | None = None,
+        keep_best: tuple[str, str, int] | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        durable: bool = True,
+        verify_after_save: bool | Literal["process"] = False,
+        run_id: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if isinstance(save_every, int) and save_every < 1:
+            raise ValueError(f"save_every must be at least 1, got {save_every}")
+        if verify_after_save not in (False, True, "process"):
+            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
+        self.directory = Path(directory)
+        self.policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
+        self.save_every = save_every
+        self.async_save = async_save
+        self.durable = durable
+        self.verify_after_save = verify_after_save
+        self.config = dict(config or {})
+        self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._last_save = time.monotonic()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_leftovers()
+        self._checkpoints: dict[int, CheckpointInfo] = self._scan()
+        latest = self.latest()
+        self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
+
+    # --- what is there -----------------------------------------------------------------
+
+    def _scan(self) -> dict[int, CheckpointInfo]:
+        found = {}
+        for entry in self.directory.iterdir():
+            match = _STEP_DIR.fullmatch(entry.name)
+            if not match or not entry.is_dir():
+                continue
+            try:
+                meta = _metadata.read(entry)
+            except (OSError, ValueError):
+                continue  # committed directories always hold metadata: this one was not made here
+            step = int(match.group(1))
+            found[step] = CheckpointInfo(step, entry, meta)
+        return found
+
+    def _remove_leftovers(self) -> None:
+        """Removes what crashed saves and deletions left: temporary step directories whose
+        writer is gone (another live process may still be writing its own), and directories
+        that were being deleted."""
+        for entry in self.directory.iterdir():
+            temp = _TEMP_DIR.fullmatch(entry.name)
+            if temp and _process_is_gone(int(temp.group(2))) or _DELETING_DIR.fullmatch(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def all(self) -> list[CheckpointInfo]:
+        """Every complete checkpoint, oldest step first."""
+        with self._lock:
+            return [self._checkpoints[s] for s in sorted(self._checkpoints)]
+
+    def all_steps(self) -> list[int]:
+        return [c.step for c in self.all()]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The complete checkpoint with the highest step, or None."""
+        with self._lock:
+            return self._checkpoints[max(self._checkpoints)] if self._checkpoints else None
+
+    def latest_step(self) -> int | None:
+        latest = self.latest()
+        return latest.step if latest else None
+
+    def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> CheckpointInfo | None:
+        """The checkpoint with the best ``metric`` (default: ``keep_best``'s); ties go to the
+        newer step; checkpoints without the metric are not ranked."""
+        if metric is None:
+            if self.policy.keep_best is None:
+                raise ValueError("best() needs a metric name and mode, or keep_best set on the manager")
+            metric, mode = self.policy.keep_best[0], self.policy.keep_best[1]
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode is 'min' or 'max', got {mode!r}")
+        checkpoints = self.all()
+        ranked = RetentionPolicy(keep_best=(metric, mode, 1)).ranked([(c.step, c.metrics) for c in checkpoints])
+        return {c.step: c for c in checkpoints}[ranked[0]] if ranked else None
+
+    # --- saving --------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the latest)."""
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            return False
+        if self.save_every is None:
+            return True
+        if isinstance(self.save_every, datetime.timedelta):
+            return time.monotonic() - self._last_save >= self.save_every.total_seconds()
+        return step % self.save_every == 0
+
+    def save(
+        self,
+        state: CheckpointState,
+        step: int,
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        dataset_fingerprint: str | None = None,
+        rng_state: Mapping[str, Any] | None = None,
+        include_optimizer_state: bool = True,
+    ) -> None:
+        """Saves ``state`` as the checkpoint of ``step``.
+
+        ``step`` (and ``epoch``, when given) also go into the checkpoint's properties, where
+        ONNX Runtime sees them. ``metrics`` rank checkpoints for ``keep_best``; ``metadata``
+        is any JSON-able data of yours; ``rng_state`` comes from :func:`ortckpt.capture_rng_state`.
+        With ``async_save``, returns once the state is copied; otherwise once it is committed.
+        """
+        if not isinstance(state, CheckpointState):
+            raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        self.wait()  # one save at a time; raises the previous async save's error
+        latest = self.latest_step()
+        if step in self.all_steps():
+            raise CheckpointExistsError(f"{self.directory}: a checkpoint of step {step} exists")
+        if latest is not None and step < latest:
+            raise ValueError(
+                f"{self.directory}: step {step} is older than the latest checkpoint ({latest}); "
+                "delete the newer ones first (manager.delete(step)) to go back"
+            )
+        properties: dict[str, Any] = {"step": step}
+        if epoch is not None:
+            properties["epoch"] = epoch
+        snapshot = state._snapshot(copy_values=self.async_save, include_optimizer_state=include_optimizer_state,
+                                   properties=properties)  # fmt: skip
+        meta = _metadata.build(
+            step=step, epoch=epoch, run_id=self.run_id, metrics=metrics, config=self.config, user=metadata,
+            dataset_fingerprint=dataset_fingerprint, rng_state=rng_state,
+            include_optimizer_state=include_optimizer_state,
+        )  # fmt: skip
+        self._last_save = time.monotonic()
+        if not self.async_save:
+            self._write_and_commit(snapshot, step, meta, include_optimizer_state)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortckpt-save")
+        self._pending = self._executor.submit(self._write_and_commit, snapshot, step, meta, include_optimizer_state)
+
+    def _write_and_commit(self, state: CheckpointState, step: int, meta: dict[str, Any],
+                          include_optimizer_state: bool) -> None:  # fmt: skip
+        name = step_directory_name(step)
+        temp = self.directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        temp.mkdir()
+        try:
+            CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state, durable=self.durable)
+            files = sorted(p.name for p in temp.iterdir())
+            meta["files"] = _metadata.describe_files(temp, files)
+            _metadata.write(temp, meta, self.durable)
+            if self.durable:
+                _fsync_directory(temp)
+            if self.verify_after_save == "process":
+                _verify_in_new_process(temp)
+            elif self.verify_after_save:
+                verify(temp)
+            final = self.directory / name
+            os.rename(temp, final)  # fails, rather than replaces, if the step appeared meanwhile
+            if self.durable:
+                _fsync_directory(self.directory)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        with self._lock:
+            self._checkpoints[step] = CheckpointInfo(step, final, meta)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        with self._lock:
+            keep = self.policy.steps_to_keep([(c.step, c.metrics) for c in self._checkpoints.values()])
+            doomed = [s for s in self._checkpoints if s not in keep]
+        for step in doomed:
+            self.delete(step)
+
+    def delete(self, step: int) -> None:
+        """Deletes the checkpoint of ``step``: renamed out of sight first (atomic), then removed,
+        so a crash midway never leaves a partial checkpoint under a step's name."""
+        with self._lock:
+            info = self._checkpoints.pop(step, None)
+        if info is None:
+            raise KeyError(f"{self.directory}: no checkpoint of step {step}")
+        doomed = self.directory / f".{info.directory.name}.deleting-{uuid.uuid4().hex[:12]}"
+        os.rename(info.directory, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Waits for the pending async save; raises its error, if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Waits for the pending save and stops the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- restoring -----------------------------------------------------------------------
+
+    def restore(self, step: int | None = None) -> CheckpointState:
+        """Loads the checkpoint of ``step`` (default: the latest)."""
+        self.wait()
+        with self._lock:
+            if step is None:
+                if not self._checkpoints:
+                    raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
+                step = max(self._checkpoints)
+            info = self._checkpoints.get(step)
+        if info is None:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
+        return info.load()
+
+    def verify(self, step: int | None = None) -> Verified:
+        """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest)."""
+        info = self.latest() if step is None else {c.step: c for c in self.all()}.get(step)
+        if info is None:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
+        return verify(info.directory)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()})"
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _process_is_gone(pid: int) -> bool:
+    if pid == os.getpid():  # a directory of ours from before a restart (pid 1 in a container)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _verify_in_new_process(directory: Path) -> None:
+    code = "import sys, ortckpt; ortckpt.verify(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CheckpointIntegrityError(directory, [done.stderr.strip().splitlines()[-1] if done.stderr else
+                                                   f"verification process exited with {done.returncode}"])  # fmt: skip

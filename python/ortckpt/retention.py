@@ -1,0 +1,75 @@
+"""Which checkpoints a :class:`~ortckpt.CheckpointManager` keeps.
+
+The rules combine as Orbax's ``AnyPreservationPolicy`` combines its policies: a
+checkpoint is kept when any configured rule keeps it, and the newest checkpoint is
+always kept. With no rule configured, every checkpoint is kept.
+
+- ``max_to_keep=K``: the K newest (by step).
+- ``keep_best=(metric, "min" | "max", k)``: the k best by that metric. A checkpoint
+  saved without the metric (or with NaN) is not ranked: only the other rules keep it.
+  Ties go to the newer step.
+- ``keep_every=M``: every checkpoint whose step is a multiple of M, forever.
+
+Deciding is pure (no files), so it is tested against a reference model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    max_to_keep: int | None = None
+    keep_best: tuple[str, str, int] | None = None
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1, got {self.max_to_keep}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"keep_every must be at least 1, got {self.keep_every}")
+        if self.keep_best is not None:
+            if len(self.keep_best) != 3:
+                raise ValueError(f"keep_best is (metric name, 'min' or 'max', count), got {self.keep_best!r}")
+            metric, mode, count = self.keep_best
+            if not isinstance(metric, str) or mode not in ("min", "max") or not isinstance(count, int) or count < 1:
+                raise ValueError(f"keep_best is (metric name, 'min' or 'max', count >= 1), got {self.keep_best!r}")
+
+    @property
+    def deletes_anything(self) -> bool:
+        return self.max_to_keep is not None or self.keep_best is not None or self.keep_every is not None
+
+    def metric_of(self, metrics: Mapping[str, float] | None) -> float | None:
+        """The ranking metric of a checkpoint, or None when it is not ranked."""
+        if self.keep_best is None or not metrics:
+            return None
+        value = metrics.get(self.keep_best[0])
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            return None
+        return float(value)
+
+    def steps_to_keep(self, checkpoints: Sequence[tuple[int, Mapping[str, float] | None]]) -> set[int]:
+        """``checkpoints``: (step, metrics) of every complete checkpoint; returns the steps to keep."""
+        steps = sorted(step for step, _ in checkpoints)
+        if not self.deletes_anything or not steps:
+            return set(steps)
+        keep = {steps[-1]}
+        if self.max_to_keep is not None:
+            keep.update(steps[-self.max_to_keep :])
+        if self.keep_every is not None:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None:
+            keep.update(self.ranked(checkpoints)[: self.keep_best[2]])
+        return keep
+
+    def ranked(self, checkpoints: Sequence[tuple[int, Mapping[str, float] | None]]) -> list[int]:
+        """The steps of the checkpoints that have ``keep_best``'s metric, best first; among
+        equals, the newer step first."""
+        assert self.keep_best is not None
+        mode = self.keep_best[1]
+        ranked = [(m, step) for step, metrics in checkpoints if (m := self.metric_of(metrics)) is not None]
+        ranked.sort(key=lambda ms: (ms[0] if mode == "min" else -ms[0], -ms[1]))
+        return [step for _, step in ranked]

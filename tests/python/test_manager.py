@@ -1,0 +1,378 @@
+"""CheckpointManager: periodic saves, retention on real directories, resume, async saves,
+metadata, integrity checks, crash leftovers and SIGKILL during saves."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ortckpt
+from ortckpt import (
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointState,
+    OptimizerGroup,
+    capture_rng_state,
+    restore_rng_state,
+    verify,
+)
+from ortckpt.metadata import git_commit_of
+from test_retention import reference_kept
+
+
+def make_state(seed: int = 0, size: int = 64) -> CheckpointState:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((size, 4)).astype(np.float32)
+    state = CheckpointState.from_arrays({"w": w, "b": np.zeros(4, np.float32)}, {"emb": np.arange(6, dtype=np.int64)})
+    state.optimizer_groups["group0"] = OptimizerGroup(
+        step=3, initial_learning_rate=1e-3,
+        momentums={"w": {"momentum0": w * 0.5, "momentum1": w * w}, "b": {"momentum0": np.ones(4, np.float32),
+                                                                     "momentum1": np.ones(4, np.float32)}},
+    )  # fmt: skip
+    state.properties["note"] = "hello"
+    return state
+
+
+def assert_same(a: CheckpointState, b: CheckpointState) -> None:
+    assert a.parameters.names() == b.parameters.names()
+    for name in a.parameters.names():
+        np.testing.assert_array_equal(a.parameters[name].data, b.parameters[name].data)
+    ga, gb = a.optimizer_groups["group0"], b.optimizer_groups["group0"]
+    assert ga.step == gb.step and np.float32(ga.initial_learning_rate) == np.float32(gb.initial_learning_rate)
+    for p, moms in ga.momentums.items():
+        for m, v in moms.items():
+            np.testing.assert_array_equal(v, gb.momentums[p][m])
+
+
+def test_save_restore_round_trip_with_step_and_epoch_properties(tmp_path):
+    state = make_state()
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(state, 10, epoch=2, metrics={"loss": 0.5})
+        restored = manager.restore()
+    assert_same(state, restored)
+    assert restored.properties["step"] == 10 and restored.properties["epoch"] == 2
+    assert restored.properties["note"] == "hello"
+    assert "step" not in state.properties, "the caller's state must not change"
+    info = manager.latest()
+    assert info.step == 10 and info.epoch == 2 and info.metrics == {"loss": 0.5}
+    assert info.path == tmp_path / "step_00000010" / "checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000010"]
+
+
+def test_metadata_records_the_run(tmp_path):
+    config = {"lr": 1e-3, "layers": [4, 4]}
+    with CheckpointManager(tmp_path, config=config) as manager:
+        manager.save(make_state(), 5, epoch=1, metrics={"loss": float("nan"), "acc": 0.9}, metadata={"note": "x"},
+                     dataset_fingerprint="sha256:abc")  # fmt: skip
+    meta = json.loads((tmp_path / "step_00000005" / "metadata.json").read_text())
+    assert meta["step"] == 5 and meta["epoch"] == 1 and meta["config"] == config
+    assert meta["metrics"] == {"loss": "nan", "acc": 0.9}  # NaN kept readable by every JSON parser
+    assert meta["user"] == {"note": "x"} and meta["dataset_fingerprint"] == "sha256:abc"
+    assert meta["versions"]["ortckpt"] == ortckpt.__version__ and meta["versions"]["numpy"] == np.__version__
+    assert meta["host"] and meta["timestamp"].endswith("+00:00") and len(meta["run_id"]) == 32
+    checkpoint = tmp_path / "step_00000005" / "checkpoint"
+    assert meta["files"]["checkpoint"]["bytes"] == checkpoint.stat().st_size
+    import hashlib
+
+    assert meta["files"]["checkpoint"]["sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    # A new manager on the same directory continues the run: same run id.
+    assert CheckpointManager(tmp_path).run_id == meta["run_id"]
+    assert CheckpointManager(tmp_path, run_id="other").run_id == "other"
+
+
+def test_git_commit_is_found_for_code_in_a_repository(tmp_path):
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    (tmp_path / "train.py").write_text("print(1)\n")
+    for args in (["init", "-q"], ["add", "train.py"], ["commit", "-qm", "first"]):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, env=env)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_commit_of(tmp_path) == {"commit": head.strip(), "dirty": False}
+    (tmp_path / "train.py").write_text("print(2)\n")
+    assert git_commit_of(tmp_path)["dirty"] is True
+    assert git_commit_of(tmp_path / "..") is None or git_commit_of(tmp_path / "..")["commit"] != head.strip()
+
+
+def test_should_save_every_n_steps_and_never_for_an_old_step(tmp_path):
+    manager = CheckpointManager(tmp_path, save_every=5)
+    assert [s for s in range(1, 16) if manager.should_save(s)] == [5, 10, 15]
+    manager.save(make_state(), 10)
+    assert not manager.should_save(10) and not manager.should_save(5) and manager.should_save(15)
+
+
+def test_should_save_by_time(tmp_path):
+    assert CheckpointManager(tmp_path / "a", save_every=datetime.timedelta(0)).should_save(1)
+    hourly = CheckpointManager(tmp_path / "b", save_every=datetime.timedelta(hours=1))
+    assert not hourly.should_save(1)  # the hour counts from the manager's start
+    hourly._last_save -= 3601
+    assert hourly.should_save(1)
+    hourly.save(make_state(), 1)
+    assert not hourly.should_save(2)
+
+
+def test_existing_and_older_steps_are_refused_until_deleted(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(make_state(), 10)
+    with pytest.raises(CheckpointExistsError):
+        manager.save(make_state(), 10)
+    with pytest.raises(ValueError, match="older than the latest"):
+        manager.save(make_state(), 7)
+    manager.delete(10)
+    manager.save(make_state(1), 7)
+    assert manager.all_steps() == [7]
+    with pytest.raises(KeyError):
+        manager.delete(10)
+
+
+def test_best_by_metric(tmp_path):
+    saves = [(1, 3.0), (2, 1.0), (3, None), (4, 2.0), (5, 1.0)]
+    everything = CheckpointManager(tmp_path / "all")
+    kept = CheckpointManager(tmp_path / "kept", keep_best=("loss", "min", 2))
+    for manager in (everything, kept):
+        for step, loss in saves:
+            manager.save(make_state(), step, metrics=None if loss is None else {"loss": loss})
+    assert everything.best("loss", "min").step == 5  # ties go to the newer step
+    assert everything.best("loss", "max").step == 1
+    with pytest.raises(ValueError, match="needs a metric"):
+        everything.best()
+    assert kept.all_steps() == [2, 5] and kept.best().step == 5
+    assert CheckpointManager(tmp_path / "none").best("loss", "min") is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    max_to_keep=st.one_of(st.none(), st.integers(1, 3)),
+    keep_best=st.one_of(st.none(), st.tuples(st.just("loss"), st.sampled_from(["min", "max"]), st.integers(1, 2))),
+    keep_every=st.one_of(st.none(), st.integers(2, 4)),
+    losses=st.lists(st.one_of(st.none(), st.integers(0, 3).map(float)), min_size=1, max_size=10),
+)
+def test_a_real_directory_holds_what_the_reference_keeps(tmp_path_factory, max_to_keep, keep_best, keep_every, losses):
+    directory = tmp_path_factory.mktemp("run")
+    state = make_state(size=2)
+    manager = CheckpointManager(directory, max_to_keep=max_to_keep, keep_best=keep_best, keep_every=keep_every,
+                                durable=False)  # fmt: skip
+    history = []
+    for i, loss in enumerate(losses):
+        step = (i + 1) * 2
+        manager.save(state, step, metrics=None if loss is None else {"loss": loss})
+        history.append((step, loss))
+    expected = reference_kept(history, max_to_keep, keep_best, keep_every)
+    on_disk = sorted(int(p.name.split("_")[1]) for p in directory.iterdir())
+    assert on_disk == sorted(expected) == manager.all_steps()
+    assert CheckpointManager(directory).all_steps() == sorted(expected)  # a fresh manager sees the same
+
+
+def test_async_save_takes_a_snapshot_so_the_caller_may_change_its_arrays(tmp_path):
+    state = make_state(size=1 << 16)
+    w = state.parameters["w"].data
+    expected = w.copy()
+    with CheckpointManager(tmp_path, async_save=True) as manager:
+        manager.save(state, 1)
+        w += 100.0  # training goes on while the save runs
+        manager.save(state, 2)  # waits for the first
+    restored_1 = manager.restore(1)
+    np.testing.assert_array_equal(restored_1.parameters["w"].data, expected)
+    np.testing.assert_array_equal(manager.restore(2).parameters["w"].data, expected + 100.0)
+
+
+def test_async_save_error_surfaces_at_the_next_call_and_leaves_nothing(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path, async_save=True)
+    manager.save(make_state(), 1)
+    manager.wait()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointState, "save_checkpoint", disk_full)
+    manager.save(make_state(), 2)  # returns: the failure happens in the background
+    with pytest.raises(OSError, match="No space left"):
+        manager.save(make_state(), 3)
+    monkeypatch.undo()
+    manager.wait()  # the error was reported once
+    assert manager.all_steps() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    manager.save(make_state(), 3)
+    manager.close()
+    assert manager.all_steps() == [1, 3]
+
+
+def test_the_context_manager_waits_for_the_pending_save(tmp_path):
+    with CheckpointManager(tmp_path, async_save=True) as manager:
+        manager.save(make_state(size=1 << 18), 1)
+    assert (tmp_path / "step_00000001" / "metadata.json").exists()
+    assert CheckpointManager(tmp_path).latest_step() == 1
+
+
+@pytest.mark.parametrize("how", [True, "process"])
+def test_verify_after_save_refuses_to_commit_a_bad_checkpoint(tmp_path, monkeypatch, how):
+    manager = CheckpointManager(tmp_path, verify_after_save=how)
+    manager.save(make_state(), 1)
+    assert manager.all_steps() == [1]
+    real_write = ortckpt.metadata.write
+
+    def corrupting_write(directory, meta, durable):  # the checkpoint changes after it was hashed
+        real_write(directory, meta, durable)
+        with open(directory / "checkpoint", "r+b") as f:
+            f.seek(-1, 2)
+            f.write(b"\xff")
+
+    monkeypatch.setattr(ortckpt.metadata, "write", corrupting_write)
+    with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
+        manager.save(make_state(), 2)
+    assert manager.all_steps() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+
+
+def test_verify_names_what_is_wrong(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(make_state(), 1)
+    step_dir = tmp_path / "step_00000001"
+    good = verify(step_dir)
+    assert good.step == 1 and good.tensors == 7 and set(good.files) == {"checkpoint"}
+    assert manager.verify().step == 1
+    checkpoint = step_dir / "checkpoint"
+    original = checkpoint.read_bytes()
+
+    checkpoint.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(CheckpointIntegrityError) as e:
+        verify(step_dir)
+    assert str(checkpoint) in str(e.value) and "SHA-256" in str(e.value) and len(e.value.problems) == 1
+
+    checkpoint.write_bytes(original[:100])
+    with pytest.raises(CheckpointIntegrityError, match="100 bytes, metadata says"):
+        verify(step_dir)
+    # A bare file has no hashes: decoding is what is checked.
+    with pytest.raises(CheckpointIntegrityError, match="checkpoint"):
+        verify(checkpoint)
+    checkpoint.write_bytes(original)
+    assert verify(checkpoint).tensors == 7
+
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    meta["step"] = 2
+    (step_dir / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointIntegrityError, match="property step=1, metadata says step=2"):
+        verify(step_dir)
+    (step_dir / "metadata.json").unlink()
+    with pytest.raises(CheckpointIntegrityError, match="metadata.json: missing"):
+        verify(step_dir)
+
+
+def test_external_data_is_hashed_and_verified(tmp_path):
+    # A threshold of 0 cannot be passed through the manager; a large state goes external on its own
+    # only past 1800 MiB, so the checkpoint here is written external directly and verified as a file.
+    state = make_state()
+    CheckpointState.save_checkpoint(state, tmp_path / "checkpoint", True, external_data_threshold=0)
+    assert verify(tmp_path / "checkpoint").tensors == 7
+    data = tmp_path / "checkpoint.data"
+    data.write_bytes(data.read_bytes()[:-40])
+    with pytest.raises(CheckpointIntegrityError, match="checkpoint"):
+        verify(tmp_path / "checkpoint")
+
+
+def test_leftovers_of_crashed_saves_and_deletions_are_removed_on_start(tmp_path):
+    CheckpointManager(tmp_path).save(make_state(), 1)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".step_00000002.tmp-{dead.pid}-abc123"
+    mine_before_restart = tmp_path / f".step_00000003.tmp-{os.getpid()}-abc123"
+    live = tmp_path / f".step_00000004.tmp-{os.getppid()}-abc123"  # another process still saving
+    deleting = tmp_path / ".step_00000000.deleting-abc123"
+    unrelated = tmp_path / "notes.txt"
+    for d in (stale, mine_before_restart, live, deleting):
+        d.mkdir()
+        (d / "checkpoint").write_bytes(b"partial")
+    unrelated.write_text("keep me")
+    manager = CheckpointManager(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "notes.txt", "step_00000001"])
+    assert manager.all_steps() == [1]
+
+
+def test_rng_state_round_trips_through_the_metadata(tmp_path):
+    gen, legacy, py = np.random.default_rng(1), np.random.RandomState(2), random.Random(3)
+    np.random.seed(4)
+    random.seed(5)
+    manager = CheckpointManager(tmp_path)
+    manager.save(make_state(), 1, rng_state=capture_rng_state(gen, legacy, py))
+
+    def draws():
+        return (gen.random(3).tolist(), legacy.rand(3).tolist(), [py.random() for _ in range(3)],
+                np.random.rand(3).tolist(), [random.random() for _ in range(3)])  # fmt: skip
+
+    expected = draws()
+    draws()  # move every generator on
+    restore_rng_state(CheckpointManager(tmp_path).latest().rng_state, gen, legacy, py)
+    assert draws() == expected
+    with pytest.raises(ValueError, match="3 generator"):
+        restore_rng_state(manager.latest().rng_state, gen)
+    with pytest.raises(TypeError, match="numpy.Generator"):
+        restore_rng_state(manager.latest().rng_state, py, legacy, gen)
+
+
+def test_manager_checkpoints_load_in_the_checkpoint_state_api_unchanged(tmp_path):
+    """The file in a step directory is an ordinary checkpoint (ONNX Runtime loads it: tests/interop)."""
+    CheckpointManager(tmp_path).save(make_state(), 42, epoch=7)
+    state = CheckpointState.load_checkpoint(tmp_path / "step_00000042" / "checkpoint")
+    assert state.properties["step"] == 42 and state.properties["epoch"] == 7
+
+
+SAVER = """
+import sys
+import numpy as np
+from ortckpt import CheckpointManager, CheckpointState
+directory, start = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(start)
+arrays = {f"t{i}": rng.standard_normal(50_000 + i).astype(np.float32) for i in range(8)}
+state = CheckpointState.from_arrays(arrays)
+manager = CheckpointManager(directory, max_to_keep=2, durable=False)
+step = start
+print("ready", flush=True)
+while True:
+    step += 1
+    for a in arrays.values():
+        a += 1.0  # each step's checkpoint differs from the last
+    manager.save(state, step, metrics={"loss": 1.0 / step})
+"""
+
+
+def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path):
+    """Kills a process that saves in a loop (retention deleting behind it) at random moments;
+    each time, a fresh manager must find a latest checkpoint that verifies, and no leftovers."""
+    trials, rng = 100, random.Random(20261122)
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER)
+    directory = tmp_path / "ckpts"
+    latest_steps, mid_save = [], 0
+    for trial in range(trials):
+        start = (latest_steps[-1] if latest_steps else 0)
+        child = subprocess.Popen([sys.executable, str(script), str(directory), str(start)], stdout=subprocess.PIPE)
+        assert child.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.0, 0.15))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        mid_save += any(p.name.startswith(".") for p in directory.iterdir()) if directory.exists() else 0
+        manager = CheckpointManager(directory)
+        leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+        assert leftovers == [], f"trial {trial}: leftovers after restart: {leftovers}"
+        latest = manager.latest()
+        if latest is None:
+            continue
+        checked = manager.verify()
+        assert checked.step == latest.step and checked.tensors == 8
+        assert len(manager.all_steps()) <= 3  # max_to_keep=2, plus one if killed between commit and retention
+        latest_steps.append(latest.step)
+    print(f"{trials} kills, {mid_save} inside a save or deletion, latest steps reached {latest_steps[-1]}")
+    assert len(latest_steps) > trials // 2, "the kills came too early to test anything"
+    assert mid_save > trials // 10, "too few kills landed inside a save to test anything"
