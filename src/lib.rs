@@ -57,6 +57,8 @@ pub struct SaveOptions {
     pub external_data_threshold: u64,
     /// Threads writing the external data file.
     pub threads: usize,
+    /// Counts the bytes written, for another thread to poll (a progress bar).
+    pub progress: Option<std::sync::Arc<io::Progress>>,
 }
 
 impl Default for SaveOptions {
@@ -65,6 +67,7 @@ impl Default for SaveOptions {
             durable: false,
             external_data_threshold: DEFAULT_EXTERNAL_DATA_THRESHOLD,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
+            progress: None,
         }
     }
 }
@@ -252,27 +255,41 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     };
     let encoded = format::encode(ckpt, placement).map_err(|e| e.in_file(path))?;
     let data_path = external_data_path(path);
+    let segments = encoded.segments();
+    let external = encoded
+        .has_external_data()
+        .then(|| encoded.external_data());
+    let unobserved = io::Progress::default();
+    let progress = options.progress.as_deref().unwrap_or(&unobserved);
+    let main_len: usize = segments.iter().map(|s| s.len()).sum();
+    let values_len: usize = external
+        .iter()
+        .flat_map(|(_, parts)| parts.iter().map(|(_, bytes)| bytes.len()))
+        .sum();
+    progress.begin((main_len + values_len) as u64);
+    let after = io::AfterEachPiece {
+        writeback: options.durable,
+        progress,
+    };
     // Both files are written in full before either replaces its target, so a failed save
     // leaves the previous checkpoint whole. The data file is committed first: the
     // checkpoint that points into it goes last. A crash between the two renames leaves
     // the new data beside the old checkpoint; their pair trailers tell, and load then
     // reads the new checkpoint from its temporary file (see format::pairing).
-    let data = if encoded.has_external_data() {
-        let (len, values) = encoded.external_data();
-        Some(io::write_pending(&data_path, options.durable, |file| {
-            io::write_at_parallel(file, len, &values, options.threads, options.durable)
-        })?)
-    } else {
-        None
+    let data = match &external {
+        Some((len, values)) => Some(io::write_pending(&data_path, options.durable, |file| {
+            io::write_at_parallel(file, *len, values, options.threads, &after)
+        })?),
+        None => None,
     };
     let main = io::write_pending(path, options.durable, |file| {
-        io::write_segments(file, &encoded.segments(), options.durable)
+        io::write_segments(file, &segments, &after)
     })?;
     if let Some(data) = data {
         data.commit()?;
     }
     main.commit()?;
-    if !encoded.has_external_data() {
+    if external.is_none() {
         // A data file left from an earlier, larger save would only mislead.
         match std::fs::remove_file(&data_path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

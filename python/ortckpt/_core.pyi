@@ -7,6 +7,7 @@ __all__ = [
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
     "MappedFile",
     "PAYLOAD_ALIGNMENT",
+    "SaveProgress",
     "_panic_for_test",
     "load",
     "save",
@@ -22,6 +23,15 @@ class MappedFile:
     def __len__(self) -> int: ...
     if sys.version_info >= (3, 12):
         def __buffer__(self, flags: int, /) -> memoryview: ...
+
+@final
+class SaveProgress:
+    """Bytes a running save has written (poll it from another thread)."""
+    def __new__(cls) -> SaveProgress: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def written(self) -> int: ...
 
 # (name, ONNX type code, dims, values): values are a contiguous byte buffer, a list of str, or None (nominal).
 _TensorIn = tuple[str, int, Sequence[int], Any]
@@ -39,5 +49,6 @@ def save(
     nominal: bool = False,
     durable: bool = False,
     external_data_threshold: int = ...,
+    progress: SaveProgress | None = None,
 ) -> None: ...
 def _panic_for_test(message: str, release_gil: bool) -> None: ...

@@ -20,6 +20,7 @@ from . import _core
 from . import dtypes as _dt
 from .dtypes import PackedInt4
 from .errors import CheckpointError, CheckpointStateError, UnsupportedDataTypeError
+from .progress import save_progress
 
 PropertyValue = Union[int, float, str]
 TensorValue = Union[np.ndarray, PackedInt4]
@@ -369,6 +370,7 @@ class CheckpointState:
         *,
         external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
         durable: bool = False,
+        progress: bool = False,
     ) -> None:
         """Saves the checkpoint state to the checkpoint file, atomically.
 
@@ -382,6 +384,8 @@ class CheckpointState:
                 64 bytes and strings stay inline. 0 forces external data.
             durable: fsync the file(s) and their directory before returning, so the new
                 checkpoint survives a power cut (not only a crash of this process).
+            progress: Show a progress bar (tqdm) while the files are written, when that
+                takes more than half a second.
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
@@ -390,18 +394,21 @@ class CheckpointState:
         frozen = [state._tensor(n).to_core(nominal) for n in state._frozen]
         groups = state._groups_to_core() if include_optimizer_state else []
         props = state._properties
-        _core.save(
-            os.fspath(checkpoint_uri),
-            trainable,
-            frozen,
-            groups,
-            [(k, v) for k, v in props.items() if isinstance(v, int)],
-            [(k, v) for k, v in props.items() if isinstance(v, float)],
-            [(k, v) for k, v in props.items() if isinstance(v, str)],
-            nominal=nominal,
-            external_data_threshold=external_data_threshold,
-            durable=durable,
-        )
+        path = os.fspath(checkpoint_uri)
+        with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
+            _core.save(
+                path,
+                trainable,
+                frozen,
+                groups,
+                [(k, v) for k, v in props.items() if isinstance(v, int)],
+                [(k, v) for k, v in props.items() if isinstance(v, float)],
+                [(k, v) for k, v in props.items() if isinstance(v, str)],
+                nominal=nominal,
+                external_data_threshold=external_data_threshold,
+                durable=durable,
+                progress=counter,
+            )
 
     @classmethod
     def from_arrays(

@@ -104,6 +104,8 @@ class CheckpointManager:
             (a resumed run keeps its id), else a new random id.
         config: The run's hyperparameters or configuration (JSON-able), recorded in every
             checkpoint's metadata.
+        progress: Progress bars (tqdm) while a checkpoint is written and hashed, for saves
+            that take more than half a second.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class CheckpointManager:
         verify_after_save: bool | Literal["process"] = False,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
+        progress: bool = False,
     ) -> None:
         if isinstance(save_every, int) and save_every < 1:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
@@ -131,6 +134,7 @@ class CheckpointManager:
         self.durable = durable
         self.verify_after_save = verify_after_save
         self.config = dict(config or {})
+        self.progress = progress
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
@@ -265,9 +269,10 @@ class CheckpointManager:
         temp = self.directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         temp.mkdir()
         try:
-            CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state, durable=self.durable)
+            CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state,
+                                            durable=self.durable, progress=self.progress)  # fmt: skip
             files = sorted(p.name for p in temp.iterdir())
-            meta["files"] = _metadata.describe_files(temp, files)
+            meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)
             _metadata.write(temp, meta, self.durable)
             if self.durable:
                 _fsync_directory(temp)

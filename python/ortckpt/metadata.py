@@ -13,31 +13,43 @@ import platform
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import progress as _progress
+
 METADATA_NAME = "metadata.json"
 FORMAT = "ortckpt-metadata/1"
 _CHUNK = 8 << 20
 
 
-def sha256_of(path: Path) -> str:
-    """SHA-256 of a file (hashlib releases the GIL on large chunks)."""
+def sha256_of(path: Path, on_bytes: Callable[[int], object] | None = None) -> str:
+    """SHA-256 of a file (hashlib releases the GIL on large chunks); ``on_bytes(n)`` after each chunk."""
     digest = hashlib.sha256()
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
             digest.update(view[:n])
+            if on_bytes:
+                on_bytes(n)
     return digest.hexdigest()
 
 
-def describe_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_of(directory / name)} for name in names}
+def describe_files(directory: Path, names: list[str], progress: str | None = None) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of each file; ``progress``: the label of a progress bar, if one is wanted."""
+    sizes = {name: (directory / name).stat().st_size for name in names}
+    bar = _progress.bar(f"hashing {progress}", sum(sizes.values())) if progress else None
+    try:
+        on_bytes = bar.update if bar is not None else None
+        return {name: {"bytes": sizes[name], "sha256": sha256_of(directory / name, on_bytes)} for name in names}
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 @lru_cache(maxsize=1)

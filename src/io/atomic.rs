@@ -9,7 +9,7 @@ use std::io::{self, IoSlice, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::writeback::{start_writeback, PIECE};
+use super::writeback::{AfterEachPiece, PIECE};
 use crate::error::{Error, Result};
 
 /// Prefix of temporary files, so readers and cleaners can recognise them.
@@ -193,8 +193,12 @@ pub fn replace_atomically(
 
 /// Writes consecutive slices to a fresh file with few system calls (writev of
 /// up to 1024 slices and [`PIECE`] bytes at a time) and no copy on our side;
-/// with `writeback`, each piece's writeback starts as soon as it is written.
-pub fn write_segments(file: &mut File, segments: &[&[u8]], writeback: bool) -> io::Result<()> {
+/// `after` runs on each piece as soon as it is written.
+pub fn write_segments(
+    file: &mut File,
+    segments: &[&[u8]],
+    after: &AfterEachPiece<'_>,
+) -> io::Result<()> {
     const MAX_IOV: usize = 1024;
     let mut pieces = segments.iter().flat_map(|s| s.chunks(PIECE)).peekable();
     let mut position = 0u64;
@@ -215,9 +219,7 @@ pub fn write_segments(file: &mut File, segments: &[&[u8]], writeback: bool) -> i
             return Ok(());
         }
         write_all_vectored(file, &mut batch)?;
-        if writeback {
-            start_writeback(file, position, bytes as u64);
-        }
+        after.written(file, position, bytes as u64);
         position += bytes as u64;
         batch.clear();
     }
@@ -249,13 +251,13 @@ fn write_all_vectored(file: &mut File, slices: &mut [IoSlice<'_>]) -> io::Result
 /// the kernel throttles dirty pages, two pwrite threads had the best median and
 /// the tightest spread; at 1 GiB they were within 8 % of one sequential writer,
 /// and the memory map was slowest at both sizes (a page fault per 4 KiB page).
-/// With `writeback`, each [`PIECE`]'s writeback starts as soon as it is written.
+/// `after` runs on each [`PIECE`] as soon as it is written.
 pub fn write_at_parallel(
     file: &File,
     len: u64,
     values: &[(u64, &[u8])],
     threads: usize,
-    writeback: bool,
+    after: &AfterEachPiece<'_>,
 ) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
 
@@ -270,9 +272,7 @@ pub fn write_at_parallel(
                         let mut at = offset;
                         for piece in bytes.chunks(PIECE) {
                             file.write_all_at(piece, at)?;
-                            if writeback {
-                                start_writeback(file, at, piece.len() as u64);
-                            }
+                            after.written(file, at, piece.len() as u64);
                             at += piece.len() as u64;
                         }
                     }
@@ -290,6 +290,7 @@ pub fn write_at_parallel(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::io::Progress;
 
     /// Slices of every kind of size: empty, tiny, and larger than one write piece.
     fn segments() -> Vec<Vec<u8>> {
@@ -310,11 +311,17 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("f");
             let mut file = File::create(&path).unwrap();
-            write_segments(&mut file, &slices, writeback).unwrap();
+            let progress = Progress::default();
+            let after = AfterEachPiece {
+                writeback,
+                progress: &progress,
+            };
+            write_segments(&mut file, &slices, &after).unwrap();
             assert!(
                 fs::read(&path).unwrap() == expected,
                 "writeback {writeback}"
             );
+            assert_eq!(progress.written(), expected.len() as u64);
         }
     }
 
@@ -332,8 +339,15 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("f");
             let file = File::create(&path).unwrap();
-            write_at_parallel(&file, expected.len() as u64, &values, threads, writeback).unwrap();
+            let progress = Progress::default();
+            let after = AfterEachPiece {
+                writeback,
+                progress: &progress,
+            };
+            write_at_parallel(&file, expected.len() as u64, &values, threads, &after).unwrap();
             assert!(fs::read(&path).unwrap() == expected, "{threads} threads");
+            let value_bytes: usize = segments.iter().map(Vec::len).sum();
+            assert_eq!(progress.written(), value_bytes as u64);
         }
     }
 }

@@ -3,6 +3,7 @@
 
 mod atomic;
 mod mapped;
+mod progress;
 mod writeback;
 
 pub use atomic::{
@@ -10,3 +11,5 @@ pub use atomic::{
     write_at_parallel, write_pending, write_segments, PendingFile,
 };
 pub use mapped::{map_private, map_private_any};
+pub use progress::Progress;
+pub use writeback::AfterEachPiece;

@@ -8,6 +8,8 @@
 
 use std::fs::File;
 
+use super::Progress;
+
 /// Bytes handed to the kernel per write call, and per writeback request: large
 /// enough that system calls cost nothing measurable, small enough that the disk
 /// starts early.
@@ -32,3 +34,19 @@ pub fn start_writeback(file: &File, offset: u64, len: u64) {
 /// Elsewhere the final fsync does all the work, as after a plain write().
 #[cfg(not(target_os = "linux"))]
 pub fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
+
+/// What follows the writing of each piece: early writeback (durable saves), and
+/// the progress count.
+pub struct AfterEachPiece<'a> {
+    pub writeback: bool,
+    pub progress: &'a Progress,
+}
+
+impl AfterEachPiece<'_> {
+    pub(crate) fn written(&self, file: &File, offset: u64, len: u64) {
+        if self.writeback {
+            start_writeback(file, offset, len);
+        }
+        self.progress.add(len);
+    }
+}

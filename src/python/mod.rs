@@ -9,6 +9,7 @@ mod mapped;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -17,6 +18,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use crate::format::{
     Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
 };
+use crate::io::Progress;
 use crate::SaveOptions;
 use errors::to_py_err;
 use mapped::MappedFile;
@@ -94,6 +96,7 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
 #[pyo3(signature = (
     path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
     nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    progress = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn save(
@@ -108,6 +111,7 @@ fn save(
     nominal: bool,
     durable: bool,
     external_data_threshold: u64,
+    progress: Option<PyRef<'_, SaveProgress>>,
 ) -> PyResult<()> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
@@ -149,11 +153,37 @@ fn save(
         let options = SaveOptions {
             durable,
             external_data_threshold,
+            progress: progress.map(|p| Arc::clone(&p.0)),
             ..SaveOptions::default()
         };
         py.detach(|| crate::save(&path, &mut payloads, &options))
             .map_err(|e| to_py_err(py, e))
     })
+}
+
+/// Bytes a running save has written, for a progress bar polling from another
+/// Python thread (the save releases the GIL).
+#[pyclass(frozen, module = "ortckpt._core")]
+struct SaveProgress(Arc<Progress>);
+
+#[pymethods]
+impl SaveProgress {
+    #[new]
+    fn new() -> Self {
+        SaveProgress(Arc::default())
+    }
+
+    /// Bytes the save will write in all (0 until it has encoded the checkpoint).
+    #[getter]
+    fn total(&self) -> u64 {
+        self.0.total()
+    }
+
+    /// Bytes written so far.
+    #[getter]
+    fn written(&self) -> u64 {
+        self.0.written()
+    }
 }
 
 /// A tensor's values on their way in: an index into the held buffers, or owned strings.
@@ -225,6 +255,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;
+    m.add_class::<SaveProgress>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add(
         "PAYLOAD_ALIGNMENT",

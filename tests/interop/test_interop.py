@@ -169,3 +169,21 @@ def test_training_resumes_in_onnx_runtime_from_an_external_ortckpt_file(ort, tmp
     assert_same_state(
         CheckpointState.load_checkpoint(tmp_path / "after_ours.ckpt"), CheckpointState.load_checkpoint(tmp_path / "after.ckpt")
     )
+
+
+def test_a_checkpoint_manager_step_loads_and_trains_in_onnx_runtime(ort, tmp_path):
+    """The file in a manager's step directory is what ONNX Runtime's load_checkpoint takes:
+    same parameters, step and epoch among its properties, and training goes on from it."""
+    from ortckpt import CheckpointManager
+
+    state = CheckpointState.load_checkpoint(GOLDEN / "trained_with_optimizer.ckpt")
+    manager = CheckpointManager(tmp_path / "run", async_save=True, verify_after_save="process")
+    manager.save(state, 3, epoch=1, metrics={"loss": 0.25})
+    manager.close()
+    path = manager.latest().path
+    seen = ort("describe", path)
+    assert seen["parameter_names"] == state.parameters.names()
+    assert seen["properties"]["step"] == 3 and seen["properties"]["epoch"] == 1
+    trained = ort("train", path, GOLDEN / "artifacts", tmp_path / "after.ckpt")
+    reference = ort("train", GOLDEN / "trained_with_optimizer.ckpt", GOLDEN / "artifacts", tmp_path / "ref.ckpt")
+    assert trained["loss"] == reference["loss"]
