@@ -135,6 +135,17 @@ def _owned_copy(value: TensorValue) -> TensorValue:
     return np.array(value, copy=True)
 
 
+def _staged_copy(staging: dict[Any, Any], key: tuple[str, ...], value: TensorValue) -> TensorValue:
+    """A copy of ``value`` in ``staging[key]``, reused when its shape and dtype match."""
+    if isinstance(value, PackedInt4) or value.dtype == object:  # rare types: a fresh copy
+        return _owned_copy(value)
+    target = staging.get(key)
+    if target is None or target.shape != value.shape or target.dtype != value.dtype:
+        target = staging[key] = np.empty(value.shape, value.dtype)
+    np.copyto(target, value)
+    return target
+
+
 def _dtype_text(value: TensorValue) -> str:
     return "packed int4" if isinstance(value, PackedInt4) else str(value.dtype)
 
@@ -472,18 +483,24 @@ class CheckpointState:
         """
         return self._nominal
 
-    def _snapshot(self, *, copy_values: bool, include_optimizer_state: bool,
+    def _snapshot(self, *, staging: dict[Any, Any] | None, include_optimizer_state: bool,
                   properties: Mapping[str, PropertyValue]) -> CheckpointState:  # fmt: skip
-        """A state to save: this one's tensors (copied when ``copy_values``, so that the
-        caller may change its arrays while the copy is written) and properties updated
-        with ``properties``. This state is left unchanged."""
+        """A state to save: this one's tensors and properties updated with ``properties``;
+        this state is left unchanged.
+
+        With ``staging`` (a dict the caller keeps between saves), every value is copied, so
+        that the caller may change its arrays while the copy is written; the copies go into
+        the staging arrays of the previous snapshot when shapes and dtypes still match, a
+        plain memcpy into memory already mapped (fresh memory costs a page fault per 4 KiB).
+        """
         other = CheckpointState()
         other._nominal = self._nominal
         other._frozen = set(self._frozen)
         for name in self._tensors:
             tensor = self._tensor(name)
-            if copy_values and not self._nominal:
-                tensor = _Tensor(name, tensor.code, tensor.dims, _owned_copy(tensor.value()))
+            if staging is not None and not self._nominal:
+                value = _staged_copy(staging, ("parameter", name), tensor.value())
+                tensor = _Tensor(name, tensor.code, tensor.dims, value)
             other._tensors[name] = tensor
         other._properties = dict(self._properties)
         for name, value in properties.items():
@@ -491,11 +508,15 @@ class CheckpointState:
         if include_optimizer_state:
             for group_name, group in self.optimizer_groups.items():
                 momentums = group.momentums
-                if copy_values:
+                if staging is not None:
                     momentums = {
-                        param: {m: None if v is None else _owned_copy(_intake(f"{param}/{m}", v)) for m, v in moms.items()}
+                        param: {
+                            m: None if v is None else _staged_copy(staging, ("momentum", group_name, param, m),
+                                                                   _intake(f"{param}/{m}", v))
+                            for m, v in moms.items()
+                        }
                         for param, moms in momentums.items()
-                    }
+                    }  # fmt: skip
                 other._groups[group_name] = OptimizerGroup(group.step, group.initial_learning_rate, momentums)
         return other
 

@@ -95,7 +95,8 @@ class CheckpointManager:
             newest is always kept; with no rule, all are kept (see :mod:`ortckpt.retention`).
         async_save: :meth:`save` returns once it has copied the state (the caller may then
             change its arrays); writing, fsync, commit and retention happen in a background
-            thread. An error there is raised by the next :meth:`save` or :meth:`wait`.
+            thread. An error there is raised by the next :meth:`save` or :meth:`wait`. The
+            copy is kept for the next save to copy into: memory the size of the state.
         durable: fsync each checkpoint's files and directories before it counts as saved.
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
             True in this process, ``"process"`` in a fresh Python process. A checkpoint that
@@ -138,6 +139,9 @@ class CheckpointManager:
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
+        # Async saves copy the state into these arrays, reused from one save to the next
+        # (free again once the previous save is done: save() waits for it first).
+        self._staging: dict[Any, Any] = {}
         self._last_save = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_leftovers()
@@ -248,8 +252,8 @@ class CheckpointManager:
         properties: dict[str, Any] = {"step": step}
         if epoch is not None:
             properties["epoch"] = epoch
-        snapshot = state._snapshot(copy_values=self.async_save, include_optimizer_state=include_optimizer_state,
-                                   properties=properties)  # fmt: skip
+        snapshot = state._snapshot(staging=self._staging if self.async_save else None,
+                                   include_optimizer_state=include_optimizer_state, properties=properties)  # fmt: skip
         meta = _metadata.build(
             step=step, epoch=epoch, run_id=self.run_id, metrics=metrics, config=self.config, user=metadata,
             dataset_fingerprint=dataset_fingerprint, rng_state=rng_state,
@@ -323,6 +327,7 @@ class CheckpointManager:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._staging.clear()
 
     def __enter__(self) -> CheckpointManager:
         return self
