@@ -171,7 +171,7 @@ class CheckpointManager:
         that were being deleted."""
         for entry in self.directory.iterdir():
             temp = _TEMP_DIR.fullmatch(entry.name)
-            if temp and _process_is_gone(int(temp.group(2))) or _DELETING_DIR.fullmatch(entry.name):
+            if (temp and _process_is_gone(int(temp.group(2)))) or _DELETING_DIR.fullmatch(entry.name):
                 shutil.rmtree(entry, ignore_errors=True)
 
     def all(self) -> list[CheckpointInfo]:
