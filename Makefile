@@ -20,7 +20,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: run test test-large build cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
+.PHONY: run test test-large test-torch build cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -88,6 +88,12 @@ test-wheel: wheel $(ORT_VENV)/.ok
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
 		python -m pytest -q -p no:cacheprovider tests/python tests/interop'
+
+# Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
+test-torch: build $(TORCH_VENV)/.ok
+	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "tqdm>=4.66"
+	VIRTUAL_ENV=$(CURDIR)/$(TORCH_VENV) maturin develop --release --quiet
+	$(TORCH_PY) -m pytest -q -p no:cacheprovider tests/torch
 
 # Multi-GiB cases (a 12 GiB state, checkpoints past ONNX Runtime's 1800 MiB threshold): not in `make test`.
 test-large: build $(ORT_VENV)/.ok
