@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from . import _core
 from . import metadata as _metadata
 from .checkpoint_state import CheckpointState
 from .errors import CheckpointExistsError, CheckpointIntegrityError
@@ -107,6 +108,8 @@ class CheckpointManager:
             checkpoint's metadata.
         progress: Progress bars (tqdm) while a checkpoint is written and hashed, for saves
             that take more than half a second.
+        external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
+            bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class CheckpointManager:
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
+        external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
     ) -> None:
         if isinstance(save_every, int) and save_every < 1:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
@@ -136,6 +140,7 @@ class CheckpointManager:
         self.verify_after_save = verify_after_save
         self.config = dict(config or {})
         self.progress = progress
+        self.external_data_threshold = external_data_threshold
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
@@ -274,6 +279,7 @@ class CheckpointManager:
         temp.mkdir()
         try:
             CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state,
+                                            external_data_threshold=self.external_data_threshold,
                                             durable=self.durable, progress=self.progress)  # fmt: skip
             files = sorted(p.name for p in temp.iterdir())
             meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)

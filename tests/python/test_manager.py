@@ -271,15 +271,23 @@ def test_verify_names_what_is_wrong(tmp_path):
 
 
 def test_external_data_is_hashed_and_verified(tmp_path):
-    # A threshold of 0 cannot be passed through the manager; a large state goes external on its own
-    # only past 1800 MiB, so the checkpoint here is written external directly and verified as a file.
-    state = make_state()
-    CheckpointState.save_checkpoint(state, tmp_path / "checkpoint", True, external_data_threshold=0)
-    assert verify(tmp_path / "checkpoint").tensors == 7
-    data = tmp_path / "checkpoint.data"
-    data.write_bytes(data.read_bytes()[:-40])
+    manager = CheckpointManager(tmp_path, external_data_threshold=0, async_save=True)
+    manager.save(make_state(), 1)
+    manager.close()
+    info = manager.latest()
+    assert set(info.metadata["files"]) == {"checkpoint", "checkpoint.data"}
+    assert verify(info.directory).files.keys() == {"checkpoint", "checkpoint.data"}
+    assert_same(make_state(), manager.restore())
+    data = info.directory / "checkpoint.data"
+    original = data.read_bytes()
+    data.write_bytes(original[:64] + bytes([original[64] ^ 0x10]) + original[65:])
+    with pytest.raises(CheckpointIntegrityError) as e:
+        verify(info.directory)
+    assert e.value.problems == [f"{data}: SHA-256 {e.value.problems[0].split()[2]} differs from metadata's "
+                                f"{info.metadata['files']['checkpoint.data']['sha256']}"]  # fmt: skip
+    data.write_bytes(original[:-40])  # a bare file has no hashes, but a cut data file does not decode
     with pytest.raises(CheckpointIntegrityError, match="checkpoint"):
-        verify(tmp_path / "checkpoint")
+        verify(info.path)
 
 
 def test_leftovers_of_crashed_saves_and_deletions_are_removed_on_start(tmp_path):
