@@ -340,11 +340,11 @@ SAVER = """
 import sys
 import numpy as np
 from ortckpt import CheckpointManager, CheckpointState
-directory, start = sys.argv[1], int(sys.argv[2])
+directory, start, async_save = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "async"
 rng = np.random.default_rng(start)
 arrays = {f"t{i}": rng.standard_normal(50_000 + i).astype(np.float32) for i in range(8)}
 state = CheckpointState.from_arrays(arrays)
-manager = CheckpointManager(directory, max_to_keep=2, durable=False)
+manager = CheckpointManager(directory, max_to_keep=2, durable=False, async_save=async_save)
 step = start
 print("ready", flush=True)
 while True:
@@ -355,17 +355,20 @@ while True:
 """
 
 
-def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path):
-    """Kills a process that saves in a loop (retention deleting behind it) at random moments;
-    each time, a fresh manager must find a latest checkpoint that verifies, and no leftovers."""
-    trials, rng = 100, random.Random(20261122)
+@pytest.mark.parametrize("mode, trials", [("sync", 100), ("async", 60)])
+def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mode, trials):
+    """Kills a process that saves in a loop (retention deleting behind it; with async saves, in
+    the background thread) at random moments; each time, a fresh manager must find a latest
+    checkpoint that verifies, and no leftovers."""
+    rng = random.Random(20261122)
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
     directory = tmp_path / "ckpts"
     latest_steps, mid_save = [], 0
     for trial in range(trials):
         start = (latest_steps[-1] if latest_steps else 0)
-        child = subprocess.Popen([sys.executable, str(script), str(directory), str(start)], stdout=subprocess.PIPE)
+        child = subprocess.Popen([sys.executable, str(script), str(directory), str(start), mode],
+                                 stdout=subprocess.PIPE)  # fmt: skip
         assert child.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.0, 0.15))
         child.send_signal(signal.SIGKILL)
@@ -381,6 +384,6 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path):
         assert checked.step == latest.step and checked.tensors == 8
         assert len(manager.all_steps()) <= 3  # max_to_keep=2, plus one if killed between commit and retention
         latest_steps.append(latest.step)
-    print(f"{trials} kills, {mid_save} inside a save or deletion, latest steps reached {latest_steps[-1]}")
+    print(f"{mode}: {trials} kills, {mid_save} inside a save or deletion, latest steps reached {latest_steps[-1]}")
     assert len(latest_steps) > trials // 2, "the kills came too early to test anything"
     assert mid_save > trials // 10, "too few kills landed inside a save to test anything"
