@@ -257,13 +257,14 @@ class CheckpointManager:
         properties: dict[str, Any] = {"step": step}
         if epoch is not None:
             properties["epoch"] = epoch
-        snapshot = state._snapshot(staging=self._staging if self.async_save else None,
-                                   include_optimizer_state=include_optimizer_state, properties=properties)  # fmt: skip
         meta = _metadata.build(
             step=step, epoch=epoch, run_id=self.run_id, metrics=metrics, config=self.config, user=metadata,
             dataset_fingerprint=dataset_fingerprint, rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
         )  # fmt: skip
+        _metadata.check_serializable(meta)
+        snapshot = state._snapshot(staging=self._staging if self.async_save else None,
+                                   include_optimizer_state=include_optimizer_state, properties=properties)  # fmt: skip
         self._last_save = time.monotonic()
         if not self.async_save:
             self._write_and_commit(snapshot, step, meta, include_optimizer_state)

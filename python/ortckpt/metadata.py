@@ -124,6 +124,15 @@ def write(directory: Path, metadata: Mapping[str, Any], durable: bool) -> None:
             os.fsync(f.fileno())
 
 
+def check_serializable(metadata: Mapping[str, Any]) -> None:
+    """Raises TypeError now, in the caller's thread, for values JSON cannot hold (rather
+    than later, in an async save's background thread)."""
+    try:
+        json.dumps(_json_safe(metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint metadata must be JSON-serialisable: {e}") from None
+
+
 def read(directory: Path) -> dict[str, Any]:
     with open(directory / METADATA_NAME, encoding="utf-8") as f:
         return json.load(f)

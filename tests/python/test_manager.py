@@ -209,6 +209,14 @@ def test_async_save_error_surfaces_at_the_next_call_and_leaves_nothing(tmp_path,
     assert manager.all_steps() == [1, 3]
 
 
+def test_metadata_that_json_cannot_hold_is_refused_at_once(tmp_path):
+    manager = CheckpointManager(tmp_path, async_save=True)
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        manager.save(make_state(), 1, metadata={"optimizer": object()})
+    manager.close()
+    assert manager.all_steps() == [] and list(tmp_path.iterdir()) == []
+
+
 def test_the_context_manager_waits_for_the_pending_save(tmp_path):
     with CheckpointManager(tmp_path, async_save=True) as manager:
         manager.save(make_state(size=1 << 18), 1)
