@@ -12,24 +12,17 @@ Peak RSS growth (MiB) during the timed part is reported as well.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
 from onnxruntime.capi import _pybind_state as C  # noqa: E402
 
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def current_mib() -> float:
-    """Resident memory now (peak growth is measured from here, not from an earlier peak)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import current_mib, peak_mib, xor_all  # noqa: E402
 
 
 def state_save(src: str, dst: str) -> dict:
@@ -45,10 +38,7 @@ def load(src: str) -> dict:
     start = time.perf_counter()
     state = C.load_checkpoint(src)
     opened = time.perf_counter()
-    checksum = 0
-    for name in state.parameter_names():
-        data = state.get_parameter(name).data.numpy()
-        checksum ^= int(np.bitwise_xor.reduce(data.reshape(-1).view(np.uint8)))
+    xor_all(state.get_parameter(name).data.numpy() for name in state.parameter_names())
     end = time.perf_counter()
     return {"open_seconds": opened - start, "seconds": end - start, "peak_growth_mib": peak_mib() - before}
 

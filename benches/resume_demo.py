@@ -134,11 +134,15 @@ def run(directory: Path, final: Path, kill_after: int | None = None) -> list[str
     return lines
 
 
+def every_tensor(path: Path) -> list[np.ndarray]:
+    """Parameters, then momentums, in the file's (sorted) order."""
+    state = CheckpointState.load_checkpoint(path)
+    momentums = state.optimizer_groups["group0"].momentums.values()
+    return [p.data for _, p in state.parameters] + [m for ms in momentums for m in ms.values()]
+
+
 def same_weights(a: Path, b: Path) -> bool:
-    sa, sb = CheckpointState.load_checkpoint(a), CheckpointState.load_checkpoint(b)
-    tensors = lambda s: [p.data for _, p in s.parameters] + [  # noqa: E731
-        m for ms in s.optimizer_groups["group0"].momentums.values() for m in ms.values()]
-    return all(np.array_equal(p.view(np.uint8), q.view(np.uint8)) for p, q in zip(tensors(sa), tensors(sb)))
+    return all(np.array_equal(p.view(np.uint8), q.view(np.uint8)) for p, q in zip(every_tensor(a), every_tensor(b)))
 
 
 def demo() -> None:

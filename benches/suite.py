@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import random
-import resource
 import shutil
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from ortckpt import CheckpointState, OptimizerGroup
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import pure_python_saver  # noqa: E402
+from measure import median_seconds, peak_mib, xor_all  # noqa: E402
 
 GiB = 2**30
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -148,16 +148,6 @@ def plain_write(work: Workload, path: Path, durable: bool = False) -> None:
             os.fsync(f.fileno())
     if durable:
         fsync_dir(path)
-
-
-def xor_all(arrays) -> int:
-    """Reads every byte (XOR of 8-byte words where they fit), the same way for every contender."""
-    acc = 0
-    for a in arrays:
-        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        words = flat[: flat.size // 8 * 8].view(np.uint64)
-        acc ^= int(np.bitwise_xor.reduce(words)) if words.size else 0
-    return acc
 
 
 def plain_read(path: Path) -> None:
@@ -312,19 +302,11 @@ def loaders(ort_python: str | None, torch_python: str | None) -> dict[str, list[
 def open_latency(work: Workload, name: str, path: Path, torch_python: str | None) -> tuple[float, float]:
     """Seconds to open, and to open and read the first tensor: medians of 5."""
 
-    def med(fn):
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     first = next(iter(sorted(work.trainable)))
     if name == "ortckpt":
         return (
-            med(lambda: CheckpointState.load_checkpoint(path)),
-            med(lambda: xor_all([CheckpointState.load_checkpoint(path).parameters[first].data])),
+            median_seconds(lambda: CheckpointState.load_checkpoint(path)),
+            median_seconds(lambda: xor_all([CheckpointState.load_checkpoint(path).parameters[first].data])),
         )
     if name == "torch.save":
         result = peer_run(torch_python, "torch_bench.py", "open", path, first)
@@ -339,7 +321,7 @@ def open_latency(work: Workload, name: str, path: Path, torch_python: str | None
         with safe_open(str(path), "np") as f:
             xor_all([f.get_tensor(first)])
 
-    return med(st_open), med(st_first)
+    return median_seconds(st_open), median_seconds(st_first)
 
 
 # --- peak memory, in a fresh interpreter ----------------------------------------------------------------
@@ -354,12 +336,12 @@ def child_peak(args) -> None:
         CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
         del state, work
         gc.collect()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = peak_mib()
     if args.child == "save":
         CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
     else:
         ortckpt_load(path)
-    print(json.dumps({"growth_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before}))
+    print(json.dumps({"growth_mib": peak_mib() - before}))
 
 
 def peak_growth(work: Workload, op: str, directory: Path) -> float:

@@ -13,34 +13,22 @@ Peak RSS growth (MiB) during the timed part is reported as well.
 from __future__ import annotations
 
 import json
-import resource
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import current_mib, median_seconds, peak_mib, xor_all  # noqa: E402
+
 DTYPES = {"float32": (np.float32, torch.float32), "bfloat16": (np.uint16, torch.bfloat16)}
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def current_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
-def xor_all(tensors) -> int:
-    """Reads every byte, as suite.py's xor_all does for the other contenders."""
-    acc = 0
-    for t in tensors:
-        flat = t.contiguous().view(-1).view(torch.uint8).numpy()
-        words = flat[: flat.size // 8 * 8].view(np.uint64)
-        acc ^= int(np.bitwise_xor.reduce(words)) if words.size else 0
-    return acc
+def tensors_as_numpy(tensors):
+    """Byte views NumPy can read (NumPy has no bfloat16)."""
+    return (t.contiguous().view(-1).view(torch.uint8).numpy() for t in tensors)
 
 
 def save(raw: str, manifest: str, dst: str) -> dict:
@@ -60,21 +48,13 @@ def save(raw: str, manifest: str, dst: str) -> dict:
 def load(src: str, mode: str = "") -> dict:
     start = time.perf_counter()
     tensors = torch.load(src, mmap=mode == "mmap", weights_only=True)
-    xor_all(tensors.values())
+    xor_all(tensors_as_numpy(tensors.values()))
     return {"seconds": time.perf_counter() - start}
 
 
 def open_latency(src: str, first: str) -> dict:
-    def med(fn) -> float:
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    lazy = med(lambda: torch.load(src, mmap=True, weights_only=True))
-    first_tensor = med(lambda: xor_all([torch.load(src, mmap=True, weights_only=True)[first]]))
+    lazy = median_seconds(lambda: torch.load(src, mmap=True, weights_only=True))
+    first_tensor = median_seconds(lambda: xor_all(tensors_as_numpy([torch.load(src, mmap=True, weights_only=True)[first]])))
     return {"open_seconds": lazy, "first_seconds": first_tensor}
 
 

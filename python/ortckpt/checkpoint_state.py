@@ -509,14 +509,12 @@ class CheckpointState:
             for group_name, group in self.optimizer_groups.items():
                 momentums = group.momentums
                 if staging is not None:
-                    momentums = {
-                        param: {
-                            m: None if v is None else _staged_copy(staging, ("momentum", group_name, param, m),
-                                                                   _intake(f"{param}/{m}", v))
-                            for m, v in moms.items()
-                        }
-                        for param, moms in momentums.items()
-                    }  # fmt: skip
+                    momentums = {param: dict(moms) for param, moms in momentums.items()}
+                    for param, moms in momentums.items():
+                        for m, v in moms.items():
+                            if v is not None:
+                                moms[m] = _staged_copy(staging, ("momentum", group_name, param, m),
+                                                       _intake(f"{param}/{m}", v))  # fmt: skip
                 other._groups[group_name] = OptimizerGroup(group.step, group.initial_learning_rate, momentums)
         return other
 

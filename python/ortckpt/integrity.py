@@ -71,7 +71,8 @@ def verify(path: str | os.PathLike[str]) -> Verified:
     tensors = tensor_bytes = 0
     if not problems:  # decoding a file that failed its hash would only repeat the problem
         try:
-            tensors, tensor_bytes, saved_step = _read_everything(checkpoint)
+            # Hashed files were just read in full; a bare file is read here instead.
+            tensors, tensor_bytes, saved_step = _decode_everything(checkpoint, read_bytes=not files)
         except (CheckpointError, OSError) as e:
             problems.append(f"{checkpoint}: {e}")
         else:
@@ -82,8 +83,9 @@ def verify(path: str | os.PathLike[str]) -> Verified:
     return Verified(path, step, tensors, tensor_bytes, files)
 
 
-def _read_everything(checkpoint: Path) -> tuple[int, int, Any]:
-    """Loads the checkpoint and touches every value: (tensors, bytes of values, step property)."""
+def _decode_everything(checkpoint: Path, read_bytes: bool) -> tuple[int, int, Any]:
+    """Loads the checkpoint and forms every value (reading every byte when ``read_bytes``):
+    (tensors, bytes of values, step property)."""
     state = CheckpointState.load_checkpoint(checkpoint)
     values: list[Any] = []
     if not state.is_nominal:
@@ -93,7 +95,7 @@ def _read_everything(checkpoint: Path) -> tuple[int, int, Any]:
     total = 0
     for value in values:
         array = value.packed if isinstance(value, PackedInt4) else np.asarray(value)
-        if array.dtype != object and array.size:  # read every byte: an I/O error surfaces here, not in training
+        if read_bytes and array.dtype != object and array.size:  # an I/O error surfaces here, not in training
             np.bitwise_xor.reduce(array.reshape(-1).view(np.uint8))
         total += array.nbytes
     for name, _ in state.properties:

@@ -49,10 +49,6 @@ def _from_json(value: Any) -> Any:
     return value
 
 
-def _python_state(state: tuple) -> Any:
-    return _to_json(state)
-
-
 def _python_restore(saved: list) -> tuple:
     version, internal, gauss = saved
     return (version, tuple(internal), gauss)
@@ -64,7 +60,7 @@ def _capture_one(generator: Generator) -> dict:
     if isinstance(generator, np.random.RandomState):
         return {"kind": "numpy.RandomState", "state": _to_json(generator.get_state(legacy=False))}
     if isinstance(generator, random.Random):
-        return {"kind": "random.Random", "state": _python_state(generator.getstate())}
+        return {"kind": "random.Random", "state": _to_json(generator.getstate())}
     raise TypeError(f"cannot capture the state of {type(generator).__name__}")
 
 
@@ -85,7 +81,7 @@ def _restore_one(generator: Generator, saved: dict) -> None:
 def capture_rng_state(*generators: Generator) -> dict:
     """The state of the global generators and of ``generators``, as JSON-able data."""
     state: dict[str, Any] = {
-        "python": _python_state(random.getstate()),
+        "python": _to_json(random.getstate()),
         "numpy_global": _to_json(np.random.get_state(legacy=False)),
         "generators": [_capture_one(g) for g in generators],
     }

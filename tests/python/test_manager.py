@@ -4,6 +4,7 @@ metadata, integrity checks, crash leftovers and SIGKILL during saves."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import random
@@ -85,8 +86,6 @@ def test_metadata_records_the_run(tmp_path):
     assert meta["host"] and meta["timestamp"].endswith("+00:00") and len(meta["run_id"]) == 32
     checkpoint = tmp_path / "step_00000005" / "checkpoint"
     assert meta["files"]["checkpoint"]["bytes"] == checkpoint.stat().st_size
-    import hashlib
-
     assert meta["files"]["checkpoint"]["sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
     # A new manager on the same directory continues the run: same run id.
     assert CheckpointManager(tmp_path).run_id == meta["run_id"]
