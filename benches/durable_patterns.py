@@ -1,0 +1,153 @@
+"""Durable-save write patterns, side by side on one workload (the follow-up to the suite's
+"durable vs write()+fsync" column): which way of getting 1 GiB onto the disk, fsynced,
+is fastest on this machine, and does ortckpt's durable save match the best of them?
+
+    python benches/durable_patterns.py [--rounds 10] [--workload "transformer 1 bfloat16"]
+
+Every variant writes the same bytes to a temporary file, fsyncs it, renames it into place and
+fsyncs the directory, as a durable save must. Rounds are shuffled; the report gives each
+variant's median, spread and its median ratio to write()+fsync in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from suite import make_workload  # noqa: E402
+
+from ortckpt import CheckpointState  # noqa: E402
+
+PIECE = 32 << 20
+SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+
+
+def sync_file_range(fd: int, offset: int, length: int, flags: int) -> None:
+    if _libc.sync_file_range(fd, offset, length, flags) != 0:
+        raise OSError(ctypes.get_errno(), "sync_file_range")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def batches(arrays: list[np.ndarray]):
+    """The tensors' bytes in writev batches of at most PIECE bytes (as ortckpt's write_segments)."""
+    batch, size = [], 0
+    for a in arrays:
+        view = memoryview(a.reshape(-1).view(np.uint8))
+        for start in range(0, len(view), PIECE):
+            piece = view[start : start + PIECE]
+            if batch and size + len(piece) > PIECE:
+                yield batch, size
+                batch, size = [], 0
+            batch.append(piece)
+            size += len(piece)
+    if batch:
+        yield batch, size
+
+
+def durable_file(path: Path, write) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(temp, path)
+    fsync_dir(path)
+
+
+def plain(arrays):
+    def write(fd):
+        for a in arrays:
+            view = memoryview(a.reshape(-1).view(np.uint8))
+            while view:
+                view = view[os.write(fd, view) :]
+    return write
+
+
+def pieces(arrays, wait_previous: bool):
+    """writev in PIECE batches with writeback started after each; with `wait_previous`, the batch
+    before is also waited for, so dirty pages stay bounded (the kernel never throttles us)."""
+
+    def write(fd):
+        position, previous = 0, None
+        for batch, size in batches(arrays):
+            written = os.writev(fd, batch)
+            assert written == size
+            sync_file_range(fd, position, size, SYNC_FILE_RANGE_WRITE)
+            if wait_previous and previous is not None:
+                flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+                sync_file_range(fd, previous[0], previous[1], flags)
+            previous = (position, size)
+            position += size
+
+    return write
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--workload", default="transformer 1 bfloat16", help='"shape GiB dtype"')
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir under benches/out)")
+    args = parser.parse_args()
+    shape, gib, dtype = args.workload.split()
+    work = make_workload(shape, float(gib), dtype)
+    state = work.state()
+    arrays = list(work.arrays().values())
+    out_root = Path(__file__).parent / "out"
+    out_root.mkdir(exist_ok=True)
+    directory = Path(tempfile.mkdtemp(dir=args.dir or out_root))
+
+    variants = {
+        "write()+fsync": lambda p: durable_file(p, plain(arrays)),
+        "writev pieces + writeback": lambda p: durable_file(p, pieces(arrays, wait_previous=False)),
+        "writev pieces + writeback, wait previous": lambda p: durable_file(p, pieces(arrays, wait_previous=True)),
+        "ortckpt durable": lambda p: CheckpointState.save_checkpoint(state, p, include_optimizer_state=True, durable=True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(args.rounds):
+        names = list(variants)
+        random.Random(r).shuffle(names)
+        for name in names:
+            path = directory / f"v{list(variants).index(name)}"
+            os.sync()
+            start = time.perf_counter()
+            variants[name](path)
+            times[name].append(time.perf_counter() - start)
+            for f in directory.iterdir():
+                f.unlink()
+            os.sync()
+    directory.rmdir()
+    base = times["write()+fsync"]
+    print(f"{work.name}: {work.nbytes / 2**30:.2f} GiB, {len(arrays)} tensors, {args.rounds} shuffled rounds")
+    print("| variant | median s | min-max s | per-round ratio to write()+fsync (median) |")
+    print("| --- | --- | --- | --- |")
+    for name, t in times.items():
+        ratio = statistics.median(b / x for b, x in zip(base, t))
+        print(f"| {name} | {statistics.median(t):.3f} | {min(t):.2f}-{max(t):.2f} | {ratio:.2f} |")
+    print("rounds (s):")
+    for name, t in times.items():
+        print(f"  {name:42s} " + " ".join(f"{x:.2f}" for x in t))
+
+
+if __name__ == "__main__":
+    main()
