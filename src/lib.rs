@@ -59,6 +59,9 @@ pub struct SaveOptions {
     pub threads: usize,
     /// Counts the bytes written, for another thread to poll (a progress bar).
     pub progress: Option<std::sync::Arc<io::Progress>>,
+    /// Write tensors in the order given, as ONNX Runtime's TensorProto path does,
+    /// instead of sorted by name as its state path does.
+    pub keep_order: bool,
 }
 
 impl Default for SaveOptions {
@@ -68,6 +71,7 @@ impl Default for SaveOptions {
             external_data_threshold: DEFAULT_EXTERNAL_DATA_THRESHOLD,
             threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
             progress: None,
+            keep_order: false,
         }
     }
 }
@@ -240,7 +244,9 @@ fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()>
 /// naming the file and tensor; the previous file at `path` is left intact.
 pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
     format::endian::ensure_host_little_endian()?;
-    ckpt.sort_like_ort_state_path();
+    if !options.keep_order {
+        ckpt.sort_like_ort_state_path();
+    }
     let values: u64 = ckpt
         .tensors()
         .map(|t| match t.data {

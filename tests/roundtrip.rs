@@ -316,3 +316,29 @@ fn saving_over_the_file_a_live_load_maps_keeps_both_intact() {
         "no temporary file left behind"
     );
 }
+
+#[test]
+fn save_sorts_by_name_unless_asked_to_keep_the_given_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("order.ckpt");
+    let data = bytes(16, 1);
+    let names = ["zeta", "alpha", "mid"];
+    let names_in = |ckpt: &Checkpoint<Stored>| -> Vec<String> {
+        ckpt.trainable.iter().map(|t| t.name.clone()).collect()
+    };
+    for (keep_order, expected) in [(false, ["alpha", "mid", "zeta"]), (true, names)] {
+        let mut ckpt = Checkpoint {
+            trainable: names
+                .iter()
+                .map(|n| tensor(n, DataType::Float, &[4], &data))
+                .collect(),
+            ..Default::default()
+        };
+        let options = SaveOptions {
+            keep_order,
+            ..SaveOptions::default()
+        };
+        save(&path, &mut ckpt, &options).unwrap();
+        assert_eq!(names_in(load(&path).unwrap().checkpoint()), expected);
+    }
+}

@@ -50,5 +50,6 @@ def save(
     durable: bool = False,
     external_data_threshold: int = ...,
     progress: SaveProgress | None = None,
+    keep_order: bool = False,
 ) -> None: ...
 def _panic_for_test(message: str, release_gil: bool) -> None: ...

@@ -10,7 +10,7 @@ Runtime, without ever touching the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -443,6 +443,25 @@ class CheckpointState:
         for name, value in (properties or {}).items():
             state.properties[name] = value
         return state
+
+    @classmethod
+    def from_onnx(
+        cls,
+        model: Any,
+        requires_grad: Iterable[str] | None = None,
+        frozen: Iterable[str] = (),
+        *,
+        base_dir: str | os.PathLike[str] | None = None,
+    ) -> CheckpointState:
+        """A state of an ONNX model's initializers (a ``ModelProto`` or a path; needs ``onnx``).
+
+        ``requires_grad`` names the trainable parameters (the others are frozen); without it
+        every initializer not in ``frozen`` is trainable. Initializers in ONNX external data
+        are read from ``base_dir``, by default the model file's directory.
+        """
+        from .convert.onnx_model import state_from_onnx
+
+        return state_from_onnx(model, requires_grad=requires_grad, frozen=frozen, base_dir=base_dir)
 
     @property
     def parameters(self) -> Parameters:

@@ -1,33 +1,247 @@
-"""The ``ortckpt`` command (also ``python -m ortckpt``)."""
+"""The ``ortckpt`` command (also ``python -m ortckpt``), built on click.
+
+Each command is a thin layer over a library function (summary.describe, integrity.verify,
+compare.compare, convert.convert, convert.to_nominal): parsing, printing, exit codes.
+"""
 
 from __future__ import annotations
 
-import argparse
+import json
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
 
 from . import __version__
+from .convert.files import FORMATS
+
+# Exit codes, as documented in --help.
+OK, DIFFERENT, USAGE, FAILED = 0, 1, 2, 3
+EXIT_CODES = (
+    "Exit codes: 0 success; 1 the checkpoints differ (diff) or verification failed (verify); "
+    "2 bad usage; 3 an input could not be read or an output not written."
+)
+FORMAT_CHOICE = click.Choice(list(FORMATS))
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ortckpt",
-        description="Fast, zero-copy ONNX Runtime training checkpoints.",
+def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Errors from reading or writing checkpoints become one line on stderr and exit code 3."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except click.exceptions.Exit:
+            raise
+        except (OSError, ValueError, RuntimeError, TypeError, ImportError) as e:
+            click.echo(f"ortckpt: error: {e}", err=True)
+            raise SystemExit(FAILED) from None
+
+    return run
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_CODES)
+@click.version_option(
+    __version__, "-V", "--version", prog_name="ortckpt",
+    message=f"%(prog)s %(version)s (Python {platform.python_version()}, {platform.machine()})",
+)  # fmt: skip
+def main() -> None:
+    """Inspect, verify, compare and convert ONNX Runtime training checkpoints.
+
+    Formats: ONNX Runtime checkpoints (any name; .ckpt), safetensors (.safetensors), ONNX models
+    (.onnx, needs the onnx package) and PyTorch files (.pt/.pth, needs torch). A format is
+    recognised from the file's contents or its extension; --from/--to override.
+    """
+
+
+@main.command(epilog=EXIT_CODES, short_help="List tensors, optimizer groups, properties and totals.")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--from", "fmt", type=FORMAT_CHOICE, help="The file's format (default: detected).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
+@click.option("--limit", type=int, default=50, show_default=True, help="Tensors listed (0: all); totals count all.")
+@_fail_cleanly
+def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
+    """List the tensors of a checkpoint (role, dtype, shape, size, where the bytes live), its
+    optimizer groups, properties and totals. Reads only the header of an ONNX Runtime checkpoint."""
+    from .summary import describe
+
+    info = describe(path, fmt)
+    if as_json:
+        return _emit_json(info)
+    flags = [info["format"]] + ["nominal"] * info["nominal"] + ["external data"] * info["external_data"]
+    click.echo(f"{path}: {', '.join(flags)}; " + ", ".join(f"{f} {_size(s)}" for f, s in info["files"].items()))
+    tensors = info["tensors"]
+    shown = tensors if limit <= 0 else tensors[:limit]
+    rows = [[t["name"], t["role"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]),
+             t["location"]] for t in shown]  # fmt: skip
+    click.echo(_table(rows, ["tensor", "role", "dtype", "shape", "size", "bytes at"]))
+    if len(shown) < len(tensors):
+        click.echo(f"... {len(tensors) - len(shown)} more (--limit 0 lists all)")
+    if info["optimizer_groups"]:
+        click.echo("\noptimizer groups:")
+        for g in info["optimizer_groups"]:
+            click.echo(f"  {g['name']}: step {g['step']}, initial learning rate {g['initial_learning_rate']:g}, "
+                       f"{g['parameters']} parameters with state")  # fmt: skip
+    if info["properties"]:
+        click.echo("\nproperties:")
+        for name, value in info["properties"].items():
+            click.echo(f"  {name} = {value!r}")
+    t = info["totals"]
+    click.echo(
+        f"\ntotal: {t['tensors']} tensors, {_size(t['bytes'])} ({t['trainable']} trainable, {t['frozen']} frozen, "
+        f"{t['momentum']} momentums; parameters {_size(t['parameter_bytes'])}, "
+        f"optimizer state {_size(t['optimizer_bytes'])})"
     )
-    p.add_argument(
-        "--version",
-        action="version",
-        version=f"ortckpt {__version__} (Python {platform.python_version()}, {platform.machine()})",
-    )
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser().parse_args(argv)
-    parser().print_help()
-    return 0
+@main.command(epilog=EXIT_CODES, short_help="Check that a checkpoint is whole and readable.")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def verify(path: str, as_json: bool) -> None:
+    """Check that a checkpoint is whole: for a CheckpointManager step directory every file's size
+    and SHA-256 against its metadata.json, then (for any checkpoint) that every tensor, momentum
+    and property decodes and reads in full."""
+    from .errors import CheckpointIntegrityError
+    from .integrity import verify as run_verify
+
+    try:
+        result = run_verify(path)
+    except CheckpointIntegrityError as e:
+        if as_json:
+            _emit_json({"path": path, "ok": False, "problems": e.problems})
+        else:
+            click.echo(f"{path}: FAILED", err=True)
+            for problem in e.problems:
+                click.echo(f"  {problem}", err=True)
+        raise SystemExit(DIFFERENT) from None
+    if as_json:
+        return _emit_json({"path": path, "ok": True, "step": result.step, "tensors": result.tensors,
+                           "tensor_bytes": result.tensor_bytes, "sha256": result.files})  # fmt: skip
+    hashed = f", {len(result.files)} files match their SHA-256" if result.files else ""
+    click.echo(f"{path}: OK ({result.tensors} tensors, {_size(result.tensor_bytes)} read{hashed})")
+
+
+@main.command(epilog=EXIT_CODES, short_help="Compare two checkpoints, with tolerances.")
+@click.argument("a", type=click.Path(exists=True, dir_okay=False))
+@click.argument("b", type=click.Path(exists=True, dir_okay=False))
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def diff(a: str, b: str, rtol: float, atol: float, as_json: bool) -> None:
+    """Compare two checkpoints (of any formats): tensor names, roles, dtypes, shapes and values
+    (within --rtol/--atol), optimizer steps and learning rates, properties. Exit code 1 when
+    they differ."""
+    from .compare import compare
+    from .convert.files import load_any
+
+    result = compare(load_any(a), load_any(b), rtol=rtol, atol=atol)
+    if as_json:
+        _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json()})
+    else:
+        for name in result.only_in_a:
+            click.echo(f"only in {a}: {name}")
+        for name in result.only_in_b:
+            click.echo(f"only in {b}: {name}")
+        for t in result.tensors:
+            if t.problem == "values":
+                detail = f"{t.mismatched} of {t.elements} elements differ"
+                if t.max_abs is not None:
+                    detail += f" (max abs {t.max_abs:.6g}, max rel {t.max_rel:.6g})"
+            else:
+                detail = f"{t.a} vs {t.b}"
+            click.echo(f"{t.name}: {t.problem}: {detail}")
+        for name, (va, vb) in {**result.optimizer, **result.properties}.items():
+            click.echo(f"{name}: {va!r} vs {vb!r}")
+        verdict = "identical" if result.identical else "differ"
+        click.echo(f"{result.compared} tensors compared: {verdict}" + (f" (rtol {rtol:g}, atol {atol:g})" if rtol or atol else ""))
+    raise SystemExit(OK if result.identical else DIFFERENT)
+
+
+@main.command(epilog=EXIT_CODES, short_help="Convert between checkpoint, safetensors, ONNX and torch files.")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dst", type=click.Path(dir_okay=False))
+@click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
+@click.option("--to", "dst_format", type=FORMAT_CHOICE, help="DST's format (default: from its extension).")
+@click.option("--frozen", multiple=True, metavar="NAME", help="A parameter to freeze (safetensors, ONNX and torch sources; repeatable).")
+@click.option("--no-optimizer", is_flag=True, help="Leave the optimizer state out.")
+@click.option("--model", type=click.Path(exists=True, dir_okay=False),
+              help="For an ONNX destination: the model whose initializers take the weights.")  # fmt: skip
+@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def convert(src: str, dst: str, src_format: str | None, dst_format: str | None, frozen: tuple[str, ...],
+            no_optimizer: bool, model: str | None, progress: bool | None, as_json: bool) -> None:  # fmt: skip
+    """Convert a checkpoint between formats, e.g. `ortckpt convert model.safetensors checkpoint`
+    or `ortckpt convert checkpoint model.onnx --model eval_model.onnx`."""
+    from .convert.files import convert as run_convert
+
+    if progress is None:
+        progress = sys.stderr.isatty()
+    formats = run_convert(src, dst, src_format=src_format, dst_format=dst_format, frozen=frozen,
+                          include_optimizer_state=not no_optimizer, model=model, progress=progress)  # fmt: skip
+    if as_json:
+        return _emit_json({"src": src, "dst": dst, "from": formats[0], "to": formats[1]})
+    click.echo(f"{src} ({formats[0]}) -> {dst} ({formats[1]})")
+
+
+@main.command(epilog=EXIT_CODES, short_help="Write a checkpoint's nominal twin (names and types only).")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dst", type=click.Path(dir_okay=False))
+@click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
+    """Write the nominal twin of a checkpoint: parameter names, roles and types without values
+    (what ONNX Runtime's generate_artifacts(nominal_checkpoint=True) writes), for apps that ship
+    small and load the weights later."""
+    from .convert.files import to_nominal
+
+    count = to_nominal(src, dst, src_format=src_format)
+    if as_json:
+        return _emit_json({"src": src, "dst": dst, "parameters": count})
+    click.echo(f"{dst}: nominal checkpoint of {count} parameters")
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line with ``argv`` and returns the exit code (for tests and scripts)."""
+    try:
+        main.main(args=list(argv) if argv is not None else None, prog_name="ortckpt", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        return FAILED
+    except click.ClickException as e:
+        e.show()
+        return USAGE
+    except SystemExit as e:
+        return int(e.code or 0)
+    return OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -96,7 +96,7 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
 #[pyo3(signature = (
     path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
     nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
-    progress = None,
+    progress = None, keep_order = false,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn save(
@@ -112,6 +112,7 @@ fn save(
     durable: bool,
     external_data_threshold: u64,
     progress: Option<PyRef<'_, SaveProgress>>,
+    keep_order: bool,
 ) -> PyResult<()> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
@@ -154,6 +155,7 @@ fn save(
             durable,
             external_data_threshold,
             progress: progress.map(|p| Arc::clone(&p.0)),
+            keep_order,
             ..SaveOptions::default()
         };
         py.detach(|| crate::save(&path, &mut payloads, &options))

@@ -1,0 +1,116 @@
+"""Differences between two checkpoint states (``ortckpt diff`` prints them).
+
+Tensors are matched by name (parameters) and by group, parameter and momentum (optimizer
+state); for each pair the role, dtype and shape are compared, then the values: the largest
+absolute and relative difference and how many elements differ beyond ``atol + rtol * |b|``
+(NumPy's ``isclose``; NaNs equal each other). The defaults ask for identical values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .checkpoint_state import CheckpointState, PackedInt4
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    problem: str  # "role", "dtype", "shape" or "values"
+    a: Any = None
+    b: Any = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mismatched: int | None = None
+    elements: int | None = None
+
+
+@dataclass
+class Diff:
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    properties: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (a, b); None: absent
+    optimizer: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # "group0.step" -> (a, b)
+    compared: int = 0  # tensor pairs compared
+
+    @property
+    def identical(self) -> bool:
+        return not (self.only_in_a or self.only_in_b or self.tensors or self.properties or self.optimizer)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "identical": self.identical}
+
+
+def _tensors(state: CheckpointState) -> dict[str, tuple[str, Any]]:
+    """Name -> (role, value) of every tensor, momentums as ``group/param/momentum``."""
+    out: dict[str, tuple[str, Any]] = {}
+    if not state.is_nominal:
+        for name, param in state.parameters:
+            out[name] = ("trainable" if param.requires_grad else "frozen", param.data)
+    for group_name, group in state.optimizer_groups.items():
+        for param, momentums in group.momentums.items():
+            for momentum, value in momentums.items():
+                out[f"{group_name}/{param}/{momentum}"] = ("momentum", value)
+    return out
+
+
+def _comparable(value: Any) -> np.ndarray:
+    if isinstance(value, PackedInt4):
+        return value.unpack().astype(np.int8)
+    return np.asarray(value)
+
+
+def _values(name: str, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> TensorDiff | None:
+    if a.dtype == object or a.dtype.kind == "b":
+        mismatched = int(np.count_nonzero(a != b))
+        return TensorDiff(name, "values", mismatched=mismatched, elements=a.size) if mismatched else None
+    # Every numeric type (bfloat16 and float8 included) in double precision for the
+    # tolerances; equality itself is checked in the original type, so integers stay exact.
+    wide = np.complex128 if a.dtype.kind == "c" else np.float64
+    a64, b64 = a.astype(wide), b.astype(wide)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        close = (a == b) | np.isclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True)
+        mismatched = int(a.size - np.count_nonzero(close))
+        if not mismatched:
+            return None
+        diff = np.where(close, 0.0, np.abs(a64 - b64))  # equal infinities and NaN pairs count as 0
+        rel = diff / np.abs(b64)
+    return TensorDiff(name, "values", max_abs=float(np.nanmax(diff)), max_rel=float(np.nanmax(rel)),
+                      mismatched=mismatched, elements=a.size)  # fmt: skip
+
+
+def compare(a: CheckpointState, b: CheckpointState, *, rtol: float = 0.0, atol: float = 0.0) -> Diff:
+    """What differs between ``a`` and ``b`` (see the module's docstring)."""
+    diff = Diff()
+    ta, tb = _tensors(a), _tensors(b)
+    diff.only_in_a = sorted(set(ta) - set(tb))
+    diff.only_in_b = sorted(set(tb) - set(ta))
+    for name in sorted(set(ta) & set(tb)):
+        (role_a, va), (role_b, vb) = ta[name], tb[name]
+        diff.compared += 1
+        if role_a != role_b:
+            diff.tensors.append(TensorDiff(name, "role", role_a, role_b))
+            continue
+        xa, xb = _comparable(va), _comparable(vb)
+        if xa.dtype != xb.dtype:
+            diff.tensors.append(TensorDiff(name, "dtype", str(xa.dtype), str(xb.dtype)))
+        elif xa.shape != xb.shape:
+            diff.tensors.append(TensorDiff(name, "shape", list(xa.shape), list(xb.shape)))
+        elif (found := _values(name, xa, xb, rtol, atol)) is not None:
+            diff.tensors.append(found)
+    pa, pb = dict(a.properties), dict(b.properties)
+    for name in sorted(set(pa) | set(pb)):
+        if pa.get(name) != pb.get(name) or type(pa.get(name)) is not type(pb.get(name)):
+            diff.properties[name] = (pa.get(name), pb.get(name))
+    ga, gb = a.optimizer_groups, b.optimizer_groups
+    for group in sorted(set(ga) | set(gb)):
+        for attr in ("step", "initial_learning_rate"):
+            va = getattr(ga[group], attr) if group in ga else None
+            vb = getattr(gb[group], attr) if group in gb else None
+            if va != vb:
+                diff.optimizer[f"{group}.{attr}"] = (va, vb)
+    return diff

@@ -1,0 +1,146 @@
+"""Which format a file is in, and moving a checkpoint from one file format to another."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..checkpoint_state import CheckpointState
+from ..errors import CheckpointError
+
+# Format name -> file extensions that imply it.
+FORMATS = {
+    "ortckpt": (".ckpt", ""),
+    "safetensors": (".safetensors",),
+    "onnx": (".onnx",),
+    "torch": (".pt", ".pth"),
+}
+ODTC_IDENTIFIER = b"ODTC"
+
+
+class ConversionError(CheckpointError, ValueError):
+    """A conversion that cannot be done as asked (unknown format, a missing template model)."""
+
+
+def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
+    """The format of ``path``: from its contents when it exists (an ONNX Runtime checkpoint
+    is recognised whatever its name), otherwise from its extension; ``ortckpt`` for a name
+    without a known extension."""
+    path = Path(path)
+    if path.is_file():
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if head[4:8] == ODTC_IDENTIFIER:
+            return "ortckpt"
+    elif must_exist:
+        raise FileNotFoundError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    for name, suffixes in FORMATS.items():
+        if suffix in suffixes and suffix:
+            return name
+    return "ortckpt"
+
+
+def load_any(path: str | os.PathLike[str], fmt: str | None = None, *, frozen: Iterable[str] = ()) -> CheckpointState:
+    """A state from a file of any supported format (``fmt`` overrides detection)."""
+    fmt = fmt or format_of(path, must_exist=True)
+    frozen = list(frozen)
+    if fmt == "ortckpt":
+        state = CheckpointState.load_checkpoint(path)
+        if frozen:
+            raise ConversionError("--frozen applies to safetensors, ONNX and torch sources, not to checkpoints")
+        return state
+    if fmt == "safetensors":
+        from .safetensors_file import load_safetensors
+
+        return load_safetensors(path, frozen=frozen)
+    if fmt == "onnx":
+        from .onnx_model import state_from_onnx
+
+        return state_from_onnx(path, frozen=frozen)
+    if fmt == "torch":
+        from .torch_state import load_torch_file
+
+        return load_torch_file(path, frozen=frozen)
+    raise ConversionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def save_any(
+    state: CheckpointState,
+    path: str | os.PathLike[str],
+    fmt: str | None = None,
+    *,
+    include_optimizer_state: bool = True,
+    model: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+) -> None:
+    """Writes ``state`` in any supported format; an ONNX model needs ``model``, the model whose
+    initializers take the checkpoint's values."""
+    fmt = fmt or format_of(path)
+    if fmt == "ortckpt":
+        CheckpointState.save_checkpoint(state, path, include_optimizer_state, progress=progress)
+    elif fmt == "safetensors":
+        from .safetensors_file import save_safetensors
+
+        save_safetensors(state, path, include_optimizer_state=include_optimizer_state)
+    elif fmt == "onnx":
+        if model is None:
+            raise ConversionError(
+                "writing an ONNX model needs the model whose initializers take the weights (--model)"
+            )
+        from .onnx_model import export_model
+
+        export_model(state, model, path)
+    elif fmt == "torch":
+        from .torch_state import save_torch_file
+
+        save_torch_file(state, path)  # weights only: torch's optimizer state needs a live optimizer
+    else:
+        raise ConversionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    frozen: Iterable[str] = (),
+    include_optimizer_state: bool = True,
+    model: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+) -> tuple[str, str]:
+    """Converts the checkpoint in ``src`` to ``dst``; returns the two formats used."""
+    src_format = src_format or format_of(src, must_exist=True)
+    dst_format = dst_format or format_of(dst)
+    state = load_any(src, src_format, frozen=frozen)
+    save_any(state, dst, dst_format, include_optimizer_state=include_optimizer_state, model=model, progress=progress)
+    return src_format, dst_format
+
+
+def to_nominal(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_format: str | None = None) -> int:
+    """Writes the nominal twin of the checkpoint in ``src`` to ``dst``: every parameter's name,
+    role and data type with empty dims and no values, as ONNX Runtime's
+    ``generate_artifacts(..., nominal_checkpoint=True)`` writes it, and the properties (an app
+    ships it and fills the values in later). Returns the number of parameters."""
+    from .. import _core
+    from .. import dtypes as _dt
+
+    state = load_any(src, src_format)
+    roles: tuple[list, list] = ([], [])
+    for name, param in state.parameters:
+        code = _dt.NAMES.index(param.data_type)  # (a nominal source has types but no data)
+        roles[0 if param.requires_grad else 1].append((name, code, (), None))
+    props = list(state.properties)
+    _core.save(
+        os.fspath(dst),
+        roles[0],
+        roles[1],
+        [],
+        [(k, v) for k, v in props if isinstance(v, int)],
+        [(k, v) for k, v in props if isinstance(v, float)],
+        [(k, v) for k, v in props if isinstance(v, str)],
+        nominal=True,
+    )
+    return len(roles[0]) + len(roles[1])

@@ -1,0 +1,250 @@
+"""ONNX models and TensorProtos <-> checkpoints (needs the ``onnx`` package).
+
+- :func:`save_checkpoint` / :func:`load_checkpoint_to_model`: drop-ins for
+  ``onnxruntime.training.onnxblock``'s two checkpoint functions (also importable as
+  ``ortckpt.onnxblock``), with the behaviour of ONNX Runtime's TensorProto path;
+- :func:`state_from_onnx`: a checkpoint state from a model's initializers;
+- :func:`export_model`: a model with the checkpoint's weights, in ONNX external data when
+  it would not fit in one 2 GiB protobuf (which ONNX Runtime's own export cannot do).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _core
+from .. import dtypes as _dt
+from ..checkpoint_state import CheckpointState, PackedInt4, _as_bytes
+from ..errors import CheckpointStateError
+
+if TYPE_CHECKING:
+    import onnx
+
+MiB = 2**20
+# ONNX Runtime's TensorProto path moves every tensor of 64 bytes or more to <path>.data when
+# the serialized protos total more than 1799 MiB (its 1800 MiB threshold, in whole MiB).
+PROTO_PATH_EXTERNAL_DATA_THRESHOLD = 1800 * MiB
+# A protobuf message cannot pass 2 GiB; models near it are saved with external data.
+PROTOBUF_LIMIT = 2**31 - 1
+
+
+def _onnx() -> Any:
+    try:
+        import onnx
+    except ImportError:
+        raise ImportError("this needs the onnx package: pip install 'ortckpt[onnx]'") from None
+    return onnx
+
+
+def tensor_value(proto: onnx.TensorProto, base_dir: str | os.PathLike[str] = "") -> Any:
+    """A TensorProto's values as ortckpt holds them: an array (a view of ``raw_data`` when
+    there is one), a :class:`~ortckpt.PackedInt4`, or an object array of str."""
+    onnx = _onnx()
+    from onnx import numpy_helper
+
+    dims = tuple(int(d) for d in proto.dims)
+    code = proto.data_type
+    if proto.data_location == onnx.TensorProto.EXTERNAL:
+        from onnx.external_data_helper import load_external_data_for_tensor
+
+        proto = _copy(proto)
+        load_external_data_for_tensor(proto, os.fspath(base_dir))
+    if code == _dt.STRING:
+        return np.array([s.decode() for s in proto.string_data], dtype=object).reshape(dims)
+    if code in (_dt.INT4, _dt.UINT4):
+        if proto.HasField("raw_data"):
+            return PackedInt4(np.frombuffer(proto.raw_data, np.uint8).copy(), dims, code == _dt.INT4)
+        return PackedInt4.pack(numpy_helper.to_array(proto))
+    dtype = _dt.numpy_dtype(code)
+    if proto.HasField("raw_data"):
+        count = int(np.prod(dims, dtype=np.int64))
+        if len(proto.raw_data) != count * dtype.itemsize:
+            raise CheckpointStateError(
+                f"tensor {proto.name}: {len(proto.raw_data)} bytes of raw_data for {_dt.name_of(code)} {list(dims)}"
+            )
+        return np.frombuffer(proto.raw_data, dtype.newbyteorder("<"), count).reshape(dims)
+    return np.asarray(numpy_helper.to_array(proto)).view(dtype).reshape(dims)
+
+
+def _copy(proto: Any) -> Any:
+    out = type(proto)()
+    out.CopyFrom(proto)
+    return out
+
+
+def _as_proto(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        proto = _onnx().TensorProto()
+        proto.ParseFromString(bytes(value))
+        return proto
+    return value
+
+
+def save_checkpoint(
+    parameters: tuple[Sequence[Any], Sequence[Any]],
+    path_to_checkpoint: str | os.PathLike[str],
+    nominal_checkpoint: bool = False,
+    *,
+    external_data_threshold: int = PROTO_PATH_EXTERNAL_DATA_THRESHOLD,
+) -> None:
+    """Saves ``(trainable, frozen)`` TensorProtos (or their serialized bytes) as a checkpoint,
+    as ``onnxruntime.training.onnxblock.save_checkpoint`` does: tensors in the order given,
+    duplicate names rejected, a nominal checkpoint holding names and types only (empty dims
+    and data), and external data when the protos total more than 1799 MiB.
+    """
+    if parameters is None:
+        raise RuntimeError("No checkpoint parameters provided.")
+    trainable, frozen = parameters
+    seen: set[str] = set()
+    tensors: list[list[tuple[str, int, tuple[int, ...], Any]]] = [[], []]
+    total = 0
+    for role, protos in enumerate((trainable, frozen)):
+        for item in protos:
+            proto = _as_proto(item)
+            if proto.name in seen:
+                raise CheckpointStateError(f"Duplicated tensor proto named {proto.name}")
+            seen.add(proto.name)
+            total += len(item) if isinstance(item, (bytes, bytearray, memoryview)) else proto.ByteSize()
+            if nominal_checkpoint:
+                tensors[role].append((proto.name, proto.data_type, (), None))
+                continue
+            value = tensor_value(proto)
+            if isinstance(value, PackedInt4):
+                values: Any = value.packed
+            elif proto.data_type == _dt.STRING:
+                values = [str(s) for s in value.reshape(-1)]
+            else:
+                values = _as_bytes(value)
+            tensors[role].append((proto.name, proto.data_type, tuple(int(d) for d in proto.dims), values))
+    external = not nominal_checkpoint and total > external_data_threshold - MiB
+    _core.save(
+        os.fspath(path_to_checkpoint),
+        tensors[0],
+        tensors[1],
+        [],
+        [],
+        [],
+        [],
+        nominal=nominal_checkpoint,
+        keep_order=True,
+        external_data_threshold=0 if external else 2**63 - 1,
+    )
+
+
+def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike[str], model: onnx.ModelProto) -> None:
+    """Copies the checkpoint's parameters into the model's initializers of the same name, in
+    place, as ``onnxruntime.training.onnxblock.load_checkpoint_to_model`` does (other
+    initializers are left as they are; a nominal checkpoint is refused)."""
+    state = CheckpointState.load_checkpoint(path_to_checkpoint)
+    if state.is_nominal:
+        raise CheckpointStateError(
+            f"{os.fspath(path_to_checkpoint)}: a nominal checkpoint holds no values to load into a model"
+        )
+    _fill_initializers(state, model)
+
+
+def _fill_initializers(state: CheckpointState, model: onnx.ModelProto) -> int:
+    onnx = _onnx()
+    from onnx import numpy_helper
+
+    filled = 0
+    for init in model.graph.initializer:
+        if init.name not in state.parameters:
+            continue
+        value = state.parameters[init.name].data
+        replacement = onnx.TensorProto(name=init.name)
+        if isinstance(value, PackedInt4):
+            replacement.data_type = value.data_type
+            replacement.dims.extend(value.shape)
+            replacement.raw_data = value.packed.tobytes()
+        elif value.dtype == object:
+            replacement = numpy_helper.from_array(value, init.name)
+        else:
+            replacement.data_type = _dt.code_of(value)
+            replacement.dims.extend(value.shape)
+            replacement.raw_data = _as_bytes(value).tobytes()
+        init.CopyFrom(replacement)
+        filled += 1
+    return filled
+
+
+def _load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[Any, str]:
+    """The model (external data loaded) and the directory its external data paths start from."""
+    if isinstance(model, (str, os.PathLike)):
+        return _onnx().load(os.fspath(model)), os.path.dirname(os.fspath(model))
+    return model, ""
+
+
+def state_from_onnx(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    requires_grad: Iterable[str] | None = None,
+    frozen: Iterable[str] = (),
+    base_dir: str | os.PathLike[str] | None = None,
+) -> CheckpointState:
+    """A checkpoint state of a model's initializers (a ModelProto or a path; initializers in
+    ONNX external data are read from ``base_dir``, by default the model file's directory).
+
+    ``requires_grad`` names the trainable parameters (the others are frozen); without it every
+    initializer not named in ``frozen`` is trainable, as ``generate_artifacts`` treats them.
+    """
+    proto, model_dir = _load_model(model)
+    directory = os.fspath(base_dir) if base_dir is not None else model_dir
+    values = {init.name: tensor_value(init, directory) for init in proto.graph.initializer}
+    frozen = set(frozen)
+    trainable = set(values) - frozen if requires_grad is None else set(requires_grad)
+    unknown = (trainable | frozen) - set(values)
+    if unknown:
+        raise CheckpointStateError(f"not initializers of the model: {sorted(unknown)}")
+    return CheckpointState.from_arrays(
+        {n: v for n, v in values.items() if n in trainable},
+        {n: v for n, v in values.items() if n not in trainable},
+    )
+
+
+def export_model(
+    state: CheckpointState | str | os.PathLike[str],
+    model: onnx.ModelProto | str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    external_data: bool | None = None,
+) -> Path:
+    """Writes ``model`` with the checkpoint's weights in its initializers to ``path``.
+
+    ``external_data=None`` (the default) stores the weights in ONNX external data
+    (``<path>.data``, one file) exactly when the model would pass protobuf's 2 GiB limit;
+    ``True``/``False`` force it. Returns the path written.
+    """
+    onnx = _onnx()
+    if not isinstance(state, CheckpointState):
+        state = CheckpointState.load_checkpoint(state)
+    proto, _ = _load_model(model)
+    proto = _copy(proto)
+    if not _fill_initializers(state, proto) and len(proto.graph.initializer):
+        raise CheckpointStateError("no initializer of the model is named like a checkpoint parameter")
+    path = Path(path)
+    if external_data is None:
+        external_data = proto.ByteSize() > PROTOBUF_LIMIT
+    if external_data:
+        # onnx appends to an existing data file: start from none.
+        Path(f"{path}.data").unlink(missing_ok=True)
+        onnx.save_model(proto, os.fspath(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{path.name}.data", size_threshold=1024)  # fmt: skip
+    else:
+        onnx.save_model(proto, os.fspath(path))
+    return path
+
+
+__all__ = [
+    "PROTO_PATH_EXTERNAL_DATA_THRESHOLD",
+    "export_model",
+    "load_checkpoint_to_model",
+    "save_checkpoint",
+    "state_from_onnx",
+    "tensor_value",
+]
