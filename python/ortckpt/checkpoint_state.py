@@ -537,6 +537,10 @@ class CheckpointState:
                 other._groups[group_name] = OptimizerGroup(group.step, group.initial_learning_rate, momentums)
         return other
 
+    def _signatures(self) -> list[tuple[str, int, bool]]:
+        """(name, ONNX type code, requires_grad) of every parameter, nominal states included."""
+        return [(name, self._tensor(name).code, name not in self._frozen) for name in self._tensors]
+
     def _groups_to_core(self) -> list[Any]:
         out = []
         for group_name, group in self.optimizer_groups.items():

@@ -9,6 +9,10 @@ command prints one JSON object on stdout.
   train CKPT ARTIFACTS OUT      one training step and one optimizer step, then save OUT
   write_protos DST MIB          ONNX Runtime's TensorProto-path saver (onnxblock's), on about MIB
                                 MiB of deterministic float32 tensors; prints their sha256s
+  save_protos PICKLE DST [--nominal]  the TensorProto-path saver on (trainable, frozen) lists of
+                                serialized TensorProtos pickled in PICKLE; prints an error if it refuses
+  load_to_model CKPT MODEL OUT  get_model_after_loading_checkpoint (onnxblock's load_checkpoint_to_model)
+  infer MODEL NPY OUT_NPY       runs MODEL (its first input from NPY) in an InferenceSession
 """
 
 from __future__ import annotations
@@ -85,6 +89,36 @@ def write_protos(dst: str, mib: str) -> dict:
     return {"sha256": sums}
 
 
+def save_protos(pickled: str, dst: str, nominal: bool) -> dict:
+    import pickle
+
+    with open(pickled, "rb") as f:
+        trainable, frozen = pickle.load(f)
+    try:
+        C.save_checkpoint(trainable, frozen, dst, nominal)
+    except Exception as e:  # noqa: BLE001 - the refusal itself is the result
+        return {"error": str(e).strip().splitlines()[-1]}
+    return {"saved": dst}
+
+
+def load_to_model(ckpt: str, model: str, out: str) -> dict:
+    with open(model, "rb") as f:
+        result = C.get_model_after_loading_checkpoint(ckpt, f.read())
+    with open(out, "wb") as f:
+        f.write(result)
+    return {"saved": out}
+
+
+def infer(model: str, npy: str, out: str) -> dict:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    x = np.load(npy)
+    outputs = session.run(None, {session.get_inputs()[0].name: x})
+    np.save(out, outputs[0])
+    return {"saved": out}
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "describe":
@@ -95,6 +129,12 @@ def main(argv: list[str]) -> None:
         result = train(*args)
     elif command == "write_protos":
         result = write_protos(*args)
+    elif command == "save_protos":
+        result = save_protos(args[0], args[1], "--nominal" in args)
+    elif command == "load_to_model":
+        result = load_to_model(*args)
+    elif command == "infer":
+        result = infer(*args)
     else:
         raise SystemExit(f"unknown command {command}")
     print(json.dumps(result))

@@ -125,13 +125,11 @@ def to_nominal(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_
     ``generate_artifacts(..., nominal_checkpoint=True)`` writes it, and the properties (an app
     ships it and fills the values in later). Returns the number of parameters."""
     from .. import _core
-    from .. import dtypes as _dt
 
     state = load_any(src, src_format)
     roles: tuple[list, list] = ([], [])
-    for name, param in state.parameters:
-        code = _dt.NAMES.index(param.data_type)  # (a nominal source has types but no data)
-        roles[0 if param.requires_grad else 1].append((name, code, (), None))
+    for name, code, requires_grad in state._signatures():  # (a nominal source has no data to read)
+        roles[0 if requires_grad else 1].append((name, code, (), None))
     props = list(state.properties)
     _core.save(
         os.fspath(dst),
@@ -142,5 +140,6 @@ def to_nominal(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_
         [(k, v) for k, v in props if isinstance(v, float)],
         [(k, v) for k, v in props if isinstance(v, str)],
         nominal=True,
+        keep_order=True,  # the source's order, as ONNX Runtime's TensorProto path keeps it
     )
     return len(roles[0]) + len(roles[1])

@@ -213,12 +213,14 @@ def export_model(
     path: str | os.PathLike[str],
     *,
     external_data: bool | None = None,
+    size_threshold: int = 1024,
 ) -> Path:
     """Writes ``model`` with the checkpoint's weights in its initializers to ``path``.
 
     ``external_data=None`` (the default) stores the weights in ONNX external data
     (``<path>.data``, one file) exactly when the model would pass protobuf's 2 GiB limit;
-    ``True``/``False`` force it. Returns the path written.
+    ``True``/``False`` force it; initializers under ``size_threshold`` bytes stay in the model.
+    Returns the path written.
     """
     onnx = _onnx()
     if not isinstance(state, CheckpointState):
@@ -234,7 +236,7 @@ def export_model(
         # onnx appends to an existing data file: start from none.
         Path(f"{path}.data").unlink(missing_ok=True)
         onnx.save_model(proto, os.fspath(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{path.name}.data", size_threshold=1024)  # fmt: skip
+                        location=f"{path.name}.data", size_threshold=size_threshold)  # fmt: skip
     else:
         onnx.save_model(proto, os.fspath(path))
     return path

@@ -1,0 +1,156 @@
+"""The ortckpt command: every subcommand's output, JSON and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core
+from ortckpt.cli import DIFFERENT, FAILED, OK, USAGE, run
+
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "ort-vectors"
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    code = run([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    state = CheckpointState.from_arrays(
+        {"layer.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "layer.bias": np.ones(4, np.float32)},
+        {"table": np.arange(1000, dtype=np.int64)},
+        {"epoch": 2, "run": "cli"},
+    )
+    state.optimizer_groups["group0"] = OptimizerGroup(7, 0.01, {"layer.bias": {"momentum0": np.zeros(4, np.float32)}})
+    path = tmp_path / "model.ckpt"
+    CheckpointState.save_checkpoint(state, path, include_optimizer_state=True, external_data_threshold=100)
+    return path
+
+
+def test_inspect_lists_tensors_with_role_dtype_shape_size_and_location(capsys, ckpt):
+    code, out, _ = cli(capsys, "inspect", ckpt)
+    assert code == OK
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("layer", "table"))}
+    assert lines["table"][:5] == ["table", "frozen", "INT64", "1000", "7.8"]
+    assert "external" in lines["table"]
+    assert lines["layer.bias/momentum0"][1:3] == ["momentum", "FLOAT"]
+    assert "group0: step 7, initial learning rate 0.01" in out
+    assert "epoch = 2" in out and "run = 'cli'" in out
+    assert "total: 4 tensors" in out and "external data" in out.splitlines()[0]
+
+
+def test_inspect_json_is_complete_and_limit_only_shortens_the_table(capsys, ckpt):
+    code, out, _ = cli(capsys, "inspect", "--json", ckpt)
+    info = json.loads(out)
+    assert code == OK and info["format"] == "ortckpt" and info["external_data"]
+    assert info["totals"] == {"tensors": 4, "bytes": 48 + 16 + 8000 + 16, "trainable": 2, "frozen": 1, "momentum": 1,
+                              "parameter_bytes": 48 + 16 + 8000, "optimizer_bytes": 16}  # fmt: skip
+    assert {t["name"]: t["shape"] for t in info["tensors"]}["layer.weight"] == [3, 4]
+    assert info["properties"] == {"epoch": 2, "run": "cli"}
+    _, out, _ = cli(capsys, "inspect", "--limit", "1", ckpt)
+    assert "... 3 more (--limit 0 lists all)" in out
+
+
+def test_inspect_reads_onnx_runtimes_own_files(capsys):
+    code, out, _ = cli(capsys, "inspect", "--json", GOLDEN / "trained_with_optimizer.ckpt")
+    info = json.loads(out)
+    assert code == OK and info["totals"]["momentum"] == 6 and info["properties"]["run"] == "mlp-demo"
+
+
+def test_verify_passes_whole_checkpoints_and_fails_damaged_ones_with_exit_code_1(capsys, ckpt, tmp_path):
+    assert cli(capsys, "verify", ckpt)[0] == OK
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(CheckpointState.load_checkpoint(ckpt), step=3)
+    step = tmp_path / "run" / "step_00000003"
+    code, out, _ = cli(capsys, "verify", "--json", step)
+    assert code == OK and json.loads(out)["ok"] and json.loads(out)["step"] == 3
+    data = step / "checkpoint"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code, _, err = cli(capsys, "verify", step)
+    assert code == DIFFERENT and "FAILED" in err and "SHA-256" in err
+    code, out, _ = cli(capsys, "verify", "--json", step)
+    assert code == DIFFERENT and not json.loads(out)["ok"]
+
+
+def test_diff_reports_every_kind_of_difference_and_honours_tolerances(capsys, ckpt, tmp_path):
+    assert cli(capsys, "diff", ckpt, ckpt)[0] == OK
+    state = CheckpointState.load_checkpoint(ckpt)
+    state.parameters["layer.weight"] = state.parameters["layer.weight"].data + np.float32(1e-3)
+    state.properties["epoch"] = 3
+    state.optimizer_groups["group0"].step = 8
+    CheckpointState.save_checkpoint(state, tmp_path / "other.ckpt", include_optimizer_state=True)
+    code, out, _ = cli(capsys, "diff", ckpt, tmp_path / "other.ckpt")
+    assert code == DIFFERENT
+    assert "layer.weight: values: 12 of 12 elements differ" in out
+    assert "epoch: 2 vs 3" in out and "group0.step: 7 vs 8" in out
+    code, out, _ = cli(capsys, "diff", "--json", "--atol", "0.01", ckpt, tmp_path / "other.ckpt")
+    report = json.loads(out)
+    assert code == DIFFERENT and report["tensors"] == []  # values within tolerance; step and property still differ
+    assert report["properties"] == {"epoch": [2, 3]}
+    only = CheckpointState.from_arrays({"layer.weight": np.zeros((3, 5), np.float32)})
+    CheckpointState.save_checkpoint(only, tmp_path / "shape.ckpt")
+    code, out, _ = cli(capsys, "diff", ckpt, tmp_path / "shape.ckpt")
+    assert "layer.weight: shape: [3, 4] vs [3, 5]" in out and f"only in {ckpt}: table" in out
+
+
+def test_convert_between_formats_and_back_is_lossless(capsys, ckpt, tmp_path):
+    code, out, _ = cli(capsys, "convert", ckpt, tmp_path / "m.safetensors")
+    assert code == OK and "(ortckpt) ->" in out and "(safetensors)" in out
+    code, out, _ = cli(capsys, "convert", "--json", tmp_path / "m.safetensors", tmp_path / "back")
+    assert code == OK and json.loads(out)["to"] == "ortckpt"
+    assert cli(capsys, "diff", ckpt, tmp_path / "back")[0] == OK
+    code, _, err = cli(capsys, "convert", ckpt, tmp_path / "model.onnx")
+    assert code == FAILED and "--model" in err
+
+
+def test_nominal_keeps_names_roles_and_types_without_values(capsys, ckpt, tmp_path):
+    code, out, _ = cli(capsys, "nominal", ckpt, tmp_path / "nominal.ckpt")
+    assert code == OK and "3 parameters" in out
+    assert CheckpointState.load_checkpoint(tmp_path / "nominal.ckpt").is_nominal
+    info = json.loads(cli(capsys, "inspect", "--json", tmp_path / "nominal.ckpt")[1])
+    assert info["nominal"] and info["properties"] == {"epoch": 2, "run": "cli"}
+    assert [(t["name"], t["role"], t["dtype"], t["shape"], t["bytes"]) for t in info["tensors"]] == [
+        ("layer.bias", "trainable", "FLOAT", [], 0), ("layer.weight", "trainable", "FLOAT", [], 0),
+        ("table", "frozen", "INT64", [], 0)]  # fmt: skip
+    # a nominal checkpoint's nominal twin is itself
+    assert cli(capsys, "nominal", tmp_path / "nominal.ckpt", tmp_path / "twice.ckpt")[0] == OK
+    assert (tmp_path / "twice.ckpt").read_bytes() == (tmp_path / "nominal.ckpt").read_bytes()
+    assert (tmp_path / "nominal.ckpt").stat().st_size < 1024
+
+
+def test_errors_have_exit_codes_and_name_the_file(capsys, tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint at all")
+    code, _, err = cli(capsys, "inspect", bad)
+    assert code == FAILED and str(bad) in err and "ODTC" in err
+    assert cli(capsys, "inspect", tmp_path / "missing")[0] == USAGE
+    assert cli(capsys, "frobnicate")[0] == USAGE
+    assert cli(capsys, "diff", "--rtol", "x", bad, bad)[0] == USAGE
+
+
+def test_the_console_script_and_python_m_run_with_help_and_version():
+    env = {**os.environ, "COLUMNS": "100"}
+    for command in ([sys.executable, "-m", "ortckpt"], [str(Path(sys.executable).parent / "ortckpt")]):
+        done = subprocess.run([*command, "--help"], capture_output=True, text=True, env=env, check=True)
+        for sub in ("inspect", "verify", "diff", "convert", "nominal", "Exit codes"):
+            assert sub in done.stdout, (command, sub)
+        version = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True).stdout
+        assert version.startswith("ortckpt ")
+
+
+def test_nominal_of_onnx_runtimes_checkpoint_holds_what_its_own_nominal_twin_holds(capsys, tmp_path):
+    assert cli(capsys, "nominal", GOLDEN / "protos.ckpt", tmp_path / "nominal.ckpt")[0] == OK
+    ours, theirs = (_core.load(str(p)) for p in (tmp_path / "nominal.ckpt", GOLDEN / "protos_nominal.ckpt"))
+    for key in ("trainable", "frozen", "nominal", "optimizer_groups", "ints", "floats", "strings"):
+        assert ours[key] == theirs[key], key  # names in the same order, types, empty dims, no values
