@@ -82,7 +82,7 @@ test-wheel: wheel $(ORT_VENV)/.ok
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl \
-		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "mypy>=1.10"
+		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "safetensors>=0.4" "mypy>=1.10"
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/$(WHEEL_VENV)/bin:/usr/bin:/bin" sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
@@ -91,8 +91,8 @@ test-wheel: wheel $(ORT_VENV)/.ok
 		python -m pytest -q -p no:cacheprovider tests/python tests/interop'
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
-test-torch: build $(TORCH_VENV)/.ok
-	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.4" "pytest>=8" "hypothesis>=6" "tqdm>=4.66"
+test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok
+	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.4" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66"
 	VIRTUAL_ENV=$(CURDIR)/$(TORCH_VENV) maturin develop --release --quiet
 	$(TORCH_PY) -m pytest -q -p no:cacheprovider tests/torch
 

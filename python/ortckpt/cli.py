@@ -7,6 +7,7 @@ compare.compare, convert.convert, convert.to_nominal): parsing, printing, exit c
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
@@ -36,6 +37,9 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
             return command(*args, **kwargs)
         except click.exceptions.Exit:
             raise
+        except BrokenPipeError:  # the reader went away (`ortckpt inspect x | head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(OK) from None
         except (OSError, ValueError, RuntimeError, TypeError, ImportError) as e:
             click.echo(f"ortckpt: error: {e}", err=True)
             raise SystemExit(FAILED) from None
@@ -92,7 +96,8 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
     if as_json:
         return _emit_json(info)
     flags = [info["format"]] + ["nominal"] * info["nominal"] + ["external data"] * info["external_data"]
-    click.echo(f"{path}: {', '.join(flags)}; " + ", ".join(f"{f} {_size(s)}" for f, s in info["files"].items()))
+    files = ", ".join(f"{os.path.basename(f)} {_size(s)}" for f, s in info["files"].items())
+    click.echo(f"{path}: {', '.join(flags)}; {files}")
     tensors = info["tensors"]
     shown = tensors if limit <= 0 else tensors[:limit]
     rows = [[t["name"], t["role"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]),

@@ -8,14 +8,16 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(with_torch: bool = False) -> list[str]:
+    """The README's Python examples; those that import torch only when asked (`make test-torch` runs them)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for b in blocks if ("import torch" in b) == with_torch]
 
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 4, "import line, quick start, building example, CheckpointManager"
-    _import_line, quick_start, building, _manager = blocks
+    assert len(blocks) == 6, "import line, quick start, building example, CheckpointManager, ONNX, safetensors"
+    _import_line, quick_start, building, _manager, _onnx, _safetensors = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(building, "README building example", "exec"), namespace)
@@ -44,3 +46,22 @@ def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path, monkeypatc
     assert capsys.readouterr().out == first
     again = CheckpointManager(tmp_path / "checkpoints").restore().parameters["fc.weight"].data
     assert (again == weights).all() and weights.any()
+
+
+def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
+    *_, onnx_example, safetensors_example = python_blocks()
+    monkeypatch.chdir(tmp_path)
+    exec(compile(onnx_example, "README ONNX example", "exec"), {})
+    exec(compile(safetensors_example, "README safetensors example", "exec"), {})
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from ortckpt import CheckpointState
+
+    exported = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "inference.onnx").graph.initializer}
+    assert (exported["fc.weight"] == 0.5).all() and (exported["fc.bias"] == 0).all()
+    assert [n for n, _ in CheckpointState.load_checkpoint(tmp_path / "fc.ckpt").parameters] == ["fc.bias", "fc.weight"]
+    state = CheckpointState.load_checkpoint(tmp_path / "from_safetensors.ckpt")
+    assert not state.parameters["fc.bias"].requires_grad
+    assert np.array_equal(state.parameters["fc.weight"].data, np.full((4, 8), 0.5, np.float32))

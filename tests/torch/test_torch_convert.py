@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +130,16 @@ def test_a_converted_torch_model_loads_in_onnx_runtime(tmp_path):
     for name, t in model.state_dict().items():
         assert seen[name]["sha256"] == hashlib.sha256(t.numpy().tobytes()).hexdigest(), name
         assert seen[name]["requires_grad"] == (name in {n for n, p in model.named_parameters() if p.requires_grad})
+
+
+def test_the_readme_torch_example_runs(tmp_path, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    from test_readme import python_blocks
+
+    (example,) = python_blocks(with_torch=True)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(example, "README torch example", "exec"), namespace)
+    state = CheckpointState.load_checkpoint(tmp_path / "torch.ckpt")
+    assert state.optimizer_groups["group0"].step == 1
+    assert torch.equal(namespace["model"].weight, torch.from_numpy(np.array(state.parameters["weight"].data)))
