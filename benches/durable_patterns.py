@@ -1,12 +1,14 @@
-"""Durable-save write patterns, side by side on one workload (the follow-up to the suite's
-"durable vs write()+fsync" column): which way of getting 1 GiB onto the disk, fsynced,
-is fastest on this machine, and does ortckpt's durable save match the best of them?
+"""Write patterns side by side on one workload (the follow-up to the suite's "save vs write()"
+and "durable vs write()+fsync" columns): which way of getting the bytes into a file is fastest
+on this machine, and does ortckpt match the best of them?
 
-    python benches/durable_patterns.py [--rounds 10] [--workload "transformer 1 bfloat16"]
+    python benches/durable_patterns.py [--rounds 10] [--workload "transformer 1 bfloat16"] [--plain]
 
-Every variant writes the same bytes to a temporary file, fsyncs it, renames it into place and
-fsyncs the directory, as a durable save must. Rounds are shuffled; the report gives each
-variant's median, spread and its median ratio to write()+fsync in the same round.
+Durable (the default): every variant writes the same bytes to a temporary file, fsyncs it,
+renames it into place and fsyncs the directory, as a durable save must. --plain: no fsync, as
+the suite's plain saves (each followed by os.sync() outside the timing). Rounds are shuffled;
+the report gives each variant's median, spread and its median ratio to the first variant
+(write() with or without fsync) in the same round.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from suite import make_workload  # noqa: E402
 
 from ortckpt import CheckpointState  # noqa: E402
 
-PIECE = 32 << 20
+PIECE = 256 << 10  # as ortckpt's src/io/writeback.rs
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
@@ -47,32 +49,42 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def batches(arrays: list[np.ndarray]):
-    """The tensors' bytes in writev batches of at most PIECE bytes (as ortckpt's write_segments)."""
+def batches(arrays: list[np.ndarray], piece: int = PIECE):
+    """The tensors' bytes in writev batches of at most `piece` bytes (as ortckpt's write_segments)."""
     batch, size = [], 0
     for a in arrays:
         view = memoryview(a.reshape(-1).view(np.uint8))
-        for start in range(0, len(view), PIECE):
-            piece = view[start : start + PIECE]
-            if batch and size + len(piece) > PIECE:
+        for start in range(0, len(view), piece):
+            part = view[start : start + piece]
+            if batch and (size + len(part) > piece or len(batch) == 1024):
                 yield batch, size
                 batch, size = [], 0
-            batch.append(piece)
-            size += len(piece)
+            batch.append(part)
+            size += len(part)
     if batch:
         yield batch, size
 
 
-def durable_file(path: Path, write) -> None:
+def durable_file(path: Path, write, durable: bool = True) -> None:
     temp = path.with_name(f".{path.name}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write(fd)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(temp, path)
-    fsync_dir(path)
+    if durable:
+        fsync_dir(path)
+
+
+def plain_file(path: Path, write) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write(fd)
+    finally:
+        os.close(fd)
 
 
 def plain(arrays):
@@ -84,16 +96,17 @@ def plain(arrays):
     return write
 
 
-def pieces(arrays, wait_previous: bool):
-    """writev in PIECE batches with writeback started after each; with `wait_previous`, the batch
-    before is also waited for, so dirty pages stay bounded (the kernel never throttles us)."""
+def pieces(arrays, wait_previous: bool, writeback: bool = True, piece: int = PIECE):
+    """writev in PIECE batches with writeback started after each (unless not `writeback`); with
+    `wait_previous`, the batch before is also waited for, so dirty pages stay bounded."""
 
     def write(fd):
         position, previous = 0, None
-        for batch, size in batches(arrays):
+        for batch, size in batches(arrays, piece):
             written = os.writev(fd, batch)
             assert written == size
-            sync_file_range(fd, position, size, SYNC_FILE_RANGE_WRITE)
+            if writeback:
+                sync_file_range(fd, position, size, SYNC_FILE_RANGE_WRITE)
             if wait_previous and previous is not None:
                 flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
                 sync_file_range(fd, previous[0], previous[1], flags)
@@ -108,6 +121,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--workload", default="transformer 1 bfloat16", help='"shape GiB dtype"')
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir under benches/out)")
+    parser.add_argument("--plain", action="store_true", help="no fsync: plain saves, as the suite's save column")
     args = parser.parse_args()
     shape, gib, dtype = args.workload.split()
     work = make_workload(shape, float(gib), dtype)
@@ -117,10 +131,18 @@ def main() -> None:
     out_root.mkdir(exist_ok=True)
     directory = Path(tempfile.mkdtemp(dir=args.dir or out_root))
 
+    def writev_in(piece: int):
+        return lambda p: plain_file(p, pieces(arrays, wait_previous=False, writeback=False, piece=piece))
+
     variants = {
+        "write() per tensor": lambda p: plain_file(p, plain(arrays)),
+        **{f"writev pieces of {n >> 10} KiB": writev_in(n) for n in (256 << 10, 1 << 20, 4 << 20, 32 << 20)},
+        "ortckpt": lambda p: CheckpointState.save_checkpoint(state, p, include_optimizer_state=True),
+    } if args.plain else {
         "write()+fsync": lambda p: durable_file(p, plain(arrays)),
-        "writev pieces + writeback": lambda p: durable_file(p, pieces(arrays, wait_previous=False)),
-        "writev pieces + writeback, wait previous": lambda p: durable_file(p, pieces(arrays, wait_previous=True)),
+        "writev 32 MiB pieces + writeback": lambda p: durable_file(p, pieces(arrays, False, piece=32 << 20)),
+        "writev 32 MiB + writeback, wait previous": lambda p: durable_file(p, pieces(arrays, True, piece=32 << 20)),
+        "writev 256 KiB pieces + writeback": lambda p: durable_file(p, pieces(arrays, False, piece=256 << 10)),
         "ortckpt durable": lambda p: CheckpointState.save_checkpoint(state, p, include_optimizer_state=True, durable=True),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -133,13 +155,15 @@ def main() -> None:
             start = time.perf_counter()
             variants[name](path)
             times[name].append(time.perf_counter() - start)
+            os.sync()  # written back before the file goes, as in the suite
             for f in directory.iterdir():
                 f.unlink()
             os.sync()
     directory.rmdir()
-    base = times["write()+fsync"]
+    first = next(iter(times))
+    base = times[first]
     print(f"{work.name}: {work.nbytes / 2**30:.2f} GiB, {len(arrays)} tensors, {args.rounds} shuffled rounds")
-    print("| variant | median s | min-max s | per-round ratio to write()+fsync (median) |")
+    print(f"| variant | median s | min-max s | per-round ratio to {first} (median) |")
     print("| --- | --- | --- | --- |")
     for name, t in times.items():
         ratio = statistics.median(b / x for b, x in zip(base, t))
