@@ -231,7 +231,12 @@ def export_model(
         raise CheckpointStateError("no initializer of the model is named like a checkpoint parameter")
     path = Path(path)
     if external_data is None:
-        external_data = proto.ByteSize() > PROTOBUF_LIMIT
+        from google.protobuf.message import EncodeError
+
+        try:
+            external_data = proto.ByteSize() > PROTOBUF_LIMIT
+        except EncodeError:  # protobuf will not even size a message past its limit
+            external_data = True
     if external_data:
         # onnx appends to an existing data file: start from none.
         Path(f"{path}.data").unlink(missing_ok=True)
