@@ -47,6 +47,17 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _show_progress(asked: bool | None) -> bool:
+    """Bars when asked, or by default when stderr is a terminal and tqdm is installed."""
+    if asked is not None:
+        return asked
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return sys.stderr.isatty()
+
+
 def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
@@ -125,8 +136,9 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
 @main.command(epilog=EXIT_CODES, short_help="Check that a checkpoint is whole and readable.")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
 @_fail_cleanly
-def verify(path: str, as_json: bool) -> None:
+def verify(path: str, as_json: bool, progress: bool | None) -> None:
     """Check that a checkpoint is whole: for a CheckpointManager step directory every file's size
     and SHA-256 against its metadata.json, then (for any checkpoint) that every tensor, momentum
     and property decodes and reads in full."""
@@ -134,7 +146,7 @@ def verify(path: str, as_json: bool) -> None:
     from .integrity import verify as run_verify
 
     try:
-        result = run_verify(path)
+        result = run_verify(path, progress=_show_progress(progress))
     except CheckpointIntegrityError as e:
         if as_json:
             _emit_json({"path": path, "ok": False, "problems": e.problems})
@@ -156,15 +168,23 @@ def verify(path: str, as_json: bool) -> None:
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
 @_fail_cleanly
-def diff(a: str, b: str, rtol: float, atol: float, as_json: bool) -> None:
+def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool | None) -> None:
     """Compare two checkpoints (of any formats): tensor names, roles, dtypes, shapes and values
     (within --rtol/--atol), optimizer steps and learning rates, properties. Exit code 1 when
     they differ."""
     from .compare import compare
     from .convert.files import load_any
 
-    result = compare(load_any(a), load_any(b), rtol=rtol, atol=atol)
+    state_a, state_b = load_any(a), load_any(b)
+    if _show_progress(progress):
+        from .progress import bar
+
+        with bar("comparing") as counter:
+            result = compare(state_a, state_b, rtol=rtol, atol=atol, on_bytes=counter.update)
+    else:
+        result = compare(state_a, state_b, rtol=rtol, atol=atol)
     if as_json:
         _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json()})
     else:
@@ -205,10 +225,9 @@ def convert(src: str, dst: str, src_format: str | None, dst_format: str | None, 
     or `ortckpt convert checkpoint model.onnx --model eval_model.onnx`."""
     from .convert.files import convert as run_convert
 
-    if progress is None:
-        progress = sys.stderr.isatty()
     formats = run_convert(src, dst, src_format=src_format, dst_format=dst_format, frozen=frozen,
-                          include_optimizer_state=not no_optimizer, model=model, progress=progress)  # fmt: skip
+                          include_optimizer_state=not no_optimizer, model=model,
+                          progress=_show_progress(progress))  # fmt: skip
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from": formats[0], "to": formats[1]})
     click.echo(f"{src} ({formats[0]}) -> {dst} ({formats[1]})")

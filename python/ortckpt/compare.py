@@ -8,6 +8,7 @@ absolute and relative difference and how many elements differ beyond ``atol + rt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -83,8 +84,10 @@ def _values(name: str, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -
                       mismatched=mismatched, elements=a.size)  # fmt: skip
 
 
-def compare(a: CheckpointState, b: CheckpointState, *, rtol: float = 0.0, atol: float = 0.0) -> Diff:
-    """What differs between ``a`` and ``b`` (see the module's docstring)."""
+def compare(a: CheckpointState, b: CheckpointState, *, rtol: float = 0.0, atol: float = 0.0,
+            on_bytes: Callable[[int], object] | None = None) -> Diff:  # fmt: skip
+    """What differs between ``a`` and ``b`` (see the module's docstring); ``on_bytes(n)`` after
+    each pair of tensors (a progress bar's update)."""
     diff = Diff()
     ta, tb = _tensors(a), _tensors(b)
     diff.only_in_a = sorted(set(ta) - set(tb))
@@ -102,6 +105,8 @@ def compare(a: CheckpointState, b: CheckpointState, *, rtol: float = 0.0, atol: 
             diff.tensors.append(TensorDiff(name, "shape", list(xa.shape), list(xb.shape)))
         elif (found := _values(name, xa, xb, rtol, atol)) is not None:
             diff.tensors.append(found)
+        if on_bytes is not None:
+            on_bytes(xa.nbytes + xb.nbytes)
     pa, pb = dict(a.properties), dict(b.properties)
     for name in sorted(set(pa) | set(pb)):
         if pa.get(name) != pb.get(name) or type(pa.get(name)) is not type(pb.get(name)):

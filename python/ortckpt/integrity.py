@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import metadata as _metadata
+from . import progress as _progress
 from .checkpoint_state import CheckpointState
 from .dtypes import PackedInt4
 from .errors import CheckpointError, CheckpointIntegrityError
@@ -28,16 +29,25 @@ class Verified:
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256 checked (empty without metadata)
 
 
-def verify(path: str | os.PathLike[str]) -> Verified:
+def verify(path: str | os.PathLike[str], *, progress: bool = False) -> Verified:
     """Re-reads a checkpoint and checks it: every file's size and SHA-256 against its
     metadata.json (for a :class:`~ortckpt.CheckpointManager` step directory), then that the
     checkpoint decodes and every parameter, momentum and property can be read in full.
 
     ``path`` is a step directory or a checkpoint file (then only decoding is checked: a bare
     file carries no hashes). Raises :class:`~ortckpt.CheckpointIntegrityError` listing every
-    problem found, each naming its file.
+    problem found, each naming its file. ``progress``: a bar (tqdm) over the bytes read.
     """
     path = Path(path)
+    bar = _progress.bar(f"verifying {path.name}") if progress else None
+    try:
+        return _verify(path, bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _verify(path: Path, on_bytes: Any) -> Verified:
     problems: list[str] = []
     files: dict[str, str] = {}
     step = None
@@ -59,7 +69,7 @@ def verify(path: str | os.PathLike[str]) -> Verified:
             if size != expected["bytes"]:
                 problems.append(f"{file}: {size} bytes, metadata says {expected['bytes']}")
                 continue
-            digest = _metadata.sha256_of(file)
+            digest = _metadata.sha256_of(file, on_bytes)
             if digest != expected["sha256"]:
                 problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
                 continue
@@ -72,7 +82,7 @@ def verify(path: str | os.PathLike[str]) -> Verified:
     if not problems:  # decoding a file that failed its hash would only repeat the problem
         try:
             # Hashed files were just read in full; a bare file is read here instead.
-            tensors, tensor_bytes, saved_step = _decode_everything(checkpoint, read_bytes=not files)
+            tensors, tensor_bytes, saved_step = _decode_everything(checkpoint, not files, on_bytes)
         except (CheckpointError, OSError) as e:
             problems.append(f"{checkpoint}: {e}")
         else:
@@ -83,7 +93,7 @@ def verify(path: str | os.PathLike[str]) -> Verified:
     return Verified(path, step, tensors, tensor_bytes, files)
 
 
-def _decode_everything(checkpoint: Path, read_bytes: bool) -> tuple[int, int, Any]:
+def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None) -> tuple[int, int, Any]:
     """Loads the checkpoint and forms every value (reading every byte when ``read_bytes``):
     (tensors, bytes of values, step property)."""
     state = CheckpointState.load_checkpoint(checkpoint)
@@ -97,6 +107,8 @@ def _decode_everything(checkpoint: Path, read_bytes: bool) -> tuple[int, int, An
         array = value.packed if isinstance(value, PackedInt4) else np.asarray(value)
         if read_bytes and array.dtype != object and array.size:  # an I/O error surfaces here, not in training
             np.bitwise_xor.reduce(array.reshape(-1).view(np.uint8))
+            if on_bytes is not None:
+                on_bytes(array.nbytes)
         total += array.nbytes
     for name, _ in state.properties:
         state.properties[name]

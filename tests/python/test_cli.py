@@ -154,3 +154,15 @@ def test_nominal_of_onnx_runtimes_checkpoint_holds_what_its_own_nominal_twin_hol
     ours, theirs = (_core.load(str(p)) for p in (tmp_path / "nominal.ckpt", GOLDEN / "protos_nominal.ckpt"))
     for key in ("trainable", "frozen", "nominal", "optimizer_groups", "ints", "floats", "strings"):
         assert ours[key] == theirs[key], key  # names in the same order, types, empty dims, no values
+
+
+def test_progress_bars_on_verify_diff_and_convert(capfd, ckpt, tmp_path, monkeypatch):
+    from ortckpt import progress
+
+    monkeypatch.setattr(progress, "DELAY_SECONDS", 0)  # show at once, even for a small file
+    for args, label in ((["verify", "--progress", ckpt], "verifying model.ckpt"),
+                        (["diff", "--progress", ckpt, ckpt], "comparing"),
+                        (["convert", "--progress", ckpt, tmp_path / "copy.ckpt"], "saving copy.ckpt")):  # fmt: skip
+        code, _, err = cli(capfd, *args)
+        assert code == OK and label in err, (args, err)
+    assert cli(capfd, "verify", "--no-progress", ckpt)[2] == ""
