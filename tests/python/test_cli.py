@@ -166,3 +166,29 @@ def test_progress_bars_on_verify_diff_and_convert(capfd, ckpt, tmp_path, monkeyp
         code, _, err = cli(capfd, *args)
         assert code == OK and label in err, (args, err)
     assert cli(capfd, "verify", "--no-progress", ckpt)[2] == ""
+
+
+def test_convert_from_and_to_onnx_models(capsys, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.arange(32, dtype=np.float32).reshape(4, 8)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 8])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.ones(3, np.int64), "frozen_ids")],
+    )  # fmt: skip
+    onnx.save_model(helper.make_model(graph), tmp_path / "model.onnx")
+    code, out, _ = cli(capsys, "convert", tmp_path / "model.onnx", tmp_path / "ckpt", "--frozen", "frozen_ids")
+    assert code == OK and "(onnx) ->" in out
+    state = CheckpointState.load_checkpoint(tmp_path / "ckpt")
+    assert state.parameters["w"].requires_grad and not state.parameters["frozen_ids"].requires_grad
+    state.parameters["w"] = weight * 2
+    CheckpointState.save_checkpoint(state, tmp_path / "trained")
+    code, _, _ = cli(capsys, "convert", tmp_path / "trained", tmp_path / "out.onnx", "--model", tmp_path / "model.onnx")
+    assert code == OK
+    exported = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "out.onnx").graph.initializer}
+    assert np.array_equal(exported["w"], weight * 2) and np.array_equal(exported["frozen_ids"], np.ones(3, np.int64))
+    assert cli(capsys, "diff", tmp_path / "out.onnx", tmp_path / "trained")[0] == DIFFERENT  # roles differ
+    assert cli(capsys, "diff", tmp_path / "trained", tmp_path / "trained")[0] == OK
