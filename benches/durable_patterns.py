@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from suite import make_workload  # noqa: E402
+from suite import fsync_dir, make_workload  # noqa: E402
 
 from ortckpt import CheckpointState  # noqa: E402
 
@@ -39,14 +39,6 @@ _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, 
 def sync_file_range(fd: int, offset: int, length: int, flags: int) -> None:
     if _libc.sync_file_range(fd, offset, length, flags) != 0:
         raise OSError(ctypes.get_errno(), "sync_file_range")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def batches(arrays: list[np.ndarray], piece: int = PIECE):
@@ -65,18 +57,17 @@ def batches(arrays: list[np.ndarray], piece: int = PIECE):
         yield batch, size
 
 
-def durable_file(path: Path, write, durable: bool = True) -> None:
+def durable_file(path: Path, write) -> None:
+    """A durable save's steps: temporary file, fsync, rename, fsync of the directory."""
     temp = path.with_name(f".{path.name}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         write(fd)
-        if durable:
-            os.fsync(fd)
+        os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(temp, path)
-    if durable:
-        fsync_dir(path)
+    fsync_dir(path)
 
 
 def plain_file(path: Path, write) -> None:
@@ -120,16 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--workload", default="transformer 1 bfloat16", help='"shape GiB dtype"')
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir under benches/out)")
+    parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temp dir on /tmp)")
     parser.add_argument("--plain", action="store_true", help="no fsync: plain saves, as the suite's save column")
     args = parser.parse_args()
     shape, gib, dtype = args.workload.split()
     work = make_workload(shape, float(gib), dtype)
     state = work.state()
     arrays = list(work.arrays().values())
-    out_root = Path(__file__).parent / "out"
-    out_root.mkdir(exist_ok=True)
-    directory = Path(tempfile.mkdtemp(dir=args.dir or out_root))
+    directory = Path(tempfile.mkdtemp(prefix="ortckpt-patterns-", dir=args.dir))
 
     def writev_in(piece: int):
         return lambda p: plain_file(p, pieces(arrays, wait_previous=False, writeback=False, piece=piece))

@@ -24,21 +24,15 @@ import numpy as np
 from ortckpt import CheckpointState
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from measure import median_seconds  # noqa: E402
+
 GiB = 2**30
 
 
-def median_time(fn, repeat: int = 20) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def open_figures(path: Path, first: str) -> tuple[float, float]:
-    lazy = median_time(lambda: CheckpointState.load_checkpoint(path))
-    first_access = median_time(lambda: CheckpointState.load_checkpoint(path).parameters[first].data.sum())
+    lazy = median_seconds(lambda: CheckpointState.load_checkpoint(path), runs=20)
+    first_access = median_seconds(lambda: CheckpointState.load_checkpoint(path).parameters[first].data.sum(), runs=20)
     return lazy, first_access
 
 

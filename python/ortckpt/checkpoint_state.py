@@ -146,6 +146,22 @@ def _staged_copy(staging: dict[Any, Any], key: tuple[str, ...], value: TensorVal
     return target
 
 
+def _save_core(path: str | os.PathLike[str], trainable: list, frozen: list, groups: list,
+               properties: Mapping[str, PropertyValue], **options: Any) -> None:  # fmt: skip
+    """``_core.save`` of tensors as ``_Tensor.to_core`` gives them, with the properties split
+    by type as the format stores them; ``options``: ``_core.save``'s keywords."""
+    _core.save(
+        os.fspath(path),
+        trainable,
+        frozen,
+        groups,
+        [(k, v) for k, v in properties.items() if isinstance(v, int)],
+        [(k, v) for k, v in properties.items() if isinstance(v, float)],
+        [(k, v) for k, v in properties.items() if isinstance(v, str)],
+        **options,
+    )
+
+
 def _dtype_text(value: TensorValue) -> str:
     return "packed int4" if isinstance(value, PackedInt4) else str(value.dtype)
 
@@ -404,22 +420,10 @@ class CheckpointState:
         trainable = [state._tensor(n).to_core(nominal) for n in state._tensors if n not in state._frozen]
         frozen = [state._tensor(n).to_core(nominal) for n in state._frozen]
         groups = state._groups_to_core() if include_optimizer_state else []
-        props = state._properties
         path = os.fspath(checkpoint_uri)
         with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
-            _core.save(
-                path,
-                trainable,
-                frozen,
-                groups,
-                [(k, v) for k, v in props.items() if isinstance(v, int)],
-                [(k, v) for k, v in props.items() if isinstance(v, float)],
-                [(k, v) for k, v in props.items() if isinstance(v, str)],
-                nominal=nominal,
-                external_data_threshold=external_data_threshold,
-                durable=durable,
-                progress=counter,
-            )
+            _save_core(path, trainable, frozen, groups, state._properties, nominal=nominal,
+                       external_data_threshold=external_data_threshold, durable=durable, progress=counter)  # fmt: skip
 
     @classmethod
     def from_arrays(

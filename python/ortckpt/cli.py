@@ -6,6 +6,7 @@ compare.compare, convert.convert, convert.to_nominal): parsing, printing, exit c
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -29,8 +30,6 @@ FORMAT_CHOICE = click.Choice(list(FORMATS))
 
 def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     """Errors from reading or writing checkpoints become one line on stderr and exit code 3."""
-    import functools
-
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -62,12 +61,14 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:

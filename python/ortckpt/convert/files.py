@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..checkpoint_state import CheckpointState
+from ..checkpoint_state import CheckpointState, _save_core
 from ..errors import CheckpointError
 
 # Format name -> file extensions that imply it.
@@ -47,10 +47,9 @@ def load_any(path: str | os.PathLike[str], fmt: str | None = None, *, frozen: It
     fmt = fmt or format_of(path, must_exist=True)
     frozen = list(frozen)
     if fmt == "ortckpt":
-        state = CheckpointState.load_checkpoint(path)
         if frozen:
             raise ConversionError("--frozen applies to safetensors, ONNX and torch sources, not to checkpoints")
-        return state
+        return CheckpointState.load_checkpoint(path)
     if fmt == "safetensors":
         from .safetensors_file import load_safetensors
 
@@ -124,22 +123,10 @@ def to_nominal(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_
     role and data type with empty dims and no values, as ONNX Runtime's
     ``generate_artifacts(..., nominal_checkpoint=True)`` writes it, and the properties (an app
     ships it and fills the values in later). Returns the number of parameters."""
-    from .. import _core
-
     state = load_any(src, src_format)
     roles: tuple[list, list] = ([], [])
     for name, code, requires_grad in state._signatures():  # (a nominal source has no data to read)
         roles[0 if requires_grad else 1].append((name, code, (), None))
-    props = list(state.properties)
-    _core.save(
-        os.fspath(dst),
-        roles[0],
-        roles[1],
-        [],
-        [(k, v) for k, v in props if isinstance(v, int)],
-        [(k, v) for k, v in props if isinstance(v, float)],
-        [(k, v) for k, v in props if isinstance(v, str)],
-        nominal=True,
-        keep_order=True,  # the source's order, as ONNX Runtime's TensorProto path keeps it
-    )
+    # the source's order, as ONNX Runtime's TensorProto path keeps it
+    _save_core(dst, roles[0], roles[1], [], dict(state.properties), nominal=True, keep_order=True)
     return len(roles[0]) + len(roles[1])

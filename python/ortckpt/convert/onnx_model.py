@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _core
 from .. import dtypes as _dt
-from ..checkpoint_state import CheckpointState, PackedInt4, _as_bytes
+from ..checkpoint_state import CheckpointState, PackedInt4, _as_bytes, _save_core
 from ..errors import CheckpointStateError
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ def tensor_value(proto: onnx.TensorProto, base_dir: str | os.PathLike[str] = "")
         return np.array([s.decode() for s in proto.string_data], dtype=object).reshape(dims)
     if code in (_dt.INT4, _dt.UINT4):
         if proto.HasField("raw_data"):
-            return PackedInt4(np.frombuffer(proto.raw_data, np.uint8).copy(), dims, code == _dt.INT4)
+            return PackedInt4(np.frombuffer(proto.raw_data, np.uint8), dims, code == _dt.INT4)
         return PackedInt4.pack(numpy_helper.to_array(proto))
     dtype = _dt.numpy_dtype(code)
     if proto.HasField("raw_data"):
@@ -122,18 +121,8 @@ def save_checkpoint(
                 values = _as_bytes(value)
             tensors[role].append((proto.name, proto.data_type, tuple(int(d) for d in proto.dims), values))
     external = not nominal_checkpoint and total > external_data_threshold - MiB
-    _core.save(
-        os.fspath(path_to_checkpoint),
-        tensors[0],
-        tensors[1],
-        [],
-        [],
-        [],
-        [],
-        nominal=nominal_checkpoint,
-        keep_order=True,
-        external_data_threshold=0 if external else 2**63 - 1,
-    )
+    _save_core(path_to_checkpoint, tensors[0], tensors[1], [], {}, nominal=nominal_checkpoint, keep_order=True,
+               external_data_threshold=0 if external else 2**63 - 1)  # fmt: skip
 
 
 def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike[str], model: onnx.ModelProto) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes as _dt
-from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedInt4
+from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedInt4, _as_bytes
 from ..errors import CheckpointFormatError, UnsupportedDataTypeError
 
 STRUCTURE_KEY = "__ortckpt__"
@@ -108,7 +108,8 @@ def save_safetensors(state: CheckpointState, path: str | os.PathLike[str], *, in
 
 
 def write_file(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """A safetensors file of ``tensors`` (C-contiguous little-endian arrays) and ``metadata``."""
+    """A safetensors file of ``tensors`` (any layout and byte order: each goes out as
+    ``_as_bytes`` gives it, a view when it already is contiguous little-endian) and ``metadata``."""
     # Widest items first, then by name (as the safetensors package orders them): every
     # tensor then starts at a multiple of its item size, so loaded views are aligned.
     order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
@@ -132,7 +133,7 @@ def write_file(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], met
             f.write(text)
             for name in order:
                 if tensors[name].nbytes:
-                    f.write(memoryview(tensors[name].reshape(-1).view(np.uint8)))
+                    f.write(memoryview(_as_bytes(tensors[name])))
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
@@ -145,10 +146,7 @@ def _array_for(name: str, value: Any) -> np.ndarray:
     code = _dt.code_of(array)
     if code not in DTYPE_NAMES:
         raise UnsupportedDataTypeError(f"tensor {name}: safetensors has no type for ONNX {_dt.name_of(code)}")
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    # (np.ascontiguousarray would turn a 0-d array into a 1-d one)
-    return array if array.flags.c_contiguous else array.copy(order="C")
+    return array
 
 
 def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:

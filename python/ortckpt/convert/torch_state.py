@@ -121,7 +121,7 @@ def _groups_from_torch(optimizer: Any, names: dict[int, str]) -> dict[str, Optim
                     step = max(step, int(value))
                 elif key in MOMENTUM_NAMES:
                     momentums.setdefault(names[id(param)], {})[MOMENTUM_NAMES[key]] = to_numpy(value)
-                elif key != "max_exp_avg_sq" or value is not None:
+                else:
                     raise CheckpointStateError(
                         f"optimizer state {key!r} of {names[id(param)]} has no ONNX Runtime counterpart "
                         "(Adam/AdamW without amsgrad and SGD are supported)"
@@ -145,6 +145,7 @@ def to_torch(state: CheckpointState, model: Any = None, optimizer: Any = None) -
     names = _param_names(model)
     template = optimizer.state_dict()
     out_state: dict[int, dict[str, Any]] = {}
+    kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
     for i, (group, saved) in enumerate(zip(optimizer.param_groups, template["param_groups"])):
         ort_group = state.optimizer_groups.get(f"group{i}")
         if ort_group is None:
@@ -153,7 +154,6 @@ def to_torch(state: CheckpointState, model: Any = None, optimizer: Any = None) -
         # rounds to the same float32, so that training continues bit for bit.
         if np.float32(saved["lr"]) != np.float32(ort_group.initial_learning_rate):
             saved["lr"] = ort_group.initial_learning_rate
-        kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
         for param, index in zip(group["params"], saved["params"]):
             momentums = ort_group.momentums.get(names.get(id(param), ""))
             if not momentums:
