@@ -12,6 +12,7 @@ import numpy as np
 from . import metadata as _metadata
 from . import progress as _progress
 from .checkpoint_state import CheckpointState
+from .distributed.layout import INDEX_NAME
 from .dtypes import PackedInt4
 from .errors import CheckpointError, CheckpointIntegrityError
 
@@ -35,7 +36,8 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False) -> Verified:
     checkpoint decodes and every parameter, momentum and property can be read in full.
 
     ``path`` is a step directory or a checkpoint file (then only decoding is checked: a bare
-    file carries no hashes). Raises :class:`~ortckpt.CheckpointIntegrityError` listing every
+    file carries no hashes). A sharded step directory (:mod:`ortckpt.distributed`) has every
+    shard its index names checked alike, and their sizes against the index. Raises :class:`~ortckpt.CheckpointIntegrityError` listing every
     problem found, each naming its file. ``progress``: a bar (tqdm) over the bytes read.
     """
     path = Path(path)
@@ -51,12 +53,18 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
     problems: list[str] = []
     files: dict[str, str] = {}
     step = None
+    checkpoints = [path]
     if path.is_dir():
-        directory, checkpoint = path, path / CHECKPOINT_NAME
+        directory, checkpoints = path, [path / CHECKPOINT_NAME]
+        sharded = (directory / INDEX_NAME).is_file()
+        if sharded:
+            checkpoints, problems = _shards_of(directory)
         try:
             meta = _metadata.read(directory)
         except FileNotFoundError:
-            raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: missing"]) from None
+            if not sharded:  # a manager's directory always has metadata; save_sharded's need not
+                raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: missing"]) from None
+            meta = {}
         except (ValueError, OSError) as e:
             raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: unreadable ({e})"]) from None
         step = meta.get("step")
@@ -74,23 +82,45 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
                 problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
                 continue
             files[name] = digest
-        if CHECKPOINT_NAME not in meta.get("files", {}):
-            problems.append(f"{directory / _metadata.METADATA_NAME}: lists no {CHECKPOINT_NAME} file")
-    else:
-        checkpoint = path
+        listed = meta.get("files", {})
+        for checkpoint in checkpoints:
+            if meta and checkpoint.name not in listed:
+                problems.append(f"{directory / _metadata.METADATA_NAME}: lists no {checkpoint.name} file")
     tensors = tensor_bytes = 0
-    if not problems:  # decoding a file that failed its hash would only repeat the problem
+    for checkpoint in checkpoints if not problems else ():  # decoding a file that failed its hash only repeats it
         try:
             # Hashed files were just read in full; a bare file is read here instead.
-            tensors, tensor_bytes, saved_step = _decode_everything(checkpoint, not files, on_bytes)
+            count, nbytes, saved_step = _decode_everything(checkpoint, checkpoint.name not in files, on_bytes)
         except (CheckpointError, OSError) as e:
             problems.append(f"{checkpoint}: {e}")
-        else:
-            if step is not None and saved_step is not None and saved_step != step:
-                problems.append(f"{checkpoint}: property step={saved_step}, metadata says step={step}")
+            continue
+        tensors, tensor_bytes = tensors + count, tensor_bytes + nbytes
+        if step is not None and saved_step is not None and saved_step != step:
+            problems.append(f"{checkpoint}: property step={saved_step}, metadata says step={step}")
     if problems:
         raise CheckpointIntegrityError(path, problems)
     return Verified(path, step, tensors, tensor_bytes, files)
+
+
+def _shards_of(directory: Path) -> tuple[list[Path], list[str]]:
+    """The shard files a sharded step's index names, and any whose size differs from it."""
+    from .distributed.sharded import read_committed
+
+    problems = []
+    try:
+        _, index = read_committed(directory, None)
+    except (CheckpointError, OSError) as e:
+        return [], [f"{directory / INDEX_NAME}: {e}"]
+    shards = []
+    for shard in index["shards"]:
+        shards.append(directory / shard["file"])
+        for name, size in shard["files"].items():
+            file = directory / name
+            if not file.is_file():
+                problems.append(f"{file}: missing")
+            elif file.stat().st_size != size:
+                problems.append(f"{file}: {file.stat().st_size} bytes, {INDEX_NAME} says {size}")
+    return shards, problems
 
 
 def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None) -> tuple[int, int, Any]:

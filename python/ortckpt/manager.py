@@ -16,6 +16,11 @@ Layout of ``directory``: one directory per step, ``step_00000100/`` holding
 beside it when large) and ``metadata.json``. A step directory is written under a hidden
 temporary name and renamed into place only once complete (and fsynced, when durable), so
 a reader never sees half a checkpoint; leftovers of a crash are removed on start.
+
+With ``comm`` (an mpi4py communicator or a torch.distributed group), every rank of a
+distributed job calls the same methods together and each saves only its part of the state:
+the step directory then holds one shard per rank and an ``index.json`` (see
+:mod:`ortckpt.distributed`) instead of ``checkpoint``; rank 0 commits, keeps and deletes.
 """
 
 from __future__ import annotations
@@ -78,7 +83,19 @@ class CheckpointInfo:
         """What :func:`ortckpt.capture_rng_state` captured at save, if given."""
         return self.metadata.get("rng_state")
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this is a sharded checkpoint (one shard per rank and an index)."""
+        from .distributed import INDEX_NAME
+
+        return (self.directory / INDEX_NAME).is_file()
+
     def load(self) -> CheckpointState:
+        """The whole state, in this process (a sharded checkpoint's pieces assembled)."""
+        if self.sharded:
+            from .distributed import SingleProcess, load_sharded
+
+            return load_sharded(self.directory, comm=SingleProcess())[0]
         return CheckpointState.load_checkpoint(self.path)
 
 
@@ -110,6 +127,11 @@ class CheckpointManager:
             that take more than half a second.
         external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
             bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
+        comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
+            torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
+            Every rank creates the manager and calls save, restore and wait together; each
+            saves the part of the state it holds (:meth:`save`'s ``slices`` say which part of a
+            split parameter). Not with ``async_save`` or ``verify_after_save``.
     """
 
     def __init__(
@@ -127,7 +149,10 @@ class CheckpointManager:
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
         external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        comm: Any = None,
     ) -> None:
+        if comm is not None and (async_save or verify_after_save):
+            raise ValueError("async_save and verify_after_save are not available for sharded saves (comm=)")
         if isinstance(save_every, int) and save_every < 1:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
         if verify_after_save not in (False, True, "process"):
@@ -148,11 +173,26 @@ class CheckpointManager:
         # (free again once the previous save is done: save() waits for it first).
         self._staging: dict[Any, Any] = {}
         self._last_save = time.monotonic()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers()
+        self.comm = None
+        if comm is not None:
+            from .distributed import communicator
+
+            self.comm = communicator(comm)
+        if self._is_root:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
+        if self.comm is not None:
+            self.comm.barrier()  # the directory exists and is tidy before any rank looks
         self._checkpoints: dict[int, CheckpointInfo] = self._scan()
         latest = self.latest()
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
+        if self.comm is not None:
+            self.run_id = self.comm.broadcast(self.run_id)  # one id for the run, rank 0's
+
+    @property
+    def _is_root(self) -> bool:
+        """Whether this process creates, commits and deletes checkpoints (rank 0, or the only one)."""
+        return self.comm is None or self.comm.rank == 0
 
     # --- what is there -----------------------------------------------------------------
 
@@ -233,6 +273,7 @@ class CheckpointManager:
         dataset_fingerprint: str | None = None,
         rng_state: Mapping[str, Any] | None = None,
         include_optimizer_state: bool = True,
+        slices: Mapping[str, Any] | None = None,
     ) -> None:
         """Saves ``state`` as the checkpoint of ``step``.
 
@@ -240,6 +281,8 @@ class CheckpointManager:
         ONNX Runtime sees them. ``metrics`` rank checkpoints for ``keep_best``; ``metadata``
         is any JSON-able data of yours; ``rng_state`` comes from :func:`ortckpt.capture_rng_state`.
         With ``async_save``, returns once the state is copied; otherwise once it is committed.
+        With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
+        :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
@@ -266,6 +309,11 @@ class CheckpointManager:
         snapshot = state._snapshot(staging=self._staging if self.async_save else None,
                                    include_optimizer_state=include_optimizer_state, properties=properties)  # fmt: skip
         self._last_save = time.monotonic()
+        if self.comm is not None:
+            self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
+            return
+        if slices is not None:
+            raise ValueError("slices are for sharded saves: create the manager with comm=")
         if not self.async_save:
             self._write_and_commit(snapshot, step, meta, include_optimizer_state)
             return
@@ -302,6 +350,41 @@ class CheckpointManager:
             self._checkpoints[step] = CheckpointInfo(step, final, meta)
         self._apply_retention()
 
+    def _save_sharded(self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool,
+                      slices: Mapping[str, Any] | None) -> None:  # fmt: skip
+        """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
+        index and metadata and renames it into place once all have succeeded."""
+        from .distributed.sharded import write_shards
+
+        assert self.comm is not None
+        name = step_directory_name(step)
+        final = self.directory / name
+
+        def prepare() -> Path:
+            temp = self.directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            temp.mkdir()
+            return temp
+
+        def commit(temp: Path, index: dict[str, Any]) -> None:
+            from .distributed.sharded import INDEX_NAME, write_json_atomically
+
+            write_json_atomically(temp / INDEX_NAME, index, self.durable)
+            files = sorted(p.name for p in temp.iterdir())
+            meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)
+            _metadata.write(temp, meta, self.durable)
+            if self.durable:
+                _fsync_directory(temp)
+            os.rename(temp, final)
+            if self.durable:
+                _fsync_directory(self.directory)
+
+        write_shards(self.comm, state, slices, prepare=prepare, commit=commit, step=step,
+                     include_optimizer_state=include_optimizer_state, durable=self.durable,
+                     external_data_threshold=self.external_data_threshold)  # fmt: skip
+        with self._lock:
+            self._checkpoints[step] = CheckpointInfo(step, final, _metadata.read(final))
+        self._apply_retention()
+
     def _apply_retention(self) -> None:
         with self._lock:
             keep = self.policy.steps_to_keep([(c.step, c.metrics) for c in self._checkpoints.values()])
@@ -316,6 +399,8 @@ class CheckpointManager:
             info = self._checkpoints.pop(step, None)
         if info is None:
             raise KeyError(f"{self.directory}: no checkpoint of step {step}")
+        if not self._is_root:
+            return  # rank 0 deletes; the other ranks only forget it
         doomed = self.directory / f".{info.directory.name}.deleting-{uuid.uuid4().hex[:12]}"
         os.rename(info.directory, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -345,7 +430,22 @@ class CheckpointManager:
     # --- restoring -----------------------------------------------------------------------
 
     def restore(self, step: int | None = None) -> CheckpointState:
-        """Loads the checkpoint of ``step`` (default: the latest)."""
+        """Loads the checkpoint of ``step`` (default: the latest). With ``comm``, this rank's
+        part: see :meth:`restore_sharded`."""
+        if self.comm is not None:
+            return self.restore_sharded(step)[0]
+        return self._info(step).load()
+
+    def restore_sharded(self, step: int | None = None, *, slices: Mapping[str, Any] | None = None
+                        ) -> tuple[CheckpointState, dict[str, Any]]:  # fmt: skip
+        """This rank's part of the checkpoint of ``step`` (default: the latest) and the
+        :class:`ortckpt.distributed.Slice` of each parameter it holds, as
+        :func:`ortckpt.distributed.load_sharded` gives them (resharding to this world size)."""
+        from .distributed import load_sharded
+
+        return load_sharded(self._info(step).directory, comm=self.comm, slices=slices)
+
+    def _info(self, step: int | None) -> CheckpointInfo:
         self.wait()
         with self._lock:
             if step is None:
@@ -355,7 +455,7 @@ class CheckpointManager:
             info = self._checkpoints.get(step)
         if info is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
-        return info.load()
+        return info
 
     def verify(self, step: int | None = None) -> Verified:
         """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest)."""

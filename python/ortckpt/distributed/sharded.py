@@ -1,0 +1,488 @@
+"""Sharded checkpoints: every rank writes its own part in parallel; rank 0 commits with an index.
+
+Layout of one step, ``<directory>/step_00000100/``::
+
+    shard-00000-of-00004        rank 0's tensors: an ordinary ONNX Runtime checkpoint
+    shard-00000-of-00004.data   (beside it when past the external data threshold)
+    shard-00001-of-00004 ...
+    index.json                  which piece of which tensor is in which shard; written last
+
+A save runs in three collective steps: every rank describes what it holds and rank 0 checks
+and plans it (nobody has written anything yet, so a bad state fails everywhere, cleanly);
+every rank writes its shard; rank 0 gathers the outcomes and, only if every rank succeeded,
+writes the index atomically (temporary file, fsync, rename). A step directory without an
+index is not a checkpoint: a crash of any rank at any point leaves the previous step as the
+latest, and the next save of the same step clears what was left.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import _core
+from ..checkpoint_state import CheckpointState, OptimizerGroup
+from ..dtypes import PackedInt4
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
+from .comm import Communicator, communicator
+from .layout import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    Held,
+    RankDescription,
+    Slice,
+    TensorEntry,
+    default_layout,
+    plan,
+    shard_file_name,
+    tensor_entries,
+)
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class ShardedCheckpointError(CheckpointError):
+    """A collective save or load failed on one or more ranks; raised on every rank alike.
+    ``failures`` maps each failed rank to its error. A failed save commits nothing."""
+
+    def __init__(self, what: str, failures: Mapping[int, str]) -> None:
+        self.failures = dict(failures)
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on {len(self.failures)} rank(s):\n{lines}")
+
+
+def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"step_{step:08d}"
+
+
+def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """Steps of ``directory`` whose sharded checkpoint is complete (its index written), oldest first."""
+    found = []
+    for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and (entry / INDEX_NAME).is_file():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest committed step of ``directory``, or None: where a restarted job resumes."""
+    steps = committed_steps(directory)
+    return steps[-1] if steps else None
+
+
+# --- saving --------------------------------------------------------------------------------------
+
+
+def save_sharded(
+    state_shard: CheckpointState,
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    comm: Any = None,
+    slices: Mapping[str, Slice] | None = None,
+    include_optimizer_state: bool = True,
+    durable: bool = True,
+    external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+) -> Path:
+    """Saves this rank's part of the training state as step ``step`` of ``directory``; every
+    rank of ``comm`` calls it together. Returns the step's directory once committed.
+
+    Args:
+        state_shard: The parameters (and momentums) this rank holds. A parameter that another
+            rank holds too (a replicated one) is written once, by the lowest rank.
+        directory: Shared by all ranks (a shared or parallel filesystem across machines).
+        step: The training step; the checkpoint goes to ``directory/step_<step>/``.
+        comm: An mpi4py communicator, a torch.distributed process group, a
+            :class:`Communicator`, or None for whichever engine is running (a single process
+            if none).
+        slices: For a parameter split across ranks, which part of it this rank's array is
+            (see :meth:`Slice.split`); its momentums are split alike. Others are whole.
+        include_optimizer_state: Save the optimizer groups and momentums.
+        durable: fsync every shard, the index and the directories before the save counts.
+        external_data_threshold: Per shard, as in :meth:`CheckpointState.save_checkpoint`.
+    """
+    comm = communicator(comm)
+    target = step_directory(directory, step)
+
+    def prepare() -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        if (target / INDEX_NAME).exists():
+            raise CheckpointExistsError(f"{target}: a sharded checkpoint of step {step} exists")
+        if target.exists():  # what a save of this step that never committed left behind
+            shutil.rmtree(target)
+        target.mkdir()
+        return target
+
+    def commit(where: Path, index: dict[str, Any]) -> None:
+        write_json_atomically(where / INDEX_NAME, index, durable)
+        if durable:
+            fsync_directory(Path(directory))
+
+    return write_shards(comm, state_shard, slices, prepare=prepare, commit=commit, step=step,
+                        include_optimizer_state=include_optimizer_state, durable=durable,
+                        external_data_threshold=external_data_threshold)  # fmt: skip
+
+
+def write_shards(
+    comm: Communicator,
+    state: CheckpointState,
+    slices: Mapping[str, Slice] | None,
+    *,
+    prepare: Callable[[], Path],
+    commit: Callable[[Path, dict[str, Any]], None],
+    step: int,
+    include_optimizer_state: bool,
+    durable: bool,
+    external_data_threshold: int,
+    abandon: Callable[[Path], None] = lambda where: shutil.rmtree(where, ignore_errors=True),
+) -> Path:
+    """The collective save: describe and plan, write, commit. ``prepare`` (rank 0) makes the
+    directory the shards go to; ``commit`` (rank 0) makes them a checkpoint once all are written;
+    ``abandon`` (rank 0) removes them when some rank failed."""
+    rank, world = comm.rank, comm.world_size
+    failure: BaseException | None = None  # this rank's own error, chained to what it raises
+    description: RankDescription | None = None
+    try:
+        description = describe(state, slices, rank, include_optimizer_state)
+    except Exception as e:  # reported to rank 0 and raised on every rank together: no rank is left waiting
+        failure = e
+    descriptions = comm.gather((description, None if failure is None else _one_line(failure)))
+
+    decision: Any = None
+    if rank == 0:
+        assert descriptions is not None
+        failures = {r: err for r, (_, err) in enumerate(descriptions) if err}
+        if failures:
+            decision = ("stop", "sharded save (checking the state)", failures)
+        else:
+            try:
+                writes, tables = plan([d for d, _ in descriptions])
+                decision = ("write", str(prepare()), writes)
+            except Exception as e:
+                failure = e
+                decision = ("stop", "sharded save (planning)", {0: _one_line(e)})
+    decision = comm.broadcast(decision)
+    if decision[0] == "stop":
+        raise ShardedCheckpointError(decision[1], decision[2]) from failure
+
+    where, writes = Path(decision[1]), decision[2]
+    outcome: tuple[str, Any]
+    try:
+        files = _write_own_shard(state, where, writes[rank], rank, world, include_optimizer_state, durable,
+                                 external_data_threshold)  # fmt: skip
+        outcome = ("ok", files)
+    except Exception as e:
+        failure = e
+        outcome = ("error", _one_line(e))
+    outcomes = comm.gather(outcome)
+
+    verdict: dict[int, str] | None = None
+    if rank == 0:
+        assert outcomes is not None and descriptions is not None
+        verdict = {r: msg for r, (kind, msg) in enumerate(outcomes) if kind == "error"}
+        if not verdict:
+            shards = [{"rank": r, "file": shard_file_name(r, world), "files": files}
+                      for r, (_, files) in enumerate(outcomes) if files]  # fmt: skip
+            index = {
+                "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "world_size": world,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "shards": shards, **tables, "properties": dict(descriptions[0][0].properties),
+            }  # fmt: skip
+            try:
+                commit(where, index)
+            except Exception as e:
+                failure = e
+                verdict = {0: f"committing: {_one_line(e)}"}
+        if verdict:
+            abandon(where)
+    verdict = comm.broadcast(verdict)
+    if verdict:
+        raise ShardedCheckpointError("sharded save", verdict) from failure
+    return where
+
+
+def describe(state: CheckpointState, slices: Mapping[str, Slice] | None, rank: int,
+             include_optimizer_state: bool) -> RankDescription:  # fmt: skip
+    """What this rank holds, checked against itself: every slice names a tensor of the state and
+    matches its array's shape; every momentum belongs to a held parameter and has its shape."""
+    if not isinstance(state, CheckpointState):
+        raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
+    if state.is_nominal:
+        raise CheckpointStateError("a nominal state (no values) cannot be saved sharded")
+    slices = dict(slices or {})
+    unknown = sorted(set(slices) - set(state._tensors))
+    if unknown:
+        raise CheckpointStateError(f"slices name tensors this rank does not hold: {', '.join(unknown)}")
+    groups = state.optimizer_groups if include_optimizer_state else {}
+    momentums: dict[str, list[tuple[str, str]]] = {}
+    for group_name, group in groups.items():
+        for param, moms in group.momentums.items():
+            if param not in state._tensors:
+                raise CheckpointStateError(f"optimizer group {group_name}: momentums of {param}, "
+                                           "a parameter this rank does not hold")  # fmt: skip
+            dims = state._tensor(param).dims
+            for m, value in moms.items():
+                if value is None or tuple(np.shape(value)) != tuple(dims):
+                    raise CheckpointStateError(f"optimizer group {group_name}: {param}/{m} has shape "
+                                               f"{None if value is None else np.shape(value)}, its parameter "
+                                               f"{tuple(dims)}")  # fmt: skip
+                momentums.setdefault(param, []).append((group_name, m))
+    held = []
+    for name in sorted(state._tensors):
+        tensor = state._tensor(name)
+        part = slices.get(name)
+        if part is None:
+            part = Slice.whole(tensor.dims)
+        elif not isinstance(part, Slice):
+            raise TypeError(f"slices[{name!r}]: expected an ortckpt.distributed.Slice, got {type(part).__name__}")
+        elif part.shape != tuple(tensor.dims):
+            raise CheckpointStateError(f"{name}: the slice is {part.shape} but this rank's array is {tuple(tensor.dims)}")
+        held.append(Held(name, tensor.code, name not in state._frozen, part, tuple(sorted(momentums.get(name, [])))))
+    return RankDescription(
+        rank=rank,
+        tensors=tuple(held),
+        groups=tuple((n, int(g.step), float(g.initial_learning_rate)) for n, g in sorted(groups.items())),
+        properties=tuple(state.properties),
+    )
+
+
+def _write_own_shard(state: CheckpointState, where: Path, names: list[str], rank: int, world: int,
+                     include_optimizer_state: bool, durable: bool, threshold: int) -> dict[str, int]:  # fmt: skip
+    """Writes the tensors the plan gave this rank; returns {file name: size}, empty if none."""
+    if not names:
+        return {}
+    wanted = set(names)
+    values = {name: state._tensor(name).value() for name in names}
+    shard = CheckpointState.from_arrays({n: v for n, v in values.items() if n not in state._frozen},
+                                        {n: v for n, v in values.items() if n in state._frozen},
+                                        dict(state.properties))  # fmt: skip
+    if include_optimizer_state:
+        shard.optimizer_groups = {
+            group_name: OptimizerGroup(group.step, group.initial_learning_rate,
+                                       {p: m for p, m in group.momentums.items() if p in wanted})
+            for group_name, group in state.optimizer_groups.items()
+        }  # fmt: skip
+    path = where / shard_file_name(rank, world)
+    CheckpointState.save_checkpoint(shard, path, include_optimizer_state,
+                                    external_data_threshold=threshold, durable=durable)  # fmt: skip
+    return {p.name: p.stat().st_size for p in sorted(where.glob(path.name + "*"))}
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load_sharded(
+    directory: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    comm: Any = None,
+    slices: Mapping[str, Slice | None] | None = None,
+    include_optimizer_state: bool = True,
+) -> tuple[CheckpointState, dict[str, Slice]]:
+    """Loads this rank's part of a sharded checkpoint; every rank of ``comm`` calls it together.
+
+    Returns the state (parameters, momentums, groups, properties) and, for each parameter,
+    the :class:`Slice` of it that the state holds: what :func:`save_sharded` takes back.
+
+    Args:
+        directory: The directory given to :func:`save_sharded`, or one step's directory.
+        step: Which step (default: the latest committed).
+        slices: What this rank loads: tensor name -> its :class:`Slice`, or None for the whole
+            tensor; tensors not named are not loaded. By default, on the world size it was
+            saved with, each rank gets what it saved; on another, tensors split along one
+            dimension are split again evenly along it, tensors every rank held go to every
+            rank, other whole tensors to rank (saving rank mod world size).
+        include_optimizer_state: Load the momentums of the parameters loaded.
+
+    Only the shards holding the wanted pieces are opened; a piece loaded exactly as it was
+    saved is a view over its memory-mapped shard (no copy), others are assembled.
+    """
+    comm = communicator(comm)
+    found: tuple[Any, ...]
+    if comm.rank == 0:
+        try:
+            found = ("ok", *read_committed(directory, step))
+        except Exception as e:
+            found, failure = ("error", _one_line(e)), e
+    found = comm.broadcast(found if comm.rank == 0 else None)
+    if found[0] == "error":
+        if comm.rank == 0:
+            raise failure
+        raise ShardedCheckpointError("sharded load (reading the index)", {0: found[1]})
+    where, index = Path(found[1]), found[2]
+    entries = tensor_entries(index)
+    if slices is None:
+        layout = default_layout(entries.values(), index["world_size"], comm.rank, comm.world_size)
+    else:
+        layout = _requested_layout(where, entries, slices)
+    return assemble(where, index, entries, layout, include_optimizer_state), layout
+
+
+def merge(
+    directory: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    include_optimizer_state: bool = True,
+    external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    durable: bool = False,
+) -> Path:
+    """Writes one ordinary checkpoint, which ONNX Runtime loads, of a sharded one (one process).
+
+    Split tensors are assembled in memory (the largest assembled at once is the sum of the
+    split tensors); whole ones go from their shard's mapping to the new file without a copy.
+    """
+    where, index = read_committed(directory, step)
+    entries = tensor_entries(index)
+    layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
+    state = assemble(where, index, entries, layout, include_optimizer_state)
+    CheckpointState.save_checkpoint(state, out, include_optimizer_state,
+                                    external_data_threshold=external_data_threshold, durable=durable)  # fmt: skip
+    return Path(out)
+
+
+def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple[str, dict[str, Any]]:
+    """(step directory, its index) of a committed sharded checkpoint."""
+    directory = Path(directory)
+    if (directory / INDEX_NAME).is_file():
+        where = directory
+    else:
+        if step is None:
+            step = latest_step(directory)
+            if step is None:
+                raise FileNotFoundError(f"{directory}: no committed sharded checkpoint")
+        where = step_directory(directory, step)
+        if not (where / INDEX_NAME).is_file():
+            raise FileNotFoundError(f"{where}: no committed sharded checkpoint of step {step} "
+                                    f"(no {INDEX_NAME}: never saved, or its save did not finish)")  # fmt: skip
+    path = where / INDEX_NAME
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except ValueError as e:
+        raise CheckpointFormatError(f"{path}: not a sharded checkpoint index: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError(f"{path}: not a sharded checkpoint index (no format {FORMAT_NAME!r})")
+    if index.get("version") != FORMAT_VERSION:
+        raise CheckpointFormatError(f"{path}: sharded checkpoint version {index.get('version')}; "
+                                    f"this ortckpt reads version {FORMAT_VERSION}")  # fmt: skip
+    return str(where), index
+
+
+def _requested_layout(where: Path, entries: Mapping[str, TensorEntry],
+                      slices: Mapping[str, Slice | None]) -> dict[str, Slice]:  # fmt: skip
+    layout = {}
+    for name, part in slices.items():
+        entry = entries.get(name)
+        if entry is None:
+            raise KeyError(f"{where}: no tensor {name} in this checkpoint")
+        part = Slice.whole(entry.shape) if part is None else part
+        if part.global_shape != entry.shape:
+            raise CheckpointStateError(f"{where}: {name} has shape {entry.shape}, the slice asked for is "
+                                       f"of {part.global_shape}")  # fmt: skip
+        layout[name] = part
+    return layout
+
+
+def assemble(where: str | os.PathLike[str], index: Mapping[str, Any], entries: Mapping[str, TensorEntry],
+             layout: Mapping[str, Slice], include_optimizer_state: bool) -> CheckpointState:  # fmt: skip
+    """A state of the pieces ``layout`` asks for, read from the shards that hold them."""
+    where = Path(where)
+    files = {s["rank"]: where / s["file"] for s in index["shards"]}
+    opened: dict[int, CheckpointState] = {}
+
+    def shard(rank: int) -> CheckpointState:
+        if rank not in opened:
+            if rank not in files:
+                raise CheckpointFormatError(f"{where / INDEX_NAME}: names no shard of rank {rank}")
+            opened[rank] = CheckpointState.load_checkpoint(files[rank])
+        return opened[rank]
+
+    def tensor(rank: int, name: str) -> Any:
+        try:
+            return shard(rank)._tensor(name).value()
+        except KeyError:
+            raise CheckpointFormatError(f"{files[rank]}: has no tensor {name}, which the index places there") from None
+
+    def momentum(rank: int, name: str, group: str, m: str) -> Any:
+        try:
+            return shard(rank).optimizer_groups[group].momentums[name][m]
+        except KeyError:
+            raise CheckpointFormatError(f"{files[rank]}: has no momentum {group}/{name}/{m}, which the index "
+                                        "places there") from None  # fmt: skip
+
+    trainable, frozen = {}, {}
+    groups = {name: OptimizerGroup(g["step"], g["initial_learning_rate"], {})
+              for name, g in index.get("optimizer_groups", {}).items()} if include_optimizer_state else {}  # fmt: skip
+    for name, want in layout.items():
+        entry = entries[name]
+        (trainable if entry.trainable else frozen)[name] = _region(entry, want, lambda r: tensor(r, name))
+        if include_optimizer_state:
+            for group, m in entry.momentums:
+                groups[group].momentums.setdefault(name, {})[m] = _region(
+                    entry, want, lambda r, g=group, m=m: momentum(r, name, g, m))  # fmt: skip
+    state = CheckpointState.from_arrays(trainable, frozen, index.get("properties", {}))
+    state.optimizer_groups = groups
+    return state
+
+
+def _region(entry: TensorEntry, want: Slice, read: Callable[[int], Any]) -> Any:
+    """The ``want`` part of a tensor, from the saved pieces it overlaps: the piece's own mapped
+    array when it is exactly that piece, else a new array filled from each overlap."""
+    for piece in entry.pieces:
+        if piece.slice == want:
+            return read(piece.shard)
+    out = None
+    filled = 0
+    for piece in entry.pieces:
+        overlap = piece.slice.intersection(want)
+        if overlap is None:
+            continue
+        source = read(piece.shard)
+        if isinstance(source, PackedInt4):
+            raise CheckpointStateError(f"{entry.name}: int4 tensors load only as the pieces they were saved in")
+        if out is None:
+            out = np.empty(want.shape, dtype=source.dtype)
+        out[overlap.within(want)] = source[overlap.within(piece.slice)]
+        filled += overlap.size
+    if out is None or filled != want.size:
+        raise CheckpointFormatError(f"{entry.name}: the saved pieces cover {filled} of the {want.size} elements asked for")
+    return out
+
+
+# --- small helpers -------------------------------------------------------------------------------
+
+
+def write_json_atomically(path: Path, value: Mapping[str, Any], durable: bool) -> None:
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temp, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.write("\n")
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(temp, path)
+    if durable:
+        fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip().replace("\n", " | ")
