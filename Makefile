@@ -110,12 +110,13 @@ corpus:
 	ORTCKPT_WRITE_CORPUS=1 cargo test --quiet --test malformed_corpus the_committed_corpus
 
 # The benchmark suite (not part of `make test`): writes benches/out/results.{md,json}, throughput.png
-# and scale.md, then runs the writer-strategy measurement.
+# scale.md, async_save.md and sharded.md, then runs the writer-strategy measurement.
 # BENCH_ARGS narrows it, e.g. make bench BENCH_ARGS="--sizes 1 --rounds 3".
 bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(VENV)/.bench-ok
 	$(PY) benches/suite.py --torch-python $(TORCH_PY) $(BENCH_ARGS)
 	$(PY) benches/scale.py
 	$(PY) benches/async_save.py
+	$(PY) benches/sharded_scaling.py
 	cargo bench --quiet --bench writers
 
 $(TORCH_VENV)/.ok:

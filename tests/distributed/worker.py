@@ -37,7 +37,7 @@ def connect(engine: str):
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    return None  # ortckpt finds the initialised default group itself
+    return dist.group.WORLD
 
 
 def kill_while_writing(rank: int) -> None:
@@ -76,7 +76,8 @@ def main(engine: str, mode: str, directory: str, step: int, saved_world: int) ->
         state, slices = rank_state(step, rank, world, extra_frozen=extra)
         if dying:
             kill_while_writing(rank)
-        save_sharded(state, directory, step=step, comm=comm, slices=slices)
+        # comm=None: ortckpt finds the engine running (mpirun's environment, torch's default group).
+        save_sharded(state, directory, step=step, comm=None, slices=slices)
     elif mode == "load":
         problems = check_part(*load_sharded(directory, comm=comm), step, saved_world)
         problems += resharded_as_expected(directory, comm, rank, world)

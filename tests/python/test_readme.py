@@ -16,8 +16,8 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 6, "import line, quick start, building example, CheckpointManager, ONNX, safetensors"
-    _import_line, quick_start, building, _manager, _onnx, _safetensors = blocks
+    assert len(blocks) == 7, "import line, quick start, building, CheckpointManager, sharded, ONNX, safetensors"
+    _import_line, quick_start, building, _manager, _sharded, _onnx, _safetensors = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(building, "README building example", "exec"), namespace)
@@ -65,3 +65,31 @@ def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
     state = CheckpointState.load_checkpoint(tmp_path / "from_safetensors.ckpt")
     assert not state.parameters["fc.bias"].requires_grad
     assert np.array_equal(state.parameters["fc.weight"].data, np.full((4, 8), 0.5, np.float32))
+
+
+def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_size(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from ortckpt import CheckpointState
+    from ortckpt.distributed import Slice, committed_steps
+
+    (example,) = [b for b in python_blocks() if "save_sharded(" in b]
+    (tmp_path / "train.py").write_text(example)
+    mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for ranks in (2, 3):  # a fresh run on 2 ranks, then a restart on 3
+        done = subprocess.run([mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "train.py"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert committed_steps(tmp_path / "sharded") == [100, 200]
+    merged = CheckpointState.load_checkpoint(tmp_path / "model.ckpt")
+    embedding = merged.parameters["embedding"].data
+    for rank in range(2):  # the values the 2 ranks of the first run held, wherever they went since
+        assert (embedding[Slice.split((1000, 64), rank, 2).index] == rank).all()
+    assert merged.optimizer_groups["group0"].step == 200
+    assert merged.optimizer_groups["group0"].momentums["embedding"]["momentum1"].shape == (1000, 64)
