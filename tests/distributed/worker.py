@@ -94,6 +94,10 @@ def main(engine: str, mode: str, directory: str, step: int, saved_world: int) ->
             if manager.all_steps() != [2 * step]:
                 problems.append(f"steps kept: {manager.all_steps()}")
     print(json.dumps({"rank": rank, "world": world, "problems": problems}), flush=True)
+    if engine == "torch":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # else gloo's threads may abort the process at exit
 
 
 def resharded_as_expected(directory: str, comm, rank: int, world: int) -> list[str]:
