@@ -46,15 +46,11 @@ from .checkpoint_state import CheckpointState
 from .errors import CheckpointExistsError, CheckpointIntegrityError
 from .integrity import CHECKPOINT_NAME, Verified, verify
 from .retention import RetentionPolicy
+from .steps import STEP_DIR, fsync_directory, step_directory_name
 
-_STEP_DIR = re.compile(r"step_(\d+)")
 # Hidden work directories: a save in progress, and a checkpoint being deleted.
 _TEMP_DIR = re.compile(r"\.step_(\d+)\.tmp-(\d+)-[0-9a-f]+")
 _DELETING_DIR = re.compile(r"\.step_(\d+)\.deleting-[0-9a-f]+")
-
-
-def step_directory_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 @dataclass(frozen=True)
@@ -199,7 +195,7 @@ class CheckpointManager:
     def _scan(self) -> dict[int, CheckpointInfo]:
         found = {}
         for entry in self.directory.iterdir():
-            match = _STEP_DIR.fullmatch(entry.name)
+            match = STEP_DIR.fullmatch(entry.name)
             if not match or not entry.is_dir():
                 continue
             try:
@@ -323,26 +319,12 @@ class CheckpointManager:
 
     def _write_and_commit(self, state: CheckpointState, step: int, meta: dict[str, Any],
                           include_optimizer_state: bool) -> None:  # fmt: skip
-        name = step_directory_name(step)
-        temp = self.directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        temp.mkdir()
+        temp = self._new_temp_directory(step)
         try:
             CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state,
                                             external_data_threshold=self.external_data_threshold,
                                             durable=self.durable, progress=self.progress)  # fmt: skip
-            files = sorted(p.name for p in temp.iterdir())
-            meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)
-            _metadata.write(temp, meta, self.durable)
-            if self.durable:
-                _fsync_directory(temp)
-            if self.verify_after_save == "process":
-                _verify_in_new_process(temp)
-            elif self.verify_after_save:
-                verify(temp)
-            final = self.directory / name
-            os.rename(temp, final)  # fails, rather than replaces, if the step appeared meanwhile
-            if self.durable:
-                _fsync_directory(self.directory)
+            final = self._commit_directory(temp, step, meta)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
@@ -350,39 +332,48 @@ class CheckpointManager:
             self._checkpoints[step] = CheckpointInfo(step, final, meta)
         self._apply_retention()
 
+    def _new_temp_directory(self, step: int) -> Path:
+        temp = self.directory / f".{step_directory_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        temp.mkdir()
+        return temp
+
+    def _commit_directory(self, temp: Path, step: int, meta: dict[str, Any]) -> Path:
+        """Hashes the written files into metadata.json, verifies if asked, and renames the
+        temporary directory to the step's name (fsynced when durable)."""
+        name = step_directory_name(step)
+        files = sorted(p.name for p in temp.iterdir())
+        meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)
+        _metadata.write(temp, meta, self.durable)
+        if self.durable:
+            fsync_directory(temp)
+        if self.verify_after_save == "process":
+            _verify_in_new_process(temp)
+        elif self.verify_after_save:
+            verify(temp)
+        final = self.directory / name
+        os.rename(temp, final)  # fails, rather than replaces, if the step appeared meanwhile
+        if self.durable:
+            fsync_directory(self.directory)
+        return final
+
     def _save_sharded(self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool,
                       slices: Mapping[str, Any] | None) -> None:  # fmt: skip
         """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
         index and metadata and renames it into place once all have succeeded."""
-        from .distributed.sharded import write_shards
+        from .distributed.sharded import INDEX_NAME, write_json_atomically, write_shards
 
         assert self.comm is not None
-        name = step_directory_name(step)
-        final = self.directory / name
-
-        def prepare() -> Path:
-            temp = self.directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            temp.mkdir()
-            return temp
 
         def commit(temp: Path, index: dict[str, Any]) -> None:
-            from .distributed.sharded import INDEX_NAME, write_json_atomically
-
             write_json_atomically(temp / INDEX_NAME, index, self.durable)
-            files = sorted(p.name for p in temp.iterdir())
-            meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)
-            _metadata.write(temp, meta, self.durable)
-            if self.durable:
-                _fsync_directory(temp)
-            os.rename(temp, final)
-            if self.durable:
-                _fsync_directory(self.directory)
+            self._commit_directory(temp, step, meta)
 
-        write_shards(self.comm, state, slices, prepare=prepare, commit=commit, step=step,
-                     include_optimizer_state=include_optimizer_state, durable=self.durable,
+        write_shards(self.comm, state, slices, prepare=lambda: self._new_temp_directory(step), commit=commit,
+                     step=step, include_optimizer_state=include_optimizer_state, durable=self.durable,
                      external_data_threshold=self.external_data_threshold)  # fmt: skip
-        with self._lock:
-            self._checkpoints[step] = CheckpointInfo(step, final, _metadata.read(final))
+        final = self.directory / step_directory_name(step)
+        with self._lock:  # rank 0 holds meta as written; the other ranks read it back
+            self._checkpoints[step] = CheckpointInfo(step, final, meta if self._is_root else _metadata.read(final))
         self._apply_retention()
 
     def _apply_retention(self) -> None:
@@ -466,14 +457,6 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()})"
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _process_is_gone(pid: int) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from .. import _core
 from ..checkpoint_state import CheckpointState, OptimizerGroup
 from ..dtypes import PackedInt4
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
+from ..steps import STEP_DIR, fsync_directory, step_directory_name
 from .comm import Communicator, communicator
 from .layout import (
     FORMAT_NAME,
@@ -47,9 +47,6 @@ from .layout import (
     tensor_entries,
 )
 
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-
 class ShardedCheckpointError(CheckpointError):
     """A collective save or load failed on one or more ranks; raised on every rank alike.
     ``failures`` maps each failed rank to its error. A failed save commits nothing."""
@@ -61,14 +58,14 @@ class ShardedCheckpointError(CheckpointError):
 
 
 def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
-    return Path(directory) / f"step_{step:08d}"
+    return Path(directory) / step_directory_name(step)
 
 
 def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps of ``directory`` whose sharded checkpoint is complete (its index written), oldest first."""
     found = []
     for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
-        match = _STEP_DIR.fullmatch(entry.name)
+        match = STEP_DIR.fullmatch(entry.name)
         if match and (entry / INDEX_NAME).is_file():
             found.append(int(match.group(1)))
     return sorted(found)
@@ -474,14 +471,6 @@ def write_json_atomically(path: Path, value: Mapping[str, Any], durable: bool) -
     os.replace(temp, path)
     if durable:
         fsync_directory(path.parent)
-
-
-def fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _one_line(e: BaseException) -> str:
