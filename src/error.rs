@@ -17,6 +17,8 @@ pub enum ErrorKind {
     InvalidState(String),
     /// The host stores numbers big-endian; the format is little-endian only.
     BigEndianHost,
+    /// The path names a FIFO, socket or device: what it is, e.g. "a FIFO".
+    NotRegularFile(&'static str),
 }
 
 /// An error with the file and tensor it concerns, where known.
@@ -96,6 +98,9 @@ impl Error {
             ErrorKind::Malformed(m) | ErrorKind::InvalidState(m) => m.clone(),
             ErrorKind::UnsupportedDataType(code) => {
                 format!("unsupported tensor data type {code}")
+            }
+            ErrorKind::NotRegularFile(what) => {
+                format!("{what}, not a regular file: refused before reading")
             }
             ErrorKind::BigEndianHost => {
                 "this host is big-endian; ONNX Runtime checkpoints are little-endian and \

@@ -156,26 +156,88 @@ impl LoadedCheckpoint {
 /// Maps and verifies the checkpoint at `path` (and `<path>.data` when it has
 /// external data); tensor bytes are not read until used.
 ///
+/// A checkpoint with external data is two files, and another process may replace
+/// both while this one opens them. Should the pair not match, and either file have
+/// been replaced since it was opened, the load starts over (a bounded number of
+/// times): a reader gets one save's checkpoint whole, never a mix of two.
+///
 /// # Errors
-/// OS errors (missing file or data file...), malformed files, external ranges
-/// beyond the data file, unsupported data types: each naming the file and, where
-/// there is one, the tensor.
+/// OS errors (missing file or data file, a directory, anything but a regular file),
+/// malformed files, external ranges beyond the data file, unsupported data types:
+/// each naming the file and, where there is one, the tensor.
 pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
+    load_with(path, true)
+}
+
+/// [`load`], optionally refusing a symlink at `path` or at its data file (ELOOP): for
+/// checkpoints named by a document (a sharded index, a manager's step directory), which
+/// must stay inside their directory.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with(path: &Path, follow_symlinks: bool) -> Result<LoadedCheckpoint> {
     format::endian::ensure_host_little_endian()?;
-    let mut map = map_checkpoint(path)?;
+    const ATTEMPTS: u32 = 64;
+    let mut attempt = 0;
+    loop {
+        match load_once(path, follow_symlinks) {
+            Ok(loaded) => return Ok(loaded),
+            Err(Attempt::Raced(e)) if attempt < ATTEMPTS => {
+                attempt += 1;
+                // The saves racing us commit by two renames: usually retrying at once is
+                // enough; back off in case a writer is starved of CPU mid-commit.
+                std::thread::sleep(std::time::Duration::from_micros(
+                    (50u64 << attempt.min(9)).min(20_000),
+                ));
+                drop(e);
+            }
+            Err(Attempt::Raced(e) | Attempt::Failed(e)) => return Err(e),
+        }
+    }
+}
+
+/// Why one attempt at [`load`] failed: for good, or because a save replaced a file
+/// while it was being opened.
+enum Attempt {
+    Failed(Error),
+    Raced(Error),
+}
+
+impl From<Error> for Attempt {
+    fn from(e: Error) -> Self {
+        Attempt::Failed(e)
+    }
+}
+
+fn load_once(path: &Path, follow_symlinks: bool) -> std::result::Result<LoadedCheckpoint, Attempt> {
+    let (mut map, main_id) = map_checkpoint(path, follow_symlinks)?;
     let mut checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
     let mut data = None;
     if checkpoint.has_external_data {
         let data_path = external_data_path(path);
-        data = io::map_private_any(&data_path)?;
-        let data_id = data.as_deref().and_then(pairing::pair_id);
-        if let (Some(main_id), Some(data_id)) = (pairing::pair_id(&map), data_id) {
-            if main_id != data_id {
-                (map, checkpoint) = checkpoint_of_interrupted_save(path, data_id)?;
+        // Replaced since we opened them? Then whatever went wrong may be a save's doing.
+        let raced = |data_id: Option<io::FileId>, e: Error| {
+            let moved = io::FileId::of_path(path) != Some(main_id)
+                || data_id.is_some_and(|id| io::FileId::of_path(&data_path) != Some(id));
+            if moved {
+                Attempt::Raced(e)
+            } else {
+                Attempt::Failed(e)
+            }
+        };
+        let (mapped, data_id) =
+            io::map_private_any(&data_path, follow_symlinks).map_err(|e| raced(None, e))?;
+        data = mapped;
+        let pair = data.as_deref().and_then(pairing::pair_id);
+        if let (Some(main_pair), Some(data_pair)) = (pairing::pair_id(&map), pair) {
+            if main_pair != data_pair {
+                (map, checkpoint) = checkpoint_of_interrupted_save(path, data_pair)
+                    .map_err(|e| raced(Some(data_id), e))?;
             }
         }
         let len = data.as_ref().map_or(0, |d| d.len() as u64);
-        check_external_ranges(&checkpoint, len).map_err(|e| e.in_file(&data_path))?;
+        check_external_ranges(&checkpoint, len)
+            .map_err(|e| raced(Some(data_id), e.in_file(&data_path)))?;
     }
     Ok(LoadedCheckpoint {
         path: path.to_path_buf(),
@@ -185,25 +247,25 @@ pub fn load(path: &Path) -> Result<LoadedCheckpoint> {
     })
 }
 
-fn map_checkpoint(path: &Path) -> Result<MmapMut> {
-    io::map_private(path, 8, |len| {
+fn map_checkpoint(path: &Path, follow_symlinks: bool) -> Result<(MmapMut, io::FileId)> {
+    io::map_private(path, follow_symlinks, 8, |len| {
         Error::malformed(format!(
             "file is too short to be a checkpoint ({len} bytes)"
         ))
     })
 }
 
-/// `path` and its data file come from different saves: a save was stopped between
-/// renaming its data file into place and renaming its checkpoint (see
-/// [`format::pairing`]). That save's checkpoint is complete in its temporary file,
-/// so it is the one loaded (nothing is renamed or deleted here; the next save
-/// cleans up).
+/// `path` and its data file come from different saves: a save stopped (or is
+/// about to go on) between renaming its data file into place and renaming its
+/// checkpoint (see [`format::pairing`]). That save's checkpoint is complete in its
+/// temporary file, so it is the one loaded (nothing is renamed or deleted here; the
+/// next save cleans up).
 fn checkpoint_of_interrupted_save(
     path: &Path,
     data_id: pairing::PairId,
 ) -> Result<(MmapMut, Checkpoint<Stored>)> {
-    for (temp, _pid) in io::pending_temps(path) {
-        let Ok(map) = map_checkpoint(&temp) else {
+    for temp in io::pending_temps(path) {
+        let Ok((map, _)) = map_checkpoint(&temp, false) else {
             continue;
         };
         if pairing::pair_id(&map) == Some(data_id) {
@@ -262,9 +324,7 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     let encoded = format::encode(ckpt, placement).map_err(|e| e.in_file(path))?;
     let data_path = external_data_path(path);
     let segments = encoded.segments();
-    let external = encoded
-        .has_external_data()
-        .then(|| encoded.external_data());
+    let external = encoded.has_external_data().then(|| encoded.external_data());
     let unobserved = io::Progress::default();
     let progress = options.progress.as_deref().unwrap_or(&unobserved);
     let main_len: usize = segments.iter().map(|s| s.len()).sum();
@@ -288,27 +348,45 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
         })?),
         None => None,
     };
-    let main = io::write_pending(path, options.durable, |file| {
+    let mut main = io::write_pending(path, options.durable, |file| {
         io::write_segments(file, &segments, &after)
     })?;
-    if let Some(data) = data {
-        data.commit()?;
-    }
-    main.commit()?;
-    if external.is_none() {
-        // A data file left from an earlier, larger save would only mislead.
-        match std::fs::remove_file(&data_path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(Error::from(e).in_file(&data_path))
+    match data {
+        Some(mut data) => {
+            // Saves of one path from several threads or processes commit one at a time, so
+            // the two renames of one save are never interleaved with another's (which could
+            // leave one save's checkpoint beside another's data file for good).
+            let _lock = io::PathLock::acquire(path)?;
+            data.commit()?;
+            main.commit()?;
+            // Only now, and under the lock: until a save has committed, a crashed save's
+            // temporary checkpoint may be the one that matches the data file (see load).
+            io::remove_stale_temps(&[path, &data_path]);
+        }
+        None => {
+            // Inline saves commit without a lock: one rename is atomic by itself.
+            main.commit()?;
+            let stale_data = std::fs::symlink_metadata(&data_path).is_ok();
+            if stale_data || !io::pending_temps(path).is_empty() {
+                // A data file left from an earlier save with external data would mislead, and
+                // leftovers take space. Removed under the commit lock, and only while the
+                // checkpoint is still this save's: a save with external data may have
+                // committed since, and then both files are its own.
+                let _lock = io::PathLock::acquire(path)?;
+                if main.is_target_now() {
+                    match std::fs::remove_file(&data_path) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(Error::from(e).in_file(&data_path))
+                        }
+                        _ => {}
+                    }
+                    io::remove_stale_temps(&[path, &data_path]);
+                }
             }
-            _ => {}
         }
     }
     if options.durable {
         io::sync_parent_dir(path)?;
     }
-    // Only now: until this save committed, a crashed save's temporary checkpoint
-    // may be the one that matches the data file (see load).
-    io::remove_stale_temps(&[path, &data_path]);
     Ok(())
 }

@@ -44,19 +44,9 @@ fn named_values_of(path: &Path) -> (String, Vec<u8>) {
     (t.name.clone(), loaded.bytes(t).unwrap().to_vec())
 }
 
-/// A process id that no longer runs (a child that has exited and been reaped).
-fn dead_pid() -> u32 {
-    let mut child = std::process::Command::new("true").spawn().unwrap();
-    let pid = child.id();
-    child.wait().unwrap();
-    pid
-}
-
+/// A temporary name of a save whose writer is gone: nobody holds its lock.
 fn temp_of_dead_save(target: &Path) -> PathBuf {
-    let ours = temp_path_for(target);
-    let name = ours.file_name().unwrap().to_string_lossy().into_owned();
-    let pid = std::process::id().to_string();
-    target.with_file_name(name.replacen(&pid, &dead_pid().to_string(), 1))
+    temp_path_for(target)
 }
 
 #[test]
@@ -128,13 +118,79 @@ fn leftovers_of_dead_saves_are_ignored_by_readers_and_removed_by_the_next_save()
     let dead_data = temp_of_dead_save(&external_data_path(&target));
     std::fs::write(&dead, b"half a checkpoint").unwrap();
     std::fs::write(&dead_data, b"half a data file").unwrap();
-    // One of a save still running in this process: kept.
+    // One of a save still running (its writer holds its lock): kept.
     let live = temp_path_for(&target);
     std::fs::write(&live, b"being written").unwrap();
+    let writer = std::fs::File::open(&live).unwrap();
+    writer.lock().unwrap();
 
     assert_eq!(values_of(&target), state(3));
     save_state(&target, &state(4), 0);
     assert!(!dead.exists() && !dead_data.exists());
     assert!(live.exists());
     assert_eq!(values_of(&target), state(4));
+    drop(writer);
+    save_state(&target, &state(5), u64::MAX); // an inline save cleans up too
+    assert!(!live.exists());
+    assert_eq!(values_of(&target), state(5));
+    assert!(!external_data_path(&target).exists());
+}
+
+#[test]
+fn temporary_names_are_random_and_not_derived_from_the_pid() {
+    let target = Path::new("/x/ck");
+    let (a, b) = (temp_path_for(target), temp_path_for(target));
+    assert_ne!(a, b);
+    let name = a.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with(".ck.ortckpt-tmp."), "{name}");
+    assert_eq!(name.len(), ".ck.ortckpt-tmp.".len() + 32, "{name}");
+    assert!(!name.contains(&format!(".{}.", std::process::id())));
+}
+
+/// Threads saving one path with external data while others load it: every load gets one
+/// save's checkpoint whole (the commit lock orders the renames; readers retry a mixed pair).
+#[test]
+fn concurrent_saves_and_loads_of_one_path_never_mix() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("c");
+    save_state(&target, &[0u8; 4096], 0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut loads = 0;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let values = values_of(&target);
+                        assert!(values.iter().all(|&v| v == values[0]), "a mix of saves");
+                        loads += 1;
+                    }
+                    loads
+                })
+            })
+            .collect();
+        let writers: Vec<_> = (1..=3u8)
+            .map(|w| {
+                let target = &target;
+                scope.spawn(move || {
+                    for i in 0..40u8 {
+                        save_state(target, &[w.wrapping_mul(64).wrapping_add(i); 4096], 0);
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for r in readers {
+            assert!(r.join().unwrap() > 0);
+        }
+    });
+    assert!(pending_temps(&target).is_empty());
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
 }

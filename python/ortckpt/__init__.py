@@ -14,12 +14,14 @@ from importlib.metadata import PackageNotFoundError, version
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
 from .dtypes import PackedInt4
 from .errors import (
+    CheckpointDirectoryInUseError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointIntegrityError,
     CheckpointStateError,
     InternalError,
+    SpecialFileError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
 )
@@ -34,6 +36,7 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0+unknown"
 
 __all__ = [
+    "CheckpointDirectoryInUseError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointFormatError",
@@ -49,6 +52,7 @@ __all__ = [
     "Parameters",
     "Properties",
     "RetentionPolicy",
+    "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
     "Verified",

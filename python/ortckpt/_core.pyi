@@ -36,7 +36,7 @@ class SaveProgress:
 # (name, ONNX type code, dims, values): values are a contiguous byte buffer, a list of str, or None (nominal).
 _TensorIn = tuple[str, int, Sequence[int], Any]
 
-def load(path: str) -> dict[str, Any]: ...
+def load(path: str, *, follow_symlinks: bool = True) -> dict[str, Any]: ...
 def save(
     path: str,
     trainable: Sequence[_TensorIn],

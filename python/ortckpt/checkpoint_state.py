@@ -109,8 +109,7 @@ class _Tensor:
             return self.name, self.code, self.dims, None
         value = self.value()
         if self.code == _dt.STRING:
-            strings = [v.decode() if isinstance(v, bytes) else str(v) for v in np.asarray(value).reshape(-1)]
-            return self.name, self.code, self.dims, strings
+            return self.name, self.code, self.dims, _strings_of(self.name, value)
         array = value.packed if isinstance(value, PackedInt4) else value
         return self.name, self.code, self.dims, _as_bytes(array)
 
@@ -126,7 +125,28 @@ def _intake(name: str, value: Any) -> TensorValue:
         raise UnsupportedDataTypeError(f"tensor {name}: {e}") from None
     if code in (_dt.INT4, _dt.UINT4):
         return PackedInt4.pack(array)
+    if code == _dt.STRING:
+        _strings_of(name, array)  # refused now, not at save, when not text
     return array
+
+
+def _strings_of(name: str, value: Any) -> list[str]:
+    """The elements of a STRING tensor as str: str as they are, bytes decoded from UTF-8.
+    Anything else is refused rather than saved as its repr (``None`` as "None")."""
+    out = []
+    for i, element in enumerate(np.asarray(value).reshape(-1)):
+        if isinstance(element, str):
+            out.append(str(element))
+        elif isinstance(element, bytes):
+            try:
+                out.append(element.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise CheckpointStateError(f"tensor {name}: element {i} is not UTF-8 text ({e.reason} at byte "
+                                           f"{e.start} of {bytes(element[:16])!r}): STRING tensors hold text") from None  # fmt: skip
+        else:
+            raise UnsupportedDataTypeError(f"tensor {name}: element {i} is a {type(element).__name__}, not a str: "
+                                           "an object array is saved as a STRING tensor, which holds text only")  # fmt: skip
+    return out
 
 
 def _owned_copy(value: TensorValue) -> TensorValue:
@@ -373,7 +393,13 @@ class CheckpointState:
         The file is memory-mapped and verified; parameter data are views over it,
         read from disk only when used.
         """
-        raw = _core.load(os.fspath(checkpoint_uri))
+        return cls._load(checkpoint_uri)
+
+    @classmethod
+    def _load(cls, checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:
+        """:meth:`load_checkpoint`; without ``follow_symlinks``, a symlink at the path or its
+        data file is refused (for files a document names, which stay in their directory)."""
+        raw = _core.load(os.fspath(checkpoint_uri), follow_symlinks=follow_symlinks)
         state = cls()
         state._mappings = (raw["mapping"], raw["external_mapping"])
         state._nominal = raw["nominal"]
@@ -439,6 +465,8 @@ class CheckpointState:
         state = cls()
         for requires_grad, arrays in ((True, trainable), (False, frozen or {})):
             for name, value in arrays.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"parameter names are str, got {name!r} ({type(name).__name__})")
                 if name in state._tensors:
                     raise CheckpointStateError(f"Parameter {name} is given as both trainable and frozen.")
                 state._tensors[name] = _Tensor.from_value(name, value)
@@ -521,7 +549,12 @@ class CheckpointState:
         other._frozen = set(self._frozen)
         for name in self._tensors:
             tensor = self._tensor(name)
-            if staging is not None and not self._nominal:
+            if tensor.code == _dt.STRING and not self._nominal:
+                # Checked and copied here, in the caller's thread: an async save's background
+                # thread then has nothing left to refuse.
+                strings = np.array(_strings_of(name, tensor.value()), dtype=object).reshape(tensor.dims)
+                tensor = _Tensor(name, tensor.code, tensor.dims, strings)
+            elif staging is not None and not self._nominal:
                 value = _staged_copy(staging, ("parameter", name), tensor.value())
                 tensor = _Tensor(name, tensor.code, tensor.dims, value)
             other._tensors[name] = tensor

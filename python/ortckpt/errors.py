@@ -49,17 +49,39 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """A :class:`~ortckpt.CheckpointManager` already holds a checkpoint for this step."""
 
 
+class CheckpointDirectoryInUseError(CheckpointError):
+    """Another writer (a :class:`~ortckpt.CheckpointManager`, or a sharded save) holds this
+    directory. ``holder`` says who, as that writer recorded it (pid, host, start time,
+    command), as far as it could be read; ``filename`` is the directory."""
+
+    def __init__(self, directory: object, holder: dict[str, object]) -> None:
+        self.filename = str(directory)
+        self.holder = dict(holder)
+        who = ", ".join(f"{k} {holder[k]}" for k in ("pid", "host", "started", "command") if k in holder)
+        super().__init__(
+            f"{directory}: another writer holds this checkpoint directory ({who or 'holder unknown'}); "
+            "one writer at a time: wait for it to close, or open a reader with read_only=True"
+        )
+
+
+class SpecialFileError(CheckpointError, OSError):
+    """The path names a FIFO, socket or device, not a regular file: refused before it is
+    opened for reading (opening a FIFO would wait forever). ``filename`` names it."""
+
+
 class InternalError(CheckpointError):
     """A bug in ortckpt, caught at the Rust boundary instead of crashing."""
 
 
 __all__ = [
+    "CheckpointDirectoryInUseError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointIntegrityError",
     "CheckpointStateError",
     "InternalError",
+    "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
 ]

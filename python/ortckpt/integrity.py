@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 
 from . import metadata as _metadata
 from . import progress as _progress
+from . import safe_io, steps
 from .checkpoint_state import CheckpointState
 from .distributed.layout import INDEX_NAME
 from .dtypes import PackedInt4
@@ -36,11 +38,18 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False) -> Verified:
     checkpoint decodes and every parameter, momentum and property can be read in full.
 
     ``path`` is a step directory or a checkpoint file (then only decoding is checked: a bare
-    file carries no hashes). A sharded step directory (:mod:`ortckpt.distributed`) has every
-    shard its index names checked alike, and their sizes against the index. Raises :class:`~ortckpt.CheckpointIntegrityError` listing every
-    problem found, each naming its file. ``progress``: a bar (tqdm) over the bytes read.
+    file carries no hashes). A sharded step directory (:mod:`ortckpt.distributed`) has its
+    index validated and every shard it names checked alike: sizes against the index, and each
+    piece's type and shape, as :func:`~ortckpt.distributed.load_sharded` would check them.
+    Files are read only by the plain names the documents give, inside the directory, never
+    through a symlink. Raises :class:`~ortckpt.CheckpointIntegrityError` listing every problem
+    found, each naming its file; FileNotFoundError or SpecialFileError when ``path`` itself is
+    missing or not a file or directory. ``progress``: a bar (tqdm) over the bytes read.
     """
     path = Path(path)
+    mode = os.stat(path).st_mode  # a missing path is FileNotFoundError, not an integrity problem
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        raise safe_io.special_file(path, mode)
     bar = _progress.bar(f"verifying {path.name}") if progress else None
     try:
         return _verify(path, bar.update if bar is not None else None)
@@ -49,84 +58,123 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False) -> Verified:
             bar.close()
 
 
+def _problem(path: Path, error: BaseException) -> str:
+    """``path: error``, without naming the file twice when the error already does."""
+    text = str(error)
+    return text if text.startswith(f"{path}:") or f"'{path}'" in text else f"{path}: {text}"
+
+
 def _verify(path: Path, on_bytes: Any) -> Verified:
+    if not path.is_dir():
+        return _verify_file(path, on_bytes)
     problems: list[str] = []
     files: dict[str, str] = {}
+    directory = path
+    sharded = os.path.isfile(directory / INDEX_NAME) and not os.path.islink(directory / INDEX_NAME)
+    index: dict[str, Any] | None = None
+    later: list[str] = []  # reported with the rest, after decoding
+    if sharded:
+        index, shard_problems = _check_index(directory)
+        (problems if index is None else later).extend(shard_problems)
+    try:
+        meta = _metadata.read(directory)
+    except FileNotFoundError:
+        if not sharded:  # a manager's directory always has metadata; save_sharded's need not
+            raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: missing"]) from None
+        meta = None
+    except (CheckpointError, OSError) as e:
+        raise CheckpointIntegrityError(path, [_problem(directory / _metadata.METADATA_NAME, e)]) from None
     step = None
-    checkpoints = [path]
-    if path.is_dir():
-        directory, checkpoints = path, [path / CHECKPOINT_NAME]
-        sharded = (directory / INDEX_NAME).is_file()
-        if sharded:
-            checkpoints, problems = _shards_of(directory)
-        try:
-            meta = _metadata.read(directory)
-        except FileNotFoundError:
-            if not sharded:  # a manager's directory always has metadata; save_sharded's need not
-                raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: missing"]) from None
-            meta = {}
-        except (ValueError, OSError) as e:
-            raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: unreadable ({e})"]) from None
-        step = meta.get("step")
-        for name, expected in sorted(meta.get("files", {}).items()):
+    if meta is not None:
+        step = meta["step"]
+        named = steps.step_of(directory.name)
+        if named is not None and named != step:
+            later.append(f"{directory / _metadata.METADATA_NAME}: step {step}, but the directory is of step {named}")
+        for name, expected in sorted(meta["files"].items()):
             file = directory / name
-            if not file.is_file():
+            try:
+                size, digest = _metadata.sha256_of(file, on_bytes)
+            except FileNotFoundError:
                 problems.append(f"{file}: missing")
                 continue
-            size = file.stat().st_size
+            except OSError as e:
+                problems.append(_problem(file, e))
+                continue
             if size != expected["bytes"]:
                 problems.append(f"{file}: {size} bytes, metadata says {expected['bytes']}")
-                continue
-            digest = _metadata.sha256_of(file, on_bytes)
-            if digest != expected["sha256"]:
+            elif digest != expected["sha256"]:
                 problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
-                continue
-            files[name] = digest
-        listed = meta.get("files", {})
+            else:
+                files[name] = digest
+        checkpoints = [directory / CHECKPOINT_NAME] if index is None else _shard_paths(directory, index)
         for checkpoint in checkpoints:
-            if meta and checkpoint.name not in listed:
+            if checkpoint.name not in meta["files"]:
                 problems.append(f"{directory / _metadata.METADATA_NAME}: lists no {checkpoint.name} file")
+    if problems:  # decoding a file that failed its hash only repeats it
+        raise CheckpointIntegrityError(path, problems)
     tensors = tensor_bytes = 0
-    for checkpoint in checkpoints if not problems else ():  # decoding a file that failed its hash only repeats it
+    if index is not None:
+        from .distributed.sharded import check_shards
+
+        problems += check_shards(directory, index)
+    for checkpoint in [directory / CHECKPOINT_NAME] if index is None else _shard_paths(directory, index):
         try:
-            # Hashed files were just read in full; a bare file is read here instead.
+            # Hashed files were just read in full; others are read here instead.
             count, nbytes, saved_step = _decode_everything(checkpoint, checkpoint.name not in files, on_bytes)
         except (CheckpointError, OSError) as e:
-            problems.append(f"{checkpoint}: {e}")
+            problems.append(_problem(checkpoint, e))
             continue
         tensors, tensor_bytes = tensors + count, tensor_bytes + nbytes
         if step is not None and saved_step is not None and saved_step != step:
             problems.append(f"{checkpoint}: property step={saved_step}, metadata says step={step}")
+    problems += later
     if problems:
         raise CheckpointIntegrityError(path, problems)
     return Verified(path, step, tensors, tensor_bytes, files)
 
 
-def _shards_of(directory: Path) -> tuple[list[Path], list[str]]:
-    """The shard files a sharded step's index names, and any whose size differs from it."""
+def _verify_file(path: Path, on_bytes: Any) -> Verified:
+    """A bare checkpoint file: no hashes, so decoding (and reading every byte) is the check."""
+    try:
+        count, nbytes, _ = _decode_everything(path, True, on_bytes, follow_symlinks=True)
+    except (CheckpointError, OSError) as e:
+        raise CheckpointIntegrityError(path, [_problem(path, e)]) from None
+    return Verified(path, None, count, nbytes)
+
+
+def _check_index(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The validated index of a sharded step, and problems with its shard files' sizes."""
     from .distributed.sharded import read_committed
 
-    problems = []
     try:
         _, index = read_committed(directory, None)
     except (CheckpointError, OSError) as e:
-        return [], [f"{directory / INDEX_NAME}: {e}"]
-    shards = []
+        return None, [_problem(directory / INDEX_NAME, e)]
+    problems = []
     for shard in index["shards"]:
-        shards.append(directory / shard["file"])
         for name, size in shard["files"].items():
             file = directory / name
-            if not file.is_file():
+            try:
+                actual = os.lstat(file)
+            except FileNotFoundError:
                 problems.append(f"{file}: missing")
-            elif file.stat().st_size != size:
-                problems.append(f"{file}: {file.stat().st_size} bytes, {INDEX_NAME} says {size}")
-    return shards, problems
+                continue
+            if not stat.S_ISREG(actual.st_mode):
+                problems.append(f"{file}: not a regular file")
+            elif actual.st_size != size:
+                problems.append(f"{file}: {actual.st_size} bytes, {INDEX_NAME} says {size}")
+    return index, problems
 
 
-def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None) -> tuple[int, int, Any]:
+def _shard_paths(directory: Path, index: dict[str, Any]) -> list[Path]:
+    return [safe_io.member(directory, shard["file"]) for shard in index["shards"]]
+
+
+def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None, *,
+                       follow_symlinks: bool = False) -> tuple[int, int, Any]:  # fmt: skip
     """Loads the checkpoint and forms every value (reading every byte when ``read_bytes``):
     (tensors, bytes of values, step property)."""
-    state = CheckpointState.load_checkpoint(checkpoint)
+    state = CheckpointState._load(checkpoint, follow_symlinks=follow_symlinks)
     values: list[Any] = []
     if not state.is_nominal:
         values += [param.data for _, param in state.parameters]

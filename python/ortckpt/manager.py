@@ -15,7 +15,9 @@ Layout of ``directory``: one directory per step, ``step_00000100/`` holding
 ``checkpoint`` (what ONNX Runtime's ``load_checkpoint`` takes; ``checkpoint.data``
 beside it when large) and ``metadata.json``. A step directory is written under a hidden
 temporary name and renamed into place only once complete (and fsynced, when durable), so
-a reader never sees half a checkpoint; leftovers of a crash are removed on start.
+a reader never sees half a checkpoint. One manager writes a directory at a time (a lock
+proves it, :mod:`ortckpt.steps`); any number read it (``read_only=True``). Leftovers of
+crashed saves are removed when a writer starts.
 
 With ``comm`` (an mpi4py communicator or a torch.distributed group), every rank of a
 distributed job calls the same methods together and each saves only its part of the state:
@@ -26,31 +28,29 @@ the step directory then holds one shard per rank and an ``index.json`` (see
 from __future__ import annotations
 
 import datetime
+import operator
 import os
-import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
 import uuid
+import warnings
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from . import _core
+import numpy as np
+
+from . import _core, safe_io, steps
 from . import metadata as _metadata
 from .checkpoint_state import CheckpointState
-from .errors import CheckpointExistsError, CheckpointIntegrityError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from .integrity import CHECKPOINT_NAME, Verified, verify
 from .retention import RetentionPolicy
-from .steps import STEP_DIR, fsync_directory, step_directory_name
-
-# Hidden work directories: a save in progress, and a checkpoint being deleted.
-_TEMP_DIR = re.compile(r"\.step_(\d+)\.tmp-(\d+)-[0-9a-f]+")
-_DELETING_DIR = re.compile(r"\.step_(\d+)\.deleting-[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class CheckpointInfo:
             from .distributed import SingleProcess, load_sharded
 
             return load_sharded(self.directory, comm=SingleProcess())[0]
-        return CheckpointState.load_checkpoint(self.path)
+        return CheckpointState._load(self.path, follow_symlinks=False)
 
 
 class CheckpointManager:
@@ -128,6 +128,11 @@ class CheckpointManager:
             Every rank creates the manager and calls save, restore and wait together; each
             saves the part of the state it holds (:meth:`save`'s ``slices`` say which part of a
             split parameter). Not with ``async_save`` or ``verify_after_save``.
+        read_only: A reader: lists, restores and verifies checkpoints that another process
+            writes (training running elsewhere), seeing new and deleted steps as they come; takes
+            no lock and changes nothing. A writer (the default) holds ``directory`` for itself
+            until :meth:`close`: a second writer gets :class:`~ortckpt.CheckpointDirectoryInUseError`
+            naming the first.
     """
 
     def __init__(
@@ -146,6 +151,7 @@ class CheckpointManager:
         progress: bool = False,
         external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
         comm: Any = None,
+        read_only: bool = False,
     ) -> None:
         if comm is not None and (async_save or verify_after_save):
             raise ValueError("async_save and verify_after_save are not available for sharded saves (comm=)")
@@ -153,6 +159,8 @@ class CheckpointManager:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
         if verify_after_save not in (False, True, "process"):
             raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
+        if run_id is not None and not isinstance(run_id, str):
+            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         self.directory = Path(directory)
         self.policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
         self.save_every = save_every
@@ -162,24 +170,32 @@ class CheckpointManager:
         self.config = dict(config or {})
         self.progress = progress
         self.external_data_threshold = external_data_threshold
+        self.read_only = read_only
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
+        # The pending save as the finalizer sees it, to report a failure nobody waited for.
+        self._unwaited = _UnwaitedSave(self.directory)
+        self._report_lost = weakref.finalize(self, self._unwaited.report)
         # Async saves copy the state into these arrays, reused from one save to the next
         # (free again once the previous save is done: save() waits for it first).
         self._staging: dict[Any, Any] = {}
         self._last_save = time.monotonic()
+        self._writer: steps.WriterLock | None = None
+        self._closed = False
         self.comm = None
         if comm is not None:
             from .distributed import communicator
 
             self.comm = communicator(comm)
-        if self._is_root:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._remove_leftovers()
+        if self._is_root and not read_only:
+            safe_io.make_directories(self.directory)
+            self._writer = steps.WriterLock(self.directory)
+            steps.remove_leftovers(self.directory, self._writer)
         if self.comm is not None:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
-        self._checkpoints: dict[int, CheckpointInfo] = self._scan()
+        self._checkpoints: dict[int, CheckpointInfo] = {}
+        self.reload()
         latest = self.latest()
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
         if self.comm is not None:
@@ -192,31 +208,44 @@ class CheckpointManager:
 
     # --- what is there -----------------------------------------------------------------
 
+    def reload(self) -> None:
+        """Reads the directory again: what ``all()``, ``latest()`` and ``restore()`` see. A
+        read-only manager does this on every query; a writer knows what it wrote."""
+        found = self._scan()
+        with self._lock:
+            self._checkpoints = found
+
     def _scan(self) -> dict[int, CheckpointInfo]:
+        """Every committed step whose metadata.json reads and validates. A step directory with a
+        damaged metadata.json is skipped with a warning (and kept on disk, for a person to look
+        at); one without any is not this manager's (e.g. a save_sharded step) and is ignored."""
         found = {}
-        for entry in self.directory.iterdir():
-            match = STEP_DIR.fullmatch(entry.name)
-            if not match or not entry.is_dir():
+        for entry in safe_io.entries(self.directory):
+            step = steps.step_of(entry.name)
+            if step is None or not entry.is_dir(follow_symlinks=False):
                 continue
+            directory = Path(entry.path)
             try:
-                meta = _metadata.read(entry)
-            except (OSError, ValueError):
-                continue  # committed directories always hold metadata: this one was not made here
-            step = int(match.group(1))
-            found[step] = CheckpointInfo(step, entry, meta)
+                meta = _metadata.read(directory)
+            except FileNotFoundError:
+                continue
+            except (CheckpointError, OSError, ValueError) as e:
+                warnings.warn(f"{directory}: skipped, its metadata is damaged: {e}", RuntimeWarning, stacklevel=3)
+                continue
+            if meta["step"] != step:
+                warnings.warn(f"{directory}: skipped, its metadata.json says step {meta['step']}", RuntimeWarning,
+                              stacklevel=3)  # fmt: skip
+                continue
+            found[step] = CheckpointInfo(step, directory, meta)
         return found
 
-    def _remove_leftovers(self) -> None:
-        """Removes what crashed saves and deletions left: temporary step directories whose
-        writer is gone (another live process may still be writing its own), and directories
-        that were being deleted."""
-        for entry in self.directory.iterdir():
-            temp = _TEMP_DIR.fullmatch(entry.name)
-            if (temp and _process_is_gone(int(temp.group(2)))) or _DELETING_DIR.fullmatch(entry.name):
-                shutil.rmtree(entry, ignore_errors=True)
+    def _refresh(self) -> None:
+        if self.read_only:
+            self.reload()
 
     def all(self) -> list[CheckpointInfo]:
         """Every complete checkpoint, oldest step first."""
+        self._refresh()
         with self._lock:
             return [self._checkpoints[s] for s in sorted(self._checkpoints)]
 
@@ -225,6 +254,7 @@ class CheckpointManager:
 
     def latest(self) -> CheckpointInfo | None:
         """The complete checkpoint with the highest step, or None."""
+        self._refresh()
         with self._lock:
             return self._checkpoints[max(self._checkpoints)] if self._checkpoints else None
 
@@ -234,7 +264,7 @@ class CheckpointManager:
 
     def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> CheckpointInfo | None:
         """The checkpoint with the best ``metric`` (default: ``keep_best``'s); ties go to the
-        newer step; checkpoints without the metric are not ranked."""
+        newer step; checkpoints without the metric, or with NaN, are not ranked."""
         if metric is None:
             if self.policy.keep_best is None:
                 raise ValueError("best() needs a metric name and mode, or keep_best set on the manager")
@@ -249,6 +279,7 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the latest)."""
+        step = _step(step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
             return False
@@ -274,16 +305,18 @@ class CheckpointManager:
         """Saves ``state`` as the checkpoint of ``step``.
 
         ``step`` (and ``epoch``, when given) also go into the checkpoint's properties, where
-        ONNX Runtime sees them. ``metrics`` rank checkpoints for ``keep_best``; ``metadata``
-        is any JSON-able data of yours; ``rng_state`` comes from :func:`ortckpt.capture_rng_state`.
+        ONNX Runtime sees them; both are ints (NumPy integers too). ``metrics`` (numbers; NaN
+        and infinities round-trip) rank checkpoints for ``keep_best``; ``metadata`` is any
+        JSON-able data of yours; ``rng_state`` comes from :func:`ortckpt.capture_rng_state`.
         With ``async_save``, returns once the state is copied; otherwise once it is committed.
         With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
         :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
         """
+        self._check_writable("save")
         if not isinstance(state, CheckpointState):
             raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        step = _step(step)
+        epoch = None if epoch is None else _integer("epoch", epoch)
         self.wait()  # one save at a time; raises the previous async save's error
         latest = self.latest_step()
         if step in self.all_steps():
@@ -302,6 +335,7 @@ class CheckpointManager:
             include_optimizer_state=include_optimizer_state,
         )  # fmt: skip
         _metadata.check_serializable(meta)
+        # Every value is checked (and strings encoded) here, in the caller's thread.
         snapshot = state._snapshot(staging=self._staging if self.async_save else None,
                                    include_optimizer_state=include_optimizer_state, properties=properties)  # fmt: skip
         self._last_save = time.monotonic()
@@ -316,94 +350,103 @@ class CheckpointManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortckpt-save")
         self._pending = self._executor.submit(self._write_and_commit, snapshot, step, meta, include_optimizer_state)
+        self._unwaited.watch(self._pending, step)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ValueError(f"{self.directory}: this manager is read-only (read_only=True): it cannot {what}")
+        if self._closed:
+            raise ValueError(f"{self.directory}: this manager is closed")
 
     def _write_and_commit(self, state: CheckpointState, step: int, meta: dict[str, Any],
                           include_optimizer_state: bool) -> None:  # fmt: skip
-        temp = self._new_temp_directory(step)
+        temp = steps.new_temp_directory(self.directory, step)
         try:
             CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state,
                                             external_data_threshold=self.external_data_threshold,
                                             durable=self.durable, progress=self.progress)  # fmt: skip
             final = self._commit_directory(temp, step, meta)
         except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
+            safe_io.remove_tree_quietly(temp)
             raise
         with self._lock:
             self._checkpoints[step] = CheckpointInfo(step, final, meta)
         self._apply_retention()
 
-    def _new_temp_directory(self, step: int) -> Path:
-        temp = self.directory / f".{step_directory_name(step)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        temp.mkdir()
-        return temp
-
     def _commit_directory(self, temp: Path, step: int, meta: dict[str, Any]) -> Path:
         """Hashes the written files into metadata.json, verifies if asked, and renames the
         temporary directory to the step's name (fsynced when durable)."""
-        name = step_directory_name(step)
-        files = sorted(p.name for p in temp.iterdir())
-        meta["files"] = _metadata.describe_files(temp, files, progress=name if self.progress else None)
+        name = steps.step_directory_name(step)
+        written = sorted(e.name for e in safe_io.entries(temp) if not e.name.startswith("."))
+        meta["files"] = _metadata.describe_files(temp, written, progress=name if self.progress else None)
         _metadata.write(temp, meta, self.durable)
-        if self.durable:
-            fsync_directory(temp)
         if self.verify_after_save == "process":
             _verify_in_new_process(temp)
         elif self.verify_after_save:
             verify(temp)
-        final = self.directory / name
-        os.rename(temp, final)  # fails, rather than replaces, if the step appeared meanwhile
-        if self.durable:
-            fsync_directory(self.directory)
-        return final
+        return steps.commit(temp, self.directory, step, durable=self.durable)
 
     def _save_sharded(self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool,
                       slices: Mapping[str, Any] | None) -> None:  # fmt: skip
         """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
         index and metadata and renames it into place once all have succeeded."""
-        from .distributed.sharded import INDEX_NAME, write_json_atomically, write_shards
+        from .distributed.sharded import INDEX_NAME, write_index, write_shards
 
         assert self.comm is not None
 
         def commit(temp: Path, index: dict[str, Any]) -> None:
-            write_json_atomically(temp / INDEX_NAME, index, self.durable)
+            write_index(temp / INDEX_NAME, index, self.durable)
             self._commit_directory(temp, step, meta)
 
-        write_shards(self.comm, state, slices, prepare=lambda: self._new_temp_directory(step), commit=commit,
-                     step=step, include_optimizer_state=include_optimizer_state, durable=self.durable,
-                     external_data_threshold=self.external_data_threshold)  # fmt: skip
-        final = self.directory / step_directory_name(step)
+        write_shards(self.comm, state, slices, prepare=lambda: steps.new_temp_directory(self.directory, step),
+                     commit=commit, step=step, include_optimizer_state=include_optimizer_state,
+                     durable=self.durable, external_data_threshold=self.external_data_threshold)  # fmt: skip
+        final = self.directory / steps.step_directory_name(step)
         with self._lock:  # rank 0 holds meta as written; the other ranks read it back
             self._checkpoints[step] = CheckpointInfo(step, final, meta if self._is_root else _metadata.read(final))
         self._apply_retention()
 
     def _apply_retention(self) -> None:
+        """Deletes what the policy no longer keeps. The new step is committed by then, so a
+        deletion that fails is a warning, not a failed save; the next save tries again."""
         with self._lock:
             keep = self.policy.steps_to_keep([(c.step, c.metrics) for c in self._checkpoints.values()])
             doomed = [s for s in self._checkpoints if s not in keep]
         for step in doomed:
-            self.delete(step)
+            try:
+                self.delete(step)
+            except OSError as e:
+                warnings.warn(f"{self.directory}: could not delete the checkpoint of step {step} (kept, to be "
+                              f"retried at the next save): {e}", RuntimeWarning, stacklevel=2)  # fmt: skip
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step``: renamed out of sight first (atomic), then removed,
-        so a crash midway never leaves a partial checkpoint under a step's name."""
+        so a crash midway never leaves a partial checkpoint under a step's name. A step whose
+        directory is already gone is forgotten; one that cannot be deleted stays listed."""
+        self._check_writable("delete")
+        step = _step(step)
         with self._lock:
-            info = self._checkpoints.pop(step, None)
+            info = self._checkpoints.get(step)
         if info is None:
             raise KeyError(f"{self.directory}: no checkpoint of step {step}")
-        if not self._is_root:
-            return  # rank 0 deletes; the other ranks only forget it
-        doomed = self.directory / f".{info.directory.name}.deleting-{uuid.uuid4().hex[:12]}"
-        os.rename(info.directory, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        if self._is_root:  # rank 0 deletes; the other ranks only forget it
+            try:
+                steps.delete(info.directory)
+            except FileNotFoundError:
+                pass  # removed by hand: nothing left to delete
+        with self._lock:
+            self._checkpoints.pop(step, None)
 
     def wait(self) -> None:
         """Waits for the pending async save; raises its error, if it failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            self._unwaited.clear()
             pending.result()
 
     def close(self) -> None:
-        """Waits for the pending save and stops the background thread."""
+        """Waits for the pending save, stops the background thread and gives up the directory
+        (another writer may then open it). Queries and restores still work after."""
         try:
             self.wait()
         finally:
@@ -411,6 +454,9 @@ class CheckpointManager:
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self._staging.clear()
+            if self._writer is not None:
+                self._writer.release()
+            self._closed = True
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -422,10 +468,11 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None) -> CheckpointState:
         """Loads the checkpoint of ``step`` (default: the latest). With ``comm``, this rank's
-        part: see :meth:`restore_sharded`."""
+        part: see :meth:`restore_sharded`. A reader whose step is deleted (by retention)
+        while it loads tries again with the new latest."""
         if self.comm is not None:
             return self.restore_sharded(step)[0]
-        return self._info(step).load()
+        return self._retrying(step, lambda info: info.load())
 
     def restore_sharded(self, step: int | None = None, *, slices: Mapping[str, Any] | None = None
                         ) -> tuple[CheckpointState, dict[str, Any]]:  # fmt: skip
@@ -436,13 +483,30 @@ class CheckpointManager:
 
         return load_sharded(self._info(step).directory, comm=self.comm, slices=slices)
 
+    def _retrying(self, step: int | None, load: Any) -> Any:
+        attempts = 10 if self.read_only else 1
+        for attempt in range(attempts):
+            info = self._info(step)
+            try:
+                return load(info)
+            except FileNotFoundError:
+                # Deleted while we loaded it? Then look again (a writer keeps the newest).
+                self.reload()
+                with self._lock:
+                    gone = info.step not in self._checkpoints
+                if not gone or attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def _info(self, step: int | None) -> CheckpointInfo:
         self.wait()
+        self._refresh()
         with self._lock:
             if step is None:
                 if not self._checkpoints:
                     raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
                 step = max(self._checkpoints)
+            step = _step(step)
             info = self._checkpoints.get(step)
         if info is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
@@ -450,25 +514,63 @@ class CheckpointManager:
 
     def verify(self, step: int | None = None) -> Verified:
         """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest)."""
-        info = self.latest() if step is None else {c.step: c for c in self.all()}.get(step)
+        info = self.latest() if step is None else {c.step: c for c in self.all()}.get(_step(step))
         if info is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
         return verify(info.directory)
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()})"
+        mode = ", read_only=True" if self.read_only else ""
+        return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()}{mode})"
 
 
-def _process_is_gone(pid: int) -> bool:
-    if pid == os.getpid():  # a directory of ours from before a restart (pid 1 in a container)
-        return True
+def _step(step: Any) -> int:
+    """A step as an int: ints and NumPy integers (not bools) from 0 up."""
+    step = _integer("step", step)
+    if step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step}")
+    return step
+
+
+def _integer(what: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an int, got {value!r}")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r}") from None
+
+
+class _UnwaitedSave:
+    """The async save nobody has waited for yet: if it failed and the manager is collected or
+    the program ends first, its failure is reported (a warning on stderr) instead of lost."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.future: Future[None] | None = None
+        self.step = 0
+
+    def watch(self, future: Future[None], step: int) -> None:
+        self.future, self.step = future, step
+
+    def clear(self) -> None:
+        self.future = None
+
+    def report(self) -> None:
+        future, self.future = self.future, None
+        if future is None:
+            return
+        if not future.done():  # collected mid-save (only from a finalizer thread): report when done
+            future.add_done_callback(lambda f: self._warn(f))
+            return
+        self._warn(future)
+
+    def _warn(self, future: Future[None]) -> None:
+        error = future.exception()
+        if error is not None:
+            warnings.warn(f"{self.directory}: the async save of step {self.step} failed and was never waited for "
+                          f"(wait() or close()): that checkpoint was lost: {type(error).__name__}: {error}",
+                          RuntimeWarning, stacklevel=1)  # fmt: skip
 
 
 def _verify_in_new_process(directory: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -20,33 +21,42 @@ from typing import Any
 
 import numpy as np
 
+from . import documents
 from . import progress as _progress
+from . import safe_io
 
 METADATA_NAME = "metadata.json"
-FORMAT = "ortckpt-metadata/1"
+FORMAT = documents.METADATA_FORMAT
 _CHUNK = 8 << 20
 
 
-def sha256_of(path: Path, on_bytes: Callable[[int], object] | None = None) -> str:
-    """SHA-256 of a file (hashlib releases the GIL on large chunks); ``on_bytes(n)`` after each chunk."""
+def sha256_of(path: Path, on_bytes: Callable[[int], object] | None = None) -> tuple[int, str]:
+    """(size, SHA-256) of a regular file of a step directory, opened without following a
+    symlink (hashlib releases the GIL on large chunks); ``on_bytes(n)`` after each chunk."""
     digest = hashlib.sha256()
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    size = 0
+    with safe_io.open_regular(path, follow_symlinks=False) as f:
         while n := f.readinto(buffer):
             digest.update(view[:n])
+            size += n
             if on_bytes:
                 on_bytes(n)
-    return digest.hexdigest()
+    return size, digest.hexdigest()
 
 
 def describe_files(directory: Path, names: list[str], progress: str | None = None) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of each file; ``progress``: the label of a progress bar, if one is wanted."""
-    sizes = {name: (directory / name).stat().st_size for name in names}
+    sizes = {name: os.lstat(directory / name).st_size for name in names}
     bar = _progress.bar(f"hashing {progress}", sum(sizes.values())) if progress else None
     try:
         on_bytes = bar.update if bar is not None else None
-        return {name: {"bytes": sizes[name], "sha256": sha256_of(directory / name, on_bytes)} for name in names}
+        described = {}
+        for name in names:
+            size, digest = sha256_of(directory / name, on_bytes)
+            described[name] = {"bytes": size, "sha256": digest}
+        return described
     finally:
         if bar is not None:
             bar.close()
@@ -114,38 +124,54 @@ def build(
 
 
 def write(directory: Path, metadata: Mapping[str, Any], durable: bool) -> None:
-    path = directory / METADATA_NAME
-    with open(path, "w", encoding="utf-8") as f:
-        # allow_nan=False: metrics such as NaN losses must not make a file other tools cannot parse.
-        json.dump(_json_safe(metadata), f, indent=1, sort_keys=True, allow_nan=False)
-        f.write("\n")
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
+    """Writes metadata.json into a step directory being filled (created exclusively: a file or
+    symlink planted there makes the save fail, never written through)."""
+    safe_io.write_new(directory / METADATA_NAME, encode(metadata), durable=durable)
+
+
+def encode(metadata: Mapping[str, Any]) -> bytes:
+    return (json.dumps(_json_safe(metadata), indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
 def check_serializable(metadata: Mapping[str, Any]) -> None:
-    """Raises TypeError now, in the caller's thread, for values JSON cannot hold (rather
-    than later, in an async save's background thread)."""
+    """Raises now, in the caller's thread, for metadata this manager could not write or read
+    back (rather than later, in an async save's background thread, or at the next start):
+    values JSON cannot hold (TypeError), metrics that are not numbers (TypeError), nesting
+    or size beyond metadata.json's caps."""
+    for name, value in (metadata.get("metrics") or {}).items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"checkpoint metrics are numbers: metrics[{name!r}] is {type(value).__name__}")
     try:
-        json.dumps(_json_safe(metadata), allow_nan=False)
+        data = encode({**metadata, "files": {}})
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint metadata must be JSON-serialisable: {e}") from None
+    except RecursionError:
+        data = b""
+    if not data or documents.depth_of(json.loads(data), documents.METADATA.max_depth) > documents.METADATA.max_depth:
+        raise TypeError(f"checkpoint metadata is nested deeper than {documents.METADATA.max_depth} levels")
+    if len(data) > documents.METADATA.max_bytes:
+        raise ValueError(f"checkpoint metadata takes {len(data)} bytes as JSON, more than the "
+                         f"{documents.METADATA.max_bytes} metadata.json may have")  # fmt: skip
+    documents.parse(documents.METADATA, data, METADATA_NAME)  # what a reader will check
 
 
 def read(directory: Path) -> dict[str, Any]:
-    with open(directory / METADATA_NAME, encoding="utf-8") as f:
-        return json.load(f)
+    """A step's metadata.json, validated (:mod:`ortckpt.documents`); non-finite metrics come
+    back as floats. FileNotFoundError when there is none; DocumentError when it is damaged."""
+    path = directory / METADATA_NAME
+    data = safe_io.read_regular(path, limit=documents.METADATA.max_bytes, follow_symlinks=False)
+    return documents.parse(documents.METADATA, data, os.fspath(path))
 
 
 def _json_safe(value: Any) -> Any:
-    """NaN and infinities as strings; NumPy scalars as Python numbers."""
+    """Non-finite floats as strings (metrics decode back: documents.decode_metric); NumPy
+    scalars as Python numbers."""
     if isinstance(value, Mapping):
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_json_safe(v) for v in value]
     if isinstance(value, np.generic):
         value = value.item()
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return documents.encode_metric(value)
     return value

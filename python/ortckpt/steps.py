@@ -1,22 +1,186 @@
-"""Step directories (``step_00000100``), shared by CheckpointManager and sharded checkpoints."""
+"""A directory of step directories (``step_00000100/``), and who may write it.
+
+One owner for the layout that CheckpointManager and sharded saves share: names, the writer
+lock, temporary directories, commit, deletion and leftovers.
+
+- **One writer at a time.** A writer holds an exclusive flock on ``.ortckpt-writer.lock`` in the
+  directory for as long as it writes (a manager: from start to ``close()``), and records who
+  it is in the file (pid, host, start time, command). A second writer, in this process or any
+  other, gets :class:`~ortckpt.CheckpointDirectoryInUseError` naming the holder. Readers take
+  no lock. The kernel releases the lock when its holder dies, however it dies.
+- **Liveness is the lock.** Since only the lock's holder writes, every temporary or
+  half-deleted directory it finds at start is a leftover of a writer that is gone, whatever
+  pid its name carries (every container's trainer is pid 1; pids are reused).
+- **A step is written privately, committed by rename.** ``.step_<n>.tmp-<random>/`` is
+  created writable by this user only, filled, then given its final permissions and renamed to
+  ``step_<n>``; the rename fails rather than replace an existing step.
+- **Deletion renames first** (``.step_<n>.deleting-<random>``), then removes, so no step
+  directory is ever half deleted under its own name.
+"""
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
+import json
 import os
 import re
+import secrets
+import socket
+import sys
+import time
+import warnings
+import weakref
 from pathlib import Path
+from typing import Any
+
+from . import documents
+from . import safe_io
+from .errors import CheckpointDirectoryInUseError, CheckpointExistsError
+from .safe_io import fsync_directory as fsync_directory
 
 STEP_DIR = re.compile(r"step_(\d+)")
+_TEMPORARY = re.compile(r"\.step_\d+\.(tmp|deleting)-.*", re.DOTALL)
+WRITER_LOCK_NAME = ".ortckpt-writer.lock"
 
 
 def step_directory_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def fsync_directory(path: Path) -> None:
-    """Makes a directory's entries (new names, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
+def step_of(name: str) -> int | None:
+    """The step a committed step directory's name gives, or None for any other name."""
+    match = STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+class WriterLock:
+    """The right to write ``directory``: taken at once or refused with
+    :class:`~ortckpt.CheckpointDirectoryInUseError`. Released by :meth:`release`, when the
+    object is collected, at exit, or by the kernel when the process dies.
+
+    On a filesystem without locks (some NFS and Lustre mounts) it warns and goes on unlocked:
+    then nothing proves another writer absent, and leftovers are never removed.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / WRITER_LOCK_NAME
+        self.locked = False
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, safe_io.FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder_of(fd)
+                os.close(fd)
+                raise CheckpointDirectoryInUseError(directory, holder) from None
+            except OSError as e:
+                if e.errno not in safe_io.LOCKS_UNSUPPORTED:
+                    os.close(fd)
+                    raise
+                warnings.warn(f"{directory}: this filesystem has no file locks ({e.strerror}): a second writer "
+                              "cannot be detected, and leftovers of crashed saves are kept", RuntimeWarning,
+                              stacklevel=3)  # fmt: skip
+                break
+            if _still_named(fd, self.path):
+                self.locked = True
+                break
+            os.close(fd)  # the previous holder removed this file after we opened it: take the new one
+        self._fd = fd
+        if self.locked:
+            record = {"pid": os.getpid(), "host": socket.gethostname(),
+                      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      "command": " ".join(sys.argv)[:200]}  # fmt: skip
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._release = weakref.finalize(self, _release, fd, self.path, self.locked)
+
+    def release(self) -> None:
+        """Gives the directory up (idempotent)."""
+        self._release()
+
+    @property
+    def held(self) -> bool:
+        return self._release.alive
+
+
+def _release(fd: int, path: Path, locked: bool) -> None:
+    # Removed while still locked (a waiter that then locks the removed file sees it is no longer
+    # named and opens the path again); unlocked explicitly, since a child process forked
+    # meanwhile shares the lock.
     try:
-        os.fsync(fd)
+        if locked and _still_named(fd, path):
+            os.unlink(path)
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        pass
     finally:
         os.close(fd)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        named, opened = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _holder_of(fd: int) -> dict[str, Any]:
+    """Who holds the lock, as it wrote (it may not have written yet: a few tries)."""
+    for _ in range(5):
+        try:
+            data = os.pread(fd, documents.WRITER_HOLDER.max_bytes + 1, 0)
+            if data:
+                return documents.parse(documents.WRITER_HOLDER, data, "lock record")
+        except (OSError, documents.DocumentError):
+            pass
+        time.sleep(0.01)
+    return {}
+
+
+def remove_leftovers(directory: Path, lock: WriterLock) -> None:
+    """Removes what crashed saves and deletions left (temporary and half-deleted directories).
+    Only the lock's holder may: holding it proves their writers gone."""
+    if not lock.locked:
+        return
+    for entry in safe_io.entries(directory):
+        if _TEMPORARY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            safe_io.remove_tree(Path(entry.path))
+
+
+def new_temp_directory(directory: Path, step: int) -> Path:
+    """A fresh private directory for the files of ``step``, committed later by :func:`commit`."""
+    temp = directory / f".{step_directory_name(step)}.tmp-{secrets.token_hex(16)}"
+    safe_io.make_private_directory(temp)
+    return temp
+
+
+def commit(temp: Path, directory: Path, step: int, *, durable: bool) -> Path:
+    """Publishes a filled temporary directory as ``step``'s; CheckpointExistsError if that step
+    directory exists (committed earlier, or something else under its name)."""
+    if durable:
+        fsync_directory(temp)
+    safe_io.publish_directory(temp)
+    final = directory / step_directory_name(step)
+    try:
+        os.rename(temp, final)  # fails, rather than replaces, when final is a non-empty directory
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise CheckpointExistsError(f"{final}: a directory of step {step} exists already "
+                                        "(not a checkpoint this manager lists: look at it, or delete it)") from None  # fmt: skip
+        raise
+    if durable:
+        fsync_directory(directory)
+    return final
+
+
+def delete(step_directory: Path) -> None:
+    """Deletes a committed step directory: renamed out of sight first (atomic), then removed.
+    FileNotFoundError when it is gone already."""
+    doomed = step_directory.with_name(f".{step_directory.name}.deleting-{secrets.token_hex(16)}")
+    os.rename(step_directory, doomed)
+    safe_io.remove_tree(doomed)

@@ -3,37 +3,65 @@
 //! A crash or error at any point leaves the target either as it was or complete.
 //! Renaming (not writing in place) also keeps any live mapping of the old file
 //! valid: the old inode lives on until its last mapping goes.
+//!
+//! Temporary files are created exclusively (O_EXCL, O_NOFOLLOW) under unpredictable
+//! names, so nothing planted in the directory is ever written through, and each is
+//! locked by its writer until committed (see [`super::locks`]): a cleaner removes only
+//! those whose writer is gone, whatever their names say.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, IoSlice, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::locks::{self, still_named, NO_FOLLOW};
 use super::writeback::{AfterEachPiece, PIECE};
 use crate::error::{Error, Result};
 
-/// Prefix of temporary files, so readers and cleaners can recognise them.
-const TEMP_MARKER: &str = ".ortckpt-tmp";
+/// Permissions of the files a save creates, before the umask: never writable by others.
+const FILE_MODE: u32 = 0o644;
 
-/// The temporary file a save to `target` writes first: hidden, in the same
-/// directory (rename is only atomic within one filesystem), unique per call.
+/// Marks temporary files, so that readers and cleaners can recognise them.
+const TEMP_MARKER: &str = ".ortckpt-tmp.";
+
+/// Attempts at a fresh temporary name before giving up (each collision is a planted
+/// file or a 1-in-2^128 coincidence).
+const NAME_ATTEMPTS: usize = 16;
+
+/// A temporary name for a save to `target`: hidden, in the same directory (rename is
+/// only atomic within one filesystem), with 128 random bits.
 pub fn temp_path_for(target: &Path) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let unique = format!(
-        ".{name}{TEMP_MARKER}.{}.{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    );
-    target.with_file_name(unique)
+    let random: String = random_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    target.with_file_name(format!(".{name}{TEMP_MARKER}{random}"))
 }
 
-/// A fully written temporary file waiting to replace its target. Dropped
-/// without [`PendingFile::commit`], it removes itself: the target is untouched.
+/// 16 bytes from the OS's random source.
+fn random_bytes() -> [u8; 16] {
+    let mut out = [0u8; 16];
+    let mut filled = 0;
+    while filled < out.len() {
+        // SAFETY: writes at most the remaining bytes of `out`, which we own.
+        let n =
+            unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), out.len() - filled, 0) };
+        if n > 0 {
+            filled += n as usize;
+        } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            // No getrandom (very old kernels): the pair-id generator's source, keyed per process.
+            return crate::format::pairing::new_pair_id();
+        }
+    }
+    out
+}
+
+/// A fully written temporary file waiting to replace its target, locked by this
+/// process until then. Dropped without [`PendingFile::commit`], it removes itself:
+/// the target is untouched.
 pub struct PendingFile {
+    file: File,
     temp: PathBuf,
     target: PathBuf,
     committed: bool,
@@ -44,7 +72,7 @@ impl PendingFile {
     ///
     /// # Errors
     /// The OS error of the rename, with the target's path; the temporary file is removed.
-    pub fn commit(mut self) -> Result<()> {
+    pub fn commit(&mut self) -> Result<()> {
         fs::rename(&self.temp, &self.target).map_err(|e| Error::from(e).in_file(&self.target))?;
         self.committed = true;
         Ok(())
@@ -53,6 +81,12 @@ impl PendingFile {
     pub fn target(&self) -> &Path {
         &self.target
     }
+
+    /// Whether the target is still the file this one became at commit (no other save
+    /// has replaced it since).
+    pub fn is_target_now(&self) -> bool {
+        still_named(&self.file, &self.target)
+    }
 }
 
 impl Drop for PendingFile {
@@ -60,7 +94,42 @@ impl Drop for PendingFile {
         if !self.committed {
             let _ = fs::remove_file(&self.temp);
         }
+        // The lock goes with the file descriptor, after the name is gone.
     }
+}
+
+/// A new, empty temporary file for a save to `target`, created exclusively and locked.
+fn create_locked_temp(target: &Path) -> Result<(File, PathBuf)> {
+    let mut last = None;
+    for _ in 0..NAME_ATTEMPTS {
+        let temp = temp_path_for(target);
+        let file = match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(FILE_MODE)
+            .custom_flags(NO_FOLLOW)
+            .open(&temp)
+        {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                last = Some(Error::from(e).in_file(&temp));
+                continue;
+            }
+            Err(e) => return Err(Error::from(e).in_file(target)),
+        };
+        match file.lock() {
+            Ok(()) => {}
+            Err(e) if locks::locks_unsupported(&e) => return Ok((file, temp)),
+            Err(e) => return Err(Error::from(e).in_file(&temp)),
+        }
+        // A cleaner may have taken it for a dead save's between our create and our lock.
+        if still_named(&file, &temp) {
+            return Ok((file, temp));
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        Error::from(io::Error::other("no temporary file could be created")).in_file(target)
+    }))
 }
 
 /// Runs `write` on a fresh temporary file beside `path` (fsynced when `durable`)
@@ -68,7 +137,8 @@ impl Drop for PendingFile {
 /// replaces its target.
 ///
 /// # Errors
-/// Any OS error, with the target's path attached; the temporary file is removed.
+/// Any OS error, with the target's path attached (the temporary file's, when it is
+/// the temporary name that is taken); the temporary file is removed.
 pub fn write_pending(
     path: &Path,
     durable: bool,
@@ -81,31 +151,32 @@ pub fn write_pending(
         );
         return Err(Error::from(e).in_file(path));
     }
-    let temp = temp_path_for(path);
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&temp)
-        .map_err(|e| Error::from(e).in_file(path))?;
+    let (file, temp) = create_locked_temp(path)?;
     // From here on, dropping `pending` (on any error) removes the temporary file.
-    let pending = PendingFile {
+    let mut pending = PendingFile {
+        file,
         temp,
         target: path.to_path_buf(),
         committed: false,
     };
-    let written = write(&mut file).and_then(|()| if durable { file.sync_all() } else { Ok(()) });
+    let written = write(&mut pending.file).and_then(|()| {
+        if durable {
+            pending.file.sync_all()
+        } else {
+            Ok(())
+        }
+    });
     written.map_err(|e| Error::from(e).in_file(path))?;
     Ok(pending)
 }
 
-/// The temporary files of saves to `target` that never committed (or still run):
-/// `(path, pid of the process that wrote it)`.
-pub fn pending_temps(target: &Path) -> Vec<(PathBuf, u32)> {
+/// The temporary files of saves to `target` that never committed, or still run.
+pub fn pending_temps(target: &Path) -> Vec<PathBuf> {
     pending_temps_of(&[target])
 }
 
 /// [`pending_temps`] of targets in one directory, with one scan of it.
-fn pending_temps_of(targets: &[&Path]) -> Vec<(PathBuf, u32)> {
+fn pending_temps_of(targets: &[&Path]) -> Vec<PathBuf> {
     let Some(first) = targets.first() else {
         return Vec::new();
     };
@@ -116,7 +187,7 @@ fn pending_temps_of(targets: &[&Path]) -> Vec<(PathBuf, u32)> {
     let prefixes: Vec<String> = targets
         .iter()
         .filter_map(|t| t.file_name())
-        .map(|n| format!(".{}{TEMP_MARKER}.", n.to_string_lossy()))
+        .map(|n| format!(".{}{TEMP_MARKER}", n.to_string_lossy()))
         .collect();
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
@@ -124,42 +195,21 @@ fn pending_temps_of(targets: &[&Path]) -> Vec<(PathBuf, u32)> {
     entries
         .filter_map(|e| {
             let name = e.ok()?.file_name().into_string().ok()?;
-            let rest = prefixes
+            prefixes
                 .iter()
-                .find_map(|p| name.strip_prefix(p.as_str()))?;
-            let pid = rest.split('.').next()?.parse().ok()?;
-            Some((dir.join(&name), pid))
+                .any(|p| name.starts_with(p.as_str()))
+                .then(|| dir.join(&name))
         })
         .collect()
 }
 
 /// Removes what crashed or killed saves to `targets` (files of one directory) left
-/// behind: temporary files whose writing process no longer runs. Files of live
-/// processes (a save in progress elsewhere) are left alone.
+/// behind: temporary files no writer holds locked. Files of live saves (in any
+/// process, this one included) are left alone.
 pub fn remove_stale_temps(targets: &[&Path]) {
-    for (temp, pid) in pending_temps_of(targets) {
-        if !process_is_alive(pid) {
-            let _ = fs::remove_file(temp);
-        }
+    for temp in pending_temps_of(targets) {
+        locks::remove_if_abandoned(&temp);
     }
-}
-
-#[cfg(unix)]
-fn process_is_alive(pid: u32) -> bool {
-    if pid == std::process::id() {
-        return true; // another thread of ours may be mid-save
-    }
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-#[cfg(not(unix))]
-fn process_is_alive(_pid: u32) -> bool {
-    true // no cheap check: keep everything
 }
 
 /// fsyncs the directory holding `path`, so that renames into it survive a power cut.

@@ -1,7 +1,9 @@
 //! Files: private memory maps for reading, vectored writes into a temporary
-//! file that atomically replaces the target. Knows byte ranges, not tensors.
+//! file that atomically replaces the target, and the locks that tell live
+//! writers from dead ones. Knows byte ranges, not tensors.
 
 mod atomic;
+pub mod locks;
 mod mapped;
 mod progress;
 mod writeback;
@@ -10,6 +12,7 @@ pub use atomic::{
     pending_temps, remove_stale_temps, replace_atomically, sync_parent_dir, temp_path_for,
     write_at_parallel, write_pending, write_segments, PendingFile,
 };
-pub use mapped::{map_private, map_private_any};
+pub use locks::PathLock;
+pub use mapped::{map_private, map_private_any, FileId};
 pub use progress::Progress;
 pub use writeback::AfterEachPiece;

@@ -29,6 +29,7 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
         ErrorKind::UnsupportedDataType(_) => "UnsupportedDataTypeError",
         ErrorKind::InvalidState(_) => "CheckpointStateError",
         ErrorKind::BigEndianHost => "UnsupportedPlatformError",
+        ErrorKind::NotRegularFile(_) => "SpecialFileError",
     };
     package_error(py, class, &e.to_string(), filename, e.tensor())
 }

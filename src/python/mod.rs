@@ -42,12 +42,18 @@ fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 }
 
 /// Opens a checkpoint: returns a dict of its metadata and a `MappedFile` whose
-/// buffer holds the tensor bytes at the offsets given.
+/// buffer holds the tensor bytes at the offsets given. Without `follow_symlinks`, a
+/// symlink at the path (or at its data file) is refused.
 #[pyfunction]
-fn load<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (path, *, follow_symlinks = true))]
+fn load<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    follow_symlinks: bool,
+) -> PyResult<Bound<'py, PyDict>> {
     guarded(py, || {
         let loaded = py
-            .detach(|| crate::load(&path))
+            .detach(|| crate::load_with(&path, follow_symlinks))
             .map_err(|e| to_py_err(py, e))?;
         let (map, data, ckpt) = loaded.into_parts();
         let out = PyDict::new(py);

@@ -134,7 +134,7 @@ def test_errors_have_exit_codes_and_name_the_file(capsys, tmp_path):
     bad.write_bytes(b"not a checkpoint at all")
     code, _, err = cli(capsys, "inspect", bad)
     assert code == FAILED and str(bad) in err and "ODTC" in err
-    assert cli(capsys, "inspect", tmp_path / "missing")[0] == USAGE
+    assert cli(capsys, "inspect", tmp_path / "missing")[0] == FAILED  # an input that cannot be read
     assert cli(capsys, "frobnicate")[0] == USAGE
     assert cli(capsys, "diff", "--rtol", "x", bad, bad)[0] == USAGE
 

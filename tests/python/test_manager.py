@@ -31,6 +31,7 @@ from ortckpt import (
     verify,
 )
 from ortckpt.metadata import git_commit_of
+from ortckpt.steps import WRITER_LOCK_NAME
 from test_retention import reference_kept
 
 
@@ -169,9 +170,11 @@ def test_a_real_directory_holds_what_the_reference_keeps(tmp_path_factory, max_t
         manager.save(state, step, metrics=None if loss is None else {"loss": loss})
         history.append((step, loss))
     expected = reference_kept(history, max_to_keep, keep_best, keep_every)
-    on_disk = sorted(int(p.name.split("_")[1]) for p in directory.iterdir())
+    on_disk = sorted(int(p.name.split("_")[1]) for p in directory.iterdir() if p.name.startswith("step_"))
     assert on_disk == sorted(expected) == manager.all_steps()
-    assert CheckpointManager(directory).all_steps() == sorted(expected)  # a fresh manager sees the same
+    assert CheckpointManager(directory, read_only=True).all_steps() == sorted(expected)  # a reader sees the same
+    manager.close()
+    assert CheckpointManager(directory).all_steps() == sorted(expected)  # and so does the next writer
 
 
 def test_async_save_takes_a_snapshot_so_the_caller_may_change_its_arrays(tmp_path):
@@ -202,7 +205,7 @@ def test_async_save_error_surfaces_at_the_next_call_and_leaves_nothing(tmp_path,
     monkeypatch.undo()
     manager.wait()  # the error was reported once
     assert manager.all_steps() == [1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [WRITER_LOCK_NAME, "step_00000001"]
     manager.save(make_state(), 3)
     manager.close()
     assert manager.all_steps() == [1, 3]
@@ -240,7 +243,7 @@ def test_verify_after_save_refuses_to_commit_a_bad_checkpoint(tmp_path, monkeypa
     with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
         manager.save(make_state(), 2)
     assert manager.all_steps() == [1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [WRITER_LOCK_NAME, "step_00000001"]
 
 
 def test_verify_names_what_is_wrong(tmp_path):
@@ -298,21 +301,24 @@ def test_external_data_is_hashed_and_verified(tmp_path):
 
 
 def test_leftovers_of_crashed_saves_and_deletions_are_removed_on_start(tmp_path):
+    """A writer that holds the directory's lock is its only writer: every temporary or
+    half-deleted directory is then a leftover, whatever pid its name carries (a live writer
+    elsewhere would hold the lock: tests/python/test_manager_liveness.py)."""
     CheckpointManager(tmp_path).save(make_state(), 1)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = tmp_path / f".step_00000002.tmp-{dead.pid}-abc123"
+    stale = tmp_path / ".step_00000002.tmp-1234-abc123"
     mine_before_restart = tmp_path / f".step_00000003.tmp-{os.getpid()}-abc123"
-    live = tmp_path / f".step_00000004.tmp-{os.getppid()}-abc123"  # another process still saving
+    new_style = tmp_path / ".step_00000004.tmp-0123456789abcdef0123456789abcdef"
     deleting = tmp_path / ".step_00000000.deleting-abc123"
     unrelated = tmp_path / "notes.txt"
-    for d in (stale, mine_before_restart, live, deleting):
+    for d in (stale, mine_before_restart, new_style, deleting):
         d.mkdir()
         (d / "checkpoint").write_bytes(b"partial")
     unrelated.write_text("keep me")
-    manager = CheckpointManager(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "notes.txt", "step_00000001"])
-    assert manager.all_steps() == [1]
+    (tmp_path / ".step_00000005.tmp-file").write_text("not a directory: not ours")
+    with CheckpointManager(tmp_path) as manager:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [".step_00000005.tmp-file", WRITER_LOCK_NAME, "notes.txt", "step_00000001"])  # fmt: skip
+        assert manager.all_steps() == [1]
 
 
 def test_rng_state_round_trips_through_the_metadata(tmp_path):
@@ -328,7 +334,7 @@ def test_rng_state_round_trips_through_the_metadata(tmp_path):
 
     expected = draws()
     draws()  # move every generator on
-    restore_rng_state(CheckpointManager(tmp_path).latest().rng_state, gen, legacy, py)
+    restore_rng_state(CheckpointManager(tmp_path, read_only=True).latest().rng_state, gen, legacy, py)
     assert draws() == expected
     with pytest.raises(ValueError, match="3 generator"):
         restore_rng_state(manager.latest().rng_state, gen)
@@ -380,17 +386,17 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
         time.sleep(rng.uniform(0.0, 0.15))
         child.send_signal(signal.SIGKILL)
         child.wait()
-        mid_save += any(p.name.startswith(".") for p in directory.iterdir()) if directory.exists() else 0
-        manager = CheckpointManager(directory)
-        leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
-        assert leftovers == [], f"trial {trial}: leftovers after restart: {leftovers}"
-        latest = manager.latest()
-        if latest is None:
-            continue
-        checked = manager.verify()
-        assert checked.step == latest.step and checked.tensors == 8
-        assert len(manager.all_steps()) <= 3  # max_to_keep=2, plus one if killed between commit and retention
-        latest_steps.append(latest.step)
+        mid_save += any(p.name.startswith(".step") for p in directory.iterdir()) if directory.exists() else 0
+        with CheckpointManager(directory) as manager:  # the killed writer's lock is free again
+            leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".") and p.name != WRITER_LOCK_NAME]
+            assert leftovers == [], f"trial {trial}: leftovers after restart: {leftovers}"
+            latest = manager.latest()
+            if latest is None:
+                continue
+            checked = manager.verify()
+            assert checked.step == latest.step and checked.tensors == 8
+            assert len(manager.all_steps()) <= 3  # max_to_keep=2, plus one if killed between commit and retention
+            latest_steps.append(latest.step)
     print(f"{mode}: {trials} kills, {mid_save} inside a save or deletion, latest steps reached {latest_steps[-1]}")
     assert len(latest_steps) > trials // 2, "the kills came too early to test anything"
     assert mid_save > trials // 10, "too few kills landed inside a save to test anything"

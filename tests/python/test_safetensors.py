@@ -114,8 +114,8 @@ def write_raw(path, header: dict | bytes, data: bytes = b"") -> None:
 @pytest.mark.parametrize(
     "header, data, expected",
     [
-        (b"", b"", "header is not JSON"),
-        (b"[1, 2]", b"", "not a JSON object"),
+        (b"", b"", "not JSON"),
+        (b"[1, 2]", b"", "the header is \\[1, 2\\], expected an object"),
         ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "tensor t: bytes 0..8 of 4"),
         ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "tensor t"),
         ({"t": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "tensor t"),

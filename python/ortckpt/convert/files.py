@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from .. import safe_io
 from ..checkpoint_state import CheckpointState, _save_core
 from ..errors import CheckpointError
 
@@ -28,13 +29,14 @@ def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
     is recognised whatever its name), otherwise from its extension; ``ortckpt`` for a name
     without a known extension."""
     path = Path(path)
-    if path.is_file():
-        with open(path, "rb") as f:
+    try:
+        with safe_io.open_regular(path) as f:
             head = f.read(8)
         if head[4:8] == ODTC_IDENTIFIER:
             return "ortckpt"
-    elif must_exist:
-        raise FileNotFoundError(f"{path}: no such file")
+    except OSError:
+        if must_exist:  # missing, a directory, a FIFO...: the error says which
+            raise
     suffix = path.suffix.lower()
     for name, suffixes in FORMATS.items():
         if suffix in suffixes and suffix:
@@ -43,7 +45,9 @@ def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
 
 
 def load_any(path: str | os.PathLike[str], fmt: str | None = None, *, frozen: Iterable[str] = ()) -> CheckpointState:
-    """A state from a file of any supported format (``fmt`` overrides detection)."""
+    """A state from a file of any supported format (``fmt`` overrides detection). Errors of
+    the libraries that read ONNX and torch files become :class:`ConversionError` naming the
+    file; anything but a regular file is refused before any library opens it."""
     fmt = fmt or format_of(path, must_exist=True)
     frozen = list(frozen)
     if fmt == "ortckpt":
@@ -54,15 +58,22 @@ def load_any(path: str | os.PathLike[str], fmt: str | None = None, *, frozen: It
         from .safetensors_file import load_safetensors
 
         return load_safetensors(path, frozen=frozen)
-    if fmt == "onnx":
-        from .onnx_model import state_from_onnx
+    if fmt not in ("onnx", "torch"):
+        raise ConversionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    safe_io.check_regular(path)
+    try:
+        if fmt == "onnx":
+            from .onnx_model import state_from_onnx
 
-        return state_from_onnx(path, frozen=frozen)
-    if fmt == "torch":
+            return state_from_onnx(path, frozen=frozen)
         from .torch_state import load_torch_file
 
         return load_torch_file(path, frozen=frozen)
-    raise ConversionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    except (CheckpointError, OSError, ImportError):
+        raise
+    except Exception as e:  # the library's own errors (protobuf, onnx's checker, torch's unpickler)
+        message = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ConversionError(f"{os.fspath(path)}: cannot read this {fmt} file: {message}") from e
 
 
 def save_any(

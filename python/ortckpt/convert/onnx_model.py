@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes as _dt
+from .. import safe_io
 from ..checkpoint_state import CheckpointState, PackedInt4, _as_bytes, _save_core
 from ..errors import CheckpointStateError
 
@@ -163,9 +165,16 @@ def _fill_initializers(state: CheckpointState, model: onnx.ModelProto) -> int:
 
 
 def _load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[Any, str]:
-    """The model (external data loaded) and the directory its external data paths start from."""
+    """The model (external data loaded) and the directory its external data paths start from.
+    The file is read here (a regular file only, so a FIFO never blocks), then parsed by onnx."""
     if isinstance(model, (str, os.PathLike)):
-        return _onnx().load(os.fspath(model)), os.path.dirname(os.fspath(model))
+        onnx = _onnx()
+        from onnx.external_data_helper import load_external_data_for_model
+
+        base_dir = os.path.dirname(os.fspath(model))
+        proto = onnx.load_model_from_string(safe_io.read_regular(model))
+        load_external_data_for_model(proto, base_dir)
+        return proto, base_dir
     return model, ""
 
 
@@ -226,13 +235,23 @@ def export_model(
             external_data = proto.ByteSize() > PROTOBUF_LIMIT
         except EncodeError:  # protobuf will not even size a message past its limit
             external_data = True
-    if external_data:
-        # onnx appends to an existing data file: start from none.
-        Path(f"{path}.data").unlink(missing_ok=True)
-        onnx.save_model(proto, os.fspath(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{path.name}.data", size_threshold=size_threshold)  # fmt: skip
-    else:
-        onnx.save_model(proto, os.fspath(path))
+    # onnx writes into a private directory of ours (nothing planted there to write through),
+    # then the files are renamed into place: the data file first, the model that points into it last.
+    staging = path.parent / f".{path.name}.ortckpt-export.{secrets.token_hex(16)}"
+    safe_io.make_private_directory(staging)
+    try:
+        if external_data:
+            onnx.save_model(proto, os.fspath(staging / path.name), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=f"{path.name}.data",
+                            size_threshold=size_threshold)  # fmt: skip
+        else:
+            onnx.save_model(proto, os.fspath(staging / path.name))
+        for name in sorted(os.listdir(staging), key=lambda n: n == path.name):
+            os.replace(staging / name, path.parent / name)
+        if not external_data:
+            Path(f"{path}.data").unlink(missing_ok=True)  # an earlier export's, which this model does not use
+    finally:
+        safe_io.remove_tree_quietly(staging)
     return path
 
 

@@ -18,15 +18,16 @@ its metadata string properties.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import documents, safe_io
 from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedInt4, _as_bytes
 from ..errors import CheckpointFormatError, UnsupportedDataTypeError
@@ -53,7 +54,7 @@ DTYPE_NAMES = {
 }
 CODES = {name: code for code, name in DTYPE_NAMES.items()}
 # A header larger than this is not a checkpoint's (safetensors itself stops at 100 MB).
-MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_BYTES = documents.SAFETENSORS_HEADER.max_bytes
 
 
 def momentum_tensor_name(group: str, param: str, momentum: str) -> str:
@@ -125,18 +126,14 @@ def write_file(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], met
         offset += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)  # the data then starts 8-byte aligned
-    path = Path(path)
-    temp = path.with_name(f".{path.name}.ortckpt-tmp.{os.getpid()}")
-    try:
-        with open(temp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for name in order:
-                if tensors[name].nbytes:
-                    f.write(memoryview(_as_bytes(tensors[name])))
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+    # A locked temporary file of a fresh name, renamed over path: two writers of one path
+    # each write their own file, and the last rename wins whole.
+    with safe_io.atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in order:
+            if tensors[name].nbytes:
+                f.write(memoryview(_as_bytes(tensors[name])))
 
 
 def _array_for(name: str, value: Any) -> np.ndarray:
@@ -152,47 +149,66 @@ def _array_for(name: str, value: Any) -> np.ndarray:
 def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The tensors (read-only views over a memory map of the file) and the metadata.
 
-    Raises :class:`~ortckpt.CheckpointFormatError` naming the file (and the tensor) for anything
-    malformed: a header past the end, bad JSON, unknown dtypes, byte ranges outside the data or
-    disagreeing with the shape.
+    Refuses, with :class:`~ortckpt.CheckpointFormatError` naming the file (and the tensor),
+    what the ``safetensors`` package refuses: a header past the end, not JSON or not of the
+    format (non-integer shapes or offsets, unknown dtypes, nesting), byte ranges that disagree
+    with their shape, and tensors that do not tile the data exactly (overlapping ranges would
+    alias one another; gaps and trailing bytes are not the format). Anything but a regular
+    file is refused before it is read.
     """
     path = os.fspath(path)
 
     def bad(message: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{path}: not a valid safetensors file: {message}")
 
-    with open(path, "rb") as f:
+    with safe_io.open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise bad(f"{size} bytes, shorter than the header length")
-        (header_len,) = struct.unpack("<Q", f.read(8))
+        (header_len,) = struct.unpack("<Q", _read_exactly(f, 8))
         if header_len > min(MAX_HEADER_BYTES, size - 8):
             raise bad(f"header of {header_len} bytes in a file of {size}")
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise bad(f"header is not JSON ({e})") from None
+            header = documents.parse(documents.SAFETENSORS_HEADER, _read_exactly(f, header_len), "header")
+        except documents.DocumentError as e:
+            raise bad(str(e).removeprefix("header: ")) from None
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + header_len else b""
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad("__metadata__ is not a map of strings")
+    metadata = header.pop("__metadata__")
     start, data_len = 8 + header_len, size - 8 - header_len
     tensors = {}
+    ranges = []
     for name, info in header.items():
-        try:
-            code = CODES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"tensor {name}: entry {info!r} is not a dtype, shape and data_offsets") from None
+        code = CODES.get(info["dtype"])
+        if code is None:
+            raise bad(f"tensor {name}: unknown dtype {info['dtype']!r}")
+        shape = tuple(info["shape"])
+        begin, end = info["data_offsets"]
         dtype = _dt.numpy_dtype(code)
-        count = int(np.prod(shape, dtype=np.int64)) if all(d >= 0 for d in shape) else -1
-        if count < 0 or not 0 <= begin <= end <= data_len or end - begin != count * dtype.itemsize:
+        count = math.prod(shape)  # Python ints: no overflow, however large the dims claim
+        if end > data_len or end - begin != count * dtype.itemsize:
             raise bad(f"tensor {name}: bytes {begin}..{end} of {data_len} do not hold {info['dtype']} {list(shape)}")
+        ranges.append((begin, end, name))
         tensors[name] = np.frombuffer(mapping, dtype, count, start + begin).reshape(shape) if count else np.zeros(shape, dtype)
+    position = 0
+    for begin, end, name in sorted(ranges):
+        if begin != position:
+            where = "overlap the tensor before them" if begin < position else "leave a gap after the tensor before them"
+            raise bad(f"tensor {name}: bytes {begin}..{end} {where} (which ends at {position})")
+        position = end
+    if position != data_len:
+        last = max(ranges)[2] if ranges else None
+        raise bad(f"{data_len - position} bytes after the last tensor{f' ({last})' if last else ''}")
     return tensors, metadata
+
+
+def _read_exactly(f: Any, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = f.read(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
 
 
 def load_safetensors(path: str | os.PathLike[str], *, frozen: Iterable[str] = ()) -> CheckpointState:
@@ -203,23 +219,32 @@ def load_safetensors(path: str | os.PathLike[str], *, frozen: Iterable[str] = ()
     parameter, except those named in ``frozen``, and the metadata become string properties.
     """
     tensors, metadata = read_file(path)
+    where = os.fspath(path)
     structure_text = metadata.pop(STRUCTURE_KEY, None)
-    try:
-        structure = json.loads(structure_text) if structure_text is not None else {}
-    except json.JSONDecodeError as e:
-        raise CheckpointFormatError(f"{os.fspath(path)}: metadata {STRUCTURE_KEY} is not JSON ({e})") from None
-    frozen_names = set(frozen) | set(structure.get("frozen", []))
+    structure = (
+        documents.parse(documents.ORTCKPT_STRUCTURE, structure_text, where) if structure_text is not None else {}
+    )
+    listed_frozen = set(structure.get("frozen", []))
+    if listed_frozen - set(tensors):
+        raise CheckpointFormatError(f"{where}: {STRUCTURE_KEY} names frozen parameters not in the file: "
+                                    f"{sorted(listed_frozen - set(tensors))}")  # fmt: skip
+    frozen_names = set(frozen) | listed_frozen
     groups = {}
     for group_name, group in structure.get("optimizer_groups", {}).items():
         momentums: dict[str, dict[str, Any]] = {}
         for tensor_name, (param, momentum) in group["momentums"].items():
             if tensor_name not in tensors:
-                raise CheckpointFormatError(f"{os.fspath(path)}: momentum tensor {tensor_name} is missing")
+                raise CheckpointFormatError(f"{where}: {STRUCTURE_KEY}: momentum tensor {tensor_name} is missing")
             momentums.setdefault(param, {})[momentum] = tensors.pop(tensor_name)
         groups[group_name] = OptimizerGroup(group["step"], group["initial_learning_rate"], momentums)
+    for group_name, group in groups.items():
+        for param in group.momentums:
+            if param not in tensors:
+                raise CheckpointFormatError(f"{where}: {STRUCTURE_KEY}: momentums of {param} (group {group_name}), "
+                                            "which is not a parameter of the file")  # fmt: skip
     missing = frozen_names - set(tensors)
     if missing:
-        raise CheckpointFormatError(f"{os.fspath(path)}: frozen parameters not in the file: {sorted(missing)}")
+        raise CheckpointFormatError(f"{where}: frozen parameters not in the file: {sorted(missing)}")
     types = structure.get("property_types", {})
     properties = {}
     for name, text in metadata.items():
@@ -227,7 +252,8 @@ def load_safetensors(path: str | os.PathLike[str], *, frozen: Iterable[str] = ()
         try:
             properties[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
         except ValueError:
-            raise CheckpointFormatError(f"{os.fspath(path)}: property {name}={text!r} is not a {kind}") from None
+            raise CheckpointFormatError(f"{where}: property {name}={text!r} is not the {kind} that {STRUCTURE_KEY} "
+                                        "says it is") from None  # fmt: skip
     state = CheckpointState.from_arrays(
         {n: a for n, a in tensors.items() if n not in frozen_names},
         {n: a for n, a in tensors.items() if n in frozen_names},

@@ -15,6 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .. import safe_io
 from ..checkpoint_state import CheckpointState, OptimizerGroup
 from ..errors import CheckpointStateError
 
@@ -169,7 +170,8 @@ def load_torch_file(path: str | os.PathLike[str], *, frozen: Iterable[str] = ())
     """A state from a file of ``torch.save(model.state_dict())`` (or of a dict holding one
     under ``"state_dict"`` or ``"model"``), read with ``weights_only=True``."""
     torch = _torch()
-    data = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    with safe_io.open_regular(path) as f:  # a regular file only: a FIFO would block torch's open
+        data = torch.load(f, map_location="cpu", weights_only=True)
     if isinstance(data, Mapping):
         for key in ("state_dict", "model"):
             if isinstance(data.get(key), Mapping):
@@ -183,4 +185,6 @@ def load_torch_file(path: str | os.PathLike[str], *, frozen: Iterable[str] = ())
 def save_torch_file(state: CheckpointState, path: str | os.PathLike[str]) -> None:
     """``torch.save`` of the state's parameters as a state_dict (the optimizer state needs a
     live optimizer to become torch's; use :func:`to_torch` for it)."""
-    _torch().save(to_torch(state)[0], os.fspath(path))
+    state_dict = to_torch(state)[0]
+    with safe_io.atomic_file(path) as f:  # created exclusively, renamed over path
+        _torch().save(state_dict, f)

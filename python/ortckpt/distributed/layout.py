@@ -12,15 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..documents import shard_file_name as shard_file_name  # the index's names live with its schema
 from ..errors import CheckpointStateError
 
 INDEX_NAME = "index.json"
-FORMAT_NAME = "ortckpt.sharded"
-FORMAT_VERSION = 1
-
-
-def shard_file_name(rank: int, world_size: int) -> str:
-    return f"shard-{rank:05d}-of-{world_size:05d}"
 
 
 @dataclass(frozen=True)

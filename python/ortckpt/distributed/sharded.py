@@ -20,24 +20,23 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import _core
+from .. import _core, documents, safe_io, steps
+from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, OptimizerGroup
 from ..dtypes import PackedInt4
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
-from ..steps import STEP_DIR, fsync_directory, step_directory_name
+from ..steps import step_directory_name
 from .comm import Communicator, communicator
 from .layout import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     INDEX_NAME,
     Held,
+    Piece,
     RankDescription,
     Slice,
     TensorEntry,
@@ -64,10 +63,10 @@ def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
 def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
     """Steps of ``directory`` whose sharded checkpoint is complete (its index written), oldest first."""
     found = []
-    for entry in Path(directory).iterdir() if Path(directory).is_dir() else ():
-        match = STEP_DIR.fullmatch(entry.name)
-        if match and (entry / INDEX_NAME).is_file():
-            found.append(int(match.group(1)))
+    for entry in safe_io.entries(Path(directory)):
+        step = steps.step_of(entry.name)
+        if step is not None and os.path.isfile(os.path.join(entry.path, INDEX_NAME)):
+            found.append(step)
     return sorted(found)
 
 
@@ -110,24 +109,31 @@ def save_sharded(
     """
     comm = communicator(comm)
     target = step_directory(directory, step)
+    writer: list[steps.WriterLock] = []  # rank 0's hold on the directory, for the save's duration
 
     def prepare() -> Path:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        safe_io.make_directories(Path(directory))
+        writer.append(steps.WriterLock(Path(directory)))  # one writer at a time, as for a manager
         if (target / INDEX_NAME).exists():
             raise CheckpointExistsError(f"{target}: a sharded checkpoint of step {step} exists")
-        if target.exists():  # what a save of this step that never committed left behind
-            shutil.rmtree(target)
-        target.mkdir()
+        if target.exists():  # what a save of this step that never committed left: its writer is gone
+            safe_io.remove_tree(target)
+        safe_io.make_private_directory(target)
         return target
 
     def commit(where: Path, index: dict[str, Any]) -> None:
-        write_json_atomically(where / INDEX_NAME, index, durable)
+        safe_io.publish_directory(where)
+        write_index(where / INDEX_NAME, index, durable)
         if durable:
-            fsync_directory(Path(directory))
+            safe_io.fsync_directory(Path(directory))
 
-    return write_shards(comm, state_shard, slices, prepare=prepare, commit=commit, step=step,
-                        include_optimizer_state=include_optimizer_state, durable=durable,
-                        external_data_threshold=external_data_threshold)  # fmt: skip
+    try:
+        return write_shards(comm, state_shard, slices, prepare=prepare, commit=commit, step=step,
+                            include_optimizer_state=include_optimizer_state, durable=durable,
+                            external_data_threshold=external_data_threshold)  # fmt: skip
+    finally:
+        for lock in writer:
+            lock.release()
 
 
 def write_shards(
@@ -141,7 +147,7 @@ def write_shards(
     include_optimizer_state: bool,
     durable: bool,
     external_data_threshold: int,
-    abandon: Callable[[Path], None] = lambda where: shutil.rmtree(where, ignore_errors=True),
+    abandon: Callable[[Path], None] = lambda where: safe_io.remove_tree_quietly(where),
 ) -> Path:
     """The collective save: describe and plan, write, commit. ``prepare`` (rank 0) makes the
     directory the shards go to; ``commit`` (rank 0) makes them a checkpoint once all are written;
@@ -191,7 +197,7 @@ def write_shards(
             shards = [{"rank": r, "file": shard_file_name(r, world), "files": files}
                       for r, (_, files) in enumerate(outcomes) if files]  # fmt: skip
             index = {
-                "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "world_size": world,
+                "format": documents.SHARDED_FORMAT, "version": documents.SHARDED_VERSION, "step": step, "world_size": world,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "shards": shards, **tables, "properties": dict(descriptions[0][0].properties),
             }  # fmt: skip
@@ -349,7 +355,9 @@ def merge(
 
 
 def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple[str, dict[str, Any]]:
-    """(step directory, its index) of a committed sharded checkpoint."""
+    """(step directory, its index) of a committed sharded checkpoint, the index validated
+    (:mod:`ortckpt.documents`: shard files are plain names of their rank, pieces inside their
+    tensors and tiling them). CheckpointFormatError, naming the index, when it is damaged."""
     directory = Path(directory)
     if (directory / INDEX_NAME).is_file():
         where = directory
@@ -363,16 +371,11 @@ def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple
             raise FileNotFoundError(f"{where}: no committed sharded checkpoint of step {step} "
                                     f"(no {INDEX_NAME}: never saved, or its save did not finish)")  # fmt: skip
     path = where / INDEX_NAME
-    try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except ValueError as e:
-        raise CheckpointFormatError(f"{path}: not a sharded checkpoint index: {e}") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        raise CheckpointFormatError(f"{path}: not a sharded checkpoint index (no format {FORMAT_NAME!r})")
-    if index.get("version") != FORMAT_VERSION:
-        raise CheckpointFormatError(f"{path}: sharded checkpoint version {index.get('version')}; "
-                                    f"this ortckpt reads version {FORMAT_VERSION}")  # fmt: skip
+    data = safe_io.read_regular(path, limit=documents.SHARDED_INDEX.max_bytes, follow_symlinks=False)
+    index = documents.parse(documents.SHARDED_INDEX, data, os.fspath(path))
+    named = steps.step_of(where.name)
+    if named is not None and named != index["step"]:
+        raise CheckpointFormatError(f"{path}: step {index['step']}, but the directory is of step {named}")
     return str(where), index
 
 
@@ -393,59 +396,97 @@ def _requested_layout(where: Path, entries: Mapping[str, TensorEntry],
 
 def assemble(where: str | os.PathLike[str], index: Mapping[str, Any], entries: Mapping[str, TensorEntry],
              layout: Mapping[str, Slice], include_optimizer_state: bool) -> CheckpointState:  # fmt: skip
-    """A state of the pieces ``layout`` asks for, read from the shards that hold them."""
-    where = Path(where)
-    files = {s["rank"]: where / s["file"] for s in index["shards"]}
-    opened: dict[int, CheckpointState] = {}
-
-    def shard(rank: int) -> CheckpointState:
-        if rank not in opened:
-            if rank not in files:
-                raise CheckpointFormatError(f"{where / INDEX_NAME}: names no shard of rank {rank}")
-            opened[rank] = CheckpointState.load_checkpoint(files[rank])
-        return opened[rank]
-
-    def tensor(rank: int, name: str) -> Any:
-        try:
-            return shard(rank)._tensor(name).value()
-        except KeyError:
-            raise CheckpointFormatError(f"{files[rank]}: has no tensor {name}, which the index places there") from None
-
-    def momentum(rank: int, name: str, group: str, m: str) -> Any:
-        try:
-            return shard(rank).optimizer_groups[group].momentums[name][m]
-        except KeyError:
-            raise CheckpointFormatError(f"{files[rank]}: has no momentum {group}/{name}/{m}, which the index "
-                                        "places there") from None  # fmt: skip
-
+    """A state of the pieces ``layout`` asks for, read from the shards that hold them. Every
+    piece read must have the type and shape the index gives it (CheckpointFormatError, naming
+    the shard and the tensor, if not)."""
+    shards = _Shards(Path(where), index)
     trainable, frozen = {}, {}
     groups = {name: OptimizerGroup(g["step"], g["initial_learning_rate"], {})
               for name, g in index.get("optimizer_groups", {}).items()} if include_optimizer_state else {}  # fmt: skip
     for name, want in layout.items():
         entry = entries[name]
-        (trainable if entry.trainable else frozen)[name] = _region(entry, want, lambda r: tensor(r, name))
+        (trainable if entry.trainable else frozen)[name] = _region(entry, want, lambda p: shards.tensor(entry, p))
         if include_optimizer_state:
             for group, m in entry.momentums:
                 groups[group].momentums.setdefault(name, {})[m] = _region(
-                    entry, want, lambda r, g=group, m=m: momentum(r, name, g, m))  # fmt: skip
+                    entry, want, lambda p, g=group, m=m: shards.momentum(entry, p, g, m))  # fmt: skip
     state = CheckpointState.from_arrays(trainable, frozen, index.get("properties", {}))
     state.optimizer_groups = groups
     return state
 
 
-def _region(entry: TensorEntry, want: Slice, read: Callable[[int], Any]) -> Any:
+class _Shards:
+    """The shard files of one sharded step, opened when first needed (only by the plain names
+    the index gives, never through a symlink), and the pieces read from them, checked."""
+
+    def __init__(self, where: Path, index: Mapping[str, Any]) -> None:
+        self.where = where
+        self.files = {s["rank"]: safe_io.member(where, s["file"]) for s in index["shards"]}
+        self.opened: dict[int, CheckpointState] = {}
+
+    def shard(self, rank: int) -> CheckpointState:
+        if rank not in self.opened:
+            if rank not in self.files:
+                raise CheckpointFormatError(f"{self.where / INDEX_NAME}: names no shard of rank {rank}")
+            self.opened[rank] = CheckpointState._load(self.files[rank], follow_symlinks=False)
+        return self.opened[rank]
+
+    def tensor(self, entry: TensorEntry, piece: Piece) -> Any:
+        shard = self.shard(piece.shard)
+        if entry.name not in shard._tensors:
+            raise CheckpointFormatError(f"{self.files[piece.shard]}: has no tensor {entry.name}, which the index "
+                                        "places there")  # fmt: skip
+        tensor = shard._tensor(entry.name)
+        if tensor.code != entry.code:
+            raise CheckpointFormatError(f"{self.files[piece.shard]}: tensor {entry.name} is "
+                                        f"{_dt.name_of(tensor.code)}, the index says {_dt.name_of(entry.code)}")  # fmt: skip
+        return self._checked(entry, piece, tensor.value(), tensor.dims, entry.name)
+
+    def momentum(self, entry: TensorEntry, piece: Piece, group: str, m: str) -> Any:
+        try:
+            value = self.shard(piece.shard).optimizer_groups[group].momentums[entry.name][m]
+        except KeyError:
+            raise CheckpointFormatError(f"{self.files[piece.shard]}: has no momentum {group}/{entry.name}/{m}, "
+                                        "which the index places there") from None  # fmt: skip
+        shape = value.shape if isinstance(value, PackedInt4) else np.shape(value)
+        return self._checked(entry, piece, value, shape, f"{entry.name}/{m}")
+
+    def _checked(self, entry: TensorEntry, piece: Piece, value: Any, shape: Any, what: str) -> Any:
+        if tuple(shape) != piece.slice.shape:
+            raise CheckpointFormatError(f"{self.files[piece.shard]}: tensor {what} has shape {list(shape)}, the "
+                                        f"index says its piece is {list(piece.slice.shape)}")  # fmt: skip
+        return value
+
+
+def check_shards(where: str | os.PathLike[str], index: Mapping[str, Any]) -> list[str]:
+    """What :func:`assemble` would refuse, for :func:`ortckpt.verify`: every piece of every
+    tensor and momentum the index lists, read from its shard and checked against the index."""
+    shards = _Shards(Path(where), index)
+    problems = []
+    for entry in tensor_entries(index).values():
+        for piece in entry.pieces:
+            try:
+                shards.tensor(entry, piece)
+                for group, m in entry.momentums:
+                    shards.momentum(entry, piece, group, m)
+            except (CheckpointError, OSError) as e:
+                problems.append(str(e))
+    return problems
+
+
+def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> Any:
     """The ``want`` part of a tensor, from the saved pieces it overlaps: the piece's own mapped
     array when it is exactly that piece, else a new array filled from each overlap."""
     for piece in entry.pieces:
         if piece.slice == want:
-            return read(piece.shard)
+            return read(piece)
     out = None
     filled = 0
     for piece in entry.pieces:
         overlap = piece.slice.intersection(want)
         if overlap is None:
             continue
-        source = read(piece.shard)
+        source = read(piece)
         if isinstance(source, PackedInt4):
             raise CheckpointStateError(f"{entry.name}: int4 tensors load only as the pieces they were saved in")
         if out is None:
@@ -460,17 +501,12 @@ def _region(entry: TensorEntry, want: Slice, read: Callable[[int], Any]) -> Any:
 # --- small helpers -------------------------------------------------------------------------------
 
 
-def write_json_atomically(path: Path, value: Mapping[str, Any], durable: bool) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.write("\n")
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(temp, path)
-    if durable:
-        fsync_directory(path.parent)
+def write_index(path: Path, index: Mapping[str, Any], durable: bool) -> None:
+    """Writes the index atomically (a locked temporary file of a fresh name, then rename), after
+    checking it reads back: a save never commits an index that load would refuse."""
+    data = (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
+    documents.parse(documents.SHARDED_INDEX, data, os.fspath(path))
+    safe_io.write_atomically(path, data, durable=durable)
 
 
 def _one_line(e: BaseException) -> str:

@@ -1,0 +1,367 @@
+"""Every JSON document ortckpt reads, validated before anything uses it.
+
+A document is read by :func:`parse` with the caps of its kind (bytes, nesting depth), then
+checked against its schema: the manager's ``metadata.json``, the sharded ``index.json``, the
+safetensors header and its ``__ortckpt__`` entry, and the holder record of a directory's
+writer lock. Whatever is wrong raises :class:`DocumentError` (a
+:class:`~ortckpt.CheckpointFormatError`) naming the file and the place in the document, e.g.
+``index.json: shards[0].file``; no caller ever indexes into unchecked JSON.
+
+The schemas are written as plain functions over the parsed value (no dependency), one per
+kind, in the order the document's fields appear.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import dtypes as _dt
+from .errors import CheckpointFormatError
+from .safe_io import is_plain_name
+
+
+class DocumentError(CheckpointFormatError):
+    """A JSON document that is malformed, too large, too deep, or not of its schema."""
+
+
+@dataclass
+class Kind:
+    """What a document may be: its name in messages, its caps and its schema check (which
+    returns the document, possibly with values decoded, e.g. non-finite metrics)."""
+
+    name: str
+    max_bytes: int
+    max_depth: int
+    check: Callable[[Any, str], Any]
+
+
+def parse(kind: Kind, data: bytes | str, where: str) -> Any:
+    """The document in ``data`` (from ``where``, a file name for messages), checked."""
+    size = len(data)
+    if size > kind.max_bytes:
+        raise DocumentError(f"{where}: {size} bytes, more than the {kind.max_bytes} a {kind.name} may have")
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise DocumentError(f"{where}: not a {kind.name}: nested deeper than {kind.max_depth} levels") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise DocumentError(f"{where}: not a {kind.name}: not JSON ({e})") from None
+    depth = depth_of(value, kind.max_depth)
+    if depth > kind.max_depth:
+        raise DocumentError(f"{where}: not a {kind.name}: nested deeper than {kind.max_depth} levels")
+    try:
+        return kind.check(value, where)
+    except DocumentError as e:  # "<where>: <what is wrong>" -> "<where>: not a <kind>: <what is wrong>"
+        raise DocumentError(f"{where}: not a {kind.name}: {str(e).removeprefix(f'{where}: ')}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def depth_of(value: Any, limit: int) -> int:
+    """How deeply ``value`` nests lists and dicts (a scalar: 0), counting no further than
+    ``limit + 1``; iterative, so no document can exhaust the stack."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+# --- building blocks ----------------------------------------------------------------------------------
+
+
+def _bad(where: str, at: str, value: Any, expected: str) -> DocumentError:
+    shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
+    return DocumentError(f"{where}: {at} is {shown}, expected {expected}")
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _object(value: Any, where: str, at: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(where, at, value, "an object")
+    return value
+
+
+def _list(value: Any, where: str, at: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _bad(where, at, value, "a list")
+    return value
+
+
+def _int(value: Any, where: str, at: str, low: int | None = 0, high: int | None = None) -> int:
+    if type(value) is not int or (low is not None and value < low) or (high is not None and value > high):
+        bounds = f" from {low}" if low is not None else ""
+        bounds += f" to {high}" if high is not None else ""
+        raise _bad(where, at, value, f"an integer{bounds}")
+    return value
+
+
+def _number(value: Any, where: str, at: str) -> float | int:
+    if type(value) not in (int, float):
+        raise _bad(where, at, value, "a number")
+    return value
+
+
+def _str(value: Any, where: str, at: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, at, value, "a string")
+    return value
+
+
+def _optional(check: Callable[..., Any], value: Any, where: str, at: str, *args: Any) -> Any:
+    return None if value is None else check(value, where, at, *args)
+
+
+def _ints(value: Any, where: str, at: str, low: int | None = 0) -> list[int]:
+    return [_int(v, where, f"{at}[{i}]", low) for i, v in enumerate(_list(value, where, at))]
+
+
+INT64_MAX = 2**63 - 1
+NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+# --- metadata.json ------------------------------------------------------------------------------------
+
+METADATA_FORMAT = "ortckpt-metadata/1"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_metadata(value: Any, where: str) -> dict[str, Any]:
+    """A step's metadata.json: returns it with non-finite metrics decoded to floats."""
+    meta = _object(value, where, "the document")
+    if meta.get("format") != METADATA_FORMAT:
+        raise _bad(where, "format", meta.get("format"), repr(METADATA_FORMAT))
+    _int(meta.get("step"), where, "step", 0, INT64_MAX)
+    _optional(_int, meta.get("epoch"), where, "epoch", None)
+    _optional(_str, meta.get("run_id"), where, "run_id")
+    _optional(_str, meta.get("dataset_fingerprint"), where, "dataset_fingerprint")
+    for key in ("config", "user"):
+        _object(meta.get(key, {}), where, key)
+    _optional(_object, meta.get("rng_state"), where, "rng_state")
+    metrics = {}
+    for name, metric in _object(meta.get("metrics", {}), where, "metrics").items():
+        metrics[name] = decode_metric(metric, where, f"metrics.{name}")
+    files = _object(meta.get("files"), where, "files")
+    for name, entry in files.items():
+        if not is_plain_name(name):
+            raise DocumentError(f"{where}: files names {name!r}, which is not a file of the step directory")
+        entry = _object(entry, where, f"files.{name}")
+        _int(entry.get("bytes"), where, f"files.{name}.bytes", 0, INT64_MAX)
+        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            raise _bad(where, f"files.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
+    return {**meta, "metrics": metrics}
+
+
+def decode_metric(value: Any, where: str, at: str) -> float | int:
+    """A metric as metadata.json stores it: a number, or "nan", "inf", "-inf"."""
+    if isinstance(value, str) and value in NON_FINITE:
+        return NON_FINITE[value]
+    return _number(value, where, at)
+
+
+def encode_metric(value: Any) -> float | int | str:
+    """The other way: non-finite floats as strings, which every JSON parser reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+METADATA = Kind("checkpoint metadata document", max_bytes=16 << 20, max_depth=64, check=check_metadata)
+
+
+# --- index.json of a sharded checkpoint ---------------------------------------------------------------
+
+SHARDED_FORMAT = "ortckpt.sharded"
+SHARDED_VERSION = 1
+MAX_WORLD_SIZE = 1 << 20
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}"
+
+
+def check_index(value: Any, where: str) -> dict[str, Any]:
+    """A sharded checkpoint's index: every shard a plain name of the form its rank gives, every
+    piece inside its tensor and held by a shard, the pieces of a tensor tiling it exactly."""
+    index = _object(value, where, "the document")
+    if index.get("format") != SHARDED_FORMAT:
+        raise _bad(where, "format", index.get("format"), repr(SHARDED_FORMAT))
+    if index.get("version") != SHARDED_VERSION:
+        raise DocumentError(f"{where}: sharded checkpoint version {index.get('version')!r}; "
+                            f"this ortckpt reads version {SHARDED_VERSION}")  # fmt: skip
+    _int(index.get("step"), where, "step", 0, INT64_MAX)
+    world = _int(index.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
+    ranks = set()
+    for i, shard in enumerate(_list(index.get("shards"), where, "shards")):
+        at = f"shards[{i}]"
+        shard = _object(shard, where, at)
+        rank = _int(shard.get("rank"), where, f"{at}.rank", 0, world - 1)
+        if rank in ranks:
+            raise DocumentError(f"{where}: {at}: rank {rank} has two shards")
+        ranks.add(rank)
+        name = shard_file_name(rank, world)
+        if shard.get("file") != name:
+            raise _bad(where, f"{at}.file", shard.get("file"), f"the shard file name {name!r}")
+        for file, size in _object(shard.get("files"), where, f"{at}.files").items():
+            if file not in (name, f"{name}.data"):
+                raise DocumentError(f"{where}: {at}.files names {file!r}, not a file of shard {name}")
+            _int(size, where, f"{at}.files.{file}", 0, INT64_MAX)
+    groups = _object(index.get("optimizer_groups", {}), where, "optimizer_groups")
+    for name, group in groups.items():
+        group = _object(group, where, f"optimizer_groups.{name}")
+        _int(group.get("step"), where, f"optimizer_groups.{name}.step", None)
+        _number(group.get("initial_learning_rate"), where, f"optimizer_groups.{name}.initial_learning_rate")
+    for name, prop in _object(index.get("properties", {}), where, "properties").items():
+        if type(prop) not in (int, float, str):
+            raise _bad(where, f"properties.{name}", prop, "an int, float or string")
+    for name, tensor in _object(index.get("tensors"), where, "tensors").items():
+        _check_tensor(_object(tensor, where, f"tensors.{name}"), where, f"tensors.{name}", ranks, groups, world)
+    return index
+
+
+def _check_tensor(tensor: dict[str, Any], where: str, at: str, ranks: set[int], groups: Mapping[str, Any],
+                  world: int) -> None:  # fmt: skip
+    _int(tensor.get("code"), where, f"{at}.code", 1, len(_dt.NAMES) - 1)
+    shape = _ints(tensor.get("shape"), where, f"{at}.shape")
+    if type(tensor.get("trainable")) is not bool:
+        raise _bad(where, f"{at}.trainable", tensor.get("trainable"), "true or false")
+    for i, pair in enumerate(_list(tensor.get("momentums"), where, f"{at}.momentums")):
+        pair = _list(pair, where, f"{at}.momentums[{i}]")
+        if len(pair) != 2 or not all(isinstance(p, str) for p in pair) or pair[0] not in groups:
+            raise _bad(where, f"{at}.momentums[{i}]", pair, "[optimizer group of the index, momentum name]")
+    total = math.prod(shape)
+    boxes = []
+    pieces = _list(tensor.get("pieces"), where, f"{at}.pieces")
+    for i, piece in enumerate(pieces):
+        pat = f"{at}.pieces[{i}]"
+        piece = _object(piece, where, pat)
+        shard = _int(piece.get("shard"), where, f"{pat}.shard")
+        if shard not in ranks:
+            raise DocumentError(f"{where}: {pat} is in shard {shard}, which the index does not list")
+        for h, holder in enumerate(_list(piece.get("holders"), where, f"{pat}.holders")):
+            _int(holder, where, f"{pat}.holders[{h}]", 0, world - 1)
+        offset = _ints(piece.get("offset"), where, f"{pat}.offset")
+        size = _ints(piece.get("shape"), where, f"{pat}.shape")
+        if len(offset) != len(shape) or len(size) != len(shape):
+            raise DocumentError(f"{where}: {pat} has {len(offset)}/{len(size)} dimensions, the tensor {len(shape)}")
+        if any(o + s > g for o, s, g in zip(offset, size, shape)):
+            raise DocumentError(f"{where}: {pat} (offset {offset}, shape {size}) reaches outside the tensor's "
+                                f"shape {shape}")  # fmt: skip
+        boxes.append((offset, size))
+    covered = sum(math.prod(s) for _, s in boxes)
+    if covered != total or not boxes:
+        raise DocumentError(f"{where}: the pieces of {at} cover {covered} of its {total} elements")
+    overlap = _first_overlap(boxes)
+    if overlap is not None:
+        raise DocumentError(f"{where}: {at}.pieces[{overlap[0]}] and [{overlap[1]}] overlap")
+
+
+def _first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple[int, int] | None:
+    """Two boxes that share an element, if any: sorted along the first dimension, so that
+    boxes split along it (the usual case) are compared with their neighbours only."""
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0])
+    for a_pos, a in enumerate(order):
+        a_off, a_size = boxes[a]
+        if math.prod(a_size) == 0:
+            continue
+        for b in order[a_pos + 1 :]:
+            b_off, b_size = boxes[b]
+            if a_off and b_off[0] >= a_off[0] + a_size[0]:
+                break  # every later box starts past this one along dimension 0
+            if math.prod(b_size) and all(
+                max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size)
+            ):
+                return (min(a, b), max(a, b))
+    return None
+
+
+SHARDED_INDEX = Kind("sharded checkpoint index", max_bytes=256 << 20, max_depth=8, check=check_index)
+
+
+# --- the safetensors header and ortckpt's entry in its metadata ----------------------------------------
+
+
+def check_safetensors_header(value: Any, where: str) -> dict[str, Any]:
+    """Types only (dtype names, integer shapes and offsets, string metadata); the byte ranges
+    are checked against the file by the reader, which knows its size."""
+    header = _object(value, where, "the header")
+    metadata = header.get("__metadata__", {})
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise DocumentError(f"{where}: __metadata__ is not a map of strings")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        at = f"tensor {name}"
+        if not isinstance(entry, dict):
+            raise _bad(where, at, entry, "a dtype, shape and data_offsets")
+        if not isinstance(entry.get("dtype"), str):
+            raise _bad(where, f"{at}: dtype", entry.get("dtype"), "a dtype name")
+        _ints(entry.get("shape"), where, f"{at}: shape")
+        offsets = _ints(entry.get("data_offsets"), where, f"{at}: data_offsets")
+        if len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise _bad(where, f"{at}: data_offsets", offsets, "[begin, end] with begin <= end")
+    return {**header, "__metadata__": metadata}
+
+
+SAFETENSORS_HEADER = Kind("safetensors header", max_bytes=100_000_000, max_depth=4, check=check_safetensors_header)
+
+
+def check_structure(value: Any, where: str) -> dict[str, Any]:
+    """ortckpt's ``__ortckpt__`` entry in a safetensors file's metadata."""
+    at = "__ortckpt__"
+    structure = _object(value, where, at)
+    for i, name in enumerate(_list(structure.get("frozen", []), where, f"{at}.frozen")):
+        _str(name, where, f"{at}.frozen[{i}]")
+    for name, kind in _object(structure.get("property_types", {}), where, f"{at}.property_types").items():
+        if kind not in ("int", "float"):
+            raise _bad(where, f"{at}.property_types.{name}", kind, '"int" or "float"')
+    for name, group in _object(structure.get("optimizer_groups", {}), where, f"{at}.optimizer_groups").items():
+        gat = f"{at}.optimizer_groups.{name}"
+        group = _object(group, where, gat)
+        _int(group.get("step"), where, f"{gat}.step", None)
+        _number(group.get("initial_learning_rate"), where, f"{gat}.initial_learning_rate")
+        for tensor, pair in _object(group.get("momentums"), where, f"{gat}.momentums").items():
+            if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(p, str) for p in pair):
+                raise _bad(where, f"{gat}.momentums.{tensor}", pair, "[parameter, momentum]")
+    return structure
+
+
+ORTCKPT_STRUCTURE = Kind("__ortckpt__ entry", max_bytes=100_000_000, max_depth=6, check=check_structure)
+
+
+# --- the holder record of a directory's writer lock ---------------------------------------------------
+
+
+def check_holder(value: Any, where: str) -> dict[str, Any]:
+    holder = _object(value, where, "the holder record")
+    return {k: v for k, v in holder.items() if k in ("pid", "host", "started", "command") and type(v) in (int, str)}
+
+
+WRITER_HOLDER = Kind("writer lock record", max_bytes=64 << 10, max_depth=2, check=check_holder)

@@ -1,0 +1,237 @@
+"""Silent wrong values and unclear errors (issue 15, findings 9 and 10): values the format cannot
+hold are refused with a typed error at save() (never saved as something else, never only in a
+background thread); non-finite metrics round-trip and rank; the command reports every failure in
+one line with its documented exit code; a failed async save is never silently lost."""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import ortckpt
+from ortckpt import (
+    CheckpointManager,
+    CheckpointState,
+    CheckpointStateError,
+    UnsupportedDataTypeError,
+)
+from ortckpt.cli import FAILED, USAGE, run
+
+# --- finding 9: values --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[1.5, None, {"k": 1}], [b"ok", 3], ["a", 1.5]])
+def test_an_object_array_of_non_strings_is_refused_naming_the_tensor(values):
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    with pytest.raises(UnsupportedDataTypeError, match="vocab"):
+        CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"vocab": array})
+
+
+def test_an_object_array_changed_to_non_strings_after_intake_is_refused_at_save(tmp_path):
+    vocab = np.array(["a", "b"], dtype=object)
+    state = CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"vocab": vocab})
+    vocab[1] = 7
+    with pytest.raises(UnsupportedDataTypeError, match="vocab"):
+        CheckpointState.save_checkpoint(state, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_non_utf8_bytes_are_a_typed_error_at_save(tmp_path, async_save):
+    with pytest.raises(CheckpointStateError, match="raw.*UTF-8"):
+        CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"raw": np.array([b"ok", b"\xff\xfe"])})
+    raw = np.array([b"ok", b"ab"])
+    state = CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"raw": raw})
+    raw[1] = b"\xff\xfe"  # changed after intake: refused at save
+    with pytest.raises(CheckpointStateError, match="raw.*UTF-8"):
+        CheckpointState.save_checkpoint(state, tmp_path / "ck")
+    with CheckpointManager(tmp_path / "run", async_save=async_save) as manager:
+        with pytest.raises(CheckpointStateError, match="raw.*UTF-8"):
+            manager.save(state, 1)  # in the caller's thread, not at wait()
+        manager.wait()
+        assert manager.all_steps() == []
+
+
+def test_utf8_bytes_and_str_still_save_as_strings(tmp_path):
+    state = CheckpointState.from_arrays({"w": np.ones(2, np.float32)},
+                                        {"raw": np.array(["é".encode(), b"x"]), "words": np.array(["a", "b"])})  # fmt: skip
+    CheckpointState.save_checkpoint(state, tmp_path / "ck")
+    loaded = CheckpointState.load_checkpoint(tmp_path / "ck")
+    assert loaded.parameters["raw"].data.tolist() == ["é", "x"]
+    assert loaded.parameters["words"].data.tolist() == ["a", "b"]
+
+
+@pytest.mark.parametrize(("mode", "value"), [("max", float("inf")), ("min", float("-inf"))])
+def test_non_finite_metrics_round_trip_and_rank_after_a_restart(tmp_path, mode, value):
+    with CheckpointManager(tmp_path, keep_best=("score", mode, 1), max_to_keep=1) as manager:
+        manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 1, metrics={"score": value})
+        manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 2, metrics={"score": 0.0})
+    restarted = CheckpointManager(tmp_path, keep_best=("score", mode, 1), max_to_keep=1)
+    assert restarted.latest().metrics["score"] == 0.0
+    assert restarted.all()[0].metrics["score"] == value
+    restarted.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 3, metrics={"score": 1.0})
+    assert restarted.all_steps() == [1, 3], "keep_best deleted the best checkpoint after a restart"
+    assert restarted.best().step == 1
+    restarted.close()
+    text = (tmp_path / "step_00000001" / "metadata.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in metadata.json"))  # strict JSON still
+
+
+def test_nan_metrics_round_trip_unranked(tmp_path):
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 1, metrics={"loss": float("nan")})
+    restarted = CheckpointManager(tmp_path, read_only=True)
+    assert np.isnan(restarted.latest().metrics["loss"])
+    assert restarted.best("loss", "min") is None
+
+
+@pytest.mark.parametrize("step", [np.int64(5), np.int32(5), np.uint8(5)])
+def test_integral_numpy_steps_are_accepted(tmp_path, step):
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), step, epoch=np.int64(1))
+        assert manager.all_steps() == [5] and type(manager.all_steps()[0]) is int
+        assert manager.restore(np.int64(5)).properties["step"] == 5
+    meta = json.loads((tmp_path / "step_00000005" / "metadata.json").read_text())
+    assert meta["step"] == 5 and meta["epoch"] == 1
+
+
+@pytest.mark.parametrize("step", [True, np.bool_(True), 5.0, np.float64(5), -1, "5"])
+def test_other_steps_are_refused(tmp_path, step):
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises((TypeError, ValueError)):
+            manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), step)
+
+
+def test_non_str_parameter_names_are_refused_by_from_arrays():
+    with pytest.raises(TypeError, match="names are str"):
+        CheckpointState.from_arrays({1: np.ones(2, np.float32)})
+    with pytest.raises(TypeError, match="names are str"):
+        CheckpointState.from_arrays({}, {("a",): np.ones(2, np.float32)})
+
+
+# --- finding 10: errors ---------------------------------------------------------------------------------
+
+
+def one_line_failure(capsys, argv: list[str], code: int, *must_name: object) -> str:
+    assert run([str(a) for a in argv]) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    for thing in must_name:
+        assert str(thing) in err, (thing, err)
+    return err
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["verify"], ["diff", "X"], ["convert", "OUT"], ["nominal", "OUT"]])
+def test_a_missing_input_is_exit_3_naming_the_file(tmp_path, capsys, command):
+    missing = tmp_path / "missing.ckpt"
+    args = [str(missing) if a == "X" else str(tmp_path / "out") if a == "OUT" else a for a in command[1:]]
+    one_line_failure(capsys, [command[0], missing, *args], FAILED, missing)
+
+
+def test_a_directory_as_input_is_exit_3(tmp_path, capsys):
+    one_line_failure(capsys, ["inspect", tmp_path], FAILED, tmp_path)
+
+
+def test_bad_usage_is_still_exit_2(capsys):
+    assert run(["inspect"]) == USAGE
+    assert run(["no-such-command"]) == USAGE
+    capsys.readouterr()
+
+
+def test_an_onnx_model_whose_external_data_onnx_refuses_is_one_line(tmp_path, capsys):
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [2], [1.0, 2.0])
+    weight.data_location = TensorProto.EXTERNAL
+    del weight.float_data[:]
+    weight.external_data.add(key="location", value="../../etc/passwd")
+    weight.external_data.add(key="length", value="8")
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [weight])  # fmt: skip
+    path = tmp_path / "m.onnx"
+    onnx.save_model(helper.make_model(graph), path)
+    one_line_failure(capsys, ["inspect", path], FAILED, path)
+    one_line_failure(capsys, ["convert", path, tmp_path / "out.ckpt"], FAILED, path)
+
+
+def test_verify_of_a_text_file_names_it_once(tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, this is not a checkpoint\n")
+    with pytest.raises(ortckpt.CheckpointIntegrityError) as e:
+        ortckpt.verify(text)
+    assert len(e.value.problems) == 1 and e.value.problems[0].count(str(text)) == 1, e.value.problems
+    assert run(["verify", str(text)]) == 1
+    err = capsys.readouterr().err
+    assert err.count(str(text)) == 2, err  # the FAILED line and the problem
+
+
+def test_a_full_disk_while_writing_metadata_names_the_file(tmp_path, monkeypatch):
+    from ortckpt import safe_io
+
+    real_write = safe_io.os.write
+
+    def full(fd, data):
+        if b'"run_id"' in bytes(data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(safe_io.os, "write", full)
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(OSError) as e:
+            manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 1)
+        assert e.value.errno == errno.ENOSPC and e.value.filename.endswith("metadata.json"), e.value
+        monkeypatch.undo()
+        assert manager.all_steps() == []
+        assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ortckpt")) == []
+
+
+FORGOTTEN_ASYNC_SAVE = """
+import sys
+import numpy as np
+from ortckpt import CheckpointManager, CheckpointState
+manager = CheckpointManager(sys.argv[1], async_save=True)
+original = CheckpointState.save_checkpoint
+def disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+CheckpointState.save_checkpoint = disk_full
+manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 1)
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["pass", "del manager", "import gc; manager = None; gc.collect()"])
+def test_a_failed_async_save_never_waited_for_is_reported(tmp_path, ending):
+    script = FORGOTTEN_ASYNC_SAVE.replace("{ending}", ending)
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert "step 1" in done.stderr and "No space left on device" in done.stderr, done.stderr
+    assert "never" in done.stderr or "lost" in done.stderr, done.stderr
+
+
+def test_a_failed_async_save_that_was_waited_for_is_not_reported_twice(tmp_path):
+    script = FORGOTTEN_ASYNC_SAVE.replace("{ending}", "try:\n    manager.close()\nexcept OSError:\n    print('caught')")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout.strip() == "caught" and "No space" not in done.stderr, done.stderr
+
+
+def test_errors_of_a_taken_temporary_name_do_not_blame_the_target(tmp_path, monkeypatch):
+    """Saves retry another random name when theirs is taken; the message, if every try fails, names
+    the temporary file, not the checkpoint (which was never touched)."""
+    from ortckpt import safe_io
+
+    monkeypatch.setattr(safe_io.secrets, "token_hex", lambda n=16: "same")
+    (tmp_path / ".m.safetensors.ortckpt-tmp.same").write_text("taken")
+    from ortckpt.convert import save_safetensors
+
+    with pytest.raises(FileExistsError) as e:
+        save_safetensors(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), tmp_path / "m.safetensors")
+    assert e.value.filename == str(tmp_path / ".m.safetensors.ortckpt-tmp.same")
+    assert Path(e.value.filename).read_text() == "taken"
