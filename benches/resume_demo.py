@@ -154,7 +154,7 @@ def demo() -> None:
         kill_after = random.randrange(STEPS // 2, STEPS - 2 * SAVE_EVERY, SAVE_EVERY)
         killed = run(tmp / "run", tmp / "resumed.ckpt", kill_after=kill_after)
         print(f"2. second run: SIGKILLed after the save of step {kill_after} ({killed[-1]!r} was its last word)")
-        manager = CheckpointManager(tmp / "run")
+        manager = CheckpointManager(tmp / "run", read_only=True)  # a reader: the resumed run below writes
         checked = manager.verify()
         print(f"   on disk: steps {manager.all_steps()} (3 newest + best loss kept); latest, step {checked.step}, "
               f"verified: {checked.tensors} tensors, SHA-256 {checked.files['checkpoint'][:16]}...")  # fmt: skip
@@ -162,7 +162,7 @@ def demo() -> None:
         print(f"3. same command again: {resumed[0]}, trained to step {STEPS}")
         identical = same_weights(tmp / "reference.ckpt", tmp / "resumed.ckpt")
         print(f"\nfinal weights and AdamW state of runs 1 and 3 bit-identical: {identical}")
-        best = CheckpointManager(tmp / "run").best("loss", "min")
+        best = CheckpointManager(tmp / "run", read_only=True).best("loss", "min")
         print(f"best checkpoint by loss: step {best.step}, loss {best.metrics['loss']:.4f}; "
               f"each step directory holds an ONNX Runtime checkpoint and metadata.json\n")  # fmt: skip
         if not identical:

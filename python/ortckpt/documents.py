@@ -72,7 +72,7 @@ def depth_of(value: Any, limit: int) -> int:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
+        if isinstance(item, Mapping):
             children: Any = item.values()
         elif isinstance(item, (list, tuple)):
             children = item
@@ -256,6 +256,7 @@ def _check_tensor(tensor: dict[str, Any], where: str, at: str, ranks: set[int], 
             raise _bad(where, f"{at}.momentums[{i}]", pair, "[optimizer group of the index, momentum name]")
     total = math.prod(shape)
     boxes = []
+    shards = set()
     pieces = _list(tensor.get("pieces"), where, f"{at}.pieces")
     for i, piece in enumerate(pieces):
         pat = f"{at}.pieces[{i}]"
@@ -263,6 +264,9 @@ def _check_tensor(tensor: dict[str, Any], where: str, at: str, ranks: set[int], 
         shard = _int(piece.get("shard"), where, f"{pat}.shard")
         if shard not in ranks:
             raise DocumentError(f"{where}: {pat} is in shard {shard}, which the index does not list")
+        if shard in shards:  # each rank writes at most one piece of a tensor
+            raise DocumentError(f"{where}: {pat}: shard {shard} holds two pieces of the tensor")
+        shards.add(shard)
         for h, holder in enumerate(_list(piece.get("holders"), where, f"{pat}.holders")):
             _int(holder, where, f"{pat}.holders[{h}]", 0, world - 1)
         offset = _ints(piece.get("offset"), where, f"{pat}.offset")
@@ -276,27 +280,42 @@ def _check_tensor(tensor: dict[str, Any], where: str, at: str, ranks: set[int], 
     covered = sum(math.prod(s) for _, s in boxes)
     if covered != total or not boxes:
         raise DocumentError(f"{where}: the pieces of {at} cover {covered} of its {total} elements")
-    overlap = _first_overlap(boxes)
-    if overlap is not None:
-        raise DocumentError(f"{where}: {at}.pieces[{overlap[0]}] and [{overlap[1]}] overlap")
+    problem = tiling_problem(shape, boxes)
+    if problem is not None:
+        raise DocumentError(f"{where}: the pieces of {at} {problem}")
 
 
-def _first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple[int, int] | None:
-    """Two boxes that share an element, if any: sorted along the first dimension, so that
-    boxes split along it (the usual case) are compared with their neighbours only."""
-    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0])
-    for a_pos, a in enumerate(order):
-        a_off, a_size = boxes[a]
-        if math.prod(a_size) == 0:
-            continue
-        for b in order[a_pos + 1 :]:
-            b_off, b_size = boxes[b]
-            if a_off and b_off[0] >= a_off[0] + a_size[0]:
-                break  # every later box starts past this one along dimension 0
-            if math.prod(b_size) and all(
-                max(ao, bo) < min(ao + asz, bo + bsz) for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size)
-            ):
-                return (min(a, b), max(a, b))
+# A tiling check marks a grid of at most this many cells (the cuts that the pieces' edges make
+# in each dimension); the layouts saves produce (splits along one or two dimensions) have as
+# many cells as pieces.
+MAX_TILING_CELLS = 1 << 22
+
+
+def tiling_problem(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> str | None:
+    """Why the boxes (offset, shape) do not tile ``shape`` exactly once, or None when they do.
+    Linear in the boxes and the grid their edges make (never pairwise: an index is untrusted,
+    and may list a million pieces)."""
+    if math.prod(shape) == 0:
+        return None  # nothing to cover
+    import numpy as np
+
+    cuts = []
+    for d, extent in enumerate(shape):
+        edges = {0, extent}
+        for offset, size in boxes:
+            edges.update((offset[d], offset[d] + size[d]))
+        cuts.append({edge: i for i, edge in enumerate(sorted(edges))})  # edge -> its grid line
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > MAX_TILING_CELLS:
+        return f"cut the tensor into a grid of {cells} cells, more than ortckpt checks ({MAX_TILING_CELLS})"
+    grid = np.zeros([len(c) - 1 for c in cuts], np.int32)
+    for offset, size in boxes:
+        if math.prod(size):
+            grid[tuple(slice(c[o], c[o + s]) for c, o, s in zip(cuts, offset, size))] += 1
+    if (grid > 1).any():
+        return "overlap"
+    if (grid == 0).any():
+        return "leave part of it uncovered"
     return None
 
 
@@ -360,8 +379,17 @@ ORTCKPT_STRUCTURE = Kind("__ortckpt__ entry", max_bytes=100_000_000, max_depth=6
 
 
 def check_holder(value: Any, where: str) -> dict[str, Any]:
+    """Who holds a directory's writer lock, as it wrote it: shown in an error message, so only
+    known fields, and strings without control characters (no terminal escapes)."""
     holder = _object(value, where, "the holder record")
-    return {k: v for k, v in holder.items() if k in ("pid", "host", "started", "command") and type(v) in (int, str)}
+    out: dict[str, Any] = {}
+    for key in ("pid", "host", "started", "command"):
+        item = holder.get(key)
+        if type(item) is int:
+            out[key] = item
+        elif isinstance(item, str):
+            out[key] = "".join(c if c.isprintable() else "?" for c in item[:200])
+    return out
 
 
 WRITER_HOLDER = Kind("writer lock record", max_bytes=64 << 10, max_depth=2, check=check_holder)

@@ -141,14 +141,13 @@ def check_serializable(metadata: Mapping[str, Any]) -> None:
     for name, value in (metadata.get("metrics") or {}).items():
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"checkpoint metrics are numbers: metrics[{name!r}] is {type(value).__name__}")
+    too_deep = TypeError(f"checkpoint metadata is nested deeper than {documents.METADATA.max_depth} levels")
+    if documents.depth_of(metadata, documents.METADATA.max_depth) > documents.METADATA.max_depth:
+        raise too_deep
     try:
         data = encode({**metadata, "files": {}})
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint metadata must be JSON-serialisable: {e}") from None
-    except RecursionError:
-        data = b""
-    if not data or documents.depth_of(json.loads(data), documents.METADATA.max_depth) > documents.METADATA.max_depth:
-        raise TypeError(f"checkpoint metadata is nested deeper than {documents.METADATA.max_depth} levels")
     if len(data) > documents.METADATA.max_bytes:
         raise ValueError(f"checkpoint metadata takes {len(data)} bytes as JSON, more than the "
                          f"{documents.METADATA.max_bytes} metadata.json may have")  # fmt: skip

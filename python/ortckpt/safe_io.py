@@ -268,6 +268,27 @@ def current_umask() -> int:
     return 0o022
 
 
+@contextmanager
+def staging_directory(target: Path) -> Iterator[Path]:
+    """A private directory beside ``target`` for a library that writes files by name itself
+    (onnx's external data), removed with whatever is left in it when the block ends."""
+    staging = target.parent / f".{target.name}.ortckpt-staging.{secrets.token_hex(16)}"
+    make_private_directory(staging)
+    try:
+        yield staging
+    finally:
+        remove_tree_quietly(staging)
+
+
+def move_into_place(staging: Path, directory: Path, names: Iterable[str]) -> None:
+    """Renames files of a staging directory over their namesakes in ``directory``, in order."""
+    for name in names:
+        try:
+            os.replace(staging / name, directory / name)
+        except OSError as e:
+            raise _with_filename(e, directory / name) from None
+
+
 def remove_tree(path: Path) -> None:
     """Removes a directory tree without following symlinks in it (shutil.rmtree uses the
     fd-based, symlink-attack-resistant walk on Linux)."""

@@ -28,6 +28,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import sys
 import time
 import warnings
@@ -69,7 +70,12 @@ class WriterLock:
         self.path = directory / WRITER_LOCK_NAME
         self.locked = False
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, safe_io.FILE_MODE)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(self.path, flags, safe_io.FILE_MODE)
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):  # something planted under the lock's name
+                os.close(fd)
+                raise safe_io.special_file(self.path, mode)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

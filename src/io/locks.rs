@@ -18,7 +18,7 @@ use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// Whether `file` (open) is what `path` names now (not followed if a symlink).
 pub fn still_named(file: &File, path: &Path) -> bool {
@@ -64,6 +64,10 @@ impl PathLock {
                 .custom_flags(NO_FOLLOW)
                 .open(&path)
                 .map_err(|e| Error::from(e).in_file(&path))?;
+            if !file.metadata().is_ok_and(|m| m.is_file()) {
+                // Something planted under the lock's name (a FIFO, a device): not ours to lock.
+                return Err(Error::new(ErrorKind::NotRegularFile("not a regular file")).in_file(&path));
+            }
             match file.lock() {
                 Ok(()) => {}
                 Err(e) if locks_unsupported(&e) => return Ok(None),

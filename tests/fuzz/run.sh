@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Runs every fuzz target for SECONDS each (default 60), seeded with the golden
-# and malformed files and every past finding (tests/fuzz/regressions), keeping
-# the growing corpora under target/fuzz-corpus. Prints one summary line per
-# target; exits non-zero on the first finding (libFuzzer writes the input to
+# and malformed files, the documents ortckpt writes, and every past finding
+# (tests/fuzz/regressions), keeping the growing corpora under target/fuzz-corpus.
+# Targets: the Rust loader (load_bytes), encode/decode round trips (roundtrip),
+# the Python API over checkpoints (atheris), and the Python parsers of untrusted
+# documents: safetensors files, sharded index.json, the manager's metadata.json
+# (atheris-safetensors, atheris-index, atheris-metadata). Prints one summary line
+# per target; exits non-zero on the first finding (libFuzzer writes the input to
 # target/fuzz-artifacts: add it to tests/fuzz/regressions with a test).
 #
 #   tests/fuzz/run.sh [SECONDS]     (make fuzz, make fuzz-smoke)
@@ -19,15 +23,21 @@ command -v cargo-fuzz >/dev/null || cargo install --quiet --locked cargo-fuzz@0.
 # cargo-fuzz builds with sanitizer flags that stable rustc accepts only with RUSTC_BOOTSTRAP.
 RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O >/dev/null 2>&1 || RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O
 
-for target in load_bytes roundtrip atheris; do
+for target in load_bytes roundtrip atheris atheris-safetensors atheris-index atheris-metadata; do
     mkdir -p "$CORPUS/$target"
-    "$PY" tests/fuzz/seed_corpus.py "$CORPUS/$target" >/dev/null
     flags=(-max_total_time="$SECONDS_EACH" -rss_limit_mb=2048 -timeout=10 -artifact_prefix="$ARTIFACTS$target-" -print_final_stats=1)
-    if [ "$target" = atheris ]; then
-        cmd=("$PY" tests/fuzz/atheris_load.py)
-    else
-        cmd=("$BIN/$target")
-    fi
+    case "$target" in
+        atheris-*)
+            kind=${target#atheris-}
+            "$PY" tests/fuzz/seed_corpus.py --documents "$kind" "$CORPUS/$target" >/dev/null
+            cmd=("$PY" tests/fuzz/atheris_documents.py "$kind") ;;
+        atheris)
+            "$PY" tests/fuzz/seed_corpus.py "$CORPUS/$target" >/dev/null
+            cmd=("$PY" tests/fuzz/atheris_load.py) ;;
+        *)
+            "$PY" tests/fuzz/seed_corpus.py "$CORPUS/$target" >/dev/null
+            cmd=("$BIN/$target") ;;
+    esac
     log=target/fuzz-$target.log
     if ! "${cmd[@]}" "$CORPUS/$target" tests/fuzz/regressions "${flags[@]}" >"$log" 2>&1; then
         grep -E "panicked|Error|SUMMARY" "$log" | head -20

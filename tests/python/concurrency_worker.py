@@ -4,8 +4,11 @@ one JSON line of what it saw. Every save writes values that name the save, in th
 momentum), so a reader can tell a consistent checkpoint from a mix of two saves.
 
     python concurrency_worker.py save-loop PATH COUNT WRITER_ID
+    python concurrency_worker.py save-for PATH SECONDS WRITER_ID
     python concurrency_worker.py load-loop PATH STOP_FILE
     python concurrency_worker.py manager DIR SECONDS WORKER_ID
+
+Warnings are errors here: a reader that skips a step as damaged is a finding too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +54,14 @@ def save_loop(path: str, count: int, writer: int) -> dict:
     return {"saves": count}
 
 
+def save_for(path: str, seconds: float, writer: int) -> dict:
+    deadline, count = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        CheckpointState.save_checkpoint(state_of(writer * 1_000_000 + count), path, True, external_data_threshold=0)
+        count += 1
+    return {"saves": count, "last": writer * 1_000_000 + count - 1}
+
+
 def load_loop(path: str, stop_file: str) -> dict:
     loads, errors = 0, []
     while not os.path.exists(stop_file) or loads == 0:
@@ -79,6 +91,7 @@ def manager_loop(directory: str, seconds: float, worker: int) -> dict:
                     step = (manager.latest_step() or 0) + 1
                     manager.save(state_of(step), step, metrics={"worker": worker})
                     committed.append(step)
+                    time.sleep(0.01)  # let the others try the lock mid-run
         except CheckpointDirectoryInUseError:
             busy += 1
             try:
@@ -96,9 +109,12 @@ def manager_loop(directory: str, seconds: float, worker: int) -> dict:
 
 
 def main() -> None:
+    warnings.simplefilter("error")
     mode, *args = sys.argv[1:]
     if mode == "save-loop":
         out = save_loop(args[0], int(args[1]), int(args[2]))
+    elif mode == "save-for":
+        out = save_for(args[0], float(args[1]), int(args[2]))
     elif mode == "load-loop":
         out = load_loop(args[0], args[1])
     elif mode == "manager":

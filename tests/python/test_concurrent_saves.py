@@ -177,3 +177,43 @@ def test_many_threads_saving_and_loading_one_path(tmp_path, threshold):
         t.join()
     assert errors == []
     assert save_id_of(CheckpointState.load_checkpoint(path)) % 1000 == 59
+
+
+def test_inline_and_external_saves_of_one_path_interleave_safely(tmp_path):
+    """Inline saves commit without the lock; a stale data file is removed under it, and only
+    while the checkpoint is still the inline save's. Whatever the interleaving, every load is one
+    save whole and the final pair is consistent (no data file beside an inline checkpoint that
+    another save would need, none missing beside an external one)."""
+    path = tmp_path / "ck"
+    CheckpointState.save_checkpoint(state_of(0), path, True)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def write(writer: int) -> None:
+        for i in range(80):
+            threshold = 0 if (i + writer) % 2 else 2**40  # alternate external and inline
+            CheckpointState.save_checkpoint(state_of(writer * 1000 + i), path, True, external_data_threshold=threshold)
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                save_id_of(CheckpointState.load_checkpoint(path))
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    writers = [threading.Thread(target=write, args=(w,)) for w in (1, 2, 3)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert errors == []
+    final = CheckpointState.load_checkpoint(path)
+    assert save_id_of(final) % 1000 == 79
+    names = sorted(os.listdir(tmp_path))
+    assert names == (["ck"] if final._mappings[1] is None else ["ck", "ck.data"]), names
+    CheckpointState.save_checkpoint(state_of(5), path, True)  # an inline save cleans up a stale data file
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

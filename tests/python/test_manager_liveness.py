@@ -272,3 +272,32 @@ def test_sharded_saves_without_a_manager_take_the_same_lock(tmp_path):
 
 def test_ortckpt_exports_the_new_error():
     assert issubclass(ortckpt.CheckpointDirectoryInUseError, ortckpt.CheckpointError)
+
+
+def test_a_fifo_planted_as_a_lock_file_is_refused_without_blocking(tmp_path):
+    from ortckpt import SpecialFileError
+
+    os.mkfifo(tmp_path / WRITER_LOCK_NAME)
+    with pytest.raises(SpecialFileError):
+        CheckpointManager(tmp_path)
+    os.mkfifo(tmp_path / ".ck.ortckpt-lock")
+    with pytest.raises(SpecialFileError):
+        CheckpointState.save_checkpoint(small_state(), tmp_path / "ck", external_data_threshold=0)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_the_holder_record_is_shown_without_control_characters(tmp_path):
+    code = ("import sys, time; from ortckpt import CheckpointManager\n"
+            "sys.argv = ['train.py', '\\x1b[2J\\x1b]0;owned\\x07']\n"
+            "m = CheckpointManager(sys.argv[0] and __import__('os').environ['DIR'])\n"
+            "print('ready', flush=True); time.sleep(60)\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "DIR": str(tmp_path)})  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(CheckpointDirectoryInUseError) as e:
+            CheckpointManager(tmp_path)
+        assert "\x1b" not in str(e.value) and "\x07" not in str(e.value) and "train.py" in str(e.value)
+    finally:
+        child.kill()
+        child.wait()

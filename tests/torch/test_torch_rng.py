@@ -17,5 +17,5 @@ def test_torch_generator_state_round_trips_through_a_checkpoint(tmp_path):
     assert "torch" in manager.latest().rng_state
     expected = torch.rand(8)
     torch.rand(100)
-    restore_rng_state(CheckpointManager(tmp_path).latest().rng_state)
+    restore_rng_state(CheckpointManager(tmp_path, read_only=True).latest().rng_state)
     assert torch.equal(torch.rand(8), expected)

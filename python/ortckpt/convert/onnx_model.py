@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -235,23 +234,18 @@ def export_model(
             external_data = proto.ByteSize() > PROTOBUF_LIMIT
         except EncodeError:  # protobuf will not even size a message past its limit
             external_data = True
-    # onnx writes into a private directory of ours (nothing planted there to write through),
-    # then the files are renamed into place: the data file first, the model that points into it last.
-    staging = path.parent / f".{path.name}.ortckpt-export.{secrets.token_hex(16)}"
-    safe_io.make_private_directory(staging)
-    try:
+    # onnx writes into a private directory of ours (nothing planted there to write through);
+    # then the files move into place, the data file first and the model that points into it last.
+    with safe_io.staging_directory(path) as staging:
         if external_data:
             onnx.save_model(proto, os.fspath(staging / path.name), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=f"{path.name}.data",
                             size_threshold=size_threshold)  # fmt: skip
+            safe_io.move_into_place(staging, path.parent, [f"{path.name}.data", path.name])
         else:
             onnx.save_model(proto, os.fspath(staging / path.name))
-        for name in sorted(os.listdir(staging), key=lambda n: n == path.name):
-            os.replace(staging / name, path.parent / name)
-        if not external_data:
+            safe_io.move_into_place(staging, path.parent, [path.name])
             Path(f"{path}.data").unlink(missing_ok=True)  # an earlier export's, which this model does not use
-    finally:
-        safe_io.remove_tree_quietly(staging)
     return path
 
 

@@ -1,0 +1,75 @@
+"""The rules of issue 15, held by construction rather than case by case: this test reads the
+package's source and fails if any module creates, renames or removes files, or parses JSON,
+other than through the three modules that own those concerns:
+
+- ``safe_io``: every file created exclusively (O_EXCL|O_NOFOLLOW, unpredictable names, locked
+  temporaries), every file read by name checked to be a regular file;
+- ``steps``: step directories: the writer lock, commits and deletions by rename;
+- ``documents``: every JSON document validated, with size and depth caps.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ortckpt
+
+PACKAGE = Path(ortckpt.__file__).resolve().parent
+OWNERS = {
+    "create": {"safe_io.py", "steps.py"},  # os.open with O_CREAT, open() for writing
+    "rename": {"safe_io.py", "steps.py"},  # os.rename, os.replace
+    "mkdir": {"safe_io.py"},  # os.mkdir, os.makedirs, Path.mkdir
+    "remove-tree": {"safe_io.py"},  # shutil.rmtree
+    "json-parse": {"documents.py"},  # json.load, json.loads
+    "write-path": set(),  # Path.write_text, Path.write_bytes
+}
+
+
+def findings(source: str) -> list[tuple[str, int]]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+        text = ast.unparse(node)
+        if name == "open" and owner in ("", "io", "builtins"):
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            if isinstance(mode, ast.Constant) and any(c in str(mode.value) for c in "wax+"):
+                found.append(("create", node.lineno))
+        elif name == "open" and owner == "os" and "O_CREAT" in text:
+            found.append(("create", node.lineno))
+        elif name in ("rename", "replace") and owner == "os":
+            found.append(("rename", node.lineno))
+        elif name in ("mkdir", "makedirs"):
+            found.append(("mkdir", node.lineno))
+        elif name == "rmtree":
+            found.append(("remove-tree", node.lineno))
+        elif name in ("load", "loads") and owner == "json":
+            found.append(("json-parse", node.lineno))
+        elif name in ("write_text", "write_bytes"):
+            found.append(("write-path", node.lineno))
+    return found
+
+
+def test_only_the_owning_modules_create_rename_remove_or_parse():
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for rule, line in findings(path.read_text()):
+            if path.name not in OWNERS[rule]:
+                violations.append(f"{path.relative_to(PACKAGE)}:{line}: {rule}")
+    assert violations == [], "use safe_io, steps or documents instead:\n" + "\n".join(violations)
+
+
+def test_the_scan_finds_what_it_looks_for():
+    sample = (
+        "import json, os, shutil\n"
+        "open(p, 'wb')\nopen(p, mode='a')\nos.open(p, os.O_WRONLY | os.O_CREAT)\nos.rename(a, b)\n"
+        "os.replace(a, b)\np.mkdir()\nos.makedirs(p)\nshutil.rmtree(p)\njson.loads(t)\np.write_text(t)\n"
+        "open(p)\nopen(p, 'rb')\nos.open(p, os.O_RDONLY)\n"
+    )
+    assert [rule for rule, _ in findings(sample)] == [
+        "create", "create", "create", "rename", "rename", "mkdir", "mkdir", "remove-tree", "json-parse", "write-path",
+    ]  # fmt: skip
