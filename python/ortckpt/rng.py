@@ -39,10 +39,19 @@ def _to_json(value: Any) -> Any:
     return value
 
 
+# The array types generator states hold (MT19937's key, SFC64's and Philox's words): nothing
+# else is decoded, so a hostile metadata.json cannot ask for, say, a 2 GB string dtype.
+_STATE_DTYPES = {"uint8", "uint32", "uint64", "int32", "int64"}
+_MAX_STATE_ELEMENTS = 1 << 16
+
+
 def _from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {"ndarray", "dtype"}:
-            return np.array(value["ndarray"], dtype=value["dtype"])
+            items, dtype = value["ndarray"], value["dtype"]
+            if dtype not in _STATE_DTYPES or not isinstance(items, list) or len(items) > _MAX_STATE_ELEMENTS:
+                raise ValueError(f"an array of {dtype!r} is not part of a generator's state")
+            return np.array(items, dtype=dtype)
         return {k: _from_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_json(v) for v in value]
@@ -51,6 +60,8 @@ def _from_json(value: Any) -> Any:
 
 def _python_restore(saved: list) -> tuple:
     version, internal, gauss = saved
+    if not isinstance(internal, list) or len(internal) > 1000 or not all(type(i) is int for i in internal):
+        raise ValueError("not the state of a random.Random")
     return (version, tuple(internal), gauss)
 
 
@@ -64,18 +75,19 @@ def _capture_one(generator: Generator) -> dict:
     raise TypeError(f"cannot capture the state of {type(generator).__name__}")
 
 
-def _restore_one(generator: Generator, saved: dict) -> None:
-    kind = saved["kind"]
-    expected = {"numpy.Generator": np.random.Generator, "numpy.RandomState": np.random.RandomState,
-                "random.Random": random.Random}[kind]  # fmt: skip
-    if not isinstance(generator, expected):
+_KINDS = {"numpy.Generator": np.random.Generator, "numpy.RandomState": np.random.RandomState,
+          "random.Random": random.Random}  # fmt: skip
+
+
+def _restore_one(generator: Generator, kind: str, decoded: Any) -> None:
+    if not isinstance(generator, _KINDS[kind]):
         raise TypeError(f"saved state is for a {kind}, got {type(generator).__name__}")
     if kind == "numpy.Generator":
-        generator.bit_generator.state = _from_json(saved["state"])
+        generator.bit_generator.state = decoded
     elif kind == "numpy.RandomState":
-        generator.set_state(_from_json(saved["state"]))
+        generator.set_state(decoded)
     else:
-        generator.setstate(_python_restore(saved["state"]))
+        generator.setstate(decoded)
 
 
 def capture_rng_state(*generators: Generator) -> dict:
@@ -92,18 +104,31 @@ def capture_rng_state(*generators: Generator) -> dict:
 
 
 def restore_rng_state(state: dict, *generators: Generator) -> None:
-    """Puts back what :func:`capture_rng_state` captured; ``generators`` in the same order."""
-    if len(generators) != len(state["generators"]):
-        raise ValueError(f"the state holds {len(state['generators'])} generator(s), {len(generators)} given")
-    random.setstate(_python_restore(state["python"]))
-    np.random.set_state(_from_json(state["numpy_global"]))
-    for generator, saved in zip(generators, state["generators"]):
-        _restore_one(generator, saved)
-    if "torch" in state:
+    """Puts back what :func:`capture_rng_state` captured; ``generators`` in the same order.
+
+    ``state`` comes from a file (metadata.json), so it is decoded and checked whole before any
+    generator changes: ValueError for anything :func:`capture_rng_state` would not have made."""
+    try:
+        python = _python_restore(state["python"])
+        numpy_global = _from_json(state["numpy_global"])
+        saved = [(g["kind"], g["state"]) for g in state["generators"]]
+        if any(kind not in _KINDS for kind, _ in saved):
+            raise ValueError(f"unknown generator kinds {[kind for kind, _ in saved]}")
+        decoded = [(kind, _python_restore(s) if kind == "random.Random" else _from_json(s)) for kind, s in saved]
+        torch_state = base64.b64decode(state["torch"], validate=True) if "torch" in state else None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise ValueError(f"not a random number generator state that capture_rng_state made: "
+                         f"{type(e).__name__}: {e}") from None  # fmt: skip
+    if len(generators) != len(decoded):
+        raise ValueError(f"the state holds {len(decoded)} generator(s), {len(generators)} given")
+    random.setstate(python)
+    np.random.set_state(numpy_global)
+    for generator, (kind, value) in zip(generators, decoded):
+        _restore_one(generator, kind, value)
+    if torch_state is not None:
         import torch
 
-        raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
-        torch.set_rng_state(torch.from_numpy(raw))
+        torch.set_rng_state(torch.from_numpy(np.frombuffer(torch_state, dtype=np.uint8).copy()))
 
 
 __all__ = ["capture_rng_state", "restore_rng_state"]

@@ -80,9 +80,10 @@ def test_sigkill_at_random_moments_leaves_the_old_or_the_new_checkpoint(external
     print(f"{TRIALS} kills: {seen}, {killed_mid_save} left temporary files")
     assert seen["old"] > 0 and seen["new"] > 0, seen
     assert killed_mid_save > 0
-    # Dead saves' temporaries go at the next save.
+    # Dead saves' temporaries go at the next save, and a lock file a killed save held with them.
     CheckpointState.save_checkpoint(states[0], target, external_data_threshold=threshold)
     assert _temps(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == (["ckpt", "ckpt.data"] if external else ["ckpt"])
     assert _matches(CheckpointState.load_checkpoint(target), news)
 
 

@@ -235,3 +235,24 @@ def test_errors_of_a_taken_temporary_name_do_not_blame_the_target(tmp_path, monk
         save_safetensors(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), tmp_path / "m.safetensors")
     assert e.value.filename == str(tmp_path / ".m.safetensors.ortckpt-tmp.same")
     assert Path(e.value.filename).read_text() == "taken"
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: {**s, "numpy_global": {"ndarray": [1], "dtype": "S2000000000"}},
+    lambda s: {**s, "python": [3, "x", None]},
+    lambda s: {k: v for k, v in s.items() if k != "generators"},
+    lambda s: {**s, "generators": [{"kind": "os.system", "state": 1}]},
+    lambda s: {**s, "torch": "!!not base64!!"},
+    lambda s: [],
+], ids=["huge-dtype", "python-state", "no-generators", "unknown-kind", "torch-base64", "not-a-dict"])  # fmt: skip
+def test_a_damaged_rng_state_is_refused_before_any_generator_changes(damage):
+    import random
+
+    from ortckpt import capture_rng_state, restore_rng_state
+
+    gen = np.random.default_rng(1)
+    state = capture_rng_state(gen)
+    before = (random.getstate(), gen.bit_generator.state)
+    with pytest.raises(ValueError, match="capture_rng_state"):
+        restore_rng_state(damage(state), gen)
+    assert (random.getstate(), gen.bit_generator.state) == before
