@@ -308,13 +308,17 @@ def tiling_problem(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -
     cells = math.prod(len(c) - 1 for c in cuts)
     if cells > MAX_TILING_CELLS:
         return f"cut the tensor into a grid of {cells} cells, more than ortckpt checks ({MAX_TILING_CELLS})"
-    grid = np.zeros([len(c) - 1 for c in cuts], np.int32)
+    grid = np.zeros([len(c) - 1 for c in cuts], np.int8)
     for offset, size in boxes:
         if math.prod(size):
-            grid[tuple(slice(c[o], c[o + s]) for c, o, s in zip(cuts, offset, size))] += 1
-    if (grid > 1).any():
-        return "overlap"
-    if (grid == 0).any():
+            # (the trailing Ellipsis keeps a view, not a scalar, for a 0-d tensor's one cell)
+            cells_of_box = grid[(*(slice(c[o], c[o + s]) for c, o, s in zip(cuts, offset, size)), ...)]
+            # Checked box by box: until the first overlap the boxes are disjoint, so the work is
+            # at most twice the grid's size, however the boxes are chosen.
+            if cells_of_box.any():
+                return "overlap"
+            cells_of_box += 1
+    if not grid.all():
         return "leave part of it uncovered"
     return None
 

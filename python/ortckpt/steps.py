@@ -70,8 +70,11 @@ class WriterLock:
         self.path = directory / WRITER_LOCK_NAME
         self.locked = False
         while True:
-            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open(self.path, flags, safe_io.FILE_MODE)
+            flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            try:
+                fd = os.open(self.path, os.O_RDWR | flags, safe_io.FILE_MODE)
+            except PermissionError:  # left by another user's writer that died: a lock needs no write access
+                fd = os.open(self.path, os.O_RDONLY | flags)
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):  # something planted under the lock's name
                 os.close(fd)
@@ -95,7 +98,7 @@ class WriterLock:
                 break
             os.close(fd)  # the previous holder removed this file after we opened it: take the new one
         self._fd = fd
-        if self.locked:
+        if self.locked and os.access(self.path, os.W_OK, follow_symlinks=False):
             record = {"pid": os.getpid(), "host": socket.gethostname(),
                       "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                       "command": " ".join(sys.argv)[:200]}  # fmt: skip

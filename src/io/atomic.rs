@@ -120,7 +120,10 @@ fn create_locked_temp(target: &Path) -> Result<(File, PathBuf)> {
         match file.lock() {
             Ok(()) => {}
             Err(e) if locks::locks_unsupported(&e) => return Ok((file, temp)),
-            Err(e) => return Err(Error::from(e).in_file(&temp)),
+            Err(e) => {
+                let _ = fs::remove_file(&temp); // ours: created just now
+                return Err(Error::from(e).in_file(&temp));
+            }
         }
         // A cleaner may have taken it for a dead save's between our create and our lock.
         if still_named(&file, &temp) {

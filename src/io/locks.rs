@@ -66,7 +66,9 @@ impl PathLock {
                 .map_err(|e| Error::from(e).in_file(&path))?;
             if !file.metadata().is_ok_and(|m| m.is_file()) {
                 // Something planted under the lock's name (a FIFO, a device): not ours to lock.
-                return Err(Error::new(ErrorKind::NotRegularFile("not a regular file")).in_file(&path));
+                return Err(
+                    Error::new(ErrorKind::NotRegularFile("not a regular file")).in_file(&path)
+                );
             }
             match file.lock() {
                 Ok(()) => {}

@@ -301,3 +301,34 @@ def test_the_holder_record_is_shown_without_control_characters(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_lock_file_left_by_another_user_does_not_stop_the_next_writer():
+    """A writer that died leaves its lock file, owned by its user; the next writer, another user
+    who cannot open it for writing, still takes the lock (a read-only open is enough for flock)."""
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="ortckpt-shared-"))  # (pytest's tmp_path is private to its user)
+    os.chmod(shared, 0o777)
+    lock = shared / WRITER_LOCK_NAME
+    lock.write_text('{"pid": 1}')
+    code = ("import os, sys\n"
+            "from ortckpt import CheckpointManager\n"  # (imported first: nobody cannot read root's Python)
+            "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+            "with CheckpointManager(sys.argv[1]) as m:\n    print('writer', os.access(sys.argv[2], os.W_OK))\n")  # fmt: skip
+    if os.geteuid() != 0:
+        os.chmod(lock, 0o444)  # not ours to write, as another user's would be
+    else:
+        os.chmod(lock, 0o644)  # root's: the subprocess runs as nobody
+    import ortckpt as package
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(package.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(shared), str(lock)], capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    try:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "writer False"
+        assert not lock.exists()  # released as usual: removed by the writer that held it
+    finally:
+        shutil.rmtree(shared)
