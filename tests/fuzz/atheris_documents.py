@@ -87,7 +87,7 @@ def fuzz_metadata(data: bytes) -> None:
     (step_dir / "metadata.json").write_bytes(data)
     reader = CheckpointManager(FIXTURE, read_only=True, keep_best=("loss", "min", 1))
     for info in reader.all():
-        info.metrics, info.epoch, info.rng_state
+        _ = (info.metrics, info.epoch, info.rng_state)
         read_state(reader.restore(info.step))
     reader.best()
     try:

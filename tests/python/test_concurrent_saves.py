@@ -129,7 +129,7 @@ def test_two_threads_saving_one_safetensors_path_leave_one_whole_file(tmp_path):
         states = [CheckpointState.from_arrays({"w": np.full(50_000, 10 * round_ + t, np.float32)}) for t in (1, 2)]
         barrier = threading.Barrier(2)
 
-        def save(state: CheckpointState) -> None:
+        def save(state: CheckpointState, barrier: threading.Barrier = barrier, round_: int = round_) -> None:
             barrier.wait()
             try:
                 save_safetensors(state, path)

@@ -268,7 +268,8 @@ def test_an_index_of_many_pieces_is_checked_in_linear_time(tmp_path):
     columns = [{"shard": r, "holders": [r], "offset": [0, r], "shape": [4, 1]} for r in range(world)]
     started = time.monotonic()
     documents.check_index(index_of(columns), "index.json")  # a valid tiling, by columns
-    assert time.monotonic() - started < 30  # (seconds, not hours; behaviour, not a benchmark)
+    # A hang guard, not a benchmark: the check takes about a second here, the quadratic one took hours.
+    assert time.monotonic() - started < 120
     columns[-1] = {"shard": world - 1, "holders": [0], "offset": [0, 0], "shape": [4, 1]}
     with pytest.raises(CheckpointFormatError, match="overlap|uncovered"):
         documents.check_index(index_of(columns), "index.json")

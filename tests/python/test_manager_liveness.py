@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -239,6 +238,7 @@ def test_step_directories_are_not_writable_by_others(tmp_path):
 def test_two_managers_started_at_once_elect_one_writer(tmp_path):
     outcomes: list[str] = []
     barrier = threading.Barrier(8)
+    all_tried = threading.Event()
 
     def start() -> None:
         barrier.wait()
@@ -246,9 +246,13 @@ def test_two_managers_started_at_once_elect_one_writer(tmp_path):
             manager = CheckpointManager(tmp_path)
         except CheckpointDirectoryInUseError:
             outcomes.append("refused")
+            if len(outcomes) == 8:
+                all_tried.set()
             return
         outcomes.append("writer")
-        time.sleep(0.5)
+        if len(outcomes) == 8:
+            all_tried.set()
+        all_tried.wait(60)  # the writer holds the directory until every other has tried
         manager.close()
 
     threads = [threading.Thread(target=start) for _ in range(8)]

@@ -9,7 +9,6 @@ Bounded: under a minute on this project's 2-core machine. `STRESS_SECONDS` makes
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 

@@ -405,11 +405,12 @@ def assemble(where: str | os.PathLike[str], index: Mapping[str, Any], entries: M
               for name, g in index.get("optimizer_groups", {}).items()} if include_optimizer_state else {}  # fmt: skip
     for name, want in layout.items():
         entry = entries[name]
-        (trainable if entry.trainable else frozen)[name] = _region(entry, want, lambda p: shards.tensor(entry, p))
+        (trainable if entry.trainable else frozen)[name] = _region(entry, want,
+                                                                   lambda p, e=entry: shards.tensor(e, p))  # fmt: skip
         if include_optimizer_state:
             for group, m in entry.momentums:
                 groups[group].momentums.setdefault(name, {})[m] = _region(
-                    entry, want, lambda p, g=group, m=m: shards.momentum(entry, p, g, m))  # fmt: skip
+                    entry, want, lambda p, e=entry, g=group, m=m: shards.momentum(e, p, g, m))  # fmt: skip
     state = CheckpointState.from_arrays(trainable, frozen, index.get("properties", {}))
     state.optimizer_groups = groups
     return state
