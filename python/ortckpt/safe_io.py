@@ -81,7 +81,9 @@ def write_all(fd: int, data: bytes | memoryview, path: Path) -> None:
         view = view[written:]
 
 
-def _still_named(fd: int, path: Path) -> bool:
+def still_named(fd: int, path: Path) -> bool:
+    """Whether the open ``fd`` is what ``path`` names now (a symlink there is not followed):
+    after taking a lock on a file, proof that nobody removed or replaced it meanwhile."""
     try:
         named, opened = os.lstat(path), os.fstat(fd)
     except OSError:
@@ -99,7 +101,7 @@ def _new_locked_temp(path: Path) -> tuple[Path, int]:
         except FileExistsError as e:  # planted, or a 1-in-2^128 coincidence: another name
             last = e
             continue
-        if _still_named(fd, temp):
+        if still_named(fd, temp):
             return temp, fd
         os.close(fd)  # a cleaner took it for a dead save's before we locked it: another name
     raise last or FileExistsError(errno.EEXIST, "no temporary name was free", os.fspath(path.parent))
@@ -140,18 +142,16 @@ def write_atomically(path: str | os.PathLike[str], data: bytes, *, durable: bool
 
 
 def write_new(path: Path, data: bytes, *, durable: bool = False) -> None:
-    """Writes a file that must not exist yet (in a directory this process just created)."""
+    """Writes a file that must not exist yet (in a directory this process just created); on
+    failure, what was written goes."""
     fd = create_exclusive(path)
     try:
         write_all(fd, data, path)
         if durable:
-            try:
-                os.fsync(fd)
-            except OSError as e:
-                raise _with_filename(e, path) from None
-    except BaseException:
+            os.fsync(fd)
+    except OSError as e:
         _unlink_quietly(path)
-        raise
+        raise _with_filename(e, path) from None
     finally:
         os.close(fd)
 
@@ -307,18 +307,3 @@ def entries(directory: Path) -> Iterable[os.DirEntry[str]]:
             return list(it)
     except FileNotFoundError:
         return []
-
-
-@contextmanager
-def flocked(fd: int, *, blocking: bool) -> Iterator[bool]:
-    """Holds an exclusive flock on ``fd`` inside the block; yields whether it was taken
-    (False when held elsewhere and not ``blocking``). Raises OSError where locks are unsupported."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)

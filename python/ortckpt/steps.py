@@ -93,7 +93,7 @@ class WriterLock:
                               "cannot be detected, and leftovers of crashed saves are kept", RuntimeWarning,
                               stacklevel=3)  # fmt: skip
                 break
-            if _still_named(fd, self.path):
+            if safe_io.still_named(fd, self.path):
                 self.locked = True
                 break
             os.close(fd)  # the previous holder removed this file after we opened it: take the new one
@@ -120,7 +120,7 @@ def _release(fd: int, path: Path, locked: bool) -> None:
     # named and opens the path again); unlocked explicitly, since a child process forked
     # meanwhile shares the lock.
     try:
-        if locked and _still_named(fd, path):
+        if locked and safe_io.still_named(fd, path):
             os.unlink(path)
         if locked:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -128,14 +128,6 @@ def _release(fd: int, path: Path, locked: bool) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _still_named(fd: int, path: Path) -> bool:
-    try:
-        named, opened = os.lstat(path), os.fstat(fd)
-    except OSError:
-        return False
-    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _holder_of(fd: int) -> dict[str, Any]:

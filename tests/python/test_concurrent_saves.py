@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -147,16 +148,17 @@ def test_two_threads_saving_one_safetensors_path_leave_one_whole_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
 
 
-@pytest.mark.parametrize("threshold", [0, None])
-def test_many_threads_saving_and_loading_one_path(tmp_path, threshold):
-    path = tmp_path / "ck"
-    kwargs = {} if threshold is None else {"external_data_threshold": threshold}
-    CheckpointState.save_checkpoint(state_of(0), path, True, **kwargs)
+def saves_racing_loads(path: Path, saves: int, threshold_of: Callable[[int, int], int | None]) -> list[str]:
+    """Three threads save ``path`` ``saves`` times each (``threshold_of(writer, i)``: the save's
+    external data threshold, None for the default) while two threads load it in a loop; returns
+    every error the loads met, each a finding."""
     errors: list[str] = []
     stop = threading.Event()
 
     def write(writer: int) -> None:
-        for i in range(60):
+        for i in range(saves):
+            threshold = threshold_of(writer, i)
+            kwargs = {} if threshold is None else {"external_data_threshold": threshold}
             CheckpointState.save_checkpoint(state_of(writer * 1000 + i), path, True, **kwargs)
 
     def read() -> None:
@@ -175,7 +177,14 @@ def test_many_threads_saving_and_loading_one_path(tmp_path, threshold):
     stop.set()
     for t in readers:
         t.join()
-    assert errors == []
+    return errors
+
+
+@pytest.mark.parametrize("threshold", [0, None])
+def test_many_threads_saving_and_loading_one_path(tmp_path, threshold):
+    path = tmp_path / "ck"
+    CheckpointState.save_checkpoint(state_of(0), path, True)
+    assert saves_racing_loads(path, 60, lambda writer, i: threshold) == []
     assert save_id_of(CheckpointState.load_checkpoint(path)) % 1000 == 59
 
 
@@ -186,31 +195,8 @@ def test_inline_and_external_saves_of_one_path_interleave_safely(tmp_path):
     another save would need, none missing beside an external one)."""
     path = tmp_path / "ck"
     CheckpointState.save_checkpoint(state_of(0), path, True)
-    errors: list[str] = []
-    stop = threading.Event()
-
-    def write(writer: int) -> None:
-        for i in range(80):
-            threshold = 0 if (i + writer) % 2 else 2**40  # alternate external and inline
-            CheckpointState.save_checkpoint(state_of(writer * 1000 + i), path, True, external_data_threshold=threshold)
-
-    def read() -> None:
-        while not stop.is_set():
-            try:
-                save_id_of(CheckpointState.load_checkpoint(path))
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"{type(e).__name__}: {e}")
-
-    readers = [threading.Thread(target=read) for _ in range(2)]
-    writers = [threading.Thread(target=write, args=(w,)) for w in (1, 2, 3)]
-    for t in readers + writers:
-        t.start()
-    for t in writers:
-        t.join()
-    stop.set()
-    for t in readers:
-        t.join()
-    assert errors == []
+    alternating = lambda writer, i: 0 if (i + writer) % 2 else 2**40  # noqa: E731 - external, inline, ...
+    assert saves_racing_loads(path, 80, alternating) == []
     final = CheckpointState.load_checkpoint(path)
     assert save_id_of(final) % 1000 == 79
     names = sorted(os.listdir(tmp_path))
