@@ -336,3 +336,23 @@ def test_a_lock_file_left_by_another_user_does_not_stop_the_next_writer():
         assert not lock.exists()  # released as usual: removed by the writer that held it
     finally:
         shutil.rmtree(shared)
+
+
+def test_without_file_locks_a_writer_warns_and_removes_no_leftovers(tmp_path, monkeypatch):
+    """Some network filesystems have no locks (ENOLCK): then nothing proves a leftover's writer
+    gone, so none is removed (a guess could delete a live save), and the writer says so."""
+    from ortckpt import steps
+
+    leftover = tmp_path / ".step_00000002.tmp-0123456789abcdef"
+    leftover.mkdir()
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(steps.fcntl, "flock", no_locks)
+    with pytest.warns(RuntimeWarning, match="no file locks"):
+        manager = CheckpointManager(tmp_path)
+    with manager:
+        manager.save(small_state(), 1)
+        assert manager.all_steps() == [1]
+    assert leftover.exists()
