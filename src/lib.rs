@@ -36,6 +36,7 @@ pub mod generated;
 pub mod io;
 #[cfg(feature = "python")]
 mod python;
+mod random;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -182,14 +183,13 @@ pub fn load_with(path: &Path, follow_symlinks: bool) -> Result<LoadedCheckpoint>
     loop {
         match load_once(path, follow_symlinks) {
             Ok(loaded) => return Ok(loaded),
-            Err(Attempt::Raced(e)) if attempt < ATTEMPTS => {
+            Err(Attempt::Raced(_)) if attempt < ATTEMPTS => {
                 attempt += 1;
                 // The saves racing us commit by two renames: usually retrying at once is
                 // enough; back off in case a writer is starved of CPU mid-commit.
                 std::thread::sleep(std::time::Duration::from_micros(
                     (50u64 << attempt.min(9)).min(20_000),
                 ));
-                drop(e);
             }
             Err(Attempt::Raced(e) | Attempt::Failed(e)) => return Err(e),
         }
@@ -361,13 +361,14 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
             main.commit()?;
             // Only now, and under the lock: until a save has committed, a crashed save's
             // temporary checkpoint may be the one that matches the data file (see load).
-            io::remove_stale_temps(&[path, &data_path]);
+            io::remove_stale_temps(&io::pending_temps_of(&[path, &data_path]));
         }
         None => {
             // Inline saves commit without a lock: one rename is atomic by itself.
             main.commit()?;
             let stale_data = std::fs::symlink_metadata(&data_path).is_ok();
-            if stale_data || !io::pending_temps(path).is_empty() {
+            let leftovers = io::pending_temps_of(&[path, &data_path]);
+            if stale_data || !leftovers.is_empty() {
                 // A data file left from an earlier save with external data would mislead, and
                 // leftovers take space. Removed under the commit lock, and only while the
                 // checkpoint is still this save's: a save with external data may have
@@ -380,7 +381,7 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
                         }
                         _ => {}
                     }
-                    io::remove_stale_temps(&[path, &data_path]);
+                    io::remove_stale_temps(&leftovers);
                 }
             }
         }

@@ -76,6 +76,7 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
     if sharded:
         index, shard_problems = _check_index(directory)
         (problems if index is None else later).extend(shard_problems)
+    checkpoints = [directory / CHECKPOINT_NAME] if index is None else _shard_paths(directory, index)
     try:
         meta = _metadata.read(directory)
     except FileNotFoundError:
@@ -106,7 +107,6 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
                 problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
             else:
                 files[name] = digest
-        checkpoints = [directory / CHECKPOINT_NAME] if index is None else _shard_paths(directory, index)
         for checkpoint in checkpoints:
             if checkpoint.name not in meta["files"]:
                 problems.append(f"{directory / _metadata.METADATA_NAME}: lists no {checkpoint.name} file")
@@ -117,7 +117,7 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
         from .distributed.sharded import check_shards
 
         problems += check_shards(directory, index)
-    for checkpoint in [directory / CHECKPOINT_NAME] if index is None else _shard_paths(directory, index):
+    for checkpoint in checkpoints:
         try:
             # Hashed files were just read in full; others are read here instead.
             count, nbytes, saved_step = _decode_everything(checkpoint, checkpoint.name not in files, on_bytes)

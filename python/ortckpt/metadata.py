@@ -137,21 +137,18 @@ def check_serializable(metadata: Mapping[str, Any]) -> None:
     """Raises now, in the caller's thread, for metadata this manager could not write or read
     back (rather than later, in an async save's background thread, or at the next start):
     values JSON cannot hold (TypeError), metrics that are not numbers (TypeError), nesting
-    or size beyond metadata.json's caps."""
+    (TypeError) or size (a CheckpointFormatError, a ValueError) beyond metadata.json's caps."""
     for name, value in (metadata.get("metrics") or {}).items():
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"checkpoint metrics are numbers: metrics[{name!r}] is {type(value).__name__}")
-    too_deep = TypeError(f"checkpoint metadata is nested deeper than {documents.METADATA.max_depth} levels")
+    # (before encoding, which recurses: so deep a structure would exhaust the stack there)
     if documents.depth_of(metadata, documents.METADATA.max_depth) > documents.METADATA.max_depth:
-        raise too_deep
+        raise TypeError(f"checkpoint metadata is nested deeper than {documents.METADATA.max_depth} levels")
     try:
         data = encode({**metadata, "files": {}})
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint metadata must be JSON-serialisable: {e}") from None
-    if len(data) > documents.METADATA.max_bytes:
-        raise ValueError(f"checkpoint metadata takes {len(data)} bytes as JSON, more than the "
-                         f"{documents.METADATA.max_bytes} metadata.json may have")  # fmt: skip
-    documents.parse(documents.METADATA, data, METADATA_NAME)  # what a reader will check
+    documents.parse(documents.METADATA, data, METADATA_NAME)  # what a reader will check, its size cap included
 
 
 def read(directory: Path) -> dict[str, Any]:

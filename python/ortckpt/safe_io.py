@@ -216,13 +216,6 @@ def read_regular(path: str | os.PathLike[str], *, limit: int | None = None, foll
         return f.read()
 
 
-def check_regular(path: str | os.PathLike[str]) -> None:
-    """Refuses a path that is not a regular file (as :func:`open_regular`), for libraries that
-    open it themselves: what they open may still be swapped after this, so ortckpt reads
-    the bytes itself wherever the library takes them."""
-    open_regular(path).close()
-
-
 def is_plain_name(name: object) -> bool:
     """Whether ``name`` (read from a document) names a file directly inside its directory."""
     return isinstance(name, str) and name not in (".", "..") and _PLAIN_NAME.fullmatch(name) is not None

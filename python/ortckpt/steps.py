@@ -39,7 +39,7 @@ from typing import Any
 from . import documents
 from . import safe_io
 from .errors import CheckpointDirectoryInUseError, CheckpointExistsError
-from .safe_io import fsync_directory as fsync_directory
+from .safe_io import fsync_directory
 
 STEP_DIR = re.compile(r"step_(\d+)")
 _TEMPORARY = re.compile(r"\.step_\d+\.(tmp|deleting)-.*", re.DOTALL)
@@ -109,10 +109,6 @@ class WriterLock:
     def release(self) -> None:
         """Gives the directory up (idempotent)."""
         self._release()
-
-    @property
-    def held(self) -> bool:
-        return self._release.alive
 
 
 def _release(fd: int, path: Path, locked: bool) -> None:

@@ -8,8 +8,6 @@
 //! trailer is unreferenced padding to every flatbuffers reader (ONNX Runtime
 //! included) and lies past every value in the data file.
 
-use std::hash::{BuildHasher, Hasher};
-
 /// Marks the trailer: the first 16 of its 32 bytes.
 pub const PAIR_MAGIC: &[u8; 16] = b"ortckpt pair id\0";
 
@@ -20,21 +18,7 @@ pub type PairId = [u8; 16];
 
 /// A fresh id: unique across saves, processes and machines for all practical purposes.
 pub fn new_pair_id() -> PairId {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let mut id = [0u8; 16];
-    for half in id.chunks_exact_mut(8) {
-        // RandomState is keyed from the OS's random source, differently per call.
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(nanos);
-        h.write_u32(std::process::id());
-        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-        half.copy_from_slice(&h.finish().to_le_bytes());
-    }
-    id
+    crate::random::unpredictable_128()
 }
 
 pub fn trailer(id: &PairId) -> [u8; PAIR_TRAILER_LEN] {

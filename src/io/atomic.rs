@@ -35,26 +35,11 @@ pub fn temp_path_for(target: &Path) -> PathBuf {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let random: String = random_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let random: String = crate::random::unpredictable_128()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     target.with_file_name(format!(".{name}{TEMP_MARKER}{random}"))
-}
-
-/// 16 bytes from the OS's random source.
-fn random_bytes() -> [u8; 16] {
-    let mut out = [0u8; 16];
-    let mut filled = 0;
-    while filled < out.len() {
-        // SAFETY: writes at most the remaining bytes of `out`, which we own.
-        let n =
-            unsafe { libc::getrandom(out[filled..].as_mut_ptr().cast(), out.len() - filled, 0) };
-        if n > 0 {
-            filled += n as usize;
-        } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-            // No getrandom (very old kernels): the pair-id generator's source, keyed per process.
-            return crate::format::pairing::new_pair_id();
-        }
-    }
-    out
 }
 
 /// A fully written temporary file waiting to replace its target, locked by this
@@ -179,7 +164,7 @@ pub fn pending_temps(target: &Path) -> Vec<PathBuf> {
 }
 
 /// [`pending_temps`] of targets in one directory, with one scan of it.
-fn pending_temps_of(targets: &[&Path]) -> Vec<PathBuf> {
+pub fn pending_temps_of(targets: &[&Path]) -> Vec<PathBuf> {
     let Some(first) = targets.first() else {
         return Vec::new();
     };
@@ -206,12 +191,12 @@ fn pending_temps_of(targets: &[&Path]) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Removes what crashed or killed saves to `targets` (files of one directory) left
+/// Removes, of `temps` ([`pending_temps_of`]), what crashed or killed saves left
 /// behind: temporary files no writer holds locked. Files of live saves (in any
 /// process, this one included) are left alone.
-pub fn remove_stale_temps(targets: &[&Path]) {
-    for temp in pending_temps_of(targets) {
-        locks::remove_if_abandoned(&temp);
+pub fn remove_stale_temps(temps: &[PathBuf]) {
+    for temp in temps {
+        locks::remove_if_abandoned(temp);
     }
 }
 

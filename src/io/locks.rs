@@ -15,17 +15,15 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, ErrorKind, Result};
+use super::mapped::{ensure_regular, FileId};
+use crate::error::{Error, Result};
 
 /// Whether `file` (open) is what `path` names now (not followed if a symlink).
 pub fn still_named(file: &File, path: &Path) -> bool {
-    match (file.metadata(), fs::symlink_metadata(path)) {
-        (Ok(open), Ok(named)) => open.dev() == named.dev() && open.ino() == named.ino(),
-        _ => false,
-    }
+    FileId::of_file(file).is_some_and(|id| FileId::of_name(path) == Some(id))
 }
 
 /// Flags for files ortckpt opens by name: never through a symlink in the last component,
@@ -64,12 +62,9 @@ impl PathLock {
                 .custom_flags(NO_FOLLOW)
                 .open(&path)
                 .map_err(|e| Error::from(e).in_file(&path))?;
-            if !file.metadata().is_ok_and(|m| m.is_file()) {
-                // Something planted under the lock's name (a FIFO, a device): not ours to lock.
-                return Err(
-                    Error::new(ErrorKind::NotRegularFile("not a regular file")).in_file(&path)
-                );
-            }
+            // Something planted under the lock's name (a FIFO, a device) is not ours to lock.
+            let meta = file.metadata().map_err(|e| Error::from(e).in_file(&path))?;
+            ensure_regular(&meta, &path)?;
             match file.lock() {
                 Ok(()) => {}
                 Err(e) if locks_unsupported(&e) => return Ok(None),

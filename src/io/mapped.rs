@@ -29,6 +29,40 @@ impl FileId {
     pub fn of_path(path: &Path) -> Option<FileId> {
         fs::metadata(path).ok().map(|m| FileId::of(&m))
     }
+
+    /// The entry `path` names now, not following a symlink there, if any.
+    pub fn of_name(path: &Path) -> Option<FileId> {
+        fs::symlink_metadata(path).ok().map(|m| FileId::of(&m))
+    }
+
+    /// The file an open file descriptor refers to.
+    pub fn of_file(file: &File) -> Option<FileId> {
+        file.metadata().ok().map(|m| FileId::of(&m))
+    }
+}
+
+/// Refuses anything but a regular file, before it is read: a directory is EISDIR, a FIFO,
+/// socket or device [`ErrorKind::NotRegularFile`], each naming `path`.
+pub(crate) fn ensure_regular(meta: &fs::Metadata, path: &Path) -> Result<()> {
+    let kind = meta.file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    if kind.is_dir() {
+        return Err(Error::from(io::Error::from_raw_os_error(libc::EISDIR)).in_file(path));
+    }
+    let what = if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else {
+        "not a file"
+    };
+    Err(Error::new(ErrorKind::NotRegularFile(what)).in_file(path))
 }
 
 /// Maps `path` privately: reads come from the page cache without copying, and
@@ -80,24 +114,7 @@ fn open(path: &Path, follow_symlinks: bool) -> Result<(File, u64, FileId)> {
         .open(path)
         .map_err(in_file)?;
     let meta = file.metadata().map_err(in_file)?;
-    let kind = meta.file_type();
-    if kind.is_dir() {
-        return Err(in_file(io::Error::from_raw_os_error(libc::EISDIR)));
-    }
-    if !kind.is_file() {
-        let what = if kind.is_fifo() {
-            "a FIFO"
-        } else if kind.is_socket() {
-            "a socket"
-        } else if kind.is_char_device() {
-            "a character device"
-        } else if kind.is_block_device() {
-            "a block device"
-        } else {
-            "not a file"
-        };
-        return Err(Error::new(ErrorKind::NotRegularFile(what)).in_file(path));
-    }
+    ensure_regular(&meta, path)?;
     Ok((file, meta.len(), FileId::of(&meta)))
 }
 

@@ -47,7 +47,8 @@ def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
 def load_any(path: str | os.PathLike[str], fmt: str | None = None, *, frozen: Iterable[str] = ()) -> CheckpointState:
     """A state from a file of any supported format (``fmt`` overrides detection). Errors of
     the libraries that read ONNX and torch files become :class:`ConversionError` naming the
-    file; anything but a regular file is refused before any library opens it."""
+    file; anything but a regular file is refused before any byte is read (the readers open
+    files through :mod:`ortckpt.safe_io`)."""
     fmt = fmt or format_of(path, must_exist=True)
     frozen = list(frozen)
     if fmt == "ortckpt":
@@ -60,7 +61,6 @@ def load_any(path: str | os.PathLike[str], fmt: str | None = None, *, frozen: It
         return load_safetensors(path, frozen=frozen)
     if fmt not in ("onnx", "torch"):
         raise ConversionError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
-    safe_io.check_regular(path)
     try:
         if fmt == "onnx":
             from .onnx_model import state_from_onnx
