@@ -111,7 +111,9 @@ def _new_locked_temp(path: Path) -> tuple[Path, int]:
 def atomic_file(path: str | os.PathLike[str], *, durable: bool = False) -> Iterator[IO[bytes]]:
     """A file to write that replaces ``path`` when the block ends, all or nothing: it is a
     locked temporary file of a fresh name beside ``path``, renamed over it at the end. On any
-    failure the temporary file goes and ``path`` is as it was. OS errors name the file."""
+    failure the temporary file goes and ``path`` is as it was; OS errors name ``path`` (a
+    full disk says which file could not be written). After the rename, temporary files of
+    earlier saves to ``path`` whose writers are gone (killed mid-save) are removed."""
     path = Path(path)
     temp, fd = _new_locked_temp(path)
     try:
@@ -120,9 +122,6 @@ def atomic_file(path: str | os.PathLike[str], *, durable: bool = False) -> Itera
                 yield f
             if durable:
                 os.fsync(fd)
-        except OSError as e:
-            raise _with_filename(e, temp) from None
-        try:
             os.replace(temp, path)
         except OSError as e:
             raise _with_filename(e, path) from None
@@ -133,6 +132,29 @@ def atomic_file(path: str | os.PathLike[str], *, durable: bool = False) -> Itera
         os.close(fd)
     if durable:
         fsync_directory(path.parent)
+    remove_abandoned_temps(path)
+
+
+def remove_abandoned_temps(path: Path) -> None:
+    """Removes the temporary files of saves to ``path`` that no writer holds locked (as the Rust
+    core does for checkpoints): a held lock means a live save, in any process, and is left alone."""
+    prefix = f".{path.name}{TEMP_MARKER}"
+    for entry in entries(path.parent):
+        if not entry.name.startswith(prefix):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its writer lives
+                if still_named(fd, Path(entry.path)):
+                    os.unlink(entry.path)
+        except OSError:
+            pass  # alive, or no locks on this filesystem: nothing proves it abandoned
+        finally:
+            os.close(fd)
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> None:

@@ -203,3 +203,46 @@ def test_inline_and_external_saves_of_one_path_interleave_safely(tmp_path):
     assert names == (["ck"] if final._mappings[1] is None else ["ck", "ck.data"]), names
     CheckpointState.save_checkpoint(state_of(5), path, True)  # an inline save cleans up a stale data file
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_a_python_written_file_killed_mid_save_leaves_no_leftover_after_the_next_save(tmp_path):
+    """safetensors files (and index.json) are written by ortckpt's Python side: a save SIGKILLed
+    while writing leaves its temporary file; the next save of that path removes it, and leaves
+    the temporary file of a save still running (its lock held) alone."""
+    path = tmp_path / "m.safetensors"
+    code = ("import sys, time\nfrom pathlib import Path\nfrom ortckpt import safe_io\n"
+            "with safe_io.atomic_file(Path(sys.argv[1])) as f:\n"
+            "    f.write(b'half a file'); f.flush(); print('writing', flush=True); time.sleep(60)\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    live = tmp_path / ".m.safetensors.ortckpt-tmp.live"
+    live.write_bytes(b"a save in progress")
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert len([n for n in os.listdir(tmp_path) if ".ortckpt-tmp." in n]) == 2  # the killed one, the live one
+        save_safetensors(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), path)
+        assert sorted(os.listdir(tmp_path)) == sorted([live.name, "m.safetensors"])
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_while_writing_a_safetensors_file_names_it_and_keeps_the_old_one(tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk, as in test_crash_safety.py: the write fails with
+    EFBIG, the error names the destination, the old file stays and no temporary file is left."""
+    path = tmp_path / "m.safetensors"
+    save_safetensors(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), path)
+    before = path.read_bytes()
+    code = ("import resource, sys\nimport numpy as np\nfrom ortckpt import CheckpointState\n"
+            "from ortckpt.convert import save_safetensors\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+            "try:\n    save_safetensors(CheckpointState.from_arrays({'w': np.ones(1 << 20, np.float32)}), sys.argv[1])\n"
+            "except OSError as e:\n    print(e.errno, e.filename); sys.exit(0)\n"
+            "sys.exit('the save succeeded past the file size limit')\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    code_, filename = done.stdout.split()
+    assert int(code_) in (27, 28) and filename == str(path)  # EFBIG, ENOSPC
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["m.safetensors"]

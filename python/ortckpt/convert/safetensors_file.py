@@ -196,8 +196,8 @@ def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict
             raise bad(f"tensor {name}: bytes {begin}..{end} {where} (which ends at {position})")
         position = end
     if position != data_len:
-        last = max(ranges)[2] if ranges else None
-        raise bad(f"{data_len - position} bytes after the last tensor{f' ({last})' if last else ''}")
+        where = f"tensor {max(ranges)[2]}: the last tensor, followed by" if ranges else "no tensor, yet"
+        raise bad(f"{where} {data_len - position} bytes of data")
     return tensors, metadata
 
 
