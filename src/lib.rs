@@ -297,6 +297,59 @@ fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()>
     Ok(())
 }
 
+/// Decodes a checkpoint held in memory (ONNX Runtime's `LoadCheckpointFromBuffer`): the
+/// result holds byte ranges of `buf`, copies nothing, and reads no other file.
+///
+/// # Errors
+/// Malformed bytes as [`load`] reports them, and a checkpoint whose values are in an
+/// external data file, which one buffer cannot hold.
+pub fn decode_buffer(buf: &[u8]) -> Result<Checkpoint<Stored>> {
+    format::endian::ensure_host_little_endian()?;
+    let checkpoint = format::decode(buf)?;
+    if checkpoint.has_external_data {
+        return Err(Error::invalid_state(
+            "the checkpoint keeps its values in an external data file (<checkpoint>.data), \
+             which has no place in a single buffer: load it from its path",
+        ));
+    }
+    Ok(checkpoint)
+}
+
+/// Encodes `ckpt` as one buffer in memory (sorted like [`save`] unless `keep_order`;
+/// never external data, so at most 2 GiB). The result borrows the tensor bytes: its
+/// [`format::Encoded::segments`] concatenated are the file [`save`] would write.
+///
+/// # Errors
+/// As [`save`], less the OS errors.
+pub fn encode_in_memory<'a>(
+    ckpt: &mut Checkpoint<Payload<'a>>,
+    keep_order: bool,
+) -> Result<format::Encoded<'a>> {
+    format::endian::ensure_host_little_endian()?;
+    if !keep_order {
+        ckpt.sort_like_ort_state_path();
+    }
+    let values = values_len(ckpt);
+    if values > format::encode::MAX_INLINE_LEN {
+        return Err(Error::invalid_state(format!(
+            "the checkpoint holds {values} bytes of values; one buffer holds at most {} (in memory \
+             there is no external data file): save larger checkpoints to a path",
+            format::encode::MAX_INLINE_LEN
+        )));
+    }
+    format::encode(ckpt, Placement::Inline)
+}
+
+/// Bytes of tensor values in `ckpt` (strings not counted).
+fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
+    ckpt.tensors()
+        .map(|t| match t.data {
+            Payload::Bytes(b) => b.len() as u64,
+            _ => 0,
+        })
+        .sum()
+}
+
 /// Writes `ckpt` to `path` the way ONNX Runtime's state-path saver does (sorted
 /// by name; `ckpt` is sorted in place), replacing any previous file atomically.
 /// Above `options.external_data_threshold` bytes of values, they go to `<path>.data`.
@@ -309,14 +362,7 @@ pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptio
     if !options.keep_order {
         ckpt.sort_like_ort_state_path();
     }
-    let values: u64 = ckpt
-        .tensors()
-        .map(|t| match t.data {
-            Payload::Bytes(b) => b.len() as u64,
-            _ => 0,
-        })
-        .sum();
-    let placement = if values > options.external_data_threshold {
+    let placement = if values_len(ckpt) > options.external_data_threshold {
         Placement::External
     } else {
         Placement::Inline

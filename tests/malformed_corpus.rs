@@ -115,6 +115,7 @@ fn valid_checkpoint() -> Vec<u8> {
         data: Payload::Bytes(bytes),
     };
     let ckpt = Checkpoint {
+        version: ortckpt::format::CHECKPOINT_VERSION,
         trainable: vec![f32_tensor("layer.weight", vec![4, 6], &w)],
         frozen: vec![f32_tensor("layer.bias", vec![4], &b)],
         is_nominal: false,
@@ -464,14 +465,25 @@ fn corpus() -> Vec<Case> {
             Loads,
         ),
         case(
-            "version_1",
-            "checkpoint version 1",
+            "version_0",
+            "checkpoint version 0 (ONNX Runtime wrote 1 and 2)",
             Module {
-                version: 1,
+                version: 0,
                 ..Module::with(vec![raw("w", &[1], 4)])
             }
             .build(),
-            Malformed("version 1 is not supported", None),
+            Malformed("version 0 is not supported", None),
+        ),
+        case(
+            "version_1_with_external_data",
+            "checkpoint version 1 (readable) claiming external data, a flag version 2 added",
+            Module {
+                version: 1,
+                has_external_data: true,
+                ..Module::with(vec![raw("w", &[1], 4)])
+            }
+            .build(),
+            Malformed("version-1 checkpoint cannot be nominal or have external data", None),
         ),
         case(
             "version_3",

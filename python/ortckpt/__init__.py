@@ -12,7 +12,7 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
 from importlib.metadata import PackageNotFoundError, version
 
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
-from .dtypes import PackedInt4
+from .dtypes import PackedBits, PackedInt4
 from .errors import (
     CheckpointDirectoryInUseError,
     CheckpointError,
@@ -47,6 +47,7 @@ __all__ = [
     "CheckpointStateError",
     "InternalError",
     "OptimizerGroup",
+    "PackedBits",
     "PackedInt4",
     "Parameter",
     "Parameters",

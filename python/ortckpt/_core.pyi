@@ -10,7 +10,9 @@ __all__ = [
     "SaveProgress",
     "_panic_for_test",
     "load",
+    "load_buffer",
     "save",
+    "save_bytes",
 ]
 
 CHECKPOINT_VERSION: int
@@ -37,6 +39,7 @@ class SaveProgress:
 _TensorIn = tuple[str, int, Sequence[int], Any]
 
 def load(path: str, *, follow_symlinks: bool = True) -> dict[str, Any]: ...
+def load_buffer(data: Any) -> dict[str, Any]: ...
 def save(
     path: str,
     trainable: Sequence[_TensorIn],
@@ -52,4 +55,15 @@ def save(
     progress: SaveProgress | None = None,
     keep_order: bool = False,
 ) -> None: ...
+def save_bytes(
+    trainable: Sequence[_TensorIn],
+    frozen: Sequence[_TensorIn],
+    optimizer_groups: Sequence[tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]],
+    ints: Sequence[tuple[str, int]],
+    floats: Sequence[tuple[str, float]],
+    strings: Sequence[tuple[str, str]],
+    *,
+    nominal: bool = False,
+    keep_order: bool = False,
+) -> bytes: ...
 def _panic_for_test(message: str, release_gil: bool) -> None: ...

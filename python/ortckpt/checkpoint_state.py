@@ -12,25 +12,25 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
 import numpy as np
 
 from . import _core
 from . import dtypes as _dt
-from .dtypes import PackedInt4
-from .errors import CheckpointError, CheckpointStateError, UnsupportedDataTypeError
+from .dtypes import PackedBits, PackedInt4
+from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError, UnsupportedDataTypeError
 from .progress import save_progress
 
 PropertyValue = Union[int, float, str]
-TensorValue = Union[np.ndarray, PackedInt4]
+TensorValue = Union[np.ndarray, PackedBits]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _Tensor:
     """One tensor of a state: its type and shape, and where its values are.
 
-    Values are either in hand (an array, a PackedInt4 or an object array of str)
+    Values are either in hand (an array, a PackedBits or an object array of str)
     or, for a loaded tensor not yet used, a byte range of the loaded file.
     """
 
@@ -60,7 +60,7 @@ class _Tensor:
     @classmethod
     def from_value(cls, name: str, value: Any) -> _Tensor:
         value = _intake(name, value)
-        shape = value.shape if isinstance(value, PackedInt4) else tuple(value.shape)
+        shape = value.shape if isinstance(value, PackedBits) else tuple(value.shape)
         return cls(name, _dt.code_of(value), shape, value)
 
     def value(self) -> TensorValue:
@@ -72,9 +72,9 @@ class _Tensor:
     def _view(self) -> TensorValue:
         if self._mapping is None:
             raise CheckpointStateError(f"tensor {self.name} has no values (it is from a nominal checkpoint)")
-        if self.code in (_dt.INT4, _dt.UINT4):
+        if self.code in _dt.SUB_BYTE_CODES:
             packed = np.frombuffer(self._mapping, np.uint8, self._nbytes, self._offset)
-            return PackedInt4(packed, self.dims, self.code == _dt.INT4)
+            return PackedBits.of(packed, self.dims, self.code)
         dtype = _dt.numpy_dtype(self.code)
         if self._nbytes == 0:
             return np.zeros(self.dims, dtype)
@@ -90,14 +90,14 @@ class _Tensor:
                 f"Parameter {self.name}: data type mismatch: expected {_dt.name_of(self.code)}, "
                 f"got {_dt.name_of(code)} ({_dtype_text(value)})"
             )
-        shape = value.shape if isinstance(value, PackedInt4) else tuple(value.shape)
+        shape = value.shape if isinstance(value, PackedBits) else tuple(value.shape)
         if shape != self.dims:
             raise CheckpointStateError(
                 f"Parameter {self.name}: shape mismatch: expected {self.dims}, got {shape}"
             )
         current = self.value()
-        target = current.packed if isinstance(current, PackedInt4) else current
-        source = value.packed if isinstance(value, PackedInt4) else value
+        target = current.packed if isinstance(current, PackedBits) else current
+        source = value.packed if isinstance(value, PackedBits) else value
         if target.flags.writeable:
             np.copyto(target, source)
         else:  # e.g. a read-only array handed to from_arrays: keep our own copy instead
@@ -110,21 +110,21 @@ class _Tensor:
         value = self.value()
         if self.code == _dt.STRING:
             return self.name, self.code, self.dims, _strings_of(self.name, value)
-        array = value.packed if isinstance(value, PackedInt4) else value
+        array = value.packed if isinstance(value, PackedBits) else value
         return self.name, self.code, self.dims, _as_bytes(array)
 
 
 def _intake(name: str, value: Any) -> TensorValue:
-    """An array (or PackedInt4) of a type the format holds; int4 arrays are packed."""
-    if isinstance(value, PackedInt4):
+    """An array (or PackedBits) of a type the format holds; sub-byte arrays are packed."""
+    if isinstance(value, PackedBits):
         return value
     array = np.asarray(value)
     try:
         code = _dt.code_of(array)
     except UnsupportedDataTypeError as e:
         raise UnsupportedDataTypeError(f"tensor {name}: {e}") from None
-    if code in (_dt.INT4, _dt.UINT4):
-        return PackedInt4.pack(array)
+    if code in _dt.SUB_BYTE_CODES:
+        return PackedBits.pack(array)
     if code == _dt.STRING:
         _strings_of(name, array)  # refused now, not at save, when not text
     return array
@@ -150,14 +150,14 @@ def _strings_of(name: str, value: Any) -> list[str]:
 
 
 def _owned_copy(value: TensorValue) -> TensorValue:
-    if isinstance(value, PackedInt4):
-        return PackedInt4(value.packed.copy(), value.shape, value.signed)
+    if isinstance(value, PackedBits):
+        return PackedBits.of(value.packed.copy(), value.shape, value.data_type)
     return np.array(value, copy=True)
 
 
 def _staged_copy(staging: dict[Any, Any], key: tuple[str, ...], value: TensorValue) -> TensorValue:
     """A copy of ``value`` in ``staging[key]``, reused when its shape and dtype match."""
-    if isinstance(value, PackedInt4) or value.dtype == object:  # rare types: a fresh copy
+    if isinstance(value, PackedBits) or value.dtype == object:  # rare types: a fresh copy
         return _owned_copy(value)
     target = staging.get(key)
     if target is None or target.shape != value.shape or target.dtype != value.dtype:
@@ -170,20 +170,25 @@ def _save_core(path: str | os.PathLike[str], trainable: list, frozen: list, grou
                properties: Mapping[str, PropertyValue], **options: Any) -> None:  # fmt: skip
     """``_core.save`` of tensors as ``_Tensor.to_core`` gives them, with the properties split
     by type as the format stores them; ``options``: ``_core.save``'s keywords."""
-    _core.save(
-        os.fspath(path),
-        trainable,
-        frozen,
-        groups,
+    _core.save(os.fspath(path), trainable, frozen, groups, *_split_properties(properties), **options)
+
+
+def _split_properties(properties: Mapping[str, PropertyValue]) -> tuple[list, list, list]:
+    """(ints, floats, strings), as the format's property bag stores them."""
+    return (
         [(k, v) for k, v in properties.items() if isinstance(v, int)],
         [(k, v) for k, v in properties.items() if isinstance(v, float)],
         [(k, v) for k, v in properties.items() if isinstance(v, str)],
-        **options,
     )
 
 
+def _is_file_object(target: Any) -> bool:
+    """A binary file object (or anything with read/write), as opposed to a path."""
+    return not isinstance(target, (str, bytes, os.PathLike)) and (hasattr(target, "read") or hasattr(target, "write"))
+
+
 def _dtype_text(value: TensorValue) -> str:
-    return "packed int4" if isinstance(value, PackedInt4) else str(value.dtype)
+    return "packed int4" if isinstance(value, PackedBits) else str(value.dtype)
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -215,7 +220,8 @@ class Parameter:
     @property
     def data(self) -> TensorValue:
         """The data of the parameter: a NumPy view of the checkpoint's bytes (writable,
-        copy-on-write), or a :class:`PackedInt4` for UINT4/INT4 tensors."""
+        copy-on-write), or a :class:`PackedBits` for the sub-byte types (UINT4, INT4, FLOAT4E2M1,
+        UINT2, INT2)."""
         return self._tensor.value()
 
     @data.setter
@@ -240,7 +246,7 @@ class Parameter:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical shape (for UINT4/INT4 too, whose ``data`` is packed)."""
+        """The logical shape (for the sub-byte types too, whose ``data`` is packed)."""
         return self._tensor.dims
 
     def __repr__(self) -> str:
@@ -374,6 +380,8 @@ class CheckpointState:
         # The loaded file's mappings (checkpoint, external data), which views keep alive.
         self._mappings: tuple[Any, Any] = (None, None)
         self._nominal = False
+        # The format version read (1: ONNX Runtime 1.16's); saves always write version 2.
+        self._version = _core.CHECKPOINT_VERSION
         self._parameters = Parameters(self)
         self._props_view = Properties(self)
 
@@ -387,20 +395,74 @@ class CheckpointState:
         return Parameter(self._tensor(name), name not in self._frozen)
 
     @classmethod
-    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike[str]) -> CheckpointState:
+    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike[str] | BinaryIO) -> CheckpointState:
         """Loads the checkpoint state from the checkpoint file (complete or nominal).
 
         The file is memory-mapped and verified; parameter data are views over it,
-        read from disk only when used.
+        read from disk only when used. A binary file object is read whole, then loaded as
+        :meth:`from_bytes` loads a buffer.
         """
-        return cls._load(checkpoint_uri)
+        if _is_file_object(checkpoint_uri):
+            return cls.from_bytes(checkpoint_uri.read())  # type: ignore[union-attr]
+        return cls._load(checkpoint_uri)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview | Any) -> CheckpointState:
+        """Loads a checkpoint held in memory (bytes, bytearray, memoryview, mmap: any
+        contiguous buffer), as ONNX Runtime's ``LoadCheckpointFromBuffer`` does.
+
+        Nothing is copied: parameter data are NumPy views over ``data``, which the state
+        keeps alive (and, for a bytearray or mmap, keeps from being resized or closed). The
+        views are writable exactly when ``data`` is, and writing them writes ``data``.
+        A checkpoint whose values are in an external data file cannot be in one buffer.
+        """
+        view = memoryview(data)
+        if not view.c_contiguous:
+            raise CheckpointStateError("from_bytes needs a contiguous buffer")
+        raw = _core.load_buffer(view.cast("B") if (view.format, view.ndim) != ("B", 1) else view)
+        return cls._from_raw(raw)
+
+    def to_bytes(self, include_optimizer_state: bool = False) -> bytes:
+        """The checkpoint file :meth:`save_checkpoint` would write, as ``bytes`` (each
+        tensor's bytes copied once, into the result). Values must total under 2 GiB: in
+        memory there is no external data file."""
+        return _core.save_bytes(*self._core_tensors(include_optimizer_state), *_split_properties(self._properties),
+                                nominal=self.is_nominal)  # fmt: skip
+
+    def _core_tensors(self, include_optimizer_state: bool) -> tuple[list, list, list]:
+        """(trainable, frozen, optimizer groups) as ``_core.save`` takes them."""
+        nominal = self.is_nominal
+        trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
+        frozen = [self._tensor(n).to_core(nominal) for n in self._frozen]
+        groups = self._groups_to_core() if include_optimizer_state else []
+        return trainable, frozen, groups
+
+    @property
+    def format_version(self) -> int:
+        """The format version of the file this state was loaded from: 2, or 1 for a file of
+        ONNX Runtime 1.16 (which later releases refuse; saving writes version 2)."""
+        return self._version
 
     @classmethod
     def _load(cls, checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:
         """:meth:`load_checkpoint`; without ``follow_symlinks``, a symlink at the path or its
         data file is refused (for files a document names, which stay in their directory)."""
-        raw = _core.load(os.fspath(checkpoint_uri), follow_symlinks=follow_symlinks)
+        try:
+            raw = _core.load(os.fspath(checkpoint_uri), follow_symlinks=follow_symlinks)
+        except IsADirectoryError:
+            from .versions import legacy_layout_problem
+
+            problem = legacy_layout_problem(checkpoint_uri)
+            if problem is None:
+                raise
+            raise CheckpointFormatError(problem) from None
+        return cls._from_raw(raw)
+
+    @classmethod
+    def _from_raw(cls, raw: dict[str, Any]) -> CheckpointState:
+        """A state over what ``_core.load`` or ``_core.load_buffer`` returned."""
         state = cls()
+        state._version = raw["version"]
         state._mappings = (raw["mapping"], raw["external_mapping"])
         state._nominal = raw["nominal"]
         # Entries are (name, code, dims, stored): from_file's arguments, kept as they are until used.
@@ -418,7 +480,7 @@ class CheckpointState:
     def save_checkpoint(
         cls,
         state: CheckpointState,
-        checkpoint_uri: str | os.PathLike[str],
+        checkpoint_uri: str | os.PathLike[str] | BinaryIO,
         include_optimizer_state: bool = False,
         *,
         external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
@@ -429,7 +491,8 @@ class CheckpointState:
 
         Args:
             state: The checkpoint state object.
-            checkpoint_uri: The path to the checkpoint file.
+            checkpoint_uri: The path to the checkpoint file, or a binary file object that
+                receives :meth:`to_bytes` (then nothing but ``include_optimizer_state`` applies).
             include_optimizer_state: If True, the optimizer state is also saved to the checkpoint file.
             external_data_threshold: When the tensor values (momentums included) total more bytes
                 than this (1800 MiB by default, as in ONNX Runtime), they go to
@@ -442,11 +505,12 @@ class CheckpointState:
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
+        if _is_file_object(checkpoint_uri):
+            checkpoint_uri.write(state.to_bytes(include_optimizer_state))  # type: ignore[union-attr]
+            return
         nominal = state.is_nominal
-        trainable = [state._tensor(n).to_core(nominal) for n in state._tensors if n not in state._frozen]
-        frozen = [state._tensor(n).to_core(nominal) for n in state._frozen]
-        groups = state._groups_to_core() if include_optimizer_state else []
-        path = os.fspath(checkpoint_uri)
+        trainable, frozen, groups = state._core_tensors(include_optimizer_state)
+        path = os.fspath(checkpoint_uri)  # type: ignore[arg-type]
         with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
             _save_core(path, trainable, frozen, groups, state._properties, nominal=nominal,
                        external_data_threshold=external_data_threshold, durable=durable, progress=counter)  # fmt: skip

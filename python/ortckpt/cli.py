@@ -220,19 +220,22 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 @click.option("--frozen", multiple=True, metavar="NAME", help="A parameter to freeze (safetensors, ONNX and torch sources; repeatable).")
 @click.option("--no-optimizer", is_flag=True, help="Leave the optimizer state out.")
 @click.option("--model", type=click.Path(),
-              help="For an ONNX destination: the model whose initializers take the weights.")  # fmt: skip
+              help="For an ONNX destination: the eval model (or any model) that takes the weights.")  # fmt: skip
+@click.option("--output", "outputs", multiple=True, metavar="NAME",
+              help="For an ONNX destination: an output to keep (repeatable); see `ortckpt export`.")  # fmt: skip
 @click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def convert(src: str, dst: str, src_format: str | None, dst_format: str | None, frozen: tuple[str, ...],
-            no_optimizer: bool, model: str | None, progress: bool | None, as_json: bool) -> None:  # fmt: skip
+            no_optimizer: bool, model: str | None, outputs: tuple[str, ...], progress: bool | None,
+            as_json: bool) -> None:  # fmt: skip
     """Convert a checkpoint between formats, e.g. `ortckpt convert model.safetensors checkpoint`
-    or `ortckpt convert checkpoint model.onnx --model eval_model.onnx`."""
+    or `ortckpt convert checkpoint model.onnx --model eval_model.onnx --output y`."""
     from .convert.files import convert as run_convert
 
     formats = run_convert(src, dst, src_format=src_format, dst_format=dst_format, frozen=frozen,
                           include_optimizer_state=not no_optimizer, model=model,
-                          progress=_show_progress(progress))  # fmt: skip
+                          output_names=list(outputs) or None, progress=_show_progress(progress))  # fmt: skip
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from": formats[0], "to": formats[1]})
     click.echo(f"{src} ({formats[0]}) -> {dst} ({formats[1]})")
@@ -254,6 +257,46 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
     if as_json:
         return _emit_json({"src": src, "dst": dst, "parameters": count})
     click.echo(f"{dst}: nominal checkpoint of {count} parameters")
+
+
+@main.command(epilog=EXIT_CODES, short_help="Export an inference ONNX model from a checkpoint and its eval model.")
+@click.argument("checkpoint", type=click.Path())
+@click.argument("eval_model", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--output", "outputs", multiple=True, metavar="NAME",
+              help="An output of the inference model (repeatable; default: the eval model's outputs).")  # fmt: skip
+@click.option("--external-data/--no-external-data", default=None,
+              help="Weights in OUT.data (default: only when the model would pass protobuf's 2 GiB).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def export(checkpoint: str, eval_model: str, out: str, outputs: tuple[str, ...], external_data: bool | None,
+           as_json: bool) -> None:  # fmt: skip
+    """Write the inference model ONNX Runtime's Module.export_model_for_inferencing writes: the
+    eval model's parameter inputs bound to the checkpoint's values, only the --output values
+    and the nodes they need. It runs in the onnxruntime inference package; no training package
+    is needed."""
+    from .convert.onnx_model import export_model
+
+    export_model(checkpoint, eval_model, out, output_names=list(outputs) or None, external_data=external_data)
+    if as_json:
+        return _emit_json({"checkpoint": checkpoint, "eval_model": eval_model, "out": out, "outputs": list(outputs)})
+    click.echo(f"{out}: inference model" + (f" with outputs {', '.join(outputs)}" if outputs else ""))
+
+
+@main.command(epilog=EXIT_CODES, short_help="Rewrite an ONNX Runtime 1.16 checkpoint (version 1) as version 2.")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def upgrade(src: str, dst: str, as_json: bool) -> None:
+    """Write SRC (checkpoint format version 1, which ONNX Runtime 1.16 wrote and 1.17+ refuses,
+    or version 2) to DST as version 2 with the same parameters, optimizer state and properties."""
+    from .versions import upgrade as run_upgrade
+
+    version = run_upgrade(src, dst)
+    if as_json:
+        return _emit_json({"src": src, "dst": dst, "from_version": version, "to_version": 2})
+    click.echo(f"{src} (version {version}) -> {dst} (version 2)")
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint_state import CheckpointState, PackedInt4
+from . import dtypes as _dt
+from .checkpoint_state import CheckpointState, PackedBits
 
 
 @dataclass
@@ -60,8 +61,8 @@ def _tensors(state: CheckpointState) -> dict[str, tuple[str, Any]]:
 
 
 def _comparable(value: Any) -> np.ndarray:
-    if isinstance(value, PackedInt4):
-        return value.unpack().astype(np.int8)
+    if isinstance(value, PackedBits):
+        return value.unpack().astype(np.float32 if value.data_type == _dt.FLOAT4E2M1 else np.int8)
     return np.asarray(value)
 
 

@@ -15,7 +15,7 @@ from . import progress as _progress
 from . import safe_io, steps
 from .checkpoint_state import CheckpointState
 from .distributed.layout import INDEX_NAME
-from .dtypes import PackedInt4
+from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointIntegrityError
 
 CHECKPOINT_NAME = "checkpoint"  # the checkpoint file inside a manager's step directory
@@ -182,7 +182,7 @@ def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None,
         values += [m for moms in group.momentums.values() for m in moms.values() if m is not None]
     total = 0
     for value in values:
-        array = value.packed if isinstance(value, PackedInt4) else np.asarray(value)
+        array = value.packed if isinstance(value, PackedBits) else np.asarray(value)
         if read_bytes and array.dtype != object and array.size:  # an I/O error surfaces here, not in training
             np.bitwise_xor.reduce(array.reshape(-1).view(np.uint8))
             if on_bytes is not None:

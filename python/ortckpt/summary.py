@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _core
 from . import dtypes as _dt
-from .checkpoint_state import CheckpointState, PackedInt4
+from .checkpoint_state import CheckpointState, PackedBits
 from .convert.files import format_of, load_any
 
 
@@ -79,7 +79,7 @@ def _describe_checkpoint(path: Path) -> dict[str, Any]:
 
 def _describe_state(state: CheckpointState) -> dict[str, Any]:
     def entry(name: str, role: str, value: Any, **extra: Any) -> dict:
-        if isinstance(value, PackedInt4):
+        if isinstance(value, PackedBits):
             return _tensor_entry(name, role, value.data_type, value.shape, value.packed.nbytes, "in file", **extra)
         array = np.asarray(value)
         return _tensor_entry(name, role, _dt.code_of(array), array.shape, array.nbytes, "in file", **extra)

@@ -10,14 +10,16 @@ use super::model::{
     Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor,
 };
 use super::verify::verify_checkpoint;
-use super::{first_duplicate, Role, CHECKPOINT_VERSION, FILE_IDENTIFIER};
+use super::{first_duplicate, Role, CHECKPOINT_VERSION, FILE_IDENTIFIER, FIRST_CHECKPOINT_VERSION};
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
 
 /// Smallest buffer that can hold a root offset and a file identifier.
 const MIN_LEN: usize = 8;
 
-/// Verifies `buf` as an ODTC version-2 checkpoint and indexes its contents.
+/// Verifies `buf` as an ODTC checkpoint (version 2, or the version 1 of ONNX Runtime
+/// 1.16, which differs only in lacking the module state's two flags) and indexes its
+/// contents.
 ///
 /// # Errors
 /// [`ErrorKind::Malformed`] for anything the flatbuffers verifier rejects and for
@@ -46,20 +48,30 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
     // the root, as the generated verifier would (int64 vectors only 4-byte aligned,
     // which is sound because flatbuffers reads scalars with unaligned copies).
     let root = unsafe { fbs::root_as_checkpoint_unchecked(buf) };
-    if root.version() != CHECKPOINT_VERSION {
+    let version = root.version();
+    if !(FIRST_CHECKPOINT_VERSION..=CHECKPOINT_VERSION).contains(&version) {
         return Err(Error::malformed(format!(
-            "checkpoint version {} is not supported (expected {CHECKPOINT_VERSION})",
-            root.version()
+            "checkpoint version {version} is not supported (ONNX Runtime has written versions \
+             {FIRST_CHECKPOINT_VERSION} and {CHECKPOINT_VERSION})"
         )));
     }
 
     let decoder = Decoder {
         base: buf.as_ptr() as usize,
     };
-    let mut ckpt = Checkpoint::default();
+    let mut ckpt = Checkpoint {
+        version,
+        ..Checkpoint::default()
+    };
     if let Some(module) = root.module_state() {
         ckpt.is_nominal = module.is_nominal_state();
         ckpt.has_external_data = module.has_external_data();
+        // Version 2 (ONNX Runtime 1.17) added both flags; a version-1 writer cannot set them.
+        if version == 1 && (ckpt.is_nominal || ckpt.has_external_data) {
+            return Err(Error::malformed(
+                "a version-1 checkpoint cannot be nominal or have external data (version 2 added both)",
+            ));
+        }
         let trainable = module
             .requires_grad_params()
             .ok_or_else(|| Error::malformed("module state has no requires_grad_params vector"))?;

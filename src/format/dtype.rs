@@ -6,6 +6,9 @@ use crate::error::{Error, ErrorKind, Result};
 ///
 /// Codes 0-20 are ONNX Runtime's `TensorDataType` enum; 21 (UINT4) and 22 (INT4)
 /// are written by ONNX Runtime's saver as raw numbers and stored two per byte.
+/// 23-26 are ONNX's later codes, which a training build of ONNX Runtime's main
+/// writes as they are: FLOAT4E2M1 (two per byte, like INT4), FLOAT8E8M0, and
+/// UINT2/INT2 (four per byte, the first value in the lowest bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(i32)]
 pub enum DataType {
@@ -32,10 +35,14 @@ pub enum DataType {
     Float8E5M2Fnuz = 20,
     Uint4 = 21,
     Int4 = 22,
+    Float4E2M1 = 23,
+    Float8E8M0 = 24,
+    Uint2 = 25,
+    Int2 = 26,
 }
 
 /// Every data type, in code order.
-pub const ALL_DATA_TYPES: [DataType; 23] = [
+pub const ALL_DATA_TYPES: [DataType; 27] = [
     DataType::Undefined,
     DataType::Float,
     DataType::Uint8,
@@ -59,10 +66,14 @@ pub const ALL_DATA_TYPES: [DataType; 23] = [
     DataType::Float8E5M2Fnuz,
     DataType::Uint4,
     DataType::Int4,
+    DataType::Float4E2M1,
+    DataType::Float8E8M0,
+    DataType::Uint2,
+    DataType::Int2,
 ];
 
 impl DataType {
-    /// The type for an ONNX code; codes beyond 22 are an error.
+    /// The type for an ONNX code; codes beyond 26 are an error.
     pub fn from_code(code: i32) -> Result<Self> {
         usize::try_from(code)
             .ok()
@@ -101,6 +112,10 @@ impl DataType {
             Float8E5M2Fnuz => "FLOAT8E5M2FNUZ",
             Uint4 => "UINT4",
             Int4 => "INT4",
+            Float4E2M1 => "FLOAT4E2M1",
+            Float8E8M0 => "FLOAT8E8M0",
+            Uint2 => "UINT2",
+            Int2 => "INT2",
         }
     }
 
@@ -110,10 +125,10 @@ impl DataType {
         use DataType::*;
         match self {
             Undefined | String => None,
-            Uint4 | Int4 => Some(4),
-            Uint8 | Int8 | Bool | Float8E4M3Fn | Float8E4M3Fnuz | Float8E5M2 | Float8E5M2Fnuz => {
-                Some(8)
-            }
+            Uint2 | Int2 => Some(2),
+            Uint4 | Int4 | Float4E2M1 => Some(4),
+            Uint8 | Int8 | Bool | Float8E4M3Fn | Float8E4M3Fnuz | Float8E5M2 | Float8E5M2Fnuz
+            | Float8E8M0 => Some(8),
             Uint16 | Int16 | Float16 | Bfloat16 => Some(16),
             Float | Int32 | Uint32 => Some(32),
             Int64 | Double | Uint64 | Complex64 => Some(64),
@@ -188,7 +203,7 @@ mod tests {
             assert_eq!(t.code() as usize, i);
             assert_eq!(DataType::from_code(i as i32).unwrap(), *t);
         }
-        for bad in [-1, 23, 1000, i32::MIN, i32::MAX] {
+        for bad in [-1, 27, 1000, i32::MIN, i32::MAX] {
             let e = DataType::from_code(bad).unwrap_err();
             assert!(matches!(e.kind(), ErrorKind::UnsupportedDataType(c) if *c == bad));
         }
@@ -199,6 +214,10 @@ mod tests {
         assert_eq!(DataType::Float.byte_len(6), Some(24));
         assert_eq!(DataType::Int4.byte_len(6), Some(3));
         assert_eq!(DataType::Uint4.byte_len(5), Some(3));
+        assert_eq!(DataType::Float4E2M1.byte_len(5), Some(3));
+        assert_eq!(DataType::Int2.byte_len(5), Some(2));
+        assert_eq!(DataType::Uint2.byte_len(8), Some(2));
+        assert_eq!(DataType::Float8E8M0.byte_len(3), Some(3));
         assert_eq!(DataType::Complex128.byte_len(2), Some(32));
         assert_eq!(DataType::String.byte_len(2), None);
         assert_eq!(DataType::Undefined.byte_len(2), None);

@@ -15,8 +15,13 @@ pub use model::{
     Checkpoint, OptimizerGroup, ParameterOptimizerState, Payload, PropertyBag, Stored, Tensor,
 };
 
-/// The only checkpoint version ONNX Runtime reads and writes.
+/// The checkpoint version ONNX Runtime >= 1.17 reads and writes, and the only one saved here.
 pub const CHECKPOINT_VERSION: i32 = 2;
+
+/// The version ONNX Runtime 1.16 wrote. Version 2 added `ModuleState.is_nominal_state`
+/// (and, without a version change, `has_external_data`): version-1 files read as
+/// version 2 with both false. ONNX Runtime >= 1.17 refuses them; ortckpt reads them.
+pub const FIRST_CHECKPOINT_VERSION: i32 = 1;
 
 /// The flatbuffer file identifier of training checkpoints ("ORT On-Device-Training Checkpoint").
 pub const FILE_IDENTIFIER: &str = "ODTC";

@@ -48,6 +48,8 @@ impl PropertyBag {
 /// A whole checkpoint.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Checkpoint<D> {
+    /// The format version decoded (1 or 2); saves always write version 2.
+    pub version: i32,
     pub trainable: Vec<Tensor<D>>,
     pub frozen: Vec<Tensor<D>>,
     /// Tensors carry names and types only (dims and data empty).
@@ -61,6 +63,7 @@ pub struct Checkpoint<D> {
 impl<D> Default for Checkpoint<D> {
     fn default() -> Self {
         Checkpoint {
+            version: super::CHECKPOINT_VERSION,
             trainable: Vec::new(),
             frozen: Vec::new(),
             is_nominal: false,
@@ -178,6 +181,7 @@ impl<D> Checkpoint<D> {
             });
         }
         Ok(Checkpoint {
+            version: self.version,
             trainable,
             frozen,
             is_nominal: self.is_nominal,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::format::{
     Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
@@ -56,27 +56,63 @@ fn load<'py>(
             .detach(|| crate::load_with(&path, follow_symlinks))
             .map_err(|e| to_py_err(py, e))?;
         let (map, data, ckpt) = loaded.into_parts();
-        let out = PyDict::new(py);
-        out.set_item("mapping", Py::new(py, MappedFile::new(map))?)?;
-        let external = data.map(|d| Py::new(py, MappedFile::new(d))).transpose()?;
-        out.set_item("external_mapping", external)?;
-        out.set_item("nominal", ckpt.is_nominal)?;
-        out.set_item("trainable", tensors_out(py, &ckpt.trainable)?)?;
-        out.set_item("frozen", tensors_out(py, &ckpt.frozen)?)?;
-        let groups = PyList::empty(py);
-        for g in &ckpt.optimizer_groups {
-            let states = PyList::empty(py);
-            for s in &g.states {
-                states.append((s.param_name.as_str(), tensors_out(py, &s.momentums)?))?;
-            }
-            groups.append((g.name.as_str(), g.step, g.initial_learning_rate, states))?;
-        }
-        out.set_item("optimizer_groups", groups)?;
-        out.set_item("ints", ckpt.properties.ints)?;
-        out.set_item("floats", ckpt.properties.floats)?;
-        out.set_item("strings", ckpt.properties.strings)?;
-        Ok(out)
+        let mapping = Py::new(py, MappedFile::new(map))?.into_any();
+        let external = data
+            .map(|d| Py::new(py, MappedFile::new(d)))
+            .transpose()?
+            .map(Py::into_any);
+        described(py, &ckpt, mapping, external)
     })
+}
+
+/// Decodes a checkpoint held in a Python buffer (bytes, bytearray, memoryview, mmap...)
+/// without copying: the dict is `load`'s, its "mapping" the object given, whose bytes
+/// the offsets index.
+#[pyfunction]
+fn load_buffer<'py>(py: Python<'py>, data: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    guarded(py, || {
+        let buffer = PyBuffer::<u8>::get(&data)?;
+        if !buffer.is_c_contiguous() {
+            return Err(to_py_err(
+                py,
+                crate::Error::invalid_state("the buffer is not contiguous bytes"),
+            ));
+        }
+        // Decoded with the GIL held: no Python thread can change a mutable buffer
+        // between the verifier's checks and the reads that rely on them.
+        let ckpt = crate::decode_buffer(buffer_bytes(&buffer)).map_err(|e| to_py_err(py, e))?;
+        described(py, &ckpt, data.unbind(), None)
+    })
+}
+
+/// The dict `load` returns: the mappings, the metadata, and every tensor as
+/// (name, code, dims, stored) where stored indexes the mappings.
+fn described<'py>(
+    py: Python<'py>,
+    ckpt: &Checkpoint<Stored>,
+    mapping: Py<PyAny>,
+    external: Option<Py<PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("mapping", mapping)?;
+    out.set_item("external_mapping", external)?;
+    out.set_item("version", ckpt.version)?;
+    out.set_item("nominal", ckpt.is_nominal)?;
+    out.set_item("trainable", tensors_out(py, &ckpt.trainable)?)?;
+    out.set_item("frozen", tensors_out(py, &ckpt.frozen)?)?;
+    let groups = PyList::empty(py);
+    for g in &ckpt.optimizer_groups {
+        let states = PyList::empty(py);
+        for s in &g.states {
+            states.append((s.param_name.as_str(), tensors_out(py, &s.momentums)?))?;
+        }
+        groups.append((g.name.as_str(), g.step, g.initial_learning_rate, states))?;
+    }
+    out.set_item("optimizer_groups", groups)?;
+    out.set_item("ints", ckpt.properties.ints.clone())?;
+    out.set_item("floats", ckpt.properties.floats.clone())?;
+    out.set_item("strings", ckpt.properties.strings.clone())?;
+    Ok(out)
 }
 
 fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bound<'py, PyList>> {
@@ -124,39 +160,15 @@ fn save(
         // Hold every buffer export until the write is done: the exports keep the
         // arrays' memory alive and unresizable while the GIL is released.
         let mut buffers = Vec::new();
-        let mut ckpt = Checkpoint::<Intake> {
-            trainable: tensors_in(py, trainable, &mut buffers, &path)?,
-            frozen: tensors_in(py, frozen, &mut buffers, &path)?,
-            is_nominal: nominal,
-            ..Default::default()
-        };
-        for (name, step, initial_learning_rate, states) in optimizer_groups {
-            let mut group = OptimizerGroup {
-                name,
-                step,
-                initial_learning_rate,
-                states: Vec::new(),
-            };
-            for (param_name, momentums) in states {
-                let momentums = tensors_in(py, momentums, &mut buffers, &path)?;
-                group.states.push(ParameterOptimizerState {
-                    param_name,
-                    momentums,
-                });
-            }
-            ckpt.optimizer_groups.push(group);
-        }
-        ckpt.properties.ints = ints;
-        ckpt.properties.floats = floats;
-        ckpt.properties.strings = strings;
-
-        let mut payloads = ckpt.try_map_data(|t| -> PyResult<Payload<'_>> {
-            Ok(match &t.data {
-                Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i])),
-                Intake::Strings(s) => Payload::Strings(s.clone()),
-                Intake::Absent => Payload::Absent,
-            })
-        })?;
+        let ckpt = checkpoint_in(
+            py,
+            &path,
+            (trainable, frozen, optimizer_groups),
+            (ints, floats, strings),
+            nominal,
+            &mut buffers,
+        )?;
+        let mut payloads = payloads_of(&ckpt, &buffers)?;
         let options = SaveOptions {
             durable,
             external_data_threshold,
@@ -166,6 +178,99 @@ fn save(
         };
         py.detach(|| crate::save(&path, &mut payloads, &options))
             .map_err(|e| to_py_err(py, e))
+    })
+}
+
+/// Encodes a checkpoint (`save`'s arguments, less the file's) into a new `bytes`:
+/// each tensor's bytes are copied once, from its array into the result.
+#[pyfunction]
+#[pyo3(signature = (trainable, frozen, optimizer_groups, ints, floats, strings, *, nominal = false, keep_order = false))]
+#[allow(clippy::too_many_arguments)]
+fn save_bytes<'py>(
+    py: Python<'py>,
+    trainable: Vec<TensorIn<'py>>,
+    frozen: Vec<TensorIn<'py>>,
+    optimizer_groups: Vec<GroupIn<'py>>,
+    ints: Vec<(String, i64)>,
+    floats: Vec<(String, f32)>,
+    strings: Vec<(String, String)>,
+    nominal: bool,
+    keep_order: bool,
+) -> PyResult<Bound<'py, PyBytes>> {
+    guarded(py, || {
+        let mut buffers = Vec::new();
+        let ckpt = checkpoint_in(
+            py,
+            std::path::Path::new("<bytes>"),
+            (trainable, frozen, optimizer_groups),
+            (ints, floats, strings),
+            nominal,
+            &mut buffers,
+        )?;
+        let mut payloads = payloads_of(&ckpt, &buffers)?;
+        let encoded =
+            crate::encode_in_memory(&mut payloads, keep_order).map_err(|e| to_py_err(py, e))?;
+        let segments = encoded.segments();
+        let len = segments.iter().map(|s| s.len()).sum();
+        PyBytes::new_with(py, len, |out| {
+            let mut at = 0;
+            for segment in &segments {
+                out[at..at + segment.len()].copy_from_slice(segment);
+                at += segment.len();
+            }
+            Ok(())
+        })
+    })
+}
+
+/// The checkpoint Python hands over, its buffers exported into `buffers`.
+fn checkpoint_in<'py>(
+    py: Python<'py>,
+    path: &std::path::Path,
+    (trainable, frozen, optimizer_groups): (Vec<TensorIn<'py>>, Vec<TensorIn<'py>>, Vec<GroupIn<'py>>),
+    (ints, floats, strings): (Vec<(String, i64)>, Vec<(String, f32)>, Vec<(String, String)>),
+    nominal: bool,
+    buffers: &mut Vec<PyBuffer<u8>>,
+) -> PyResult<Checkpoint<Intake>> {
+    let mut ckpt = Checkpoint::<Intake> {
+        trainable: tensors_in(py, trainable, buffers, path)?,
+        frozen: tensors_in(py, frozen, buffers, path)?,
+        is_nominal: nominal,
+        ..Default::default()
+    };
+    for (name, step, initial_learning_rate, states) in optimizer_groups {
+        let mut group = OptimizerGroup {
+            name,
+            step,
+            initial_learning_rate,
+            states: Vec::new(),
+        };
+        for (param_name, momentums) in states {
+            let momentums = tensors_in(py, momentums, buffers, path)?;
+            group.states.push(ParameterOptimizerState {
+                param_name,
+                momentums,
+            });
+        }
+        ckpt.optimizer_groups.push(group);
+    }
+    ckpt.properties.ints = ints;
+    ckpt.properties.floats = floats;
+    ckpt.properties.strings = strings;
+    Ok(ckpt)
+}
+
+/// The checkpoint with its values borrowed from the exported buffers.
+fn payloads_of<'b>(
+    ckpt: &Checkpoint<Intake>,
+    buffers: &'b [PyBuffer<u8>],
+) -> PyResult<Checkpoint<Payload<'b>>> {
+    ckpt.try_map_data(|t| -> PyResult<Payload<'b>> {
+        Ok(match &t.data {
+            Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i])),
+            Intake::Strings(s) => Payload::Strings(s.clone()),
+            Intake::Absent => Payload::Absent,
+        })
     })
 }
 
@@ -261,6 +366,8 @@ fn _panic_for_test(py: Python<'_>, message: String, release_gil: bool) -> PyResu
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
+    m.add_function(wrap_pyfunction!(save_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;
     m.add_class::<SaveProgress>()?;

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .. import safe_io
@@ -83,10 +83,12 @@ def save_any(
     *,
     include_optimizer_state: bool = True,
     model: str | os.PathLike[str] | None = None,
+    output_names: Sequence[str] | None = None,
     progress: bool = False,
 ) -> None:
-    """Writes ``state`` in any supported format; an ONNX model needs ``model``, the model whose
-    initializers take the checkpoint's values."""
+    """Writes ``state`` in any supported format; an ONNX model needs ``model``, the eval model
+    (or any model) whose parameter inputs or initializers take the checkpoint's values, and
+    ``output_names`` keeps only those outputs (see :func:`~ortckpt.export_model`)."""
     fmt = fmt or format_of(path)
     if fmt == "ortckpt":
         CheckpointState.save_checkpoint(state, path, include_optimizer_state, progress=progress)
@@ -101,7 +103,7 @@ def save_any(
             )
         from .onnx_model import export_model
 
-        export_model(state, model, path)
+        export_model(state, model, path, output_names=output_names)
     elif fmt == "torch":
         from .torch_state import save_torch_file
 
@@ -119,13 +121,15 @@ def convert(
     frozen: Iterable[str] = (),
     include_optimizer_state: bool = True,
     model: str | os.PathLike[str] | None = None,
+    output_names: Sequence[str] | None = None,
     progress: bool = False,
 ) -> tuple[str, str]:
     """Converts the checkpoint in ``src`` to ``dst``; returns the two formats used."""
     src_format = src_format or format_of(src, must_exist=True)
     dst_format = dst_format or format_of(dst)
     state = load_any(src, src_format, frozen=frozen)
-    save_any(state, dst, dst_format, include_optimizer_state=include_optimizer_state, model=model, progress=progress)
+    save_any(state, dst, dst_format, include_optimizer_state=include_optimizer_state, model=model,
+             output_names=output_names, progress=progress)  # fmt: skip
     return src_format, dst_format
 
 

@@ -4,8 +4,10 @@
   ``onnxruntime.training.onnxblock``'s two checkpoint functions (also importable as
   ``ortckpt.onnxblock``), with the behaviour of ONNX Runtime's TensorProto path;
 - :func:`state_from_onnx`: a checkpoint state from a model's initializers;
-- :func:`export_model`: a model with the checkpoint's weights, in ONNX external data when
-  it would not fit in one 2 GiB protobuf (which ONNX Runtime's own export cannot do).
+- :func:`export_model` / :func:`inference_model`: the inference model of an eval model with
+  the checkpoint's weights, as ``Module.export_model_for_inferencing`` writes it (parameter
+  inputs bound to initializers, pruned to the named outputs), in ONNX external data when it
+  would not fit in one 2 GiB protobuf.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from .. import safe_io
-from ..checkpoint_state import CheckpointState, PackedInt4, _as_bytes, _save_core
+from ..checkpoint_state import CheckpointState, PackedBits, _as_bytes, _save_core
 from ..errors import CheckpointStateError
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ def _onnx() -> Any:
 
 def tensor_value(proto: onnx.TensorProto, base_dir: str | os.PathLike[str] = "") -> Any:
     """A TensorProto's values as ortckpt holds them: an array (a view of ``raw_data`` when
-    there is one), a :class:`~ortckpt.PackedInt4`, or an object array of str."""
+    there is one), a :class:`~ortckpt.PackedBits`, or an object array of str."""
     onnx = _onnx()
     from onnx import numpy_helper
 
@@ -56,10 +58,10 @@ def tensor_value(proto: onnx.TensorProto, base_dir: str | os.PathLike[str] = "")
         load_external_data_for_tensor(proto, os.fspath(base_dir))
     if code == _dt.STRING:
         return np.array([s.decode() for s in proto.string_data], dtype=object).reshape(dims)
-    if code in (_dt.INT4, _dt.UINT4):
+    if code in _dt.SUB_BYTE_CODES:
         if proto.HasField("raw_data"):
-            return PackedInt4(np.frombuffer(proto.raw_data, np.uint8), dims, code == _dt.INT4)
-        return PackedInt4.pack(numpy_helper.to_array(proto))
+            return PackedBits.of(np.frombuffer(proto.raw_data, np.uint8), dims, code)
+        return PackedBits.pack(numpy_helper.to_array(proto))
     dtype = _dt.numpy_dtype(code)
     if proto.HasField("raw_data"):
         count = int(np.prod(dims, dtype=np.int64))
@@ -114,7 +116,7 @@ def save_checkpoint(
                 tensors[role].append((proto.name, proto.data_type, (), None))
                 continue
             value = tensor_value(proto)
-            if isinstance(value, PackedInt4):
+            if isinstance(value, PackedBits):
                 values: Any = value.packed
             elif proto.data_type == _dt.STRING:
                 values = [str(s) for s in value.reshape(-1)]
@@ -139,27 +141,13 @@ def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike[str], model: 
 
 
 def _fill_initializers(state: CheckpointState, model: onnx.ModelProto) -> int:
-    onnx = _onnx()
-    from onnx import numpy_helper
-
+    """Copies the checkpoint's values into the model's initializers of the same name; returns
+    how many it filled."""
     filled = 0
     for init in model.graph.initializer:
-        if init.name not in state.parameters:
-            continue
-        value = state.parameters[init.name].data
-        replacement = onnx.TensorProto(name=init.name)
-        if isinstance(value, PackedInt4):
-            replacement.data_type = value.data_type
-            replacement.dims.extend(value.shape)
-            replacement.raw_data = value.packed.tobytes()
-        elif value.dtype == object:
-            replacement = numpy_helper.from_array(value, init.name)
-        else:
-            replacement.data_type = _dt.code_of(value)
-            replacement.dims.extend(value.shape)
-            replacement.raw_data = _as_bytes(value).tobytes()
-        init.CopyFrom(replacement)
-        filled += 1
+        if init.name in state.parameters:
+            init.CopyFrom(_tensor_proto(init.name, state.parameters[init.name].data))
+            filled += 1
     return filled
 
 
@@ -204,15 +192,177 @@ def state_from_onnx(
     )
 
 
+def inference_model(
+    state: CheckpointState | str | os.PathLike[str],
+    model: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    output_names: Sequence[str] | None = None,
+) -> onnx.ModelProto:
+    """The inference model for ``model`` with the checkpoint's weights, in memory, as ONNX
+    Runtime's ``Module.export_model_for_inferencing`` builds it from an eval model:
+
+    - every graph input named like a checkpoint parameter (trainable or frozen) becomes an
+      initializer holding its values, and leaves the inputs; an initializer named like a
+      parameter takes its values (models that are not training artifacts);
+    - with ``output_names``, the graph's outputs become those values (any node's output),
+      and nodes no output needs are removed (the loss), then inputs and initializers no
+      node uses; without, the outputs stay as they are;
+    - everything else (opsets, IR version, metadata, functions) is kept.
+
+    The model passed in is not changed.
+    """
+    onnx = _onnx()
+    if not isinstance(state, CheckpointState):
+        state = CheckpointState.load_checkpoint(state)
+    if state.is_nominal:
+        raise CheckpointStateError("a nominal checkpoint holds no values to export a model with")
+    proto, _ = _load_model(model)
+    proto = _copy(proto)
+    graph = proto.graph
+    if output_names is not None:
+        _set_outputs(onnx, proto, list(output_names))
+    filled = _fill_initializers(state, proto)
+    kept_inputs = []
+    bound = 0
+    for graph_input in graph.input:
+        if graph_input.name in state.parameters:
+            graph.initializer.append(_initializer(state, graph_input))
+            bound += 1
+        else:
+            kept_inputs.append(graph_input)
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+    if not filled and not bound and (len(graph.initializer) or len(kept_inputs)):
+        raise CheckpointStateError(
+            "no graph input or initializer of the model is named like a checkpoint parameter "
+            f"(parameters: {_some(state.parameters.names())}; inputs: {_some([i.name for i in graph.input])})"
+        )
+    if output_names is not None:
+        _prune(graph)
+    return proto
+
+
+def _some(names: Sequence[str]) -> str:
+    return ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+
+
+def _initializer(state: CheckpointState, graph_input: Any) -> Any:
+    """The initializer for a parameter input, after checking the input's declared type and
+    static dims against the checkpoint's."""
+    parameter = state.parameters[graph_input.name]
+    tensor_type = graph_input.type.tensor_type
+    code = _dt.code_of(parameter.data) if not isinstance(parameter.data, PackedBits) else parameter.data.data_type
+    if tensor_type.elem_type and tensor_type.elem_type != code:
+        raise CheckpointStateError(
+            f"tensor {graph_input.name}: the model's input is {_dt.name_of(tensor_type.elem_type)}, "
+            f"the checkpoint holds {_dt.name_of(code)}"
+        )
+    if tensor_type.HasField("shape"):
+        declared = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+        if len(declared) != len(parameter.shape) or any(
+            d is not None and d != actual for d, actual in zip(declared, parameter.shape)
+        ):
+            raise CheckpointStateError(
+                f"tensor {graph_input.name}: the model's input has shape {declared}, the checkpoint's "
+                f"{list(parameter.shape)}"
+            )
+    return _tensor_proto(graph_input.name, parameter.data)
+
+
+def _tensor_proto(name: str, value: Any) -> Any:
+    onnx = _onnx()
+    from onnx import numpy_helper
+
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return numpy_helper.from_array(value, name)
+    proto = onnx.TensorProto(name=name)
+    if isinstance(value, PackedBits):
+        proto.data_type = value.data_type
+        proto.dims.extend(value.shape)
+        proto.raw_data = value.packed.tobytes()
+    else:
+        proto.data_type = _dt.code_of(value)
+        proto.dims.extend(value.shape)
+        proto.raw_data = _as_bytes(value).tobytes()
+    return proto
+
+
+def _set_outputs(onnx: Any, proto: Any, names: list[str]) -> None:
+    """The graph's outputs become ``names``, typed from the model's declarations or, failing
+    those, from ONNX shape inference (as ONNX Runtime's Graph::Resolve infers them)."""
+    if not names:
+        raise CheckpointStateError("output_names is empty: name the outputs the inference model computes")
+    graph = proto.graph
+    produced = {name for node in graph.node for name in node.output} | {i.name for i in graph.input}
+    missing = [n for n in names if n not in produced]
+    if missing:
+        raise CheckpointStateError(
+            f"no node of the model computes {', '.join(missing)} (outputs a node computes: "
+            f"{_some(sorted(produced - {i.name for i in graph.input}))})"
+        )
+    declared = {v.name: v for v in [*graph.output, *graph.value_info, *graph.input]}
+    if any(n not in declared for n in names):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(proto)
+            declared.update({v.name: v for v in inferred.graph.value_info})
+        except Exception:  # noqa: BLE001 - an output without a type still loads in ONNX Runtime
+            pass
+    outputs = [_copy(declared[n]) if n in declared else onnx.ValueInfoProto(name=n) for n in names]
+    del graph.output[:]
+    graph.output.extend(outputs)
+
+
+def _used_names(node: Any) -> set[str]:
+    """The values a node reads, including those its subgraphs (If, Loop, Scan) read from outside."""
+    used = {name for name in node.input if name}
+    for attribute in node.attribute:
+        for subgraph in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
+            for inner in subgraph.node:
+                used |= _used_names(inner)
+    return used
+
+
+def _prune(graph: Any) -> None:
+    """Removes the nodes no graph output needs, then the inputs and initializers no node uses."""
+    needed = {o.name for o in graph.output}
+    producer = {name: i for i, node in enumerate(graph.node) for name in node.output}
+    keep: set[int] = set()
+    todo = [producer[n] for n in needed if n in producer]
+    while todo:
+        index = todo.pop()
+        if index in keep:
+            continue
+        keep.add(index)
+        for name in _used_names(graph.node[index]):
+            needed.add(name)
+            if name in producer:
+                todo.append(producer[name])
+    nodes = [node for i, node in enumerate(graph.node) if i in keep]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for field in (graph.input, graph.initializer):
+        kept = [entry for entry in field if entry.name in needed]
+        del field[:]
+        field.extend(kept)
+    value_info = [v for v in graph.value_info if v.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(value_info)
+
+
 def export_model(
     state: CheckpointState | str | os.PathLike[str],
     model: onnx.ModelProto | str | os.PathLike[str],
     path: str | os.PathLike[str],
     *,
+    output_names: Sequence[str] | None = None,
     external_data: bool | None = None,
     size_threshold: int = 1024,
 ) -> Path:
-    """Writes ``model`` with the checkpoint's weights in its initializers to ``path``.
+    """Writes the inference model of ``model`` (an eval model from ONNX Runtime's
+    ``generate_artifacts``, or any model whose initializers are named like the parameters)
+    with the checkpoint's weights to ``path``: see :func:`inference_model`, which is what
+    ``Module.export_model_for_inferencing(path, output_names)`` writes, without a training
+    session or the training package.
 
     ``external_data=None`` (the default) stores the weights in ONNX external data
     (``<path>.data``, one file) exactly when the model would pass protobuf's 2 GiB limit;
@@ -220,12 +370,7 @@ def export_model(
     Returns the path written.
     """
     onnx = _onnx()
-    if not isinstance(state, CheckpointState):
-        state = CheckpointState.load_checkpoint(state)
-    proto, _ = _load_model(model)
-    proto = _copy(proto)
-    if not _fill_initializers(state, proto) and len(proto.graph.initializer):
-        raise CheckpointStateError("no initializer of the model is named like a checkpoint parameter")
+    proto = inference_model(state, model, output_names=output_names)
     path = Path(path)
     if external_data is None:
         from google.protobuf.message import EncodeError
@@ -252,6 +397,7 @@ def export_model(
 __all__ = [
     "PROTO_PATH_EXTERNAL_DATA_THRESHOLD",
     "export_model",
+    "inference_model",
     "load_checkpoint_to_model",
     "save_checkpoint",
     "state_from_onnx",

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import documents, safe_io
 from .. import dtypes as _dt
-from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedInt4, _as_bytes
+from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedBits, _as_bytes
 from ..errors import CheckpointFormatError, UnsupportedDataTypeError
 
 STRUCTURE_KEY = "__ortckpt__"
@@ -137,8 +137,8 @@ def write_file(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], met
 
 
 def _array_for(name: str, value: Any) -> np.ndarray:
-    if isinstance(value, PackedInt4):
-        raise UnsupportedDataTypeError(f"tensor {name}: safetensors has no int4 type")
+    if isinstance(value, PackedBits):
+        raise UnsupportedDataTypeError(f"tensor {name}: safetensors has no {_dt.name_of(value.data_type)} type")
     array = np.asarray(value)
     code = _dt.code_of(array)
     if code not in DTYPE_NAMES:

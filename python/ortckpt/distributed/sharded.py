@@ -29,7 +29,7 @@ import numpy as np
 from .. import _core, documents, safe_io, steps
 from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, OptimizerGroup
-from ..dtypes import PackedInt4
+from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
 from ..steps import step_directory_name
 from .comm import Communicator, communicator
@@ -449,7 +449,7 @@ class _Shards:
         except KeyError:
             raise CheckpointFormatError(f"{self.files[piece.shard]}: has no momentum {group}/{entry.name}/{m}, "
                                         "which the index places there") from None  # fmt: skip
-        shape = value.shape if isinstance(value, PackedInt4) else np.shape(value)
+        shape = value.shape if isinstance(value, PackedBits) else np.shape(value)
         return self._checked(entry, piece, value, shape, f"{entry.name}/{m}")
 
     def _checked(self, entry: TensorEntry, piece: Piece, value: Any, shape: Any, what: str) -> Any:
@@ -488,8 +488,8 @@ def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> An
         if overlap is None:
             continue
         source = read(piece)
-        if isinstance(source, PackedInt4):
-            raise CheckpointStateError(f"{entry.name}: int4 tensors load only as the pieces they were saved in")
+        if isinstance(source, PackedBits):
+            raise CheckpointStateError(f"{entry.name}: sub-byte tensors load only as the pieces they were saved in")
         if out is None:
             out = np.empty(want.shape, dtype=source.dtype)
         out[overlap.within(want)] = source[overlap.within(piece.slice)]
