@@ -10,7 +10,9 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
+from .arithmetic import apply, average, delta, interpolate
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
 from .dtypes import PackedBits, PackedInt4
 from .errors import (
@@ -29,6 +31,28 @@ from .integrity import Verified, verify
 from .manager import CheckpointInfo, CheckpointManager
 from .retention import RetentionPolicy
 from .rng import capture_rng_state, restore_rng_state
+from .versions import upgrade
+
+
+def load_checkpoint(checkpoint_uri: Any) -> CheckpointState:
+    """:meth:`CheckpointState.load_checkpoint`: a path, or a binary file object."""
+    return CheckpointState.load_checkpoint(checkpoint_uri)
+
+
+def save_checkpoint(state: CheckpointState, checkpoint_uri: Any, include_optimizer_state: bool = False,
+                    **options: Any) -> None:  # fmt: skip
+    """:meth:`CheckpointState.save_checkpoint`: to a path, or a binary file object."""
+    CheckpointState.save_checkpoint(state, checkpoint_uri, include_optimizer_state, **options)
+
+
+def __getattr__(name: str) -> Any:
+    # The ONNX exporters import onnx's helpers: loaded on first use only.
+    if name in ("export_model", "inference_model"):
+        from .convert import onnx_model
+
+        return getattr(onnx_model, name)
+    raise AttributeError(f"module 'ortckpt' has no attribute {name!r}")
+
 
 try:
     __version__ = version("ortckpt")
@@ -58,7 +82,16 @@ __all__ = [
     "UnsupportedPlatformError",
     "Verified",
     "__version__",
+    "apply",
+    "average",
     "capture_rng_state",
+    "delta",
+    "export_model",
+    "inference_model",
+    "interpolate",
+    "load_checkpoint",
     "restore_rng_state",
+    "save_checkpoint",
+    "upgrade",
     "verify",
 ]

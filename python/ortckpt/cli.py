@@ -36,7 +36,7 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return command(*args, **kwargs)
-        except (click.exceptions.Exit, SystemExit, KeyboardInterrupt):
+        except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
         except BrokenPipeError:  # the reader went away (`ortckpt inspect x | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -297,6 +297,59 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from_version": version, "to_version": 2})
     click.echo(f"{src} (version {version}) -> {dst} (version 2)")
+
+
+@main.command(epilog=EXIT_CODES, short_help="Weighted mean of checkpoints (federated averaging).")
+@click.argument("out", type=click.Path())
+@click.argument("sources", nargs=-1, required=True, type=click.Path())
+@click.option("--weights", metavar="W1,W2,...", help="One weight per source (default: num_samples, else equal).")
+@click.option("--optimizer", "include_optimizer_state", is_flag=True, help="Average the optimizer momentums too.")
+@click.option("--frozen-from-first", is_flag=True, help="Take frozen parameters from the first source even if they differ.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def average(out: str, sources: tuple[str, ...], weights: str | None, include_optimizer_state: bool,
+            frozen_from_first: bool, as_json: bool) -> None:  # fmt: skip
+    """Write to OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
+    sources are read a chunk at a time, whatever their size. Integer, bool and string tensors and
+    frozen parameters must be equal in every source, and are copied."""
+    from .arithmetic import average as run_average
+
+    try:
+        parsed = [float(w) for w in weights.split(",")] if weights else None
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of numbers: {weights}", param_hint="--weights") from None
+    run_average(list(sources), parsed, include_optimizer_state=include_optimizer_state,
+                frozen="first" if frozen_from_first else "equal", out=out)  # fmt: skip
+    if as_json:
+        return _emit_json({"out": out, "sources": list(sources), "weights": parsed})
+    click.echo(f"{out}: average of {len(sources)} checkpoints")
+
+
+@main.command("delta", epilog=EXIT_CODES, short_help="Write A - B (what changed).")
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.argument("out", type=click.Path())
+@_fail_cleanly
+def delta_command(a: str, b: str, out: str) -> None:
+    """Write to OUT the difference A - B of the trainable float parameters (other tensors as in A)."""
+    from .arithmetic import delta as run_delta
+
+    run_delta(a, b, out=out)
+    click.echo(f"{out}: {a} - {b}")
+
+
+@main.command("apply", epilog=EXIT_CODES, short_help="Write BASE + scale * DELTA.")
+@click.argument("base", type=click.Path())
+@click.argument("delta", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--scale", type=float, default=1.0, show_default=True, help="The factor DELTA is multiplied by.")
+@_fail_cleanly
+def apply_command(base: str, delta: str, out: str, scale: float) -> None:
+    """Write to OUT the checkpoint BASE + scale * DELTA (a delta written by `ortckpt delta`)."""
+    from .arithmetic import apply as run_apply
+
+    run_apply(base, delta, scale, out=out)
+    click.echo(f"{out}: {base} + {scale:g} * {delta}")
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,7 @@ import stat
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 
 from .errors import CheckpointFormatError, SpecialFileError
 
@@ -302,6 +302,27 @@ def move_into_place(staging: Path, directory: Path, names: Iterable[str]) -> Non
             os.replace(staging / name, directory / name)
         except OSError as e:
             raise _with_filename(e, directory / name) from None
+
+
+def pwrite_all(path: Path, writes: Iterable[tuple[int, Any]], *, durable: bool = False) -> None:
+    """Writes each (offset, bytes) into the existing regular file ``path`` (not following a
+    symlink; never creating it): for files of a private staging directory filled in place."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise special_file(path, mode)
+        for offset, data in writes:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+        if durable:
+            os.fsync(fd)
+    except OSError as e:
+        raise _with_filename(e, path) from None
+    finally:
+        os.close(fd)
 
 
 def remove_tree(path: Path) -> None:

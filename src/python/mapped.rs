@@ -45,6 +45,27 @@ impl MappedFile {
         self.len
     }
 
+    /// Drops this process's pages of `len` bytes at `offset` (whole pages inside the
+    /// range), so that a pass over a large checkpoint keeps only what it is using in
+    /// memory; later reads fault the bytes in again from the file. Private to ortckpt:
+    /// only for mappings nobody wrote through, since it also drops this process's
+    /// copy-on-write changes in the range.
+    fn _release(&self, offset: usize, len: usize) -> PyResult<()> {
+        let page = page_size();
+        let start = offset.div_ceil(page) * page;
+        let end = offset.saturating_add(len).min(self.len) / page * page;
+        if end > start {
+            // SAFETY: the range lies inside our mapping; MADV_DONTNEED on a private file
+            // mapping only makes later reads fault the file's bytes in again.
+            unsafe {
+                self._map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            }
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+        }
+        Ok(())
+    }
+
     /// # Safety
     /// Called by Python with a valid `view` to fill.
     unsafe fn __getbuffer__(
@@ -75,4 +96,10 @@ impl MappedFile {
     }
 
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096).max(1)
 }

@@ -13,6 +13,13 @@ command prints one JSON object on stdout.
                                 serialized TensorProtos pickled in PICKLE; prints an error if it refuses
   load_to_model CKPT MODEL OUT  get_model_after_loading_checkpoint (onnxblock's load_checkpoint_to_model)
   infer MODEL NPY OUT_NPY       runs MODEL (its first input from NPY) in an InferenceSession
+  infer_all MODEL NPZ OUT_NPZ   runs MODEL on every input in NPZ (by name); saves every output by name
+  train_steps CKPT ARTIFACTS OUT SEED STEPS  STEPS training and optimizer steps on data drawn from SEED
+                                (a "device" of a federated run); saves OUT with the optimizer state
+  export CKPT ARTIFACTS OUT NAME...  Module.export_model_for_inferencing(OUT, [NAME...])
+  frozen_artifacts DIR          generate_artifacts for a model with two trainable and two frozen
+                                parameters (x[b,6] -> y[b,3], MSE, AdamW) into DIR, then one training
+                                step saved as DIR/trained.ckpt
 """
 
 from __future__ import annotations
@@ -119,6 +126,109 @@ def infer(model: str, npy: str, out: str) -> dict:
     return {"saved": out}
 
 
+def infer_all(model: str, npz: str, out: str) -> dict:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    inputs = dict(np.load(npz))
+    names = [o.name for o in session.get_outputs()]
+    np.savez(out, **dict(zip(names, session.run(names, inputs))))
+    return {"outputs": names}
+
+
+def _session(ckpt: str, artifacts: str) -> tuple:
+    state = C.load_checkpoint(ckpt)
+    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    options = C.SessionOptions()
+    module = C.Module(
+        os.path.join(artifacts, "training_model.onnx"), state, os.path.join(artifacts, "eval_model.onnx"), device, options
+    )
+    optimizer = C.Optimizer(os.path.join(artifacts, "optimizer_model.onnx"), state, device, options)
+    return state, module, optimizer
+
+
+def train_steps(ckpt: str, artifacts: str, out: str, seed: str, steps: str) -> dict:
+    state, module, optimizer = _session(ckpt, artifacts)
+    inputs = module.input_names(True)
+    rng = np.random.default_rng(int(seed))
+    losses = []
+    for _ in range(int(steps)):
+        batch = []
+        for name in inputs:  # the user inputs ([x, target]): [5, width of the parameter they meet]
+            width = 8 if name == "x" else 4
+            batch.append(rng.standard_normal((5, width)).astype(np.float32))
+        fetches = C.OrtValueVector()
+        module.train_step(batch, fetches)
+        losses.append(float(fetches[0].numpy()))
+        optimizer.optimizer_step()
+        module.lazy_reset_grad()
+    C.save_checkpoint(state, out, True)
+    return {"losses": losses, "saved": out}
+
+
+def export(ckpt: str, artifacts: str, out: str, *names: str) -> dict:
+    _state, module, _optimizer = _session(ckpt, artifacts)
+    module.export_model_for_inferencing(out, list(names))
+    return {"saved": out}
+
+
+def frozen_artifacts(directory: str) -> dict:
+    import types
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    # onnxruntime.training's __init__ imports torch; its artifacts module does not need it.
+    import onnxruntime
+
+    package = types.ModuleType("onnxruntime.training")
+    package.__path__ = [os.path.join(os.path.dirname(onnxruntime.__file__), "training")]
+    sys.modules["onnxruntime.training"] = package
+    from onnxruntime.training import artifacts
+
+    rng = np.random.default_rng(11)
+    weights = {
+        "w1": rng.standard_normal((6, 5)).astype(np.float32),
+        "b1": rng.standard_normal(5).astype(np.float32),
+        "w2": rng.standard_normal((5, 3)).astype(np.float32),
+        "b2": rng.standard_normal(3).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node("Tanh", ["h1"], ["h2"]),
+        helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
+        helper.make_node("Add", ["h3", "b2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "frozen_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 3])],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    artifacts.generate_artifacts(
+        model, requires_grad=["w1", "b2"], frozen_params=["b1", "w2"], loss=artifacts.LossType.MSELoss,
+        optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
+    )  # fmt: skip
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        # The onnx package beside ONNX Runtime 1.19.2 is newer than it and stamps a newer IR version
+        # than 1.19.2 reads (10); nothing in these models needs more.
+        path = os.path.join(directory, name)
+        generated = onnx.load(path)
+        generated.ir_version = min(generated.ir_version, 10)
+        onnx.save(generated, path)
+    state, module, optimizer = _session(os.path.join(directory, "checkpoint"), directory)
+    fetches = C.OrtValueVector()
+    module.train_step([rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)],
+                      fetches)  # fmt: skip
+    optimizer.optimizer_step()
+    C.save_checkpoint(state, os.path.join(directory, "trained.ckpt"), True)
+    return {"saved": directory, "loss": float(fetches[0].numpy())}
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "describe":
@@ -135,6 +245,14 @@ def main(argv: list[str]) -> None:
         result = load_to_model(*args)
     elif command == "infer":
         result = infer(*args)
+    elif command == "infer_all":
+        result = infer_all(*args)
+    elif command == "train_steps":
+        result = train_steps(*args)
+    elif command == "export":
+        result = export(*args)
+    elif command == "frozen_artifacts":
+        result = frozen_artifacts(*args)
     else:
         raise SystemExit(f"unknown command {command}")
     print(json.dumps(result))
