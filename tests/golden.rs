@@ -90,9 +90,20 @@ fn describe(loaded: &LoadedCheckpoint) -> Value {
 #[test]
 fn golden_files_decode_to_their_json() {
     for (ckpt_path, json_path) in common::golden_files() {
-        let expected: Value = serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
+        let mut expected: Value =
+            serde_json::from_slice(&std::fs::read(&json_path).unwrap()).unwrap();
         let loaded = load(&ckpt_path).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(describe(&loaded), expected, "{}", ckpt_path.display());
+        let mut described = describe(&loaded);
+        if loaded.checkpoint().version == 1 {
+            // ONNX Runtime 1.16 wrote parameters in another order than its version-2 twin.
+            for v in [&mut described, &mut expected] {
+                v["parameters"]
+                    .as_array_mut()
+                    .unwrap()
+                    .sort_by_key(|p| p["name"].as_str().unwrap().to_owned());
+            }
+        }
+        assert_eq!(described, expected, "{}", ckpt_path.display());
     }
 }
 

@@ -483,7 +483,10 @@ fn corpus() -> Vec<Case> {
                 ..Module::with(vec![raw("w", &[1], 4)])
             }
             .build(),
-            Malformed("version-1 checkpoint cannot be nominal or have external data", None),
+            Malformed(
+                "version-1 checkpoint cannot be nominal or have external data",
+                None,
+            ),
         ),
         case(
             "version_3",

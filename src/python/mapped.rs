@@ -58,8 +58,11 @@ impl MappedFile {
             // SAFETY: the range lies inside our mapping; MADV_DONTNEED on a private file
             // mapping only makes later reads fault the file's bytes in again.
             unsafe {
-                self._map
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+                self._map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    end - start,
+                )
             }
             .map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
         }

@@ -227,8 +227,16 @@ fn save_bytes<'py>(
 fn checkpoint_in<'py>(
     py: Python<'py>,
     path: &std::path::Path,
-    (trainable, frozen, optimizer_groups): (Vec<TensorIn<'py>>, Vec<TensorIn<'py>>, Vec<GroupIn<'py>>),
-    (ints, floats, strings): (Vec<(String, i64)>, Vec<(String, f32)>, Vec<(String, String)>),
+    (trainable, frozen, optimizer_groups): (
+        Vec<TensorIn<'py>>,
+        Vec<TensorIn<'py>>,
+        Vec<GroupIn<'py>>,
+    ),
+    (ints, floats, strings): (
+        Vec<(String, i64)>,
+        Vec<(String, f32)>,
+        Vec<(String, String)>,
+    ),
     nominal: bool,
     buffers: &mut Vec<PyBuffer<u8>>,
 ) -> PyResult<Checkpoint<Intake>> {
