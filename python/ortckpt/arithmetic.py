@@ -152,6 +152,8 @@ def _release(value: Any) -> None:
     base = array
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer holds the exporter through a memoryview
+        base = base.obj
     if isinstance(base, _core.MappedFile) and array.nbytes:
         start = np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
         base._release(array.__array_interface__["data"][0] - start, array.nbytes)

@@ -26,6 +26,12 @@ use mapped::MappedFile;
 /// A tensor as Python hands it over: name, ONNX type code, dims, and its values
 /// (an object with a contiguous byte buffer, a list of str, or None when nominal).
 type TensorIn<'py> = (String, i32, Vec<i64>, Bound<'py, PyAny>);
+/// The property bag: (ints, floats, strings).
+type PropertiesIn = (
+    Vec<(String, i64)>,
+    Vec<(String, f32)>,
+    Vec<(String, String)>,
+);
 /// An optimizer group: name, step, initial learning rate, [(param name, momentums)].
 type GroupIn<'py> = (String, i64, f32, Vec<(String, Vec<TensorIn<'py>>)>);
 
@@ -232,11 +238,7 @@ fn checkpoint_in<'py>(
         Vec<TensorIn<'py>>,
         Vec<GroupIn<'py>>,
     ),
-    (ints, floats, strings): (
-        Vec<(String, i64)>,
-        Vec<(String, f32)>,
-        Vec<(String, String)>,
-    ),
+    (ints, floats, strings): PropertiesIn,
     nominal: bool,
     buffers: &mut Vec<PyBuffer<u8>>,
 ) -> PyResult<Checkpoint<Intake>> {

@@ -248,13 +248,14 @@ def test_delta_apply_interpolate_and_their_commands(tmp_path):
 
 STREAMING_RSS = textwrap.dedent(
     """
-    import resource, sys
-    import numpy as np
+    import sys
     import ortckpt
+    def peak():  # VmHWM: unlike ru_maxrss, it does not carry the parent's peak across exec
+        return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
     paths, out = sys.argv[1:-1], sys.argv[-1]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak()
     ortckpt.average(paths, out=out)
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+    print(peak() - before)
     """
 )
 
@@ -273,7 +274,7 @@ def test_streaming_average_uses_a_few_chunks_of_memory_not_the_checkpoints(tmp_p
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     grown = int(done.stdout.split()[-1])
-    assert grown < 160 << 20, f"peak RSS grew by {grown >> 20} MiB"
+    assert grown < 96 << 20, f"peak RSS grew by {grown >> 20} MiB"  # less than one source holds
     result = CheckpointState.load_checkpoint(tmp_path / "avg.ckpt")
     assert np.all(result.parameters["w1"].data == np.float32(2.0))
 

@@ -16,8 +16,8 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 7, "import line, quick start, building, CheckpointManager, sharded, ONNX, safetensors"
-    _import_line, quick_start, building, _manager, _sharded, _onnx, _safetensors = blocks
+    assert len(blocks) == 8, "import line, quick start, building, CheckpointManager, sharded, ONNX, safetensors, deployment"
+    _import_line, quick_start, building, _manager, _sharded, _onnx, _safetensors, _deployment = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(building, "README building example", "exec"), namespace)
@@ -49,7 +49,7 @@ def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path, monkeypatc
 
 
 def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
-    *_, onnx_example, safetensors_example = python_blocks()
+    onnx_example, safetensors_example = python_blocks()[5:7]
     monkeypatch.chdir(tmp_path)
     exec(compile(onnx_example, "README ONNX example", "exec"), {})
     exec(compile(safetensors_example, "README safetensors example", "exec"), {})
@@ -93,3 +93,14 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
         assert (embedding[Slice.split((1000, 64), rank, 2).index] == rank).all()
     assert merged.optimizer_groups["group0"].step == 200
     assert merged.optimizer_groups["group0"].momentums["embedding"]["momentum1"].shape == (1000, 64)
+
+
+def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
+    example = python_blocks()[7]
+    assert "ortckpt.average" in example and "export_model" in example
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README deployment example", "exec"), {})
+    assert capsys.readouterr().out == "['x'] (2, 4)\n"
+    from ortckpt import CheckpointState
+
+    assert CheckpointState.load_checkpoint(tmp_path / "global.ckpt").properties["num_samples"] == 1000
