@@ -75,6 +75,7 @@ fuzz_target!(|input: &[u8]| {
         .collect();
     let nominal = spec.nominal;
     let ckpt = Checkpoint {
+        version: ortckpt::format::CHECKPOINT_VERSION,
         trainable: spec
             .trainable
             .iter()
