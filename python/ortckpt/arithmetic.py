@@ -117,10 +117,6 @@ def interpolate(a: Source, b: Source, t: float, *, out: str | os.PathLike[str] |
                     None, False, "equal", out, "interpolate", save_options)  # fmt: skip
 
 
-def _open(source: Source) -> CheckpointState:
-    return source if isinstance(source, CheckpointState) else CheckpointState.load_checkpoint(source)
-
-
 def _open_all(sources: Sequence[Source]) -> list[_Opened]:
     if len(sources) == 0:
         raise CheckpointStateError("no checkpoints given")
@@ -132,7 +128,7 @@ class _Opened:
 
     def __init__(self, source: Source, index: int) -> None:
         self.owned = not isinstance(source, CheckpointState)
-        self.state = _open(source)
+        self.state = CheckpointState.load_checkpoint(source) if self.owned else source  # type: ignore[assignment,arg-type]
         self.label = f"checkpoint #{index}" + (f" ({os.fspath(source)})" if self.owned else "")  # type: ignore[arg-type]
         if self.state.is_nominal:
             raise CheckpointStateError(f"{self.label} is nominal: it holds no values")
@@ -306,19 +302,15 @@ def _combine(sources: list[_Opened], combine: Combine, properties: dict[str, Any
         del staged_state, template
         layout = _core.load(os.fspath(staged), follow_symlinks=False)
         where = _offsets(layout)
-        targets = {False: staged, True: Path(f"{staged}.data")}
-        for key in plan.combined:
-            offset, external = where[key]
-            itemsize = plan.combined[key][0].itemsize
-            safe_io.pwrite_all(targets[external], ((offset + start * itemsize, part.view(np.uint8)) for start, part in chunks(key)),
-                               durable=bool(save_options.get("durable")))  # fmt: skip
         del layout
-        names = [f"{path.name}.data", path.name] if (staging / f"{path.name}.data").exists() else [path.name]
-        safe_io.move_into_place(staging, path.parent, names)
-        if len(names) == 1:
-            Path(f"{path}.data").unlink(missing_ok=True)  # an earlier result's, which this one does not use
-        if save_options.get("durable"):
-            safe_io.fsync_directory(path.parent)
+        durable = bool(save_options.get("durable"))
+        for external, target in ((False, staged), (True, Path(f"{staged}.data"))):
+            keys = [key for key in plan.combined if where[key][1] == external]
+            if keys:  # one open (and fsync) per file, every chunk of its tensors written in turn
+                writes = ((where[key][0] + start * plan.combined[key][0].itemsize, part.view(np.uint8))
+                          for key in keys for start, part in chunks(key))  # fmt: skip
+                safe_io.pwrite_all(target, writes, durable=durable)
+        safe_io.publish_staged(staging, path, durable=durable)
     return CheckpointState.load_checkpoint(path)
 
 

@@ -295,6 +295,20 @@ def staging_directory(target: Path) -> Iterator[Path]:
         remove_tree_quietly(staging)
 
 
+def publish_staged(staging: Path, target: Path, *, durable: bool = False) -> None:
+    """Moves ``staging/<name>`` over ``target`` (whose name it has), its ``<name>.data`` first
+    when one was staged (the file that points into it goes last); without one, an earlier
+    ``<target>.data``, which the new file does not use, is removed."""
+    data = f"{target.name}.data"
+    if (staging / data).exists():
+        move_into_place(staging, target.parent, [data, target.name])
+    else:
+        move_into_place(staging, target.parent, [target.name])
+        _unlink_quietly(target.parent / data)
+    if durable:
+        fsync_directory(target.parent)
+
+
 def move_into_place(staging: Path, directory: Path, names: Iterable[str]) -> None:
     """Renames files of a staging directory over their namesakes in ``directory``, in order."""
     for name in names:

@@ -57,13 +57,7 @@ def resave(src: str, dst: str, include_optimizer_state: bool) -> dict:
 
 
 def train(ckpt: str, artifacts: str, out: str) -> dict:
-    state = C.load_checkpoint(ckpt)
-    device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-    options = C.SessionOptions()
-    module = C.Module(
-        os.path.join(artifacts, "training_model.onnx"), state, os.path.join(artifacts, "eval_model.onnx"), device, options
-    )
-    optimizer = C.Optimizer(os.path.join(artifacts, "optimizer_model.onnx"), state, device, options)
+    state, module, optimizer = _session(ckpt, artifacts)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 8)).astype(np.float32)
     target = rng.standard_normal((5, 4)).astype(np.float32)

@@ -301,3 +301,32 @@ def test_export_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(CheckpointStateError, match="no graph input or initializer .* named like a checkpoint parameter"):
         ortckpt.export_model(other, eval_model, tmp_path / "m.onnx", output_names=["y"])
     assert not (tmp_path / "m.onnx").exists()
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    import ortckpt
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+    try:
+        ortckpt.average(sys.argv[1:-1], out=sys.argv[-1])
+    except OSError as e:
+        print("refused", e.errno)
+    """
+)
+
+
+def test_a_full_disk_mid_average_leaves_the_previous_result_and_no_staging(tmp_path):
+    paths = []
+    for i in range(2):
+        state = CheckpointState.from_arrays({"w": np.full(1 << 20, i, np.float32)})  # 4 MiB
+        CheckpointState.save_checkpoint(state, tmp_path / f"s{i}.ckpt")
+        paths.append(str(tmp_path / f"s{i}.ckpt"))
+    previous = tmp_path / "avg.ckpt"
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"old": np.ones(3, np.float32)}), previous)
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, *paths, str(previous)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout.startswith("refused 27"), done.stdout + done.stderr  # EFBIG
+    assert CheckpointState.load_checkpoint(previous).parameters.names() == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["avg.ckpt", "s0.ckpt", "s1.ckpt"]

@@ -211,7 +211,6 @@ def inference_model(
 
     The model passed in is not changed.
     """
-    onnx = _onnx()
     if not isinstance(state, CheckpointState):
         state = CheckpointState.load_checkpoint(state)
     if state.is_nominal:
@@ -220,7 +219,7 @@ def inference_model(
     proto = _copy(proto)
     graph = proto.graph
     if output_names is not None:
-        _set_outputs(onnx, proto, list(output_names))
+        _set_outputs(proto, list(output_names))
     filled = _fill_initializers(state, proto)
     kept_inputs = []
     bound = 0
@@ -251,7 +250,7 @@ def _initializer(state: CheckpointState, graph_input: Any) -> Any:
     static dims against the checkpoint's."""
     parameter = state.parameters[graph_input.name]
     tensor_type = graph_input.type.tensor_type
-    code = _dt.code_of(parameter.data) if not isinstance(parameter.data, PackedBits) else parameter.data.data_type
+    code = _dt.code_of(parameter.data)
     if tensor_type.elem_type and tensor_type.elem_type != code:
         raise CheckpointStateError(
             f"tensor {graph_input.name}: the model's input is {_dt.name_of(tensor_type.elem_type)}, "
@@ -287,9 +286,10 @@ def _tensor_proto(name: str, value: Any) -> Any:
     return proto
 
 
-def _set_outputs(onnx: Any, proto: Any, names: list[str]) -> None:
+def _set_outputs(proto: Any, names: list[str]) -> None:
     """The graph's outputs become ``names``, typed from the model's declarations or, failing
     those, from ONNX shape inference (as ONNX Runtime's Graph::Resolve infers them)."""
+    onnx = _onnx()
     if not names:
         raise CheckpointStateError("output_names is empty: name the outputs the inference model computes")
     graph = proto.graph
@@ -316,7 +316,7 @@ def _used_names(node: Any) -> set[str]:
     """The values a node reads, including those its subgraphs (If, Loop, Scan) read from outside."""
     used = {name for name in node.input if name}
     for attribute in node.attribute:
-        for subgraph in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
+        for subgraph in [attribute.g, *attribute.graphs] if attribute.HasField("g") or attribute.graphs else []:
             for inner in subgraph.node:
                 used |= _used_names(inner)
     return used
@@ -386,11 +386,9 @@ def export_model(
             onnx.save_model(proto, os.fspath(staging / path.name), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=f"{path.name}.data",
                             size_threshold=size_threshold)  # fmt: skip
-            safe_io.move_into_place(staging, path.parent, [f"{path.name}.data", path.name])
         else:
             onnx.save_model(proto, os.fspath(staging / path.name))
-            safe_io.move_into_place(staging, path.parent, [path.name])
-            Path(f"{path}.data").unlink(missing_ok=True)  # an earlier export's, which this model does not use
+        safe_io.publish_staged(staging, path)
     return path
 
 
