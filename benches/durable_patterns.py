@@ -18,17 +18,13 @@ import ctypes
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent))
-from suite import fsync_dir, make_workload  # noqa: E402
-
-from ortckpt import CheckpointState  # noqa: E402
+from ortckpt import CheckpointState
+from suite import fsync_dir, make_workload
 
 PIECE = 256 << 10  # as ortckpt's src/io/writeback.rs
 SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -84,6 +80,7 @@ def plain(arrays):
             view = memoryview(a.reshape(-1).view(np.uint8))
             while view:
                 view = view[os.write(fd, view) :]
+
     return write
 
 
@@ -123,17 +120,23 @@ def main() -> None:
     def writev_in(piece: int):
         return lambda p: plain_file(p, pieces(arrays, wait_previous=False, writeback=False, piece=piece))
 
-    variants = {
-        "write() per tensor": lambda p: plain_file(p, plain(arrays)),
-        **{f"writev pieces of {n >> 10} KiB": writev_in(n) for n in (256 << 10, 1 << 20, 4 << 20, 32 << 20)},
-        "ortckpt": lambda p: CheckpointState.save_checkpoint(state, p, include_optimizer_state=True),
-    } if args.plain else {
-        "write()+fsync": lambda p: durable_file(p, plain(arrays)),
-        "writev 32 MiB pieces + writeback": lambda p: durable_file(p, pieces(arrays, False, piece=32 << 20)),
-        "writev 32 MiB + writeback, wait previous": lambda p: durable_file(p, pieces(arrays, True, piece=32 << 20)),
-        "writev 256 KiB pieces + writeback": lambda p: durable_file(p, pieces(arrays, False, piece=256 << 10)),
-        "ortckpt durable": lambda p: CheckpointState.save_checkpoint(state, p, include_optimizer_state=True, durable=True),
-    }
+    variants = (
+        {
+            "write() per tensor": lambda p: plain_file(p, plain(arrays)),
+            **{f"writev pieces of {n >> 10} KiB": writev_in(n) for n in (256 << 10, 1 << 20, 4 << 20, 32 << 20)},
+            "ortckpt": lambda p: CheckpointState.save_checkpoint(state, p, include_optimizer_state=True),
+        }
+        if args.plain
+        else {
+            "write()+fsync": lambda p: durable_file(p, plain(arrays)),
+            "writev 32 MiB pieces + writeback": lambda p: durable_file(p, pieces(arrays, False, piece=32 << 20)),
+            "writev 32 MiB + writeback, wait previous": lambda p: durable_file(p, pieces(arrays, True, piece=32 << 20)),
+            "writev 256 KiB pieces + writeback": lambda p: durable_file(p, pieces(arrays, False, piece=256 << 10)),
+            "ortckpt durable": lambda p: CheckpointState.save_checkpoint(
+                state, p, include_optimizer_state=True, durable=True
+            ),
+        }
+    )
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.rounds):
         names = list(variants)
@@ -155,7 +158,7 @@ def main() -> None:
     print(f"| variant | median s | min-max s | per-round ratio to {first} (median) |")
     print("| --- | --- | --- | --- |")
     for name, t in times.items():
-        ratio = statistics.median(b / x for b, x in zip(base, t))
+        ratio = statistics.median(b / x for b, x in zip(base, t, strict=True))
         print(f"| {name} | {statistics.median(t):.3f} | {min(t):.2f}-{max(t):.2f} | {ratio:.2f} |")
     print("rounds (s):")
     for name, t in times.items():

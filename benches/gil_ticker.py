@@ -10,6 +10,7 @@ GIL is held. Baseline: the same ticker while the main thread sleeps.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import tempfile
 import threading
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from ortckpt import CheckpointState
 
 
@@ -40,7 +40,7 @@ def worst_gap_during(action) -> tuple[float, float, int]:
     done.set()
     thread.join()
     inside = [start] + [t for t in ticks if start <= t <= end] + [end]
-    return end - start, 1000 * max(b - a for a, b in zip(inside, inside[1:])), len(inside) - 2
+    return end - start, 1000 * max(b - a for a, b in itertools.pairwise(inside)), len(inside) - 2
 
 
 def main() -> None:

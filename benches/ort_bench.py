@@ -17,12 +17,11 @@ import time
 import warnings
 from pathlib import Path
 
+# Before numpy and onnxruntime: silences their import-time warnings in the figures' output.
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
-from onnxruntime.capi import _pybind_state as C  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import current_mib, peak_mib, xor_all  # noqa: E402
+from onnxruntime.capi import _pybind_state as C  # noqa: E402
 
 
 def state_save(src: str, dst: str) -> dict:
@@ -46,10 +45,12 @@ def load(src: str) -> dict:
 def protos_save(raw: str, manifest: str, dst: str) -> dict:
     from onnx import numpy_helper
 
-    layout = json.load(open(manifest))
+    layout = json.loads(Path(manifest).read_text())
     data = np.memmap(raw, dtype=np.uint8, mode="r")
-    arrays = [(t["name"], t["trainable"], data[t["offset"] : t["offset"] + t["nbytes"]].view(t["dtype"]).reshape(t["shape"]))
-              for t in layout["parameters"]]  # fmt: skip
+    arrays = [
+        (t["name"], t["trainable"], data[t["offset"] : t["offset"] + t["nbytes"]].view(t["dtype"]).reshape(t["shape"]))
+        for t in layout["parameters"]
+    ]
     before = current_mib()
     start = time.perf_counter()
     trainable = [numpy_helper.from_array(np.asarray(a), n).SerializeToString() for n, t, a in arrays if t]

@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, capture_rng_state, restore_rng_state
 
 STEPS, SAVE_EVERY, BATCH = 400, 20, 64
@@ -51,9 +50,10 @@ def initial_state(rng: np.random.Generator) -> CheckpointState:
     }
     state = CheckpointState.from_arrays(params, properties={"model": "mlp-64-256-10"})
     state.optimizer_groups["group0"] = OptimizerGroup(
-        step=0, initial_learning_rate=LR,
+        step=0,
+        initial_learning_rate=LR,
         momentums={n: {"momentum0": np.zeros_like(p), "momentum1": np.zeros_like(p)} for n, p in params.items()},
-    )  # fmt: skip
+    )
     return state
 
 
@@ -93,8 +93,14 @@ def train(directory: Path, final: Path) -> None:
 
     x, y = dataset()
     rng = np.random.default_rng(42)  # batch order: its state is saved with every checkpoint
-    with CheckpointManager(directory, save_every=SAVE_EVERY, max_to_keep=3, keep_best=("loss", "min", 1),
-                           async_save=True, config={"lr": LR, "batch": BATCH, "steps": STEPS}) as manager:  # fmt: skip
+    with CheckpointManager(
+        directory,
+        save_every=SAVE_EVERY,
+        max_to_keep=3,
+        keep_best=("loss", "min", 1),
+        async_save=True,
+        config={"lr": LR, "batch": BATCH, "steps": STEPS},
+    ) as manager:
         latest = manager.latest()
         if latest is None:
             state, start = initial_state(rng), 0
@@ -106,8 +112,9 @@ def train(directory: Path, final: Path) -> None:
             batch = rng.choice(len(x), BATCH, replace=False)
             loss = train_step(state, x[batch], y[batch])
             if manager.should_save(step):
-                manager.save(state, step, epoch=step * BATCH // len(x), metrics={"loss": loss},
-                             rng_state=capture_rng_state(rng))  # fmt: skip
+                manager.save(
+                    state, step, epoch=step * BATCH // len(x), metrics={"loss": loss}, rng_state=capture_rng_state(rng)
+                )
                 print(f"saved {step}", flush=True)
     CheckpointState.save_checkpoint(state, final, include_optimizer_state=True)
 
@@ -142,29 +149,36 @@ def every_tensor(path: Path) -> list[np.ndarray]:
 
 
 def same_weights(a: Path, b: Path) -> bool:
-    return all(np.array_equal(p.view(np.uint8), q.view(np.uint8)) for p, q in zip(every_tensor(a), every_tensor(b)))
+    return all(
+        np.array_equal(p.view(np.uint8), q.view(np.uint8))
+        for p, q in zip(every_tensor(a), every_tensor(b), strict=True)
+    )
 
 
 def demo() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(scratch)
         print(f"training a 64-256-10 classifier for {STEPS} steps (AdamW), a checkpoint every {SAVE_EVERY} steps\n")
         run(tmp / "reference", tmp / "reference.ckpt")
-        print(f"1. uninterrupted run: done, final state in reference.ckpt")
+        print("1. uninterrupted run: done, final state in reference.ckpt")
         kill_after = random.randrange(STEPS // 2, STEPS - 2 * SAVE_EVERY, SAVE_EVERY)
         killed = run(tmp / "run", tmp / "resumed.ckpt", kill_after=kill_after)
         print(f"2. second run: SIGKILLed after the save of step {kill_after} ({killed[-1]!r} was its last word)")
         manager = CheckpointManager(tmp / "run", read_only=True)  # a reader: the resumed run below writes
         checked = manager.verify()
-        print(f"   on disk: steps {manager.all_steps()} (3 newest + best loss kept); latest, step {checked.step}, "
-              f"verified: {checked.tensors} tensors, SHA-256 {checked.files['checkpoint'][:16]}...")  # fmt: skip
+        print(
+            f"   on disk: steps {manager.all_steps()} (3 newest + best loss kept); latest, step {checked.step}, "
+            f"verified: {checked.tensors} tensors, SHA-256 {checked.files['checkpoint'][:16]}..."
+        )
         resumed = run(tmp / "run", tmp / "resumed.ckpt")
         print(f"3. same command again: {resumed[0]}, trained to step {STEPS}")
         identical = same_weights(tmp / "reference.ckpt", tmp / "resumed.ckpt")
         print(f"\nfinal weights and AdamW state of runs 1 and 3 bit-identical: {identical}")
         best = CheckpointManager(tmp / "run", read_only=True).best("loss", "min")
-        print(f"best checkpoint by loss: step {best.step}, loss {best.metrics['loss']:.4f}; "
-              f"each step directory holds an ONNX Runtime checkpoint and metadata.json\n")  # fmt: skip
+        print(
+            f"best checkpoint by loss: step {best.step}, loss {best.metrics['loss']:.4f}; "
+            f"each step directory holds an ONNX Runtime checkpoint and metadata.json\n"
+        )
         if not identical:
             raise SystemExit("the resumed run diverged from the uninterrupted one")
 

@@ -20,19 +20,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-
+from measure import median_seconds
 from ortckpt import CheckpointState
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from measure import median_seconds  # noqa: E402
 
 GiB = 2**30
 
 
 def open_figures(path: Path, first: str) -> tuple[float, float]:
     lazy = median_seconds(lambda: CheckpointState.load_checkpoint(path), runs=20)
-    first_access = median_seconds(lambda: CheckpointState.load_checkpoint(path).parameters[first].data.sum(), runs=20)
+    first_access = median_seconds(CheckpointState.load_checkpoint(path).parameters[first].data.sum, runs=20)
     return lazy, first_access
 
 
@@ -45,8 +43,12 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="ortckpt-scale-", dir=args.dir))
-    lines = ["# Scale\n", f"`python benches/scale.py {' '.join(sys.argv[1:])}`\n",
-             "| checkpoint | tensors | file bytes | lazy open ms | open + first tensor ms |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# Scale\n",
+        f"`python benches/scale.py {' '.join(sys.argv[1:])}`\n",
+        "| checkpoint | tensors | file bytes | lazy open ms | open + first tensor ms |",
+        "|---|---|---|---|---|",
+    ]
     try:
         # Opening as the tensor count grows (64-element float32 tensors, inline).
         for count in (1_000, 10_000, 100_000):
@@ -70,19 +72,27 @@ def main() -> None:
         size = path.stat().st_size + Path(f"{path}.data").stat().st_size
         lazy, first = open_figures(path, "layer0000.weight")
         lines.append(f"| {args.big_gib:g} GiB, external data | 1000 | {size} | {lazy * 1e3:.2f} | {first * 1e3:.2f} |")
-        lines.append(f"\nSaving the {args.big_gib:g} GiB checkpoint: {save_s:.2f} s "
-                     f"({size / GiB / save_s:.2f} GiB/s), peak RSS growth beyond the arrays {growth:.1f} MiB "
-                     f"(budget: 64 MiB + 0.5 % = {64 + 0.005 * size / 2**20:.0f} MiB).")  # fmt: skip
+        lines.append(
+            f"\nSaving the {args.big_gib:g} GiB checkpoint: {save_s:.2f} s "
+            f"({size / GiB / save_s:.2f} GiB/s), peak RSS growth beyond the arrays {growth:.1f} MiB "
+            f"(budget: 64 MiB + 0.5 % = {64 + 0.005 * size / 2**20:.0f} MiB)."
+        )
         if args.ort_python and Path(args.ort_python).exists():
             times = []
             for _ in range(3):
-                done = subprocess.run([args.ort_python, str(HERE / "ort_bench.py"), "load", str(path)],
-                                      capture_output=True, text=True, check=True)  # fmt: skip
+                done = subprocess.run(
+                    [args.ort_python, str(HERE / "ort_bench.py"), "load", str(path)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 times.append(json.loads(done.stdout.strip().splitlines()[-1])["open_seconds"])
             ort = statistics.median(times)
-            lines.append(f"\nONNX Runtime 1.19.2 load_checkpoint on the same {args.big_gib:g} GiB checkpoint "
-                         f"(median of 3): {ort * 1e3:.0f} ms; ortckpt's lazy open: {lazy * 1e3:.2f} ms, "
-                         f"{ort / lazy:.0f}x faster.")  # fmt: skip
+            lines.append(
+                f"\nONNX Runtime 1.19.2 load_checkpoint on the same {args.big_gib:g} GiB checkpoint "
+                f"(median of 3): {ort * 1e3:.0f} ms; ortckpt's lazy open: {lazy * 1e3:.2f} ms, "
+                f"{ort / lazy:.0f}x faster."
+            )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     text = "\n".join(lines) + "\n"

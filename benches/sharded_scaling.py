@@ -31,7 +31,6 @@ MATRICES = 32
 def child(gib: float, directory: Path) -> None:
     """One rank of a timed save (under mpirun)."""
     from mpi4py import MPI
-
     from ortckpt import CheckpointState
     from ortckpt.distributed import Slice, save_sharded
 
@@ -57,9 +56,28 @@ def run_ranks(ranks: int, gib: float, directory: Path) -> tuple[float, int]:
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
-    done = subprocess.run([mpirun, "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable,
-                           __file__, "--child", "--gib", str(gib), "--dir", str(directory)],
-                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    done = subprocess.run(
+        [
+            mpirun,
+            "-n",
+            str(ranks),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            sys.executable,
+            __file__,
+            "--child",
+            "--gib",
+            str(gib),
+            "--dir",
+            str(directory),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{ranks} ranks failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -108,8 +126,10 @@ def main() -> None:
                     times[name].append(seconds)
                     shutil.rmtree(target)
                 os.sync()
-            print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in times),
-                  flush=True)  # fmt: skip
+            print(
+                f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in times),
+                flush=True,
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     lines = [
@@ -117,13 +137,18 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for name, ts in times.items():
-        ratio = statistics.median(w / t for w, t in zip(times["write()"], ts))
+        ratio = statistics.median(w / t for w, t in zip(times["write()"], ts, strict=True))
         label = "write() (baseline)" if name == "write()" else name
-        lines.append(f"| {label} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | "
-                     f"{nbytes / GiB / statistics.median(ts):.2f} | {ratio:.2f} |")  # fmt: skip
-    text = (f"{args.gib:g} GiB float32 ({MATRICES} matrices split by rows), {args.rounds} shuffled rounds, "
-            f"{os.cpu_count()} cores; `python benches/sharded_scaling.py --gib {args.gib:g} --rounds {args.rounds}`\n\n"
-            + "\n".join(lines) + "\n")  # fmt: skip
+        lines.append(
+            f"| {label} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | "
+            f"{nbytes / GiB / statistics.median(ts):.2f} | {ratio:.2f} |"
+        )
+    text = (
+        f"{args.gib:g} GiB float32 ({MATRICES} matrices split by rows), {args.rounds} shuffled rounds, "
+        f"{os.cpu_count()} cores; `python benches/sharded_scaling.py --gib {args.gib:g} --rounds {args.rounds}`\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

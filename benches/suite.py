@@ -25,20 +25,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
-
 import ortckpt
+import pure_python_saver
+from measure import median_seconds, peak_mib, xor_all
 from ortckpt import CheckpointState, OptimizerGroup
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import pure_python_saver  # noqa: E402
-from measure import median_seconds, peak_mib, xor_all  # noqa: E402
 
 GiB = 2**30
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -74,7 +72,9 @@ class Workload:
     def state(self) -> CheckpointState:
         state = CheckpointState.from_arrays(self.trainable, self.frozen, {"epoch": 3})
         if self.momentums:
-            state.optimizer_groups["group0"] = OptimizerGroup(step=100, initial_learning_rate=1e-3, momentums=self.momentums)
+            state.optimizer_groups["group0"] = OptimizerGroup(
+                step=100, initial_learning_rate=1e-3, momentums=self.momentums
+            )
         return state
 
 
@@ -114,15 +114,26 @@ def make_workload(shape: str, gib: float, dtype_name: str) -> Workload:
         embed = params // 5 // width * width
         work.frozen["embed.weight"] = take(embed, (embed // width, width))
         left, layer = params - embed, 0
-        sizes = [("attn.qkv", 3 * width * width), ("attn.o", width * width), ("mlp.up", 4 * width * width),
-                 ("mlp.down", 4 * width * width), ("norm.w", width), ("norm.b", width)]  # fmt: skip
+        sizes = [
+            ("attn.qkv", 3 * width * width),
+            ("attn.o", width * width),
+            ("mlp.up", 4 * width * width),
+            ("mlp.down", 4 * width * width),
+            ("norm.w", width),
+            ("norm.b", width),
+        ]
         while left >= sum(s for _, s in sizes):
             for name, size in sizes:
-                work.trainable[f"layers.{layer}.{name}"] = take(size, (size // width, width) if size > width else (size,))
+                work.trainable[f"layers.{layer}.{name}"] = take(
+                    size, (size // width, width) if size > width else (size,)
+                )
                 left -= size
             layer += 1
         for name, array in work.trainable.items():
-            work.momentums[name] = {"momentum0": take(array.size, array.shape), "momentum1": take(array.size, array.shape)}
+            work.momentums[name] = {
+                "momentum0": take(array.size, array.shape),
+                "momentum1": take(array.size, array.shape),
+            }
     else:
         raise ValueError(shape)
     return work
@@ -172,8 +183,14 @@ def have(module: str) -> bool:
         return False
 
 
-def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_python: bool, ort_protos: bool,
-           torch_python: str | None):  # fmt: skip
+def savers(
+    work: Workload,
+    state: CheckpointState,
+    ort_python: str | None,
+    pure_python: bool,
+    ort_protos: bool,
+    torch_python: str | None,
+):
     """name -> fn(path) that saves the workload there and returns the seconds it took."""
     out: dict[str, Callable[[Path], float | None]] = {}
 
@@ -182,6 +199,7 @@ def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_
             start = time.perf_counter()
             fn(path)
             return time.perf_counter() - start
+
         return run
 
     out["write() (baseline)"] = timed(lambda p: plain_write(work, p))
@@ -194,6 +212,7 @@ def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_
         from safetensors.numpy import save_file
 
         out["safetensors"] = timed(lambda p: save_file(work.arrays(), str(p)))
+
     def savez(path):
         with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to a name
             np.savez(f, **work.arrays())
@@ -201,7 +220,9 @@ def savers(work: Workload, state: CheckpointState, ort_python: str | None, pure_
     out["numpy savez"] = timed(savez)
     if pure_python:
         out["pure-Python flatbuffers"] = timed(
-            lambda p: pure_python_saver.save(str(p), work.trainable, work.frozen, work.momentums, 100, 1e-3, {"epoch": 3})
+            lambda p: pure_python_saver.save(
+                str(p), work.trainable, work.frozen, work.momentums, 100, 1e-3, {"epoch": 3}
+            )
         )
     if ort_python and work.dtype == "float32":  # ONNX Runtime 1.19.2 cannot load bfloat16
         out["ONNX Runtime state path"] = lambda p: ort_state_save(ort_python, state, p)
@@ -216,7 +237,7 @@ PEER_RSS: dict[str, float] = {}  # peak RSS growth that peers timed in a subproc
 
 
 def peer_run(python: str, script: str, *args) -> dict:
-    done = subprocess.run([python, str(HERE / script), *map(str, args)], capture_output=True, text=True)
+    done = subprocess.run([python, str(HERE / script), *map(str, args)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -234,8 +255,16 @@ def raw_with_manifest(work: Workload, path: Path) -> tuple[Path, Path]:
     layout, at = [], 0
     trainable = set(work.trainable) | {f"{p}.{m}" for p, ms in work.momentums.items() for m in ms}
     for name, a in work.arrays().items():
-        layout.append({"name": name, "offset": at, "nbytes": a.nbytes, "dtype": str(a.dtype), "shape": list(a.shape),
-                       "trainable": name in trainable})  # fmt: skip
+        layout.append(
+            {
+                "name": name,
+                "offset": at,
+                "nbytes": a.nbytes,
+                "dtype": str(a.dtype),
+                "shape": list(a.shape),
+                "trainable": name in trainable,
+            }
+        )
         at += a.nbytes
     manifest.write_text(json.dumps({"parameters": layout}))
     return raw, manifest
@@ -347,10 +376,24 @@ def child_peak(args) -> None:
 def peak_growth(work: Workload, op: str, directory: Path) -> float:
     path = directory / f"peak_{op}.ckpt"
     done = subprocess.run(
-        [sys.executable, __file__, "--child", op, "--shape", work.shape, "--gib", str(work.gib), "--dtype", work.dtype,
-         "--path", str(path)],  # fmt: skip
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            op,
+            "--shape",
+            work.shape,
+            "--gib",
+            str(work.gib),
+            "--dtype",
+            work.dtype,
+            "--path",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     for f in (path, Path(f"{path}.data")):
         f.unlink(missing_ok=True)
     return json.loads(done.stdout)["growth_mib"]
@@ -365,8 +408,15 @@ def clear(directory: Path) -> None:
     os.sync()
 
 
-def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str | None, pure_python: bool,
-                 ort_protos: bool, torch_python: str | None) -> dict:  # fmt: skip
+def run_workload(
+    work: Workload,
+    directory: Path,
+    rounds: int,
+    ort_python: str | None,
+    pure_python: bool,
+    ort_protos: bool,
+    torch_python: str | None,
+) -> dict:
     """Each round, in a shuffled order, each contender saves, the matching loader reads that file
     back, and the file is deleted: one checkpoint's worth of page cache at a time, so no
     contender pays for another's dirty pages."""
@@ -383,7 +433,7 @@ def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str |
     def attempt(name: str, fn):
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run this workload is reported, not fatal
+        except Exception as e:
             failed[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:120]}"
             return None
 
@@ -396,7 +446,7 @@ def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str |
         random.Random(f"{work.name} {r}").shuffle(names)
         for name in names:
             path = directory / name.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
-            seconds = attempt(name, lambda: save_fns[name](path))
+            seconds = attempt(name, lambda name=name, path=path: save_fns[name](path))
             if seconds is None:
                 save_times.pop(name, None)
                 continue
@@ -407,12 +457,14 @@ def run_workload(work: Workload, directory: Path, rounds: int, ort_python: str |
                 if f"load: {load_name}" in failed:
                     continue
                 start = time.perf_counter()
-                reported = attempt(f"load: {load_name}", lambda: load(path))
+                reported = attempt(f"load: {load_name}", lambda load=load, path=path: load(path))
                 seconds = reported if isinstance(reported, float) else time.perf_counter() - start
                 if f"load: {load_name}" not in failed:
                     load_times.setdefault(load_name, []).append(seconds)
             if r == rounds - 1 and name in ("ortckpt", "safetensors", "torch.save"):
-                latency[name] = attempt(f"open: {name}", lambda: open_latency(work, name, path, torch_python))
+                latency[name] = attempt(
+                    f"open: {name}", lambda name=name, path=path: open_latency(work, name, path, torch_python)
+                )
             clear(directory)
         start = time.perf_counter()
         for a in arrays:
@@ -440,12 +492,12 @@ def summary(times: list[float], nbytes: int) -> dict:
 
 def paired_ratio(times: list[float], baseline: list[float]) -> float:
     """Median over rounds of (baseline time / contender time): > 1 means faster than the baseline."""
-    return statistics.median(b / t for b, t in zip(baseline, times))
+    return statistics.median(b / t for b, t in zip(baseline, times, strict=True))
 
 
 def report(results: list[dict], meta: dict, out: Path) -> str:
     lines = [
-        f"# ortckpt benchmark results\n",
+        "# ortckpt benchmark results\n",
         f"{meta['date']}, {meta['machine']}; `{meta['command']}`; medians of {meta['rounds']} rounds "
         f"({meta['method']}; new files, page cache); ratios are medians of per-round ratios to the "
         "baseline measured in the same round.\n",
@@ -461,28 +513,36 @@ def report(results: list[dict], meta: dict, out: Path) -> str:
             s = summary(times, n)
             peak = r["peak_growth_mib"].get(f"{name} save", "")
             peak = f"{peak:.0f}" if isinstance(peak, float) else ""
-            lines.append(f"| {name} | {s['median_s']:.3f} | {s['min_s']:.3f}-{s['max_s']:.3f} | {s['gib_s']:.2f} | "
-                         f"{paired_ratio(times, base):.2f} | {peak} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {s['median_s']:.3f} | {s['min_s']:.3f}-{s['max_s']:.3f} | {s['gib_s']:.2f} | "
+                f"{paired_ratio(times, base):.2f} | {peak} |"
+            )
         lines.append("\n| eager load (every byte read) | median s | range s | GiB/s | vs read() | vs memcpy |")
         lines.append("|---|---|---|---|---|---|")
         rbase, mbase = r["load"]["read() (baseline)"], r["load"]["memcpy (baseline)"]
         for name, times in r["load"].items():
             s = summary(times, n)
-            lines.append(f"| {name} | {s['median_s']:.3f} | {s['min_s']:.3f}-{s['max_s']:.3f} | {s['gib_s']:.2f} | "
-                         f"{paired_ratio(times, rbase):.2f} | {paired_ratio(times, mbase):.2f} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {s['median_s']:.3f} | {s['min_s']:.3f}-{s['max_s']:.3f} | {s['gib_s']:.2f} | "
+                f"{paired_ratio(times, rbase):.2f} | {paired_ratio(times, mbase):.2f} |"
+            )
         lines.append("\n| open | lazy open ms | open + first tensor ms |")
         lines.append("|---|---|---|")
-        for name, (lazy, first) in ((n, t) for n, t in r["open"].items() if t):
-            name = {"torch.save": "torch.load mmap=True"}.get(name, name)
-            lines.append(f"| {name} | {lazy * 1e3:.2f} | {first * 1e3:.2f} |")
+        for opened, (lazy, first) in ((n, t) for n, t in r["open"].items() if t):
+            shown = {"torch.save": "torch.load mmap=True"}.get(opened, opened)
+            lines.append(f"| {shown} | {lazy * 1e3:.2f} | {first * 1e3:.2f} |")
         ort = r["load"].get("ONNX Runtime")
         if ort:
-            lines.append(f"\nONNX Runtime's load_checkpoint (eager, it has no lazy open): median "
-                         f"{statistics.median(ort) * 1e3:.0f} ms including reading every parameter.")  # fmt: skip
+            lines.append(
+                f"\nONNX Runtime's load_checkpoint (eager, it has no lazy open): median "
+                f"{statistics.median(ort) * 1e3:.0f} ms including reading every parameter."
+            )
         for name, why in r["failed"].items():
             lines.append(f"\n{name}: could not run this workload ({why}).")
-        lines.append(f"\nPeak RSS growth, ortckpt: save {r['peak_growth_mib']['ortckpt save']:.1f} MiB, "
-                     f"load (every byte read) {r['peak_growth_mib']['ortckpt load']:.1f} MiB.")  # fmt: skip
+        lines.append(
+            f"\nPeak RSS growth, ortckpt: save {r['peak_growth_mib']['ortckpt save']:.1f} MiB, "
+            f"load (every byte read) {r['peak_growth_mib']['ortckpt load']:.1f} MiB."
+        )
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
@@ -492,8 +552,14 @@ def report(results: list[dict], meta: dict, out: Path) -> str:
 
 def goals_table(results: list[dict]) -> list[str]:
     """One row per workload: where ortckpt stands against each of the suite's goals."""
-    peers = ("safetensors", "numpy savez", "pure-Python flatbuffers", "ONNX Runtime state path",
-             "ONNX Runtime TensorProto path", "torch.save")  # fmt: skip
+    peers = (
+        "safetensors",
+        "numpy savez",
+        "pure-Python flatbuffers",
+        "ONNX Runtime state path",
+        "ONNX Runtime TensorProto path",
+        "torch.save",
+    )
     lines = [
         "\n## Summary\n",
         "| workload | tensors | ortckpt save GiB/s | save vs write() | vs fastest peer | x ONNX Runtime's saver "
@@ -508,14 +574,17 @@ def goals_table(results: list[dict]) -> list[str]:
         vs_peer = f"{paired_ratio(ours, save[fastest]):.2f} ({fastest})" if fastest else "n/a"
         ort = save.get("ONNX Runtime state path")
         why = r["failed"].get("ONNX Runtime state path", "")
-        x_ort = f"{paired_ratio(ours, ort):.1f}" if ort else ("fails (2 GiB)" if "2GB" in why or "addOb" in why else "n/a")
+        x_ort = (
+            f"{paired_ratio(ours, ort):.1f}" if ort else ("fails (2 GiB)" if "2GB" in why or "addOb" in why else "n/a")
+        )
         safetensors_load = load.get("safetensors")
         x_st = f"{paired_ratio(load['ortckpt'], safetensors_load):.2f}" if safetensors_load else "n/a"
         lines.append(
             f"| {r['workload']} | {r['tensors']} | {summary(ours, n)['gib_s']:.2f} "
             f"| {paired_ratio(ours, save['write() (baseline)']):.2f} | {vs_peer} | {x_ort} "
             f"| {paired_ratio(save['ortckpt durable'], save['write()+fsync (baseline)']):.2f} "
-            f"| {summary(load['ortckpt'], n)['gib_s']:.2f} | {paired_ratio(load['ortckpt'], load['read() (baseline)']):.2f} "
+            f"| {summary(load['ortckpt'], n)['gib_s']:.2f} "
+            f"| {paired_ratio(load['ortckpt'], load['read() (baseline)']):.2f} "
             f"| {x_st} | {r['open']['ortckpt'][0] * 1e3:.2f} |"
         )
     lines.append(
@@ -546,7 +615,9 @@ def plot(results: list[dict], path: Path) -> None:
                     s = summary(r[kind][name], r["bytes"])
                     xs.append(j + i * width)
                     ys.append(s["gib_s"])
-                    errs.append([[s["gib_s"] - r["bytes"] / GiB / s["max_s"]], [r["bytes"] / GiB / s["min_s"] - s["gib_s"]]])
+                    errs.append(
+                        [[s["gib_s"] - r["bytes"] / GiB / s["max_s"]], [r["bytes"] / GiB / s["min_s"] - s["gib_s"]]]
+                    )
             err = np.array(errs).reshape(len(errs), 2).T if errs else None
             ax.bar(xs, ys, width, yerr=err, label=name, capsize=2)
         labels = [r["workload"].replace(" GiB ", " GiB\n") for r in results]
@@ -567,19 +638,33 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where files go (default: a temp dir on /tmp)")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     parser.add_argument("--ort-python", default=os.environ.get("ORTCKPT_ORT_PYTHON"))
-    parser.add_argument("--torch-python", default=os.environ.get("ORTCKPT_TORCH_PYTHON"),
-                        help="an interpreter with torch installed (torch.save/torch.load are timed through it)")
-    parser.add_argument("--pure-python-max-gib", type=float, default=1.0,
-                        help="the pure-Python saver only up to here (slow, and its builder stops at 2 GiB)")
-    parser.add_argument("--ort-protos-max-gib", type=float, default=2.0,
-                        help="ONNX Runtime's TensorProto path only up to here (it holds about 4 copies in RAM)")
+    parser.add_argument(
+        "--torch-python",
+        default=os.environ.get("ORTCKPT_TORCH_PYTHON"),
+        help="an interpreter with torch installed (torch.save/torch.load are timed through it)",
+    )
+    parser.add_argument(
+        "--pure-python-max-gib",
+        type=float,
+        default=1.0,
+        help="the pure-Python saver only up to here (slow, and its builder stops at 2 GiB)",
+    )
+    parser.add_argument(
+        "--ort-protos-max-gib",
+        type=float,
+        default=2.0,
+        help="ONNX Runtime's TensorProto path only up to here (it holds about 4 copies in RAM)",
+    )
     parser.add_argument("--child", choices=["save", "load"], help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--gib", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--report-only", action="store_true",
-                        help="rewrite results.md and the plot from the results.json in --out, measuring nothing")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite results.md and the plot from the results.json in --out, measuring nothing",
+    )
     args = parser.parse_args()
     if args.child:
         return child_peak(args)
@@ -610,10 +695,17 @@ def main() -> None:
                     work = make_workload(shape, gib, dtype)
                     print(f"{work.name}: {len(work.arrays())} tensors", file=sys.stderr, flush=True)
                     PEER_RSS.clear()
-                    results.append(run_workload(work, directory, args.rounds, ort_python,
-                                                pure_python=gib <= args.pure_python_max_gib,
-                                                ort_protos=gib <= args.ort_protos_max_gib,
-                                                torch_python=torch_python))  # fmt: skip
+                    results.append(
+                        run_workload(
+                            work,
+                            directory,
+                            args.rounds,
+                            ort_python,
+                            pure_python=gib <= args.pure_python_max_gib,
+                            ort_protos=gib <= args.ort_protos_max_gib,
+                            torch_python=torch_python,
+                        )
+                    )
                     del work
                     gc.collect()
     finally:

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import current_mib, median_seconds, peak_mib, xor_all  # noqa: E402
+from measure import current_mib, median_seconds, peak_mib, xor_all
 
 DTYPES = {"float32": (np.float32, torch.float32), "bfloat16": (np.uint16, torch.bfloat16)}
 
@@ -34,7 +32,7 @@ def tensors_as_numpy(tensors):
 def save(raw: str, manifest: str, dst: str) -> dict:
     data = np.memmap(raw, dtype=np.uint8, mode="r")
     tensors = {}
-    for t in json.load(open(manifest))["parameters"]:
+    for t in json.loads(Path(manifest).read_text())["parameters"]:
         np_dtype, torch_dtype = DTYPES[t["dtype"]]
         array = np.array(data[t["offset"] : t["offset"] + t["nbytes"]].view(np_dtype).reshape(t["shape"]))
         tensors[t["name"]] = torch.from_numpy(array).view(torch_dtype)
@@ -54,7 +52,9 @@ def load(src: str, mode: str = "") -> dict:
 
 def open_latency(src: str, first: str) -> dict:
     lazy = median_seconds(lambda: torch.load(src, mmap=True, weights_only=True))
-    first_tensor = median_seconds(lambda: xor_all(tensors_as_numpy([torch.load(src, mmap=True, weights_only=True)[first]])))
+    first_tensor = median_seconds(
+        lambda: xor_all(tensors_as_numpy([torch.load(src, mmap=True, weights_only=True)[first]]))
+    )
     return {"open_seconds": lazy, "first_seconds": first_tensor}
 
 

@@ -22,7 +22,11 @@ def ort():
 
     def run(*args) -> dict:
         done = subprocess.run(
-            [python, str(HERE / "ort_helper.py"), *map(str, args)], capture_output=True, text=True, timeout=300
+            [python, str(HERE / "ort_helper.py"), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         if done.returncode != 0:
             raise AssertionError(f"ONNX Runtime failed on {args}:\n{done.stderr[-3000:]}")

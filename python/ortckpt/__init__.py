@@ -39,8 +39,9 @@ def load_checkpoint(checkpoint_uri: Any) -> CheckpointState:
     return CheckpointState.load_checkpoint(checkpoint_uri)
 
 
-def save_checkpoint(state: CheckpointState, checkpoint_uri: Any, include_optimizer_state: bool = False,
-                    **options: Any) -> None:  # fmt: skip
+def save_checkpoint(
+    state: CheckpointState, checkpoint_uri: Any, include_optimizer_state: bool = False, **options: Any
+) -> None:
     """:meth:`CheckpointState.save_checkpoint`: to a path, or a binary file object."""
     CheckpointState.save_checkpoint(state, checkpoint_uri, include_optimizer_state, **options)
 

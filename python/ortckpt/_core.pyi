@@ -1,12 +1,13 @@
 # Type stubs for the Rust extension module ortckpt._core (checked by mypy's stubtest in `make test-wheel`).
 import sys
-from typing import Any, Sequence, final
+from collections.abc import Sequence
+from typing import Any, final
 
 __all__ = [
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
-    "MappedFile",
     "PAYLOAD_ALIGNMENT",
+    "MappedFile",
     "SaveProgress",
     "_panic_for_test",
     "load",

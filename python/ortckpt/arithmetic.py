@@ -27,25 +27,34 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from . import _core, safe_io
+from . import _boundary, safe_io
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, OptimizerGroup
 from .dtypes import PackedBits
 from .errors import CheckpointStateError
 
-Source = Union[CheckpointState, str, os.PathLike]
+Source = CheckpointState | str | os.PathLike
 
 # Elements combined at a time: bounds the memory a pass uses whatever the tensor sizes.
 CHUNK = 1 << 20
 # The narrow floats, combined in float32 (NumPy's own kinds "f" are combined in float64).
-_NARROW_FLOATS = {np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-                                        ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2,
-                                        ml_dtypes.float8_e5m2fnuz, ml_dtypes.float8_e8m0fnu)}  # fmt: skip
+_NARROW_FLOATS = {
+    np.dtype(t)
+    for t in (
+        np.float16,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float8_e8m0fnu,
+    )
+}
 
 # How one output chunk is made from the sources' chunks (each a float array).
 Combine = Callable[[list[np.ndarray]], np.ndarray]
@@ -73,8 +82,10 @@ def average(
     """
     states = _open_all(sources)
     if weights is None:
-        counts = [s.properties["num_samples"] if "num_samples" in s.properties else None for s in states]
-        weights = [float(c) for c in counts] if all(isinstance(c, (int, float)) for c in counts) else [1.0] * len(states)
+        counts = [s.properties.get("num_samples", None) for s in states]
+        weights = (
+            [float(c) for c in counts] if all(isinstance(c, (int, float)) for c in counts) else [1.0] * len(states)
+        )
     w = np.asarray(weights, dtype=np.float64)
     if w.shape != (len(states),):
         raise CheckpointStateError(f"{len(w)} weights for {len(states)} checkpoints")
@@ -84,7 +95,7 @@ def average(
 
     def mean(chunks: list[np.ndarray]) -> np.ndarray:
         acc = np.multiply(chunks[0], w[0].astype(chunks[0].dtype))
-        for chunk, weight in zip(chunks[1:], w[1:]):
+        for chunk, weight in zip(chunks[1:], w[1:], strict=True):
             acc += chunk * weight.astype(chunk.dtype)
         return acc / total.astype(acc.dtype)
 
@@ -100,21 +111,39 @@ def delta(a: Source, b: Source, *, out: str | os.PathLike[str] | None = None, **
     return _combine(_open_all([a, b]), lambda c: c[0] - c[1], None, False, "first", out, "delta", save_options)
 
 
-def apply(base: Source, delta: Source, scale: float = 1.0, *, out: str | os.PathLike[str] | None = None,
-          **save_options: Any) -> CheckpointState:  # fmt: skip
+def apply(
+    base: Source, delta: Source, scale: float = 1.0, *, out: str | os.PathLike[str] | None = None, **save_options: Any
+) -> CheckpointState:
     """``base + scale * delta``: a server update from a device's delta (``scale`` a learning
     rate); frozen and other tensors, and the properties, as they are in ``base``."""
     s = float(scale)
-    return _combine(_open_all([base, delta]), lambda c: c[0] + c[1] * np.asarray(s, c[1].dtype), None,
-                    False, "first", out, "apply", save_options)  # fmt: skip
+    return _combine(
+        _open_all([base, delta]),
+        lambda c: c[0] + c[1] * np.asarray(s, c[1].dtype),
+        None,
+        False,
+        "first",
+        out,
+        "apply",
+        save_options,
+    )
 
 
-def interpolate(a: Source, b: Source, t: float, *, out: str | os.PathLike[str] | None = None,
-                **save_options: Any) -> CheckpointState:  # fmt: skip
+def interpolate(
+    a: Source, b: Source, t: float, *, out: str | os.PathLike[str] | None = None, **save_options: Any
+) -> CheckpointState:
     """``(1 - t) * a + t * b``: model merging (``t=0`` gives ``a``'s values, ``t=1`` ``b``'s)."""
     tt = float(t)
-    return _combine(_open_all([a, b]), lambda c: c[0] * np.asarray(1 - tt, c[0].dtype) + c[1] * np.asarray(tt, c[1].dtype),
-                    None, False, "equal", out, "interpolate", save_options)  # fmt: skip
+    return _combine(
+        _open_all([a, b]),
+        lambda c: c[0] * np.asarray(1 - tt, c[0].dtype) + c[1] * np.asarray(tt, c[1].dtype),
+        None,
+        False,
+        "equal",
+        out,
+        "interpolate",
+        save_options,
+    )
 
 
 def _open_all(sources: Sequence[Source]) -> list[_Opened]:
@@ -128,8 +157,11 @@ class _Opened:
 
     def __init__(self, source: Source, index: int) -> None:
         self.owned = not isinstance(source, CheckpointState)
-        self.state = CheckpointState.load_checkpoint(source) if self.owned else source  # type: ignore[assignment,arg-type]
-        self.label = f"checkpoint #{index}" + (f" ({os.fspath(source)})" if self.owned else "")  # type: ignore[arg-type]
+        if isinstance(source, CheckpointState):
+            self.state, self.label = source, f"checkpoint #{index}"
+        else:
+            self.state = CheckpointState.load_checkpoint(source)
+            self.label = f"checkpoint #{index} ({os.fspath(source)})"
         if self.state.is_nominal:
             raise CheckpointStateError(f"{self.label} is nominal: it holds no values")
 
@@ -140,19 +172,7 @@ class _Opened:
     def done_with(self, value: Any) -> None:
         """Drops the pages of ``value`` (a view over one of our own maps) from memory."""
         if self.owned:
-            _release(value)
-
-
-def _release(value: Any) -> None:
-    array = value.packed if isinstance(value, PackedBits) else value
-    base = array
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if isinstance(base, memoryview):  # np.frombuffer holds the exporter through a memoryview
-        base = base.obj
-    if isinstance(base, _core.MappedFile) and array.nbytes:
-        start = np.frombuffer(base, np.uint8, 1).__array_interface__["data"][0]
-        base._release(array.__array_interface__["data"][0] - start, array.nbytes)
+            _boundary.release_pages(value)
 
 
 def _is_combined(value: Any) -> bool:
@@ -201,30 +221,41 @@ def _equal(a: Any, b: Any) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == object:
         return bool(np.array_equal(a, b))
-    return bool(np.array_equal(a.view(np.uint8) if a.ndim else a.reshape(1).view(np.uint8),
-                               b.view(np.uint8) if b.ndim else b.reshape(1).view(np.uint8)))  # fmt: skip
+    return bool(
+        np.array_equal(
+            a.view(np.uint8) if a.ndim else a.reshape(1).view(np.uint8),
+            b.view(np.uint8) if b.ndim else b.reshape(1).view(np.uint8),
+        )
+    )
 
 
 def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, what: str) -> _Plan:
     if frozen not in ("equal", "first"):
         raise ValueError(f"frozen must be 'equal' or 'first', got {frozen!r}")
     first = sources[0]
-    every = [{key: (value, is_frozen) for key, value, is_frozen in _tensors(s, include_optimizer_state)}
-             for s in sources]  # fmt: skip
+    every = [
+        {key: (value, is_frozen) for key, value, is_frozen in _tensors(s, include_optimizer_state)} for s in sources
+    ]
     layout = every[0]
     plan = _Plan()
-    for other, keys in zip(sources[1:], every[1:]):
+    for other, keys in zip(sources[1:], every[1:], strict=True):
         if keys.keys() != layout.keys():
             extra = sorted(set(keys) ^ set(layout))[:3]
-            raise CheckpointStateError(f"{what}: {other.label} does not hold the same tensors as {first.label} "
-                                       f"(differing: {', '.join(_describe(k) for k in extra)})")  # fmt: skip
+            raise CheckpointStateError(
+                f"{what}: {other.label} does not hold the same tensors as {first.label} "
+                f"(differing: {', '.join(_describe(k) for k in extra)})"
+            )
         for key, (value, is_frozen) in keys.items():
             if is_frozen != layout[key][1]:
-                raise CheckpointStateError(f"{what}: {_describe(key)} is frozen in one checkpoint and trainable in another")
+                raise CheckpointStateError(
+                    f"{what}: {_describe(key)} is frozen in one checkpoint and trainable in another"
+                )
             if _signature(value) != _signature(layout[key][0]):
                 (c1, s1), (c2, s2) = _signature(layout[key][0]), _signature(value)
-                raise CheckpointStateError(f"{what}: {_describe(key)} is {_dt.name_of(c1)} {list(s1)} in {first.label} "
-                                           f"but {_dt.name_of(c2)} {list(s2)} in {other.label}")  # fmt: skip
+                raise CheckpointStateError(
+                    f"{what}: {_describe(key)} is {_dt.name_of(c1)} {list(s1)} in {first.label} "
+                    f"but {_dt.name_of(c2)} {list(s2)} in {other.label}"
+                )
     for key, (value, is_frozen) in layout.items():
         values = [tensors[key][0] for tensors in every]
         if _is_combined(value) and not is_frozen:
@@ -232,7 +263,7 @@ def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, wh
             continue
         # delta and apply keep the first checkpoint's (the second is a difference, not a peer)
         if not (is_frozen and frozen == "first") and what not in ("delta", "apply"):
-            for other, v in zip(sources[1:], values[1:]):
+            for other, v in zip(sources[1:], values[1:], strict=True):
                 if not _equal(v, value):
                     kind = "frozen parameter" if is_frozen else f"{_dt.name_of(_signature(value)[0])} tensor"
                     hint = " (frozen='first' takes the first checkpoint's)" if is_frozen else ""
@@ -252,16 +283,24 @@ def _groups(sources: list[_Opened], what: str) -> dict[str, tuple[int, float]]:
         for s in sources:
             other = s.state.optimizer_groups.get(name)
             if other is None or other.initial_learning_rate != group.initial_learning_rate:
-                raise CheckpointStateError(f"{what}: optimizer group {name} is missing or has another initial "
-                                           f"learning rate in {s.label}")  # fmt: skip
+                raise CheckpointStateError(
+                    f"{what}: optimizer group {name} is missing or has another initial learning rate in {s.label}"
+                )
             steps.append(other.step)
         out[name] = (max(steps), group.initial_learning_rate)
     return out
 
 
-def _combine(sources: list[_Opened], combine: Combine, properties: dict[str, Any] | None,
-             include_optimizer_state: bool, frozen: str, out: str | os.PathLike[str] | None,
-             what: str, save_options: dict[str, Any]) -> CheckpointState:  # fmt: skip
+def _combine(
+    sources: list[_Opened],
+    combine: Combine,
+    properties: dict[str, Any] | None,
+    include_optimizer_state: bool,
+    frozen: str,
+    out: str | os.PathLike[str] | None,
+    what: str,
+    save_options: dict[str, Any],
+) -> CheckpointState:
     plan = _plan(sources, include_optimizer_state, frozen, what)
     groups = _groups(sources, what) if include_optimizer_state else {}
     if properties is None:
@@ -269,13 +308,13 @@ def _combine(sources: list[_Opened], combine: Combine, properties: dict[str, Any
 
     def chunks(key: tuple[str, ...]) -> Iterator[tuple[int, np.ndarray]]:
         """(first element, result) for each chunk of a combined tensor, in order."""
-        dtype, shape, values = plan.combined[key]
+        dtype, _, values = plan.combined[key]
         flats = [np.asarray(v).reshape(-1) for v in values]
         work = _work_dtype(dtype)
         for start in range(0, flats[0].size, CHUNK):
             parts = [f[start : start + CHUNK] for f in flats]
             result = combine([p.astype(work) for p in parts]).astype(dtype)
-            for source, part in zip(sources, parts):
+            for source, part in zip(sources, parts, strict=True):
                 source.done_with(part)
             yield start, result
 
@@ -300,28 +339,30 @@ def _combine(sources: list[_Opened], combine: Combine, properties: dict[str, Any
         staged = staging / path.name
         CheckpointState.save_checkpoint(staged_state, staged, include_optimizer_state=bool(groups), **save_options)
         del staged_state, template
-        layout = _core.load(os.fspath(staged), follow_symlinks=False)
+        layout = _boundary.load(staged, follow_symlinks=False)
         where = _offsets(layout)
         del layout
         durable = bool(save_options.get("durable"))
         for external, target in ((False, staged), (True, Path(f"{staged}.data"))):
             keys = [key for key in plan.combined if where[key][1] == external]
             if keys:  # one open (and fsync) per file, every chunk of its tensors written in turn
-                writes = ((where[key][0] + start * plan.combined[key][0].itemsize, part.view(np.uint8))
-                          for key in keys for start, part in chunks(key))  # fmt: skip
+                writes = (
+                    (where[key][0] + start * plan.combined[key][0].itemsize, part.view(np.uint8))
+                    for key in keys
+                    for start, part in chunks(key)
+                )
                 safe_io.pwrite_all(target, writes, durable=durable)
         safe_io.publish_staged(staging, path, durable=durable)
     return CheckpointState.load_checkpoint(path)
 
 
-def _offsets(raw: dict[str, Any]) -> dict[tuple[str, ...], tuple[int, bool]]:
-    """Where each tensor's bytes are in a file ``_core.load`` opened: (offset, in the data file?)."""
+def _offsets(loaded: _boundary.Loaded) -> dict[tuple[str, ...], tuple[int, bool]]:
+    """Where each tensor's bytes are in a loaded file: (offset, in the data file?)."""
     where: dict[tuple[str, ...], tuple[int, bool]] = {}
-    for role in ("trainable", "frozen"):
-        for name, _code, _dims, stored in raw[role]:
-            if isinstance(stored, tuple):
-                where[("parameter", name)] = (stored[0], stored[2])
-    for group_name, _step, _lr, states in raw["optimizer_groups"]:
+    for name, _code, _dims, stored in [*loaded.trainable, *loaded.frozen]:
+        if isinstance(stored, tuple):
+            where[("parameter", name)] = (stored[0], stored[2])
+    for group_name, _step, _lr, states in loaded.optimizer_groups:
         for param, moms in states:
             for m, _code, _dims, stored in moms:
                 if isinstance(stored, tuple):
@@ -329,8 +370,12 @@ def _offsets(raw: dict[str, Any]) -> dict[tuple[str, ...], tuple[int, bool]]:
     return where
 
 
-def _state_of(like: CheckpointState, arrays: dict[tuple[str, ...], Any], properties: dict[str, Any],
-              groups: dict[str, tuple[int, float]]) -> CheckpointState:  # fmt: skip
+def _state_of(
+    like: CheckpointState,
+    arrays: dict[tuple[str, ...], Any],
+    properties: dict[str, Any],
+    groups: dict[str, tuple[int, float]],
+) -> CheckpointState:
     trainable = {k[1]: v for k, v in arrays.items() if k[0] == "parameter" and like.parameters[k[1]].requires_grad}
     frozen = {k[1]: v for k, v in arrays.items() if k[0] == "parameter" and not like.parameters[k[1]].requires_grad}
     state = CheckpointState.from_arrays(trainable, frozen, properties)

@@ -10,20 +10,20 @@ Runtime, without ever touching the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from . import _core
+from . import _boundary
 from . import dtypes as _dt
-from .dtypes import PackedBits, PackedInt4
+from ._boundary import PropertyValue, TensorRecord, as_bytes
+from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError, UnsupportedDataTypeError
 from .progress import save_progress
 
-PropertyValue = Union[int, float, str]
-TensorValue = Union[np.ndarray, PackedBits]
+TensorValue = np.ndarray | PackedBits
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -34,7 +34,7 @@ class _Tensor:
     or, for a loaded tensor not yet used, a byte range of the loaded file.
     """
 
-    __slots__ = ("name", "code", "dims", "_value", "_mapping", "_offset", "_nbytes")
+    __slots__ = ("_mapping", "_nbytes", "_offset", "_value", "code", "dims", "name")
 
     def __init__(self, name: str, code: int, dims: tuple[int, ...], value: TensorValue | None = None) -> None:
         # No value and no mapping: a tensor of a nominal checkpoint.
@@ -48,7 +48,7 @@ class _Tensor:
 
     @classmethod
     def from_file(cls, name: str, code: int, dims: tuple[int, ...], stored: Any, mappings: tuple[Any, Any]) -> _Tensor:
-        """``stored`` as ``_core.load`` gives it; ``mappings``: (checkpoint, external data)."""
+        """``stored`` as a load gives it (``_boundary.CoreTensor``); ``mappings``: (checkpoint, external data)."""
         tensor = cls(name, code, tuple(dims))
         if isinstance(stored, list):  # STRING: one str per element
             tensor._value = np.array(stored, dtype=object).reshape(tensor.dims)
@@ -92,9 +92,7 @@ class _Tensor:
             )
         shape = value.shape if isinstance(value, PackedBits) else tuple(value.shape)
         if shape != self.dims:
-            raise CheckpointStateError(
-                f"Parameter {self.name}: shape mismatch: expected {self.dims}, got {shape}"
-            )
+            raise CheckpointStateError(f"Parameter {self.name}: shape mismatch: expected {self.dims}, got {shape}")
         current = self.value()
         target = current.packed if isinstance(current, PackedBits) else current
         source = value.packed if isinstance(value, PackedBits) else value
@@ -104,14 +102,14 @@ class _Tensor:
             self._value = _owned_copy(value)
 
     def to_core(self, nominal: bool) -> tuple[str, int, tuple[int, ...], Any]:
-        """(name, code, dims, values) as ``_core.save`` takes them."""
+        """(name, code, dims, values) as ``_boundary.save`` takes them."""
         if nominal:
             return self.name, self.code, self.dims, None
         value = self.value()
         if self.code == _dt.STRING:
             return self.name, self.code, self.dims, _strings_of(self.name, value)
         array = value.packed if isinstance(value, PackedBits) else value
-        return self.name, self.code, self.dims, _as_bytes(array)
+        return self.name, self.code, self.dims, as_bytes(array)
 
 
 def _intake(name: str, value: Any) -> TensorValue:
@@ -141,11 +139,15 @@ def _strings_of(name: str, value: Any) -> list[str]:
             try:
                 out.append(element.decode("utf-8"))
             except UnicodeDecodeError as e:
-                raise CheckpointStateError(f"tensor {name}: element {i} is not UTF-8 text ({e.reason} at byte "
-                                           f"{e.start} of {bytes(element[:16])!r}): STRING tensors hold text") from None  # fmt: skip
+                raise CheckpointStateError(
+                    f"tensor {name}: element {i} is not UTF-8 text ({e.reason} at byte "
+                    f"{e.start} of {bytes(element[:16])!r}): STRING tensors hold text"
+                ) from None
         else:
-            raise UnsupportedDataTypeError(f"tensor {name}: element {i} is a {type(element).__name__}, not a str: "
-                                           "an object array is saved as a STRING tensor, which holds text only")  # fmt: skip
+            raise UnsupportedDataTypeError(
+                f"tensor {name}: element {i} is a {type(element).__name__}, not a str: "
+                "an object array is saved as a STRING tensor, which holds text only"
+            )
     return out
 
 
@@ -155,33 +157,6 @@ def _owned_copy(value: TensorValue) -> TensorValue:
     return np.array(value, copy=True)
 
 
-def _staged_copy(staging: dict[Any, Any], key: tuple[str, ...], value: TensorValue) -> TensorValue:
-    """A copy of ``value`` in ``staging[key]``, reused when its shape and dtype match."""
-    if isinstance(value, PackedBits) or value.dtype == object:  # rare types: a fresh copy
-        return _owned_copy(value)
-    target = staging.get(key)
-    if target is None or target.shape != value.shape or target.dtype != value.dtype:
-        target = staging[key] = np.empty(value.shape, value.dtype)
-    np.copyto(target, value)
-    return target
-
-
-def _save_core(path: str | os.PathLike[str], trainable: list, frozen: list, groups: list,
-               properties: Mapping[str, PropertyValue], **options: Any) -> None:  # fmt: skip
-    """``_core.save`` of tensors as ``_Tensor.to_core`` gives them, with the properties split
-    by type as the format stores them; ``options``: ``_core.save``'s keywords."""
-    _core.save(os.fspath(path), trainable, frozen, groups, *_split_properties(properties), **options)
-
-
-def _split_properties(properties: Mapping[str, PropertyValue]) -> tuple[list, list, list]:
-    """(ints, floats, strings), as the format's property bag stores them."""
-    return (
-        [(k, v) for k, v in properties.items() if isinstance(v, int)],
-        [(k, v) for k, v in properties.items() if isinstance(v, float)],
-        [(k, v) for k, v in properties.items() if isinstance(v, str)],
-    )
-
-
 def _is_file_object(target: Any) -> bool:
     """A binary file object (or anything with read/write), as opposed to a path."""
     return not isinstance(target, (str, bytes, os.PathLike)) and (hasattr(target, "read") or hasattr(target, "write"))
@@ -189,17 +164,6 @@ def _is_file_object(target: Any) -> bool:
 
 def _dtype_text(value: TensorValue) -> str:
     return "packed int4" if isinstance(value, PackedBits) else str(value.dtype)
-
-
-def _as_bytes(array: np.ndarray) -> np.ndarray:
-    """A flat little-endian uint8 view of ``array``: no copy when it is contiguous and little-endian."""
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    # The core reads the buffer as flat bytes, so any C-contiguous shape will do
-    # (a 0-d array cannot change its item size, hence the reshape there only).
-    return array.view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
 
 
 class Parameter:
@@ -321,6 +285,10 @@ class Properties:
     def __contains__(self, name: object) -> bool:
         return name in self._state._properties
 
+    def get(self, name: str, default: Any = None) -> PropertyValue | Any:
+        """The property's value, or ``default`` when there is none (as ``dict.get``)."""
+        return self._state._properties.get(name, default)
+
     def __iter__(self) -> Iterator[tuple[str, PropertyValue]]:
         for name in sorted(self._state._properties):
             yield name, self._state._properties[name]
@@ -370,8 +338,8 @@ class CheckpointState:
 
     def __init__(self) -> None:
         # name -> tensor; sorted on output, as ONNX Runtime does. A loaded tensor stays the raw
-        # entry _core.load gave until first used, so opening costs little per tensor.
-        self._tensors: dict[str, _Tensor | tuple] = {}
+        # entry the load gave until first used, so opening costs little per tensor.
+        self._tensors: dict[str, _Tensor | _boundary.CoreTensor] = {}
         self._frozen: set[str] = set()
         self._properties: dict[str, PropertyValue] = {}
         self._groups: dict[str, OptimizerGroup] = {}
@@ -381,7 +349,7 @@ class CheckpointState:
         self._mappings: tuple[Any, Any] = (None, None)
         self._nominal = False
         # The format version read (1: ONNX Runtime 1.16's); saves always write version 2.
-        self._version = _core.CHECKPOINT_VERSION
+        self._version = _boundary.CHECKPOINT_VERSION
         self._parameters = Parameters(self)
         self._props_view = Properties(self)
 
@@ -404,7 +372,7 @@ class CheckpointState:
         """
         if _is_file_object(checkpoint_uri):
             return cls.from_bytes(checkpoint_uri.read())  # type: ignore[union-attr]
-        return cls._load(checkpoint_uri)  # type: ignore[arg-type]
+        return open_checkpoint(checkpoint_uri)  # type: ignore[arg-type]
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview | Any) -> CheckpointState:
@@ -419,18 +387,18 @@ class CheckpointState:
         view = memoryview(data)
         if not view.c_contiguous:
             raise CheckpointStateError("from_bytes needs a contiguous buffer")
-        raw = _core.load_buffer(view.cast("B") if (view.format, view.ndim) != ("B", 1) else view)
-        return cls._from_raw(raw)
+        return cls._over(_boundary.load_buffer(view.cast("B") if (view.format, view.ndim) != ("B", 1) else view))
 
     def to_bytes(self, include_optimizer_state: bool = False) -> bytes:
         """The checkpoint file :meth:`save_checkpoint` would write, as ``bytes`` (each
         tensor's bytes copied once, into the result). Values must total under 2 GiB: in
         memory there is no external data file."""
-        return _core.save_bytes(*self._core_tensors(include_optimizer_state), *_split_properties(self._properties),
-                                nominal=self.is_nominal)  # fmt: skip
+        return _boundary.save_bytes(
+            *self._core_tensors(include_optimizer_state), self._properties, nominal=self.is_nominal
+        )
 
     def _core_tensors(self, include_optimizer_state: bool) -> tuple[list, list, list]:
-        """(trainable, frozen, optimizer groups) as ``_core.save`` takes them."""
+        """(trainable, frozen, optimizer groups) as ``_boundary.save`` takes them."""
         nominal = self.is_nominal
         trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
         frozen = [self._tensor(n).to_core(nominal) for n in self._frozen]
@@ -444,36 +412,18 @@ class CheckpointState:
         return self._version
 
     @classmethod
-    def _load(cls, checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:
-        """:meth:`load_checkpoint`; without ``follow_symlinks``, a symlink at the path or its
-        data file is refused (for files a document names, which stay in their directory)."""
-        try:
-            raw = _core.load(os.fspath(checkpoint_uri), follow_symlinks=follow_symlinks)
-        except IsADirectoryError:
-            from .versions import legacy_layout_problem
-
-            problem = legacy_layout_problem(checkpoint_uri)
-            if problem is None:
-                raise
-            raise CheckpointFormatError(problem) from None
-        return cls._from_raw(raw)
-
-    @classmethod
-    def _from_raw(cls, raw: dict[str, Any]) -> CheckpointState:
-        """A state over what ``_core.load`` or ``_core.load_buffer`` returned."""
+    def _over(cls, loaded: _boundary.Loaded) -> CheckpointState:
+        """A state over a loaded file or buffer; tensors are formed when first used."""
         state = cls()
-        state._version = raw["version"]
-        state._mappings = (raw["mapping"], raw["external_mapping"])
-        state._nominal = raw["nominal"]
-        # Entries are (name, code, dims, stored): from_file's arguments, kept as they are until used.
-        state._tensors = {entry[0]: entry for entry in raw["trainable"]}
-        frozen = {entry[0]: entry for entry in raw["frozen"]}
+        state._version = loaded.version
+        state._mappings = loaded.mappings
+        state._nominal = loaded.nominal
+        state._tensors = {entry[0]: entry for entry in loaded.trainable}
+        frozen = {entry[0]: entry for entry in loaded.frozen}
         state._tensors.update(frozen)
         state._frozen = set(frozen)
-        state._pending_groups = raw["optimizer_groups"]
-        # ONNX Runtime keeps one bag: for a repeated name the last entry read wins.
-        for key in ("ints", "floats", "strings"):
-            state._properties.update(raw[key])
+        state._pending_groups = loaded.optimizer_groups
+        state._properties.update(loaded.properties)  # a repeated name: the last entry read wins, as in ORT
         return state
 
     @classmethod
@@ -483,7 +433,7 @@ class CheckpointState:
         checkpoint_uri: str | os.PathLike[str] | BinaryIO,
         include_optimizer_state: bool = False,
         *,
-        external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
         durable: bool = False,
         progress: bool = False,
     ) -> None:
@@ -512,8 +462,17 @@ class CheckpointState:
         trainable, frozen, groups = state._core_tensors(include_optimizer_state)
         path = os.fspath(checkpoint_uri)  # type: ignore[arg-type]
         with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
-            _save_core(path, trainable, frozen, groups, state._properties, nominal=nominal,
-                       external_data_threshold=external_data_threshold, durable=durable, progress=counter)  # fmt: skip
+            _boundary.save(
+                path,
+                trainable,
+                frozen,
+                groups,
+                state._properties,
+                nominal=nominal,
+                external_data_threshold=external_data_threshold,
+                durable=durable,
+                progress=counter,
+            )
 
     @classmethod
     def from_arrays(
@@ -598,15 +557,19 @@ class CheckpointState:
         """
         return self._nominal
 
-    def _snapshot(self, *, staging: dict[Any, Any] | None, include_optimizer_state: bool,
-                  properties: Mapping[str, PropertyValue]) -> CheckpointState:  # fmt: skip
+    def _snapshot(
+        self,
+        *,
+        copy_value: Callable[[tuple[str, ...], TensorValue], TensorValue] | None,
+        include_optimizer_state: bool,
+        properties: Mapping[str, PropertyValue],
+    ) -> CheckpointState:
         """A state to save: this one's tensors and properties updated with ``properties``;
         this state is left unchanged.
 
-        With ``staging`` (a dict the caller keeps between saves), every value is copied, so
-        that the caller may change its arrays while the copy is written; the copies go into
-        the staging arrays of the previous snapshot when shapes and dtypes still match, a
-        plain memcpy into memory already mapped (fresh memory costs a page fault per 4 KiB).
+        With ``copy_value(key, value)``, every value (but strings, copied here) is replaced by
+        what it returns, so that the caller may change its arrays while the copy is written
+        (the manager's async saves; keys: ("parameter", name) or ("momentum", group, param, m)).
         """
         other = CheckpointState()
         other._nominal = self._nominal
@@ -618,8 +581,8 @@ class CheckpointState:
                 # thread then has nothing left to refuse.
                 strings = np.array(_strings_of(name, tensor.value()), dtype=object).reshape(tensor.dims)
                 tensor = _Tensor(name, tensor.code, tensor.dims, strings)
-            elif staging is not None and not self._nominal:
-                value = _staged_copy(staging, ("parameter", name), tensor.value())
+            elif copy_value is not None and not self._nominal:
+                value = copy_value(("parameter", name), tensor.value())
                 tensor = _Tensor(name, tensor.code, tensor.dims, value)
             other._tensors[name] = tensor
         other._properties = dict(self._properties)
@@ -628,19 +591,29 @@ class CheckpointState:
         if include_optimizer_state:
             for group_name, group in self.optimizer_groups.items():
                 momentums = group.momentums
-                if staging is not None:
+                if copy_value is not None:
                     momentums = {param: dict(moms) for param, moms in momentums.items()}
                     for param, moms in momentums.items():
                         for m, v in moms.items():
                             if v is not None:
-                                moms[m] = _staged_copy(staging, ("momentum", group_name, param, m),
-                                                       _intake(f"{param}/{m}", v))  # fmt: skip
+                                moms[m] = copy_value(("momentum", group_name, param, m), _intake(f"{param}/{m}", v))
                 other._groups[group_name] = OptimizerGroup(group.step, group.initial_learning_rate, momentums)
         return other
 
-    def _signatures(self) -> list[tuple[str, int, bool]]:
-        """(name, ONNX type code, requires_grad) of every parameter, nominal states included."""
-        return [(name, self._tensor(name).code, name not in self._frozen) for name in self._tensors]
+    def tensor_records(self) -> list[TensorRecord]:
+        """Every parameter's name, ONNX type code, dims and ``requires_grad``, in the state's
+        order (the file's, or as given), nominal states included: what other code reads of a
+        state without its values."""
+        return [
+            TensorRecord(name, tensor.code, tensor.dims, name not in self._frozen)
+            for name in self._tensors
+            for tensor in (self._tensor(name),)
+        ]
+
+    def tensor_value(self, name: str) -> TensorValue:
+        """A parameter's values (a view over the file for a loaded state), without the
+        nominal-state check of ``parameters[name].data``; ``KeyError`` for an unknown name."""
+        return self._tensor(name).value()
 
     def _groups_to_core(self) -> list[Any]:
         out = []
@@ -666,3 +639,19 @@ class CheckpointState:
             f"CheckpointState(parameters={len(self._tensors)}, properties={len(self._properties)}, "
             f"optimizer_groups={sorted(self.optimizer_groups)})"
         )
+
+
+def open_checkpoint(checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:
+    """:meth:`CheckpointState.load_checkpoint` of a path; without ``follow_symlinks``, a symlink
+    at the path or its data file is refused (for files a document names, which stay in their
+    directory)."""
+    try:
+        loaded = _boundary.load(checkpoint_uri, follow_symlinks=follow_symlinks)
+    except IsADirectoryError:
+        from .versions import legacy_layout_problem
+
+        problem = legacy_layout_problem(checkpoint_uri)
+        if problem is None:
+            raise
+        raise CheckpointFormatError(problem) from None
+    return CheckpointState._over(loaded)

@@ -7,6 +7,7 @@ compare.compare, convert.convert, convert.to_nominal): parsing, printing, exit c
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     """Any failure to read or write becomes one line on stderr (the error names the file) and
     exit code 3; never a traceback. Inputs are not checked by click (a missing one is exit 3,
     as documented, not a usage error): the readers refuse what they cannot read."""
+
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -41,7 +43,7 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
         except BrokenPipeError:  # the reader went away (`ortckpt inspect x | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(OK) from None
-        except Exception as e:  # noqa: BLE001 - the command's one line; Python's own errors named by type
+        except Exception as e:
             known = isinstance(e, (OSError, ValueError, RuntimeError, TypeError, ImportError))
             text = " ".join(str(e).split()) if known else f"{type(e).__name__}: {' '.join(str(e).split())}"
             click.echo(f"ortckpt: error: {text}", err=True)
@@ -54,11 +56,7 @@ def _show_progress(asked: bool | None) -> bool:
     """Bars when asked, or by default when stderr is a terminal and tqdm is installed."""
     if asked is not None:
         return asked
-    try:
-        import tqdm  # noqa: F401
-    except ImportError:
-        return False
-    return sys.stderr.isatty()
+    return importlib.util.find_spec("tqdm") is not None and sys.stderr.isatty()
 
 
 def _emit_json(data: Any) -> None:
@@ -77,17 +75,20 @@ def _size(n: float) -> str:
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_CODES)
 @click.version_option(
-    __version__, "-V", "--version", prog_name="ortckpt",
+    __version__,
+    "-V",
+    "--version",
+    prog_name="ortckpt",
     message=f"%(prog)s %(version)s (Python {platform.python_version()}, {platform.machine()})",
-)  # fmt: skip
+)
 def main() -> None:
     """Inspect, verify, compare and convert ONNX Runtime training checkpoints.
 
@@ -116,16 +117,20 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
     click.echo(f"{path}: {', '.join(flags)}; {files}")
     tensors = info["tensors"]
     shown = tensors if limit <= 0 else tensors[:limit]
-    rows = [[t["name"], t["role"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]),
-             t["location"]] for t in shown]  # fmt: skip
+    rows = [
+        [t["name"], t["role"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]), t["location"]]
+        for t in shown
+    ]
     click.echo(_table(rows, ["tensor", "role", "dtype", "shape", "size", "bytes at"]))
     if len(shown) < len(tensors):
         click.echo(f"... {len(tensors) - len(shown)} more (--limit 0 lists all)")
     if info["optimizer_groups"]:
         click.echo("\noptimizer groups:")
         for g in info["optimizer_groups"]:
-            click.echo(f"  {g['name']}: step {g['step']}, initial learning rate {g['initial_learning_rate']:g}, "
-                       f"{g['parameters']} parameters with state")  # fmt: skip
+            click.echo(
+                f"  {g['name']}: step {g['step']}, initial learning rate {g['initial_learning_rate']:g}, "
+                f"{g['parameters']} parameters with state"
+            )
     if info["properties"]:
         click.echo("\nproperties:")
         for name, value in info["properties"].items():
@@ -161,8 +166,16 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
                 click.echo(f"  {' '.join(problem.split())}", err=True)
         raise SystemExit(DIFFERENT) from None
     if as_json:
-        return _emit_json({"path": path, "ok": True, "step": result.step, "tensors": result.tensors,
-                           "tensor_bytes": result.tensor_bytes, "sha256": result.files})  # fmt: skip
+        return _emit_json(
+            {
+                "path": path,
+                "ok": True,
+                "step": result.step,
+                "tensors": result.tensors,
+                "tensor_bytes": result.tensor_bytes,
+                "sha256": result.files,
+            }
+        )
     hashed = f", {len(result.files)} files match their SHA-256" if result.files else ""
     click.echo(f"{path}: OK ({result.tensors} tensors, {_size(result.tensor_bytes)} read{hashed})")
 
@@ -208,7 +221,10 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
         for name, (va, vb) in {**result.optimizer, **result.properties}.items():
             click.echo(f"{name}: {va!r} vs {vb!r}")
         verdict = "identical" if result.identical else "differ"
-        click.echo(f"{result.compared} tensors compared: {verdict}" + (f" (rtol {rtol:g}, atol {atol:g})" if rtol or atol else ""))
+        click.echo(
+            f"{result.compared} tensors compared: {verdict}"
+            + (f" (rtol {rtol:g}, atol {atol:g})" if rtol or atol else "")
+        )
     raise SystemExit(OK if result.identical else DIFFERENT)
 
 
@@ -217,25 +233,53 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 @click.argument("dst", type=click.Path())
 @click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
 @click.option("--to", "dst_format", type=FORMAT_CHOICE, help="DST's format (default: from its extension).")
-@click.option("--frozen", multiple=True, metavar="NAME", help="A parameter to freeze (safetensors, ONNX and torch sources; repeatable).")
+@click.option(
+    "--frozen",
+    multiple=True,
+    metavar="NAME",
+    help="A parameter to freeze (safetensors, ONNX and torch sources; repeatable).",
+)
 @click.option("--no-optimizer", is_flag=True, help="Leave the optimizer state out.")
-@click.option("--model", type=click.Path(),
-              help="For an ONNX destination: the eval model (or any model) that takes the weights.")  # fmt: skip
-@click.option("--output", "outputs", multiple=True, metavar="NAME",
-              help="For an ONNX destination: an output to keep (repeatable); see `ortckpt export`.")  # fmt: skip
+@click.option(
+    "--model", type=click.Path(), help="For an ONNX destination: the eval model (or any model) that takes the weights."
+)
+@click.option(
+    "--output",
+    "outputs",
+    multiple=True,
+    metavar="NAME",
+    help="For an ONNX destination: an output to keep (repeatable); see `ortckpt export`.",
+)
 @click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
-def convert(src: str, dst: str, src_format: str | None, dst_format: str | None, frozen: tuple[str, ...],
-            no_optimizer: bool, model: str | None, outputs: tuple[str, ...], progress: bool | None,
-            as_json: bool) -> None:  # fmt: skip
+def convert(
+    src: str,
+    dst: str,
+    src_format: str | None,
+    dst_format: str | None,
+    frozen: tuple[str, ...],
+    no_optimizer: bool,
+    model: str | None,
+    outputs: tuple[str, ...],
+    progress: bool | None,
+    as_json: bool,
+) -> None:
     """Convert a checkpoint between formats, e.g. `ortckpt convert model.safetensors checkpoint`
     or `ortckpt convert checkpoint model.onnx --model eval_model.onnx --output y`."""
     from .convert.files import convert as run_convert
 
-    formats = run_convert(src, dst, src_format=src_format, dst_format=dst_format, frozen=frozen,
-                          include_optimizer_state=not no_optimizer, model=model,
-                          output_names=list(outputs) or None, progress=_show_progress(progress))  # fmt: skip
+    formats = run_convert(
+        src,
+        dst,
+        src_format=src_format,
+        dst_format=dst_format,
+        frozen=frozen,
+        include_optimizer_state=not no_optimizer,
+        model=model,
+        output_names=list(outputs) or None,
+        progress=_show_progress(progress),
+    )
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from": formats[0], "to": formats[1]})
     click.echo(f"{src} ({formats[0]}) -> {dst} ({formats[1]})")
@@ -263,14 +307,23 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
 @click.argument("checkpoint", type=click.Path())
 @click.argument("eval_model", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option("--output", "outputs", multiple=True, metavar="NAME",
-              help="An output of the inference model (repeatable; default: the eval model's outputs).")  # fmt: skip
-@click.option("--external-data/--no-external-data", default=None,
-              help="Weights in OUT.data (default: only when the model would pass protobuf's 2 GiB).")  # fmt: skip
+@click.option(
+    "--output",
+    "outputs",
+    multiple=True,
+    metavar="NAME",
+    help="An output of the inference model (repeatable; default: the eval model's outputs).",
+)
+@click.option(
+    "--external-data/--no-external-data",
+    default=None,
+    help="Weights in OUT.data (default: only when the model would pass protobuf's 2 GiB).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
-def export(checkpoint: str, eval_model: str, out: str, outputs: tuple[str, ...], external_data: bool | None,
-           as_json: bool) -> None:  # fmt: skip
+def export(
+    checkpoint: str, eval_model: str, out: str, outputs: tuple[str, ...], external_data: bool | None, as_json: bool
+) -> None:
     """Write the inference model ONNX Runtime's Module.export_model_for_inferencing writes: the
     eval model's parameter inputs bound to the checkpoint's values, only the --output values
     and the nodes they need. It runs in the onnxruntime inference package; no training package
@@ -304,11 +357,19 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
 @click.argument("sources", nargs=-1, required=True, type=click.Path())
 @click.option("--weights", metavar="W1,W2,...", help="One weight per source (default: num_samples, else equal).")
 @click.option("--optimizer", "include_optimizer_state", is_flag=True, help="Average the optimizer momentums too.")
-@click.option("--frozen-from-first", is_flag=True, help="Take frozen parameters from the first source even if they differ.")
+@click.option(
+    "--frozen-from-first", is_flag=True, help="Take frozen parameters from the first source even if they differ."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
-def average(out: str, sources: tuple[str, ...], weights: str | None, include_optimizer_state: bool,
-            frozen_from_first: bool, as_json: bool) -> None:  # fmt: skip
+def average(
+    out: str,
+    sources: tuple[str, ...],
+    weights: str | None,
+    include_optimizer_state: bool,
+    frozen_from_first: bool,
+    as_json: bool,
+) -> None:
     """Write to OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
     sources are read a chunk at a time, whatever their size. Integer, bool and string tensors and
     frozen parameters must be equal in every source, and are copied."""
@@ -318,8 +379,13 @@ def average(out: str, sources: tuple[str, ...], weights: str | None, include_opt
         parsed = [float(w) for w in weights.split(",")] if weights else None
     except ValueError:
         raise click.BadParameter(f"not a comma-separated list of numbers: {weights}", param_hint="--weights") from None
-    run_average(list(sources), parsed, include_optimizer_state=include_optimizer_state,
-                frozen="first" if frozen_from_first else "equal", out=out)  # fmt: skip
+    run_average(
+        list(sources),
+        parsed,
+        include_optimizer_state=include_optimizer_state,
+        frozen="first" if frozen_from_first else "equal",
+        out=out,
+    )
     if as_json:
         return _emit_json({"out": out, "sources": list(sources), "weights": parsed})
     click.echo(f"{out}: average of {len(sources)} checkpoints")

@@ -81,12 +81,24 @@ def _values(name: str, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -
             return None
         diff = np.where(close, 0.0, np.abs(a64 - b64))  # equal infinities and NaN pairs count as 0
         rel = diff / np.abs(b64)
-    return TensorDiff(name, "values", max_abs=float(np.nanmax(diff)), max_rel=float(np.nanmax(rel)),
-                      mismatched=mismatched, elements=a.size)  # fmt: skip
+    return TensorDiff(
+        name,
+        "values",
+        max_abs=float(np.nanmax(diff)),
+        max_rel=float(np.nanmax(rel)),
+        mismatched=mismatched,
+        elements=a.size,
+    )
 
 
-def compare(a: CheckpointState, b: CheckpointState, *, rtol: float = 0.0, atol: float = 0.0,
-            on_bytes: Callable[[int], object] | None = None) -> Diff:  # fmt: skip
+def compare(
+    a: CheckpointState,
+    b: CheckpointState,
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    on_bytes: Callable[[int], object] | None = None,
+) -> Diff:
     """What differs between ``a`` and ``b`` (see the module's docstring); ``on_bytes(n)`` after
     each pair of tensors (a progress bar's update)."""
     diff = Diff()

@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 from . import dtypes as _dt
@@ -167,10 +168,10 @@ def check_metadata(value: Any, where: str) -> dict[str, Any]:
     for name, metric in _object(meta.get("metrics", {}), where, "metrics").items():
         metrics[name] = decode_metric(metric, where, f"metrics.{name}")
     files = _object(meta.get("files"), where, "files")
-    for name, entry in files.items():
+    for name, raw_entry in files.items():
         if not is_plain_name(name):
             raise DocumentError(f"{where}: files names {name!r}, which is not a file of the step directory")
-        entry = _object(entry, where, f"files.{name}")
+        entry = _object(raw_entry, where, f"files.{name}")
         _int(entry.get("bytes"), where, f"files.{name}.bytes", 0, INT64_MAX)
         if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
             raise _bad(where, f"files.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
@@ -212,14 +213,16 @@ def check_index(value: Any, where: str) -> dict[str, Any]:
     if index.get("format") != SHARDED_FORMAT:
         raise _bad(where, "format", index.get("format"), repr(SHARDED_FORMAT))
     if index.get("version") != SHARDED_VERSION:
-        raise DocumentError(f"{where}: sharded checkpoint version {index.get('version')!r}; "
-                            f"this ortckpt reads version {SHARDED_VERSION}")  # fmt: skip
+        raise DocumentError(
+            f"{where}: sharded checkpoint version {index.get('version')!r}; "
+            f"this ortckpt reads version {SHARDED_VERSION}"
+        )
     _int(index.get("step"), where, "step", 0, INT64_MAX)
     world = _int(index.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
     ranks = set()
-    for i, shard in enumerate(_list(index.get("shards"), where, "shards")):
+    for i, raw_shard in enumerate(_list(index.get("shards"), where, "shards")):
         at = f"shards[{i}]"
-        shard = _object(shard, where, at)
+        shard = _object(raw_shard, where, at)
         rank = _int(shard.get("rank"), where, f"{at}.rank", 0, world - 1)
         if rank in ranks:
             raise DocumentError(f"{where}: {at}: rank {rank} has two shards")
@@ -232,8 +235,8 @@ def check_index(value: Any, where: str) -> dict[str, Any]:
                 raise DocumentError(f"{where}: {at}.files names {file!r}, not a file of shard {name}")
             _int(size, where, f"{at}.files.{file}", 0, INT64_MAX)
     groups = _object(index.get("optimizer_groups", {}), where, "optimizer_groups")
-    for name, group in groups.items():
-        group = _object(group, where, f"optimizer_groups.{name}")
+    for name, raw_group in groups.items():
+        group = _object(raw_group, where, f"optimizer_groups.{name}")
         _int(group.get("step"), where, f"optimizer_groups.{name}.step", None)
         _number(group.get("initial_learning_rate"), where, f"optimizer_groups.{name}.initial_learning_rate")
     for name, prop in _object(index.get("properties", {}), where, "properties").items():
@@ -244,23 +247,24 @@ def check_index(value: Any, where: str) -> dict[str, Any]:
     return index
 
 
-def _check_tensor(tensor: dict[str, Any], where: str, at: str, ranks: set[int], groups: Mapping[str, Any],
-                  world: int) -> None:  # fmt: skip
+def _check_tensor(
+    tensor: dict[str, Any], where: str, at: str, ranks: set[int], groups: Mapping[str, Any], world: int
+) -> None:
     _int(tensor.get("code"), where, f"{at}.code", 1, len(_dt.NAMES) - 1)
     shape = _ints(tensor.get("shape"), where, f"{at}.shape")
     if type(tensor.get("trainable")) is not bool:
         raise _bad(where, f"{at}.trainable", tensor.get("trainable"), "true or false")
-    for i, pair in enumerate(_list(tensor.get("momentums"), where, f"{at}.momentums")):
-        pair = _list(pair, where, f"{at}.momentums[{i}]")
+    for i, raw_pair in enumerate(_list(tensor.get("momentums"), where, f"{at}.momentums")):
+        pair = _list(raw_pair, where, f"{at}.momentums[{i}]")
         if len(pair) != 2 or not all(isinstance(p, str) for p in pair) or pair[0] not in groups:
             raise _bad(where, f"{at}.momentums[{i}]", pair, "[optimizer group of the index, momentum name]")
     total = math.prod(shape)
     boxes = []
     shards = set()
     pieces = _list(tensor.get("pieces"), where, f"{at}.pieces")
-    for i, piece in enumerate(pieces):
+    for i, raw_piece in enumerate(pieces):
         pat = f"{at}.pieces[{i}]"
-        piece = _object(piece, where, pat)
+        piece = _object(raw_piece, where, pat)
         shard = _int(piece.get("shard"), where, f"{pat}.shard")
         if shard not in ranks:
             raise DocumentError(f"{where}: {pat} is in shard {shard}, which the index does not list")
@@ -273,9 +277,10 @@ def _check_tensor(tensor: dict[str, Any], where: str, at: str, ranks: set[int], 
         size = _ints(piece.get("shape"), where, f"{pat}.shape")
         if len(offset) != len(shape) or len(size) != len(shape):
             raise DocumentError(f"{where}: {pat} has {len(offset)}/{len(size)} dimensions, the tensor {len(shape)}")
-        if any(o + s > g for o, s, g in zip(offset, size, shape)):
-            raise DocumentError(f"{where}: {pat} (offset {offset}, shape {size}) reaches outside the tensor's "
-                                f"shape {shape}")  # fmt: skip
+        if any(o + s > g for o, s, g in zip(offset, size, shape, strict=True)):
+            raise DocumentError(
+                f"{where}: {pat} (offset {offset}, shape {size}) reaches outside the tensor's shape {shape}"
+            )
         boxes.append((offset, size))
     covered = sum(math.prod(s) for _, s in boxes)
     if covered != total or not boxes:
@@ -312,7 +317,11 @@ def tiling_problem(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -
     for offset, size in boxes:
         if math.prod(size):
             # (the trailing Ellipsis keeps a view, not a scalar, for a 0-d tensor's one cell)
-            cells_of_box = grid[(*(slice(c[o], c[o + s]) for c, o, s in zip(cuts, offset, size)), ...)]
+            box: tuple[slice | EllipsisType, ...] = (
+                *(slice(c[o], c[o + s]) for c, o, s in zip(cuts, offset, size, strict=True)),
+                ...,
+            )
+            cells_of_box = grid[box]
             # Checked box by box: until the first overlap the boxes are disjoint, so the work is
             # at most twice the grid's size, however the boxes are chosen.
             if cells_of_box.any():
@@ -365,9 +374,9 @@ def check_structure(value: Any, where: str) -> dict[str, Any]:
     for name, kind in _object(structure.get("property_types", {}), where, f"{at}.property_types").items():
         if kind not in ("int", "float"):
             raise _bad(where, f"{at}.property_types.{name}", kind, '"int" or "float"')
-    for name, group in _object(structure.get("optimizer_groups", {}), where, f"{at}.optimizer_groups").items():
+    for name, raw_group in _object(structure.get("optimizer_groups", {}), where, f"{at}.optimizer_groups").items():
         gat = f"{at}.optimizer_groups.{name}"
-        group = _object(group, where, gat)
+        group = _object(raw_group, where, gat)
         _int(group.get("step"), where, f"{gat}.step", None)
         _number(group.get("initial_learning_rate"), where, f"{gat}.initial_learning_rate")
         for tensor, pair in _object(group.get("momentums"), where, f"{gat}.momentums").items():

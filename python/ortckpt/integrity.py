@@ -13,7 +13,7 @@ import numpy as np
 from . import metadata as _metadata
 from . import progress as _progress
 from . import safe_io, steps
-from .checkpoint_state import CheckpointState
+from .checkpoint_state import open_checkpoint
 from .distributed.layout import INDEX_NAME
 from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointIntegrityError
@@ -170,11 +170,12 @@ def _shard_paths(directory: Path, index: dict[str, Any]) -> list[Path]:
     return [safe_io.member(directory, shard["file"]) for shard in index["shards"]]
 
 
-def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None, *,
-                       follow_symlinks: bool = False) -> tuple[int, int, Any]:  # fmt: skip
+def _decode_everything(
+    checkpoint: Path, read_bytes: bool, on_bytes: Any = None, *, follow_symlinks: bool = False
+) -> tuple[int, int, Any]:
     """Loads the checkpoint and forms every value (reading every byte when ``read_bytes``):
     (tensors, bytes of values, step property)."""
-    state = CheckpointState._load(checkpoint, follow_symlinks=follow_symlinks)
+    state = open_checkpoint(checkpoint, follow_symlinks=follow_symlinks)
     values: list[Any] = []
     if not state.is_nominal:
         values += [param.data for _, param in state.parameters]
@@ -190,5 +191,5 @@ def _decode_everything(checkpoint: Path, read_bytes: bool, on_bytes: Any = None,
         total += array.nbytes
     for name, _ in state.properties:
         state.properties[name]
-    step = state.properties["step"] if "step" in state.properties else None
+    step = state.properties.get("step", None)
     return len(values), total, step

@@ -27,6 +27,7 @@ the step directory then holds one shard per rank and an ``index.json`` (see
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import operator
 import os
@@ -45,9 +46,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _core, safe_io, steps
+from . import _boundary, safe_io, steps
 from . import metadata as _metadata
-from .checkpoint_state import CheckpointState
+from .checkpoint_state import CheckpointState, open_checkpoint
+from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from .integrity import CHECKPOINT_NAME, Verified, verify
 from .retention import RetentionPolicy
@@ -92,7 +94,27 @@ class CheckpointInfo:
             from .distributed import SingleProcess, load_sharded
 
             return load_sharded(self.directory, comm=SingleProcess())[0]
-        return CheckpointState._load(self.path, follow_symlinks=False)
+        return open_checkpoint(self.path, follow_symlinks=False)
+
+
+class _Staging:
+    """Where an async save's copy of the state goes: one array per tensor, reused from one
+    save to the next while its shape and dtype match, so a copy is a plain memcpy into
+    memory already mapped (fresh memory costs a page fault per 4 KiB)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple[str, ...], np.ndarray] = {}
+
+    def copy(self, key: tuple[str, ...], value: Any) -> Any:
+        if isinstance(value, PackedBits):  # rare types: a fresh copy
+            return PackedBits.of(value.packed.copy(), value.shape, value.data_type)
+        if value.dtype == object:
+            return np.array(value, copy=True)
+        target = self.arrays.get(key)
+        if target is None or target.shape != value.shape or target.dtype != value.dtype:
+            target = self.arrays[key] = np.empty(value.shape, value.dtype)
+        np.copyto(target, value)
+        return target
 
 
 class CheckpointManager:
@@ -149,7 +171,7 @@ class CheckpointManager:
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
-        external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
         comm: Any = None,
         read_only: bool = False,
     ) -> None:
@@ -179,7 +201,7 @@ class CheckpointManager:
         self._report_lost = weakref.finalize(self, self._unwaited.report)
         # Async saves copy the state into these arrays, reused from one save to the next
         # (free again once the previous save is done: save() waits for it first).
-        self._staging: dict[Any, Any] = {}
+        self._staging = _Staging()
         self._last_save = time.monotonic()
         self._writer: steps.WriterLock | None = None
         self._closed = False
@@ -233,8 +255,9 @@ class CheckpointManager:
                 warnings.warn(f"{directory}: skipped, its metadata is damaged: {e}", RuntimeWarning, stacklevel=3)
                 continue
             if meta["step"] != step:
-                warnings.warn(f"{directory}: skipped, its metadata.json says step {meta['step']}", RuntimeWarning,
-                              stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"{directory}: skipped, its metadata.json says step {meta['step']}", RuntimeWarning, stacklevel=3
+                )
                 continue
             found[step] = CheckpointInfo(step, directory, meta)
         return found
@@ -330,14 +353,23 @@ class CheckpointManager:
         if epoch is not None:
             properties["epoch"] = epoch
         meta = _metadata.build(
-            step=step, epoch=epoch, run_id=self.run_id, metrics=metrics, config=self.config, user=metadata,
-            dataset_fingerprint=dataset_fingerprint, rng_state=rng_state,
+            step=step,
+            epoch=epoch,
+            run_id=self.run_id,
+            metrics=metrics,
+            config=self.config,
+            user=metadata,
+            dataset_fingerprint=dataset_fingerprint,
+            rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
-        )  # fmt: skip
+        )
         _metadata.check_serializable(meta)
         # Every value is checked (and strings encoded) here, in the caller's thread.
-        snapshot = state._snapshot(staging=self._staging if self.async_save else None,
-                                   include_optimizer_state=include_optimizer_state, properties=properties)  # fmt: skip
+        snapshot = state._snapshot(
+            copy_value=self._staging.copy if self.async_save else None,
+            include_optimizer_state=include_optimizer_state,
+            properties=properties,
+        )
         self._last_save = time.monotonic()
         if self.comm is not None:
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
@@ -358,13 +390,19 @@ class CheckpointManager:
         if self._closed:
             raise ValueError(f"{self.directory}: this manager is closed")
 
-    def _write_and_commit(self, state: CheckpointState, step: int, meta: dict[str, Any],
-                          include_optimizer_state: bool) -> None:  # fmt: skip
+    def _write_and_commit(
+        self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
+    ) -> None:
         temp = steps.new_temp_directory(self.directory, step)
         try:
-            CheckpointState.save_checkpoint(state, temp / CHECKPOINT_NAME, include_optimizer_state,
-                                            external_data_threshold=self.external_data_threshold,
-                                            durable=self.durable, progress=self.progress)  # fmt: skip
+            CheckpointState.save_checkpoint(
+                state,
+                temp / CHECKPOINT_NAME,
+                include_optimizer_state,
+                external_data_threshold=self.external_data_threshold,
+                durable=self.durable,
+                progress=self.progress,
+            )
             final = self._commit_directory(temp, step, meta)
         except BaseException:
             safe_io.remove_tree_quietly(temp)
@@ -386,8 +424,14 @@ class CheckpointManager:
             verify(temp)
         return steps.commit(temp, self.directory, step, durable=self.durable)
 
-    def _save_sharded(self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool,
-                      slices: Mapping[str, Any] | None) -> None:  # fmt: skip
+    def _save_sharded(
+        self,
+        state: CheckpointState,
+        step: int,
+        meta: dict[str, Any],
+        include_optimizer_state: bool,
+        slices: Mapping[str, Any] | None,
+    ) -> None:
         """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
         index and metadata and renames it into place once all have succeeded."""
         from .distributed.sharded import INDEX_NAME, write_index, write_shards
@@ -398,9 +442,17 @@ class CheckpointManager:
             write_index(temp / INDEX_NAME, index, self.durable)
             self._commit_directory(temp, step, meta)
 
-        write_shards(self.comm, state, slices, prepare=lambda: steps.new_temp_directory(self.directory, step),
-                     commit=commit, step=step, include_optimizer_state=include_optimizer_state,
-                     durable=self.durable, external_data_threshold=self.external_data_threshold)  # fmt: skip
+        write_shards(
+            self.comm,
+            state,
+            slices,
+            prepare=lambda: steps.new_temp_directory(self.directory, step),
+            commit=commit,
+            step=step,
+            include_optimizer_state=include_optimizer_state,
+            durable=self.durable,
+            external_data_threshold=self.external_data_threshold,
+        )
         final = self.directory / steps.step_directory_name(step)
         with self._lock:  # rank 0 holds meta as written; the other ranks read it back
             self._checkpoints[step] = CheckpointInfo(step, final, meta if self._is_root else _metadata.read(final))
@@ -416,8 +468,12 @@ class CheckpointManager:
             try:
                 self.delete(step)
             except OSError as e:
-                warnings.warn(f"{self.directory}: could not delete the checkpoint of step {step} (kept, to be "
-                              f"retried at the next save): {e}", RuntimeWarning, stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"{self.directory}: could not delete the checkpoint of step {step} (kept, to be "
+                    f"retried at the next save): {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step``: renamed out of sight first (atomic), then removed,
@@ -430,10 +486,8 @@ class CheckpointManager:
         if info is None:
             raise KeyError(f"{self.directory}: no checkpoint of step {step}")
         if self._is_root:  # rank 0 deletes; the other ranks only forget it
-            try:
+            with contextlib.suppress(FileNotFoundError):  # removed by hand: nothing left to delete
                 steps.delete(info.directory)
-            except FileNotFoundError:
-                pass  # removed by hand: nothing left to delete
         with self._lock:
             self._checkpoints.pop(step, None)
 
@@ -453,7 +507,7 @@ class CheckpointManager:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            self._staging.clear()
+            self._staging.arrays.clear()
             if self._writer is not None:
                 self._writer.release()
             self._closed = True
@@ -474,8 +528,9 @@ class CheckpointManager:
             return self.restore_sharded(step)[0]
         return self._retrying(step, lambda info: info.load())
 
-    def restore_sharded(self, step: int | None = None, *, slices: Mapping[str, Any] | None = None
-                        ) -> tuple[CheckpointState, dict[str, Any]]:  # fmt: skip
+    def restore_sharded(
+        self, step: int | None = None, *, slices: Mapping[str, Any] | None = None
+    ) -> tuple[CheckpointState, dict[str, Any]]:
         """This rank's part of the checkpoint of ``step`` (default: the latest) and the
         :class:`ortckpt.distributed.Slice` of each parameter it holds, as
         :func:`ortckpt.distributed.load_sharded` gives them (resharding to this world size)."""
@@ -561,21 +616,30 @@ class _UnwaitedSave:
         if future is None:
             return
         if not future.done():  # collected mid-save (only from a finalizer thread): report when done
-            future.add_done_callback(lambda f: self._warn(f))
+            future.add_done_callback(self._warn)
             return
         self._warn(future)
 
     def _warn(self, future: Future[None]) -> None:
         error = future.exception()
         if error is not None:
-            warnings.warn(f"{self.directory}: the async save of step {self.step} failed and was never waited for "
-                          f"(wait() or close()): that checkpoint was lost: {type(error).__name__}: {error}",
-                          RuntimeWarning, stacklevel=1)  # fmt: skip
+            warnings.warn(
+                f"{self.directory}: the async save of step {self.step} failed and was never waited for "
+                f"(wait() or close()): that checkpoint was lost: {type(error).__name__}: {error}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
 
 def _verify_in_new_process(directory: Path) -> None:
     code = "import sys, ortckpt; ortckpt.verify(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise CheckpointIntegrityError(directory, [done.stderr.strip().splitlines()[-1] if done.stderr else
-                                                   f"verification process exited with {done.returncode}"])  # fmt: skip
+        raise CheckpointIntegrityError(
+            directory,
+            [
+                done.stderr.strip().splitlines()[-1]
+                if done.stderr
+                else f"verification process exited with {done.returncode}"
+            ],
+        )

@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from . import documents
+from . import documents, safe_io
 from . import progress as _progress
-from . import safe_io
 
 METADATA_NAME = "metadata.json"
 FORMAT = documents.METADATA_FORMAT
@@ -73,7 +72,9 @@ def git_commit() -> dict[str, Any] | None:
 def git_commit_of(where: Path) -> dict[str, Any] | None:
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+            done = subprocess.run(
+                ["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10, check=False
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
@@ -116,7 +117,7 @@ def build(
         "rng_state": dict(rng_state) if rng_state is not None else None,
         "include_optimizer_state": include_optimizer_state,
         "git": git_commit(),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "versions": versions(),

@@ -1,7 +1,7 @@
 """Progress bars (tqdm, an optional dependency: ``pip install ortckpt[progress]``).
 
 A save runs in Rust with the GIL released; a thread here polls its byte counter
-(``_core.SaveProgress``) and moves the bar. Bars appear only for operations that
+(``_boundary.SaveProgress``) and moves the bar. Bars appear only for operations that
 last longer than half a second.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import _core
+from . import _boundary
 
 POLL_SECONDS = 0.1
 DELAY_SECONDS = 0.5
@@ -28,18 +28,19 @@ def _tqdm() -> Any:
 
 def bar(description: str, total: int | None = None) -> Any:
     """A byte-counting tqdm bar (shown after DELAY_SECONDS)."""
-    return _tqdm()(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
-                   delay=DELAY_SECONDS, leave=False)  # fmt: skip
+    return _tqdm()(
+        total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024, delay=DELAY_SECONDS, leave=False
+    )
 
 
 @contextmanager
-def save_progress(show: bool, description: str) -> Iterator[_core.SaveProgress | None]:
-    """Yields the counter to hand to ``_core.save`` (None when not shown) and shows its bar."""
+def save_progress(show: bool, description: str) -> Iterator[_boundary.SaveProgress | None]:
+    """Yields the counter to hand to ``_boundary.save`` (None when not shown) and shows its bar."""
     if not show:
         yield None
         return
     progress = bar(description)
-    counter = _core.SaveProgress()
+    counter = _boundary.SaveProgress()
     done = threading.Event()
 
     def follow() -> None:

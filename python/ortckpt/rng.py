@@ -19,11 +19,11 @@ from __future__ import annotations
 import base64
 import random
 import sys
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
-Generator = Union[np.random.Generator, np.random.RandomState, random.Random]
+Generator = np.random.Generator | np.random.RandomState | random.Random
 
 
 def _to_json(value: Any) -> Any:
@@ -75,16 +75,19 @@ def _capture_one(generator: Generator) -> dict:
     raise TypeError(f"cannot capture the state of {type(generator).__name__}")
 
 
-_KINDS = {"numpy.Generator": np.random.Generator, "numpy.RandomState": np.random.RandomState,
-          "random.Random": random.Random}  # fmt: skip
+_KINDS = {
+    "numpy.Generator": np.random.Generator,
+    "numpy.RandomState": np.random.RandomState,
+    "random.Random": random.Random,
+}
 
 
 def _restore_one(generator: Generator, kind: str, decoded: Any) -> None:
     if not isinstance(generator, _KINDS[kind]):
         raise TypeError(f"saved state is for a {kind}, got {type(generator).__name__}")
-    if kind == "numpy.Generator":
+    if isinstance(generator, np.random.Generator):
         generator.bit_generator.state = decoded
-    elif kind == "numpy.RandomState":
+    elif isinstance(generator, np.random.RandomState):
         generator.set_state(decoded)
     else:
         generator.setstate(decoded)
@@ -117,13 +120,14 @@ def restore_rng_state(state: dict, *generators: Generator) -> None:
         decoded = [(kind, _python_restore(s) if kind == "random.Random" else _from_json(s)) for kind, s in saved]
         torch_state = base64.b64decode(state["torch"], validate=True) if "torch" in state else None
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise ValueError(f"not a random number generator state that capture_rng_state made: "
-                         f"{type(e).__name__}: {e}") from None  # fmt: skip
+        raise ValueError(
+            f"not a random number generator state that capture_rng_state made: {type(e).__name__}: {e}"
+        ) from None
     if len(generators) != len(decoded):
         raise ValueError(f"the state holds {len(decoded)} generator(s), {len(generators)} given")
     random.setstate(python)
     np.random.set_state(numpy_global)
-    for generator, (kind, value) in zip(generators, decoded):
+    for generator, (kind, value) in zip(generators, decoded, strict=True):
         _restore_one(generator, kind, value)
     if torch_state is not None:
         import torch

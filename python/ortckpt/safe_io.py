@@ -26,10 +26,10 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Iterable
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from .errors import CheckpointFormatError, SpecialFileError
 
@@ -179,10 +179,8 @@ def write_new(path: Path, data: bytes, *, durable: bool = False) -> None:
 
 
 def _unlink_quietly(path: Path) -> None:
-    try:
+    with suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def fsync_directory(path: Path) -> None:
@@ -220,9 +218,17 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
 
 
 def special_file(path: str | os.PathLike[str], mode: int) -> SpecialFileError:
-    what = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-            else "not a file")  # fmt: skip
+    what = (
+        "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "not a file"
+    )
     error = SpecialFileError(f"{os.fspath(path)}: {what}, not a regular file: refused before reading")
     error.filename = os.fspath(path)
     return error
@@ -326,8 +332,8 @@ def pwrite_all(path: Path, writes: Iterable[tuple[int, Any]], *, durable: bool =
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise special_file(path, mode)
-        for offset, data in writes:
-            view = memoryview(data).cast("B")
+        for start, data in writes:
+            view, offset = memoryview(data).cast("B"), start
             while view:
                 written = os.pwrite(fd, view, offset)
                 view, offset = view[written:], offset + written

@@ -36,8 +36,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from . import documents
-from . import safe_io
+from . import documents, safe_io
 from .errors import CheckpointDirectoryInUseError, CheckpointExistsError
 from .safe_io import fsync_directory
 
@@ -89,9 +88,12 @@ class WriterLock:
                 if e.errno not in safe_io.LOCKS_UNSUPPORTED:
                     os.close(fd)
                     raise
-                warnings.warn(f"{directory}: this filesystem has no file locks ({e.strerror}): a second writer "
-                              "cannot be detected, and leftovers of crashed saves are kept", RuntimeWarning,
-                              stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"{directory}: this filesystem has no file locks ({e.strerror}): a second writer "
+                    "cannot be detected, and leftovers of crashed saves are kept",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 break
             if safe_io.still_named(fd, self.path):
                 self.locked = True
@@ -99,9 +101,12 @@ class WriterLock:
             os.close(fd)  # the previous holder removed this file after we opened it: take the new one
         self._fd = fd
         if self.locked and os.access(self.path, os.W_OK, follow_symlinks=False):
-            record = {"pid": os.getpid(), "host": socket.gethostname(),
-                      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      "command": " ".join(sys.argv)[:200]}  # fmt: skip
+            record = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "command": " ".join(sys.argv)[:200],
+            }
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
         self._release = weakref.finalize(self, _release, fd, self.path, self.locked)
@@ -167,8 +172,10 @@ def commit(temp: Path, directory: Path, step: int, *, durable: bool) -> Path:
         os.rename(temp, final)  # fails, rather than replaces, when final is a non-empty directory
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise CheckpointExistsError(f"{final}: a directory of step {step} exists already "
-                                        "(not a checkpoint this manager lists: look at it, or delete it)") from None  # fmt: skip
+            raise CheckpointExistsError(
+                f"{final}: a directory of step {step} exists already "
+                "(not a checkpoint this manager lists: look at it, or delete it)"
+            ) from None
         raise
     if durable:
         fsync_directory(directory)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _core
+from . import _boundary
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, PackedBits
 from .convert.files import format_of, load_any
@@ -37,12 +37,19 @@ def describe(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, 
 
 
 def _tensor_entry(name: str, role: str, code: int, dims: Any, nbytes: int, location: str, **extra: Any) -> dict:
-    return {"name": name, "role": role, "dtype": _dt.name_of(code), "shape": list(dims), "bytes": nbytes,
-            "location": location, **extra}  # fmt: skip
+    return {
+        "name": name,
+        "role": role,
+        "dtype": _dt.name_of(code),
+        "shape": list(dims),
+        "bytes": nbytes,
+        "location": location,
+        **extra,
+    }
 
 
 def _where(stored: Any) -> tuple[int, str]:
-    """(bytes, location) of a tensor as ``_core.load`` reports it."""
+    """(bytes, location) of a tensor as a load reports it."""
     if stored is None:
         return 0, "none (nominal)"
     if isinstance(stored, list):
@@ -52,29 +59,44 @@ def _where(stored: Any) -> tuple[int, str]:
 
 
 def _describe_checkpoint(path: Path) -> dict[str, Any]:
-    raw = _core.load(os.fspath(path))
+    loaded = _boundary.load(path)
     tensors = []
-    for role in ("trainable", "frozen"):
-        for name, code, dims, stored in raw[role]:
+    for role, entries in (("trainable", loaded.trainable), ("frozen", loaded.frozen)):
+        for name, code, dims, stored in entries:
             nbytes, location = _where(stored)
             tensors.append(_tensor_entry(name, role, code, dims, nbytes, location))
     groups = []
-    for group_name, step, lr, states in raw["optimizer_groups"]:
+    for group_name, step, lr, states in loaded.optimizer_groups:
         groups.append({"name": group_name, "step": step, "initial_learning_rate": lr, "parameters": len(states)})
         for param, momentums in states:
             for momentum, code, dims, stored in momentums:
                 nbytes, location = _where(stored)
-                tensors.append(_tensor_entry(f"{param}/{momentum}", "momentum", code, dims, nbytes, location,
-                                             group=group_name, parameter=param, momentum=momentum))  # fmt: skip
-    properties: dict[str, Any] = {}
-    for key in ("ints", "floats", "strings"):
-        properties.update(raw[key])
+                tensors.append(
+                    _tensor_entry(
+                        f"{param}/{momentum}",
+                        "momentum",
+                        code,
+                        dims,
+                        nbytes,
+                        location,
+                        group=group_name,
+                        parameter=param,
+                        momentum=momentum,
+                    )
+                )
+    properties: dict[str, Any] = dict(loaded.properties)
     files = {os.fspath(path): path.stat().st_size}
     data = Path(f"{path}.data")
-    if raw["external_mapping"] is not None and data.exists():
+    if loaded.mappings[1] is not None and data.exists():
         files[os.fspath(data)] = data.stat().st_size
-    return {"nominal": raw["nominal"], "external_data": raw["external_mapping"] is not None, "files": files,
-            "tensors": tensors, "optimizer_groups": groups, "properties": properties}  # fmt: skip
+    return {
+        "nominal": loaded.nominal,
+        "external_data": loaded.mappings[1] is not None,
+        "files": files,
+        "tensors": tensors,
+        "optimizer_groups": groups,
+        "properties": properties,
+    }
 
 
 def _describe_state(state: CheckpointState) -> dict[str, Any]:
@@ -89,11 +111,26 @@ def _describe_state(state: CheckpointState) -> dict[str, Any]:
     ]
     groups = []
     for group_name, group in state.optimizer_groups.items():
-        groups.append({"name": group_name, "step": group.step, "initial_learning_rate": group.initial_learning_rate,
-                       "parameters": len(group.momentums)})  # fmt: skip
+        groups.append(
+            {
+                "name": group_name,
+                "step": group.step,
+                "initial_learning_rate": group.initial_learning_rate,
+                "parameters": len(group.momentums),
+            }
+        )
         for param, momentums in group.momentums.items():
             for momentum, value in momentums.items():
-                tensors.append(entry(f"{param}/{momentum}", "momentum", value,
-                                     group=group_name, parameter=param, momentum=momentum))  # fmt: skip
-    return {"nominal": state.is_nominal, "external_data": False, "files": {}, "tensors": tensors,
-            "optimizer_groups": groups, "properties": dict(state.properties)}  # fmt: skip
+                tensors.append(
+                    entry(
+                        f"{param}/{momentum}", "momentum", value, group=group_name, parameter=param, momentum=momentum
+                    )
+                )
+    return {
+        "nominal": state.is_nominal,
+        "external_data": False,
+        "files": {},
+        "tensors": tensors,
+        "optimizer_groups": groups,
+        "properties": dict(state.properties),
+    }

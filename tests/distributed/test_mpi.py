@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from distributed_model import whole_tensors  # noqa: E402
-
-from ortckpt import CheckpointState  # noqa: E402
-from ortckpt.distributed import INDEX_NAME, committed_steps, latest_step, merge, step_directory  # noqa: E402
+from distributed_model import whole_tensors
+from ortckpt import CheckpointState
+from ortckpt.distributed import INDEX_NAME, committed_steps, latest_step, merge, step_directory
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
@@ -32,14 +31,28 @@ def mpirun() -> str:
     return found
 
 
-def run_ranks(ranks: int, mode: str, directory: Path, step: int, saved_world: int = 0,
-              expect_failure: bool = False) -> list[dict]:  # fmt: skip
+def run_ranks(
+    ranks: int, mode: str, directory: Path, step: int, saved_world: int = 0, expect_failure: bool = False
+) -> list[dict]:
     env = dict(os.environ)
     if os.geteuid() == 0:  # CI containers run as root, which Open MPI refuses unless told
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = [mpirun(), "-n", str(ranks), "--oversubscribe", "--bind-to", "none",
-               sys.executable, str(WORKER), "mpi", mode, str(directory), str(step), str(saved_world)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    command = [
+        mpirun(),
+        "-n",
+        str(ranks),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        sys.executable,
+        str(WORKER),
+        "mpi",
+        mode,
+        str(directory),
+        str(step),
+        str(saved_world),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)
     if expect_failure:
         assert done.returncode != 0, done.stdout
         return []
@@ -74,7 +87,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_the_job_resum
     assert problems(run_ranks(2, "load", tmp_path, step=2, saved_world=2)) == {}
 
 
-def test_reshard_four_ranks_to_two_and_merge_for_onnx_runtime(tmp_path: Path, ort) -> None:  # noqa: ANN001
+def test_reshard_four_ranks_to_two_and_merge_for_onnx_runtime(tmp_path: Path, ort) -> None:
     run_ranks(4, "save", tmp_path, step=30)
     assert problems(run_ranks(2, "load", tmp_path, step=30, saved_world=4)) == {}
 

@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from distributed_model import check_part, rank_state  # noqa: E402
-
-from ortckpt import CheckpointManager  # noqa: E402
-from ortckpt.distributed import Slice, latest_step, load_sharded, save_sharded  # noqa: E402
-from ortckpt.distributed import sharded as sharded_module  # noqa: E402
+from distributed_model import check_part, rank_state
+from ortckpt import CheckpointManager
+from ortckpt.distributed import Slice, latest_step, load_sharded, save_sharded
+from ortckpt.distributed import sharded as sharded_module
 
 
 def connect(engine: str):

@@ -26,7 +26,6 @@ import atheris
 
 with atheris.instrument_imports():
     import numpy as np
-
     import ortckpt
     from ortckpt import CheckpointManager, PackedInt4
     from ortckpt.convert import load_safetensors
@@ -34,7 +33,9 @@ with atheris.instrument_imports():
     from ortckpt.errors import CheckpointError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seed_corpus import document_fixture  # noqa: E402
+import contextlib
+
+from seed_corpus import document_fixture
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="ortckpt-atheris-docs-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
 KIND = sys.argv.pop(1)
@@ -59,27 +60,19 @@ def read_state(state: ortckpt.CheckpointState) -> None:
 def fuzz_safetensors(data: bytes) -> None:
     path = SCRATCH / "input.safetensors"
     path.write_bytes(data)
-    try:
+    with contextlib.suppress(CheckpointError, OSError):
         read_state(load_safetensors(path))
-    except (CheckpointError, OSError):
-        pass
 
 
 def fuzz_index(data: bytes) -> None:
     (FIXTURE / INDEX_NAME).write_bytes(data)
-    try:
+    with contextlib.suppress(CheckpointError, OSError):
         read_state(load_sharded(FIXTURE, comm=SingleProcess())[0])
-    except (CheckpointError, OSError):
-        pass
     out = SCRATCH / "merged.ckpt"
-    try:
+    with contextlib.suppress(CheckpointError, OSError):
         merge(FIXTURE, out)
-    except (CheckpointError, OSError):
-        pass
-    try:
+    with contextlib.suppress(CheckpointError, OSError):
         ortckpt.verify(FIXTURE)
-    except (CheckpointError, OSError):
-        pass
 
 
 def fuzz_metadata(data: bytes) -> None:
@@ -90,10 +83,8 @@ def fuzz_metadata(data: bytes) -> None:
         _ = (info.metrics, info.epoch, info.rng_state)
         read_state(reader.restore(info.step))
     reader.best()
-    try:
+    with contextlib.suppress(CheckpointError, OSError):
         ortckpt.verify(step_dir)
-    except (CheckpointError, OSError):
-        pass
 
 
 TARGETS = {"safetensors": fuzz_safetensors, "index": fuzz_index, "metadata": fuzz_metadata}

@@ -19,7 +19,6 @@ import atheris
 
 with atheris.instrument_imports():
     import numpy as np
-
     from ortckpt import CheckpointState, PackedInt4
     from ortckpt.errors import CheckpointError
 

@@ -78,7 +78,6 @@ def document_fixture(kind: str, directory: Path) -> Path:
     directory, for ``metadata`` a manager's run directory with one step; for ``safetensors``
     an empty directory."""
     import numpy as np
-
     from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup
     from ortckpt.distributed import Slice, save_sharded
 
@@ -89,8 +88,11 @@ def document_fixture(kind: str, directory: Path) -> Path:
 
         def rank(r: int) -> None:
             part = Slice.split(whole.shape, r, 2)
-            state = CheckpointState.from_arrays({"w": whole[part.index].copy(), "b": np.ones(4, np.float32)},
-                                                {f"s{r}": np.array(r, np.int64)}, {"epoch": 1})  # fmt: skip
+            state = CheckpointState.from_arrays(
+                {"w": whole[part.index].copy(), "b": np.ones(4, np.float32)},
+                {f"s{r}": np.array(r, np.int64)},
+                {"epoch": 1},
+            )
             state.optimizer_groups["group0"] = OptimizerGroup(3, 0.1, {"w": {"momentum0": whole[part.index] * 0}})
             save_sharded(state, directory, step=1, comm=world.comm(r), slices={"w": part}, durable=False)
 
@@ -103,15 +105,20 @@ def document_fixture(kind: str, directory: Path) -> Path:
     if kind == "metadata":
         with CheckpointManager(directory, durable=False) as manager:
             state = CheckpointState.from_arrays({"w": np.ones(4, np.float32)}, properties={"note": "x"})
-            manager.save(state, 1, epoch=0, metrics={"loss": 0.5, "acc": float("inf")}, metadata={"k": [1, 2]},
-                         rng_state={"python": [3, [1, 2], None]})  # fmt: skip
+            manager.save(
+                state,
+                1,
+                epoch=0,
+                metrics={"loss": 0.5, "acc": float("inf")},
+                metadata={"k": [1, 2]},
+                rng_state={"python": [3, [1, 2], None]},
+            )
         return directory
     return directory
 
 
 def document_seeds(kind: str, scratch: Path) -> list[bytes]:
     import numpy as np
-
     from ortckpt import CheckpointState
     from ortckpt.convert import save_safetensors
 
@@ -123,11 +130,12 @@ def document_seeds(kind: str, scratch: Path) -> list[bytes]:
                 continue
             try:
                 save_safetensors(state, scratch / f"{i}.safetensors")
-            except Exception:  # noqa: BLE001 - types safetensors lacks (strings): not a seed
+            except Exception:
                 continue
             out.append((scratch / f"{i}.safetensors").read_bytes())
-        header = json.dumps({"__metadata__": {"a": "b"}, "x": {"dtype": "F32", "shape": [2, 1],
-                                                               "data_offsets": [0, 8]}}).encode()  # fmt: skip
+        header = json.dumps(
+            {"__metadata__": {"a": "b"}, "x": {"dtype": "F32", "shape": [2, 1], "data_offsets": [0, 8]}}
+        ).encode()
         out.append(struct.pack("<Q", len(header)) + header + np.ones(2, np.float32).tobytes())
         return out
     fixture = document_fixture(kind, scratch / kind)

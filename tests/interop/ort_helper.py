@@ -30,6 +30,7 @@ import os
 import sys
 import warnings
 
+# Before numpy and onnxruntime: silences their import-time warnings in this oracle's output.
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
 from onnxruntime.capi import _pybind_state as C  # noqa: E402
@@ -43,7 +44,9 @@ def describe(path: str) -> dict:
             p = state.get_parameter(name)
             entry = {"name": name, "requires_grad": bool(p.requires_grad)}
             data = p.data.numpy()
-            entry.update(dtype=str(data.dtype), shape=list(data.shape), sha256=hashlib.sha256(data.tobytes()).hexdigest())
+            entry.update(
+                dtype=str(data.dtype), shape=list(data.shape), sha256=hashlib.sha256(data.tobytes()).hexdigest()
+            )
         except RuntimeError as e:  # nominal states have no data
             entry = {"name": name, "error": str(e).strip().splitlines()[-1]}
         params.append(entry)
@@ -77,7 +80,7 @@ def write_protos(dst: str, mib: str) -> dict:
     trainable, frozen, sums = [], [], {}
     for i in range(count):
         array = np.full(per, i + 0.5, np.float32)
-        array[:: 4097] = i  # not constant, so misplaced bytes would show
+        array[::4097] = i  # not constant, so misplaced bytes would show
         name = f"layer{i}.weight"
         sums[name] = hashlib.sha256(array.tobytes()).hexdigest()
         proto = numpy_helper.from_array(array, name).SerializeToString()
@@ -97,7 +100,7 @@ def save_protos(pickled: str, dst: str, nominal: bool) -> dict:
         trainable, frozen = pickle.load(f)
     try:
         C.save_checkpoint(trainable, frozen, dst, nominal)
-    except Exception as e:  # noqa: BLE001 - the refusal itself is the result
+    except Exception as e:
         return {"error": str(e).strip().splitlines()[-1]}
     return {"saved": dst}
 
@@ -126,7 +129,7 @@ def infer_all(model: str, npz: str, out: str) -> dict:
     session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
     inputs = dict(np.load(npz))
     names = [o.name for o in session.get_outputs()]
-    np.savez(out, **dict(zip(names, session.run(names, inputs))))
+    np.savez(out, **dict(zip(names, session.run(names, inputs), strict=True)))
     return {"outputs": names}
 
 
@@ -135,7 +138,11 @@ def _session(ckpt: str, artifacts: str) -> tuple:
     device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
     options = C.SessionOptions()
     module = C.Module(
-        os.path.join(artifacts, "training_model.onnx"), state, os.path.join(artifacts, "eval_model.onnx"), device, options
+        os.path.join(artifacts, "training_model.onnx"),
+        state,
+        os.path.join(artifacts, "eval_model.onnx"),
+        device,
+        options,
     )
     optimizer = C.Optimizer(os.path.join(artifacts, "optimizer_model.onnx"), state, device, options)
     return state, module, optimizer
@@ -170,10 +177,10 @@ def frozen_artifacts(directory: str) -> dict:
     import types
 
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
 
     # onnxruntime.training's __init__ imports torch; its artifacts module does not need it.
     import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
 
     package = types.ModuleType("onnxruntime.training")
     package.__path__ = [os.path.join(os.path.dirname(onnxruntime.__file__), "training")]
@@ -195,18 +202,23 @@ def frozen_artifacts(directory: str) -> dict:
         helper.make_node("Add", ["h3", "b2"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "frozen_mlp",
+        nodes,
+        "frozen_mlp",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 3])],
         [numpy_helper.from_array(v, k) for k, v in weights.items()],
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     onnx.checker.check_model(model)
     artifacts.generate_artifacts(
-        model, requires_grad=["w1", "b2"], frozen_params=["b1", "w2"], loss=artifacts.LossType.MSELoss,
-        optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
-    )  # fmt: skip
+        model,
+        requires_grad=["w1", "b2"],
+        frozen_params=["b1", "w2"],
+        loss=artifacts.LossType.MSELoss,
+        optimizer=artifacts.OptimType.AdamW,
+        artifact_directory=directory,
+    )
     for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
         # The onnx package beside ONNX Runtime 1.19.2 is newer than it and stamps a newer IR version
         # than 1.19.2 reads (10); nothing in these models needs more.
@@ -216,8 +228,9 @@ def frozen_artifacts(directory: str) -> dict:
         onnx.save(generated, path)
     state, module, optimizer = _session(os.path.join(directory, "checkpoint"), directory)
     fetches = C.OrtValueVector()
-    module.train_step([rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)],
-                      fetches)  # fmt: skip
+    module.train_step(
+        [rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((4, 3)).astype(np.float32)], fetches
+    )
     optimizer.optimizer_step()
     C.save_checkpoint(state, os.path.join(directory, "trained.ckpt"), True)
     return {"saved": directory, "loss": float(fetches[0].numpy())}

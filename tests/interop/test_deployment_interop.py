@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime
-import pytest
-
 import ortckpt
+import pytest
 from ortckpt import CheckpointState
 from ortckpt.cli import run as cli
 
@@ -47,7 +46,7 @@ def run_here(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     """Runs a model in the current onnxruntime inference package (this venv, NumPy 2)."""
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, inputs)))
+    return dict(zip(names, session.run(names, inputs), strict=True))
 
 
 def run_in_ort(ort, path: Path, inputs: dict[str, np.ndarray], tmp: Path) -> dict[str, np.ndarray]:
@@ -95,7 +94,9 @@ def test_export_equals_onnx_runtimes_export_for_inferencing(ort, tmp_path, which
     # the command line writes the same model
     assert cli(["export", str(checkpoint), str(eval_model), str(tmp_path / "cli.onnx"), "--output", "y"]) == 0
     assert onnx.load(str(tmp_path / "cli.onnx")) == onnx.load(str(tmp_path / "ours.onnx"))
-    assert cli(["convert", str(checkpoint), str(tmp_path / "conv.onnx"), "--model", str(eval_model), "--output", "y"]) == 0
+    assert (
+        cli(["convert", str(checkpoint), str(tmp_path / "conv.onnx"), "--model", str(eval_model), "--output", "y"]) == 0
+    )
     assert onnx.load(str(tmp_path / "conv.onnx")) == onnx.load(str(tmp_path / "ours.onnx"))
 
 

@@ -10,14 +10,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointState, OptimizerGroup
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "ort-vectors"
 
 # Every dtype ONNX Runtime 1.19.2 can load into a CheckpointState.
-ORT_LOADABLE = [np.float32, np.float64, np.bool_, np.int8, np.int16, np.int32, np.int64,
-                np.uint8, np.uint16, np.uint32, np.uint64]  # fmt: skip
+ORT_LOADABLE = [
+    np.float32,
+    np.float64,
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+]
 
 
 def sha256(array) -> str:
@@ -31,8 +41,11 @@ def rich_state() -> CheckpointState:
     shapes = [(3, 4), (), (0,), (2, 1, 3, 1, 2), (17,)]
     trainable, frozen = {}, {}
     for i, dtype in enumerate(ORT_LOADABLE):
-        array = (rng.integers(0, 2, shapes[i % len(shapes)]) if dtype == np.bool_ else
-                 rng.integers(-100, 100, shapes[i % len(shapes)]) % 100).astype(dtype)  # fmt: skip
+        array = (
+            rng.integers(0, 2, shapes[i % len(shapes)])
+            if dtype == np.bool_
+            else rng.integers(-100, 100, shapes[i % len(shapes)]) % 100
+        ).astype(dtype)
         (trainable if i % 3 else frozen)[f"layer{i}.{np.dtype(dtype).name}"] = array
     trainable["fc.weight"] = rng.standard_normal((64, 32)).astype(np.float32)
     state = CheckpointState.from_arrays(
@@ -50,10 +63,20 @@ def rich_state() -> CheckpointState:
 def expected_view(state: CheckpointState) -> dict:
     params = []
     for name, p in state.parameters:
-        params.append({"name": name, "requires_grad": p.requires_grad, "dtype": str(p.data.dtype),
-                       "shape": list(p.data.shape), "sha256": sha256(p.data)})  # fmt: skip
-    return {"parameter_names": [n for n, _ in state.parameters], "parameters": params,
-            "properties": dict(state.properties)}  # fmt: skip
+        params.append(
+            {
+                "name": name,
+                "requires_grad": p.requires_grad,
+                "dtype": str(p.data.dtype),
+                "shape": list(p.data.shape),
+                "sha256": sha256(p.data),
+            }
+        )
+    return {
+        "parameter_names": [n for n, _ in state.parameters],
+        "parameters": params,
+        "properties": dict(state.properties),
+    }
 
 
 def assert_same_state(a: CheckpointState, b: CheckpointState, with_optimizer: bool = True) -> None:
@@ -134,9 +157,10 @@ def test_training_starts_from_a_state_built_with_from_arrays(ort, tmp_path):
     frozen = {n: p.data.copy() for n, p in initial.parameters if not p.requires_grad}
     state = CheckpointState.from_arrays(trainable, frozen, {"epoch": 0})
     state.optimizer_groups["group0"] = OptimizerGroup(
-        step=0, initial_learning_rate=0.01,
+        step=0,
+        initial_learning_rate=0.01,
         momentums={n: {"momentum0": np.zeros_like(a), "momentum1": np.zeros_like(a)} for n, a in trainable.items()},
-    )  # fmt: skip
+    )
     CheckpointState.save_checkpoint(state, tmp_path / "start.ckpt", include_optimizer_state=True)
     result = ort("train", tmp_path / "start.ckpt", GOLDEN / "artifacts", tmp_path / "after.ckpt")
     assert np.isfinite(result["loss"])
@@ -167,7 +191,8 @@ def test_training_resumes_in_onnx_runtime_from_an_external_ortckpt_file(ort, tmp
     from_theirs = ort("train", GOLDEN / "trained_with_optimizer.ckpt", GOLDEN / "artifacts", tmp_path / "after.ckpt")
     assert from_ours["loss"] == from_theirs["loss"]
     assert_same_state(
-        CheckpointState.load_checkpoint(tmp_path / "after_ours.ckpt"), CheckpointState.load_checkpoint(tmp_path / "after.ckpt")
+        CheckpointState.load_checkpoint(tmp_path / "after_ours.ckpt"),
+        CheckpointState.load_checkpoint(tmp_path / "after.ckpt"),
     )
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointState, OptimizerGroup, _core
 
 pytestmark = pytest.mark.large
@@ -23,9 +22,10 @@ def test_ortckpt_checkpoint_over_the_default_threshold_loads_in_onnx_runtime(ort
     small = {f"fc{i}.weight": np.random.default_rng(i).standard_normal((256, 64)).astype(np.float32) for i in range(3)}
     state = CheckpointState.from_arrays({"embed": big, **small}, properties={"epoch": 9})
     state.optimizer_groups["group0"] = OptimizerGroup(
-        step=7, initial_learning_rate=1e-4,
+        step=7,
+        initial_learning_rate=1e-4,
         momentums={n: {"momentum0": a * 0.5, "momentum1": a * a} for n, a in small.items()},
-    )  # fmt: skip
+    )
     ours = tmp_path / "ours.ckpt"
     CheckpointState.save_checkpoint(state, ours, include_optimizer_state=True)  # default threshold
     assert (tmp_path / "ours.ckpt.data").stat().st_size > 1800 * 2**20
@@ -60,7 +60,6 @@ def test_onnx_runtime_tensorproto_checkpoint_over_the_threshold_loads_in_ortckpt
 @pytest.mark.parametrize("mib", [1700, 1900])
 def test_onnxblock_save_checkpoint_goes_external_where_onnx_runtimes_tensorproto_path_does(ort, tmp_path, mib):
     from onnx import numpy_helper
-
     from ortckpt.onnxblock import save_checkpoint
 
     theirs, ours = tmp_path / "theirs.ckpt", tmp_path / "ours.ckpt"
@@ -85,9 +84,7 @@ def test_onnxblock_save_checkpoint_goes_external_where_onnx_runtimes_tensorproto
 
 
 def test_a_model_past_two_gib_is_exported_with_external_data_and_runs_in_onnx_runtime(ort, tmp_path):
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
-
     from ortckpt.onnxblock import export_model
 
     rows = (2100 * 2**20) // (256 * 4)  # a 2100 MiB embedding table
@@ -97,11 +94,12 @@ def test_a_model_past_two_gib_is_exported_with_external_data_and_runs_in_onnx_ru
     CheckpointState.save_checkpoint(CheckpointState.from_arrays({"table": table}), tmp_path / "ckpt")
     # The model holds a placeholder; the export puts the checkpoint's 2100 MiB in its place.
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["table", "ids"], ["rows"])], "lookup",
+        [helper.make_node("Gather", ["table", "ids"], ["rows"])],
+        "lookup",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
         [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [None, 256])],
         [numpy_helper.from_array(np.zeros((1, 256), np.float32), "table")],
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     del table
     export_model(tmp_path / "ckpt", model, tmp_path / "lookup.onnx")

@@ -5,19 +5,17 @@ checkpoint's weights (external data included) running in an InferenceSession."""
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-
 from ortckpt import CheckpointState, _core
 from ortckpt.compare import compare
 from ortckpt.convert.onnx_model import export_model
 from ortckpt.onnxblock import load_checkpoint_to_model, save_checkpoint
-
-from pathlib import Path
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "ort-vectors"
 
@@ -92,8 +90,10 @@ def test_serialized_protos_and_the_external_data_rule(tmp_path):
     # Past the threshold (ONNX Runtime's is 1800 MiB; lowered here) the values go to .data.
     save_checkpoint((trainable, frozen), tmp_path / "ext.ckpt", external_data_threshold=2**20)
     assert decoded(tmp_path / "ext.ckpt")["external"] and (tmp_path / "ext.ckpt.data").exists()
-    assert compare(CheckpointState.load_checkpoint(tmp_path / "ext.ckpt"),
-                   CheckpointState.load_checkpoint(tmp_path / "protos.ckpt")).identical  # fmt: skip
+    assert compare(
+        CheckpointState.load_checkpoint(tmp_path / "ext.ckpt"),
+        CheckpointState.load_checkpoint(tmp_path / "protos.ckpt"),
+    ).identical
     save_checkpoint((trainable, frozen), tmp_path / "nominal.ckpt", True, external_data_threshold=2**20)
     assert not decoded(tmp_path / "nominal.ckpt")["external"]
 
@@ -116,9 +116,12 @@ def mlp_model(extra_value: float = 7.0) -> onnx.ModelProto:
         helper.make_node("Add", ["y0", "offset"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])], inits,
-    )  # fmt: skip
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
@@ -164,8 +167,7 @@ def test_from_onnx_reads_initializers_inline_and_in_external_data(tmp_path):
     assert np.array_equal(inline.parameters["bf16"].data, bf16)
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # saving with external data moves the copy's bytes out
-    onnx.save_model(copy, tmp_path / "ext.onnx", save_as_external_data=True, location="ext.onnx.data",
-                    size_threshold=0)  # fmt: skip
+    onnx.save_model(copy, tmp_path / "ext.onnx", save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
     assert onnx.load(tmp_path / "ext.onnx", load_external_data=False).graph.initializer[0].data_location == 1
     external = CheckpointState.from_onnx(tmp_path / "ext.onnx", requires_grad=["0.weight", "2.weight"])
     assert [n for n, p in external.parameters if p.requires_grad] == ["0.weight", "2.weight"]

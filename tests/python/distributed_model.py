@@ -11,7 +11,6 @@ sharded checkpoints: every rank can compute the whole tensors, so each checks it
 from __future__ import annotations
 
 import numpy as np
-
 from ortckpt import CheckpointState, OptimizerGroup
 from ortckpt.distributed import Slice
 
@@ -32,21 +31,27 @@ def whole_tensors(step: int, world_size: int) -> dict[str, np.ndarray]:
     return out
 
 
-def rank_state(step: int, rank: int, world_size: int,
-               extra_frozen: dict[str, np.ndarray] | None = None) -> tuple[CheckpointState, dict[str, Slice]]:  # fmt: skip
+def rank_state(
+    step: int, rank: int, world_size: int, extra_frozen: dict[str, np.ndarray] | None = None
+) -> tuple[CheckpointState, dict[str, Slice]]:
     """What ``rank`` holds at ``step``: its parts of the split tensors, the bias, its scale
     (and ``extra_frozen``)."""
     whole = whole_tensors(step, world_size)
     slices = {name: Slice.split(shape, rank, world_size, dim) for name, (shape, dim) in SPLIT.items()}
     trainable = {name: whole[name][s.index].copy() for name, s in slices.items()}
     trainable["bias"] = whole["bias"]
-    state = CheckpointState.from_arrays(trainable, {f"scale_{rank}": whole[f"scale_{rank}"], **(extra_frozen or {})},
-                                        {"epoch": step // 10, "run": "sharded-test"})  # fmt: skip
+    state = CheckpointState.from_arrays(
+        trainable,
+        {f"scale_{rank}": whole[f"scale_{rank}"], **(extra_frozen or {})},
+        {"epoch": step // 10, "run": "sharded-test"},
+    )
     momentums = {
-        name: {m: whole[f"{name}/{m}"][slices[name].index].copy() if name in slices else whole[f"{name}/{m}"]
-               for m in ("momentum0", "momentum1")}
+        name: {
+            m: whole[f"{name}/{m}"][slices[name].index].copy() if name in slices else whole[f"{name}/{m}"]
+            for m in ("momentum0", "momentum1")
+        }
         for name in trainable
-    }  # fmt: skip
+    }
     state.optimizer_groups["group0"] = OptimizerGroup(step=step, initial_learning_rate=1e-3, momentums=momentums)
     return state, slices
 

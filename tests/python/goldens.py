@@ -15,7 +15,11 @@ GOLDEN = DATA / "ort-vectors"
 def golden_checkpoints() -> list[Path]:
     """Every checkpoint ONNX Runtime wrote for us (each has a .json beside it)."""
     # (v1/ holds format version 1 and its version-2 twins: test_deployment.py covers them)
-    files = sorted(p for p in GOLDEN.rglob("*") if p.is_file() and p.suffix not in (".json", ".md", ".onnx") and "v1" not in p.parts)
+    files = sorted(
+        p
+        for p in GOLDEN.rglob("*")
+        if p.is_file() and p.suffix not in (".json", ".md", ".onnx") and "v1" not in p.parts
+    )
     assert len(files) == 25, files
     return files
 

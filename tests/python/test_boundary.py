@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointState, _core
 from ortckpt.errors import CheckpointError, InternalError
 
@@ -32,7 +31,9 @@ def test_threads_loading_reading_and_saving_different_checkpoints_at_once(tmp_pa
         path = tmp_path / f"c{seed}"
         for round_ in range(10):
             threshold = 0 if (seed + round_) % 2 else 1 << 40
-            CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path, external_data_threshold=threshold)
+            CheckpointState.save_checkpoint(
+                CheckpointState.from_arrays(arrays), path, external_data_threshold=threshold
+            )
             loaded = CheckpointState.load_checkpoint(path)
             for name, expected in arrays.items():
                 assert np.array_equal(loaded.parameters[name].data, expected)

@@ -10,10 +10,9 @@ import threading
 
 import ml_dtypes
 import numpy as np
-import pytest
-
-from goldens import GOLDEN, sha256
 import ortckpt
+import pytest
+from goldens import GOLDEN
 from ortckpt import (
     CheckpointError,
     CheckpointFormatError,
@@ -51,9 +50,9 @@ def test_parameters_behave_like_onnx_runtimes(state_path):
     assert weight.grad is None
     assert weight.data.dtype == np.float32 and weight.data.shape == (16, 8)
     assert repr(weight) == "Parameter(name=0.weight, requires_grad=True)"
-    with pytest.raises(KeyError, match="Parameter nope not found."):
+    with pytest.raises(KeyError, match=r"Parameter nope not found."):
         params["nope"]
-    with pytest.raises(KeyError, match="Parameter nope not found."):
+    with pytest.raises(KeyError, match=r"Parameter nope not found."):
         params["nope"] = np.zeros(3, np.float32)
 
 
@@ -99,7 +98,9 @@ def test_setting_data_copies_values_in_with_shape_and_dtype_checked(state_path):
     assert (view == 2.0).all()  # copied into the existing tensor, as ONNX Runtime's copy_from
     state.parameters["0.bias"] = np.full(16, 3.0, np.float32)
     assert (state.parameters["0.bias"].data == 3.0).all()
-    with pytest.raises(CheckpointStateError, match=r"Parameter 0.weight: shape mismatch: expected \(16, 8\), got \(3, 3\)"):
+    with pytest.raises(
+        CheckpointStateError, match=r"Parameter 0.weight: shape mismatch: expected \(16, 8\), got \(3, 3\)"
+    ):
         state.parameters["0.weight"].data = np.zeros((3, 3), np.float32)
     with pytest.raises(CheckpointStateError, match="data type mismatch: expected FLOAT, got DOUBLE"):
         state.parameters["0.weight"] = np.zeros((16, 8), np.float64)
@@ -121,7 +122,7 @@ def test_properties_behave_like_onnx_runtimes(state_path):
     assert props["epoch"] == 10 and isinstance(props["epoch"], int)
     assert props["best_accuracy"] == np.float32(0.95)  # float32 in the file
     assert "run" in props and "nope" not in props
-    with pytest.raises(KeyError, match="Property nope not found."):
+    with pytest.raises(KeyError, match=r"Property nope not found."):
         props["nope"]
     props["epoch"] = 11
     props["flag"] = True  # stored as int 1, as ONNX Runtime does
@@ -247,10 +248,26 @@ def test_from_arrays_refuses_dtypes_without_an_onnx_type():
 # --- data types ------------------------------------------------------------------------
 
 EVERY_DTYPE = [
-    np.float32, np.float64, np.float16, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-    np.uint32, np.uint64, np.bool_, np.complex64, np.complex128, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-    ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz,
-]  # fmt: skip
+    np.float32,
+    np.float64,
+    np.float16,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e5m2fnuz,
+]
 
 
 @pytest.mark.parametrize("dtype", EVERY_DTYPE, ids=lambda d: np.dtype(d).name)
@@ -328,7 +345,7 @@ def test_nominal_checkpoints_behave_like_onnx_runtimes(tmp_path):
         list(state.parameters)
     with pytest.raises(CheckpointError, match="Please load all the parameter states first"):
         state.parameters["scale"] = np.ones((10, 10), np.float64)
-    with pytest.raises(KeyError, match="Parameter nope not found."):
+    with pytest.raises(KeyError, match=r"Parameter nope not found."):
         state.parameters["nope"]
     # Saved as it is: still nominal, names and types kept; properties can be added.
     state.properties["epoch"] = 1
@@ -342,9 +359,7 @@ def test_nominal_checkpoints_behave_like_onnx_runtimes(tmp_path):
 # --- ONNX Runtime's own checkpoint tests, behaviour by behaviour ---------------------------------
 
 
-@pytest.mark.parametrize(
-    "value", [-1, 0, 1, 1234567890, -1.0, -0.1, 0.1, 1.0, 1234.0, "hello", "world", "onnxruntime"]
-)
+@pytest.mark.parametrize("value", [-1, 0, 1, 1234567890, -1.0, -0.1, 0.1, 1.0, 1234.0, "hello", "world", "onnxruntime"])
 def test_add_get_property_and_save_over_the_same_file(value, tmp_path):
     path = tmp_path / "checkpoint"
     shutil.copy(GOLDEN / "artifacts" / "checkpoint", path)
@@ -425,7 +440,9 @@ def _patch_dims_of_0_bias(trained_path, tmp_path, new_dims: int) -> pathlib.Path
     pattern = (1).to_bytes(4, "little") + (16).to_bytes(8, "little")
     at = data.index(pattern)
     bad = tmp_path / "bad_dims.ckpt"
-    bad.write_bytes(data[:at] + (1).to_bytes(4, "little") + new_dims.to_bytes(8, "little", signed=True) + data[at + 12 :])
+    bad.write_bytes(
+        data[:at] + (1).to_bytes(4, "little") + new_dims.to_bytes(8, "little", signed=True) + data[at + 12 :]
+    )
     return bad
 
 

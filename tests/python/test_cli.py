@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core
 from ortckpt.cli import DIFFERENT, FAILED, OK, USAGE, run
 
@@ -52,8 +51,15 @@ def test_inspect_json_is_complete_and_limit_only_shortens_the_table(capsys, ckpt
     code, out, _ = cli(capsys, "inspect", "--json", ckpt)
     info = json.loads(out)
     assert code == OK and info["format"] == "ortckpt" and info["external_data"]
-    assert info["totals"] == {"tensors": 4, "bytes": 48 + 16 + 8000 + 16, "trainable": 2, "frozen": 1, "momentum": 1,
-                              "parameter_bytes": 48 + 16 + 8000, "optimizer_bytes": 16}  # fmt: skip
+    assert info["totals"] == {
+        "tensors": 4,
+        "bytes": 48 + 16 + 8000 + 16,
+        "trainable": 2,
+        "frozen": 1,
+        "momentum": 1,
+        "parameter_bytes": 48 + 16 + 8000,
+        "optimizer_bytes": 16,
+    }
     assert {t["name"]: t["shape"] for t in info["tensors"]}["layer.weight"] == [3, 4]
     assert info["properties"] == {"epoch": 2, "run": "cli"}
     _, out, _ = cli(capsys, "inspect", "--limit", "1", ckpt)
@@ -121,8 +127,10 @@ def test_nominal_keeps_names_roles_and_types_without_values(capsys, ckpt, tmp_pa
     info = json.loads(cli(capsys, "inspect", "--json", tmp_path / "nominal.ckpt")[1])
     assert info["nominal"] and info["properties"] == {"epoch": 2, "run": "cli"}
     assert [(t["name"], t["role"], t["dtype"], t["shape"], t["bytes"]) for t in info["tensors"]] == [
-        ("layer.bias", "trainable", "FLOAT", [], 0), ("layer.weight", "trainable", "FLOAT", [], 0),
-        ("table", "frozen", "INT64", [], 0)]  # fmt: skip
+        ("layer.bias", "trainable", "FLOAT", [], 0),
+        ("layer.weight", "trainable", "FLOAT", [], 0),
+        ("table", "frozen", "INT64", [], 0),
+    ]
     # a nominal checkpoint's nominal twin is itself
     assert cli(capsys, "nominal", tmp_path / "nominal.ckpt", tmp_path / "twice.ckpt")[0] == OK
     assert (tmp_path / "twice.ckpt").read_bytes() == (tmp_path / "nominal.ckpt").read_bytes()
@@ -160,9 +168,11 @@ def test_progress_bars_on_verify_diff_and_convert(capfd, ckpt, tmp_path, monkeyp
     from ortckpt import progress
 
     monkeypatch.setattr(progress, "DELAY_SECONDS", 0)  # show at once, even for a small file
-    for args, label in ((["verify", "--progress", ckpt], "verifying model.ckpt"),
-                        (["diff", "--progress", ckpt, ckpt], "comparing"),
-                        (["convert", "--progress", ckpt, tmp_path / "copy.ckpt"], "saving copy.ckpt")):  # fmt: skip
+    for args, label in (
+        (["verify", "--progress", ckpt], "verifying model.ckpt"),
+        (["diff", "--progress", ckpt, ckpt], "comparing"),
+        (["convert", "--progress", ckpt, tmp_path / "copy.ckpt"], "saving copy.ckpt"),
+    ):
         code, _, err = cli(capfd, *args)
         assert code == OK and label in err, (args, err)
     assert cli(capfd, "verify", "--no-progress", ckpt)[2] == ""
@@ -174,11 +184,12 @@ def test_convert_from_and_to_onnx_models(capsys, tmp_path):
 
     weight = np.arange(32, dtype=np.float32).reshape(4, 8)
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 8])],
         [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.ones(3, np.int64), "frozen_ids")],
-    )  # fmt: skip
+    )
     onnx.save_model(helper.make_model(graph), tmp_path / "model.onnx")
     code, out, _ = cli(capsys, "convert", tmp_path / "model.onnx", tmp_path / "ckpt", "--frozen", "frozen_ids")
     assert code == OK and "(onnx) ->" in out

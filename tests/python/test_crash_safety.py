@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointState
 
 TRIALS = 200
@@ -51,6 +50,10 @@ def _save_forever(states: list[CheckpointState], target: Path, threshold: int) -
         os._exit(1)
 
 
+# CPython 3.12+ warns that fork() in a multi-threaded process may deadlock the child. Here the child
+# only saves (the Rust core starts its own threads; glibc's malloc and CPython's GIL are reset at
+# fork) and is SIGKILLed, and fork is what makes 200 kills at random moments affordable.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
 def test_sigkill_at_random_moments_leaves_the_old_or_the_new_checkpoint(external, tmp_path):
     olds, news = _arrays(1), _arrays(2)
@@ -109,7 +112,7 @@ def test_a_full_disk_is_an_oserror_and_the_old_checkpoint_stays(external, tmp_pa
             sys.exit(0)
         sys.exit("the save succeeded past the file size limit")
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     code, filename = run.stdout.split()
     assert int(code) in (errno.EFBIG, errno.ENOSPC)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import pytest
-
 import ortckpt
+import pytest
 from ortckpt import CheckpointState, PackedBits, PackedInt4
 from ortckpt.cli import run as cli
 from ortckpt.compare import compare
@@ -76,15 +75,18 @@ def test_bad_bytes_get_the_errors_files_get(tmp_path):
     with pytest.raises(CheckpointStateError, match="contiguous"):
         CheckpointState.from_bytes(memoryview(bytearray(good) * 2)[::2])
     # a checkpoint with external data is two files: one buffer cannot hold it
-    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.ones(64, np.float32)}), tmp_path / "x.ckpt",
-                                    external_data_threshold=0)  # fmt: skip
-    with pytest.raises(CheckpointStateError, match="external data file .* no place in a single buffer"):
+    CheckpointState.save_checkpoint(
+        CheckpointState.from_arrays({"w": np.ones(64, np.float32)}), tmp_path / "x.ckpt", external_data_threshold=0
+    )
+    with pytest.raises(CheckpointStateError, match=r"external data file .* no place in a single buffer"):
         CheckpointState.from_bytes((tmp_path / "x.ckpt").read_bytes())
 
 
 def test_to_bytes_refuses_more_than_one_buffer_holds_before_touching_the_values():
     huge = np.zeros(2**31, np.uint8)  # calloc'd: never touched, so this costs no memory
-    with pytest.raises(CheckpointStateError, match="one buffer holds at most 2147483647 .* save larger checkpoints to a path"):
+    with pytest.raises(
+        CheckpointStateError, match=r"one buffer holds at most 2147483647 .* save larger checkpoints to a path"
+    ):
         CheckpointState.from_arrays({"w": huge}).to_bytes()
 
 
@@ -123,7 +125,7 @@ def test_the_pre_1_16_directory_layout_is_named(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "paramtrain_tensors.pbseq").write_bytes(b"\x00")
     (tmp_path / "ckpt" / "custom_properties.pbseq").write_bytes(b"\x00")
-    with pytest.raises(CheckpointFormatError, match="protobuf sequence files .* before version 1.16"):
+    with pytest.raises(CheckpointFormatError, match=r"protobuf sequence files .* before version 1.16"):
         CheckpointState.load_checkpoint(tmp_path / "ckpt")
     (tmp_path / "plain").mkdir()
     with pytest.raises(IsADirectoryError):
@@ -165,8 +167,11 @@ def test_sub_byte_packing_is_onnxs_low_bits_first():
 
 def device(tmp_path: Path, i: int, *, samples: int | None = None, **changes) -> Path:
     rng = np.random.default_rng(i)
-    trainable = {"w": rng.standard_normal((64, 33)).astype(np.float32),
-                 "h": rng.standard_normal(70).astype(ml_dtypes.bfloat16), "count": np.arange(3)}  # fmt: skip
+    trainable = {
+        "w": rng.standard_normal((64, 33)).astype(np.float32),
+        "h": rng.standard_normal(70).astype(ml_dtypes.bfloat16),
+        "count": np.arange(3),
+    }
     frozen = {"emb": np.linspace(0, 1, 10, dtype=np.float32)}
     for key, value in changes.items():
         (frozen if key in frozen else trainable)[key] = value
@@ -202,21 +207,21 @@ def test_average_is_numpys_weighted_mean_streamed_or_not(tmp_path, monkeypatch):
 
 def test_what_average_refuses(tmp_path):
     a = device(tmp_path, 1)
-    with pytest.raises(CheckpointStateError, match="count differs .* INT64 tensor is never combined"):
+    with pytest.raises(CheckpointStateError, match=r"count differs .* INT64 tensor is never combined"):
         ortckpt.average([a, device(tmp_path, 2, count=np.arange(1, 4))])
     frozen_b = device(tmp_path, 3, emb=np.zeros(10, np.float32))
-    with pytest.raises(CheckpointStateError, match="emb differs .*frozen='first'"):
+    with pytest.raises(CheckpointStateError, match=r"emb differs .*frozen='first'"):
         ortckpt.average([a, frozen_b])
     taken = ortckpt.average([a, frozen_b], frozen="first")
     assert np.array_equal(taken.parameters["emb"].data, CheckpointState.load_checkpoint(a).parameters["emb"].data)
-    with pytest.raises(CheckpointStateError, match="tensor w is FLOAT \\[64, 33\\] in checkpoint #0 .* FLOAT \\[2\\]"):
+    with pytest.raises(CheckpointStateError, match=r"tensor w is FLOAT \[64, 33\] in checkpoint #0 .* FLOAT \[2\]"):
         ortckpt.average([a, device(tmp_path, 4, w=np.ones(2, np.float32))])
     with pytest.raises(CheckpointStateError, match="does not hold the same tensors"):
         ortckpt.average([a, device(tmp_path, 5, extra=np.ones(2, np.float32))])
     for weights in ([1.0], [1.0, -1.0], [0.0, 0.0], [1.0, float("nan")]):
         with pytest.raises(CheckpointStateError, match="weights"):
             ortckpt.average([a, device(tmp_path, 6)], weights)
-    before = (tmp_path / "kept.ckpt")
+    before = tmp_path / "kept.ckpt"
     CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.ones(1, np.float32)}), before)
     with pytest.raises(CheckpointStateError):
         ortckpt.average([a, device(tmp_path, 2, count=np.arange(1, 4))], out=before)
@@ -228,8 +233,10 @@ def test_delta_apply_interpolate_and_their_commands(tmp_path):
     a, b = device(tmp_path, 1), device(tmp_path, 2)
     sa, sb = CheckpointState.load_checkpoint(a), CheckpointState.load_checkpoint(b)
     d = ortckpt.delta(b, a)
-    assert np.array_equal(d.parameters["w"].data,
-                          (sb.parameters["w"].data.astype(np.float64) - sa.parameters["w"].data).astype(np.float32))  # fmt: skip
+    assert np.array_equal(
+        d.parameters["w"].data,
+        (sb.parameters["w"].data.astype(np.float64) - sa.parameters["w"].data).astype(np.float32),
+    )
     back = ortckpt.apply(a, d)
     np.testing.assert_allclose(back.parameters["w"].data, sb.parameters["w"].data, atol=1e-6)
     assert np.array_equal(ortckpt.interpolate(a, b, 0.0).parameters["w"].data, sa.parameters["w"].data)
@@ -270,8 +277,13 @@ def test_streaming_average_uses_a_few_chunks_of_memory_not_the_checkpoints(tmp_p
         CheckpointState.save_checkpoint(state, tmp_path / f"s{i}.ckpt")
         paths.append(str(tmp_path / f"s{i}.ckpt"))
         del w, state
-    done = subprocess.run([sys.executable, "-c", STREAMING_RSS, *paths, str(tmp_path / "avg.ckpt")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", STREAMING_RSS, *paths, str(tmp_path / "avg.ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     grown = int(done.stdout.split()[-1])
     assert grown < 96 << 20, f"peak RSS grew by {grown >> 20} MiB"  # less than one source holds
@@ -295,10 +307,12 @@ def test_export_errors_name_what_is_wrong(tmp_path):
     shapes = {n: p.data for n, p in wrong.parameters}
     shapes["0.bias"] = np.zeros(3, np.float32)
     bad = CheckpointState.from_arrays(shapes)
-    with pytest.raises(CheckpointStateError, match="tensor 0.bias: the model's input has shape \\[16\\]"):
+    with pytest.raises(CheckpointStateError, match=r"tensor 0.bias: the model's input has shape \[16\]"):
         ortckpt.export_model(bad, eval_model, tmp_path / "m.onnx", output_names=["y"])
     other = CheckpointState.from_arrays({"unrelated": np.ones(2, np.float32)})
-    with pytest.raises(CheckpointStateError, match="no graph input or initializer .* named like a checkpoint parameter"):
+    with pytest.raises(
+        CheckpointStateError, match=r"no graph input or initializer .* named like a checkpoint parameter"
+    ):
         ortckpt.export_model(other, eval_model, tmp_path / "m.onnx", output_names=["y"])
     assert not (tmp_path / "m.onnx").exists()
 
@@ -325,8 +339,13 @@ def test_a_full_disk_mid_average_leaves_the_previous_result_and_no_staging(tmp_p
         paths.append(str(tmp_path / f"s{i}.ckpt"))
     previous = tmp_path / "avg.ckpt"
     CheckpointState.save_checkpoint(CheckpointState.from_arrays({"old": np.ones(3, np.float32)}), previous)
-    done = subprocess.run([sys.executable, "-c", FULL_DISK, *paths, str(previous)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, *paths, str(previous)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.stdout.startswith("refused 27"), done.stdout + done.stderr  # EFBIG
     assert CheckpointState.load_checkpoint(previous).parameters.names() == ["old"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["avg.ckpt", "s0.ckpt", "s1.ckpt"]

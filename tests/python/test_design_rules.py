@@ -36,7 +36,9 @@ def findings(source: str) -> list[tuple[str, int]]:
         owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
         text = ast.unparse(node)
         if name == "open" and owner in ("", "io", "builtins"):
-            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            mode = (
+                node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            )
             if isinstance(mode, ast.Constant) and any(c in str(mode.value) for c in "wax+"):
                 found.append(("create", node.lineno))
         elif name == "open" and owner == "os" and "O_CREAT" in text:
@@ -71,5 +73,14 @@ def test_the_scan_finds_what_it_looks_for():
         "open(p)\nopen(p, 'rb')\nos.open(p, os.O_RDONLY)\n"
     )
     assert [rule for rule, _ in findings(sample)] == [
-        "create", "create", "create", "rename", "rename", "mkdir", "mkdir", "remove-tree", "json-parse", "write-path",
-    ]  # fmt: skip
+        "create",
+        "create",
+        "create",
+        "rename",
+        "rename",
+        "mkdir",
+        "mkdir",
+        "remove-tree",
+        "json-parse",
+        "write-path",
+    ]

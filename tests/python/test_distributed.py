@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
-
 import ortckpt
+import pytest
 from distributed_model import check_part, rank_state, whole_tensors
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.distributed import (
@@ -76,7 +75,7 @@ def on_ranks(size: int, work: Callable[[ThreadComm], Any]) -> list[Any]:
     def run(rank: int) -> None:
         try:
             results[rank] = work(world.comm(rank))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
+        except BaseException as e:
             results[rank] = e
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
@@ -216,8 +215,9 @@ def test_explicit_slices_load_any_box(tmp_path: Path) -> None:
     state, slices = load_sharded(tmp_path, comm=SingleProcess(), slices={"embedding": box, "bias": None})
     whole = whole_tensors(2, 4)
     assert np.array_equal(state.parameters["embedding"].data, whole["embedding"][2:11, 1:3])
-    assert np.array_equal(state.optimizer_groups["group0"].momentums["embedding"]["momentum1"],
-                          whole["embedding/momentum1"][2:11, 1:3])  # fmt: skip
+    assert np.array_equal(
+        state.optimizer_groups["group0"].momentums["embedding"]["momentum1"], whole["embedding/momentum1"][2:11, 1:3]
+    )
     assert slices["bias"] == Slice.whole((4,)) and set(state.parameters.names()) == {"embedding", "bias"}
     with pytest.raises(KeyError, match="no tensor nope"):
         load_sharded(tmp_path, comm=SingleProcess(), slices={"nope": None})
@@ -242,8 +242,9 @@ def test_merge_gives_the_whole_state(tmp_path: Path) -> None:
 # --- failures: nothing committed, every rank told ---------------------------------------------------
 
 
-def test_a_rank_failing_to_write_commits_nothing_and_every_rank_raises(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_rank_failing_to_write_commits_nothing_and_every_rank_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save_model(tmp_path, step=1, world=2)
     real = sharded_module._write_own_shard
 
@@ -254,8 +255,17 @@ def test_a_rank_failing_to_write_commits_nothing_and_every_rank_raises(tmp_path:
         return files
 
     monkeypatch.setattr(sharded_module, "_write_own_shard", failing)
-    results = on_ranks(2, lambda comm: save_sharded(rank_state(2, comm.rank, 2)[0], tmp_path, step=2, comm=comm,
-                                                    slices=rank_state(2, comm.rank, 2)[1], durable=False))  # fmt: skip
+    results = on_ranks(
+        2,
+        lambda comm: save_sharded(
+            rank_state(2, comm.rank, 2)[0],
+            tmp_path,
+            step=2,
+            comm=comm,
+            slices=rank_state(2, comm.rank, 2)[1],
+            durable=False,
+        ),
+    )
     assert all(isinstance(r, ShardedCheckpointError) for r in results)
     assert all(r.failures.keys() == {1} and "No space left" in r.failures[1] for r in results)
     assert "rank 1: OSError" in str(results[0]) and str(results[0]) == str(results[1])
@@ -266,8 +276,9 @@ def test_disagreeing_ranks_fail_before_anything_is_written(tmp_path: Path) -> No
     def work(comm: ThreadComm) -> Any:
         state, slices = rank_state(4, comm.rank, 2)
         if comm.rank == 1:  # the same name with another type
-            state = CheckpointState.from_arrays({**{n: p.data for n, p in state.parameters},
-                                                 "bias": np.zeros(4, np.float64)})  # fmt: skip
+            state = CheckpointState.from_arrays(
+                {**{n: p.data for n, p in state.parameters}, "bias": np.zeros(4, np.float64)}
+            )
         return save_sharded(state, tmp_path, step=4, comm=comm, slices=slices, durable=False)
 
     results = on_ranks(2, work)
@@ -336,7 +347,7 @@ def test_shard_size_mismatch_fails_verification(tmp_path: Path) -> None:
     save_model(tmp_path, step=1, world=2)
     shard = step_directory(tmp_path, 1) / shard_file_name(1, 2)
     shard.write_bytes(shard.read_bytes()[:-8])
-    with pytest.raises(ortckpt.CheckpointIntegrityError, match="bytes, index.json says"):
+    with pytest.raises(ortckpt.CheckpointIntegrityError, match=r"bytes, index.json says"):
         ortckpt.verify(step_directory(tmp_path, 1))
 
 

@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointFormatError, CheckpointState, OptimizerGroup, _core
 
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 from goldens import golden_checkpoints, load_json, sha256
 from ortckpt import CheckpointState, PackedInt4
 
 
 def _bytes_of(value):
     return value.packed if isinstance(value, PackedInt4) else value
-
 
 
 @pytest.mark.parametrize("path", golden_checkpoints(), ids=lambda p: p.name)

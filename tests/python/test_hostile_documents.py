@@ -12,9 +12,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import ortckpt
+import pytest
 from ortckpt import CheckpointFormatError, CheckpointIntegrityError, CheckpointManager, CheckpointState
 from ortckpt.cli import DIFFERENT, FAILED, run
 from ortckpt.convert import load_safetensors, save_safetensors
@@ -34,7 +33,7 @@ DAMAGED_METADATA = {
     "array": "[]",
     "number": "1",
     "deep": DEEP,
-    "deep-inside": json.dumps({"format": "ortckpt-metadata/1", "step": 2}) [:-1] + ', "config": ' + DEEP + "}",
+    "deep-inside": json.dumps({"format": "ortckpt-metadata/1", "step": 2})[:-1] + ', "config": ' + DEEP + "}",
     "metrics-string": {"metrics": "loss=0.1"},
     "metric-object": {"metrics": {"loss": {"value": 1}}},
     "files-without-bytes": {"files": {"checkpoint": {"sha256": "0" * 64}}},
@@ -115,8 +114,10 @@ DAMAGED_INDEXES = {
     "bool-shape": lambda i: _tensor(i, "bias", shape=[True]),
     "world-size-zero": lambda i: {**i, "world_size": 0},
     "rank-out-of-range": lambda i: {**i, "shards": [{**i["shards"][0], "rank": 5}, i["shards"][1]]},
-    "shard-size-string": lambda i: {**i, "shards": [{**i["shards"][0], "files": {"shard-00000-of-00002": "9"}},
-                                                    i["shards"][1]]},  # fmt: skip
+    "shard-size-string": lambda i: {
+        **i,
+        "shards": [{**i["shards"][0], "files": {"shard-00000-of-00002": "9"}}, i["shards"][1]],
+    },
     "momentum-of-unknown-group": lambda i: _tensor(i, "bias", momentums=[["group9", "momentum0"]]),
     "property-list": lambda i: {**i, "properties": {"epoch": [1]}},
     "step-other": lambda i: {**i, "step": 99},
@@ -204,7 +205,7 @@ def test_hostile_safetensors_are_refused_as_the_safetensors_package_refuses_them
     header, data_len, tensor = HOSTILE_SAFETENSORS[case]
     path = tmp_path / "bad.safetensors"
     write_raw(path, header, b"\0" * data_len)
-    with pytest.raises(Exception):  # noqa: B017 - whatever the reference raises, it refuses
+    with pytest.raises(Exception):  # noqa: B017 - safetensors raises SafetensorError or OverflowError by case
         safetensors.safe_open(str(path), framework="numpy").keys()
     with pytest.raises(CheckpointFormatError) as e:
         load_safetensors(path)
@@ -220,10 +221,12 @@ DAMAGED_STRUCTURE = {
     "frozen-number": json.dumps({"frozen": 5}),
     "frozen-unknown": json.dumps({"frozen": ["nope"]}),
     "group-not-object": json.dumps({"optimizer_groups": {"group0": 3}}),
-    "momentum-pair-short": json.dumps({"optimizer_groups": {"group0": {"step": 1, "initial_learning_rate": 0.1,
-                                                                        "momentums": {"w": ["w"]}}}}),  # fmt: skip
-    "step-string": json.dumps({"optimizer_groups": {"group0": {"step": "1", "initial_learning_rate": 0.1,
-                                                                "momentums": {}}}}),  # fmt: skip
+    "momentum-pair-short": json.dumps(
+        {"optimizer_groups": {"group0": {"step": 1, "initial_learning_rate": 0.1, "momentums": {"w": ["w"]}}}}
+    ),
+    "step-string": json.dumps(
+        {"optimizer_groups": {"group0": {"step": "1", "initial_learning_rate": 0.1, "momentums": {}}}}
+    ),
     "property-type-unknown": json.dumps({"property_types": {"epoch": "complex"}}),
     "deep": DEEP,
 }
@@ -261,10 +264,14 @@ def test_an_index_of_many_pieces_is_checked_in_linear_time(tmp_path):
     world, rows = 100_000, 100_000
 
     def index_of(pieces: list[dict]) -> dict:
-        return {"format": "ortckpt.sharded", "version": 1, "step": 1, "world_size": world,
-                "shards": [{"rank": r, "file": f"shard-{r:05d}-of-{world:05d}", "files": {}} for r in range(world)],
-                "tensors": {"t": {"code": 1, "shape": [4, rows], "trainable": True, "momentums": [],
-                                  "pieces": pieces}}}  # fmt: skip
+        return {
+            "format": "ortckpt.sharded",
+            "version": 1,
+            "step": 1,
+            "world_size": world,
+            "shards": [{"rank": r, "file": f"shard-{r:05d}-of-{world:05d}", "files": {}} for r in range(world)],
+            "tensors": {"t": {"code": 1, "shape": [4, rows], "trainable": True, "momentums": [], "pieces": pieces}},
+        }
 
     columns = [{"shard": r, "holders": [r], "offset": [0, r], "shape": [4, 1]} for r in range(world)]
     started = time.monotonic()
@@ -272,8 +279,8 @@ def test_an_index_of_many_pieces_is_checked_in_linear_time(tmp_path):
     # A hang guard, not a benchmark: the check takes about a second here, the quadratic one took hours.
     assert time.monotonic() - started < 120
     columns[-1] = {"shard": world - 1, "holders": [0], "offset": [0, 0], "shape": [4, 1]}
-    with pytest.raises(CheckpointFormatError, match="overlap|uncovered"):
+    with pytest.raises(CheckpointFormatError, match=r"overlap|uncovered"):
         documents.check_index(index_of(columns), "index.json")
     bricks = [{"shard": r, "holders": [r], "offset": [r % 4, r], "shape": [1, 1]} for r in range(world)]
-    with pytest.raises(CheckpointFormatError, match="cover 100000 of its 400000|grid"):
+    with pytest.raises(CheckpointFormatError, match=r"cover 100000 of its 400000|grid"):
         documents.check_index(index_of(bricks), "index.json")

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
-
 import ortckpt
+import pytest
 from ortckpt import (
     CheckpointFormatError,
     CheckpointIntegrityError,
@@ -45,8 +44,9 @@ def rewrite_json(path: Path, change: Callable[[Any], Any]) -> None:
     path.write_text(json.dumps(change(json.loads(path.read_text()))))
 
 
-@pytest.mark.parametrize("escape", ["../../elsewhere/secret.ckpt", "ABSOLUTE", "shard-00000-of-00002/../x", ".",
-                                    "shard-00001-of-00002"])  # fmt: skip
+@pytest.mark.parametrize(
+    "escape", ["../../elsewhere/secret.ckpt", "ABSOLUTE", "shard-00000-of-00002/../x", ".", "shard-00001-of-00002"]
+)
 def test_a_shard_file_outside_its_name_is_refused_everywhere(tmp_path, outside, escape):
     run_dir = tmp_path / "run"
     save_model(run_dir, step=3, world=2)
@@ -91,11 +91,11 @@ def test_checkpoint_info_load_refuses_an_escaping_shard(tmp_path, outside):
     run_dir = tmp_path / "run"
     with CheckpointManager(run_dir, comm=SingleProcess()) as manager:
         manager.save(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), 1)
-    rewrite_json(run_dir / "step_00000001" / INDEX_NAME,
-                 lambda i: {**i, "shards": [{**i["shards"][0], "file": str(outside)}]})  # fmt: skip
-    with CheckpointManager(run_dir, read_only=True) as reader:
-        with pytest.raises(CheckpointFormatError):
-            reader.latest().load()
+    rewrite_json(
+        run_dir / "step_00000001" / INDEX_NAME, lambda i: {**i, "shards": [{**i["shards"][0], "file": str(outside)}]}
+    )
+    with CheckpointManager(run_dir, read_only=True) as reader, pytest.raises(CheckpointFormatError):
+        reader.latest().load()
 
 
 # --- finding 4: planted symlinks --------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_save_safetensors_never_writes_through_a_symlink_at_a_temporary_name(tmp
 
 
 def test_a_symlink_at_the_destination_is_replaced_not_followed(tmp_path, victim):
-    for save in (lambda s, p: save_safetensors(s, p), lambda s, p: CheckpointState.save_checkpoint(s, p)):
+    for save in (save_safetensors, CheckpointState.save_checkpoint):
         link = tmp_path / "out"
         link.unlink(missing_ok=True)
         link.symlink_to(victim)
@@ -135,7 +135,7 @@ def test_metadata_json_is_never_written_through_a_planted_symlink(tmp_path, vict
 
     monkeypatch.setattr(CheckpointState, "save_checkpoint", save_and_plant)
     with CheckpointManager(tmp_path / "run") as manager:
-        with pytest.raises(OSError, match="metadata.json") as e:
+        with pytest.raises(OSError, match=r"metadata.json") as e:
             manager.save(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), 1)
         assert e.value.errno in (errno.EEXIST, errno.ELOOP)
         assert manager.all_steps() == []
@@ -167,6 +167,7 @@ def test_temporary_names_are_unpredictable(tmp_path, monkeypatch):
         def call(src, dst, *args, **kwargs):
             seen.append(os.path.basename(src))
             return (real_replace if kind == "replace" else real_rename)(src, dst, *args, **kwargs)
+
         return call
 
     monkeypatch.setattr(os, "replace", spy("replace"))
@@ -193,8 +194,11 @@ def rewrite_shard(step_dir: Path, rank: int, world: int, change: Callable[[np.nd
     arrays = {n: np.array(p.data) for n, p in shard.parameters}
     arrays["embedding"] = change(arrays["embedding"])
     frozen = {n for n, p in shard.parameters if not p.requires_grad}
-    new = CheckpointState.from_arrays({n: a for n, a in arrays.items() if n not in frozen},
-                                      {n: a for n, a in arrays.items() if n in frozen}, dict(shard.properties))  # fmt: skip
+    new = CheckpointState.from_arrays(
+        {n: a for n, a in arrays.items() if n not in frozen},
+        {n: a for n, a in arrays.items() if n in frozen},
+        dict(shard.properties),
+    )
     new.optimizer_groups = {g: group for g, group in shard.optimizer_groups.items()}
     for moms in new.optimizer_groups["group0"].momentums.values():
         for m in list(moms):
@@ -202,12 +206,16 @@ def rewrite_shard(step_dir: Path, rank: int, world: int, change: Callable[[np.nd
     CheckpointState.save_checkpoint(new, path, include_optimizer_state=True)
 
 
-@pytest.mark.parametrize("change", [
-    lambda a: a.astype(np.float64),
-    lambda a: a.astype(np.int32),
-    lambda a: a[:1],
-    lambda a: a.reshape(-1),
-], ids=["float64", "int32", "one-row", "flattened"])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda a: a.astype(np.float64),
+        lambda a: a.astype(np.int32),
+        lambda a: a[:1],
+        lambda a: a.reshape(-1),
+    ],
+    ids=["float64", "int32", "one-row", "flattened"],
+)
 def test_a_shard_that_disagrees_with_the_index_is_refused_naming_shard_and_tensor(tmp_path, change):
     save_model(tmp_path, step=4, world=2)
     step_dir = tmp_path / "step_00000004"
@@ -232,7 +240,7 @@ def finishes(call: Callable[[], Any], fifo: Path | None = None, timeout: float =
     def target() -> None:
         try:
             box["result"] = call()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
+        except BaseException as e:
             box["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
@@ -264,8 +272,9 @@ def test_a_fifo_as_the_checkpoint_is_refused_without_blocking(fifo):
 
 def test_a_fifo_as_the_data_file_is_refused_without_blocking(tmp_path):
     path = tmp_path / "ck"
-    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.ones(64, np.float32)}), path,
-                                    external_data_threshold=0)  # fmt: skip
+    CheckpointState.save_checkpoint(
+        CheckpointState.from_arrays({"w": np.ones(64, np.float32)}), path, external_data_threshold=0
+    )
     data = tmp_path / "ck.data"
     data.unlink()
     os.mkfifo(data)
@@ -282,10 +291,17 @@ def test_a_directory_as_the_checkpoint_is_is_a_directory_error(tmp_path):
         load_safetensors(tmp_path)
 
 
-@pytest.mark.parametrize("reader", [
-    lambda p: load_safetensors(p), lambda p: format_of(p, must_exist=True), lambda p: load_any(p, "safetensors"),
-    lambda p: state_from_onnx(p), lambda p: load_any(p, "ortckpt"),
-], ids=["safetensors", "format_of", "load_any", "onnx", "load_any-ortckpt"])  # fmt: skip
+@pytest.mark.parametrize(
+    "reader",
+    [
+        load_safetensors,
+        lambda p: format_of(p, must_exist=True),
+        lambda p: load_any(p, "safetensors"),
+        state_from_onnx,
+        lambda p: load_any(p, "ortckpt"),
+    ],
+    ids=["safetensors", "format_of", "load_any", "onnx", "load_any-ortckpt"],
+)
 def test_converters_refuse_a_fifo_without_blocking(fifo, reader):
     with pytest.raises(SpecialFileError):
         finishes(lambda: reader(fifo), fifo)

@@ -60,7 +60,9 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_12_gib_state_round_trips_within_the_memory_budget(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "big.ckpt")], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "big.ckpt")], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     print(result)

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from ortckpt import CheckpointState
 from ortckpt.errors import CheckpointFormatError, UnsupportedDataTypeError
 
@@ -19,11 +18,21 @@ CASES = json.loads((CORPUS / "expected.json").read_text())
 def test_the_corpus_covers_what_the_hardening_issue_lists():
     names = {c["file"].removesuffix(".ckpt") for c in CASES}
     for required in (
-        "truncated_mid_metadata", "bitflip_root_vtable", "bitflip_in_values", "wrong_identifier",
-        "version_3", "no_requires_grad_params", "negative_dim", "dims_overflow_count",
-        "bytes_disagree_with_dims", "external_past_end", "external_overlapping",
-        "external_data_missing", "absurd_vector_length", "dag_bomb",
-    ):  # fmt: skip
+        "truncated_mid_metadata",
+        "bitflip_root_vtable",
+        "bitflip_in_values",
+        "wrong_identifier",
+        "version_3",
+        "no_requires_grad_params",
+        "negative_dim",
+        "dims_overflow_count",
+        "bytes_disagree_with_dims",
+        "external_past_end",
+        "external_overlapping",
+        "external_data_missing",
+        "absurd_vector_length",
+        "dag_bomb",
+    ):
         assert required in names
     assert len(CASES) >= 38
 

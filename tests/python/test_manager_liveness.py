@@ -16,9 +16,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import ortckpt
+import pytest
 from ortckpt import (
     CheckpointDirectoryInUseError,
     CheckpointExistsError,
@@ -63,23 +62,27 @@ def test_a_second_writer_in_the_same_process_is_refused_and_the_running_save_sur
 
 
 def test_a_second_writer_process_is_refused_until_the_first_closes(tmp_path):
-    code = ("import sys; from ortckpt import CheckpointManager, CheckpointDirectoryInUseError\n"
-            "try:\n    CheckpointManager(sys.argv[1])\nexcept CheckpointDirectoryInUseError as e:\n"
-            "    print('in use:', e); sys.exit(3)\nprint('writer')\n")  # fmt: skip
+    code = (
+        "import sys; from ortckpt import CheckpointManager, CheckpointDirectoryInUseError\n"
+        "try:\n    CheckpointManager(sys.argv[1])\nexcept CheckpointDirectoryInUseError as e:\n"
+        "    print('in use:', e); sys.exit(3)\nprint('writer')\n"
+    )
     with CheckpointManager(tmp_path):
-        done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False)
         assert done.returncode == 3, done.stderr
         assert f"pid {os.getpid()}" in done.stdout
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "writer", done.stderr
     assert visible(tmp_path) == [] and not (tmp_path / WRITER_LOCK_NAME).exists()
 
 
 def test_a_killed_writer_releases_the_directory_and_its_leftovers_go(tmp_path):
-    code = ("import os, sys; from ortckpt import CheckpointManager\n"
-            "m = CheckpointManager(sys.argv[1])\n"
-            "os.mkdir(os.path.join(sys.argv[1], '.step_00000007.tmp-1-abc'))\n"
-            "print('ready', flush=True)\nimport time; time.sleep(60)\n")  # fmt: skip
+    code = (
+        "import os, sys; from ortckpt import CheckpointManager\n"
+        "m = CheckpointManager(sys.argv[1])\n"
+        "os.mkdir(os.path.join(sys.argv[1], '.step_00000007.tmp-1-abc'))\n"
+        "print('ready', flush=True)\nimport time; time.sleep(60)\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
@@ -95,8 +98,12 @@ def test_a_killed_writer_releases_the_directory_and_its_leftovers_go(tmp_path):
 
 
 def test_leftover_names_with_absurd_pids_are_removed_without_overflow(tmp_path):
-    for name in (".step_00000002.tmp-99999999999999999999-abc", ".step_00000003.tmp-0-0",
-                 ".step_00000004.deleting-xyz", ".step_1.tmp-"):  # fmt: skip
+    for name in (
+        ".step_00000002.tmp-99999999999999999999-abc",
+        ".step_00000003.tmp-0-0",
+        ".step_00000004.deleting-xyz",
+        ".step_1.tmp-",
+    ):
         (tmp_path / name).mkdir()
     with CheckpointManager(tmp_path) as manager:
         assert manager.all_steps() == []
@@ -291,12 +298,15 @@ def test_a_fifo_planted_as_a_lock_file_is_refused_without_blocking(tmp_path):
 
 
 def test_the_holder_record_is_shown_without_control_characters(tmp_path):
-    code = ("import sys, time; from ortckpt import CheckpointManager\n"
-            "sys.argv = ['train.py', '\\x1b[2J\\x1b]0;owned\\x07']\n"
-            "m = CheckpointManager(sys.argv[0] and __import__('os').environ['DIR'])\n"
-            "print('ready', flush=True); time.sleep(60)\n")  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "DIR": str(tmp_path)})  # fmt: skip
+    code = (
+        "import sys, time; from ortckpt import CheckpointManager\n"
+        "sys.argv = ['train.py', '\\x1b[2J\\x1b]0;owned\\x07']\n"
+        "m = CheckpointManager(sys.argv[0] and __import__('os').environ['DIR'])\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "DIR": str(tmp_path)}
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         with pytest.raises(CheckpointDirectoryInUseError) as e:
@@ -316,20 +326,25 @@ def test_a_lock_file_left_by_another_user_does_not_stop_the_next_writer():
     os.chmod(shared, 0o777)
     lock = shared / WRITER_LOCK_NAME
     lock.write_text('{"pid": 1}')
-    code = ("import os, sys\n"
-            "from ortckpt import CheckpointManager\n"  # (imported first: nobody cannot read root's Python)
-            "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
-            "with CheckpointManager(sys.argv[1]) as m:\n    print('writer', os.access(sys.argv[2], os.W_OK))\n")  # fmt: skip
+    code = (
+        "import os, sys\n"
+        "from ortckpt import CheckpointManager\n"  # (imported first: nobody cannot read root's Python)
+        "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+        "with CheckpointManager(sys.argv[1]) as m:\n    print('writer', os.access(sys.argv[2], os.W_OK))\n"
+    )
     if os.geteuid() != 0:
         os.chmod(lock, 0o444)  # not ours to write, as another user's would be
     else:
         os.chmod(lock, 0o644)  # root's: the subprocess runs as nobody
     import ortckpt as package
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(package.__file__).parents[1]),
-                                                        os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code, str(shared), str(lock)], capture_output=True, text=True,
-                          env=env)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(package.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(shared), str(lock)], capture_output=True, text=True, env=env, check=False
+    )
     try:
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "writer False"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from ortckpt import CheckpointManager, CheckpointState, _core
 from ortckpt import progress as progress_module
 
@@ -22,8 +21,17 @@ def test_the_counter_ends_at_the_bytes_of_both_files(tmp_path, threshold):
     with progress_module.save_progress(False, "unused") as none:
         assert none is None
     w = state.parameters["w"].data
-    _core.save(str(path), [("w", 1, list(w.shape), w.view(np.uint8).reshape(-1))], [], [], [], [], [],
-               external_data_threshold=threshold, progress=counter)  # fmt: skip
+    _core.save(
+        str(path),
+        [("w", 1, list(w.shape), w.view(np.uint8).reshape(-1))],
+        [],
+        [],
+        [],
+        [],
+        [],
+        external_data_threshold=threshold,
+        progress=counter,
+    )
     files = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert counter.written == counter.total == files
 

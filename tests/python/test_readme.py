@@ -16,7 +16,9 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 8, "import line, quick start, building, CheckpointManager, sharded, ONNX, safetensors, deployment"
+    assert len(blocks) == 8, (
+        "import line, quick start, building, CheckpointManager, sharded, ONNX, safetensors, deployment"
+    )
     _import_line, quick_start, building, _manager, _sharded, _onnx, _safetensors, _deployment = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
@@ -56,7 +58,6 @@ def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
     import numpy as np
     import onnx
     from onnx import numpy_helper
-
     from ortckpt import CheckpointState
 
     exported = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "inference.onnx").graph.initializer}
@@ -73,8 +74,6 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
     import subprocess
     import sys
 
-    import numpy as np
-
     from ortckpt import CheckpointState
     from ortckpt.distributed import Slice, committed_steps
 
@@ -83,8 +82,15 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     for ranks in (2, 3):  # a fresh run on 2 ranks, then a restart on 3
-        done = subprocess.run([mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "train.py"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
+        done = subprocess.run(
+            [mpirun, "-n", str(ranks), "--oversubscribe", sys.executable, "train.py"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     assert committed_steps(tmp_path / "sharded") == [100, 200]
     merged = CheckpointState.load_checkpoint(tmp_path / "model.ckpt")

@@ -13,7 +13,6 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from ortckpt import RetentionPolicy
 
 
@@ -30,7 +29,7 @@ def reference_kept(history: list[tuple[int, float | None]], max_to_keep, keep_be
         if keep_best is not None and metric is not None and not math.isnan(metric):
             _, mode, k = keep_best
 
-            def better(other_step, other_metric):
+            def better(other_step, other_metric, metric=metric, step=step, mode=mode):
                 if other_metric is None or math.isnan(other_metric):
                     return False
                 if other_metric == metric:
@@ -74,8 +73,13 @@ def test_without_rules_everything_is_kept():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_to_keep": 0}, {"keep_every": 0}, {"keep_best": ("loss", "lowest", 1)}, {"keep_best": ("loss", "min", 0)},
-     {"keep_best": ("loss", "min")}],  # fmt: skip
+    [
+        {"max_to_keep": 0},
+        {"keep_every": 0},
+        {"keep_best": ("loss", "lowest", 1)},
+        {"keep_best": ("loss", "min", 0)},
+        {"keep_best": ("loss", "min")},
+    ],
 )
 def test_bad_rules_are_refused(kwargs):
     with pytest.raises(ValueError):

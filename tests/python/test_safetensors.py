@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-
 from ortckpt import CheckpointFormatError, CheckpointState, OptimizerGroup, UnsupportedDataTypeError
 from ortckpt.compare import compare
 from ortckpt.convert import convert, load_safetensors, save_safetensors
@@ -34,10 +33,13 @@ def rich_state() -> CheckpointState:
         {"epoch": 4, "best": 0.75, "run": "demo", "note": "12"},
     )
     state.optimizer_groups["group0"] = OptimizerGroup(
-        step=9, initial_learning_rate=1e-3,
-        momentums={"w": {"momentum0": np.ones((8, 4), np.float32), "momentum1": np.full((8, 4), 2, np.float32)},
-                   "w_bf16": {"momentum0": np.zeros((3, 5), ml_dtypes.bfloat16)}},
-    )  # fmt: skip
+        step=9,
+        initial_learning_rate=1e-3,
+        momentums={
+            "w": {"momentum0": np.ones((8, 4), np.float32), "momentum1": np.full((8, 4), 2, np.float32)},
+            "w_bf16": {"momentum0": np.zeros((3, 5), ml_dtypes.bfloat16)},
+        },
+    )
     return state
 
 
@@ -84,8 +86,11 @@ def test_files_the_safetensors_package_writes_load_with_metadata_as_properties(t
     assert dict(state.properties) == {"format": "np", "epoch": "3"}  # strings: no type record in foreign files
     bf16 = np.arange(8, dtype=np.float32).astype(ml_dtypes.bfloat16)
     e4m3 = np.linspace(-2, 2, 8).astype(ml_dtypes.float8_e4m3fn)
+
     # The package's dtype names, as its torch API passes them (its NumPy API has no bfloat16).
-    spec = lambda dtype, shape, a: safetensors.TensorSpec(dtype=dtype, shape=shape, data_ptr=a.ctypes.data, data_len=a.nbytes)  # noqa: E731,E501
+    def spec(dtype, shape, a):
+        return safetensors.TensorSpec(dtype=dtype, shape=shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+
     tensors = {"bf": spec("bfloat16", [8], bf16), "f8": spec("float8_e4m3fn", [2, 4], e4m3)}
     safetensors.serialize_file(tensors, str(tmp_path / "raw.safetensors"))
     state = load_safetensors(tmp_path / "raw.safetensors")
@@ -98,8 +103,11 @@ def test_types_safetensors_lacks_are_refused_naming_the_tensor_and_the_old_file_
     path = tmp_path / "s.safetensors"
     save_safetensors(CheckpointState.from_arrays({"ok": np.ones(2, np.float32)}), path)
     before = path.read_bytes()
-    for bad in ({"words": np.array(["a", "b"], dtype=object)}, {"nibbles": np.arange(4).astype(ml_dtypes.int4)},
-                {"fnuz": np.ones(2, ml_dtypes.float8_e4m3fnuz)}):  # fmt: skip
+    for bad in (
+        {"words": np.array(["a", "b"], dtype=object)},
+        {"nibbles": np.arange(4).astype(ml_dtypes.int4)},
+        {"fnuz": np.ones(2, ml_dtypes.float8_e4m3fnuz)},
+    ):
         with pytest.raises(UnsupportedDataTypeError, match=next(iter(bad))):
             save_safetensors(CheckpointState.from_arrays(bad), path)
     assert path.read_bytes() == before

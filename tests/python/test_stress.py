@@ -9,16 +9,12 @@ Bounded: under a minute on this project's 2-core machine. `STRESS_SECONDS` makes
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
+# Beside this file: pytest puts its folder on sys.path.
+from concurrency_worker import save_id_of
 from ortckpt import CheckpointManager, CheckpointState, verify
 from ortckpt.steps import WRITER_LOCK_NAME
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from concurrency_worker import save_id_of  # noqa: E402
-from test_concurrent_saves import result, spawn  # noqa: E402
+from test_concurrent_saves import result, spawn
 
 SECONDS = float(os.environ.get("STRESS_SECONDS", "15"))
 
@@ -54,7 +50,9 @@ def test_many_processes_saving_loading_and_managing_at_once(tmp_path):
             assert save_id_of(info.load()) == info.step
     assert sorted(p.name for p in directory.iterdir()) == [f"step_{s:08d}" for s in sorted(committed)[-3:]]
     assert not (directory / WRITER_LOCK_NAME).exists()
-    print(f"stress: {sum(s['saves'] for s in saved)} saves and {sum(s['loads'] for s in seen)} loads of one "
-          f"path; {len(committed)} manager steps committed by {sum(1 for m in managed if m['committed'])} "
-          f"processes, {sum(m['restores'] for m in managed)} reader restores, "
-          f"{sum(m['busy'] for m in managed)} writer refusals")  # fmt: skip
+    print(
+        f"stress: {sum(s['saves'] for s in saved)} saves and {sum(s['loads'] for s in seen)} loads of one "
+        f"path; {len(committed)} manager steps committed by {sum(1 for m in managed if m['committed'])} "
+        f"processes, {sum(m['restores'] for m in managed)} reader restores, "
+        f"{sum(m['busy'] for m in managed)} writer refusals"
+    )

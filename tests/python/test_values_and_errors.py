@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import ortckpt
 import pytest
 from onnx import TensorProto, helper
-
-import ortckpt
 from ortckpt import (
     CheckpointManager,
     CheckpointState,
@@ -47,23 +46,24 @@ def test_an_object_array_changed_to_non_strings_after_intake_is_refused_at_save(
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_non_utf8_bytes_are_a_typed_error_at_save(tmp_path, async_save):
-    with pytest.raises(CheckpointStateError, match="raw.*UTF-8"):
+    with pytest.raises(CheckpointStateError, match=r"raw.*UTF-8"):
         CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"raw": np.array([b"ok", b"\xff\xfe"])})
     raw = np.array([b"ok", b"ab"])
     state = CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"raw": raw})
     raw[1] = b"\xff\xfe"  # changed after intake: refused at save
-    with pytest.raises(CheckpointStateError, match="raw.*UTF-8"):
+    with pytest.raises(CheckpointStateError, match=r"raw.*UTF-8"):
         CheckpointState.save_checkpoint(state, tmp_path / "ck")
     with CheckpointManager(tmp_path / "run", async_save=async_save) as manager:
-        with pytest.raises(CheckpointStateError, match="raw.*UTF-8"):
+        with pytest.raises(CheckpointStateError, match=r"raw.*UTF-8"):
             manager.save(state, 1)  # in the caller's thread, not at wait()
         manager.wait()
         assert manager.all_steps() == []
 
 
 def test_utf8_bytes_and_str_still_save_as_strings(tmp_path):
-    state = CheckpointState.from_arrays({"w": np.ones(2, np.float32)},
-                                        {"raw": np.array(["é".encode(), b"x"]), "words": np.array(["a", "b"])})  # fmt: skip
+    state = CheckpointState.from_arrays(
+        {"w": np.ones(2, np.float32)}, {"raw": np.array(["é".encode(), b"x"]), "words": np.array(["a", "b"])}
+    )
     CheckpointState.save_checkpoint(state, tmp_path / "ck")
     loaded = CheckpointState.load_checkpoint(tmp_path / "ck")
     assert loaded.parameters["raw"].data.tolist() == ["é", "x"]
@@ -106,9 +106,8 @@ def test_integral_numpy_steps_are_accepted(tmp_path, step):
 
 @pytest.mark.parametrize("step", [True, np.bool_(True), 5.0, np.float64(5), -1, "5"])
 def test_other_steps_are_refused(tmp_path, step):
-    with CheckpointManager(tmp_path) as manager:
-        with pytest.raises((TypeError, ValueError)):
-            manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), step)
+    with CheckpointManager(tmp_path) as manager, pytest.raises((TypeError, ValueError)):
+        manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), step)
 
 
 def test_non_str_parameter_names_are_refused_by_from_arrays():
@@ -153,8 +152,13 @@ def test_an_onnx_model_whose_external_data_onnx_refuses_is_one_line(tmp_path, ca
     del weight.float_data[:]
     weight.external_data.add(key="location", value="../../etc/passwd")
     weight.external_data.add(key="length", value="8")
-    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], [weight])  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["y"])],
+        "g",
+        [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [weight],
+    )
     path = tmp_path / "m.onnx"
     onnx.save_model(helper.make_model(graph), path)
     one_line_failure(capsys, ["inspect", path], FAILED, path)
@@ -209,16 +213,18 @@ manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 1)
 @pytest.mark.parametrize("ending", ["pass", "del manager", "import gc; manager = None; gc.collect()"])
 def test_a_failed_async_save_never_waited_for_is_reported(tmp_path, ending):
     script = FORGOTTEN_ASYNC_SAVE.replace("{ending}", ending)
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True, timeout=60, check=False
+    )
     assert "step 1" in done.stderr and "No space left on device" in done.stderr, done.stderr
     assert "never" in done.stderr or "lost" in done.stderr, done.stderr
 
 
 def test_a_failed_async_save_that_was_waited_for_is_not_reported_twice(tmp_path):
     script = FORGOTTEN_ASYNC_SAVE.replace("{ending}", "try:\n    manager.close()\nexcept OSError:\n    print('caught')")
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.stdout.strip() == "caught" and "No space" not in done.stderr, done.stderr
 
 
@@ -237,14 +243,18 @@ def test_errors_of_a_taken_temporary_name_do_not_blame_the_target(tmp_path, monk
     assert Path(e.value.filename).read_text() == "taken"
 
 
-@pytest.mark.parametrize("damage", [
-    lambda s: {**s, "numpy_global": {"ndarray": [1], "dtype": "S2000000000"}},
-    lambda s: {**s, "python": [3, "x", None]},
-    lambda s: {k: v for k, v in s.items() if k != "generators"},
-    lambda s: {**s, "generators": [{"kind": "os.system", "state": 1}]},
-    lambda s: {**s, "torch": "!!not base64!!"},
-    lambda s: [],
-], ids=["huge-dtype", "python-state", "no-generators", "unknown-kind", "torch-base64", "not-a-dict"])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda s: {**s, "numpy_global": {"ndarray": [1], "dtype": "S2000000000"}},
+        lambda s: {**s, "python": [3, "x", None]},
+        lambda s: {k: v for k, v in s.items() if k != "generators"},
+        lambda s: {**s, "generators": [{"kind": "os.system", "state": 1}]},
+        lambda s: {**s, "torch": "!!not base64!!"},
+        lambda s: [],
+    ],
+    ids=["huge-dtype", "python-state", "no-generators", "unknown-kind", "torch-base64", "not-a-dict"],
+)
 def test_a_damaged_rng_state_is_refused_before_any_generator_changes(damage):
     import random
 

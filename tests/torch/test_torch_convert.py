@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from ortckpt import CheckpointState
 from ortckpt.convert import convert
 from ortckpt.convert.torch_state import from_torch, to_torch
@@ -22,7 +21,9 @@ from ortckpt.convert.torch_state import from_torch, to_torch
 
 def model_and_optimizer(kind: str, seed: int = 0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
     model[3].bias.requires_grad_(False)  # a frozen parameter
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = {
@@ -57,17 +58,19 @@ def test_a_round_trip_through_a_checkpoint_file_is_exact_and_training_continues_
     CheckpointState.save_checkpoint(state, tmp_path / "ckpt", include_optimizer_state=True)
 
     fresh_model, fresh_optimizer = model_and_optimizer(kind, seed=99)
-    state_dict, optimizer_state = to_torch(CheckpointState.load_checkpoint(tmp_path / "ckpt"), fresh_model, fresh_optimizer)
+    state_dict, optimizer_state = to_torch(
+        CheckpointState.load_checkpoint(tmp_path / "ckpt"), fresh_model, fresh_optimizer
+    )
     fresh_model.load_state_dict(state_dict)
     fresh_optimizer.load_state_dict(optimizer_state)
-    for (name, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    for p, q in zip(optimizer.param_groups[0]["params"], fresh_optimizer.param_groups[0]["params"]):
+    for p, q in zip(optimizer.param_groups[0]["params"], fresh_optimizer.param_groups[0]["params"], strict=True):
         for key, value in optimizer.state[p].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(fresh_optimizer.state[q][key])), key
     train(model, optimizer, 2, seed=5)
     train(fresh_model, fresh_optimizer, 2, seed=5)
-    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -105,7 +108,7 @@ def test_amsgrad_state_is_refused_by_name():
 
 
 def test_torch_files_convert_to_checkpoints_and_back(tmp_path):
-    model, optimizer = model_and_optimizer("adamw")
+    model, _ = model_and_optimizer("adamw")
     torch.save(model.state_dict(), tmp_path / "model.pt")
     convert(tmp_path / "model.pt", tmp_path / "ckpt", frozen=["1.running_var"])
     state = CheckpointState.load_checkpoint(tmp_path / "ckpt")
@@ -123,8 +126,13 @@ def test_a_converted_torch_model_loads_in_onnx_runtime(tmp_path):
     train(model, optimizer, 2)
     CheckpointState.save_checkpoint(from_torch(model, optimizer), tmp_path / "ckpt", include_optimizer_state=True)
     helper = Path(__file__).resolve().parents[1] / "interop" / "ort_helper.py"
-    done = subprocess.run([python, str(helper), "describe", str(tmp_path / "ckpt")], capture_output=True, text=True,
-                          timeout=300, check=True)  # fmt: skip
+    done = subprocess.run(
+        [python, str(helper), "describe", str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     seen = {p["name"]: p for p in json.loads(done.stdout.strip().splitlines()[-1])["parameters"]}
     assert set(seen) == set(model.state_dict())
     for name, t in model.state_dict().items():

@@ -14,9 +14,20 @@ WORKER = Path(__file__).resolve().parents[1] / "distributed" / "worker.py"
 
 
 def torchrun(ranks: int, mode: str, directory: Path, step: int, saved_world: int = 0) -> dict[int, list[str]]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(WORKER), "torch", mode, str(directory), str(step), str(saved_world)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(WORKER),
+        "torch",
+        mode,
+        str(directory),
+        str(step),
+        str(saved_world),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"torchrun {mode} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in lines) == list(range(ranks)), done.stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from ortckpt import CheckpointManager, CheckpointState, capture_rng_state, restore_rng_state
 
 

@@ -6,8 +6,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .. import safe_io
-from ..checkpoint_state import CheckpointState, _save_core
+from .. import _boundary, safe_io
+from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError
 
 # Format name -> file extensions that imply it.
@@ -98,9 +98,7 @@ def save_any(
         save_safetensors(state, path, include_optimizer_state=include_optimizer_state)
     elif fmt == "onnx":
         if model is None:
-            raise ConversionError(
-                "writing an ONNX model needs the model whose initializers take the weights (--model)"
-            )
+            raise ConversionError("writing an ONNX model needs the model whose initializers take the weights (--model)")
         from .onnx_model import export_model
 
         export_model(state, model, path, output_names=output_names)
@@ -128,8 +126,15 @@ def convert(
     src_format = src_format or format_of(src, must_exist=True)
     dst_format = dst_format or format_of(dst)
     state = load_any(src, src_format, frozen=frozen)
-    save_any(state, dst, dst_format, include_optimizer_state=include_optimizer_state, model=model,
-             output_names=output_names, progress=progress)  # fmt: skip
+    save_any(
+        state,
+        dst,
+        dst_format,
+        include_optimizer_state=include_optimizer_state,
+        model=model,
+        output_names=output_names,
+        progress=progress,
+    )
     return src_format, dst_format
 
 
@@ -140,8 +145,8 @@ def to_nominal(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_
     ships it and fills the values in later). Returns the number of parameters."""
     state = load_any(src, src_format)
     roles: tuple[list, list] = ([], [])
-    for name, code, requires_grad in state._signatures():  # (a nominal source has no data to read)
+    for name, code, _, requires_grad in state.tensor_records():  # (a nominal source has no data to read)
         roles[0 if requires_grad else 1].append((name, code, (), None))
     # the source's order, as ONNX Runtime's TensorProto path keeps it
-    _save_core(dst, roles[0], roles[1], [], dict(state.properties), nominal=True, keep_order=True)
+    _boundary.save(dst, roles[0], roles[1], [], dict(state.properties), nominal=True, keep_order=True)
     return len(roles[0]) + len(roles[1])

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _boundary, safe_io
 from .. import dtypes as _dt
-from .. import safe_io
-from ..checkpoint_state import CheckpointState, PackedBits, _as_bytes, _save_core
+from .._boundary import as_bytes
+from ..checkpoint_state import CheckpointState, PackedBits
 from ..errors import CheckpointStateError
 
 if TYPE_CHECKING:
@@ -121,11 +122,19 @@ def save_checkpoint(
             elif proto.data_type == _dt.STRING:
                 values = [str(s) for s in value.reshape(-1)]
             else:
-                values = _as_bytes(value)
+                values = as_bytes(value)
             tensors[role].append((proto.name, proto.data_type, tuple(int(d) for d in proto.dims), values))
     external = not nominal_checkpoint and total > external_data_threshold - MiB
-    _save_core(path_to_checkpoint, tensors[0], tensors[1], [], {}, nominal=nominal_checkpoint, keep_order=True,
-               external_data_threshold=0 if external else 2**63 - 1)  # fmt: skip
+    _boundary.save(
+        path_to_checkpoint,
+        tensors[0],
+        tensors[1],
+        [],
+        {},
+        nominal=nominal_checkpoint,
+        keep_order=True,
+        external_data_threshold=0 if external else 2**63 - 1,
+    )
 
 
 def load_checkpoint_to_model(path_to_checkpoint: str | os.PathLike[str], model: onnx.ModelProto) -> None:
@@ -259,7 +268,7 @@ def _initializer(state: CheckpointState, graph_input: Any) -> Any:
     if tensor_type.HasField("shape"):
         declared = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
         if len(declared) != len(parameter.shape) or any(
-            d is not None and d != actual for d, actual in zip(declared, parameter.shape)
+            d is not None and d != actual for d, actual in zip(declared, parameter.shape, strict=True)
         ):
             raise CheckpointStateError(
                 f"tensor {graph_input.name}: the model's input has shape {declared}, the checkpoint's "
@@ -282,7 +291,7 @@ def _tensor_proto(name: str, value: Any) -> Any:
     else:
         proto.data_type = _dt.code_of(value)
         proto.dims.extend(value.shape)
-        proto.raw_data = _as_bytes(value).tobytes()
+        proto.raw_data = as_bytes(value).tobytes()
     return proto
 
 
@@ -305,7 +314,7 @@ def _set_outputs(proto: Any, names: list[str]) -> None:
         try:
             inferred = onnx.shape_inference.infer_shapes(proto)
             declared.update({v.name: v for v in inferred.graph.value_info})
-        except Exception:  # noqa: BLE001 - an output without a type still loads in ONNX Runtime
+        except Exception:
             pass
     outputs = [_copy(declared[n]) if n in declared else onnx.ValueInfoProto(name=n) for n in names]
     del graph.output[:]
@@ -383,9 +392,14 @@ def export_model(
     # then the files move into place, the data file first and the model that points into it last.
     with safe_io.staging_directory(path) as staging:
         if external_data:
-            onnx.save_model(proto, os.fspath(staging / path.name), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=f"{path.name}.data",
-                            size_threshold=size_threshold)  # fmt: skip
+            onnx.save_model(
+                proto,
+                os.fspath(staging / path.name),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=f"{path.name}.data",
+                size_threshold=size_threshold,
+            )
         else:
             onnx.save_model(proto, os.fspath(staging / path.name))
         safe_io.publish_staged(staging, path)

@@ -29,7 +29,8 @@ import numpy as np
 
 from .. import documents, safe_io
 from .. import dtypes as _dt
-from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedBits, _as_bytes
+from .._boundary import as_bytes
+from ..checkpoint_state import CheckpointState, OptimizerGroup, PackedBits
 from ..errors import CheckpointFormatError, UnsupportedDataTypeError
 
 STRUCTURE_KEY = "__ortckpt__"
@@ -61,7 +62,9 @@ def momentum_tensor_name(group: str, param: str, momentum: str) -> str:
     return f"optimizer.{group}.{momentum}.{param}"
 
 
-def save_safetensors(state: CheckpointState, path: str | os.PathLike[str], *, include_optimizer_state: bool = True) -> None:
+def save_safetensors(
+    state: CheckpointState, path: str | os.PathLike[str], *, include_optimizer_state: bool = True
+) -> None:
     """Writes ``state`` as a safetensors file, atomically (a temporary file, then rename).
 
     Parameters keep their names; momentums are named ``optimizer.<group>.<momentum>.<param>``;
@@ -110,7 +113,7 @@ def save_safetensors(state: CheckpointState, path: str | os.PathLike[str], *, in
 
 def write_file(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """A safetensors file of ``tensors`` (any layout and byte order: each goes out as
-    ``_as_bytes`` gives it, a view when it already is contiguous little-endian) and ``metadata``."""
+    ``as_bytes`` gives it, a view when it already is contiguous little-endian) and ``metadata``."""
     # Widest items first, then by name (as the safetensors package orders them): every
     # tensor then starts at a multiple of its item size, so loaded views are aligned.
     order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
@@ -133,7 +136,7 @@ def write_file(path: str | os.PathLike[str], tensors: dict[str, np.ndarray], met
         f.write(text)
         for name in order:
             if tensors[name].nbytes:
-                f.write(memoryview(_as_bytes(tensors[name])))
+                f.write(memoryview(as_bytes(tensors[name])))
 
 
 def _array_for(name: str, value: Any) -> np.ndarray:
@@ -188,7 +191,9 @@ def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict
         if end > data_len or end - begin != count * dtype.itemsize:
             raise bad(f"tensor {name}: bytes {begin}..{end} of {data_len} do not hold {info['dtype']} {list(shape)}")
         ranges.append((begin, end, name))
-        tensors[name] = np.frombuffer(mapping, dtype, count, start + begin).reshape(shape) if count else np.zeros(shape, dtype)
+        tensors[name] = (
+            np.frombuffer(mapping, dtype, count, start + begin).reshape(shape) if count else np.zeros(shape, dtype)
+        )
     position = 0
     for begin, end, name in sorted(ranges):
         if begin != position:
@@ -226,8 +231,9 @@ def load_safetensors(path: str | os.PathLike[str], *, frozen: Iterable[str] = ()
     )
     listed_frozen = set(structure.get("frozen", []))
     if listed_frozen - set(tensors):
-        raise CheckpointFormatError(f"{where}: {STRUCTURE_KEY} names frozen parameters not in the file: "
-                                    f"{sorted(listed_frozen - set(tensors))}")  # fmt: skip
+        raise CheckpointFormatError(
+            f"{where}: {STRUCTURE_KEY} names frozen parameters not in the file: {sorted(listed_frozen - set(tensors))}"
+        )
     frozen_names = set(frozen) | listed_frozen
     groups = {}
     for group_name, group in structure.get("optimizer_groups", {}).items():
@@ -240,8 +246,10 @@ def load_safetensors(path: str | os.PathLike[str], *, frozen: Iterable[str] = ()
     for group_name, group in groups.items():
         for param in group.momentums:
             if param not in tensors:
-                raise CheckpointFormatError(f"{where}: {STRUCTURE_KEY}: momentums of {param} (group {group_name}), "
-                                            "which is not a parameter of the file")  # fmt: skip
+                raise CheckpointFormatError(
+                    f"{where}: {STRUCTURE_KEY}: momentums of {param} (group {group_name}), "
+                    "which is not a parameter of the file"
+                )
     missing = frozen_names - set(tensors)
     if missing:
         raise CheckpointFormatError(f"{where}: frozen parameters not in the file: {sorted(missing)}")
@@ -252,8 +260,9 @@ def load_safetensors(path: str | os.PathLike[str], *, frozen: Iterable[str] = ()
         try:
             properties[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
         except ValueError:
-            raise CheckpointFormatError(f"{where}: property {name}={text!r} is not the {kind} that {STRUCTURE_KEY} "
-                                        "says it is") from None  # fmt: skip
+            raise CheckpointFormatError(
+                f"{where}: property {name}={text!r} is not the {kind} that {STRUCTURE_KEY} says it is"
+            ) from None
     state = CheckpointState.from_arrays(
         {n: a for n, a in tensors.items() if n not in frozen_names},
         {n: a for n, a in tensors.items() if n in frozen_names},

@@ -103,7 +103,9 @@ def from_torch(
     )
     if optimizer is not None:
         if model is None:
-            raise CheckpointStateError("the optimizer's state needs the module (to name its parameters), not a state_dict")
+            raise CheckpointStateError(
+                "the optimizer's state needs the module (to name its parameters), not a state_dict"
+            )
         state.optimizer_groups = _groups_from_torch(optimizer, _param_names(model))
     return state
 
@@ -147,7 +149,7 @@ def to_torch(state: CheckpointState, model: Any = None, optimizer: Any = None) -
     template = optimizer.state_dict()
     out_state: dict[int, dict[str, Any]] = {}
     kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
-    for i, (group, saved) in enumerate(zip(optimizer.param_groups, template["param_groups"])):
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, template["param_groups"], strict=True)):
         ort_group = state.optimizer_groups.get(f"group{i}")
         if ort_group is None:
             continue
@@ -155,7 +157,7 @@ def to_torch(state: CheckpointState, model: Any = None, optimizer: Any = None) -
         # rounds to the same float32, so that training continues bit for bit.
         if np.float32(saved["lr"]) != np.float32(ort_group.initial_learning_rate):
             saved["lr"] = ort_group.initial_learning_rate
-        for param, index in zip(group["params"], saved["params"]):
+        for param, index in zip(group["params"], saved["params"], strict=True):
             momentums = ort_group.momentums.get(names.get(id(param), ""))
             if not momentums:
                 continue

@@ -129,8 +129,10 @@ def communicator(comm: Any = None) -> Communicator:
             try:
                 return MPICommunicator()
             except ImportError:
-                raise RuntimeError("this process was started by an MPI launcher, but mpi4py is not installed: "
-                                   "pip install mpi4py, or pass comm=") from None  # fmt: skip
+                raise RuntimeError(
+                    "this process was started by an MPI launcher, but mpi4py is not installed: "
+                    "pip install mpi4py, or pass comm="
+                ) from None
         return SingleProcess()
     if isinstance(comm, (SingleProcess, MPICommunicator, TorchCommunicator)):
         return comm
@@ -141,8 +143,9 @@ def communicator(comm: Any = None) -> Communicator:
         return TorchCommunicator(comm)
     if isinstance(comm, Communicator):
         return comm
-    raise TypeError(f"comm: expected an mpi4py communicator, a torch process group or a Communicator, "
-                    f"got {type(comm).__name__}")  # fmt: skip
+    raise TypeError(
+        f"comm: expected an mpi4py communicator, a torch process group or a Communicator, got {type(comm).__name__}"
+    )
 
 
 def _launched_by_mpi() -> bool:

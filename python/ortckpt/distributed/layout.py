@@ -33,7 +33,7 @@ class Slice:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if not len(self.global_shape) == len(self.offset) == len(self.shape):
             raise ValueError(f"slice {self}: global_shape, offset and shape need the same number of dimensions")
-        for o, s, g in zip(self.offset, self.shape, self.global_shape):
+        for o, s, g in zip(self.offset, self.shape, self.global_shape, strict=True):
             if o < 0 or s < 0 or o + s > g:
                 raise ValueError(f"slice {self}: reaches outside the tensor's shape {self.global_shape}")
 
@@ -59,7 +59,7 @@ class Slice:
     @property
     def index(self) -> tuple[slice, ...]:
         """For ``array[slice.index]``: this part of the whole tensor."""
-        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape, strict=True))
 
     @property
     def is_whole(self) -> bool:
@@ -71,15 +71,17 @@ class Slice:
 
     def intersection(self, other: Slice) -> Slice | None:
         """The box both cover, or None when they share no element."""
-        start = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
-        stop = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offset, self.shape, other.offset, other.shape))
-        if any(lo >= hi for lo, hi in zip(start, stop)):
+        start = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
+        stop = tuple(
+            min(a + n, b + m) for a, n, b, m in zip(self.offset, self.shape, other.offset, other.shape, strict=True)
+        )
+        if any(lo >= hi for lo, hi in zip(start, stop, strict=True)):
             return None
-        return Slice(self.global_shape, start, tuple(hi - lo for lo, hi in zip(start, stop)))
+        return Slice(self.global_shape, start, tuple(hi - lo for lo, hi in zip(start, stop, strict=True)))
 
     def within(self, outer: Slice) -> tuple[slice, ...]:
         """This box's position inside ``outer`` (which contains it), for indexing ``outer``'s array."""
-        return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.offset, outer.offset, self.shape))
+        return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.offset, outer.offset, self.shape, strict=True))
 
     def to_json(self) -> dict[str, list[int]]:
         return {"offset": list(self.offset), "shape": list(self.shape)}
@@ -120,10 +122,17 @@ def plan(descriptions: Sequence[RankDescription]) -> tuple[list[list[str]], dict
     writes: list[list[str]] = [[] for _ in descriptions]
     for desc in descriptions:
         for held in desc.tensors:
-            entry = tensors.setdefault(held.name, {
-                "code": held.code, "shape": list(held.slice.global_shape), "trainable": held.trainable,
-                "first_rank": desc.rank, "pieces": [], "momentums": set(),
-            })  # fmt: skip
+            entry = tensors.setdefault(
+                held.name,
+                {
+                    "code": held.code,
+                    "shape": list(held.slice.global_shape),
+                    "trainable": held.trainable,
+                    "first_rank": desc.rank,
+                    "pieces": [],
+                    "momentums": set(),
+                },
+            )
             _agree(held, entry, desc.rank)
             pieces = entry["pieces"]
             same = next((p for p in pieces if p["slice"] == held.slice), None)
@@ -141,15 +150,18 @@ def plan(descriptions: Sequence[RankDescription]) -> tuple[list[list[str]], dict
                         f"{held.name}: the pieces of rank {p['shard']} ({p['slice'].to_json()}) and rank "
                         f"{desc.rank} ({held.slice.to_json()}) overlap"
                     )
-            pieces.append({"shard": desc.rank, "slice": held.slice, "holders": [desc.rank],
-                           "momentum_set": set(held.momentums)})  # fmt: skip
+            pieces.append(
+                {"shard": desc.rank, "slice": held.slice, "holders": [desc.rank], "momentum_set": set(held.momentums)}
+            )
             entry["momentums"] |= set(held.momentums)
             writes[desc.rank].append(held.name)
     table = {}
     for name in sorted(tensors):
         entry = tensors[name]
         if any(p["momentum_set"] != entry["momentums"] for p in entry["pieces"]):
-            raise CheckpointStateError(f"{name}: some ranks hold optimizer momentums for their piece of it, others do not")
+            raise CheckpointStateError(
+                f"{name}: some ranks hold optimizer momentums for their piece of it, others do not"
+            )
         covered = sum(p["slice"].size for p in entry["pieces"])
         if covered != math.prod(entry["shape"]):
             raise CheckpointStateError(
@@ -161,8 +173,7 @@ def plan(descriptions: Sequence[RankDescription]) -> tuple[list[list[str]], dict
             "shape": entry["shape"],
             "trainable": entry["trainable"],
             "momentums": sorted([list(m) for m in entry["momentums"]]),
-            "pieces": [{"shard": p["shard"], "holders": p["holders"], **p["slice"].to_json()}
-                       for p in entry["pieces"]],  # fmt: skip
+            "pieces": [{"shard": p["shard"], "holders": p["holders"], **p["slice"].to_json()} for p in entry["pieces"]],
         }
     return writes, {"tensors": table, "optimizer_groups": _agreed_groups(descriptions)}
 
@@ -170,11 +181,13 @@ def plan(descriptions: Sequence[RankDescription]) -> tuple[list[list[str]], dict
 def _agree(held: Held, entry: Mapping[str, Any], rank: int) -> None:
     first = entry["first_rank"]
     if held.code != entry["code"]:
-        raise CheckpointStateError(f"{held.name}: ONNX data type {held.code} on rank {rank}, "
-                                   f"{entry['code']} on rank {first}")  # fmt: skip
+        raise CheckpointStateError(
+            f"{held.name}: ONNX data type {held.code} on rank {rank}, {entry['code']} on rank {first}"
+        )
     if list(held.slice.global_shape) != entry["shape"]:
-        raise CheckpointStateError(f"{held.name}: shape {held.slice.global_shape} on rank {rank}, "
-                                   f"{tuple(entry['shape'])} on rank {first}")  # fmt: skip
+        raise CheckpointStateError(
+            f"{held.name}: shape {held.slice.global_shape} on rank {rank}, {tuple(entry['shape'])} on rank {first}"
+        )
     if held.trainable != entry["trainable"]:
         raise CheckpointStateError(f"{held.name}: trainable on one of ranks {first} and {rank}, frozen on the other")
 
@@ -216,7 +229,9 @@ def tensor_entries(index: Mapping[str, Any]) -> dict[str, TensorEntry]:
     out = {}
     for name, t in index["tensors"].items():
         shape = tuple(t["shape"])
-        pieces = tuple(Piece(p["shard"], tuple(p["holders"]), Slice(shape, p["offset"], p["shape"])) for p in t["pieces"])
+        pieces = tuple(
+            Piece(p["shard"], tuple(p["holders"]), Slice(shape, p["offset"], p["shape"])) for p in t["pieces"]
+        )
         out[name] = TensorEntry(name, t["code"], shape, t["trainable"], tuple(tuple(m) for m in t["momentums"]), pieces)
     return out
 
@@ -255,5 +270,5 @@ def default_layout(entries: Iterable[TensorEntry], saved_world: int, rank: int, 
 
 def split_dimension(entry: TensorEntry) -> int | None:
     """The one dimension along which the pieces divide the tensor, if they do."""
-    dims = {d for p in entry.pieces for d, (s, g) in enumerate(zip(p.slice.shape, entry.shape)) if s != g}
+    dims = {d for p in entry.pieces for d, (s, g) in enumerate(zip(p.slice.shape, entry.shape, strict=True)) if s != g}
     return dims.pop() if len(dims) == 1 else None

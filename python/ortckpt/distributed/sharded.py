@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _core, documents, safe_io, steps
+from .. import _boundary, documents, safe_io, steps
 from .. import dtypes as _dt
-from ..checkpoint_state import CheckpointState, OptimizerGroup
+from .._boundary import TensorRecord
+from ..checkpoint_state import CheckpointState, OptimizerGroup, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
 from ..steps import step_directory_name
@@ -45,6 +46,7 @@ from .layout import (
     shard_file_name,
     tensor_entries,
 )
+
 
 class ShardedCheckpointError(CheckpointError):
     """A collective save or load failed on one or more ranks; raised on every rank alike.
@@ -88,7 +90,7 @@ def save_sharded(
     slices: Mapping[str, Slice] | None = None,
     include_optimizer_state: bool = True,
     durable: bool = True,
-    external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
 ) -> Path:
     """Saves this rank's part of the training state as step ``step`` of ``directory``; every
     rank of ``comm`` calls it together. Returns the step's directory once committed.
@@ -128,9 +130,17 @@ def save_sharded(
             safe_io.fsync_directory(Path(directory))
 
     try:
-        return write_shards(comm, state_shard, slices, prepare=prepare, commit=commit, step=step,
-                            include_optimizer_state=include_optimizer_state, durable=durable,
-                            external_data_threshold=external_data_threshold)  # fmt: skip
+        return write_shards(
+            comm,
+            state_shard,
+            slices,
+            prepare=prepare,
+            commit=commit,
+            step=step,
+            include_optimizer_state=include_optimizer_state,
+            durable=durable,
+            external_data_threshold=external_data_threshold,
+        )
     finally:
         for lock in writer:
             lock.release()
@@ -147,7 +157,7 @@ def write_shards(
     include_optimizer_state: bool,
     durable: bool,
     external_data_threshold: int,
-    abandon: Callable[[Path], None] = lambda where: safe_io.remove_tree_quietly(where),
+    abandon: Callable[[Path], None] = safe_io.remove_tree_quietly,
 ) -> Path:
     """The collective save: describe and plan, write, commit. ``prepare`` (rank 0) makes the
     directory the shards go to; ``commit`` (rank 0) makes them a checkpoint once all are written;
@@ -181,8 +191,9 @@ def write_shards(
     where, writes = Path(decision[1]), decision[2]
     outcome: tuple[str, Any]
     try:
-        files = _write_own_shard(state, where, writes[rank], rank, world, include_optimizer_state, durable,
-                                 external_data_threshold)  # fmt: skip
+        files = _write_own_shard(
+            state, where, writes[rank], rank, world, include_optimizer_state, durable, external_data_threshold
+        )
         outcome = ("ok", files)
     except Exception as e:
         failure = e
@@ -194,13 +205,21 @@ def write_shards(
         assert outcomes is not None and descriptions is not None
         verdict = {r: msg for r, (kind, msg) in enumerate(outcomes) if kind == "error"}
         if not verdict:
-            shards = [{"rank": r, "file": shard_file_name(r, world), "files": files}
-                      for r, (_, files) in enumerate(outcomes) if files]  # fmt: skip
+            shards = [
+                {"rank": r, "file": shard_file_name(r, world), "files": files}
+                for r, (_, files) in enumerate(outcomes)
+                if files
+            ]
             index = {
-                "format": documents.SHARDED_FORMAT, "version": documents.SHARDED_VERSION, "step": step, "world_size": world,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "shards": shards, **tables, "properties": dict(descriptions[0][0].properties),
-            }  # fmt: skip
+                "format": documents.SHARDED_FORMAT,
+                "version": documents.SHARDED_VERSION,
+                "step": step,
+                "world_size": world,
+                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "shards": shards,
+                **tables,
+                "properties": dict(descriptions[0][0].properties),
+            }
             try:
                 commit(where, index)
             except Exception as e:
@@ -214,8 +233,9 @@ def write_shards(
     return where
 
 
-def describe(state: CheckpointState, slices: Mapping[str, Slice] | None, rank: int,
-             include_optimizer_state: bool) -> RankDescription:  # fmt: skip
+def describe(
+    state: CheckpointState, slices: Mapping[str, Slice] | None, rank: int, include_optimizer_state: bool
+) -> RankDescription:
     """What this rank holds, checked against itself: every slice names a tensor of the state and
     matches its array's shape; every momentum belongs to a held parameter and has its shape."""
     if not isinstance(state, CheckpointState):
@@ -223,34 +243,39 @@ def describe(state: CheckpointState, slices: Mapping[str, Slice] | None, rank: i
     if state.is_nominal:
         raise CheckpointStateError("a nominal state (no values) cannot be saved sharded")
     slices = dict(slices or {})
-    unknown = sorted(set(slices) - set(state._tensors))
+    records = {record.name: record for record in state.tensor_records()}
+    unknown = sorted(set(slices) - set(records))
     if unknown:
         raise CheckpointStateError(f"slices name tensors this rank does not hold: {', '.join(unknown)}")
     groups = state.optimizer_groups if include_optimizer_state else {}
     momentums: dict[str, list[tuple[str, str]]] = {}
     for group_name, group in groups.items():
         for param, moms in group.momentums.items():
-            if param not in state._tensors:
-                raise CheckpointStateError(f"optimizer group {group_name}: momentums of {param}, "
-                                           "a parameter this rank does not hold")  # fmt: skip
-            dims = state._tensor(param).dims
+            if param not in records:
+                raise CheckpointStateError(
+                    f"optimizer group {group_name}: momentums of {param}, a parameter this rank does not hold"
+                )
+            dims = records[param].dims
             for m, value in moms.items():
                 if value is None or tuple(np.shape(value)) != tuple(dims):
-                    raise CheckpointStateError(f"optimizer group {group_name}: {param}/{m} has shape "
-                                               f"{None if value is None else np.shape(value)}, its parameter "
-                                               f"{tuple(dims)}")  # fmt: skip
+                    raise CheckpointStateError(
+                        f"optimizer group {group_name}: {param}/{m} has shape "
+                        f"{None if value is None else np.shape(value)}, its parameter "
+                        f"{tuple(dims)}"
+                    )
                 momentums.setdefault(param, []).append((group_name, m))
     held = []
-    for name in sorted(state._tensors):
-        tensor = state._tensor(name)
+    for name, tensor in sorted(records.items()):
         part = slices.get(name)
         if part is None:
             part = Slice.whole(tensor.dims)
         elif not isinstance(part, Slice):
             raise TypeError(f"slices[{name!r}]: expected an ortckpt.distributed.Slice, got {type(part).__name__}")
         elif part.shape != tuple(tensor.dims):
-            raise CheckpointStateError(f"{name}: the slice is {part.shape} but this rank's array is {tuple(tensor.dims)}")
-        held.append(Held(name, tensor.code, name not in state._frozen, part, tuple(sorted(momentums.get(name, [])))))
+            raise CheckpointStateError(
+                f"{name}: the slice is {part.shape} but this rank's array is {tuple(tensor.dims)}"
+            )
+        held.append(Held(name, tensor.code, tensor.requires_grad, part, tuple(sorted(momentums.get(name, [])))))
     return RankDescription(
         rank=rank,
         tensors=tuple(held),
@@ -259,25 +284,38 @@ def describe(state: CheckpointState, slices: Mapping[str, Slice] | None, rank: i
     )
 
 
-def _write_own_shard(state: CheckpointState, where: Path, names: list[str], rank: int, world: int,
-                     include_optimizer_state: bool, durable: bool, threshold: int) -> dict[str, int]:  # fmt: skip
+def _write_own_shard(
+    state: CheckpointState,
+    where: Path,
+    names: list[str],
+    rank: int,
+    world: int,
+    include_optimizer_state: bool,
+    durable: bool,
+    threshold: int,
+) -> dict[str, int]:
     """Writes the tensors the plan gave this rank; returns {file name: size}, empty if none."""
     if not names:
         return {}
     wanted = set(names)
-    values = {name: state._tensor(name).value() for name in names}
-    shard = CheckpointState.from_arrays({n: v for n, v in values.items() if n not in state._frozen},
-                                        {n: v for n, v in values.items() if n in state._frozen},
-                                        dict(state.properties))  # fmt: skip
+    trainable = {record.name for record in state.tensor_records() if record.requires_grad}
+    values = {name: state.tensor_value(name) for name in names}
+    shard = CheckpointState.from_arrays(
+        {n: v for n, v in values.items() if n in trainable},
+        {n: v for n, v in values.items() if n not in trainable},
+        dict(state.properties),
+    )
     if include_optimizer_state:
         shard.optimizer_groups = {
-            group_name: OptimizerGroup(group.step, group.initial_learning_rate,
-                                       {p: m for p, m in group.momentums.items() if p in wanted})
+            group_name: OptimizerGroup(
+                group.step, group.initial_learning_rate, {p: m for p, m in group.momentums.items() if p in wanted}
+            )
             for group_name, group in state.optimizer_groups.items()
-        }  # fmt: skip
+        }
     path = where / shard_file_name(rank, world)
-    CheckpointState.save_checkpoint(shard, path, include_optimizer_state,
-                                    external_data_threshold=threshold, durable=durable)  # fmt: skip
+    CheckpointState.save_checkpoint(
+        shard, path, include_optimizer_state, external_data_threshold=threshold, durable=durable
+    )
     return {p.name: p.stat().st_size for p in sorted(where.glob(path.name + "*"))}
 
 
@@ -337,7 +375,7 @@ def merge(
     *,
     step: int | None = None,
     include_optimizer_state: bool = True,
-    external_data_threshold: int = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
     durable: bool = False,
 ) -> Path:
     """Writes one ordinary checkpoint, which ONNX Runtime loads, of a sharded one (one process).
@@ -349,8 +387,9 @@ def merge(
     entries = tensor_entries(index)
     layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
     state = assemble(where, index, entries, layout, include_optimizer_state)
-    CheckpointState.save_checkpoint(state, out, include_optimizer_state,
-                                    external_data_threshold=external_data_threshold, durable=durable)  # fmt: skip
+    CheckpointState.save_checkpoint(
+        state, out, include_optimizer_state, external_data_threshold=external_data_threshold, durable=durable
+    )
     return Path(out)
 
 
@@ -368,8 +407,10 @@ def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple
                 raise FileNotFoundError(f"{directory}: no committed sharded checkpoint")
         where = step_directory(directory, step)
         if not (where / INDEX_NAME).is_file():
-            raise FileNotFoundError(f"{where}: no committed sharded checkpoint of step {step} "
-                                    f"(no {INDEX_NAME}: never saved, or its save did not finish)")  # fmt: skip
+            raise FileNotFoundError(
+                f"{where}: no committed sharded checkpoint of step {step} "
+                f"(no {INDEX_NAME}: never saved, or its save did not finish)"
+            )
     path = where / INDEX_NAME
     data = safe_io.read_regular(path, limit=documents.SHARDED_INDEX.max_bytes, follow_symlinks=False)
     index = documents.parse(documents.SHARDED_INDEX, data, os.fspath(path))
@@ -379,38 +420,51 @@ def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple
     return str(where), index
 
 
-def _requested_layout(where: Path, entries: Mapping[str, TensorEntry],
-                      slices: Mapping[str, Slice | None]) -> dict[str, Slice]:  # fmt: skip
+def _requested_layout(
+    where: Path, entries: Mapping[str, TensorEntry], slices: Mapping[str, Slice | None]
+) -> dict[str, Slice]:
     layout = {}
-    for name, part in slices.items():
+    for name, asked in slices.items():
         entry = entries.get(name)
         if entry is None:
             raise KeyError(f"{where}: no tensor {name} in this checkpoint")
-        part = Slice.whole(entry.shape) if part is None else part
+        part = Slice.whole(entry.shape) if asked is None else asked
         if part.global_shape != entry.shape:
-            raise CheckpointStateError(f"{where}: {name} has shape {entry.shape}, the slice asked for is "
-                                       f"of {part.global_shape}")  # fmt: skip
+            raise CheckpointStateError(
+                f"{where}: {name} has shape {entry.shape}, the slice asked for is of {part.global_shape}"
+            )
         layout[name] = part
     return layout
 
 
-def assemble(where: str | os.PathLike[str], index: Mapping[str, Any], entries: Mapping[str, TensorEntry],
-             layout: Mapping[str, Slice], include_optimizer_state: bool) -> CheckpointState:  # fmt: skip
+def assemble(
+    where: str | os.PathLike[str],
+    index: Mapping[str, Any],
+    entries: Mapping[str, TensorEntry],
+    layout: Mapping[str, Slice],
+    include_optimizer_state: bool,
+) -> CheckpointState:
     """A state of the pieces ``layout`` asks for, read from the shards that hold them. Every
     piece read must have the type and shape the index gives it (CheckpointFormatError, naming
     the shard and the tensor, if not)."""
     shards = _Shards(Path(where), index)
     trainable, frozen = {}, {}
-    groups = {name: OptimizerGroup(g["step"], g["initial_learning_rate"], {})
-              for name, g in index.get("optimizer_groups", {}).items()} if include_optimizer_state else {}  # fmt: skip
+    groups = (
+        {
+            name: OptimizerGroup(g["step"], g["initial_learning_rate"], {})
+            for name, g in index.get("optimizer_groups", {}).items()
+        }
+        if include_optimizer_state
+        else {}
+    )
     for name, want in layout.items():
         entry = entries[name]
-        (trainable if entry.trainable else frozen)[name] = _region(entry, want,
-                                                                   lambda p, e=entry: shards.tensor(e, p))  # fmt: skip
+        (trainable if entry.trainable else frozen)[name] = _region(entry, want, lambda p, e=entry: shards.tensor(e, p))
         if include_optimizer_state:
             for group, m in entry.momentums:
                 groups[group].momentums.setdefault(name, {})[m] = _region(
-                    entry, want, lambda p, e=entry, g=group, m=m: shards.momentum(e, p, g, m))  # fmt: skip
+                    entry, want, lambda p, e=entry, g=group, m=m: shards.momentum(e, p, g, m)
+                )
     state = CheckpointState.from_arrays(trainable, frozen, index.get("properties", {}))
     state.optimizer_groups = groups
     return state
@@ -424,38 +478,46 @@ class _Shards:
         self.where = where
         self.files = {s["rank"]: safe_io.member(where, s["file"]) for s in index["shards"]}
         self.opened: dict[int, CheckpointState] = {}
+        self.records: dict[int, dict[str, TensorRecord]] = {}
 
     def shard(self, rank: int) -> CheckpointState:
         if rank not in self.opened:
             if rank not in self.files:
                 raise CheckpointFormatError(f"{self.where / INDEX_NAME}: names no shard of rank {rank}")
-            self.opened[rank] = CheckpointState._load(self.files[rank], follow_symlinks=False)
+            self.opened[rank] = open_checkpoint(self.files[rank], follow_symlinks=False)
+            self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 
     def tensor(self, entry: TensorEntry, piece: Piece) -> Any:
         shard = self.shard(piece.shard)
-        if entry.name not in shard._tensors:
-            raise CheckpointFormatError(f"{self.files[piece.shard]}: has no tensor {entry.name}, which the index "
-                                        "places there")  # fmt: skip
-        tensor = shard._tensor(entry.name)
+        tensor = self.records[piece.shard].get(entry.name)
+        if tensor is None:
+            raise CheckpointFormatError(
+                f"{self.files[piece.shard]}: has no tensor {entry.name}, which the index places there"
+            )
         if tensor.code != entry.code:
-            raise CheckpointFormatError(f"{self.files[piece.shard]}: tensor {entry.name} is "
-                                        f"{_dt.name_of(tensor.code)}, the index says {_dt.name_of(entry.code)}")  # fmt: skip
-        return self._checked(entry, piece, tensor.value(), tensor.dims, entry.name)
+            raise CheckpointFormatError(
+                f"{self.files[piece.shard]}: tensor {entry.name} is "
+                f"{_dt.name_of(tensor.code)}, the index says {_dt.name_of(entry.code)}"
+            )
+        return self._checked(entry, piece, shard.tensor_value(entry.name), tensor.dims, entry.name)
 
     def momentum(self, entry: TensorEntry, piece: Piece, group: str, m: str) -> Any:
         try:
             value = self.shard(piece.shard).optimizer_groups[group].momentums[entry.name][m]
         except KeyError:
-            raise CheckpointFormatError(f"{self.files[piece.shard]}: has no momentum {group}/{entry.name}/{m}, "
-                                        "which the index places there") from None  # fmt: skip
+            raise CheckpointFormatError(
+                f"{self.files[piece.shard]}: has no momentum {group}/{entry.name}/{m}, which the index places there"
+            ) from None
         shape = value.shape if isinstance(value, PackedBits) else np.shape(value)
         return self._checked(entry, piece, value, shape, f"{entry.name}/{m}")
 
     def _checked(self, entry: TensorEntry, piece: Piece, value: Any, shape: Any, what: str) -> Any:
         if tuple(shape) != piece.slice.shape:
-            raise CheckpointFormatError(f"{self.files[piece.shard]}: tensor {what} has shape {list(shape)}, the "
-                                        f"index says its piece is {list(piece.slice.shape)}")  # fmt: skip
+            raise CheckpointFormatError(
+                f"{self.files[piece.shard]}: tensor {what} has shape {list(shape)}, the "
+                f"index says its piece is {list(piece.slice.shape)}"
+            )
         return value
 
 
@@ -495,7 +557,9 @@ def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> An
         out[overlap.within(want)] = source[overlap.within(piece.slice)]
         filled += overlap.size
     if out is None or filled != want.size:
-        raise CheckpointFormatError(f"{entry.name}: the saved pieces cover {filled} of the {want.size} elements asked for")
+        raise CheckpointFormatError(
+            f"{entry.name}: the saved pieces cover {filled} of the {want.size} elements asked for"
+        )
     return out
 
 

@@ -1,0 +1,149 @@
+"""The one module that talks to the Rust core (``ortckpt._core``).
+
+Everything crossing into Rust goes through here: typed records for what a load returns,
+the byte views tensors are saved from, the save calls and the core's constants. The rest
+of the package, and the subpackages, import these names, never ``_core`` itself (a test
+holds them to it), so the boundary can change in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from . import _core
+
+MappedFile = _core.MappedFile
+SaveProgress = _core.SaveProgress
+CHECKPOINT_VERSION = _core.CHECKPOINT_VERSION
+DEFAULT_EXTERNAL_DATA_THRESHOLD = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD
+
+PropertyValue = int | float | str
+
+# A tensor as the core reads and writes it: (name, ONNX type code, dims, stored). On a load,
+# ``stored`` is (offset, nbytes, in the external data file?), a list of str, or None (nominal);
+# on a save, a contiguous byte buffer, a list of str, or None. Kept as the core's plain tuple:
+# a loaded state holds these until a tensor is first used, so opening costs little per tensor.
+CoreTensor = tuple[str, int, tuple[int, ...], Any]
+# (momentum name, code, dims, stored) per momentum, for each parameter, in each group.
+CoreGroup = tuple[str, int, float, list[tuple[str, list[CoreTensor]]]]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a load of a file or buffer returns, typed."""
+
+    version: int
+    nominal: bool
+    # (checkpoint, external data): the maps the stored offsets point into; views keep them alive.
+    mappings: tuple[Any, Any]
+    trainable: list[CoreTensor]
+    frozen: list[CoreTensor]
+    optimizer_groups: list[CoreGroup]
+    # As stored: one list per type; for a name repeated the last entry wins (as in ONNX Runtime).
+    properties: list[tuple[str, PropertyValue]]
+
+    @classmethod
+    def _of(cls, raw: dict[str, Any]) -> Loaded:
+        return cls(
+            version=raw["version"],
+            nominal=raw["nominal"],
+            mappings=(raw["mapping"], raw["external_mapping"]),
+            trainable=raw["trainable"],
+            frozen=raw["frozen"],
+            optimizer_groups=raw["optimizer_groups"],
+            properties=[*raw["ints"], *raw["floats"], *raw["strings"]],
+        )
+
+
+def load(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> Loaded:
+    """Maps and verifies a checkpoint file (and its data file)."""
+    return Loaded._of(_core.load(os.fspath(path), follow_symlinks=follow_symlinks))
+
+
+def load_buffer(view: memoryview) -> Loaded:
+    """Verifies a checkpoint held in a contiguous byte buffer; nothing is copied."""
+    return Loaded._of(_core.load_buffer(view))
+
+
+class TensorRecord(NamedTuple):
+    """A parameter as the other packages see it, values aside."""
+
+    name: str
+    code: int  # ONNX TensorProto data type
+    dims: tuple[int, ...]
+    requires_grad: bool
+
+
+class TensorSource(Protocol):
+    """What the converters, the sharded writer and the comparisons read from a state
+    (``CheckpointState`` is one), instead of its private attributes."""
+
+    @property
+    def is_nominal(self) -> bool: ...
+
+    def tensor_records(self) -> list[TensorRecord]: ...
+
+    def tensor_value(self, name: str) -> Any: ...
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """A flat little-endian uint8 view of ``array``: no copy when it is contiguous and little-endian."""
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    # The core reads the buffer as flat bytes, so any C-contiguous shape will do
+    # (a 0-d array cannot change its item size, hence the reshape there only).
+    return array.view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
+
+
+def split_properties(properties: Mapping[str, PropertyValue]) -> tuple[list, list, list]:
+    """(ints, floats, strings), as the format's property bag stores them."""
+    return (
+        [(k, v) for k, v in properties.items() if isinstance(v, int)],
+        [(k, v) for k, v in properties.items() if isinstance(v, float)],
+        [(k, v) for k, v in properties.items() if isinstance(v, str)],
+    )
+
+
+def save(
+    path: str | os.PathLike[str],
+    trainable: Sequence[Any],
+    frozen: Sequence[Any],
+    groups: Sequence[Any],
+    properties: Mapping[str, PropertyValue],
+    **options: Any,
+) -> None:
+    """Writes a checkpoint atomically; ``options``: ``_core.save``'s keywords (nominal,
+    durable, external_data_threshold, progress, keep_order)."""
+    _core.save(os.fspath(path), trainable, frozen, groups, *split_properties(properties), **options)
+
+
+def save_bytes(
+    trainable: Sequence[Any],
+    frozen: Sequence[Any],
+    groups: Sequence[Any],
+    properties: Mapping[str, PropertyValue],
+    **options: Any,
+) -> bytes:
+    """The bytes :func:`save` would write (values must total under 2 GiB)."""
+    return _core.save_bytes(trainable, frozen, groups, *split_properties(properties), **options)
+
+
+def release_pages(value: Any) -> None:
+    """Drops the pages of ``value`` from memory when it is a view over a file the core mapped
+    (MADV_DONTNEED on a private map: they are read again from the file if used again)."""
+    array = value.packed if hasattr(value, "packed") else value
+    base = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer holds the exporter through a memoryview
+        base = base.obj
+    if isinstance(base, MappedFile) and array.nbytes:
+        start = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0]
+        base._release(array.__array_interface__["data"][0] - start, array.nbytes)
