@@ -26,7 +26,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: run test test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
+.PHONY: run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -34,10 +34,15 @@ run: build
 
 # The Python suite runs against the installed wheel, once per interpreter in PYTHONS (`make pytest`
 # runs it against the source tree, for development).
-test: lint cargo-test fuzz-smoke test-wheel
+test: lint cargo-test test-devbuild fuzz-smoke test-wheel
 
+# What only the development build can show (its test hooks): a panic in the core is an InternalError.
+test-devbuild: build
+	$(PY) -m pytest -q -p no:cacheprovider tests/devbuild
+
+# The development build adds the test hooks (`_core._panic_for_test`); the wheel never has them.
 build: $(VENV)/.ok
-	maturin develop --release --quiet
+	maturin develop --release --quiet --features test-hooks
 
 $(VENV)/.ok:
 	$(PYTHON) -m venv $(VENV)
@@ -74,7 +79,7 @@ $(VENV)/.fuzz-ok: $(VENV)/.ok
 LINT_DEPS := "ruff==0.17.6" "mypy==2.4.1"
 lint: $(VENV)/.lint-ok
 	cargo fmt --check
-	cargo clippy --quiet --all-targets -- -D warnings
+	cargo clippy --quiet --all-targets --all-features -- -D warnings
 	ruff check python tests benches
 	ruff format --check python tests benches
 	mypy

@@ -5,7 +5,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 /// What went wrong, without the where.
+/// New kinds may be added: match with a wildcard arm.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// The operating system refused (open, read, write, rename, map).
     Io(io::Error),

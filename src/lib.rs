@@ -149,7 +149,8 @@ impl LoadedCheckpoint {
 
     /// The mappings (checkpoint, external data) and the metadata, for callers
     /// (the Python layer) that hand out views.
-    pub fn into_parts(self) -> (MmapMut, Option<MmapMut>, Checkpoint<Stored>) {
+    #[cfg(feature = "python")]
+    pub(crate) fn into_parts(self) -> (MmapMut, Option<MmapMut>, Checkpoint<Stored>) {
         (self.map, self.data, self.checkpoint)
     }
 }
@@ -322,13 +323,17 @@ pub fn decode_buffer(buf: &[u8]) -> Result<Checkpoint<Stored>> {
 /// # Errors
 /// As [`save`], less the OS errors.
 pub fn encode_in_memory<'a>(
-    ckpt: &mut Checkpoint<Payload<'a>>,
+    ckpt: &Checkpoint<Payload<'a>>,
     keep_order: bool,
 ) -> Result<format::Encoded<'a>> {
     format::endian::ensure_host_little_endian()?;
-    if !keep_order {
-        ckpt.sort_like_ort_state_path();
-    }
+    let sorted;
+    let ckpt = if keep_order {
+        ckpt
+    } else {
+        sorted = ckpt.sorted_like_ort_state_path();
+        &sorted
+    };
     let values = values_len(ckpt);
     if values > format::encode::MAX_INLINE_LEN {
         return Err(Error::invalid_state(format!(
@@ -357,11 +362,16 @@ fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
 /// # Errors
 /// Invalid states (bytes that disagree with dims, duplicate names) and OS errors,
 /// naming the file and tensor; the previous file at `path` is left intact.
-pub fn save(path: &Path, ckpt: &mut Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
+pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
     format::endian::ensure_host_little_endian()?;
-    if !options.keep_order {
-        ckpt.sort_like_ort_state_path();
-    }
+    // Sorted in a copy (names and slices only, never tensor bytes): the caller's order stays.
+    let sorted;
+    let ckpt = if options.keep_order {
+        ckpt
+    } else {
+        sorted = ckpt.sorted_like_ort_state_path();
+        &sorted
+    };
     let placement = if values_len(ckpt) > options.external_data_threshold {
         Placement::External
     } else {

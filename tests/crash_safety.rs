@@ -18,7 +18,7 @@ fn save_state(path: &Path, values: &[u8], threshold: u64) {
 }
 
 fn save_named(path: &Path, name: &str, values: &[u8], threshold: u64) {
-    let mut ckpt = Checkpoint {
+    let ckpt = Checkpoint {
         trainable: vec![Tensor {
             name: name.into(),
             data_type: DataType::Float,
@@ -31,7 +31,7 @@ fn save_named(path: &Path, name: &str, values: &[u8], threshold: u64) {
         external_data_threshold: threshold,
         ..SaveOptions::default()
     };
-    save(path, &mut ckpt, &options).unwrap();
+    save(path, &ckpt, &options).unwrap();
 }
 
 fn values_of(path: &Path) -> Vec<u8> {

@@ -53,7 +53,7 @@ fn values_move_out_momentums_included_small_ones_stay() {
     };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c");
-    save(&path, &mut ckpt, &external()).unwrap();
+    save(&path, &ckpt, &external()).unwrap();
     assert!(external_data_path(&path).exists());
 
     let loaded = load(&path).unwrap();
@@ -95,15 +95,15 @@ fn below_the_threshold_everything_stays_inline_and_a_stale_data_file_goes() {
     let w = bytes(4000, 1);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c");
-    let mut ckpt = Checkpoint {
+    let ckpt = Checkpoint {
         trainable: vec![float("w", &w)],
         ..Default::default()
     };
-    save(&path, &mut ckpt, &external()).unwrap();
+    save(&path, &ckpt, &external()).unwrap();
     let live = load(&path).unwrap();
     save(
         &path,
-        &mut ckpt,
+        &ckpt,
         &SaveOptions {
             external_data_threshold: 4000,
             ..SaveOptions::default()
@@ -128,7 +128,7 @@ fn saving_a_loaded_external_checkpoint_over_itself() {
     let path = dir.path().join("c");
     save(
         &path,
-        &mut Checkpoint {
+        &Checkpoint {
             trainable: vec![float("w", &w)],
             ..Default::default()
         },
@@ -138,7 +138,7 @@ fn saving_a_loaded_external_checkpoint_over_itself() {
     let loaded = load(&path).unwrap();
     save(
         &path,
-        &mut loaded.as_payloads().unwrap(),
+        &loaded.as_payloads().unwrap(),
         &SaveOptions {
             durable: true,
             ..external()
@@ -168,7 +168,7 @@ fn a_missing_or_short_data_file_is_a_clear_error() {
     let path = dir.path().join("c");
     save(
         &path,
-        &mut Checkpoint {
+        &Checkpoint {
             trainable: vec![float("w", &w)],
             ..Default::default()
         },
@@ -204,7 +204,7 @@ fn a_missing_or_short_data_file_is_a_clear_error() {
 #[test]
 fn a_momentum_beyond_the_data_file_is_named_within_its_group_and_parameter() {
     let (w, m0) = (bytes(16, 1), bytes(4000, 2));
-    let mut ckpt = Checkpoint {
+    let ckpt = Checkpoint {
         trainable: vec![float("w", &w)], // under 64 bytes: stays inline
         optimizer_groups: vec![OptimizerGroup {
             name: "group0".into(),
@@ -219,7 +219,7 @@ fn a_momentum_beyond_the_data_file_is_named_within_its_group_and_parameter() {
     };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c");
-    save(&path, &mut ckpt, &external()).unwrap();
+    save(&path, &ckpt, &external()).unwrap();
     std::fs::write(external_data_path(&path), &m0[..100]).unwrap();
     let e = load(&path).unwrap_err();
     assert_eq!(e.tensor(), Some("group0/w/momentum0"), "{e}");

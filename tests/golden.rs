@@ -116,7 +116,7 @@ fn golden_files_round_trip_through_ortckpt() {
         let out = dir.path().join("copy.ckpt");
         save(
             &out,
-            &mut loaded.as_payloads().unwrap(),
+            &loaded.as_payloads().unwrap(),
             &SaveOptions::default(),
         )
         .unwrap();

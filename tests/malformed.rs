@@ -226,15 +226,15 @@ fn invalid_states_are_refused_before_anything_is_written() {
             "STRING tensors take strings",
         ),
     ];
-    for (mut ckpt, expected) in cases {
-        let e = save(&path, &mut ckpt, &SaveOptions::default()).unwrap_err();
+    for (ckpt, expected) in cases {
+        let e = save(&path, &ckpt, &SaveOptions::default()).unwrap_err();
         assert!(matches!(e.kind(), ErrorKind::InvalidState(_)), "{e}");
         assert!(e.to_string().contains(expected), "{e}");
         assert_eq!(std::fs::read(&path).unwrap(), b"previous");
     }
     let e = save(
         &path,
-        &mut Checkpoint {
+        &Checkpoint {
             trainable: vec![tensor("u", vec![2], DataType::Undefined)],
             ..Default::default()
         },

@@ -278,18 +278,18 @@ fn saving_over_the_file_a_live_load_maps_keeps_both_intact() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.ckpt");
     let w = bytes(1 << 20, 9);
-    let mut ckpt = Checkpoint {
+    let ckpt = Checkpoint {
         trainable: vec![tensor("w", DataType::Float, &[1 << 18], &w)],
         ..Default::default()
     };
-    save(&path, &mut ckpt, &SaveOptions::default()).unwrap();
+    save(&path, &ckpt, &SaveOptions::default()).unwrap();
 
     let loaded = load(&path).unwrap();
     let mut again = loaded.as_payloads().unwrap();
     again.properties.ints.push(("epoch".into(), 2));
     save(
         &path,
-        &mut again,
+        &again,
         &SaveOptions {
             durable: true,
             ..SaveOptions::default()
@@ -327,7 +327,7 @@ fn save_sorts_by_name_unless_asked_to_keep_the_given_order() {
         ckpt.trainable.iter().map(|t| t.name.clone()).collect()
     };
     for (keep_order, expected) in [(false, ["alpha", "mid", "zeta"]), (true, names)] {
-        let mut ckpt = Checkpoint {
+        let ckpt = Checkpoint {
             trainable: names
                 .iter()
                 .map(|n| tensor(n, DataType::Float, &[4], &data))
@@ -338,7 +338,7 @@ fn save_sorts_by_name_unless_asked_to_keep_the_given_order() {
             keep_order,
             ..SaveOptions::default()
         };
-        save(&path, &mut ckpt, &options).unwrap();
+        save(&path, &ckpt, &options).unwrap();
         assert_eq!(names_in(load(&path).unwrap().checkpoint()), expected);
     }
 }

@@ -9,10 +9,10 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
     CheckpointState.save_checkpoint(state, "checkpoint", include_optimizer_state=True)
 """
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .arithmetic import apply, average, delta, interpolate
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
 from .dtypes import PackedBits, PackedInt4
 from .errors import (
@@ -27,11 +27,34 @@ from .errors import (
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
 )
-from .integrity import Verified, verify
-from .manager import CheckpointInfo, CheckpointManager
-from .retention import RetentionPolicy
-from .rng import capture_rng_state, restore_rng_state
-from .versions import upgrade
+
+# The rest is imported on first use (PEP 562), so `import ortckpt` costs the checkpoint
+# state and NumPy, not the manager, the sharded writer or the ONNX exporters.
+_LAZY = {
+    "apply": ".arithmetic",
+    "average": ".arithmetic",
+    "delta": ".arithmetic",
+    "interpolate": ".arithmetic",
+    "Verified": ".integrity",
+    "verify": ".integrity",
+    "CheckpointInfo": ".manager",
+    "CheckpointManager": ".manager",
+    "RetentionPolicy": ".retention",
+    "capture_rng_state": ".rng",
+    "restore_rng_state": ".rng",
+    "upgrade": ".versions",
+    "export_model": ".convert.onnx_model",
+    "inference_model": ".convert.onnx_model",
+}
+
+if TYPE_CHECKING:
+    from .arithmetic import apply, average, delta, interpolate
+    from .convert.onnx_model import export_model, inference_model
+    from .integrity import Verified, verify
+    from .manager import CheckpointInfo, CheckpointManager
+    from .retention import RetentionPolicy
+    from .rng import capture_rng_state, restore_rng_state
+    from .versions import upgrade
 
 
 def load_checkpoint(checkpoint_uri: Any) -> CheckpointState:
@@ -47,12 +70,16 @@ def save_checkpoint(
 
 
 def __getattr__(name: str) -> Any:
-    # The ONNX exporters import onnx's helpers: loaded on first use only.
-    if name in ("export_model", "inference_model"):
-        from .convert import onnx_model
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ortckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # imported once
+    return value
 
-        return getattr(onnx_model, name)
-    raise AttributeError(f"module 'ortckpt' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 try:

@@ -9,7 +9,6 @@ __all__ = [
     "PAYLOAD_ALIGNMENT",
     "MappedFile",
     "SaveProgress",
-    "_panic_for_test",
     "load",
     "load_buffer",
     "save",
@@ -68,4 +67,3 @@ def save_bytes(
     nominal: bool = False,
     keep_order: bool = False,
 ) -> bytes: ...
-def _panic_for_test(message: str, release_gil: bool) -> None: ...

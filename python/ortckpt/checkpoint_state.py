@@ -586,8 +586,8 @@ class CheckpointState:
                 tensor = _Tensor(name, tensor.code, tensor.dims, value)
             other._tensors[name] = tensor
         other._properties = dict(self._properties)
-        for name, value in properties.items():
-            other.properties[name] = value
+        for name, prop in properties.items():
+            other.properties[name] = prop
         if include_optimizer_state:
             for group_name, group in self.optimizer_groups.items():
                 momentums = group.momentums

@@ -51,8 +51,8 @@ def _tensors(state: CheckpointState) -> dict[str, tuple[str, Any]]:
     """Name -> (role, value) of every tensor, momentums as ``group/param/momentum``."""
     out: dict[str, tuple[str, Any]] = {}
     if not state.is_nominal:
-        for name, param in state.parameters:
-            out[name] = ("trainable" if param.requires_grad else "frozen", param.data)
+        for name, parameter in state.parameters:
+            out[name] = ("trainable" if parameter.requires_grad else "frozen", parameter.data)
     for group_name, group in state.optimizer_groups.items():
         for param, momentums in group.momentums.items():
             for momentum, value in momentums.items():

@@ -202,6 +202,10 @@ SHARDED_VERSION = 1
 MAX_WORLD_SIZE = 1 << 20
 
 
+# A sharded step directory's index (the commit point of a sharded save).
+INDEX_NAME = "index.json"
+
+
 def shard_file_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}"
 

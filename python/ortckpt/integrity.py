@@ -14,7 +14,7 @@ from . import metadata as _metadata
 from . import progress as _progress
 from . import safe_io, steps
 from .checkpoint_state import open_checkpoint
-from .distributed.layout import INDEX_NAME
+from .documents import INDEX_NAME
 from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointIntegrityError
 

@@ -49,6 +49,7 @@ import numpy as np
 from . import _boundary, safe_io, steps
 from . import metadata as _metadata
 from .checkpoint_state import CheckpointState, open_checkpoint
+from .documents import INDEX_NAME
 from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from .integrity import CHECKPOINT_NAME, Verified, verify
@@ -84,8 +85,6 @@ class CheckpointInfo:
     @property
     def sharded(self) -> bool:
         """Whether this is a sharded checkpoint (one shard per rank and an index)."""
-        from .distributed import INDEX_NAME
-
         return (self.directory / INDEX_NAME).is_file()
 
     def load(self) -> CheckpointState:
@@ -163,7 +162,7 @@ class CheckpointManager:
         *,
         save_every: int | datetime.timedelta | None = None,
         max_to_keep: int | None = None,
-        keep_best: tuple[str, str, int] | None = None,
+        keep_best: tuple[str, Literal["min", "max"], int] | None = None,
         keep_every: int | None = None,
         async_save: bool = False,
         durable: bool = True,
@@ -434,7 +433,7 @@ class CheckpointManager:
     ) -> None:
         """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
         index and metadata and renames it into place once all have succeeded."""
-        from .distributed.sharded import INDEX_NAME, write_index, write_shards
+        from .distributed.sharded import write_index, write_shards
 
         assert self.comm is not None
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
 class RetentionPolicy:
     max_to_keep: int | None = None
-    keep_best: tuple[str, str, int] | None = None
+    keep_best: tuple[str, Literal["min", "max"], int] | None = None
     keep_every: int | None = None
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import os
 import re
 import secrets
@@ -195,7 +196,7 @@ def fsync_directory(path: Path) -> None:
 # --- reading -----------------------------------------------------------------------------------------
 
 
-def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> IO[bytes]:
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> io.FileIO:
     """Opens a regular file for reading (binary, unbuffered). Refuses anything else before
     reading a byte: IsADirectoryError, SpecialFileError (FIFO, socket, device), and with
     ``follow_symlinks=False`` a symlink (ELOOP)."""

@@ -145,6 +145,17 @@ impl<D> Checkpoint<D> {
         self.properties.strings.sort_by(|a, b| a.0.cmp(&b.0));
     }
 
+    /// A copy sorted as [`Checkpoint::sort_like_ort_state_path`] sorts (tensor data are
+    /// cloned as they are: for a `Payload`, borrowed slices, not bytes).
+    pub fn sorted_like_ort_state_path(&self) -> Self
+    where
+        D: Clone,
+    {
+        let mut sorted = self.clone();
+        sorted.sort_like_ort_state_path();
+        sorted
+    }
+
     /// The same checkpoint with every tensor's data mapped by `f` (which may fail).
     pub fn try_map_data<E, F, T>(&self, mut f: F) -> Result<Checkpoint<T>, E>
     where

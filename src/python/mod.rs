@@ -174,7 +174,7 @@ fn save(
             nominal,
             &mut buffers,
         )?;
-        let mut payloads = payloads_of(&ckpt, &buffers)?;
+        let payloads = payloads_of(&ckpt, &buffers)?;
         let options = SaveOptions {
             durable,
             external_data_threshold,
@@ -182,7 +182,7 @@ fn save(
             keep_order,
             ..SaveOptions::default()
         };
-        py.detach(|| crate::save(&path, &mut payloads, &options))
+        py.detach(|| crate::save(&path, &payloads, &options))
             .map_err(|e| to_py_err(py, e))
     })
 }
@@ -213,9 +213,9 @@ fn save_bytes<'py>(
             nominal,
             &mut buffers,
         )?;
-        let mut payloads = payloads_of(&ckpt, &buffers)?;
+        let payloads = payloads_of(&ckpt, &buffers)?;
         let encoded =
-            crate::encode_in_memory(&mut payloads, keep_order).map_err(|e| to_py_err(py, e))?;
+            crate::encode_in_memory(&payloads, keep_order).map_err(|e| to_py_err(py, e))?;
         let segments = encoded.segments();
         let len = segments.iter().map(|s| s.len()).sum();
         PyBytes::new_with(py, len, |out| {
@@ -360,7 +360,8 @@ fn buffer_bytes(buffer: &PyBuffer<u8>) -> &[u8] {
 
 /// Panics on purpose, inside the same guard as `load` and `save` (with the GIL
 /// released or held), so the test suite can prove that a panic arrives in Python
-/// as ortckpt.errors.InternalError. Not part of the API.
+/// as ortckpt.errors.InternalError. Not part of the API, and not in the wheel.
+#[cfg(feature = "test-hooks")]
 #[pyfunction]
 fn _panic_for_test(py: Python<'_>, message: String, release_gil: bool) -> PyResult<()> {
     guarded(py, || {
@@ -378,6 +379,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;
+    #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;
     m.add_class::<SaveProgress>()?;

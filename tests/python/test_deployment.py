@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import ortckpt
+import ortckpt.arithmetic
 import pytest
 from ortckpt import CheckpointState, PackedBits, PackedInt4
 from ortckpt.cli import run as cli

@@ -84,3 +84,73 @@ def test_the_scan_finds_what_it_looks_for():
         "json-parse",
         "write-path",
     ]
+
+
+def _imports(source: str, module: str) -> list[tuple[str, str]]:
+    """(imported module, name) for every ``from X import name`` and ``import X`` in a module of
+    the package, X resolved to a dotted name under ``ortckpt``."""
+    package = ["ortckpt", *module.split(".")[:-1]]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found += [(target, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+    return found
+
+
+def _package_modules() -> dict[str, str]:
+    return {
+        ".".join(path.relative_to(PACKAGE).with_suffix("").parts): path.read_text()
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def test_only_the_boundary_module_talks_to_the_rust_core():
+    talkers = sorted(
+        module
+        for module, source in _package_modules().items()
+        for target, name in _imports(source, module)
+        if target == "ortckpt._core" or (target == "ortckpt" and name == "_core")
+    )
+    assert talkers == ["_boundary"]
+
+
+def test_no_private_name_crosses_a_module_line():
+    """A module uses another's public names only (``_boundary`` is private to the package, its
+    names are not): private helpers stay where they are defined."""
+    crossings = sorted(
+        f"{module} imports {name} from {target}"
+        for module, source in _package_modules().items()
+        for target, name in _imports(source, module)
+        if target.startswith("ortckpt")
+        and name.startswith("_")
+        and not name.endswith("__")
+        and name not in ("_boundary", "_core")
+    )
+    assert crossings == []
+
+
+def test_import_ortckpt_loads_only_the_checkpoint_state():
+    """The manager, the sharded writer, the converters and the CLI load on first use."""
+    import subprocess
+    import sys
+
+    code = "import sys, ortckpt; print(sorted(m for m in sys.modules if m.startswith('ortckpt')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(loaded) == [
+        "ortckpt",
+        "ortckpt._boundary",
+        "ortckpt._core",
+        "ortckpt.checkpoint_state",
+        "ortckpt.dtypes",
+        "ortckpt.errors",
+        "ortckpt.progress",
+    ]
+    lazy = "import ortckpt; print(ortckpt.CheckpointManager.__module__, ortckpt.average.__module__)"
+    assert subprocess.run([sys.executable, "-c", lazy], capture_output=True, text=True, check=True).stdout.split() == [
+        "ortckpt.manager",
+        "ortckpt.arithmetic",
+    ]

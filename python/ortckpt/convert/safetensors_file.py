@@ -74,10 +74,10 @@ def save_safetensors(
     if state.is_nominal:
         raise CheckpointFormatError(f"{os.fspath(path)}: a nominal checkpoint has no values to write as safetensors")
     tensors: dict[str, np.ndarray] = {}
-    for name, param in state.parameters:
-        tensors[name] = _array_for(name, param.data)
+    for name, parameter in state.parameters:
+        tensors[name] = _array_for(name, parameter.data)
     structure: dict[str, Any] = {
-        "frozen": [name for name, param in state.parameters if not param.requires_grad],
+        "frozen": [name for name, parameter in state.parameters if not parameter.requires_grad],
         "property_types": {},
         "optimizer_groups": {},
     }

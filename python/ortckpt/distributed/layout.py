@@ -12,10 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..documents import shard_file_name as shard_file_name  # the index's names live with its schema
+from ..documents import INDEX_NAME as INDEX_NAME  # the index's names live with its schema
+from ..documents import shard_file_name as shard_file_name
 from ..errors import CheckpointStateError
-
-INDEX_NAME = "index.json"
 
 
 @dataclass(frozen=True)

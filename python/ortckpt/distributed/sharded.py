@@ -18,6 +18,7 @@ latest, and the next save of the same step clears what was left.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -448,7 +449,8 @@ def assemble(
     piece read must have the type and shape the index gives it (CheckpointFormatError, naming
     the shard and the tensor, if not)."""
     shards = _Shards(Path(where), index)
-    trainable, frozen = {}, {}
+    trainable: dict[str, Any] = {}
+    frozen: dict[str, Any] = {}
     groups = (
         {
             name: OptimizerGroup(g["step"], g["initial_learning_rate"], {})
@@ -459,12 +461,11 @@ def assemble(
     )
     for name, want in layout.items():
         entry = entries[name]
-        (trainable if entry.trainable else frozen)[name] = _region(entry, want, lambda p, e=entry: shards.tensor(e, p))
+        (trainable if entry.trainable else frozen)[name] = _region(entry, want, functools.partial(shards.tensor, entry))
         if include_optimizer_state:
             for group, m in entry.momentums:
-                groups[group].momentums.setdefault(name, {})[m] = _region(
-                    entry, want, lambda p, e=entry, g=group, m=m: shards.momentum(e, p, g, m)
-                )
+                read = functools.partial(shards.momentum, entry, group=group, m=m)
+                groups[group].momentums.setdefault(name, {})[m] = _region(entry, want, read)
     state = CheckpointState.from_arrays(trainable, frozen, index.get("properties", {}))
     state.optimizer_groups = groups
     return state

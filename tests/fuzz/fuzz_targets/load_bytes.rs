@@ -55,7 +55,7 @@ fuzz_target!(|input: &[u8]| {
     }
 
     // What loads, saves; and what is saved loads back the same.
-    let Ok(mut payloads) = loaded.as_payloads() else {
+    let Ok(payloads) = loaded.as_payloads() else {
         return;
     };
     let copy = scratch().join("copy");
@@ -63,7 +63,7 @@ fuzz_target!(|input: &[u8]| {
         threads: 1,
         ..SaveOptions::default()
     };
-    match save(&copy, &mut payloads, &options) {
+    match save(&copy, &payloads, &options) {
         Ok(()) => {}
         // Files ONNX Runtime accepts but ortckpt does not write: UNDEFINED tensors, say.
         Err(e) => {
