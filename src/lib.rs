@@ -364,7 +364,9 @@ fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
 /// naming the file and tensor; the previous file at `path` is left intact.
 pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
     format::endian::ensure_host_little_endian()?;
-    // Sorted in a copy (names and slices only, never tensor bytes): the caller's order stays.
+    // Sorted in a copy (names, dims and string values are cloned, tensor bytes never): the
+    // caller's order stays. Callers that built the checkpoint for this save can sort it in place
+    // and set keep_order, as the Python layer does.
     let sorted;
     let ckpt = if options.keep_order {
         ckpt

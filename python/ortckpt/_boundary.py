@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _core
+from .dtypes import PackedBits
 
 MappedFile = _core.MappedFile
 SaveProgress = _core.SaveProgress
@@ -71,24 +72,13 @@ def load_buffer(view: memoryview) -> Loaded:
 
 
 class TensorRecord(NamedTuple):
-    """A parameter as the other packages see it, values aside."""
+    """A parameter as other code sees it, values aside (``CheckpointState.tensor_records``);
+    its values: ``CheckpointState.tensor_value(name)``."""
 
     name: str
     code: int  # ONNX TensorProto data type
     dims: tuple[int, ...]
     requires_grad: bool
-
-
-class TensorSource(Protocol):
-    """What the converters, the sharded writer and the comparisons read from a state
-    (``CheckpointState`` is one), instead of its private attributes."""
-
-    @property
-    def is_nominal(self) -> bool: ...
-
-    def tensor_records(self) -> list[TensorRecord]: ...
-
-    def tensor_value(self, name: str) -> Any: ...
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
@@ -138,7 +128,7 @@ def save_bytes(
 def release_pages(value: Any) -> None:
     """Drops the pages of ``value`` from memory when it is a view over a file the core mapped
     (MADV_DONTNEED on a private map: they are read again from the file if used again)."""
-    array = value.packed if hasattr(value, "packed") else value
+    array = value.packed if isinstance(value, PackedBits) else value
     base = array
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base

@@ -38,6 +38,8 @@ class SaveProgress:
 
 # (name, ONNX type code, dims, values): values are a contiguous byte buffer, a list of str, or None (nominal).
 _TensorIn = tuple[str, int, Sequence[int], Any]
+# (group name, step, initial learning rate, [(parameter, its momentums)]).
+_GroupIn = tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]
 
 def load(path: str, *, follow_symlinks: bool = True) -> dict[str, Any]: ...
 def load_buffer(data: Any) -> dict[str, Any]: ...
@@ -45,7 +47,7 @@ def save(
     path: str,
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],
-    optimizer_groups: Sequence[tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]],
+    optimizer_groups: Sequence[_GroupIn],
     ints: Sequence[tuple[str, int]],
     floats: Sequence[tuple[str, float]],
     strings: Sequence[tuple[str, str]],
@@ -59,7 +61,7 @@ def save(
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],
-    optimizer_groups: Sequence[tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]],
+    optimizer_groups: Sequence[_GroupIn],
     ints: Sequence[tuple[str, int]],
     floats: Sequence[tuple[str, float]],
     strings: Sequence[tuple[str, str]],

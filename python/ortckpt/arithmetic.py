@@ -156,12 +156,11 @@ class _Opened:
     """A source: its state, a label for errors, and whether its maps are ours to drop pages of."""
 
     def __init__(self, source: Source, index: int) -> None:
-        self.owned = not isinstance(source, CheckpointState)
         if isinstance(source, CheckpointState):
-            self.state, self.label = source, f"checkpoint #{index}"
+            self.state, self.label, self.owned = source, f"checkpoint #{index}", False
         else:
             self.state = CheckpointState.load_checkpoint(source)
-            self.label = f"checkpoint #{index} ({os.fspath(source)})"
+            self.label, self.owned = f"checkpoint #{index} ({os.fspath(source)})", True
         if self.state.is_nominal:
             raise CheckpointStateError(f"{self.label} is nominal: it holds no values")
 

@@ -99,7 +99,7 @@ class _Tensor:
         if target.flags.writeable:
             np.copyto(target, source)
         else:  # e.g. a read-only array handed to from_arrays: keep our own copy instead
-            self._value = _owned_copy(value)
+            self._value = value.copy()
 
     def to_core(self, nominal: bool) -> tuple[str, int, tuple[int, ...], Any]:
         """(name, code, dims, values) as ``_boundary.save`` takes them."""
@@ -149,12 +149,6 @@ def _strings_of(name: str, value: Any) -> list[str]:
                 "an object array is saved as a STRING tensor, which holds text only"
             )
     return out
-
-
-def _owned_copy(value: TensorValue) -> TensorValue:
-    if isinstance(value, PackedBits):
-        return PackedBits.of(value.packed.copy(), value.shape, value.data_type)
-    return np.array(value, copy=True)
 
 
 def _is_file_object(target: Any) -> bool:
@@ -604,11 +598,11 @@ class CheckpointState:
         """Every parameter's name, ONNX type code, dims and ``requires_grad``, in the state's
         order (the file's, or as given), nominal states included: what other code reads of a
         state without its values."""
-        return [
-            TensorRecord(name, tensor.code, tensor.dims, name not in self._frozen)
-            for name in self._tensors
-            for tensor in (self._tensor(name),)
-        ]
+        records = []
+        for name in self._tensors:
+            tensor = self._tensor(name)
+            records.append(TensorRecord(name, tensor.code, tensor.dims, name not in self._frozen))
+        return records
 
     def tensor_value(self, name: str) -> TensorValue:
         """A parameter's values (a view over the file for a loaded state), without the

@@ -118,6 +118,10 @@ class PackedBits:
     def signed(self) -> bool:
         return self.data_type in (INT4, INT2)
 
+    def copy(self) -> PackedBits:
+        """An independent copy (the packed bytes copied), as ``ndarray.copy`` is for arrays."""
+        return PackedBits.of(self.packed.copy(), self.shape, self.data_type)
+
     @property
     def bits(self) -> int:
         return _PACKED_BY_CODE[self.data_type][1]

@@ -105,10 +105,8 @@ class _Staging:
         self.arrays: dict[tuple[str, ...], np.ndarray] = {}
 
     def copy(self, key: tuple[str, ...], value: Any) -> Any:
-        if isinstance(value, PackedBits):  # rare types: a fresh copy
-            return PackedBits.of(value.packed.copy(), value.shape, value.data_type)
-        if value.dtype == object:
-            return np.array(value, copy=True)
+        if isinstance(value, PackedBits) or value.dtype == object:  # rare types: a fresh copy
+            return value.copy()
         target = self.arrays.get(key)
         if target is None or target.shape != value.shape or target.dtype != value.dtype:
             target = self.arrays[key] = np.empty(value.shape, value.dtype)
@@ -506,7 +504,7 @@ class CheckpointManager:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            self._staging.arrays.clear()
+            self._staging = _Staging()  # its arrays freed
             if self._writer is not None:
                 self._writer.release()
             self._closed = True

@@ -174,12 +174,12 @@ fn save(
             nominal,
             &mut buffers,
         )?;
-        let payloads = payloads_of(&ckpt, &buffers)?;
+        let payloads = sorted_unless(keep_order, payloads_of(&ckpt, &buffers)?);
         let options = SaveOptions {
             durable,
             external_data_threshold,
             progress: progress.map(|p| Arc::clone(&p.0)),
-            keep_order,
+            keep_order: true,
             ..SaveOptions::default()
         };
         py.detach(|| crate::save(&path, &payloads, &options))
@@ -213,9 +213,8 @@ fn save_bytes<'py>(
             nominal,
             &mut buffers,
         )?;
-        let payloads = payloads_of(&ckpt, &buffers)?;
-        let encoded =
-            crate::encode_in_memory(&payloads, keep_order).map_err(|e| to_py_err(py, e))?;
+        let payloads = sorted_unless(keep_order, payloads_of(&ckpt, &buffers)?);
+        let encoded = crate::encode_in_memory(&payloads, true).map_err(|e| to_py_err(py, e))?;
         let segments = encoded.segments();
         let len = segments.iter().map(|s| s.len()).sum();
         PyBytes::new_with(py, len, |out| {
@@ -227,6 +226,19 @@ fn save_bytes<'py>(
             Ok(())
         })
     })
+}
+
+/// The checkpoint built for one call, sorted in place as ONNX Runtime's saver orders it (the
+/// core's save would sort a copy, cloning every name, dims and string value) unless the caller
+/// keeps its own order.
+fn sorted_unless(
+    keep_order: bool,
+    mut payloads: Checkpoint<Payload<'_>>,
+) -> Checkpoint<Payload<'_>> {
+    if !keep_order {
+        payloads.sort_like_ort_state_path();
+    }
+    payloads
 }
 
 /// The checkpoint Python hands over, its buffers exported into `buffers`.
