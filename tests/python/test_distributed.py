@@ -317,6 +317,34 @@ def test_bad_input_on_one_rank_names_it(tmp_path: Path) -> None:
     assert "embedding: the slice is (7, 4) but this rank's array is (6, 4)" in str(results[0])
 
 
+def test_a_commit_that_fails_on_rank_0_abandons_the_step_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_model(tmp_path, step=1, world=2)
+
+    def full_disk(path: Path, index: Any, durable: bool) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharded_module, "write_index", full_disk)
+    results = on_ranks(
+        2,
+        lambda comm: save_sharded(
+            rank_state(2, comm.rank, 2)[0], tmp_path, step=2, comm=comm, slices=rank_state(2, comm.rank, 2)[1]
+        ),
+    )
+    assert all(isinstance(r, ShardedCheckpointError) and r.failures.keys() == {0} for r in results), results
+    assert "rank 0: committing: OSError" in str(results[1]) and str(results[0]) == str(results[1])
+    assert isinstance(results[0].__cause__, OSError) and results[1].__cause__ is None  # rank 0's own error
+    assert committed_steps(tmp_path) == [1] and not step_directory(tmp_path, 2).exists()
+
+
+def test_a_missing_checkpoint_is_rank_0s_error_and_named_on_the_others(tmp_path: Path) -> None:
+    results = on_ranks(2, lambda comm: load_sharded(tmp_path, comm=comm))
+    assert isinstance(results[0], FileNotFoundError), results
+    assert isinstance(results[1], ShardedCheckpointError) and results[1].failures.keys() == {0}
+    assert "sharded load (reading the index)" in str(results[1]) and "FileNotFoundError" in str(results[1])
+
+
 def test_an_existing_step_is_refused_and_leftovers_are_cleared(tmp_path: Path) -> None:
     save_model(tmp_path, step=1, world=2)
     with pytest.raises(ShardedCheckpointError, match="step 1 exists"):

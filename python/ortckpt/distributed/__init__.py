@@ -15,10 +15,16 @@ checkpoint; rank 0 commits the step with an index once every rank has finished::
     merge("ckpts", "model.ckpt")                              # one file ONNX Runtime loads
 """
 
-from .comm import Communicator, MPICommunicator, SingleProcess, TorchCommunicator, communicator
+from .comm import (
+    Communicator,
+    MPICommunicator,
+    ShardedCheckpointError,
+    SingleProcess,
+    TorchCommunicator,
+    communicator,
+)
 from .layout import INDEX_NAME, Slice, shard_file_name
 from .sharded import (
-    ShardedCheckpointError,
     committed_steps,
     latest_step,
     load_sharded,

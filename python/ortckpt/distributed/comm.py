@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from ..errors import CheckpointError
+
+Local = TypeVar("Local")
+Decision = TypeVar("Decision")
 
 
 @runtime_checkable
@@ -151,3 +157,79 @@ def communicator(comm: Any = None) -> Communicator:
 def _launched_by_mpi() -> bool:
     # Open MPI and MPICH/Hydra set these in every rank they start; a world of one needs no MPI.
     return any(os.environ.get(v, "1") != "1" for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+
+
+class ShardedCheckpointError(CheckpointError):
+    """A collective save or load failed on one or more ranks; raised on every rank alike.
+    ``failures`` maps each failed rank to its error. A failed save commits nothing."""
+
+    def __init__(self, what: str, failures: Mapping[int, str]) -> None:
+        self.failures = dict(failures)
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on {len(self.failures)} rank(s):\n{lines}")
+
+
+def gather_decide_broadcast(
+    comm: Communicator,
+    what: str,
+    local: Callable[[], Local],
+    decide: Callable[[list[Local]], Decision],
+    *,
+    deciding: str,
+    on_failure: Callable[[], None] | None = None,
+) -> Decision:
+    """One collective round, as torch.distributed.checkpoint's ``_DistWrapper`` runs them: every
+    rank runs ``local()``; rank 0 gathers the results in rank order and, when no rank failed,
+    runs ``decide()`` on them; every rank returns what it decided. A failure anywhere raises a
+    :class:`ShardedCheckpointError` naming each failed rank on every rank (chained to the rank's
+    own error), so no rank is left waiting in a collective the others skipped. ``on_failure``
+    runs on rank 0 first (to remove what the round left); ``deciding`` names rank 0's part."""
+    failure: BaseException | None = None  # this rank's own error, chained to what it raises
+    mine: tuple[bool, Any]
+    try:
+        mine = (True, local())
+    except Exception as e:
+        failure, mine = e, (False, one_line(e))
+    gathered = comm.gather(mine)
+    verdict: tuple[bool, Any] | None = None
+    if comm.rank == 0:
+        assert gathered is not None
+        failures = {r: msg for r, (ok, msg) in enumerate(gathered) if not ok}
+        if not failures:
+            try:
+                verdict = (True, decide([value for _, value in gathered]))
+            except Exception as e:
+                failure, failures = e, {0: f"{deciding}: {one_line(e)}"}
+        if failures:
+            verdict = (False, failures)
+            if on_failure is not None:
+                on_failure()
+    verdict = comm.broadcast(verdict)
+    assert verdict is not None
+    if not verdict[0]:
+        raise ShardedCheckpointError(what, verdict[1]) from failure
+    return verdict[1]  # type: ignore[no-any-return]
+
+
+def root_decides(comm: Communicator, what: str, decide: Callable[[], Decision]) -> Decision:
+    """Rank 0 runs ``decide()`` alone and every rank gets the result. When it fails, rank 0
+    raises its own error and the other ranks a :class:`ShardedCheckpointError` naming it."""
+    failure: BaseException | None = None
+    verdict: tuple[bool, Any] | None = None
+    if comm.rank == 0:
+        try:
+            verdict = (True, decide())
+        except Exception as e:
+            failure, verdict = e, (False, one_line(e))
+    verdict = comm.broadcast(verdict)
+    assert verdict is not None
+    if not verdict[0]:
+        if failure is not None:
+            raise failure
+        raise ShardedCheckpointError(what, {0: verdict[1]})
+    return verdict[1]  # type: ignore[no-any-return]
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line of text: what travels between ranks."""
+    return f"{type(e).__name__}: {e}".strip().replace("\n", " | ")

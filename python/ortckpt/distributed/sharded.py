@@ -7,12 +7,12 @@ Layout of one step, ``<directory>/step_00000100/``::
     shard-00001-of-00004 ...
     index.json                  which piece of which tensor is in which shard; written last
 
-A save runs in three collective steps: every rank describes what it holds and rank 0 checks
-and plans it (nobody has written anything yet, so a bad state fails everywhere, cleanly);
-every rank writes its shard; rank 0 gathers the outcomes and, only if every rank succeeded,
-writes the index atomically (temporary file, fsync, rename). A step directory without an
-index is not a checkpoint: a crash of any rank at any point leaves the previous step as the
-latest, and the next save of the same step clears what was left.
+A save runs in two collective rounds (:func:`.comm.gather_decide_broadcast`): every rank
+describes what it holds and rank 0 checks and plans it (nobody has written anything yet, so a
+bad state fails everywhere, cleanly); every rank writes its shard and rank 0, only if every
+rank succeeded, writes the index atomically (temporary file, fsync, rename). A step
+directory without an index is not a checkpoint: a crash of any rank at any point leaves the
+previous step as the latest, and the next save of the same step clears what was left.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..checkpoint_state import CheckpointState, OptimizerGroup, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
 from ..steps import step_directory_name
-from .comm import Communicator, communicator
+from .comm import Communicator, communicator, gather_decide_broadcast, root_decides
 from .layout import (
     INDEX_NAME,
     Held,
@@ -47,16 +47,6 @@ from .layout import (
     shard_file_name,
     tensor_entries,
 )
-
-
-class ShardedCheckpointError(CheckpointError):
-    """A collective save or load failed on one or more ranks; raised on every rank alike.
-    ``failures`` maps each failed rank to its error. A failed save commits nothing."""
-
-    def __init__(self, what: str, failures: Mapping[int, str]) -> None:
-        self.failures = dict(failures)
-        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
-        super().__init__(f"{what} failed on {len(self.failures)} rank(s):\n{lines}")
 
 
 def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
@@ -160,77 +150,53 @@ def write_shards(
     external_data_threshold: int,
     abandon: Callable[[Path], None] = safe_io.remove_tree_quietly,
 ) -> Path:
-    """The collective save: describe and plan, write, commit. ``prepare`` (rank 0) makes the
-    directory the shards go to; ``commit`` (rank 0) makes them a checkpoint once all are written;
-    ``abandon`` (rank 0) removes them when some rank failed."""
+    """The collective save in two rounds: every rank describes what it holds and rank 0 plans
+    it (``prepare``, rank 0, makes the directory the shards go to); every rank writes its shard
+    and rank 0 commits them (``commit``), or removes them when some rank failed (``abandon``)."""
     rank, world = comm.rank, comm.world_size
-    failure: BaseException | None = None  # this rank's own error, chained to what it raises
-    description: RankDescription | None = None
-    try:
-        description = describe(state, slices, rank, include_optimizer_state)
-    except Exception as e:  # reported to rank 0 and raised on every rank together: no rank is left waiting
-        failure = e
-    descriptions = comm.gather((description, None if failure is None else _one_line(failure)))
+    on_root: dict[str, Any] = {}  # what only rank 0 keeps from the plan for the index
 
-    decision: Any = None
-    if rank == 0:
-        assert descriptions is not None
-        failures = {r: err for r, (_, err) in enumerate(descriptions) if err}
-        if failures:
-            decision = ("stop", "sharded save (checking the state)", failures)
-        else:
-            try:
-                writes, tables = plan([d for d, _ in descriptions])
-                decision = ("write", str(prepare()), writes)
-            except Exception as e:
-                failure = e
-                decision = ("stop", "sharded save (planning)", {0: _one_line(e)})
-    decision = comm.broadcast(decision)
-    if decision[0] == "stop":
-        raise ShardedCheckpointError(decision[1], decision[2]) from failure
+    def plan_and_prepare(descriptions: list[RankDescription]) -> tuple[str, list[list[str]]]:
+        writes, tables = plan(descriptions)
+        on_root.update(tables=tables, properties=dict(descriptions[0].properties))
+        return str(prepare()), writes
 
-    where, writes = Path(decision[1]), decision[2]
-    outcome: tuple[str, Any]
-    try:
-        files = _write_own_shard(
-            state, where, writes[rank], rank, world, include_optimizer_state, durable, external_data_threshold
-        )
-        outcome = ("ok", files)
-    except Exception as e:
-        failure = e
-        outcome = ("error", _one_line(e))
-    outcomes = comm.gather(outcome)
+    where_name, writes = gather_decide_broadcast(
+        comm,
+        "sharded save (checking the state)",
+        lambda: describe(state, slices, rank, include_optimizer_state),
+        plan_and_prepare,
+        deciding="planning",
+    )
+    where = Path(where_name)
 
-    verdict: dict[int, str] | None = None
-    if rank == 0:
-        assert outcomes is not None and descriptions is not None
-        verdict = {r: msg for r, (kind, msg) in enumerate(outcomes) if kind == "error"}
-        if not verdict:
-            shards = [
+    def index_and_commit(written: list[dict[str, int]]) -> None:
+        index = {
+            "format": documents.SHARDED_FORMAT,
+            "version": documents.SHARDED_VERSION,
+            "step": step,
+            "world_size": world,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "shards": [
                 {"rank": r, "file": shard_file_name(r, world), "files": files}
-                for r, (_, files) in enumerate(outcomes)
+                for r, files in enumerate(written)
                 if files
-            ]
-            index = {
-                "format": documents.SHARDED_FORMAT,
-                "version": documents.SHARDED_VERSION,
-                "step": step,
-                "world_size": world,
-                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "shards": shards,
-                **tables,
-                "properties": dict(descriptions[0][0].properties),
-            }
-            try:
-                commit(where, index)
-            except Exception as e:
-                failure = e
-                verdict = {0: f"committing: {_one_line(e)}"}
-        if verdict:
-            abandon(where)
-    verdict = comm.broadcast(verdict)
-    if verdict:
-        raise ShardedCheckpointError("sharded save", verdict) from failure
+            ],
+            **on_root["tables"],
+            "properties": on_root["properties"],
+        }
+        commit(where, index)
+
+    gather_decide_broadcast(
+        comm,
+        "sharded save",
+        lambda: _write_own_shard(
+            state, where, writes[rank], rank, world, include_optimizer_state, durable, external_data_threshold
+        ),
+        index_and_commit,
+        deciding="committing",
+        on_failure=lambda: abandon(where),
+    )
     return where
 
 
@@ -350,18 +316,8 @@ def load_sharded(
     saved is a view over its memory-mapped shard (no copy), others are assembled.
     """
     comm = communicator(comm)
-    found: tuple[Any, ...]
-    if comm.rank == 0:
-        try:
-            found = ("ok", *read_committed(directory, step))
-        except Exception as e:
-            found, failure = ("error", _one_line(e)), e
-    found = comm.broadcast(found if comm.rank == 0 else None)
-    if found[0] == "error":
-        if comm.rank == 0:
-            raise failure
-        raise ShardedCheckpointError("sharded load (reading the index)", {0: found[1]})
-    where, index = Path(found[1]), found[2]
+    where_name, index = root_decides(comm, "sharded load (reading the index)", lambda: read_committed(directory, step))
+    where = Path(where_name)
     entries = tensor_entries(index)
     if slices is None:
         layout = default_layout(entries.values(), index["world_size"], comm.rank, comm.world_size)
@@ -573,7 +529,3 @@ def write_index(path: Path, index: Mapping[str, Any], durable: bool) -> None:
     data = (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
     documents.parse(documents.SHARDED_INDEX, data, os.fspath(path))
     safe_io.write_atomically(path, data, durable=durable)
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".strip().replace("\n", " | ")
