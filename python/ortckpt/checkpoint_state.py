@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -508,9 +509,10 @@ class CheckpointState:
         every initializer not in ``frozen`` is trainable. Initializers in ONNX external data
         are read from ``base_dir``, by default the model file's directory.
         """
-        from .convert.onnx_model import state_from_onnx
+        from ._onnx_tensors import initializers  # onnx is imported only when used
 
-        return state_from_onnx(model, requires_grad=requires_grad, frozen=frozen, base_dir=base_dir)
+        trainable, frozen_values = initializers(model, requires_grad, frozen, base_dir)
+        return cls.from_arrays(trainable, frozen_values)
 
     @property
     def parameters(self) -> Parameters:
@@ -642,10 +644,30 @@ def open_checkpoint(checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: 
     try:
         loaded = _boundary.load(checkpoint_uri, follow_symlinks=follow_symlinks)
     except IsADirectoryError:
-        from .versions import legacy_layout_problem
-
         problem = legacy_layout_problem(checkpoint_uri)
         if problem is None:
             raise
         raise CheckpointFormatError(problem) from None
     return CheckpointState._over(loaded)
+
+
+# Before ONNX Runtime 1.16 a checkpoint was a directory of these (see ortckpt.versions).
+PBSEQ_SUFFIX = ".pbseq"
+
+
+def legacy_layout_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read, when it is a directory in ONNX Runtime's pre-1.16 layout."""
+    from . import safe_io  # only on this error path: `import ortckpt` stays small
+
+    directory = Path(path)
+    names = sorted(e.name for e in safe_io.entries(directory) if e.name.endswith(PBSEQ_SUFFIX))
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (
+        f"{directory}: a checkpoint directory of protobuf sequence files ({shown}), the layout of "
+        "ONNX Runtime's training API before version 1.16. It predates the flatbuffers checkpoint "
+        "format (ODTC) that ortckpt and ONNX Runtime >= 1.16 read, and ortckpt does not convert it: "
+        "load its parameters with onnxruntime-training <= 1.15 and write them as a checkpoint "
+        "(ortckpt.onnxblock.save_checkpoint or CheckpointState.from_arrays)"
+    )

@@ -119,8 +119,10 @@ def test_only_the_boundary_module_talks_to_the_rust_core():
 
 
 def test_no_private_name_crosses_a_module_line():
-    """A module uses another's public names only (``_boundary`` is private to the package, its
-    names are not): private helpers stay where they are defined."""
+    """A module uses another's public names only (a private module such as ``_boundary`` is
+    private to the package, its names are not): private helpers stay where they are defined."""
+    private_modules = {module.rsplit(".", 1)[-1] for module in _package_modules() if module.startswith("_")}
+    private_modules.add("_core")
     crossings = sorted(
         f"{module} imports {name} from {target}"
         for module, source in _package_modules().items()
@@ -128,7 +130,7 @@ def test_no_private_name_crosses_a_module_line():
         if target.startswith("ortckpt")
         and name.startswith("_")
         and not name.endswith("__")
-        and name not in ("_boundary", "_core")
+        and name not in private_modules
     )
     assert crossings == []
 
@@ -154,3 +156,39 @@ def test_import_ortckpt_loads_only_the_checkpoint_state():
         "ortckpt.manager",
         "ortckpt.arithmetic",
     ]
+
+
+def test_the_package_has_no_import_cycle():
+    """Module imports (lazy ones too) form layers: the checkpoint state never reaches up into the
+    converters, the manager or the command, and no two modules need each other."""
+    modules = _package_modules()
+
+    def module_of(target: str, name: str) -> str | None:
+        for candidate in (f"{target}.{name}", target):
+            short = candidate.removeprefix("ortckpt.")
+            if candidate.startswith("ortckpt.") and short in modules:
+                return short
+            if candidate.startswith("ortckpt.") and f"{short}.__init__" in modules:
+                return f"{short}.__init__"
+        return None
+
+    graph = {
+        module: {
+            found
+            for target, name in _imports(source, module)
+            if (found := module_of(target, name)) is not None and found != module
+        }
+        for module, source in modules.items()
+    }
+    cycles = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert cycles == []

@@ -22,6 +22,7 @@ import numpy as np
 from .. import _boundary, safe_io
 from .. import dtypes as _dt
 from .._boundary import as_bytes
+from .._onnx_tensors import copy_proto, load_model, require_onnx, tensor_value
 from ..checkpoint_state import CheckpointState, PackedBits
 from ..errors import CheckpointStateError
 
@@ -36,53 +37,9 @@ PROTO_PATH_EXTERNAL_DATA_THRESHOLD = 1800 * MiB
 PROTOBUF_LIMIT = 2**31 - 1
 
 
-def _onnx() -> Any:
-    try:
-        import onnx
-    except ImportError:
-        raise ImportError("this needs the onnx package: pip install 'ortckpt[onnx]'") from None
-    return onnx
-
-
-def tensor_value(proto: onnx.TensorProto, base_dir: str | os.PathLike[str] = "") -> Any:
-    """A TensorProto's values as ortckpt holds them: an array (a view of ``raw_data`` when
-    there is one), a :class:`~ortckpt.PackedBits`, or an object array of str."""
-    onnx = _onnx()
-    from onnx import numpy_helper
-
-    dims = tuple(int(d) for d in proto.dims)
-    code = proto.data_type
-    if proto.data_location == onnx.TensorProto.EXTERNAL:
-        from onnx.external_data_helper import load_external_data_for_tensor
-
-        proto = _copy(proto)
-        load_external_data_for_tensor(proto, os.fspath(base_dir))
-    if code == _dt.STRING:
-        return np.array([s.decode() for s in proto.string_data], dtype=object).reshape(dims)
-    if code in _dt.SUB_BYTE_CODES:
-        if proto.HasField("raw_data"):
-            return PackedBits.of(np.frombuffer(proto.raw_data, np.uint8), dims, code)
-        return PackedBits.pack(numpy_helper.to_array(proto))
-    dtype = _dt.numpy_dtype(code)
-    if proto.HasField("raw_data"):
-        count = int(np.prod(dims, dtype=np.int64))
-        if len(proto.raw_data) != count * dtype.itemsize:
-            raise CheckpointStateError(
-                f"tensor {proto.name}: {len(proto.raw_data)} bytes of raw_data for {_dt.name_of(code)} {list(dims)}"
-            )
-        return np.frombuffer(proto.raw_data, dtype.newbyteorder("<"), count).reshape(dims)
-    return np.asarray(numpy_helper.to_array(proto)).view(dtype).reshape(dims)
-
-
-def _copy(proto: Any) -> Any:
-    out = type(proto)()
-    out.CopyFrom(proto)
-    return out
-
-
 def _as_proto(value: Any) -> Any:
     if isinstance(value, (bytes, bytearray, memoryview)):
-        proto = _onnx().TensorProto()
+        proto = require_onnx().TensorProto()
         proto.ParseFromString(bytes(value))
         return proto
     return value
@@ -160,20 +117,6 @@ def _fill_initializers(state: CheckpointState, model: onnx.ModelProto) -> int:
     return filled
 
 
-def _load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[Any, str]:
-    """The model (external data loaded) and the directory its external data paths start from.
-    The file is read here (a regular file only, so a FIFO never blocks), then parsed by onnx."""
-    if isinstance(model, (str, os.PathLike)):
-        onnx = _onnx()
-        from onnx.external_data_helper import load_external_data_for_model
-
-        base_dir = os.path.dirname(os.fspath(model))
-        proto = onnx.load_model_from_string(safe_io.read_regular(model))
-        load_external_data_for_model(proto, base_dir)
-        return proto, base_dir
-    return model, ""
-
-
 def state_from_onnx(
     model: onnx.ModelProto | str | os.PathLike[str],
     *,
@@ -181,24 +124,8 @@ def state_from_onnx(
     frozen: Iterable[str] = (),
     base_dir: str | os.PathLike[str] | None = None,
 ) -> CheckpointState:
-    """A checkpoint state of a model's initializers (a ModelProto or a path; initializers in
-    ONNX external data are read from ``base_dir``, by default the model file's directory).
-
-    ``requires_grad`` names the trainable parameters (the others are frozen); without it every
-    initializer not named in ``frozen`` is trainable, as ``generate_artifacts`` treats them.
-    """
-    proto, model_dir = _load_model(model)
-    directory = os.fspath(base_dir) if base_dir is not None else model_dir
-    values = {init.name: tensor_value(init, directory) for init in proto.graph.initializer}
-    frozen = set(frozen)
-    trainable = set(values) - frozen if requires_grad is None else set(requires_grad)
-    unknown = (trainable | frozen) - set(values)
-    if unknown:
-        raise CheckpointStateError(f"not initializers of the model: {sorted(unknown)}")
-    return CheckpointState.from_arrays(
-        {n: v for n, v in values.items() if n in trainable},
-        {n: v for n, v in values.items() if n not in trainable},
-    )
+    """A checkpoint state of a model's initializers: :meth:`CheckpointState.from_onnx`."""
+    return CheckpointState.from_onnx(model, requires_grad, frozen, base_dir=base_dir)
 
 
 def inference_model(
@@ -224,8 +151,8 @@ def inference_model(
         state = CheckpointState.load_checkpoint(state)
     if state.is_nominal:
         raise CheckpointStateError("a nominal checkpoint holds no values to export a model with")
-    proto, _ = _load_model(model)
-    proto = _copy(proto)
+    proto, _ = load_model(model)
+    proto = copy_proto(proto)
     graph = proto.graph
     if output_names is not None:
         _set_outputs(proto, list(output_names))
@@ -278,7 +205,7 @@ def _initializer(state: CheckpointState, graph_input: Any) -> Any:
 
 
 def _tensor_proto(name: str, value: Any) -> Any:
-    onnx = _onnx()
+    onnx = require_onnx()
     from onnx import numpy_helper
 
     if isinstance(value, np.ndarray) and value.dtype == object:
@@ -298,7 +225,7 @@ def _tensor_proto(name: str, value: Any) -> Any:
 def _set_outputs(proto: Any, names: list[str]) -> None:
     """The graph's outputs become ``names``, typed from the model's declarations or, failing
     those, from ONNX shape inference (as ONNX Runtime's Graph::Resolve infers them)."""
-    onnx = _onnx()
+    onnx = require_onnx()
     if not names:
         raise CheckpointStateError("output_names is empty: name the outputs the inference model computes")
     graph = proto.graph
@@ -316,7 +243,7 @@ def _set_outputs(proto: Any, names: list[str]) -> None:
             declared.update({v.name: v for v in inferred.graph.value_info})
         except Exception:
             pass
-    outputs = [_copy(declared[n]) if n in declared else onnx.ValueInfoProto(name=n) for n in names]
+    outputs = [copy_proto(declared[n]) if n in declared else onnx.ValueInfoProto(name=n) for n in names]
     del graph.output[:]
     graph.output.extend(outputs)
 
@@ -378,7 +305,7 @@ def export_model(
     ``True``/``False`` force it; initializers under ``size_threshold`` bytes stay in the model.
     Returns the path written.
     """
-    onnx = _onnx()
+    onnx = require_onnx()
     proto = inference_model(state, model, output_names=output_names)
     path = Path(path)
     if external_data is None:
