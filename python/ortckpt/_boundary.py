@@ -22,6 +22,8 @@ MappedFile = _core.MappedFile
 SaveProgress = _core.SaveProgress
 CHECKPOINT_VERSION = _core.CHECKPOINT_VERSION
 DEFAULT_EXTERNAL_DATA_THRESHOLD = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD
+# How the core names its temporary files; Python-side temporaries use the same marker.
+TEMP_MARKER = _core.TEMP_MARKER
 
 PropertyValue = int | float | str
 

@@ -7,6 +7,7 @@ __all__ = [
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
     "PAYLOAD_ALIGNMENT",
+    "TEMP_MARKER",
     "MappedFile",
     "SaveProgress",
     "load",
@@ -18,6 +19,7 @@ __all__ = [
 CHECKPOINT_VERSION: int
 PAYLOAD_ALIGNMENT: int
 DEFAULT_EXTERNAL_DATA_THRESHOLD: int
+TEMP_MARKER: str
 
 @final
 class MappedFile:

@@ -14,11 +14,8 @@ from . import metadata as _metadata
 from . import progress as _progress
 from . import safe_io, steps
 from .checkpoint_state import open_checkpoint
-from .documents import INDEX_NAME
 from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointIntegrityError
-
-CHECKPOINT_NAME = "checkpoint"  # the checkpoint file inside a manager's step directory
 
 
 @dataclass
@@ -70,27 +67,27 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
     problems: list[str] = []
     files: dict[str, str] = {}
     directory = path
-    sharded = os.path.isfile(directory / INDEX_NAME) and not os.path.islink(directory / INDEX_NAME)
+    sharded = os.path.isfile(directory / steps.INDEX_NAME) and not os.path.islink(directory / steps.INDEX_NAME)
     index: dict[str, Any] | None = None
     later: list[str] = []  # reported with the rest, after decoding
     if sharded:
         index, shard_problems = _check_index(directory)
         (problems if index is None else later).extend(shard_problems)
-    checkpoints = [directory / CHECKPOINT_NAME] if index is None else _shard_paths(directory, index)
+    checkpoints = [directory / steps.CHECKPOINT_NAME] if index is None else _shard_paths(directory, index)
     try:
         meta = _metadata.read(directory)
     except FileNotFoundError:
         if not sharded:  # a manager's directory always has metadata; save_sharded's need not
-            raise CheckpointIntegrityError(path, [f"{directory / _metadata.METADATA_NAME}: missing"]) from None
+            raise CheckpointIntegrityError(path, [f"{directory / steps.METADATA_NAME}: missing"]) from None
         meta = None
     except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(path, [_problem(directory / _metadata.METADATA_NAME, e)]) from None
+        raise CheckpointIntegrityError(path, [_problem(directory / steps.METADATA_NAME, e)]) from None
     step = None
     if meta is not None:
         step = meta["step"]
         named = steps.step_of(directory.name)
         if named is not None and named != step:
-            later.append(f"{directory / _metadata.METADATA_NAME}: step {step}, but the directory is of step {named}")
+            later.append(f"{directory / steps.METADATA_NAME}: step {step}, but the directory is of step {named}")
         for name, expected in sorted(meta["files"].items()):
             file = directory / name
             try:
@@ -109,7 +106,7 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
                 files[name] = digest
         for checkpoint in checkpoints:
             if checkpoint.name not in meta["files"]:
-                problems.append(f"{directory / _metadata.METADATA_NAME}: lists no {checkpoint.name} file")
+                problems.append(f"{directory / steps.METADATA_NAME}: lists no {checkpoint.name} file")
     if problems:  # decoding a file that failed its hash only repeats it
         raise CheckpointIntegrityError(path, problems)
     tensors = tensor_bytes = 0
@@ -149,7 +146,7 @@ def _check_index(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
     try:
         _, index = read_committed(directory, None)
     except (CheckpointError, OSError) as e:
-        return None, [_problem(directory / INDEX_NAME, e)]
+        return None, [_problem(directory / steps.INDEX_NAME, e)]
     problems = []
     for shard in index["shards"]:
         for name, size in shard["files"].items():
@@ -162,7 +159,7 @@ def _check_index(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
             if not stat.S_ISREG(actual.st_mode):
                 problems.append(f"{file}: not a regular file")
             elif actual.st_size != size:
-                problems.append(f"{file}: {actual.st_size} bytes, {INDEX_NAME} says {size}")
+                problems.append(f"{file}: {actual.st_size} bytes, {steps.INDEX_NAME} says {size}")
     return index, problems
 
 

@@ -49,10 +49,9 @@ import numpy as np
 from . import _boundary, safe_io, steps
 from . import metadata as _metadata
 from .checkpoint_state import CheckpointState, open_checkpoint
-from .documents import INDEX_NAME
 from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
-from .integrity import CHECKPOINT_NAME, Verified, verify
+from .integrity import Verified, verify
 from .retention import RetentionPolicy
 
 
@@ -67,7 +66,7 @@ class CheckpointInfo:
     @property
     def path(self) -> Path:
         """The checkpoint file: what ``load_checkpoint`` (ortckpt's or ONNX Runtime's) takes."""
-        return self.directory / CHECKPOINT_NAME
+        return self.directory / steps.CHECKPOINT_NAME
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -85,7 +84,7 @@ class CheckpointInfo:
     @property
     def sharded(self) -> bool:
         """Whether this is a sharded checkpoint (one shard per rank and an index)."""
-        return (self.directory / INDEX_NAME).is_file()
+        return (self.directory / steps.INDEX_NAME).is_file()
 
     def load(self) -> CheckpointState:
         """The whole state, in this process (a sharded checkpoint's pieces assembled)."""
@@ -239,11 +238,7 @@ class CheckpointManager:
         damaged metadata.json is skipped with a warning (and kept on disk, for a person to look
         at); one without any is not this manager's (e.g. a save_sharded step) and is ignored."""
         found = {}
-        for entry in safe_io.entries(self.directory):
-            step = steps.step_of(entry.name)
-            if step is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            directory = Path(entry.path)
+        for step, directory in steps.step_directories(self.directory).items():
             try:
                 meta = _metadata.read(directory)
             except FileNotFoundError:
@@ -394,7 +389,7 @@ class CheckpointManager:
         try:
             CheckpointState.save_checkpoint(
                 state,
-                temp / CHECKPOINT_NAME,
+                temp / steps.CHECKPOINT_NAME,
                 include_optimizer_state,
                 external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
@@ -436,7 +431,7 @@ class CheckpointManager:
         assert self.comm is not None
 
         def commit(temp: Path, index: dict[str, Any]) -> None:
-            write_index(temp / INDEX_NAME, index, self.durable)
+            write_index(temp / steps.INDEX_NAME, index, self.durable)
             self._commit_directory(temp, step, meta)
 
         write_shards(
@@ -450,7 +445,7 @@ class CheckpointManager:
             durable=self.durable,
             external_data_threshold=self.external_data_threshold,
         )
-        final = self.directory / steps.step_directory_name(step)
+        final = steps.step_directory(self.directory, step)
         with self._lock:  # rank 0 holds meta as written; the other ranks read it back
             self._checkpoints[step] = CheckpointInfo(step, final, meta if self._is_root else _metadata.read(final))
         self._apply_retention()

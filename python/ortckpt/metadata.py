@@ -23,8 +23,8 @@ import numpy as np
 
 from . import documents, safe_io
 from . import progress as _progress
+from .steps import METADATA_NAME
 
-METADATA_NAME = "metadata.json"
 FORMAT = documents.METADATA_FORMAT
 _CHUNK = 8 << 20
 

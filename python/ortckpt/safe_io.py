@@ -32,9 +32,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
+from ._boundary import TEMP_MARKER
 from .errors import CheckpointFormatError, SpecialFileError
 
-TEMP_MARKER = ".ortckpt-tmp."
 FILE_MODE = 0o644  # before the umask, as for any file a program creates
 _NAME_ATTEMPTS = 16
 # What a name read from a document may be: one path component, no separators, not . or ..

@@ -1,19 +1,26 @@
-"""A directory of step directories (``step_00000100/``), and who may write it.
+"""A directory of step directories (``step_00000100/``): the one owner of its on-disk layout.
 
-One owner for the layout that CheckpointManager and sharded saves share: names, the writer
-lock, temporary directories, commit, deletion and leftovers.
+CheckpointManager and sharded saves share it, and every name, temporary, commit, deletion
+and liveness rule of a step directory is spelled here (other modules ask this one):
 
+- **What a step holds.** A manager's step: ``checkpoint`` (its ``.data`` beside it when large)
+  and ``metadata.json`` (files, sizes, SHA-256s). A sharded step: one ``shard-RRRRR-of-WWWWW``
+  checkpoint per rank that held tensors and ``index.json`` (whose schema, in
+  :mod:`ortckpt.documents`, checks those names); a manager's sharded step has both documents.
 - **One writer at a time.** A writer holds an exclusive flock on ``.ortckpt-writer.lock`` in the
-  directory for as long as it writes (a manager: from start to ``close()``), and records who
-  it is in the file (pid, host, start time, command). A second writer, in this process or any
-  other, gets :class:`~ortckpt.CheckpointDirectoryInUseError` naming the holder. Readers take
-  no lock. The kernel releases the lock when its holder dies, however it dies.
-- **Liveness is the lock.** Since only the lock's holder writes, every temporary or
-  half-deleted directory it finds at start is a leftover of a writer that is gone, whatever
-  pid its name carries (every container's trainer is pid 1; pids are reused).
+  directory for as long as it writes (a manager: from start to ``close()``; ``save_sharded``:
+  for one save), and records who it is in the file (pid, host, start time, command). A second
+  writer, in this process or any other, gets :class:`~ortckpt.CheckpointDirectoryInUseError`
+  naming the holder. Readers take no lock. The kernel releases the lock when its holder dies.
+- **Liveness is a held lock, never a pid.** Since only the lock's holder writes, every
+  temporary or half-deleted step directory it finds is a leftover of a writer that is gone
+  (every container's trainer is pid 1; pids are reused). The files inside follow the same rule
+  one level down: a file being replaced is a locked temporary (``.<name>.ortckpt-tmp.<random>``,
+  the Rust core's marker), removed by a cleaner only when it can take the lock.
 - **A step is written privately, committed by rename.** ``.step_<n>.tmp-<random>/`` is
-  created writable by this user only, filled, then given its final permissions and renamed to
-  ``step_<n>``; the rename fails rather than replace an existing step.
+  created writable by this user only, filled (its documents last), then given its final
+  permissions and renamed to ``step_<n>``; the rename fails rather than replace an existing
+  step. So a directory under a step's name is always complete; what is not is hidden.
 - **Deletion renames first** (``.step_<n>.deleting-<random>``), then removes, so no step
   directory is ever half deleted under its own name.
 """
@@ -37,16 +44,35 @@ from pathlib import Path
 from typing import Any
 
 from . import documents, safe_io
+from .documents import INDEX_NAME as INDEX_NAME  # checked by the index's schema
+from .documents import shard_file_name as shard_file_name
 from .errors import CheckpointDirectoryInUseError, CheckpointExistsError
 from .safe_io import fsync_directory
 
 STEP_DIR = re.compile(r"step_(\d+)")
 _TEMPORARY = re.compile(r"\.step_\d+\.(tmp|deleting)-.*", re.DOTALL)
 WRITER_LOCK_NAME = ".ortckpt-writer.lock"
+CHECKPOINT_NAME = "checkpoint"  # a manager's checkpoint file
+METADATA_NAME = "metadata.json"  # a manager's record of the step: files, sizes, SHA-256s, metrics
 
 
 def step_directory_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / step_directory_name(step)
+
+
+def step_directories(directory: Path) -> dict[int, Path]:
+    """Every committed step directory of ``directory`` (a directory, not a symlink, under a
+    step's name), by step. A missing ``directory`` has none."""
+    found = {}
+    for entry in safe_io.entries(directory):
+        step = step_of(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            found[step] = Path(entry.path)
+    return found
 
 
 def step_of(name: str) -> int | None:

@@ -21,8 +21,9 @@ use crate::error::{Error, Result};
 /// Permissions of the files a save creates, before the umask: never writable by others.
 const FILE_MODE: u32 = 0o644;
 
-/// Marks temporary files, so that readers and cleaners can recognise them.
-const TEMP_MARKER: &str = ".ortckpt-tmp.";
+/// Marks temporary files, so that readers and cleaners can recognise them (the Python side
+/// names its temporary files with the same marker: one rule for both).
+pub const TEMP_MARKER: &str = ".ortckpt-tmp.";
 
 /// Attempts at a fresh temporary name before giving up (each collision is a planted
 /// file or a 1-in-2^128 coincidence).

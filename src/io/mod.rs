@@ -10,7 +10,7 @@ mod writeback;
 
 pub use atomic::{
     pending_temps, pending_temps_of, remove_stale_temps, replace_atomically, sync_parent_dir,
-    temp_path_for, write_at_parallel, write_pending, write_segments, PendingFile,
+    temp_path_for, write_at_parallel, write_pending, write_segments, PendingFile, TEMP_MARKER,
 };
 pub use locks::PathLock;
 pub use mapped::{map_private, map_private_any, FileId};

@@ -396,6 +396,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<MappedFile>()?;
     m.add_class::<SaveProgress>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
+    m.add("TEMP_MARKER", crate::io::TEMP_MARKER)?;
     m.add(
         "PAYLOAD_ALIGNMENT",
         crate::format::encode::PAYLOAD_ALIGNMENT,

@@ -76,14 +76,15 @@ def test_save_and_load_on_the_same_ranks(tmp_path: Path, ranks: int) -> None:
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_the_job_resumes(tmp_path: Path) -> None:
     run_ranks(2, "save", tmp_path, step=1)
     run_ranks(2, "die", tmp_path, step=2, expect_failure=True)
-    assert latest_step(tmp_path) == 1
-    left = sorted(p.name for p in step_directory(tmp_path, 2).iterdir())
+    assert latest_step(tmp_path) == 1 and not step_directory(tmp_path, 2).exists()  # nothing under its name
+    (temp,) = [p for p in tmp_path.iterdir() if p.name.startswith(".step_00000002.tmp-")]
+    left = sorted(p.name for p in temp.iterdir())
     assert INDEX_NAME not in left and "shard-00001-of-00002" not in left, left
     assert any(name.startswith(".shard-00001-of-00002") for name in left), left  # killed while writing it
     # The restarted job resumes from step 1 (checked against the model of step 1) and saves step 2.
     assert problems(run_ranks(2, "resume", tmp_path, step=2)) == {}
-    assert committed_steps(tmp_path) == [1, 2]
-    assert not any(p.name.startswith(".") for p in step_directory(tmp_path, 2).iterdir())  # the leftover is gone
+    assert committed_steps(tmp_path) == [1, 2] and not temp.exists()  # the leftover is gone
+    assert not any(p.name.startswith(".") for p in step_directory(tmp_path, 2).iterdir())
     assert problems(run_ranks(2, "load", tmp_path, step=2, saved_world=2)) == {}
 
 

@@ -349,15 +349,37 @@ def test_an_existing_step_is_refused_and_leftovers_are_cleared(tmp_path: Path) -
     save_model(tmp_path, step=1, world=2)
     with pytest.raises(ShardedCheckpointError, match="step 1 exists"):
         save_model(tmp_path, step=1, world=2)
-    leftover = step_directory(tmp_path, 2)
-    leftover.mkdir()
-    (leftover / shard_file_name(0, 2)).write_bytes(b"half a shard")  # a crashed save of step 2
+    crashed = tmp_path / ".step_00000002.tmp-0123456789abcdef"  # what a save killed mid-write leaves
+    crashed.mkdir()
+    (crashed / shard_file_name(0, 2)).write_bytes(b"half a shard")
     assert latest_step(tmp_path) == 1
     with pytest.raises(FileNotFoundError, match="did not finish"):
         load_sharded(tmp_path, step=2, comm=SingleProcess())
-    save_model(tmp_path, step=2, world=2)
-    assert committed_steps(tmp_path) == [1, 2]
+    save_model(tmp_path, step=2, world=2)  # the writer's lock proves the crashed save dead: removed
+    assert committed_steps(tmp_path) == [1, 2] and not crashed.exists()
     assert on_ranks(2, lambda c: check_part(*load_sharded(tmp_path, comm=c), 2, 2)) == [[], []]
+    foreign = step_directory(tmp_path, 3)  # not ours to delete: refused, kept
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ShardedCheckpointError, match="not as a sharded checkpoint") as e:
+        save_model(tmp_path, step=3, world=2)
+    assert e.value.failures.keys() == {0} and (foreign / "notes.txt").read_text() == "mine"
+    assert committed_steps(tmp_path) == [1, 2] and [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_sharded_step_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the index is in, the step's name does not exist: a reader never sees half a step."""
+    seen: list[list[str]] = []
+    real = sharded_module.write_index
+
+    def watching(path: Path, index: Any, durable: bool) -> None:
+        seen.append(sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ortckpt")))
+        real(path, index, durable)
+
+    monkeypatch.setattr(sharded_module, "write_index", watching)
+    where = save_sharded(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), tmp_path, step=7)
+    assert where == step_directory(tmp_path, 7) and (where / INDEX_NAME).is_file()
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].startswith(".step_00000007.tmp-"), seen
 
 
 def test_damaged_index_is_a_format_error(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..documents import INDEX_NAME as INDEX_NAME  # the index's names live with its schema
-from ..documents import shard_file_name as shard_file_name
 from ..errors import CheckpointStateError
+from ..steps import INDEX_NAME as INDEX_NAME  # a step directory's names: ortckpt.steps
+from ..steps import shard_file_name as shard_file_name
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ Layout of one step, ``<directory>/step_00000100/``::
 A save runs in two collective rounds (:func:`.comm.gather_decide_broadcast`): every rank
 describes what it holds and rank 0 checks and plans it (nobody has written anything yet, so a
 bad state fails everywhere, cleanly); every rank writes its shard and rank 0, only if every
-rank succeeded, writes the index atomically (temporary file, fsync, rename). A step
-directory without an index is not a checkpoint: a crash of any rank at any point leaves the
-previous step as the latest, and the next save of the same step clears what was left.
+rank succeeded, writes the index into the step's hidden temporary directory and renames it
+to ``step_<n>`` (:mod:`ortckpt.steps`, the protocol a manager's steps follow). A crash of any
+rank at any point leaves the previous step as the latest; the next writer removes what it left.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from .._boundary import TensorRecord
 from ..checkpoint_state import CheckpointState, OptimizerGroup, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
-from ..steps import step_directory_name
 from .comm import Communicator, communicator, gather_decide_broadcast, root_decides
 from .layout import (
     INDEX_NAME,
@@ -50,17 +49,12 @@ from .layout import (
 
 
 def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
-    return Path(directory) / step_directory_name(step)
+    return steps.step_directory(directory, step)
 
 
 def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
-    """Steps of ``directory`` whose sharded checkpoint is complete (its index written), oldest first."""
-    found = []
-    for entry in safe_io.entries(Path(directory)):
-        step = steps.step_of(entry.name)
-        if step is not None and os.path.isfile(os.path.join(entry.path, INDEX_NAME)):
-            found.append(step)
-    return sorted(found)
+    """Steps of ``directory`` that hold a sharded checkpoint (committed with its index), oldest first."""
+    return sorted(s for s, where in steps.step_directories(Path(directory)).items() if (where / INDEX_NAME).is_file())
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
@@ -101,27 +95,28 @@ def save_sharded(
         external_data_threshold: Per shard, as in :meth:`CheckpointState.save_checkpoint`.
     """
     comm = communicator(comm)
-    target = step_directory(directory, step)
+    root, target = Path(directory), step_directory(directory, step)
     writer: list[steps.WriterLock] = []  # rank 0's hold on the directory, for the save's duration
 
-    def prepare() -> Path:
-        safe_io.make_directories(Path(directory))
-        writer.append(steps.WriterLock(Path(directory)))  # one writer at a time, as for a manager
-        if (target / INDEX_NAME).exists():
+    def prepare() -> Path:  # the step layout's protocol, as a manager's (ortckpt.steps)
+        safe_io.make_directories(root)
+        lock = steps.WriterLock(root)  # one writer at a time, as for a manager
+        writer.append(lock)
+        steps.remove_leftovers(root, lock)  # what crashed saves left: holding the lock proves them dead
+        if (target / INDEX_NAME).is_file():
             raise CheckpointExistsError(f"{target}: a sharded checkpoint of step {step} exists")
-        if target.exists():  # what a save of this step that never committed left: its writer is gone
-            safe_io.remove_tree(target)
-        safe_io.make_private_directory(target)
-        return target
+        if os.path.lexists(target):
+            raise CheckpointExistsError(
+                f"{target}: step {step} exists, but not as a sharded checkpoint (no {INDEX_NAME})"
+            )
+        return steps.new_temp_directory(root, step)
 
-    def commit(where: Path, index: dict[str, Any]) -> None:
-        safe_io.publish_directory(where)
-        write_index(where / INDEX_NAME, index, durable)
-        if durable:
-            safe_io.fsync_directory(Path(directory))
+    def commit(temp: Path, index: dict[str, Any]) -> None:
+        write_index(temp / INDEX_NAME, index, durable)
+        steps.commit(temp, root, step, durable=durable)
 
     try:
-        return write_shards(
+        write_shards(
             comm,
             state_shard,
             slices,
@@ -135,6 +130,7 @@ def save_sharded(
     finally:
         for lock in writer:
             lock.release()
+    return target
 
 
 def write_shards(
@@ -149,7 +145,7 @@ def write_shards(
     durable: bool,
     external_data_threshold: int,
     abandon: Callable[[Path], None] = safe_io.remove_tree_quietly,
-) -> Path:
+) -> None:
     """The collective save in two rounds: every rank describes what it holds and rank 0 plans
     it (``prepare``, rank 0, makes the directory the shards go to); every rank writes its shard
     and rank 0 commits them (``commit``), or removes them when some rank failed (``abandon``)."""
@@ -197,7 +193,6 @@ def write_shards(
         deciding="committing",
         on_failure=lambda: abandon(where),
     )
-    return where
 
 
 def describe(
