@@ -35,13 +35,13 @@ _LAZY = {
     "average": ".arithmetic",
     "delta": ".arithmetic",
     "interpolate": ".arithmetic",
-    "Verified": ".integrity",
-    "verify": ".integrity",
+    "Verified": ".manager",
+    "verify": ".manager",
     "CheckpointInfo": ".manager",
     "CheckpointManager": ".manager",
-    "RetentionPolicy": ".retention",
-    "capture_rng_state": ".rng",
-    "restore_rng_state": ".rng",
+    "RetentionPolicy": ".manager",
+    "capture_rng_state": ".manager",
+    "restore_rng_state": ".manager",
     "upgrade": ".versions",
     "export_model": ".convert.onnx_model",
     "inference_model": ".convert.onnx_model",
@@ -50,10 +50,15 @@ _LAZY = {
 if TYPE_CHECKING:
     from .arithmetic import apply, average, delta, interpolate
     from .convert.onnx_model import export_model, inference_model
-    from .integrity import Verified, verify
-    from .manager import CheckpointInfo, CheckpointManager
-    from .retention import RetentionPolicy
-    from .rng import capture_rng_state, restore_rng_state
+    from .manager import (
+        CheckpointInfo,
+        CheckpointManager,
+        RetentionPolicy,
+        Verified,
+        capture_rng_state,
+        restore_rng_state,
+        verify,
+    )
     from .versions import upgrade
 
 

@@ -153,7 +153,7 @@ def test_import_ortckpt_loads_only_the_checkpoint_state():
     ]
     lazy = "import ortckpt; print(ortckpt.CheckpointManager.__module__, ortckpt.average.__module__)"
     assert subprocess.run([sys.executable, "-c", lazy], capture_output=True, text=True, check=True).stdout.split() == [
-        "ortckpt.manager",
+        "ortckpt.manager.checkpoint_manager",
         "ortckpt.arithmetic",
     ]
 

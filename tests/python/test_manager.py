@@ -28,7 +28,7 @@ from ortckpt import (
     restore_rng_state,
     verify,
 )
-from ortckpt.metadata import git_commit_of
+from ortckpt.manager.metadata import git_commit_of
 from ortckpt.steps import WRITER_LOCK_NAME
 from test_retention import reference_kept
 
@@ -246,7 +246,7 @@ def test_verify_after_save_refuses_to_commit_a_bad_checkpoint(tmp_path, monkeypa
     manager = CheckpointManager(tmp_path, verify_after_save=how)
     manager.save(make_state(), 1)
     assert manager.all_steps() == [1]
-    real_write = ortckpt.metadata.write
+    real_write = ortckpt.manager.metadata.write
 
     def corrupting_write(directory, meta, durable):  # the checkpoint changes after it was hashed
         real_write(directory, meta, durable)
@@ -254,7 +254,7 @@ def test_verify_after_save_refuses_to_commit_a_bad_checkpoint(tmp_path, monkeypa
             f.seek(-1, 2)
             f.write(b"\xff")
 
-    monkeypatch.setattr(ortckpt.metadata, "write", corrupting_write)
+    monkeypatch.setattr(ortckpt.manager.metadata, "write", corrupting_write)
     with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
         manager.save(make_state(), 2)
     assert manager.all_steps() == [1]

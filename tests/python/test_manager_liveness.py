@@ -24,7 +24,7 @@ from ortckpt import (
     CheckpointManager,
     CheckpointState,
 )
-from ortckpt import manager as manager_module
+from ortckpt.manager import checkpoint_manager as manager_module
 from ortckpt.steps import WRITER_LOCK_NAME
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .convert.files import FORMATS
+from .. import __version__
+from ..convert.files import FORMATS
 
 # Exit codes, as documented in --help.
 OK, DIFFERENT, USAGE, FAILED = 0, 1, 2, 3
@@ -152,8 +152,8 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
     """Check that a checkpoint is whole: for a CheckpointManager step directory every file's size
     and SHA-256 against its metadata.json, then (for any checkpoint) that every tensor, momentum
     and property decodes and reads in full."""
-    from .errors import CheckpointIntegrityError
-    from .integrity import verify as run_verify
+    from ..errors import CheckpointIntegrityError
+    from ..manager.integrity import verify as run_verify
 
     try:
         result = run_verify(path, progress=_show_progress(progress))
@@ -192,12 +192,12 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     """Compare two checkpoints (of any formats): tensor names, roles, dtypes, shapes and values
     (within --rtol/--atol), optimizer steps and learning rates, properties. Exit code 1 when
     they differ."""
+    from ..convert.files import load_any
     from .compare import compare
-    from .convert.files import load_any
 
     state_a, state_b = load_any(a), load_any(b)
     if _show_progress(progress):
-        from .progress import bar
+        from ..progress import bar
 
         with bar("comparing") as counter:
             result = compare(state_a, state_b, rtol=rtol, atol=atol, on_bytes=counter.update)
@@ -267,7 +267,7 @@ def convert(
 ) -> None:
     """Convert a checkpoint between formats, e.g. `ortckpt convert model.safetensors checkpoint`
     or `ortckpt convert checkpoint model.onnx --model eval_model.onnx --output y`."""
-    from .convert.files import convert as run_convert
+    from ..convert.files import convert as run_convert
 
     formats = run_convert(
         src,
@@ -295,7 +295,7 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
     """Write the nominal twin of a checkpoint: parameter names, roles and types without values
     (what ONNX Runtime's generate_artifacts(nominal_checkpoint=True) writes), for apps that ship
     small and load the weights later."""
-    from .convert.files import to_nominal
+    from ..convert.files import to_nominal
 
     count = to_nominal(src, dst, src_format=src_format)
     if as_json:
@@ -328,7 +328,7 @@ def export(
     eval model's parameter inputs bound to the checkpoint's values, only the --output values
     and the nodes they need. It runs in the onnxruntime inference package; no training package
     is needed."""
-    from .convert.onnx_model import export_model
+    from ..convert.onnx_model import export_model
 
     export_model(checkpoint, eval_model, out, output_names=list(outputs) or None, external_data=external_data)
     if as_json:
@@ -344,7 +344,7 @@ def export(
 def upgrade(src: str, dst: str, as_json: bool) -> None:
     """Write SRC (checkpoint format version 1, which ONNX Runtime 1.16 wrote and 1.17+ refuses,
     or version 2) to DST as version 2 with the same parameters, optimizer state and properties."""
-    from .versions import upgrade as run_upgrade
+    from ..versions import upgrade as run_upgrade
 
     version = run_upgrade(src, dst)
     if as_json:
@@ -373,7 +373,7 @@ def average(
     """Write to OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
     sources are read a chunk at a time, whatever their size. Integer, bool and string tensors and
     frozen parameters must be equal in every source, and are copied."""
-    from .arithmetic import average as run_average
+    from ..arithmetic import average as run_average
 
     try:
         parsed = [float(w) for w in weights.split(",")] if weights else None
@@ -398,7 +398,7 @@ def average(
 @_fail_cleanly
 def delta_command(a: str, b: str, out: str) -> None:
     """Write to OUT the difference A - B of the trainable float parameters (other tensors as in A)."""
-    from .arithmetic import delta as run_delta
+    from ..arithmetic import delta as run_delta
 
     run_delta(a, b, out=out)
     click.echo(f"{out}: {a} - {b}")
@@ -412,7 +412,7 @@ def delta_command(a: str, b: str, out: str) -> None:
 @_fail_cleanly
 def apply_command(base: str, delta: str, out: str, scale: float) -> None:
     """Write to OUT the checkpoint BASE + scale * DELTA (a delta written by `ortckpt delta`)."""
-    from .arithmetic import apply as run_apply
+    from ..arithmetic import apply as run_apply
 
     run_apply(base, delta, scale, out=out)
     click.echo(f"{out}: {base} + {scale:g} * {delta}")

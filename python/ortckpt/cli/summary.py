@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _boundary
-from . import dtypes as _dt
-from .checkpoint_state import CheckpointState, PackedBits
-from .convert.files import format_of, load_any
+from .. import _boundary
+from .. import dtypes as _dt
+from ..checkpoint_state import CheckpointState, PackedBits
+from ..convert.files import format_of, load_any
 
 
 def describe(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from . import dtypes as _dt
-from .checkpoint_state import CheckpointState, PackedBits
+from .. import dtypes as _dt
+from ..checkpoint_state import CheckpointState, PackedBits
 
 
 @dataclass

@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import progress as _progress
+from .. import safe_io, steps
+from ..checkpoint_state import open_checkpoint
+from ..dtypes import PackedBits
+from ..errors import CheckpointError, CheckpointIntegrityError
 from . import metadata as _metadata
-from . import progress as _progress
-from . import safe_io, steps
-from .checkpoint_state import open_checkpoint
-from .dtypes import PackedBits
-from .errors import CheckpointError, CheckpointIntegrityError
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
         raise CheckpointIntegrityError(path, problems)
     tensors = tensor_bytes = 0
     if index is not None:
-        from .distributed.sharded import check_shards
+        from ..distributed.sharded import check_shards
 
         problems += check_shards(directory, index)
     for checkpoint in checkpoints:
@@ -141,7 +141,7 @@ def _verify_file(path: Path, on_bytes: Any) -> Verified:
 
 def _check_index(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """The validated index of a sharded step, and problems with its shard files' sizes."""
-    from .distributed.sharded import read_committed
+    from ..distributed.sharded import read_committed
 
     try:
         _, index = read_committed(directory, None)

@@ -46,11 +46,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _boundary, safe_io, steps
+from .. import _boundary, safe_io, steps
+from ..checkpoint_state import CheckpointState, open_checkpoint
+from ..dtypes import PackedBits
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from . import metadata as _metadata
-from .checkpoint_state import CheckpointState, open_checkpoint
-from .dtypes import PackedBits
-from .errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from .integrity import Verified, verify
 from .retention import RetentionPolicy
 
@@ -89,7 +89,7 @@ class CheckpointInfo:
     def load(self) -> CheckpointState:
         """The whole state, in this process (a sharded checkpoint's pieces assembled)."""
         if self.sharded:
-            from .distributed import SingleProcess, load_sharded
+            from ..distributed import SingleProcess, load_sharded
 
             return load_sharded(self.directory, comm=SingleProcess())[0]
         return open_checkpoint(self.path, follow_symlinks=False)
@@ -203,7 +203,7 @@ class CheckpointManager:
         self._closed = False
         self.comm = None
         if comm is not None:
-            from .distributed import communicator
+            from ..distributed import communicator
 
             self.comm = communicator(comm)
         if self._is_root and not read_only:
@@ -426,7 +426,7 @@ class CheckpointManager:
     ) -> None:
         """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
         index and metadata and renames it into place once all have succeeded."""
-        from .distributed.sharded import write_index, write_shards
+        from ..distributed.sharded import write_index, write_shards
 
         assert self.comm is not None
 
@@ -526,7 +526,7 @@ class CheckpointManager:
         """This rank's part of the checkpoint of ``step`` (default: the latest) and the
         :class:`ortckpt.distributed.Slice` of each parameter it holds, as
         :func:`ortckpt.distributed.load_sharded` gives them (resharding to this world size)."""
-        from .distributed import load_sharded
+        from ..distributed import load_sharded
 
         return load_sharded(self._info(step).directory, comm=self.comm, slices=slices)
 

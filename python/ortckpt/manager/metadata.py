@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from . import documents, safe_io
-from . import progress as _progress
-from .steps import METADATA_NAME
+from .. import documents, safe_io
+from .. import progress as _progress
+from ..steps import METADATA_NAME
 
 FORMAT = documents.METADATA_FORMAT
 _CHUNK = 8 << 20
@@ -87,7 +87,7 @@ def git_commit_of(where: Path) -> dict[str, Any] | None:
 
 
 def versions() -> dict[str, str]:
-    from . import __version__
+    from .. import __version__
 
     return {"python": platform.python_version(), "numpy": np.__version__, "ortckpt": __version__}
 

@@ -1,0 +1,26 @@
+"""Runs of checkpoints: :class:`CheckpointManager` and what it keeps beside each step.
+
+- ``checkpoint_manager``: the manager (periodic and async saves, resume, retention, sharded runs);
+- ``retention``: which steps a :class:`RetentionPolicy` keeps;
+- ``metadata``: each step's ``metadata.json`` (metrics, config, files and SHA-256s);
+- ``integrity``: :func:`verify`, of a step directory or a single checkpoint file;
+- ``rng``: the random-number generators' state, saved with a step so a resumed run repeats it.
+
+The step directories themselves (names, the writer lock, commit, deletion) are
+:mod:`ortckpt.steps`', shared with sharded saves.
+"""
+
+from .checkpoint_manager import CheckpointInfo, CheckpointManager
+from .integrity import Verified, verify
+from .retention import RetentionPolicy
+from .rng import capture_rng_state, restore_rng_state
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointManager",
+    "RetentionPolicy",
+    "Verified",
+    "capture_rng_state",
+    "restore_rng_state",
+    "verify",
+]
