@@ -248,3 +248,84 @@ fn invalid_states_are_refused_before_anything_is_written() {
         "no temporary file left behind"
     );
 }
+
+#[test]
+fn a_repeated_name_is_reported_alike_on_write_and_on_read() {
+    use ortckpt::format::{OptimizerGroup, ParameterOptimizerState};
+    let bytes = [0u8; 4];
+    let tensor = |name: &str| Tensor {
+        name: name.to_owned(),
+        data_type: DataType::Float,
+        dims: vec![1],
+        data: Payload::Bytes(&bytes),
+    };
+    let state = |param: &str, momentums: [&str; 2]| ParameterOptimizerState {
+        param_name: param.to_owned(),
+        momentums: momentums.iter().map(|m| tensor(m)).collect(),
+    };
+    let with_states = |states| Checkpoint {
+        trainable: vec![tensor("w")],
+        optimizer_groups: vec![OptimizerGroup {
+            name: "group0".to_owned(),
+            step: 1,
+            initial_learning_rate: 0.1,
+            states,
+        }],
+        ..Default::default()
+    };
+    // (the repeated name, a valid checkpoint, the name in it renamed to the repeated one)
+    let cases = [
+        (
+            "duplicate momentum name 'momentum0'",
+            "group0/state_a",
+            vec![state("state_a", ["momentum0", "momentum1"])],
+            (&b"momentum1"[..], &b"momentum0"[..]),
+        ),
+        (
+            "duplicate optimizer state for parameter name 'state_a'",
+            "group0",
+            vec![
+                state("state_a", ["m0", "m1"]),
+                state("state_b", ["m0", "m1"]),
+            ],
+            (&b"state_b"[..], &b"state_a"[..]),
+        ),
+    ];
+    for (message, scope, states, (from, to)) in cases {
+        let mut repeated = with_states(states.clone());
+        let renamed = String::from_utf8(to.to_vec()).unwrap();
+        for s in &mut repeated.optimizer_groups[0].states {
+            if s.param_name.as_bytes() == from {
+                s.param_name = renamed.clone();
+            }
+            for m in &mut s.momentums {
+                if m.name.as_bytes() == from {
+                    m.name = renamed.clone();
+                }
+            }
+        }
+        let Err(written) = ortckpt::encode_in_memory(&repeated, true) else {
+            panic!("{message}: encoded");
+        };
+        // The same checkpoint as a file: a valid one's bytes with the name renamed (same length).
+        let mut file = ortckpt::encode_in_memory(&with_states(states), true)
+            .unwrap()
+            .segments()
+            .concat();
+        let at = file.windows(from.len()).position(|w| w == from).unwrap();
+        file[at..at + to.len()].copy_from_slice(to);
+        let read = decode(&file).unwrap_err();
+        assert!(
+            matches!(written.kind(), ErrorKind::InvalidState(m) if m == message),
+            "{written}"
+        );
+        assert!(
+            matches!(read.kind(), ErrorKind::Malformed(m) if m == message),
+            "{read}"
+        );
+        assert_eq!(
+            (written.tensor(), read.tensor()),
+            (Some(scope), Some(scope))
+        );
+    }
+}

@@ -9,8 +9,9 @@ use super::dtype::{element_count, DataType};
 use super::model::{
     Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor,
 };
+use super::names::first_clash;
 use super::verify::verify_checkpoint;
-use super::{first_duplicate, Role, CHECKPOINT_VERSION, FILE_IDENTIFIER, FIRST_CHECKPOINT_VERSION};
+use super::{Role, CHECKPOINT_VERSION, FILE_IDENTIFIER, FIRST_CHECKPOINT_VERSION};
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
 
@@ -80,26 +81,18 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
             .ok_or_else(|| Error::malformed("module state has no frozen_params vector"))?;
         ckpt.trainable = decoder.tensors(trainable, Role::Trainable, &ckpt)?;
         ckpt.frozen = decoder.tensors(frozen, Role::Frozen, &ckpt)?;
-        reject_duplicates(
-            ckpt.trainable
-                .iter()
-                .chain(&ckpt.frozen)
-                .map(|t| t.name.as_str()),
-            "parameter",
-        )?;
     }
     if let Some(groups) = root.optimizer_groups() {
         for group in groups {
             let decoded = decoder.group(group, &ckpt)?;
             ckpt.optimizer_groups.push(decoded);
         }
-        reject_duplicates(
-            ckpt.optimizer_groups.iter().map(|g| g.name.as_str()),
-            "optimizer group",
-        )?;
     }
     if let Some(bag) = root.property_bag() {
         ckpt.properties = properties(bag)?;
+    }
+    if let Some(clash) = first_clash(&ckpt) {
+        return Err(clash.into_error(Error::malformed));
     }
     reject_shared_values(&ckpt)?;
     Ok(ckpt)
@@ -283,18 +276,11 @@ impl Decoder {
                     .map_err(|e| e.in_tensor_scope(&format!("{name}/{param_name}")))?,
                 None => Vec::new(),
             };
-            reject_duplicates(momentums.iter().map(|m| m.name.as_str()), "momentum")
-                .map_err(|e| e.in_tensor_scope(&format!("{name}/{param_name}")))?;
             states.push(ParameterOptimizerState {
                 param_name: param_name.to_owned(),
                 momentums,
             });
         }
-        reject_duplicates(
-            states.iter().map(|s| s.param_name.as_str()),
-            "optimizer state for parameter",
-        )
-        .map_err(|e| Error::malformed(format!("optimizer group '{name}': {}", e.detail())))?;
         Ok(OptimizerGroup {
             name: name.to_owned(),
             step: g.step(),
@@ -323,11 +309,4 @@ fn properties(bag: fbs::PropertyBag<'_>) -> Result<PropertyBag> {
         out.strings.push((name.to_owned(), value.to_owned()));
     }
     Ok(out)
-}
-
-fn reject_duplicates<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
-    match first_duplicate(names) {
-        Some(name) => Err(Error::malformed(format!("duplicate {what} name '{name}'"))),
-        None => Ok(()),
-    }
 }

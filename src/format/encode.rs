@@ -1,23 +1,12 @@
 //! Checkpoint -> bytes, without ever holding the tensor values in a buffer.
 //!
-//! The flatbuffers builder lays out the whole file, but the tensor bytes are only
-//! *reserved* (a zero-sized placeholder element, so nothing is written and the
-//! reserved pages of the anonymous mapping behind the builder stay untouched).
-//! The result is the metadata with holes plus, for every hole, the caller's slice
-//! that fills it; the I/O layer writes both in file order, so each tensor byte is
-//! copied once, from the caller's memory to the file.
-//!
-//! The values are reserved first, as one region, so they sit together at the end
-//! of the file and the metadata together at its start: opening touches only the
-//! first pages. Inside that region this module places each value's vector itself
-//! (length prefix, then the 64-byte-aligned bytes) and hands the tables offsets to
-//! them. Letting the builder write each prefix would touch one page of the mapping
-//! per tensor, which measured 1.5 µs a tensor (25 ms for 16,384 tensors); the
-//! prefixes are kept in a small side buffer instead.
-//!
-//! With [`Placement::External`], values of [`EXTERNAL_MIN_BYTES`] or more go to the
-//! external data file (`<checkpoint>.data`) instead, at 64-byte-aligned offsets, and
-//! the flatbuffer records only their offsets: the layout ONNX Runtime uses beyond 2 GiB.
+//! [`super::plan`] decides where each tensor's bytes go; this module builds the flatbuffer
+//! tables around them. The values are only *reserved* in the builder (a zero-sized
+//! placeholder element, so nothing is written and the reserved pages of the anonymous mapping
+//! behind the builder stay untouched). The result is the metadata with holes plus, for every
+//! hole, the caller's slice that fills it; the I/O layer writes both in file order, so each
+//! tensor byte is copied once, from the caller's memory to the file. With external data, the
+//! flatbuffer records only the values' offsets in the data file.
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
@@ -27,34 +16,18 @@ use memmap2::MmapMut;
 
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, Payload, Tensor};
+use super::names::first_clash;
 use super::pairing::{self, PAIR_TRAILER_LEN};
-use super::{first_duplicate, CHECKPOINT_VERSION};
+use super::plan::{plan, too_large, Slot};
+pub use super::plan::{Placement, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN, PAYLOAD_ALIGNMENT};
+use super::CHECKPOINT_VERSION;
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
 
-/// Tensor values start at multiples of this (a cache line; enough for any dtype and SIMD).
-pub const PAYLOAD_ALIGNMENT: usize = 64;
-
-/// ONNX Runtime verifies inline checkpoints with a 2^31-1 byte limit.
-pub const MAX_INLINE_LEN: u64 = i32::MAX as u64;
-
-/// With external data, smaller values stay inline (as in ONNX Runtime, which keeps
-/// tensors under 64 bytes, empty ones and strings in the flatbuffer).
-pub const EXTERNAL_MIN_BYTES: usize = 64;
-
-/// Where tensor values are written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// Inside the flatbuffer (files up to 2 GiB).
-    Inline,
-    /// In the external data file, but for values under [`EXTERNAL_MIN_BYTES`].
-    External,
-}
-
-/// Where one tensor's values go.
+/// A tensor's values as the tables refer to them.
 #[derive(Clone, Copy)]
-enum Slot<'f> {
-    /// No bytes to place (strings, empty or nominal tensors).
+enum Values<'f> {
+    /// No bytes (strings, empty or nominal tensors).
     Nothing,
     /// Reserved inside the flatbuffer.
     Inline(WIPOffset<Vector<'f, u8>>),
@@ -149,86 +122,28 @@ impl<'a> Encoded<'a> {
 /// [`ErrorKind::UnsupportedDataType`] for UNDEFINED tensors.
 pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Result<Encoded<'a>> {
     validate(ckpt)?;
-    let tensors: Vec<&Tensor<Payload<'a>>> = ckpt.tensors().collect();
-    let has_external_data = placement == Placement::External && !ckpt.is_nominal;
+    let plan = plan(ckpt, placement, &pairing::new_pair_id())?;
+    let inline_len = plan.inline.iter().map(|(_, b)| b.len()).sum();
+    let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len))?);
 
-    // External values first: the data file holds them in tensor order.
-    let mut slots = vec![Slot::Nothing; tensors.len()];
-    let mut external = Vec::new();
-    let mut external_len = 0u64;
-    let mut inline_len = 0u64;
-    for (slot, t) in slots.iter_mut().zip(&tensors) {
-        match t.data {
-            Payload::Bytes(bytes) if !ckpt.is_nominal => {
-                if has_external_data && bytes.len() >= EXTERNAL_MIN_BYTES {
-                    let offset = external_len.next_multiple_of(PAYLOAD_ALIGNMENT as u64);
-                    *slot = Slot::External(offset);
-                    external.push((offset, bytes));
-                    external_len = offset + bytes.len() as u64;
-                } else {
-                    inline_len += bytes.len() as u64;
-                }
-            }
-            _ => {}
-        }
-    }
-    if inline_len > MAX_INLINE_LEN {
-        return Err(too_large(inline_len));
-    }
-
-    // The inline values' region, in tensor order: where each value starts in it,
-    // aligned, with room for its length prefix before it (the region itself starts
-    // aligned in the file). An external pair's trailer ends the region, and with
-    // it the file.
-    let mut values_end = 0usize;
-    let mut inline_values = Vec::new();
-    for (i, t) in tensors.iter().enumerate() {
-        if let (Slot::Nothing, Payload::Bytes(bytes)) = (slots[i], &t.data) {
-            if !bytes.is_empty() && !ckpt.is_nominal {
-                let start = (values_end + 4).next_multiple_of(PAYLOAD_ALIGNMENT);
-                inline_values.push((i, start, *bytes));
-                values_end = start + bytes.len();
-            }
-        }
-    }
-    let pair_trailer = has_external_data.then(|| pairing::trailer(&pairing::new_pair_id()));
-    let region_len = match pair_trailer {
-        // A multiple of the alignment, so the builder pads nothing after it.
-        Some(_) => (values_end + PAIR_TRAILER_LEN).next_multiple_of(PAYLOAD_ALIGNMENT),
-        None => values_end,
-    };
-    let mut region_tail = vec![0u8; region_len - values_end];
-    if let Some(trailer) = &pair_trailer {
-        region_tail[region_len - values_end - PAIR_TRAILER_LEN..].copy_from_slice(trailer);
-    }
-
-    let mut fbb =
-        FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len as usize))?);
-    // Reserved first, so the region lands at the end of the flatbuffer. It is one
-    // vector to the builder (its own length prefix stays unreferenced); the tables
-    // refer to the values' vectors inside it, whose prefixes go to `gaps`.
-    let mut gaps = Vec::new();
-    let mut gap_ends = Vec::with_capacity(inline_values.len());
-    let mut holes = Vec::with_capacity(inline_values.len());
+    // The inline region is reserved first, so it lands at the end of the flatbuffer. It is
+    // one vector to the builder (its own length prefix stays unreferenced); the tables refer
+    // to the values' vectors inside it, whose prefixes the plan keeps in `gaps`.
     let mut region_from_end = 0;
-    if region_len > 0 {
+    if plan.region_len > 0 {
         // Offsets count from the buffer's end to a vector's length prefix.
-        region_from_end = reserve(&mut fbb, region_len).value() as usize - 4;
-        let mut at = 0;
-        for &(i, start, bytes) in &inline_values {
-            gaps.resize(gaps.len() + (start - 4 - at), 0);
-            // Fits: inline values total under 2^31 bytes (checked above).
-            gaps.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-            gap_ends.push(gaps.len());
-            let prefix_from_end = (region_from_end - start + 4) as u32;
-            slots[i] = Slot::Inline(WIPOffset::new(prefix_from_end));
-            holes.push((prefix_from_end, bytes));
-            at = start + bytes.len();
-        }
+        region_from_end = reserve(&mut fbb, plan.region_len).value() as usize - 4;
     }
+    let prefix_from_end = |start: usize| (region_from_end - start + 4) as u32;
+    let slots = plan.slots.iter().map(|slot| match *slot {
+        Slot::Nothing => Values::Nothing,
+        Slot::Inline(start) => Values::Inline(WIPOffset::new(prefix_from_end(start))),
+        Slot::External(offset) => Values::External(offset),
+    });
+    let has_external_data = plan.has_external_data;
 
-    let mut tables = tensors
-        .iter()
+    let mut tables = ckpt
+        .tensors()
         .zip(slots)
         .map(|(t, slot)| write_tensor(&mut fbb, t, slot, ckpt.is_nominal))
         .collect::<Vec<_>>()
@@ -292,9 +207,10 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         return Err(too_large(len as u64));
     }
     // A reserved vector's offset counts from the buffer's end to its length prefix.
-    let payloads: Vec<(usize, &[u8])> = holes
-        .into_iter()
-        .map(|(from_end, bytes)| (len - from_end as usize + 4, bytes))
+    let payloads: Vec<(usize, &[u8])> = plan
+        .inline
+        .iter()
+        .map(|&(start, bytes)| (len - prefix_from_end(start) as usize + 4, bytes))
         .collect();
     debug_assert!(payloads.windows(2).all(|w| w[0].0 < w[1].0));
     Ok(Encoded {
@@ -302,14 +218,14 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         start,
         payloads,
         region_start: len - region_from_end,
-        region_len,
-        region_tail,
-        gaps,
-        gap_ends,
-        external,
-        external_len,
+        region_len: plan.region_len,
+        region_tail: plan.region_tail,
+        gaps: plan.gaps,
+        gap_ends: plan.gap_ends,
+        external: plan.external,
+        external_len: plan.external_len,
         has_external_data,
-        pair_trailer,
+        pair_trailer: plan.pair_trailer,
     })
 }
 
@@ -341,16 +257,16 @@ fn reserve<'f>(
 fn write_tensor<'f>(
     fbb: &mut FlatBufferBuilder<'f, AnonBuffer>,
     t: &Tensor<Payload<'_>>,
-    slot: Slot<'f>,
+    slot: Values<'f>,
     nominal: bool,
 ) -> WIPOffset<fbs::Tensor<'f>> {
     let name = fbb.create_string(&t.name);
     let mut string_data = None;
     let (mut raw_data, external_data_offset) = match slot {
-        Slot::Inline(reserved) => (Some(reserved), -1),
+        Values::Inline(reserved) => (Some(reserved), -1),
         // Offsets fit: the data file is at most a few TiB, far below 2^63.
-        Slot::External(offset) => (None, offset as i64),
-        Slot::Nothing => (None, -1),
+        Values::External(offset) => (None, offset as i64),
+        Values::Nothing => (None, -1),
     };
     let dims = if nominal {
         // Nominal tensors keep name and type; dims and data are empty (as ONNX Runtime writes them).
@@ -434,29 +350,10 @@ fn validate(ckpt: &Checkpoint<Payload<'_>>) -> Result<()> {
     for t in ckpt.tensors() {
         check_tensor(t, ckpt.is_nominal).map_err(|e| e.in_tensor(&t.name))?;
     }
-    unique(
-        ckpt.trainable
-            .iter()
-            .chain(&ckpt.frozen)
-            .map(|t| t.name.as_str()),
-        "parameter",
-    )?;
-    unique(
-        ckpt.optimizer_groups.iter().map(|g| g.name.as_str()),
-        "optimizer group",
-    )?;
-    for g in &ckpt.optimizer_groups {
-        unique(
-            g.states.iter().map(|s| s.param_name.as_str()),
-            "optimizer state for parameter",
-        )
-        .map_err(|e| e.in_tensor_scope(&g.name))?;
-        for s in &g.states {
-            unique(s.momentums.iter().map(|m| m.name.as_str()), "momentum")
-                .map_err(|e| e.in_tensor_scope(&format!("{}/{}", g.name, s.param_name)))?;
-        }
+    match first_clash(ckpt) {
+        Some(clash) => Err(clash.into_error(Error::invalid_state)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
@@ -507,22 +404,6 @@ fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn unique<'a>(names: impl Iterator<Item = &'a str>, what: &str) -> Result<()> {
-    match first_duplicate(names) {
-        Some(name) => Err(Error::invalid_state(format!(
-            "duplicate {what} name '{name}'"
-        ))),
-        None => Ok(()),
-    }
-}
-
-fn too_large(len: u64) -> Error {
-    Error::invalid_state(format!(
-        "the checkpoint would hold {len} bytes of values inline, beyond the {MAX_INLINE_LEN} bytes an \
-         ONNX Runtime flatbuffer can hold; save with external data (a lower external_data_threshold)"
-    ))
 }
 
 /// An upper bound on the encoded size, so the builder's buffer never has to grow

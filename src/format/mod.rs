@@ -5,7 +5,9 @@ pub mod dtype;
 pub mod encode;
 pub mod endian;
 pub mod model;
+pub mod names;
 pub mod pairing;
+pub mod plan;
 mod verify;
 
 pub use decode::decode;
@@ -25,12 +27,6 @@ pub const FIRST_CHECKPOINT_VERSION: i32 = 1;
 
 /// The flatbuffer file identifier of training checkpoints ("ORT On-Device-Training Checkpoint").
 pub const FILE_IDENTIFIER: &str = "ODTC";
-
-/// The first name that repeats in `names`, if any.
-pub(crate) fn first_duplicate<'a>(names: impl Iterator<Item = &'a str>) -> Option<&'a str> {
-    let mut seen = std::collections::HashSet::new();
-    names.into_iter().find(|name| !seen.insert(*name))
-}
 
 /// Where a tensor sits in a checkpoint; used to word errors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
