@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from measure import paired_ratio, shuffled
 
 CONTENDERS = {
     "ortckpt.average (streamed)": """
@@ -113,25 +114,25 @@ def main() -> None:
         paths = make_inputs(directory, args.count, nbytes)
         print(f"inputs: {args.count} x {nbytes / 2**30:.2f} GiB in {time.perf_counter() - made:.0f} s", flush=True)
         results: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
-        for _ in range(args.repeat):
-            order = list(CONTENDERS)
-            random.shuffle(order)
-            for name in order:
+        for r in range(args.repeat):
+            for name in shuffled(CONTENDERS, f"average {r}"):
                 results[name].append(run(name, paths, directory / "result.ckpt"))
                 print(f"  {name}: {results[name][-1]}", flush=True)
     total = args.count * nbytes / 2**30
-    baseline = min(r["seconds"] for r in results["ortckpt load + NumPy loop"])
+    baseline = [r["seconds"] for r in results["ortckpt load + NumPy loop"]]
     lines = [
-        f"Average of {args.count} checkpoints of {nbytes / 2**30:.2f} GiB (float32, 16 tensors each); best of "
-        f"{args.repeat}, shuffled; peak RSS is the process's VmHWM.",
+        f"Average of {args.count} checkpoints of {nbytes / 2**30:.2f} GiB (float32, 16 tensors each); medians of "
+        f"{args.repeat} shuffled rounds; peak RSS is the process's VmHWM.",
         "",
-        "| contender | seconds | input GiB/s | vs NumPy loop | peak RSS |",
+        "| contender | seconds | input GiB/s | vs NumPy loop (paired) | peak RSS |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, runs in results.items():
-        best = min(r["seconds"] for r in runs)
+        seconds = [r["seconds"] for r in runs]
+        median = statistics.median(seconds)
         rss = max(r["peak_rss"] for r in runs)
-        lines.append(f"| {name} | {best:.2f} | {total / best:.2f} | {baseline / best:.2f}x | {rss / 2**20:,.0f} MiB |")
+        ratio = paired_ratio(seconds, baseline)
+        lines.append(f"| {name} | {median:.2f} | {total / median:.2f} | {ratio:.2f}x | {rss / 2**20:,.0f} MiB |")
     table = "\n".join(lines)
     print(table)
     if args.out:

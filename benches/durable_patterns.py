@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
-import random
 import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from measure import paired_ratio, time_rounds
 from ortckpt import CheckpointState
 from suite import fsync_dir, make_workload
 
@@ -137,20 +138,23 @@ def main() -> None:
             ),
         }
     )
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(args.rounds):
-        names = list(variants)
-        random.Random(r).shuffle(names)
-        for name in names:
-            path = directory / f"v{list(variants).index(name)}"
-            os.sync()
-            start = time.perf_counter()
-            variants[name](path)
-            times[name].append(time.perf_counter() - start)
-            os.sync()  # written back before the file goes, as in the suite
-            for f in directory.iterdir():
-                f.unlink()
-            os.sync()
+    paths = {name: directory / f"v{i}" for i, name in enumerate(variants)}
+
+    def remove_written() -> None:
+        os.sync()  # written back before the file goes, as in the suite
+        for f in directory.iterdir():
+            f.unlink()
+        os.sync()
+
+    def timed_here(run: Callable[[Path], object], path: Path) -> None:
+        run(path)  # what it returns is not a time: measured here
+
+    times = time_rounds(
+        {name: functools.partial(timed_here, run, paths[name]) for name, run in variants.items()},
+        args.rounds,
+        "durable",
+        after=remove_written,
+    )
     directory.rmdir()
     first = next(iter(times))
     base = times[first]
@@ -158,7 +162,7 @@ def main() -> None:
     print(f"| variant | median s | min-max s | per-round ratio to {first} (median) |")
     print("| --- | --- | --- | --- |")
     for name, t in times.items():
-        ratio = statistics.median(b / x for b, x in zip(base, t, strict=True))
+        ratio = paired_ratio(t, base)
         print(f"| {name} | {statistics.median(t):.3f} | {min(t):.2f}-{max(t):.2f} | {ratio:.2f} |")
     print("rounds (s):")
     for name, t in times.items():

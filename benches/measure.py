@@ -1,12 +1,16 @@
-"""Measuring helpers shared by the suite and the peer helpers that run in other virtualenvs
-(ONNX Runtime's, torch's): NumPy and the standard library only."""
+"""Measuring helpers shared by every bench and by the peer helpers that run in other virtualenvs
+(ONNX Runtime's, torch's): NumPy and the standard library only. Every bench runs its contenders
+in shuffled rounds (:func:`shuffled`, :func:`time_rounds`) and reports each against its baseline
+with :func:`paired_ratio`."""
 
 from __future__ import annotations
 
+import os
+import random
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,3 +42,44 @@ def current_mib() -> float:
     """Resident memory now (peak growth is measured from here, not from an earlier peak)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+# --- rounds and the baseline: how every bench compares -----------------------------------------
+
+
+def shuffled(names: Iterable[str], seed: object) -> list[str]:
+    """``names`` in a fresh order for one round, seeded by (bench, workload, round): a rerun repeats
+    it, and no contender always runs after the same one (whose writeback or discards would then
+    always land on it)."""
+    order = list(names)
+    random.Random(str(seed)).shuffle(order)
+    return order
+
+
+def time_rounds(
+    contenders: Mapping[str, Callable[[], float | None]],
+    rounds: int,
+    seed: object,
+    *,
+    after: Callable[[], None] = os.sync,
+) -> dict[str, list[float]]:
+    """Runs every contender once per round, in a shuffled order, with ``os.sync()`` before each run
+    and ``after()`` (by default ``os.sync()``) after it, so no run pays for another's dirty pages.
+    A contender returns its own seconds when it measured them where it ran (a child process), or
+    None to be timed here. Returns each contender's seconds, round by round."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name in shuffled(contenders, f"{seed} {r}"):
+            os.sync()
+            start = time.perf_counter()
+            reported = contenders[name]()
+            times[name].append(time.perf_counter() - start if reported is None else reported)
+            after()
+    return times
+
+
+def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
+    """The one comparison with a baseline that every bench reports: the median over rounds of
+    (the baseline's time / the contender's time) in the same round. Above 1: faster than the
+    baseline. Pairing by round cancels the swings of a shared, noisy disk."""
+    return statistics.median(b / t for b, t in zip(baseline, times, strict=True))

@@ -10,9 +10,9 @@ rank's shard and the commit. Writes benches/out/sharded.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from measure import paired_ratio, time_rounds
 
 HERE = Path(__file__).resolve().parent
 GiB = 2**30
@@ -110,26 +111,25 @@ def main() -> None:
         return
     ranks = [int(r) for r in args.ranks.split(",")]
     base = Path(tempfile.mkdtemp(prefix="ortckpt-sharded-", dir=args.dir))
-    times: dict[str, list[float]] = {str(r): [] for r in ranks} | {"write()": []}
-    nbytes = 0
+    nbytes = int(args.gib * GiB)
+    runs = iter(range(10**9))  # fresh target names
+
+    def sharded(world: int) -> float:
+        nonlocal nbytes
+        target = base / f"{world}-{next(runs)}"
+        seconds, nbytes = run_ranks(world, args.gib, target)
+        shutil.rmtree(target)
+        return seconds  # measured on rank 0, inside the job
+
+    def baseline() -> float:
+        target = base / f"write-{next(runs)}"
+        seconds = plain_write(nbytes, target)
+        target.unlink()
+        return seconds
+
+    contenders = {str(r): functools.partial(sharded, r) for r in ranks} | {"write()": baseline}
     try:
-        for round_ in range(args.rounds):
-            order = list(times)
-            random.shuffle(order)
-            for name in order:
-                target = base / f"{name}-{round_}"
-                if name == "write()":
-                    times[name].append(plain_write(nbytes or int(args.gib * GiB), target))
-                    target.unlink()
-                else:
-                    seconds, nbytes = run_ranks(int(name), args.gib, target)
-                    times[name].append(seconds)
-                    shutil.rmtree(target)
-                os.sync()
-            print(
-                f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in times),
-                flush=True,
-            )
+        times = time_rounds(contenders, args.rounds, f"sharded {args.gib}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     lines = [
@@ -137,7 +137,7 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for name, ts in times.items():
-        ratio = statistics.median(w / t for w, t in zip(times["write()"], ts, strict=True))
+        ratio = paired_ratio(ts, times["write()"])
         label = "write() (baseline)" if name == "write()" else name
         lines.append(
             f"| {label} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | "

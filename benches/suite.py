@@ -18,7 +18,6 @@ import gc
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import ml_dtypes
 import numpy as np
 import ortckpt
 import pure_python_saver
-from measure import median_seconds, peak_mib, xor_all
+from measure import median_seconds, paired_ratio, peak_mib, shuffled, xor_all
 from ortckpt import CheckpointState, OptimizerGroup
 
 HERE = Path(__file__).resolve().parent
@@ -439,11 +438,7 @@ def run_workload(
 
     for r in range(rounds):
         clear(directory)
-        names = [n for n in save_fns if n not in failed]
-        # A fresh order each round (seeded): with a fixed cyclic rotation each contender always
-        # followed the same one, and the disk's state after it (e.g. discards of the file it
-        # deleted) landed on the same contender every round.
-        random.Random(f"{work.name} {r}").shuffle(names)
+        names = shuffled((n for n in save_fns if n not in failed), f"{work.name} {r}")
         for name in names:
             path = directory / name.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
             seconds = attempt(name, lambda name=name, path=path: save_fns[name](path))
@@ -488,11 +483,6 @@ def run_workload(
 def summary(times: list[float], nbytes: int) -> dict:
     med = statistics.median(times)
     return {"median_s": med, "min_s": min(times), "max_s": max(times), "gib_s": nbytes / GiB / med}
-
-
-def paired_ratio(times: list[float], baseline: list[float]) -> float:
-    """Median over rounds of (baseline time / contender time): > 1 means faster than the baseline."""
-    return statistics.median(b / t for b, t in zip(baseline, times, strict=True))
 
 
 def report(results: list[dict], meta: dict, out: Path) -> str:
