@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -635,6 +635,25 @@ class CheckpointState:
             f"CheckpointState(parameters={len(self._tensors)}, properties={len(self._properties)}, "
             f"optimizer_groups={sorted(self.optimizer_groups)})"
         )
+
+
+class TensorSource(Protocol):
+    """What the other packages (the sharded writer, the converters) read of a checkpoint state:
+    its records, values by name, groups and properties, never its internals. :class:`CheckpointState`
+    is one; mypy holds the readers, annotated with this, to it."""
+
+    @property
+    def is_nominal(self) -> bool: ...
+
+    @property
+    def properties(self) -> Properties: ...
+
+    @property
+    def optimizer_groups(self) -> dict[str, OptimizerGroup]: ...
+
+    def tensor_records(self) -> list[TensorRecord]: ...
+
+    def tensor_value(self, name: str) -> TensorValue: ...
 
 
 def open_checkpoint(checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:

@@ -30,7 +30,7 @@ import numpy as np
 from .. import _boundary, documents, safe_io, steps
 from .. import dtypes as _dt
 from .._boundary import TensorRecord
-from ..checkpoint_state import CheckpointState, OptimizerGroup, open_checkpoint
+from ..checkpoint_state import CheckpointState, OptimizerGroup, TensorSource, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
 from .comm import Communicator, communicator, gather_decide_broadcast, root_decides
@@ -196,7 +196,7 @@ def write_shards(
 
 
 def describe(
-    state: CheckpointState, slices: Mapping[str, Slice] | None, rank: int, include_optimizer_state: bool
+    state: TensorSource, slices: Mapping[str, Slice] | None, rank: int, include_optimizer_state: bool
 ) -> RankDescription:
     """What this rank holds, checked against itself: every slice names a tensor of the state and
     matches its array's shape; every momentum belongs to a held parameter and has its shape."""
@@ -247,7 +247,7 @@ def describe(
 
 
 def _write_own_shard(
-    state: CheckpointState,
+    state: TensorSource,
     where: Path,
     names: list[str],
     rank: int,
