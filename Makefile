@@ -151,6 +151,7 @@ bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(VENV)/.bench-ok
 	$(PY) benches/scale.py
 	$(PY) benches/async_save.py
 	$(PY) benches/sharded_scaling.py
+	$(PY) benches/validation_bench.py --out benches/out/validation.md
 	cargo bench --quiet --bench writers
 
 $(TORCH_VENV)/.ok:

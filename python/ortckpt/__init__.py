@@ -39,6 +39,7 @@ _LAZY = {
     "verify": ".manager",
     "CheckpointInfo": ".manager",
     "CheckpointManager": ".manager",
+    "Forward": ".manager",
     "RetentionPolicy": ".manager",
     "capture_rng_state": ".manager",
     "restore_rng_state": ".manager",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from .manager import (
         CheckpointInfo,
         CheckpointManager,
+        Forward,
         RetentionPolicy,
         Verified,
         capture_rng_state,
@@ -102,6 +104,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointState",
     "CheckpointStateError",
+    "Forward",
     "InternalError",
     "OptimizerGroup",
     "PackedBits",

@@ -16,10 +16,10 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 8, (
-        "import line, quick start, building, CheckpointManager, sharded, ONNX, safetensors, deployment"
+    assert len(blocks) == 9, (
+        "import line, quick start, building, CheckpointManager, validation, sharded, ONNX, safetensors, deployment"
     )
-    _import_line, quick_start, building, _manager, _sharded, _onnx, _safetensors, _deployment = blocks
+    _import_line, quick_start, building, _manager, _validation, _sharded, _onnx, _safetensors, _deployment = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(building, "README building example", "exec"), namespace)
@@ -50,8 +50,17 @@ def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path, monkeypatc
     assert (again == weights).all() and weights.any()
 
 
+def test_readme_validation_example_refuses_the_nan_step(tmp_path, monkeypatch, capsys):
+    example = python_blocks()[4]
+    assert "validate=Forward(" in example
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README validation example", "exec"), {})
+    assert capsys.readouterr().out == "['output loss is not finite (1 NaN or Inf values)']\n1\n"
+    assert sorted(p.name for p in (tmp_path / "validated").iterdir()) == ["step_00000001"]
+
+
 def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
-    onnx_example, safetensors_example = python_blocks()[5:7]
+    onnx_example, safetensors_example = python_blocks()[6:8]
     monkeypatch.chdir(tmp_path)
     exec(compile(onnx_example, "README ONNX example", "exec"), {})
     exec(compile(safetensors_example, "README safetensors example", "exec"), {})
@@ -102,7 +111,7 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
 
 
 def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[7]
+    example = python_blocks()[8]
     assert "ortckpt.average" in example and "export_model" in example
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README deployment example", "exec"), {})

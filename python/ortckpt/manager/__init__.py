@@ -4,7 +4,8 @@
 - ``retention``: which steps a :class:`RetentionPolicy` keeps;
 - ``metadata``: each step's ``metadata.json`` (metrics, config, files and SHA-256s);
 - ``integrity``: :func:`verify`, of a step directory or a single checkpoint file;
-- ``rng``: the random-number generators' state, saved with a step so a resumed run repeats it.
+- ``rng``: the random-number generators' state, saved with a step so a resumed run repeats it;
+- ``validation``: :class:`Forward`, a forward pass of each new checkpoint before it is committed.
 
 The step directories themselves (names, the writer lock, commit, deletion) are
 :mod:`ortckpt.steps`', shared with sharded saves.
@@ -14,10 +15,12 @@ from .checkpoint_manager import CheckpointInfo, CheckpointManager
 from .integrity import Verified, verify
 from .retention import RetentionPolicy
 from .rng import capture_rng_state, restore_rng_state
+from .validation import Forward
 
 __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
+    "Forward",
     "RetentionPolicy",
     "Verified",
     "capture_rng_state",

@@ -53,6 +53,7 @@ from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrity
 from . import metadata as _metadata
 from .integrity import Verified, verify
 from .retention import RetentionPolicy
+from .validation import Forward
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,11 @@ class CheckpointManager:
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
             True in this process, ``"process"`` in a fresh Python process. A checkpoint that
             fails is not committed.
+        validate: A :class:`~ortckpt.manager.validation.Forward`: before committing, run the eval
+            model with the new checkpoint's weights in ONNX Runtime; a checkpoint whose forward
+            pass fails, is not finite, fails ``check`` or disagrees with the logged metric is not
+            committed (:class:`~ortckpt.CheckpointIntegrityError`) and the previous step stays
+            the latest.
         run_id: Recorded in every checkpoint's metadata; default: the latest checkpoint's
             (a resumed run keeps its id), else a new random id.
         config: The run's hyperparameters or configuration (JSON-able), recorded in every
@@ -164,6 +170,7 @@ class CheckpointManager:
         async_save: bool = False,
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
+        validate: Forward | None = None,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
@@ -171,8 +178,10 @@ class CheckpointManager:
         comm: Any = None,
         read_only: bool = False,
     ) -> None:
-        if comm is not None and (async_save or verify_after_save):
-            raise ValueError("async_save and verify_after_save are not available for sharded saves (comm=)")
+        if comm is not None and (async_save or verify_after_save or validate is not None):
+            raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
+        if validate is not None and not isinstance(validate, Forward):
+            raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
         if isinstance(save_every, int) and save_every < 1:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
         if verify_after_save not in (False, True, "process"):
@@ -185,6 +194,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.durable = durable
         self.verify_after_save = verify_after_save
+        self.validate = validate
         self.config = dict(config or {})
         self.progress = progress
         self.external_data_threshold = external_data_threshold
@@ -414,6 +424,8 @@ class CheckpointManager:
             _verify_in_new_process(temp)
         elif self.verify_after_save:
             verify(temp)
+        if self.validate is not None:
+            self.validate.validate(temp / steps.CHECKPOINT_NAME, meta.get("metrics"))
         return steps.commit(temp, self.directory, step, durable=self.durable)
 
     def _save_sharded(
