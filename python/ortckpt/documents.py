@@ -167,15 +167,21 @@ def check_metadata(value: Any, where: str) -> dict[str, Any]:
     metrics = {}
     for name, metric in _object(meta.get("metrics", {}), where, "metrics").items():
         metrics[name] = decode_metric(metric, where, f"metrics.{name}")
-    files = _object(meta.get("files"), where, "files")
-    for name, raw_entry in files.items():
-        if not is_plain_name(name):
-            raise DocumentError(f"{where}: files names {name!r}, which is not a file of the step directory")
-        entry = _object(raw_entry, where, f"files.{name}")
-        _int(entry.get("bytes"), where, f"files.{name}.bytes", 0, INT64_MAX)
-        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
-            raise _bad(where, f"files.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
+    _file_entries(meta.get("files"), where, "files")
+    if "compressed" in meta:  # the files before compression: what the archive holds
+        _file_entries(meta["compressed"], where, "compressed")
     return {**meta, "metrics": metrics}
+
+
+def _file_entries(value: Any, where: str, at: str) -> None:
+    """{plain file name: {"bytes": size, "sha256": hex digest}}."""
+    for name, raw_entry in _object(value, where, at).items():
+        if not is_plain_name(name):
+            raise DocumentError(f"{where}: {at} names {name!r}, which is not a file of the step directory")
+        entry = _object(raw_entry, where, f"{at}.{name}")
+        _int(entry.get("bytes"), where, f"{at}.{name}.bytes", 0, INT64_MAX)
+        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            raise _bad(where, f"{at}.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
 
 
 def decode_metric(value: Any, where: str, at: str) -> float | int:
@@ -410,3 +416,58 @@ def check_holder(value: Any, where: str) -> dict[str, Any]:
 
 
 WRITER_HOLDER = Kind("writer lock record", max_bytes=64 << 10, max_depth=2, check=check_holder)
+
+
+# --- the footer of a compressed checkpoint (ortckpt.compression) ------------------------------------
+
+COMPRESSED_FORMAT = "ortckpt.compressed"
+COMPRESSED_VERSION = 1
+COMPRESSED_ROLES = ("checkpoint", "external data")  # the files of a checkpoint, in the archive's order
+GROUPED_ITEMSIZES = (2, 4, 8)
+
+
+def check_compressed(value: Any, where: str) -> dict[str, Any]:
+    """A compressed checkpoint's footer: one entry per file of the checkpoint (the checkpoint,
+    then its external data file), each frame inside the archive and after the previous one,
+    sizes and SHA-256 of the uncompressed bytes, and the byte-grouped regions inside the file,
+    ascending, not overlapping, whole elements of 2, 4 or 8 bytes."""
+    footer = _object(value, where, "the document")
+    if footer.get("format") != COMPRESSED_FORMAT:
+        raise _bad(where, "format", footer.get("format"), repr(COMPRESSED_FORMAT))
+    if footer.get("version") != COMPRESSED_VERSION:
+        raise DocumentError(
+            f"{where}: compressed checkpoint version {footer.get('version')!r}; "
+            f"this ortckpt reads version {COMPRESSED_VERSION}"
+        )
+    if footer.get("codec") != "zstd":
+        raise _bad(where, "codec", footer.get("codec"), '"zstd"')
+    _int(footer.get("block_elements"), where, "block_elements", 1, 1 << 30)
+    files = _list(footer.get("files"), where, "files")
+    if not 1 <= len(files) <= len(COMPRESSED_ROLES):
+        raise DocumentError(f"{where}: files lists {len(files)} files, expected 1 or 2")
+    frame_end = len(b"ORTCKPTZ")
+    for i, raw in enumerate(files):
+        at = f"files[{i}]"
+        entry = _object(raw, where, at)
+        if entry.get("role") != COMPRESSED_ROLES[i]:
+            raise _bad(where, f"{at}.role", entry.get("role"), repr(COMPRESSED_ROLES[i]))
+        size = _int(entry.get("size"), where, f"{at}.size", 0, INT64_MAX)
+        frame = _int(entry.get("frame_offset"), where, f"{at}.frame_offset", frame_end, INT64_MAX)
+        frame_end = frame + _int(entry.get("frame_size"), where, f"{at}.frame_size", 1, INT64_MAX)
+        sha = entry.get("sha256")
+        if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise _bad(where, f"{at}.sha256", sha, "64 lowercase hex digits")
+        end = 0
+        for j, region in enumerate(_list(entry.get("grouped"), where, f"{at}.grouped")):
+            values = _ints(region, where, f"{at}.grouped[{j}]")
+            offset, length, itemsize = values if len(values) == 3 else (0, 0, 0)
+            if itemsize not in GROUPED_ITEMSIZES or length % itemsize or offset < end or offset + length > size:
+                raise DocumentError(
+                    f"{where}: {at}.grouped[{j}] is {region}: expected [offset, length, item size 2, 4 or 8] "
+                    f"inside the file, after the previous region, of whole elements"
+                )
+            end = offset + length
+    return footer
+
+
+COMPRESSED_FOOTER = Kind("compressed checkpoint footer", max_bytes=64 << 20, max_depth=5, check=check_compressed)

@@ -4,7 +4,8 @@ CheckpointManager and sharded saves share it, and every name, temporary, commit,
 and liveness rule of a step directory is spelled here (other modules ask this one):
 
 - **What a step holds.** A manager's step: ``checkpoint`` (its ``.data`` beside it when large)
-  and ``metadata.json`` (files, sizes, SHA-256s). A sharded step: one ``shard-RRRRR-of-WWWWW``
+  and ``metadata.json`` (files, sizes, SHA-256s); once compressed (``compress_kept``),
+  ``checkpoint.zst`` in their place. A sharded step: one ``shard-RRRRR-of-WWWWW``
   checkpoint per rank that held tensors and ``index.json`` (whose schema, in
   :mod:`ortckpt.documents`, checks those names); a manager's sharded step has both documents.
 - **One writer at a time.** A writer holds an exclusive flock on ``.ortckpt-writer.lock`` in the
@@ -54,6 +55,7 @@ _TEMPORARY = re.compile(r"\.step_\d+\.(tmp|deleting)-.*", re.DOTALL)
 WRITER_LOCK_NAME = ".ortckpt-writer.lock"
 CHECKPOINT_NAME = "checkpoint"  # a manager's checkpoint file
 METADATA_NAME = "metadata.json"  # a manager's record of the step: files, sizes, SHA-256s, metrics
+COMPRESSED_NAME = "checkpoint.zst"  # a kept step's checkpoint files, compressed (compress_kept=True)
 
 
 def step_directory_name(step: int) -> str:

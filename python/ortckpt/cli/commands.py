@@ -352,6 +352,40 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
     click.echo(f"{src} (version {version}) -> {dst} (version 2)")
 
 
+@main.command(epilog=EXIT_CODES, short_help="Compress a checkpoint kept for the long term (zstd).")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--level", type=click.IntRange(1, 22), default=3, show_default=True, help="The zstd level.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def compress(src: str, dst: str, level: int, as_json: bool) -> None:
+    """Write the checkpoint SRC (and SRC.data) as one compressed archive DST: zstd over the
+    files with each floating-point tensor's bytes grouped. ONNX Runtime cannot read it:
+    `ortckpt decompress` gives the checkpoint back, byte for byte."""
+    from ..compression import compress as run_compress
+
+    done = run_compress(src, dst, level=level)
+    if as_json:
+        return _emit_json({"src": src, "dst": dst, "bytes": done.size, "compressed_bytes": done.compressed_size})
+    click.echo(f"{src} ({done.size:,} bytes) -> {dst} ({done.compressed_size:,} bytes, {done.ratio:.2f}x)")
+
+
+@main.command(epilog=EXIT_CODES, short_help="Write a compressed checkpoint back as the checkpoint it was.")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def decompress(src: str, dst: str, as_json: bool) -> None:
+    """Write the checkpoint in the archive SRC to DST (and DST.data), checking every file's
+    size and SHA-256 against the archive before it replaces anything."""
+    from ..compression import decompress as run_decompress
+
+    run_decompress(src, dst)
+    if as_json:
+        return _emit_json({"src": src, "dst": dst})
+    click.echo(f"{src} -> {dst}")
+
+
 @main.command(epilog=EXIT_CODES, short_help="Weighted mean of checkpoints (federated averaging).")
 @click.argument("out", type=click.Path())
 @click.argument("sources", nargs=-1, required=True, type=click.Path())

@@ -87,13 +87,31 @@ class CheckpointInfo:
         """Whether this is a sharded checkpoint (one shard per rank and an index)."""
         return (self.directory / steps.INDEX_NAME).is_file()
 
+    @property
+    def compressed(self) -> bool:
+        """Whether the step was compressed (``compress_kept``): its files are then in
+        ``checkpoint.zst``, and :attr:`path` names a file that is gone (``load()`` reads the
+        archive; ``ortckpt decompress`` writes the checkpoint back)."""
+        return "compressed" in self.metadata
+
     def load(self) -> CheckpointState:
-        """The whole state, in this process (a sharded checkpoint's pieces assembled)."""
+        """The whole state, in this process (a sharded checkpoint's pieces assembled, a
+        compressed one decompressed)."""
         if self.sharded:
             from ..distributed import SingleProcess, load_sharded
 
             return load_sharded(self.directory, comm=SingleProcess())[0]
-        return open_checkpoint(self.path, follow_symlinks=False)
+        try:
+            return open_checkpoint(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            # Compressed (perhaps since this info was read: the archive is written before the
+            # checkpoint goes, so it is there whenever the checkpoint is not).
+            archive = self.directory / steps.COMPRESSED_NAME
+            if not os.path.isfile(archive) or os.path.islink(archive):
+                raise
+        from ..compression import load_compressed
+
+        return load_compressed(archive)
 
 
 class _Staging:
@@ -134,6 +152,10 @@ class CheckpointManager:
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
             True in this process, ``"process"`` in a fresh Python process. A checkpoint that
             fails is not committed.
+        compress_kept: Compress the steps kept only by ``keep_every`` or ``keep_best`` (never the
+            latest, nor the newest ``max_to_keep``) into ``checkpoint.zst`` (:mod:`ortckpt.compression`):
+            ONNX Runtime cannot read them, :meth:`restore` and ``load()`` decompress them, and
+            :func:`ortckpt.verify` checks the SHA-256 of the uncompressed files.
         validate: A :class:`~ortckpt.manager.validation.Forward`: before committing, run the eval
             model with the new checkpoint's weights in ONNX Runtime; a checkpoint whose forward
             pass fails, is not finite, fails ``check`` or disagrees with the logged metric is not
@@ -171,6 +193,7 @@ class CheckpointManager:
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
         validate: Forward | None = None,
+        compress_kept: bool = False,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
@@ -180,6 +203,8 @@ class CheckpointManager:
     ) -> None:
         if comm is not None and (async_save or verify_after_save or validate is not None):
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
+        if comm is not None and compress_kept:
+            raise ValueError("compress_kept is not available for sharded saves (comm=)")
         if validate is not None and not isinstance(validate, Forward):
             raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
         if isinstance(save_every, int) and save_every < 1:
@@ -195,6 +220,7 @@ class CheckpointManager:
         self.durable = durable
         self.verify_after_save = verify_after_save
         self.validate = validate
+        self.compress_kept = compress_kept
         self.config = dict(config or {})
         self.progress = progress
         self.external_data_threshold = external_data_threshold
@@ -478,6 +504,54 @@ class CheckpointManager:
                     RuntimeWarning,
                     stacklevel=2,
                 )
+        if self.compress_kept and self._is_root:
+            self._compress_kept()
+
+    def _compress_kept(self) -> None:
+        """Compresses the steps kept only by ``keep_every``/``keep_best``. As a deletion, one
+        that fails is a warning (the step stays as it was), retried at the next save."""
+        with self._lock:
+            checkpoints = dict(self._checkpoints)
+        wanted = self.policy.steps_to_compress([(c.step, c.metrics) for c in checkpoints.values()])
+        for step in sorted(wanted):
+            info = checkpoints[step]
+            if info.sharded or (info.compressed and not info.path.exists()):
+                continue
+            try:
+                self._compress_step(info)
+            except (OSError, CheckpointError) as e:
+                warnings.warn(
+                    f"{info.directory}: could not compress the checkpoint of step {step} (kept as it is, "
+                    f"to be retried at the next save): {e}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def _compress_step(self, info: CheckpointInfo) -> None:
+        """The archive first (atomic), then metadata.json naming it (atomic), then the files
+        it replaces: a crash at any point leaves a step that loads and verifies."""
+        from ..compression import compress
+
+        directory = info.directory
+        if not info.compressed:
+            archive = directory / steps.COMPRESSED_NAME
+            compress(info.path, archive, durable=self.durable)
+            size, digest = _metadata.sha256_of(archive)
+            meta = {
+                **info.metadata,
+                "compressed": info.metadata["files"],
+                "files": {steps.COMPRESSED_NAME: {"bytes": size, "sha256": digest}},
+            }
+            _metadata.rewrite(directory, meta, self.durable)
+            info = CheckpointInfo(info.step, directory, meta)
+            with self._lock:
+                if info.step in self._checkpoints:
+                    self._checkpoints[info.step] = info
+        for name in info.metadata["compressed"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)
+        if self.durable:
+            safe_io.fsync_directory(directory)
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step``: renamed out of sight first (atomic), then removed,

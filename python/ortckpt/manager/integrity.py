@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,14 @@ def _problem(path: Path, error: BaseException) -> str:
 def _verify(path: Path, on_bytes: Any) -> Verified:
     if not path.is_dir():
         return _verify_file(path, on_bytes)
+    scratch = Path(tempfile.mkdtemp(prefix="ortckpt-verify-"))  # where a compressed step is decompressed
+    try:
+        return _verify_directory(path, on_bytes, scratch)
+    finally:
+        safe_io.remove_tree_quietly(scratch)
+
+
+def _verify_directory(path: Path, on_bytes: Any, scratch: Path) -> Verified:
     problems: list[str] = []
     files: dict[str, str] = {}
     directory = path
@@ -104,8 +113,10 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
                 problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
             else:
                 files[name] = digest
+        if "compressed" in meta and not problems:
+            checkpoints = _decompressed(directory, meta["compressed"], scratch, problems, files, on_bytes)
         for checkpoint in checkpoints:
-            if checkpoint.name not in meta["files"]:
+            if checkpoint.name not in meta.get("compressed", meta["files"]):
                 problems.append(f"{directory / steps.METADATA_NAME}: lists no {checkpoint.name} file")
     if problems:  # decoding a file that failed its hash only repeats it
         raise CheckpointIntegrityError(path, problems)
@@ -128,6 +139,41 @@ def _verify(path: Path, on_bytes: Any) -> Verified:
     if problems:
         raise CheckpointIntegrityError(path, problems)
     return Verified(path, step, tensors, tensor_bytes, files)
+
+
+def _decompressed(
+    directory: Path,
+    expected: dict[str, Any],
+    scratch: Path,
+    problems: list[str],
+    files: dict[str, str],
+    on_bytes: Any,
+) -> list[Path]:
+    """A compressed step's checkpoint, decompressed into ``scratch`` (the archive checks each
+    file's SHA-256 against its own footer) and checked against metadata.json's record of the
+    files before compression; the checkpoint to decode, or [] with ``problems`` said."""
+    from ..compression import decompress
+
+    archive = directory / steps.COMPRESSED_NAME
+    try:
+        checkpoint = decompress(safe_io.member(directory, steps.COMPRESSED_NAME), scratch / steps.CHECKPOINT_NAME)
+    except (CheckpointError, OSError) as e:
+        problems.append(_problem(archive, e))
+        return []
+    for name, entry in sorted(expected.items()):
+        try:
+            size, digest = _metadata.sha256_of(scratch / name, on_bytes)
+        except FileNotFoundError:
+            problems.append(f"{archive}: holds no {name}, which metadata.json lists")
+            continue
+        if (size, digest) != (entry["bytes"], entry["sha256"]):
+            problems.append(
+                f"{archive}: its {name} is {size} bytes, SHA-256 {digest}; "
+                f"metadata says {entry['bytes']}, {entry['sha256']}"
+            )
+        else:
+            files[name] = digest
+    return [checkpoint]
 
 
 def _verify_file(path: Path, on_bytes: Any) -> Verified:

@@ -130,6 +130,14 @@ def write(directory: Path, metadata: Mapping[str, Any], durable: bool) -> None:
     safe_io.write_new(directory / METADATA_NAME, encode(metadata), durable=durable)
 
 
+def rewrite(directory: Path, metadata: Mapping[str, Any], durable: bool) -> None:
+    """Replaces a committed step's metadata.json (atomically: a locked temporary file renamed
+    over it), as compressing a kept step does."""
+    data = encode(metadata)
+    documents.parse(documents.METADATA, data, METADATA_NAME)  # what a reader will accept
+    safe_io.write_atomically(directory / METADATA_NAME, data, durable=durable)
+
+
 def encode(metadata: Mapping[str, Any]) -> bytes:
     return (json.dumps(_json_safe(metadata), indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 

@@ -66,6 +66,15 @@ class RetentionPolicy:
             keep.update(self.ranked(checkpoints)[: self.keep_best[2]])
         return keep
 
+    def steps_to_compress(self, checkpoints: Sequence[tuple[int, Mapping[str, float] | None]]) -> set[int]:
+        """The steps kept only by ``keep_every`` or ``keep_best``: kept, but neither the newest
+        nor among the newest ``max_to_keep`` (what a run may still resume or roll back to)."""
+        steps = sorted(step for step, _ in checkpoints)
+        if not steps or (self.keep_every is None and self.keep_best is None):
+            return set()
+        live = {steps[-1], *(steps[-self.max_to_keep :] if self.max_to_keep is not None else [])}
+        return self.steps_to_keep(checkpoints) - live
+
     def ranked(self, checkpoints: Sequence[tuple[int, Mapping[str, float] | None]]) -> list[int]:
         """The steps of the checkpoints that have ``keep_best``'s metric, best first; among
         equals, the newer step first."""

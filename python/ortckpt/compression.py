@@ -1,0 +1,286 @@
+"""Compressed checkpoints: for checkpoints kept but no longer trained from.
+
+ONNX Runtime cannot read a compressed tensor, so a compressed checkpoint is an archive of the
+checkpoint's files, lossless to the byte, which :func:`decompress` (or ``ortckpt decompress``)
+turns back into the files ONNX Runtime loads, and :func:`load_compressed` loads directly.
+
+The codec, chosen by measurement (benches/compression_bench.py, on real trained weights):
+zstd (level 3) over the file with the bytes of each floating-point tensor *grouped*: a float32
+tensor's first bytes, then its second bytes, and so on (ZipNN's observation: the exponent bytes
+of trained weights repeat a few values, the low mantissa bytes are noise; grouped, zstd finds
+the former). Grouping goes in blocks of ``block_elements`` elements, so memory stays bounded.
+
+An archive::
+
+    b"ORTCKPTZ" | zstd frame of the checkpoint | zstd frame of its external data file, if any
+              | footer (JSON: sizes, SHA-256 of each uncompressed file, grouped regions)
+              | footer length (8 bytes, little-endian) | b"ORTCKPTZ"
+
+The SHA-256 of each file is that of its uncompressed bytes: what a manager's metadata.json
+records, checked again on every decompression.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from . import _boundary, documents, safe_io
+from . import dtypes as _dt
+from .checkpoint_state import CheckpointState, open_checkpoint
+from .errors import CheckpointFormatError, CheckpointIntegrityError
+
+MAGIC = b"ORTCKPTZ"
+SUFFIX = ".zst"  # what the manager and the command name an archive: <checkpoint>.zst
+LEVEL = 3
+BLOCK_ELEMENTS = 1 << 22  # grouped per 4 Mi elements: 16 MiB of float32 at a time
+PIECE = 16 << 20  # ungrouped bytes go through in pieces of this size
+_FOOTER_TAIL = 8 + len(MAGIC)
+# Floating-point types whose bytes are grouped, by ONNX code: their element size.
+_GROUPED = {_dt.FLOAT: 4, _dt.FLOAT16: 2, _dt.DOUBLE: 8, _dt.BFLOAT16: 2}
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """What :func:`compress` wrote: the archive, and its files' sizes before and after."""
+
+    path: Path
+    size: int
+    compressed_size: int
+
+    @property
+    def ratio(self) -> float:
+        return self.size / self.compressed_size if self.compressed_size else 1.0
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError("compressed checkpoints need zstandard: pip install 'ortckpt[compress]'") from None
+    return zstandard
+
+
+def is_compressed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file that starts like a compressed checkpoint."""
+    try:
+        with safe_io.open_regular(path) as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+# --- compressing ------------------------------------------------------------------------------------
+
+
+def compress(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, level: int = LEVEL, durable: bool = False
+) -> Compressed:
+    """Writes the checkpoint ``src`` (and its external data file) as one compressed archive
+    ``dst`` (atomically: a temporary file renamed over it). ``src`` is verified first, so an
+    archive never holds a checkpoint that does not load."""
+    zstandard = _zstd()
+    loaded = _boundary.load(src)  # verified, mapped
+    roles = zip(documents.COMPRESSED_ROLES, loaded.mappings, strict=True)
+    files = [(role, mapping) for role, mapping in roles if mapping is not None]
+    regions = _grouped_regions(loaded)
+    entries: list[dict[str, Any]] = []
+    with safe_io.atomic_file(dst, durable=durable) as out:
+        out.write(MAGIC)
+        for index, (role, mapping) in enumerate(files):
+            view = memoryview(mapping).cast("B")
+            digest = hashlib.sha256()
+            start = out.tell()
+            # closefd=False: the frame ends, the archive goes on.
+            with zstandard.ZstdCompressor(level=level).stream_writer(out, size=len(view), closefd=False) as frame:
+                for piece in _grouped_pieces(view, regions[index]):
+                    frame.write(piece)
+                for part in _pieces(view):
+                    digest.update(part)
+            entries.append(
+                {
+                    "role": role,
+                    "size": len(view),
+                    "sha256": digest.hexdigest(),
+                    "frame_offset": start,
+                    "frame_size": out.tell() - start,
+                    "grouped": [list(r) for r in regions[index]],
+                }
+            )
+        footer = {
+            "format": documents.COMPRESSED_FORMAT,
+            "version": documents.COMPRESSED_VERSION,
+            "codec": "zstd",
+            "block_elements": BLOCK_ELEMENTS,
+            "files": entries,
+        }
+        data = json.dumps(footer, separators=(",", ":")).encode()
+        documents.parse(documents.COMPRESSED_FOOTER, data, os.fspath(dst))  # what a reader will accept
+        out.write(data)
+        out.write(len(data).to_bytes(8, "little") + MAGIC)
+        compressed_size = out.tell()
+    return Compressed(Path(dst), sum(e["size"] for e in entries), compressed_size)
+
+
+def _grouped_regions(loaded: _boundary.Loaded) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(offset, length, element size) of every floating-point tensor's bytes, per file, ascending."""
+    tensors = [*loaded.trainable, *loaded.frozen]
+    for _, _, _, params in loaded.optimizer_groups:
+        for _, momentums in params:
+            tensors += momentums
+    regions: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
+    for _, code, _, stored in tensors:
+        itemsize = _GROUPED.get(code)
+        if itemsize is None or not isinstance(stored, tuple):
+            continue
+        offset, nbytes, external = stored
+        if nbytes:
+            regions[1 if external else 0].append((offset, nbytes, itemsize))
+    return sorted(regions[0]), sorted(regions[1])
+
+
+def _pieces(view: memoryview, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
+    end = len(view) if end is None else end
+    for at in range(start, end, PIECE):
+        yield view[at : min(at + PIECE, end)]
+
+
+def _grouped_pieces(view: memoryview, regions: list[tuple[int, int, int]]) -> Iterator[Any]:
+    """The file's bytes in order, each region's blocks with their bytes grouped."""
+    at = 0
+    for offset, length, itemsize in regions:
+        yield from _pieces(view, at, offset)
+        block = BLOCK_ELEMENTS * itemsize
+        for start in range(offset, offset + length, block):
+            elements = np.frombuffer(view[start : min(start + block, offset + length)], np.uint8)
+            yield np.ascontiguousarray(elements.reshape(-1, itemsize).T)  # byte 0 of each, byte 1, ...
+        at = offset + length
+    yield from _pieces(view, at)
+
+
+# --- decompressing ----------------------------------------------------------------------------------
+
+
+def read_footer(archive: IO[bytes], where: str) -> dict[str, Any]:
+    """The archive's footer, validated (:mod:`ortckpt.documents`); frames inside the archive."""
+    size = os.fstat(archive.fileno()).st_size
+    if size < len(MAGIC) + _FOOTER_TAIL:
+        raise CheckpointFormatError(f"{where}: {size} bytes: too short to be a compressed checkpoint")
+    archive.seek(0)
+    head = archive.read(len(MAGIC))
+    archive.seek(size - _FOOTER_TAIL)
+    tail = archive.read(_FOOTER_TAIL)
+    if head != MAGIC or tail[8:] != MAGIC:
+        raise CheckpointFormatError(f"{where}: not a compressed checkpoint (no {MAGIC.decode()} marks)")
+    length = int.from_bytes(tail[:8], "little")
+    if length > min(documents.COMPRESSED_FOOTER.max_bytes, size - len(MAGIC) - _FOOTER_TAIL):
+        raise CheckpointFormatError(f"{where}: a footer of {length} bytes does not fit the archive")
+    footer_start = size - _FOOTER_TAIL - length
+    archive.seek(footer_start)
+    footer = documents.parse(documents.COMPRESSED_FOOTER, archive.read(length), where)
+    last = footer["files"][-1]
+    if last["frame_offset"] + last["frame_size"] > footer_start:
+        raise CheckpointFormatError(f"{where}: the frames run into the footer")
+    return footer  # type: ignore[no-any-return]
+
+
+def decompress(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, durable: bool = False) -> Path:
+    """Writes the checkpoint held in the archive ``src`` back to ``dst`` (and ``dst.data``),
+    byte for byte as it was compressed; every file's size and SHA-256 are checked
+    (:class:`~ortckpt.CheckpointIntegrityError`) before it replaces anything. Returns ``dst``."""
+    dst = Path(dst)
+    with safe_io.open_regular(src) as archive:
+        footer = read_footer(archive, os.fspath(src))
+        # The external data file first: the checkpoint that refers to it comes last.
+        for entry in reversed(footer["files"]):
+            target = dst if entry["role"] == "checkpoint" else Path(f"{dst}.data")
+            with safe_io.atomic_file(target, durable=durable) as out:
+                _restore(archive, entry, footer["block_elements"], out, os.fspath(src))
+    return dst
+
+
+def _restore(archive: IO[bytes], entry: dict[str, Any], block_elements: int, out: IO[bytes], where: str) -> None:
+    """Decompresses one file's frame into ``out``, ungrouping its regions, checking size and SHA-256."""
+    zstandard = _zstd()
+    archive.seek(entry["frame_offset"])
+    frame = io.BufferedReader(_Limited(archive, entry["frame_size"]))
+    digest = hashlib.sha256()
+    written = 0
+    problems: list[str] = []
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(frame, closefd=False) as reader:
+
+            def take(n: int) -> bytes:
+                data = reader.read(n)
+                while len(data) < n:
+                    more = reader.read(n - len(data))
+                    if not more:
+                        raise CheckpointIntegrityError(where, [f"{entry['role']}: the frame ends early"])
+                    data += more
+                return data  # type: ignore[no-any-return]
+
+            def emit(data: Any) -> None:
+                nonlocal written
+                digest.update(data)
+                out.write(data)
+                written += len(data)
+
+            at = 0
+            for offset, length, itemsize in entry["grouped"]:
+                for start in range(at, offset, PIECE):
+                    emit(take(min(PIECE, offset - start)))
+                block = block_elements * itemsize
+                for start in range(offset, offset + length, block):
+                    n = min(block, offset + length - start)
+                    grouped = np.frombuffer(take(n), np.uint8).reshape(itemsize, -1)
+                    emit(np.ascontiguousarray(grouped.T))
+                at = offset + length
+            for start in range(at, entry["size"], PIECE):
+                emit(take(min(PIECE, entry["size"] - start)))
+            if reader.read(1):
+                problems.append(f"{entry['role']}: the frame holds more than {entry['size']} bytes")
+    except zstandard.ZstdError as e:
+        problems.append(f"{entry['role']}: the frame does not decompress ({e})")
+    if not problems and digest.hexdigest() != entry["sha256"]:
+        problems.append(f"{entry['role']}: SHA-256 {digest.hexdigest()}, the archive says {entry['sha256']}")
+    if problems:
+        raise CheckpointIntegrityError(where, problems)
+
+
+class _Limited(io.RawIOBase):
+    """At most ``limit`` bytes of ``stream`` from where it is: one frame, never the next."""
+
+    def __init__(self, stream: IO[bytes], limit: int) -> None:
+        self.stream, self.left = stream, limit
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[: self.left]
+        n = self.stream.readinto(view) if view.nbytes else 0  # type: ignore[attr-defined]
+        self.left -= n or 0
+        return n or 0
+
+
+def load_compressed(src: str | os.PathLike[str]) -> CheckpointState:
+    """The checkpoint in the archive ``src``, loaded: decompressed into a private temporary
+    directory, memory-mapped, and the directory removed (the maps keep the data; the page cache
+    holds it, not the process's heap: chosen by measurement, see benches/README.md)."""
+    scratch = Path(tempfile.mkdtemp(prefix="ortckpt-decompressed-"))
+    try:
+        return open_checkpoint(decompress(src, scratch / "checkpoint"), follow_symlinks=False)
+    finally:
+        safe_io.remove_tree_quietly(scratch)
+
+
+__all__ = ["Compressed", "compress", "decompress", "is_compressed", "load_compressed"]
