@@ -45,6 +45,7 @@ LEVEL = 3
 BLOCK_ELEMENTS = 1 << 22  # grouped per 4 Mi elements: 16 MiB of float32 at a time
 PIECE = 16 << 20  # ungrouped bytes go through in pieces of this size
 _FOOTER_TAIL = 8 + len(MAGIC)
+MAX_IN_MEMORY = 2**31  # a checkpoint without external data is one flatbuffer: under 2 GiB
 # Floating-point types whose bytes are grouped, by ONNX code: their element size.
 _GROUPED = {_dt.FLOAT: 4, _dt.FLOAT16: 2, _dt.DOUBLE: 8, _dt.BFLOAT16: 2}
 
@@ -217,6 +218,11 @@ def decompress_to_memory(src: str | os.PathLike[str]) -> bytearray:
         if len(footer["files"]) > 1:
             raise ValueError(f"{os.fspath(src)}: the checkpoint has an external data file: decompress it to files")
         entry = footer["files"][0]
+        if entry["size"] > MAX_IN_MEMORY:  # a footer's word is not enough to allocate on
+            raise CheckpointFormatError(
+                f"{os.fspath(src)}: the footer claims a checkpoint of {entry['size']} bytes; one without "
+                f"external data holds at most {MAX_IN_MEMORY}"
+            )
         out = _IntoBuffer(bytearray(entry["size"]))
         _restore(archive, entry, footer["block_elements"], out, os.fspath(src))  # type: ignore[arg-type]
     return out.buffer

@@ -441,7 +441,8 @@ def check_compressed(value: Any, where: str) -> dict[str, Any]:
         )
     if footer.get("codec") != "zstd":
         raise _bad(where, "codec", footer.get("codec"), '"zstd"')
-    _int(footer.get("block_elements"), where, "block_elements", 1, 1 << 30)
+    # A block is held in memory to regroup it: at most 2^24 elements (128 MiB of 8-byte ones).
+    _int(footer.get("block_elements"), where, "block_elements", 1, 1 << 24)
     files = _list(footer.get("files"), where, "files")
     if not 1 <= len(files) <= len(COMPRESSED_ROLES):
         raise DocumentError(f"{where}: files lists {len(files)} files, expected 1 or 2")

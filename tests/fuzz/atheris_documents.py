@@ -7,6 +7,8 @@
   valid); load_sharded, merge and verify.
 - ``metadata``: the input is the metadata.json of a real CheckpointManager step; a reader
   manager lists, ranks and restores, and verify checks the step.
+- ``compressed``: the input is a compressed checkpoint (ortckpt.compression); decompressed
+  into memory and through a file, then every tensor read.
 
 Anything but a result or one of ortckpt's typed errors (CheckpointError; OSError for the
 filesystem) is a finding: an uncaught exception, a hang (-timeout) or a crash.
@@ -27,7 +29,8 @@ import atheris
 with atheris.instrument_imports():
     import numpy as np
     import ortckpt
-    from ortckpt import CheckpointManager, PackedInt4
+    from ortckpt import CheckpointManager, CheckpointState, PackedInt4
+    from ortckpt.compression import decompress_to_memory, is_compressed, load_compressed
     from ortckpt.convert import load_safetensors
     from ortckpt.distributed import INDEX_NAME, SingleProcess, load_sharded, merge
     from ortckpt.errors import CheckpointError
@@ -87,7 +90,22 @@ def fuzz_metadata(data: bytes) -> None:
         ortckpt.verify(step_dir)
 
 
-TARGETS = {"safetensors": fuzz_safetensors, "index": fuzz_index, "metadata": fuzz_metadata}
+def fuzz_compressed(data: bytes) -> None:
+    archive = SCRATCH / "input.zst"
+    archive.write_bytes(data)
+    is_compressed(archive)
+    with contextlib.suppress(CheckpointError, OSError, ValueError):
+        read_state(CheckpointState.from_bytes(decompress_to_memory(archive)))
+    with contextlib.suppress(CheckpointError, OSError):
+        read_state(load_compressed(archive))
+
+
+TARGETS = {
+    "safetensors": fuzz_safetensors,
+    "index": fuzz_index,
+    "metadata": fuzz_metadata,
+    "compressed": fuzz_compressed,
+}
 
 
 def main() -> None:

@@ -5,7 +5,8 @@
 # Targets: the Rust loader (load_bytes), encode/decode round trips (roundtrip),
 # the Python API over checkpoints (atheris), and the Python parsers of untrusted
 # documents: safetensors files, sharded index.json, the manager's metadata.json
-# (atheris-safetensors, atheris-index, atheris-metadata). Prints one summary line
+# and compressed checkpoints (atheris-safetensors, atheris-index, atheris-metadata,
+# atheris-compressed). Prints one summary line
 # per target; exits non-zero on the first finding (libFuzzer writes the input to
 # target/fuzz-artifacts: add it to tests/fuzz/regressions with a test).
 #
@@ -23,7 +24,7 @@ command -v cargo-fuzz >/dev/null || cargo install --quiet --locked cargo-fuzz@0.
 # cargo-fuzz builds with sanitizer flags that stable rustc accepts only with RUSTC_BOOTSTRAP.
 RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O >/dev/null 2>&1 || RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O
 
-for target in load_bytes roundtrip atheris atheris-safetensors atheris-index atheris-metadata; do
+for target in load_bytes roundtrip atheris atheris-safetensors atheris-index atheris-metadata atheris-compressed; do
     mkdir -p "$CORPUS/$target"
     flags=(-max_total_time="$SECONDS_EACH" -rss_limit_mb=2048 -timeout=10 -artifact_prefix="$ARTIFACTS$target-" -print_final_stats=1)
     case "$target" in

@@ -138,6 +138,18 @@ def document_seeds(kind: str, scratch: Path) -> list[bytes]:
         ).encode()
         out.append(struct.pack("<Q", len(header)) + header + np.ones(2, np.float32).tobytes())
         return out
+    if kind == "compressed":
+        from ortckpt.compression import compress
+
+        out = []
+        sources = [*sorted((DATA / "ort-vectors").glob("*.ckpt"))]
+        rng = np.random.default_rng(0)
+        state = CheckpointState.from_arrays({"w": rng.standard_normal(300).astype(np.float32)})
+        CheckpointState.save_checkpoint(state, scratch / "ext.ckpt", external_data_threshold=0)
+        for i, source in enumerate([*sources, scratch / "ext.ckpt"]):
+            compress(source, scratch / f"{i}.zst")
+            out.append((scratch / f"{i}.zst").read_bytes())
+        return out
     fixture = document_fixture(kind, scratch / kind)
     if kind == "index":
         index = (fixture / "index.json").read_bytes()

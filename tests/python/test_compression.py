@@ -22,7 +22,15 @@ from ortckpt import (
     SpecialFileError,
 )
 from ortckpt.cli import FAILED, OK, run
-from ortckpt.compression import MAGIC, compress, decompress, is_compressed, load_compressed, read_footer
+from ortckpt.compression import (
+    MAGIC,
+    compress,
+    decompress,
+    decompress_to_memory,
+    is_compressed,
+    load_compressed,
+    read_footer,
+)
 
 GOLDENS = ["trained_with_optimizer.ckpt", "protos.ckpt", "protos_nominal.ckpt", "protos_properties.ckpt"]
 
@@ -120,12 +128,22 @@ def footer_rewritten(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped
         (lambda f: f["files"][0].update(frame_size=10**9), "run into the footer"),
         (lambda f: f["files"][0].update(sha256="../../etc/passwd"), "64 lowercase hex"),
         (lambda f: f.update(files=[f["files"][0]] * 3), "files lists 3 files"),
+        (lambda f: f.update(block_elements=2**30), "block_elements"),
     ],
 )
 def test_a_hostile_footer_is_refused_before_anything_is_written(tmp_path: Path, change, message: str) -> None:  # type: ignore[no-untyped-def]
     hostile = footer_rewritten(tmp_path, change)
     with pytest.raises(CheckpointFormatError, match=message):
         decompress(hostile, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_footer_claiming_a_huge_checkpoint_allocates_nothing(tmp_path: Path) -> None:
+    hostile = footer_rewritten(tmp_path, lambda f: f["files"][0].update(size=2**40))
+    with pytest.raises(CheckpointFormatError, match="claims a checkpoint of 1099511627776 bytes"):
+        decompress_to_memory(hostile)
+    with pytest.raises(CheckpointIntegrityError, match="the frame ends early"):
+        decompress(hostile, tmp_path / "out")  # streamed: it stops where the frame does
     assert not (tmp_path / "out").exists()
 
 
