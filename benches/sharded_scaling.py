@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -112,7 +113,7 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     base = Path(tempfile.mkdtemp(prefix="ortckpt-sharded-", dir=args.dir))
     nbytes = int(args.gib * GiB)
-    runs = iter(range(10**9))  # fresh target names
+    runs = itertools.count()  # fresh target names
 
     def sharded(world: int) -> float:
         nonlocal nbytes

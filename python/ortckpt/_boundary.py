@@ -9,7 +9,7 @@ holds them to it), so the boundary can change in one place.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,6 +49,15 @@ class Loaded:
     optimizer_groups: list[CoreGroup]
     # As stored: one list per type; for a name repeated the last entry wins (as in ONNX Runtime).
     properties: list[tuple[str, PropertyValue]]
+
+    def tensors(self) -> Iterator[tuple[tuple[str, ...], CoreTensor]]:
+        """Every tensor with its key: ("parameter", name) or ("momentum", group, parameter, name)."""
+        for tensor in [*self.trainable, *self.frozen]:
+            yield ("parameter", tensor[0]), tensor
+        for group_name, _step, _lr, states in self.optimizer_groups:
+            for param, momentums in states:
+                for tensor in momentums:
+                    yield ("momentum", group_name, param, tensor[0]), tensor
 
     @classmethod
     def _of(cls, raw: dict[str, Any]) -> Loaded:

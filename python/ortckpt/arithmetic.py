@@ -357,16 +357,7 @@ def _combine(
 
 def _offsets(loaded: _boundary.Loaded) -> dict[tuple[str, ...], tuple[int, bool]]:
     """Where each tensor's bytes are in a loaded file: (offset, in the data file?)."""
-    where: dict[tuple[str, ...], tuple[int, bool]] = {}
-    for name, _code, _dims, stored in [*loaded.trainable, *loaded.frozen]:
-        if isinstance(stored, tuple):
-            where[("parameter", name)] = (stored[0], stored[2])
-    for group_name, _step, _lr, states in loaded.optimizer_groups:
-        for param, moms in states:
-            for m, _code, _dims, stored in moms:
-                if isinstance(stored, tuple):
-                    where[("momentum", group_name, param, m)] = (stored[0], stored[2])
-    return where
+    return {key: (stored[0], stored[2]) for key, (*_, stored) in loaded.tensors() if isinstance(stored, tuple)}
 
 
 def _state_of(

@@ -100,20 +100,20 @@ def compress(
         for index, (role, mapping) in enumerate(files):
             view = memoryview(mapping).cast("B")
             digest = hashlib.sha256()
-            start = out.tell()
+            frame_start = out.tell()
             # closefd=False: the frame ends, the archive goes on.
             with zstandard.ZstdCompressor(level=level).stream_writer(out, size=len(view), closefd=False) as frame:
-                for piece in _grouped_pieces(view, regions[index]):
-                    frame.write(piece)
-                for part in _pieces(view):
-                    digest.update(part)
+                for begin, end, itemsize in _segments(len(view), regions[index], BLOCK_ELEMENTS):
+                    original = view[begin:end]
+                    digest.update(original)  # one read of the file: hashed and compressed together
+                    frame.write(_grouped(original, itemsize) if itemsize else original)
             entries.append(
                 {
                     "role": role,
                     "size": len(view),
                     "sha256": digest.hexdigest(),
-                    "frame_offset": start,
-                    "frame_size": out.tell() - start,
+                    "frame_offset": frame_start,
+                    "frame_size": out.tell() - frame_start,
                     "grouped": [list(r) for r in regions[index]],
                 }
             )
@@ -134,38 +134,36 @@ def compress(
 
 def _grouped_regions(loaded: _boundary.Loaded) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """(offset, length, element size) of every floating-point tensor's bytes, per file, ascending."""
-    tensors = [*loaded.trainable, *loaded.frozen]
-    for _, _, _, params in loaded.optimizer_groups:
-        for _, momentums in params:
-            tensors += momentums
     regions: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
-    for _, code, _, stored in tensors:
+    for _, (_, code, _, stored) in loaded.tensors():
         itemsize = _GROUPED.get(code)
-        if itemsize is None or not isinstance(stored, tuple):
-            continue
-        offset, nbytes, external = stored
-        if nbytes:
+        if itemsize is not None and isinstance(stored, tuple) and stored[1]:
+            offset, nbytes, external = stored
             regions[1 if external else 0].append((offset, nbytes, itemsize))
     return sorted(regions[0]), sorted(regions[1])
 
 
-def _pieces(view: memoryview, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
-    end = len(view) if end is None else end
-    for at in range(start, end, PIECE):
-        yield view[at : min(at + PIECE, end)]
-
-
-def _grouped_pieces(view: memoryview, regions: list[tuple[int, int, int]]) -> Iterator[Any]:
-    """The file's bytes in order, each region's blocks with their bytes grouped."""
+def _segments(size: int, regions: list[tuple[int, int, int]], block_elements: int) -> Iterator[tuple[int, int, int]]:
+    """A file's layout in an archive, in order, as (start, end, element size): pieces of at most
+    PIECE bytes kept as they are (element size 0), and each region's blocks of at most
+    ``block_elements`` elements, grouped. Compression and decompression walk the same one."""
     at = 0
-    for offset, length, itemsize in regions:
-        yield from _pieces(view, at, offset)
-        block = BLOCK_ELEMENTS * itemsize
-        for start in range(offset, offset + length, block):
-            elements = np.frombuffer(view[start : min(start + block, offset + length)], np.uint8)
-            yield np.ascontiguousarray(elements.reshape(-1, itemsize).T)  # byte 0 of each, byte 1, ...
+    for offset, length, itemsize in [*regions, (size, 0, 0)]:
+        for start in range(at, offset, PIECE):
+            yield start, min(start + PIECE, offset), 0
+        block = block_elements * itemsize
+        for start in range(offset, offset + length, block or 1):
+            yield start, min(start + block, offset + length), itemsize
         at = offset + length
-    yield from _pieces(view, at)
+
+
+def _grouped(data: Any, itemsize: int) -> np.ndarray:
+    """Whole elements' bytes grouped: every element's byte 0, then every byte 1, ..."""
+    return np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(-1, itemsize).T)
+
+
+def _ungrouped(data: Any, itemsize: int) -> np.ndarray:
+    return np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(itemsize, -1).T)
 
 
 # --- decompressing ----------------------------------------------------------------------------------
@@ -247,38 +245,19 @@ def _restore(archive: IO[bytes], entry: dict[str, Any], block_elements: int, out
     archive.seek(entry["frame_offset"])
     frame = io.BufferedReader(_Limited(archive, entry["frame_size"]))
     digest = hashlib.sha256()
-    written = 0
     problems: list[str] = []
     try:
         with zstandard.ZstdDecompressor().stream_reader(frame, closefd=False) as reader:
-
-            def take(n: int) -> bytes:
-                data = reader.read(n)
-                while len(data) < n:
-                    more = reader.read(n - len(data))
+            for start, end, itemsize in _segments(entry["size"], entry["grouped"], block_elements):
+                data = reader.read(end - start)
+                while len(data) < end - start:
+                    more = reader.read(end - start - len(data))
                     if not more:
                         raise CheckpointIntegrityError(where, [f"{entry['role']}: the frame ends early"])
                     data += more
-                return data  # type: ignore[no-any-return]
-
-            def emit(data: Any) -> None:
-                nonlocal written
-                digest.update(data)
-                out.write(data)
-                written += len(data)
-
-            at = 0
-            for offset, length, itemsize in entry["grouped"]:
-                for start in range(at, offset, PIECE):
-                    emit(take(min(PIECE, offset - start)))
-                block = block_elements * itemsize
-                for start in range(offset, offset + length, block):
-                    n = min(block, offset + length - start)
-                    grouped = np.frombuffer(take(n), np.uint8).reshape(itemsize, -1)
-                    emit(np.ascontiguousarray(grouped.T))
-                at = offset + length
-            for start in range(at, entry["size"], PIECE):
-                emit(take(min(PIECE, entry["size"] - start)))
+                original = _ungrouped(data, itemsize) if itemsize else data
+                digest.update(original)
+                out.write(original)
             if reader.read(1):
                 problems.append(f"{entry['role']}: the frame holds more than {entry['size']} bytes")
     except zstandard.ZstdError as e:

@@ -114,6 +114,17 @@ def _list(value: Any, where: str, at: str) -> list[Any]:
     return value
 
 
+def _versioned(value: Any, where: str, format_name: str, version: int, what: str) -> dict[str, Any]:
+    """A document object of ``format_name``, in the one ``version`` this ortckpt reads."""
+    document = _object(value, where, "the document")
+    if document.get("format") != format_name:
+        raise _bad(where, "format", document.get("format"), repr(format_name))
+    if document.get("version") != version:
+        found = document.get("version")
+        raise DocumentError(f"{where}: {what} version {found!r}; this ortckpt reads version {version}")
+    return document
+
+
 def _int(value: Any, where: str, at: str, low: int | None = 0, high: int | None = None) -> int:
     if type(value) is not int or (low is not None and value < low) or (high is not None and value > high):
         bounds = f" from {low}" if low is not None else ""
@@ -219,14 +230,7 @@ def shard_file_name(rank: int, world_size: int) -> str:
 def check_index(value: Any, where: str) -> dict[str, Any]:
     """A sharded checkpoint's index: every shard a plain name of the form its rank gives, every
     piece inside its tensor and held by a shard, the pieces of a tensor tiling it exactly."""
-    index = _object(value, where, "the document")
-    if index.get("format") != SHARDED_FORMAT:
-        raise _bad(where, "format", index.get("format"), repr(SHARDED_FORMAT))
-    if index.get("version") != SHARDED_VERSION:
-        raise DocumentError(
-            f"{where}: sharded checkpoint version {index.get('version')!r}; "
-            f"this ortckpt reads version {SHARDED_VERSION}"
-        )
+    index = _versioned(value, where, SHARDED_FORMAT, SHARDED_VERSION, "sharded checkpoint")
     _int(index.get("step"), where, "step", 0, INT64_MAX)
     world = _int(index.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
     ranks = set()
@@ -431,14 +435,7 @@ def check_compressed(value: Any, where: str) -> dict[str, Any]:
     then its external data file), each frame inside the archive and after the previous one,
     sizes and SHA-256 of the uncompressed bytes, and the byte-grouped regions inside the file,
     ascending, not overlapping, whole elements of 2, 4 or 8 bytes."""
-    footer = _object(value, where, "the document")
-    if footer.get("format") != COMPRESSED_FORMAT:
-        raise _bad(where, "format", footer.get("format"), repr(COMPRESSED_FORMAT))
-    if footer.get("version") != COMPRESSED_VERSION:
-        raise DocumentError(
-            f"{where}: compressed checkpoint version {footer.get('version')!r}; "
-            f"this ortckpt reads version {COMPRESSED_VERSION}"
-        )
+    footer = _versioned(value, where, COMPRESSED_FORMAT, COMPRESSED_VERSION, "compressed checkpoint")
     if footer.get("codec") != "zstd":
         raise _bad(where, "codec", footer.get("codec"), '"zstd"')
     # A block is held in memory to regroup it: at most 2^24 elements (128 MiB of 8-byte ones).

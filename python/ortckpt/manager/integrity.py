@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -65,14 +66,11 @@ def _problem(path: Path, error: BaseException) -> str:
 def _verify(path: Path, on_bytes: Any) -> Verified:
     if not path.is_dir():
         return _verify_file(path, on_bytes)
-    scratch = Path(tempfile.mkdtemp(prefix="ortckpt-verify-"))  # where a compressed step is decompressed
-    try:
-        return _verify_directory(path, on_bytes, scratch)
-    finally:
-        safe_io.remove_tree_quietly(scratch)
+    with contextlib.ExitStack() as cleanup:  # what decompressing a compressed step leaves, removed after
+        return _verify_directory(path, on_bytes, cleanup)
 
 
-def _verify_directory(path: Path, on_bytes: Any, scratch: Path) -> Verified:
+def _verify_directory(path: Path, on_bytes: Any, cleanup: contextlib.ExitStack) -> Verified:
     problems: list[str] = []
     files: dict[str, str] = {}
     directory = path
@@ -114,7 +112,7 @@ def _verify_directory(path: Path, on_bytes: Any, scratch: Path) -> Verified:
             else:
                 files[name] = digest
         if "compressed" in meta and not problems:
-            checkpoints = _decompressed(directory, meta["compressed"], scratch, problems, files, on_bytes)
+            checkpoints = _decompressed(directory, meta["compressed"], cleanup, problems, files, on_bytes)
         for checkpoint in checkpoints:
             if checkpoint.name not in meta.get("compressed", meta["files"]):
                 problems.append(f"{directory / steps.METADATA_NAME}: lists no {checkpoint.name} file")
@@ -144,16 +142,19 @@ def _verify_directory(path: Path, on_bytes: Any, scratch: Path) -> Verified:
 def _decompressed(
     directory: Path,
     expected: dict[str, Any],
-    scratch: Path,
+    cleanup: contextlib.ExitStack,
     problems: list[str],
     files: dict[str, str],
     on_bytes: Any,
 ) -> list[Path]:
-    """A compressed step's checkpoint, decompressed into ``scratch`` (the archive checks each
-    file's SHA-256 against its own footer) and checked against metadata.json's record of the
-    files before compression; the checkpoint to decode, or [] with ``problems`` said."""
+    """A compressed step's checkpoint, decompressed into a private temporary directory (removed
+    by ``cleanup``; the archive checks each file's SHA-256 against its own footer) and checked
+    against metadata.json's record of the files before compression; the checkpoint to decode,
+    or [] with ``problems`` said."""
     from ..compression import decompress
 
+    scratch = Path(tempfile.mkdtemp(prefix="ortckpt-verify-"))
+    cleanup.callback(safe_io.remove_tree_quietly, scratch)
     archive = directory / steps.COMPRESSED_NAME
     try:
         checkpoint = decompress(safe_io.member(directory, steps.COMPRESSED_NAME), scratch / steps.CHECKPOINT_NAME)
