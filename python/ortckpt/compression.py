@@ -192,12 +192,15 @@ def read_footer(archive: IO[bytes], where: str) -> dict[str, Any]:
     return footer  # type: ignore[no-any-return]
 
 
-def decompress(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, durable: bool = False) -> Path:
+def decompress(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, durable: bool = False, follow_symlinks: bool = True
+) -> Path:
     """Writes the checkpoint held in the archive ``src`` back to ``dst`` (and ``dst.data``),
     byte for byte as it was compressed; every file's size and SHA-256 are checked
-    (:class:`~ortckpt.CheckpointIntegrityError`) before it replaces anything. Returns ``dst``."""
+    (:class:`~ortckpt.CheckpointIntegrityError`) before it replaces anything. Returns ``dst``.
+    Without ``follow_symlinks``, a symlink at ``src`` is refused (for an archive a step names)."""
     dst = Path(dst)
-    with safe_io.open_regular(src) as archive:
+    with safe_io.open_regular(src, follow_symlinks=follow_symlinks) as archive:
         footer = read_footer(archive, os.fspath(src))
         # The external data file first: the checkpoint that refers to it comes last.
         for entry in reversed(footer["files"]):
@@ -284,13 +287,14 @@ class _Limited(io.RawIOBase):
         return n or 0
 
 
-def load_compressed(src: str | os.PathLike[str]) -> CheckpointState:
+def load_compressed(src: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:
     """The checkpoint in the archive ``src``, loaded: decompressed into a private temporary
     directory, memory-mapped, and the directory removed (the maps keep the data; the page cache
     holds it, not the process's heap: chosen by measurement, see benches/README.md)."""
     scratch = Path(tempfile.mkdtemp(prefix="ortckpt-decompressed-"))
     try:
-        return open_checkpoint(decompress(src, scratch / "checkpoint"), follow_symlinks=False)
+        checkpoint = decompress(src, scratch / "checkpoint", follow_symlinks=follow_symlinks)
+        return open_checkpoint(checkpoint, follow_symlinks=False)
     finally:
         safe_io.remove_tree_quietly(scratch)
 

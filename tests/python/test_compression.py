@@ -3,6 +3,7 @@ the byte, floating-point bytes grouped, every file's SHA-256 checked, hostile ar
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -271,3 +272,20 @@ def test_an_info_read_before_its_step_was_compressed_still_loads(tmp_path: Path)
         manager.save(state_of(3), 3)
     assert stale is not None and not stale.compressed and not stale.path.exists()
     assert same(stale.load(), state_of(2))  # the archive was there before the checkpoint went
+
+
+def test_a_symlink_planted_as_a_steps_archive_is_never_followed(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run", max_to_keep=1, keep_every=2, compress_kept=True) as manager:
+        for step in range(1, 4):
+            manager.save(state_of(step), step)
+    step_dir = tmp_path / "run" / "step_00000002"
+    elsewhere = tmp_path / "elsewhere.zst"
+    compress(GOLDEN / "trained_with_optimizer.ckpt", elsewhere)  # a valid archive, of another checkpoint
+    (step_dir / "checkpoint.zst").unlink()
+    (step_dir / "checkpoint.zst").symlink_to(elsewhere)
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    with pytest.raises(OSError) as e:  # opened with O_NOFOLLOW: the link itself is refused, no check-then-open race
+        reader.restore(2)
+    assert e.value.errno == errno.ELOOP
+    with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.zst"):
+        ortckpt.verify(step_dir)

@@ -107,11 +107,11 @@ class CheckpointInfo:
             # Compressed (perhaps since this info was read: the archive is written before the
             # checkpoint goes, so it is there whenever the checkpoint is not).
             archive = self.directory / steps.COMPRESSED_NAME
-            if not os.path.isfile(archive) or os.path.islink(archive):
+            if not os.path.lexists(archive):
                 raise
         from ..compression import load_compressed
 
-        return load_compressed(archive)
+        return load_compressed(archive, follow_symlinks=False)  # a symlink planted there is refused
 
 
 class _Staging:

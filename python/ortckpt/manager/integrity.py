@@ -157,7 +157,7 @@ def _decompressed(
     cleanup.callback(safe_io.remove_tree_quietly, scratch)
     archive = directory / steps.COMPRESSED_NAME
     try:
-        checkpoint = decompress(safe_io.member(directory, steps.COMPRESSED_NAME), scratch / steps.CHECKPOINT_NAME)
+        checkpoint = decompress(archive, scratch / steps.CHECKPOINT_NAME, follow_symlinks=False)
     except (CheckpointError, OSError) as e:
         problems.append(_problem(archive, e))
         return []
