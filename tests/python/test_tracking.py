@@ -1,0 +1,329 @@
+"""track="mlflow": checkpoints reported to a real MLflow tracking server (started for the session
+by conftest's mlflow_uri), queried back with MlflowClient; register_best's model-registry
+handoff; and the Tracker interface another tracker plugs into."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.onnx
+import numpy as np
+import onnxruntime
+import ortckpt
+import ortckpt.manager.tracking
+import pytest
+from goldens import GOLDEN
+from mlflow import MlflowClient
+from ortckpt import CheckpointManager, CheckpointState
+from ortckpt.cli import OK, run
+from ortckpt.manager.tracking import (
+    TAG_CHECKPOINT,
+    TAG_DIRECTORY,
+    TAG_RUN_ID,
+    TAG_SHA256,
+    TAG_STEP,
+    TAG_VERSION,
+    MlflowTracker,
+    TrackedRun,
+    flatten,
+)
+
+ARTIFACTS = GOLDEN / "artifacts"
+EVAL_MODEL = ARTIFACTS / "eval_model.onnx"
+LOSS = "onnx::reducemean_output::6"  # the eval model's only output: the MSE loss
+INPUTS = {
+    "x": np.linspace(-1, 1, 3 * 8, dtype=np.float32).reshape(3, 8),
+    "target": np.linspace(0, 1, 3 * 4, dtype=np.float32).reshape(3, 4),
+}
+
+
+def scaled(factor: float) -> CheckpointState:
+    """ONNX Runtime's trained checkpoint with its weights scaled: a different loss per factor."""
+    state = CheckpointState.load_checkpoint(ARTIFACTS / "checkpoint")
+    for name in state.parameters.names():
+        state.parameters[name].data = state.parameters[name].data * np.float32(factor)
+    return state
+
+
+def loss_of(model_bytes: bytes) -> float:
+    session = onnxruntime.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    return float(session.run([LOSS], INPUTS)[0])
+
+
+def state_loss(state: CheckpointState) -> float:
+    return loss_of(ortckpt.inference_model(state, EVAL_MODEL).SerializeToString())
+
+
+@pytest.fixture
+def experiment() -> str:
+    return f"ortckpt-{uuid.uuid4().hex[:12]}"  # each test its own experiment on the shared server
+
+
+def the_run(client: MlflowClient, experiment: str, run_id: str) -> Any:
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'")
+    assert len(runs) == 1, [r.info.run_id for r in runs]  # one MLflow run per training run, resumed or not
+    return runs[0]
+
+
+def history(client: MlflowClient, mlflow_run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run_id, key))
+
+
+def small(value: float) -> CheckpointState:
+    return CheckpointState.from_arrays({"w": np.full((4, 4), value, np.float32)})
+
+
+def test_each_save_logs_metrics_at_its_step_config_params_once_and_lineage_tags(tmp_path, mlflow_uri, experiment):
+    config = {"lr": 0.1, "optim": {"name": "adamw", "betas": [0.9, 0.99]}, "epochs": 3}
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment, run_name="tiny")
+    with CheckpointManager(tmp_path, track=tracker, config=config, max_to_keep=2) as manager:
+        for step, loss in [(10, 0.9), (20, 0.5), (30, 0.7)]:
+            manager.save(small(step), step, metrics={"loss": loss, "accuracy": 1 - loss})
+        latest = manager.latest()
+    client = MlflowClient(mlflow_uri)
+    found = the_run(client, experiment, manager.run_id)
+    assert found.info.run_id == tracker.mlflow_run_id and found.info.run_name == "tiny"
+    assert found.info.status == "FINISHED"  # the manager was closed
+    assert history(client, found.info.run_id, "loss") == [(10, 0.9), (20, 0.5), (30, 0.7)]
+    accuracy = history(client, found.info.run_id, "accuracy")
+    assert [step for step, _ in accuracy] == [10, 20, 30]
+    assert [value for _, value in accuracy] == pytest.approx([0.1, 0.5, 0.3])
+    assert found.data.params == {"lr": "0.1", "optim.name": "adamw", "optim.betas": "[0.9, 0.99]", "epochs": "3"}
+    tags = found.data.tags
+    assert tags[TAG_DIRECTORY] == str(tmp_path.absolute()) and tags[TAG_VERSION] == ortckpt.__version__
+    assert tags[TAG_STEP] == "30" and tags[TAG_CHECKPOINT] == str(latest.directory.absolute())
+    assert json.loads(tags[TAG_SHA256]) == {name: f["sha256"] for name, f in latest.metadata["files"].items()}
+    # Every step's metadata.json (metrics, SHA-256s) is the run's lineage, retention or not.
+    for step in (10, 20, 30):
+        [entry] = client.list_artifacts(found.info.run_id, f"checkpoints/step_{step:08d}")
+        assert entry.path.endswith("metadata.json")  # the checkpoints themselves only with log_artifacts
+    logged = client.download_artifacts(found.info.run_id, "checkpoints/step_00000030/metadata.json", str(tmp_path))
+    assert Path(logged).read_bytes() == (latest.directory / "metadata.json").read_bytes()
+
+
+def test_a_resumed_run_continues_its_mlflow_run(tmp_path, mlflow_uri, experiment):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    with CheckpointManager(tmp_path, track=tracker, config={"lr": 0.1}) as manager:
+        manager.save(small(1), 1, metrics={"loss": 1.0})
+        manager.save(small(2), 2, metrics={"loss": 0.8})
+    first = tracker.mlflow_run_id
+    resumed = MlflowTracker(mlflow_uri, experiment=experiment)
+    with pytest.warns(RuntimeWarning, match=r"config 'lr' is '0.2', but the MLflow run logged '0.1'"):
+        manager = CheckpointManager(tmp_path, track=resumed, config={"lr": 0.2, "warmup": 5})
+    client = MlflowClient(mlflow_uri)
+    assert resumed.mlflow_run_id == first and client.get_run(first).info.status == "RUNNING"
+    manager.save(small(3), 3, metrics={"loss": 0.6})
+    manager.close()
+    found = the_run(client, experiment, manager.run_id)
+    assert history(client, first, "loss") == [(1, 1.0), (2, 0.8), (3, 0.6)]  # no step logged twice
+    assert found.data.params == {"lr": "0.1", "warmup": "5"}  # MLflow's params never change
+
+
+def test_log_artifacts_uploads_each_checkpoints_files(tmp_path, mlflow_uri, experiment):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment, log_artifacts=True)
+    with CheckpointManager(tmp_path / "run", track=tracker, external_data_threshold=16) as manager:
+        manager.save(small(7), 7, metrics={"loss": 0.1})
+        step = manager.latest()
+    assert sorted(step.metadata["files"]) == ["checkpoint", "checkpoint.data"]
+    client = MlflowClient(mlflow_uri)
+    downloaded = Path(client.download_artifacts(tracker.mlflow_run_id, "checkpoints/step_00000007", str(tmp_path)))
+    assert sorted(p.name for p in downloaded.iterdir()) == ["checkpoint", "checkpoint.data", "metadata.json"]
+    for name in ("checkpoint", "checkpoint.data", "metadata.json"):
+        assert (downloaded / name).read_bytes() == (step.directory / name).read_bytes()
+    assert (CheckpointState.load_checkpoint(downloaded / "checkpoint").parameters["w"].data == 7).all()
+
+
+def test_a_tracker_that_is_down_never_fails_a_save_and_what_it_missed_is_reported_later(
+    tmp_path, mlflow_uri, experiment, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{s.getsockname()[1]}"
+        with pytest.warns(RuntimeWarning, match=r"the tracker \(MlflowTracker\) could not start"):
+            manager = CheckpointManager(tmp_path, track=MlflowTracker(nowhere, experiment=experiment))
+        with pytest.warns(RuntimeWarning, match=r"could not start"):
+            manager.save(small(1), 1, metrics={"loss": 0.9})
+            manager.save(small(2), 2, metrics={"loss": 0.7})
+        manager.close()
+    assert manager.all_steps() == [1, 2]  # saved regardless
+    # The same run, the server reachable: the steps it missed are reported when it starts.
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    with CheckpointManager(tmp_path, track=tracker) as manager:
+        client = MlflowClient(mlflow_uri)
+        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7)]
+        # Mid-run, one report fails (the server briefly gone): the next save reports both.
+        real = tracker.client.log_batch
+        failures = iter([ConnectionError("server gone")])
+
+        def flaky(*args: Any, **kwargs: Any) -> Any:
+            for error in failures:
+                raise error
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tracker.client, "log_batch", flaky)
+        with pytest.warns(RuntimeWarning, match=r"could not report step 3.*ConnectionError: server gone"):
+            manager.save(small(3), 3, metrics={"loss": 0.5})
+        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7)]
+        manager.save(small(4), 4, metrics={"loss": 0.4})
+        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7), (3, 0.5), (4, 0.4)]
+        assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "4"
+
+
+def test_an_active_mlflow_run_is_the_one_reported_to(tmp_path, mlflow_uri, experiment, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)  # track="mlflow": MLflow's own configuration
+    client = MlflowClient(mlflow_uri)
+    experiment_id = client.create_experiment(experiment)
+    with mlflow.start_run(experiment_id=experiment_id) as active:
+        mlflow.log_param("model", "tiny")
+        with CheckpointManager(tmp_path, track="mlflow") as manager:
+            manager.save(small(1), 1, metrics={"loss": 0.3})
+    assert history(client, active.info.run_id, "loss") == [(1, 0.3)]
+    assert client.get_run(active.info.run_id).data.tags[TAG_RUN_ID] == manager.run_id
+
+
+def trained_run(directory: Path, tracker: Any) -> tuple[CheckpointManager, dict[int, float]]:
+    """Three checkpoints of ONNX Runtime's artifacts, each with the loss its weights really have."""
+    manager = CheckpointManager(directory, keep_best=("loss", "min", 2), track=tracker)
+    losses = {}
+    for step, factor in [(1, 1.0), (2, 0.5), (3, 1.5)]:
+        state = scaled(factor)
+        losses[step] = state_loss(state)
+        manager.save(state, step, metrics={"loss": losses[step]})
+    return manager, losses
+
+
+def test_register_best_hands_the_best_checkpoint_to_the_model_registry(tmp_path, mlflow_uri, experiment, monkeypatch):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    manager, losses = trained_run(tmp_path / "run", tracker)
+    best_step = min(losses, key=losses.__getitem__)
+    name = f"{experiment}-model"
+    version = manager.register_best(name, EVAL_MODEL, output_names=[LOSS])
+    manager.close()
+    client = MlflowClient(mlflow_uri)
+    registered = client.get_model_version(name, version.version)
+    assert registered.version == "1" and registered.run_id == tracker.mlflow_run_id
+    assert registered.source.startswith(client.get_run(tracker.mlflow_run_id).info.artifact_uri + "/models/")
+    best = {c.step: c for c in manager.all()}[best_step]
+    assert registered.tags[TAG_STEP] == str(best_step) and registered.tags[TAG_RUN_ID] == manager.run_id
+    assert json.loads(registered.tags[TAG_SHA256]) == {"checkpoint": best.metadata["files"]["checkpoint"]["sha256"]}
+    assert float(registered.tags["metric.loss"]) == losses[best_step]
+    assert f"step {best_step} of ortckpt run {manager.run_id}" in registered.description
+    # The registered model is an MLflow ONNX model with the best step's weights.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)  # where models:/ URIs resolve
+    model = mlflow.onnx.load_model(f"models:/{name}/1")
+    assert loss_of(model.SerializeToString()) == pytest.approx(losses[best_step], rel=1e-6)
+    # Registering again is a new version with its own source, the first one unchanged.
+    again = CheckpointManager(tmp_path / "run", read_only=True, track=MlflowTracker(mlflow_uri, experiment=experiment))
+    second = again.register_best(name, EVAL_MODEL, metric="loss", mode="max")
+    assert second.version == "2" and second.source != registered.source and second.tags[TAG_STEP] == str(max(losses))
+    assert client.get_model_version(name, "1").source == registered.source
+
+
+def test_the_register_best_command(tmp_path, mlflow_uri, experiment, capsys):
+    manager, losses = trained_run(tmp_path / "run", None)  # training not tracked: the command makes the run
+    manager.close()
+    name = f"{experiment}-cli"
+    args = ["register-best", str(tmp_path / "run"), name, str(EVAL_MODEL), "--output", LOSS]
+    args += ["--tracking-uri", mlflow_uri, "--experiment", experiment, "--json"]
+    assert run(args) == OK
+    out = json.loads(capsys.readouterr().out)
+    best_step = min(losses, key=losses.__getitem__)
+    assert out["step"] == best_step and out["version"] == "1" and out["metric"] == "loss"
+    client = MlflowClient(mlflow_uri)
+    assert the_run(client, experiment, manager.run_id).info.run_id == out["mlflow_run_id"]
+    assert client.get_model_version(name, "1").tags[TAG_STEP] == str(best_step)
+    assert run(["register-best", str(tmp_path / "empty"), name, str(EVAL_MODEL), "--tracking-uri", mlflow_uri]) == 3
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+class Recording:
+    """Another tracker: the manager calls it through the same four methods."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def start(self, run: TrackedRun, committed: Any) -> None:
+        self.calls.append(("start", run.run_id, run.writer, [c.step for c in committed]))
+
+    def log_checkpoint(self, checkpoint: Any) -> None:
+        self.calls.append(("log", checkpoint.step, dict(checkpoint.metrics)))
+
+    def register_model(self, name: str, model: Any, checkpoint: Any) -> Any:
+        self.calls.append(("register", name, checkpoint.step, type(model).__name__))
+        return "v1"
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_another_tracker_plugs_in_through_the_interface(tmp_path, async_save):
+    tracker = Recording()
+    manager = CheckpointManager(tmp_path, track=tracker, async_save=async_save, keep_best=("loss", "min", 1))
+    manager.save(scaled(1.0), 5, metrics={"loss": 2.0})
+    manager.save(scaled(0.5), 6, metrics={"loss": 1.0})
+    manager.wait()
+    assert manager.register_best("m", EVAL_MODEL) == "v1"
+    manager.close()
+    manager.close()  # closed once
+    assert tracker.calls == [
+        ("start", manager.run_id, True, []),
+        ("log", 5, {"loss": 2.0}),
+        ("log", 6, {"loss": 1.0}),
+        ("register", "m", 6, "ModelProto"),
+        ("close",),
+    ]
+    resumed = Recording()
+    CheckpointManager(tmp_path, track=resumed).close()
+    assert resumed.calls[0] == ("start", manager.run_id, True, [6])  # the committed steps, for it to catch up
+
+
+def test_a_failing_tracker_is_a_warning_and_the_step_is_committed(tmp_path):
+    class Broken(Recording):
+        def log_checkpoint(self, checkpoint: Any) -> None:
+            raise RuntimeError("tracker exploded")
+
+    with CheckpointManager(tmp_path, track=Broken()) as manager:
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"could not report step 1, to be retried at the next save: RuntimeError: tracker exploded",
+        ):
+            manager.save(small(1), 1)
+        assert manager.all_steps() == [1]
+
+
+def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):
+    with pytest.raises(ValueError, match=r"track is 'mlflow' or a Tracker object, got 'wandb'"):
+        CheckpointManager(tmp_path / "a", track="wandb")
+    with pytest.raises(TypeError, match=r"got object"):
+        CheckpointManager(tmp_path / "b", track=object())
+    with CheckpointManager(tmp_path / "c", keep_best=("loss", "min", 1)) as manager:
+        manager.save(small(1), 1, metrics={"loss": 1.0})
+        with pytest.raises(ValueError, match=r"register_best needs a tracker"):
+            manager.register_best("m", EVAL_MODEL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to report, nothing warned
+        with CheckpointManager(tmp_path / "d", track=Recording(), keep_best=("loss", "min", 1)) as manager:
+            manager.save(small(1), 1)  # no metric
+            with pytest.raises(FileNotFoundError, match=r"no checkpoint has the metric"):
+                manager.register_best("m", EVAL_MODEL)
+
+
+def test_config_flattens_to_params():
+    assert flatten({"a": 1, "b": {"c": "x", "d": {"e": [1, 2]}}, "f": {}, "g": None}) == {
+        "a": "1",
+        "b.c": "x",
+        "b.d.e": "[1, 2]",
+        "f": "{}",
+        "g": "null",
+    }
+    assert ortckpt.manager.tracking.tracker_for("mlflow").__class__ is MlflowTracker
