@@ -27,6 +27,7 @@ import re
 import secrets
 import shutil
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -243,6 +244,27 @@ def read_regular(path: str | os.PathLike[str], *, limit: int | None = None, foll
         if limit is not None and size > limit:
             raise CheckpointFormatError(f"{os.fspath(path)}: {size} bytes, more than the {limit} such a file may have")
         return f.read()
+
+
+@contextmanager
+def pinned_files(directory: Path, names: Iterable[str]) -> Iterator[Path]:
+    """A private temporary directory whose entries are the named files of ``directory`` as
+    opened now: each opened without following a symlink and checked to be a regular file
+    (a FIFO would hang the reader), then linked to by its descriptor (/proc/self/fd), so a
+    library that reads files by path (an uploader) reads those files, whatever is renamed or
+    planted in ``directory`` meanwhile."""
+    files = []
+    view = Path(tempfile.mkdtemp(prefix="ortckpt-pinned-"))
+    try:
+        for name in names:
+            opened = open_regular(member(directory, name), follow_symlinks=False)
+            files.append(opened)
+            os.symlink(f"/proc/self/fd/{opened.fileno()}", view / name)
+        yield view
+    finally:
+        for opened in files:
+            opened.close()
+        remove_tree_quietly(view)
 
 
 def is_plain_name(name: object) -> bool:

@@ -5,6 +5,7 @@ handoff; and the Tracker interface another tracker plugs into."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import uuid
 import warnings
@@ -176,6 +177,55 @@ def test_a_tracker_that_is_down_never_fails_a_save_and_what_it_missed_is_reporte
         manager.save(small(4), 4, metrics={"loss": 0.4})
         assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7), (3, 0.5), (4, 0.4)]
         assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "4"
+
+
+def test_a_report_mlflow_refuses_is_dropped_and_does_not_hold_back_the_next(tmp_path, mlflow_uri, experiment):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    with pytest.warns(RuntimeWarning, match=r"config 'bad key %' is not logged as an MLflow param: INVALID_PARAM"):
+        manager = CheckpointManager(tmp_path, track=tracker, config={"bad key %": 1, "lr": 0.1})
+    with manager:
+        with pytest.warns(RuntimeWarning, match=r"MLflow refused the report of step 1 \(not sent again\)"):
+            manager.save(small(1), 1, metrics={"loss%": 1.0})  # '%': not a metric name MLflow takes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            manager.save(small(2), 2, metrics={"loss": 0.5})
+    client = MlflowClient(mlflow_uri)
+    assert history(client, tracker.mlflow_run_id, "loss") == [(2, 0.5)]
+    assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
+    assert client.get_run(tracker.mlflow_run_id).data.params == {"lr": "0.1"}  # the good ones logged
+
+
+def test_any_run_id_finds_its_mlflow_run_again(tmp_path, mlflow_uri, experiment):
+    run_id = "it's a \\ 'run' \" OR 1=1 --"
+    for step in (1, 2):
+        tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+        with CheckpointManager(tmp_path, track=tracker, run_id=run_id) as manager:
+            manager.save(small(step), step, metrics={"loss": 1.0 / step})
+    client = MlflowClient(mlflow_uri)
+    [found] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert found.data.tags[TAG_RUN_ID] == run_id
+    assert history(client, found.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
+
+
+@pytest.mark.parametrize("plant", ["symlink", "fifo"])
+def test_a_file_planted_in_a_step_is_not_uploaded_and_its_metrics_still_are(tmp_path, mlflow_uri, experiment, plant):
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not for the tracker")
+    with CheckpointManager(tmp_path / "run") as manager:  # trained untracked; tracked from the restart
+        manager.save(small(1), 1, metrics={"loss": 0.25})
+        step = manager.latest().directory
+    (step / "checkpoint").unlink()
+    if plant == "symlink":
+        (step / "checkpoint").symlink_to(secret)
+    else:
+        os.mkfifo(step / "checkpoint")  # an upload that opened it would wait forever
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment, log_artifacts=True)
+    expected = r"step 1's files are not uploaded: .*(Too many levels of symbolic links|a FIFO, not a regular file)"
+    with pytest.warns(RuntimeWarning, match=expected):
+        CheckpointManager(tmp_path / "run", track=tracker).close()
+    client = MlflowClient(mlflow_uri)
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.25)]
+    assert client.list_artifacts(tracker.mlflow_run_id, "checkpoints/step_00000001") == []
 
 
 def test_an_active_mlflow_run_is_the_one_reported_to(tmp_path, mlflow_uri, experiment, monkeypatch):

@@ -12,7 +12,9 @@ the committed steps with the last one it recorded).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from .. import __version__, steps
+from .. import __version__, safe_io, steps
 
 if TYPE_CHECKING:
     from .checkpoint_manager import CheckpointInfo
@@ -70,15 +72,17 @@ def tracker_for(track: str | Tracker) -> Tracker:
 
 # Tag names, one place: tests and users query them.
 TAG_RUN_ID = "ortckpt.run_id"
+TAG_RUN_KEY = "ortckpt.run_key"  # the run id's SHA-256: what a resumed run searches by (any id, safely quoted)
 TAG_DIRECTORY = "ortckpt.directory"
 TAG_VERSION = "ortckpt.version"
 TAG_STEP = "ortckpt.step"  # the newest step reported
 TAG_CHECKPOINT = "ortckpt.checkpoint"  # its step directory
 TAG_SHA256 = "ortckpt.sha256"  # its files' SHA-256s, a JSON object {file name: hex digest}
 
-# MLflow's own limits (mlflow.utils.validation): a longer param is refused by the server, a
-# larger batch too.
+# MLflow's own limits (mlflow.utils.validation): a longer param or tag is refused by the server,
+# a larger batch too.
 _MAX_PARAM_LENGTH = 6000
+_MAX_TAG_LENGTH = 8000
 _MAX_PARAMS_PER_BATCH = 100
 
 
@@ -195,26 +199,24 @@ class MlflowTracker:
         client = self.client
         active = mlflow.active_run()
         if active is not None:
-            client.set_tag(active.info.run_id, TAG_RUN_ID, run.run_id)
             self._tag_run(active.info.run_id, run)
             return str(active.info.run_id)
         experiment_id = self._experiment_id()
-        found = client.search_runs(
-            [experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{_quoted(run.run_id)}'", max_results=1
-        )
+        key = run_key(run.run_id)  # hex: nothing to escape in the search string
+        found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_KEY}` = '{key}'", max_results=1)
         if found:
             mlflow_run_id = str(found[0].info.run_id)
         else:
-            mlflow_run_id = str(
-                client.create_run(experiment_id, run_name=self.run_name, tags={TAG_RUN_ID: run.run_id}).info.run_id
-            )
+            created = client.create_run(experiment_id, run_name=self.run_name, tags={TAG_RUN_KEY: key})
+            mlflow_run_id = str(created.info.run_id)
         self._tag_run(mlflow_run_id, run)
         return mlflow_run_id
 
     def _tag_run(self, mlflow_run_id: str, run: TrackedRun) -> None:
         from mlflow.entities import RunTag
 
-        tags = [RunTag(TAG_DIRECTORY, str(run.directory.absolute())), RunTag(TAG_VERSION, __version__)]
+        tags = [RunTag(TAG_RUN_KEY, run_key(run.run_id)), RunTag(TAG_RUN_ID, run.run_id[:_MAX_TAG_LENGTH])]
+        tags += [RunTag(TAG_DIRECTORY, str(run.directory.absolute())), RunTag(TAG_VERSION, __version__)]
         self.client.log_batch(mlflow_run_id, tags=tags)
 
     def _experiment_id(self) -> str:
@@ -264,7 +266,17 @@ class MlflowTracker:
                     stacklevel=2,
                 )
         for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.mlflow_run_id, params=params[i : i + _MAX_PARAMS_PER_BATCH])
+            batch = params[i : i + _MAX_PARAMS_PER_BATCH]
+            if not refused(lambda: self.client.log_batch(self.mlflow_run_id, params=batch)):  # noqa: B023 - called now
+                continue
+            for param in batch:  # one refused (a key MLflow does not take): the others one by one
+                problem = refused(lambda: self.client.log_batch(self.mlflow_run_id, params=[param]))  # noqa: B023
+                if problem:
+                    warnings.warn(
+                        f"config {param.key!r} is not logged as an MLflow param: {problem} (metadata.json has it)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
 
     def _reported_step(self) -> int | None:
         assert self.mlflow_run_id is not None
@@ -276,7 +288,11 @@ class MlflowTracker:
 
     def _report(self) -> None:
         """Reports every unreported checkpoint, oldest first; each one's metrics and tags in one
-        request (all or nothing on the server), so a failure midway leaves the rest for later."""
+        request (all or nothing on the server), so a failure midway leaves the rest for later.
+        A report the server refuses as invalid (a metric name MLflow does not take) is dropped
+        with a warning: sent again, it would be refused again, and hold back every later step."""
+        import warnings
+
         from mlflow.entities import Metric, RunTag
 
         assert self.mlflow_run_id is not None
@@ -288,7 +304,13 @@ class MlflowTracker:
             tags = [RunTag(TAG_STEP, lineage[TAG_STEP]), RunTag(TAG_CHECKPOINT, lineage[TAG_CHECKPOINT])]
             tags.append(RunTag(TAG_SHA256, lineage[TAG_SHA256]))
             self._upload(checkpoint)
-            self.client.log_batch(self.mlflow_run_id, metrics=metrics, tags=tags)
+            problem = refused(lambda: self.client.log_batch(self.mlflow_run_id, metrics=metrics, tags=tags))  # noqa: B023
+            if problem:
+                warnings.warn(
+                    f"{checkpoint.directory}: MLflow refused the report of step {step} (not sent again): {problem}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             del self._unreported[step]
 
     def _upload(self, checkpoint: CheckpointInfo) -> None:
@@ -297,17 +319,34 @@ class MlflowTracker:
         names = [steps.METADATA_NAME]
         if self.log_artifacts:
             names += list(checkpoint.metadata.get("files", {}))
-        for name in names:
-            self.client.log_artifact(self.mlflow_run_id, str(checkpoint.directory / name), destination)
+        # Opened here, not by name in the uploader: a symlink planted in the step directory is
+        # refused (ELOOP), not followed out of it, and a FIFO is refused, not waited on. Such a
+        # step's files are not uploaded (its metrics still are): trying again would not help.
+        with contextlib.ExitStack() as stack:
+            try:
+                pinned = stack.enter_context(safe_io.pinned_files(checkpoint.directory, names))
+            except OSError as e:
+                import warnings
+
+                warnings.warn(
+                    f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded: {e}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
+            self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination)
 
     @staticmethod
     def _lineage(checkpoint: CheckpointInfo) -> dict[str, str]:
         files = checkpoint.metadata.get("files", {})
+        digests = json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True)
+        if len(digests) > _MAX_TAG_LENGTH:  # many shards: metadata.json's own digest, which lists theirs
+            digests = json.dumps({steps.METADATA_NAME: sha256_of_file(checkpoint.directory / steps.METADATA_NAME)})
         return {
-            TAG_RUN_ID: str(checkpoint.metadata.get("run_id")),
+            TAG_RUN_ID: str(checkpoint.metadata.get("run_id"))[:_MAX_TAG_LENGTH],
             TAG_STEP: str(checkpoint.step),
-            TAG_CHECKPOINT: str(checkpoint.directory.absolute()),
-            TAG_SHA256: json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True),
+            TAG_CHECKPOINT: str(checkpoint.directory.absolute())[:_MAX_TAG_LENGTH],
+            TAG_SHA256: digests,
             TAG_VERSION: __version__,
         }
 
@@ -327,9 +366,27 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def _quoted(text: str) -> str:
-    """A value inside a single-quoted MLflow search string."""
-    return text.replace("\\", "\\\\").replace("'", "\\'")
+def run_key(run_id: str) -> str:
+    return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def sha256_of_file(path: Path) -> str:
+    with safe_io.open_regular(path, follow_symlinks=False) as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def refused(call: Any) -> str | None:
+    """Runs an MLflow call; returns the server's reason when it refuses the request as invalid
+    (HTTP 4xx), raises anything else (the server down: worth trying again later)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        call()
+    except MlflowException as e:
+        if 400 <= e.get_http_status_code() < 500:
+            return f"{e.error_code}: {e.message}"
+        raise
+    return None
 
 
 def _milliseconds(timestamp: Any) -> int:
