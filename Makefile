@@ -39,7 +39,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel regen corpus bench clean
+.PHONY: run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -84,13 +84,14 @@ pytest: build $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok
 	$(PY) -m pytest -q tests/python tests/interop tests/distributed
 
 # Fuzzing (cargo-fuzz targets load_bytes and roundtrip, atheris over the Python API):
-# `make fuzz FUZZ_SECONDS=3600` for long runs; `make test` runs each for 20 s.
+# `make fuzz FUZZ_SECONDS=3600` for long runs; `make test` runs each for 10 s (a smoke: the seeds,
+# every past finding and a short search; the search itself is `make fuzz`).
 FUZZ_SECONDS ?= 600
 fuzz: build $(VENV)/.fuzz-ok
 	tests/fuzz/run.sh $(FUZZ_SECONDS)
 
 fuzz-smoke: build $(VENV)/.fuzz-ok
-	tests/fuzz/run.sh 20
+	tests/fuzz/run.sh 10
 
 $(VENV)/.fuzz-ok: $(VENV)/.ok
 	$(UV_INSTALL) $(PY) "atheris==3.0.0"
@@ -137,22 +138,30 @@ WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxru
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
 test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV)
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS)) $(addprefix test-wheel-,$(PYTHONS))
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS)) $(addprefix wheel-venv-,$(PYTHONS))
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once
 
-# One interpreter's suite against the wheel already in dist/ (`make test-wheel PYTHONS=3.12` builds it first).
-test-wheel-%:
+# A fresh virtualenv of one interpreter with the wheel in dist/ and the test dependencies.
+wheel-venv-%:
 	@test -n "$$(ls dist/*.whl 2>/dev/null)" || { echo "no wheel in dist/: run make test-wheel PYTHONS=$*" >&2; exit 1; }
-	@interpreter=$$(.ci/find-python $*) && \
-	venv=target/wheel-venv-$* && rm -rf $$venv && echo "== the wheel on $$interpreter" && \
-	$$interpreter -m venv $$venv && \
-	$(UV_INSTALL) $$venv/bin/python dist/*.whl $(WHEEL_TEST_DEPS) && \
-	env -u VIRTUAL_ENV PATH="$(CURDIR)/$$venv/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) sh -c '\
+	@interpreter=$$(.ci/find-python $*) && venv=target/wheel-venv-$* && rm -rf $$venv && \
+	$$interpreter -m venv $$venv && $(UV_INSTALL) $$venv/bin/python dist/*.whl $(WHEEL_TEST_DEPS)
+
+# One interpreter's suite against the installed wheel, with no Rust on PATH (`make test-wheel PYTHONS=3.12`
+# builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.
+WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR))
+WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider tests/python tests/interop tests/distributed
+test-wheel-%:
+	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		python -m pytest -q -p no:cacheprovider -m "$(if $(filter $*,$(firstword $(PYTHONS))),not large,not large and not once)" \
-			tests/python tests/interop tests/distributed'
+		$(WHEEL_PYTEST) -m "not large and not once"'
+
+test-wheel-once:
+	@echo "== the once runs on CPython $(firstword $(PYTHONS))" && \
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) -m once
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok
@@ -176,13 +185,14 @@ corpus:
 # The benchmark suite (not part of `make test`): writes benches/out/results.{md,json}, throughput.png
 # scale.md, async_save.md and sharded.md, then runs the writer-strategy measurement.
 # BENCH_ARGS narrows it, e.g. make bench BENCH_ARGS="--sizes 1 --rounds 3".
-bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(VENV)/.bench-ok
+bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(MLFLOW_VENV)/.ok $(VENV)/.bench-ok
 	$(PY) benches/suite.py --torch-python $(TORCH_PY) $(BENCH_ARGS)
 	$(PY) benches/scale.py
 	$(PY) benches/async_save.py
 	$(PY) benches/sharded_scaling.py
 	$(PY) benches/validation_bench.py --out benches/out/validation.md
 	$(PY) benches/compression_bench.py --out benches/out/compression.md
+	$(PY) benches/tracking_bench.py --out benches/out/tracking.md
 	cargo bench --quiet --bench writers
 
 $(TORCH_VENV)/.ok:

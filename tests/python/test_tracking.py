@@ -337,6 +337,29 @@ def test_another_tracker_plugs_in_through_the_interface(tmp_path, async_save):
     assert resumed.calls[0] == ("start", manager.run_id, True, [6])  # the committed steps, for it to catch up
 
 
+def test_in_a_sharded_run_rank_0_alone_reports(tmp_path):
+    from distributed_model import rank_state
+    from test_distributed import on_ranks
+
+    trackers = [Recording(), Recording()]
+
+    def work(comm: Any) -> Any:
+        with CheckpointManager(tmp_path, comm=comm, durable=False, track=trackers[comm.rank]) as manager:
+            for step in (10, 20):
+                state, slices = rank_state(step, comm.rank, 2)
+                manager.save(state, step, metrics={"loss": 1.0 / step}, slices=slices)
+            return manager.run_id
+
+    run_id, _ = on_ranks(2, work)
+    assert trackers[0].calls == [
+        ("start", run_id, True, []),
+        ("log", 10, {"loss": 0.1}),
+        ("log", 20, {"loss": 0.05}),
+        ("close",),
+    ]
+    assert trackers[1].calls == []
+
+
 def test_a_failing_tracker_is_a_warning_and_the_step_is_committed(tmp_path):
     class Broken(Recording):
         def log_checkpoint(self, checkpoint: Any) -> None:

@@ -24,12 +24,27 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from .. import __version__, safe_io, steps
 
-if TYPE_CHECKING:
-    from .checkpoint_manager import CheckpointInfo
+
+class CommittedCheckpoint(Protocol):
+    """What a tracker sees of a committed checkpoint: the manager's ``CheckpointInfo``."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def directory(self) -> Path: ...
+
+    @property
+    def metadata(self) -> dict[str, Any]: ...  # metadata.json: metrics, config, files and SHA-256s
+
+    @property
+    def metrics(self) -> dict[str, Any]: ...
+
+    def load(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -50,11 +65,11 @@ class Tracker(Protocol):
     manager's ``close``. Errors are the tracker's to raise: the manager turns them into
     warnings (a failed report never fails a save)."""
 
-    def start(self, run: TrackedRun, committed: Sequence[CheckpointInfo]) -> None: ...
+    def start(self, run: TrackedRun, committed: Sequence[CommittedCheckpoint]) -> None: ...
 
-    def log_checkpoint(self, checkpoint: CheckpointInfo) -> None: ...
+    def log_checkpoint(self, checkpoint: CommittedCheckpoint) -> None: ...
 
-    def register_model(self, name: str, model: Any, checkpoint: CheckpointInfo) -> Any: ...
+    def register_model(self, name: str, model: Any, checkpoint: CommittedCheckpoint) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -122,7 +137,7 @@ class MlflowTracker:
         self.mlflow_run_id: str | None = None  # known once started
         self._run: TrackedRun | None = None
         self._client: Any = None
-        self._unreported: dict[int, CheckpointInfo] = {}  # committed, not yet reported
+        self._unreported: dict[int, CommittedCheckpoint] = {}  # committed, not yet reported
 
     @property
     def client(self) -> Any:
@@ -135,7 +150,7 @@ class MlflowTracker:
             self._client = MlflowClient(self.tracking_uri)
         return self._client
 
-    def start(self, run: TrackedRun, committed: Sequence[CheckpointInfo]) -> None:
+    def start(self, run: TrackedRun, committed: Sequence[CommittedCheckpoint]) -> None:
         self._run = run
         self.mlflow_run_id = self._find_or_create_run(run)
         client = self.client
@@ -146,7 +161,7 @@ class MlflowTracker:
             self._unreported = {c.step: c for c in committed if done is None or c.step > done}
             self._report()
 
-    def log_checkpoint(self, checkpoint: CheckpointInfo) -> None:
+    def log_checkpoint(self, checkpoint: CommittedCheckpoint) -> None:
         self._unreported[checkpoint.step] = checkpoint
         self._report()
 
@@ -154,7 +169,7 @@ class MlflowTracker:
         if self._run is not None and self._run.writer and self.mlflow_run_id is not None:
             self.client.set_terminated(self.mlflow_run_id, status="FINISHED")
 
-    def register_model(self, name: str, model: Any, checkpoint: CheckpointInfo) -> Any:
+    def register_model(self, name: str, model: Any, checkpoint: CommittedCheckpoint) -> Any:
         """Logs ``model`` (an ONNX ModelProto) as an MLflow ONNX model in this run, and makes it
         a new version of the registered model ``name`` (created if missing), with the
         checkpoint's metrics and lineage as the version's tags. Returns the ModelVersion."""
@@ -313,7 +328,7 @@ class MlflowTracker:
                 )
             del self._unreported[step]
 
-    def _upload(self, checkpoint: CheckpointInfo) -> None:
+    def _upload(self, checkpoint: CommittedCheckpoint) -> None:
         assert self.mlflow_run_id is not None
         destination = f"checkpoints/{steps.step_directory_name(checkpoint.step)}"
         names = [steps.METADATA_NAME]
@@ -337,7 +352,7 @@ class MlflowTracker:
             self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination)
 
     @staticmethod
-    def _lineage(checkpoint: CheckpointInfo) -> dict[str, str]:
+    def _lineage(checkpoint: CommittedCheckpoint) -> dict[str, str]:
         files = checkpoint.metadata.get("files", {})
         digests = json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True)
         if len(digests) > _MAX_TAG_LENGTH:  # many shards: metadata.json's own digest, which lists theirs
@@ -414,13 +429,13 @@ class Reporter:
             self._started = self._quietly("start", lambda: self.tracker.start(self.run, self._committed()))
         return self._started
 
-    def committed(self, checkpoint: CheckpointInfo) -> None:
+    def committed(self, checkpoint: CommittedCheckpoint) -> None:
         if self._started:
             self._quietly(f"report step {checkpoint.step}", lambda: self.tracker.log_checkpoint(checkpoint))
         else:
             self.start()  # reports every committed step, this one included
 
-    def register(self, name: str, model: Any, checkpoint: CheckpointInfo) -> Any:
+    def register(self, name: str, model: Any, checkpoint: CommittedCheckpoint) -> Any:
         """Registering is what the caller asked for: its errors are raised, not warned."""
         if not self._started:
             self.tracker.start(self.run, self._committed())
