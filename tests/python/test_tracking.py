@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -276,6 +278,19 @@ def test_register_best_hands_the_best_checkpoint_to_the_model_registry(tmp_path,
     second = again.register_best(name, EVAL_MODEL, metric="loss", mode="max")
     assert second.version == "2" and second.source != registered.source and second.tags[TAG_STEP] == str(max(losses))
     assert client.get_model_version(name, "1").source == registered.source
+
+
+def test_two_processes_registering_one_new_name_at_once_both_get_a_version(tmp_path, mlflow_uri, experiment):
+    manager, _ = trained_run(tmp_path / "run", MlflowTracker(mlflow_uri, experiment=experiment))
+    manager.close()
+    name = f"{experiment}-raced"
+    args = ["-m", "ortckpt", "register-best", str(tmp_path / "run"), name, str(EVAL_MODEL), "--output", LOSS]
+    args += ["--tracking-uri", mlflow_uri, "--experiment", experiment, "--json"]
+    racers = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [json.loads(racer.communicate(timeout=300)[0]) for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0]
+    assert sorted(out["version"] for out in outs) == ["1", "2"]  # the name created once, by one of them
+    assert len(MlflowClient(mlflow_uri).search_model_versions(f"name = '{name}'")) == 2
 
 
 def test_the_register_best_command(tmp_path, mlflow_uri, experiment, capsys):
