@@ -5,7 +5,9 @@
 - ``metadata``: each step's ``metadata.json`` (metrics, config, files and SHA-256s);
 - ``integrity``: :func:`verify`, of a step directory or a single checkpoint file;
 - ``rng``: the random-number generators' state, saved with a step so a resumed run repeats it;
-- ``validation``: :class:`Forward`, a forward pass of each new checkpoint before it is committed.
+- ``validation``: :class:`Forward`, a forward pass of each new checkpoint before it is committed;
+- ``tracking``: the :class:`~ortckpt.manager.tracking.Tracker` interface and ``MlflowTracker``, which
+  report each committed step to an experiment tracker and hand the best to a model registry.
 
 The step directories themselves (names, the writer lock, commit, deletion) are
 :mod:`ortckpt.steps`', shared with sharded saves.
