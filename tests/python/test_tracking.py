@@ -242,6 +242,19 @@ def test_an_active_mlflow_run_is_the_one_reported_to(tmp_path, mlflow_uri, exper
     assert client.get_run(active.info.run_id).data.tags[TAG_RUN_ID] == manager.run_id
 
 
+def test_an_active_run_on_another_server_is_left_alone(tmp_path, mlflow_uri, experiment, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # the fluent API's: a local store
+    with mlflow.start_run() as elsewhere:
+        tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # before: the unknown run id failed every report
+            with CheckpointManager(tmp_path / "run", track=tracker) as manager:
+                manager.save(small(1), 1, metrics={"loss": 0.3})
+    assert tracker.mlflow_run_id != elsewhere.info.run_id
+    assert history(MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 0.3)]
+
+
 def trained_run(directory: Path, tracker: Any) -> tuple[CheckpointManager, dict[int, float]]:
     """Three checkpoints of ONNX Runtime's artifacts, each with the loss its weights really have."""
     manager = CheckpointManager(directory, keep_best=("loss", "min", 2), track=tracker)

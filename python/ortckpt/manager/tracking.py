@@ -113,7 +113,8 @@ class MlflowTracker:
             (off by default: checkpoints are large). ``metadata.json`` (metrics, config,
             SHA-256s) is uploaded there either way: the lineage of every step.
 
-    The MLflow run: the active run of ``mlflow.start_run()`` when there is one; else the run
+    The MLflow run: the active run of ``mlflow.start_run()`` when there is one on this tracker's
+    server (``tracking_uri`` None or the fluent API's); else the run
     tagged with the manager's run id (a resumed training run continues its MLflow run); else a
     new one, so tagged. Each save logs the step's metrics at that step, the tags ``ortckpt.step``,
     ``ortckpt.checkpoint`` and ``ortckpt.sha256`` (the newest step), and, once, the config as
@@ -213,7 +214,9 @@ class MlflowTracker:
 
         client = self.client
         active = mlflow.active_run()
-        if active is not None:
+        # The active run lives on the fluent API's server: this tracker's only when it has no
+        # URI of its own or the same one (a run id on another server would be unknown here).
+        if active is not None and self.tracking_uri in (None, mlflow.get_tracking_uri()):
             self._tag_run(active.info.run_id, run)
             return str(active.info.run_id)
         experiment_id = self._experiment_id()
