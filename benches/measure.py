@@ -83,3 +83,20 @@ def paired_ratio(times: Sequence[float], baseline: Sequence[float]) -> float:
     (the baseline's time / the contender's time) in the same round. Above 1: faster than the
     baseline. Pairing by round cancels the swings of a shared, noisy disk."""
     return statistics.median(b / t for b, t in zip(baseline, times, strict=True))
+
+
+def added_table(times: Mapping[str, Sequence[float]], baseline: str) -> list[str]:
+    """The markdown table of what each contender adds to the baseline's time: median, range, the
+    median of per-round differences, and :func:`paired_ratio`."""
+    base = times[baseline]
+    lines = [
+        "| save | median s | range s | added to a save (median) | baseline's time / this (paired) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, ts in times.items():
+        added = statistics.median(t - b for t, b in zip(ts, base, strict=True))
+        lines.append(
+            f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | {added:+.3f} s | "
+            f"{paired_ratio(ts, base):.2f} |"
+        )
+    return lines

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from measure import paired_ratio, time_rounds
+from measure import added_table, time_rounds
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.manager.tracking import MlflowTracker
 
@@ -63,21 +62,13 @@ def main() -> None:
                 manager.close()
     finally:
         server.stop()
-    base = times["save, no tracker (baseline)"]
     lines = [
         f"{layers} float32 tensors, {nbytes / 2**20:.0f} MiB, durable saves with SHA-256, a local MLflow server "
         f"(SQLite, artifacts on this disk), {args.rounds} shuffled rounds; "
         f"`python benches/tracking_bench.py --mib {args.mib} --rounds {args.rounds}`",
         "",
-        "| save | median s | range s | added to a save (median) | baseline's time / this (paired) |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for name, ts in times.items():
-        added = statistics.median(t - b for t, b in zip(ts, base, strict=True))
-        lines.append(
-            f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | {added:+.3f} s | "
-            f"{paired_ratio(ts, base):.2f} |"
-        )
+    lines += added_table(times, "save, no tracker (baseline)")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

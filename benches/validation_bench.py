@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
-from measure import paired_ratio, time_rounds
+from measure import added_table, time_rounds
 from onnx import TensorProto, helper, numpy_helper
 from ortckpt import CheckpointManager, CheckpointState, Forward
 
@@ -71,21 +70,13 @@ def main() -> None:
         times = time_rounds({n: functools.partial(save, n) for n in managers}, args.rounds, "validation")
         for manager in managers.values():
             manager.close()
-    base = times["save, no validation (baseline)"]
     lines = [
         f"{args.layers} layers of {args.width}x{args.width} float32 ({nbytes / 2**20:.0f} MiB), durable saves with "
         f"SHA-256, {args.rounds} shuffled rounds; `python benches/validation_bench.py --width {args.width} "
         f"--layers {args.layers} --rounds {args.rounds}`",
         "",
-        "| save | median s | range s | added to a save (median) | baseline's time / this (paired) |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for name, ts in times.items():
-        added = statistics.median(t - b for t, b in zip(ts, base, strict=True))
-        lines.append(
-            f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | {added:+.3f} s | "
-            f"{paired_ratio(ts, base):.2f} |"
-        )
+    lines += added_table(times, "save, no validation (baseline)")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

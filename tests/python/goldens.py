@@ -11,6 +11,16 @@ import numpy as np
 DATA = Path(__file__).resolve().parent.parent / "data"
 GOLDEN = DATA / "ort-vectors"
 
+# ONNX Runtime's training artifacts (generate_artifacts): the trained checkpoint and its eval model,
+# whose only output is the MSE loss, with a batch to run it on.
+ARTIFACTS = GOLDEN / "artifacts"
+EVAL_MODEL = ARTIFACTS / "eval_model.onnx"
+LOSS = "onnx::reducemean_output::6"
+INPUTS = {
+    "x": np.linspace(-1, 1, 3 * 8, dtype=np.float32).reshape(3, 8),
+    "target": np.linspace(0, 1, 3 * 4, dtype=np.float32).reshape(3, 4),
+}
+
 
 def golden_checkpoints() -> list[Path]:
     """Every checkpoint ONNX Runtime wrote for us (each has a .json beside it)."""

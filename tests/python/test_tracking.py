@@ -21,7 +21,7 @@ import onnxruntime
 import ortckpt
 import ortckpt.manager.tracking
 import pytest
-from goldens import GOLDEN
+from goldens import ARTIFACTS, EVAL_MODEL, INPUTS, LOSS
 from mlflow import MlflowClient
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.cli import OK, run
@@ -36,14 +36,6 @@ from ortckpt.manager.tracking import (
     TrackedRun,
     flatten,
 )
-
-ARTIFACTS = GOLDEN / "artifacts"
-EVAL_MODEL = ARTIFACTS / "eval_model.onnx"
-LOSS = "onnx::reducemean_output::6"  # the eval model's only output: the MSE loss
-INPUTS = {
-    "x": np.linspace(-1, 1, 3 * 8, dtype=np.float32).reshape(3, 8),
-    "target": np.linspace(0, 1, 3 * 4, dtype=np.float32).reshape(3, 4),
-}
 
 
 def scaled(factor: float) -> CheckpointState:

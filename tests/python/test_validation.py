@@ -9,18 +9,10 @@ import numpy as np
 import onnxruntime
 import ortckpt
 import pytest
-from goldens import GOLDEN
+from goldens import ARTIFACTS, EVAL_MODEL, INPUTS, LOSS
 from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, Forward
 from ortckpt.convert.onnx_model import inference_model
 from ortckpt.manager.validation import dummy_inputs
-
-ARTIFACTS = GOLDEN / "artifacts"
-EVAL_MODEL = ARTIFACTS / "eval_model.onnx"
-LOSS = "onnx::reducemean_output::6"  # the eval model's only output: the MSE loss
-INPUTS = {
-    "x": np.linspace(-1, 1, 3 * 8, dtype=np.float32).reshape(3, 8),
-    "target": np.linspace(0, 1, 3 * 4, dtype=np.float32).reshape(3, 4),
-}
 
 
 def trained() -> CheckpointState:

@@ -52,6 +52,16 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+# `export` and `register-best`: which outputs the inference model keeps.
+_inference_outputs = click.option(
+    "--output",
+    "outputs",
+    multiple=True,
+    metavar="NAME",
+    help="An output of the inference model (repeatable; default: the eval model's outputs).",
+)
+
+
 def _show_progress(asked: bool | None) -> bool:
     """Bars when asked, or by default when stderr is a terminal and tqdm is installed."""
     if asked is not None:
@@ -307,13 +317,7 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
 @click.argument("checkpoint", type=click.Path())
 @click.argument("eval_model", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option(
-    "--output",
-    "outputs",
-    multiple=True,
-    metavar="NAME",
-    help="An output of the inference model (repeatable; default: the eval model's outputs).",
-)
+@_inference_outputs
 @click.option(
     "--external-data/--no-external-data",
     default=None,
@@ -392,13 +396,7 @@ def decompress(src: str, dst: str, as_json: bool) -> None:
 @click.argument("directory", type=click.Path())
 @click.argument("name")
 @click.argument("eval_model", type=click.Path())
-@click.option(
-    "--output",
-    "outputs",
-    multiple=True,
-    metavar="NAME",
-    help="An output of the inference model (repeatable; default: the eval model's outputs).",
-)
+@_inference_outputs
 @click.option("--metric", help="The metric to rank by (default: the one the run's checkpoints have, if only one).")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True, help="Best is min or max.")
 @click.option("--tracking-uri", help="The MLflow server (default: MLFLOW_TRACKING_URI).")

@@ -448,11 +448,12 @@ class CheckpointManager:
         except BaseException:
             safe_io.remove_tree_quietly(temp)
             raise
+        info = CheckpointInfo(step, final, meta)
         with self._lock:
-            self._checkpoints[step] = CheckpointInfo(step, final, meta)
+            self._checkpoints[step] = info
         self._apply_retention()
         if self._reporter is not None:
-            self._reporter.committed(CheckpointInfo(step, final, meta))
+            self._reporter.committed(info)
 
     def _commit_directory(self, temp: Path, step: int, meta: dict[str, Any]) -> Path:
         """Hashes the written files into metadata.json, verifies if asked, and renames the

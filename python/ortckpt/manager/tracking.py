@@ -21,12 +21,14 @@ import os
 import secrets
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .. import __version__, safe_io, steps
+from .metadata import sha256_of
 
 
 class CommittedCheckpoint(Protocol):
@@ -259,8 +261,6 @@ class MlflowTracker:
         """The config as params, once: MLflow's params never change, so a resumed run with a
         changed config logs the keys it lacks and warns about the others (each checkpoint's
         metadata.json holds its own config)."""
-        import warnings
-
         from mlflow.entities import Param
 
         assert self.mlflow_run_id is not None
@@ -309,8 +309,6 @@ class MlflowTracker:
         request (all or nothing on the server), so a failure midway leaves the rest for later.
         A report the server refuses as invalid (a metric name MLflow does not take) is dropped
         with a warning: sent again, it would be refused again, and hold back every later step."""
-        import warnings
-
         from mlflow.entities import Metric, RunTag
 
         assert self.mlflow_run_id is not None
@@ -344,8 +342,6 @@ class MlflowTracker:
             try:
                 pinned = stack.enter_context(safe_io.pinned_files(checkpoint.directory, names))
             except OSError as e:
-                import warnings
-
                 warnings.warn(
                     f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded: {e}",
                     RuntimeWarning,
@@ -359,7 +355,7 @@ class MlflowTracker:
         files = checkpoint.metadata.get("files", {})
         digests = json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True)
         if len(digests) > _MAX_TAG_LENGTH:  # many shards: metadata.json's own digest, which lists theirs
-            digests = json.dumps({steps.METADATA_NAME: sha256_of_file(checkpoint.directory / steps.METADATA_NAME)})
+            digests = json.dumps({steps.METADATA_NAME: sha256_of(checkpoint.directory / steps.METADATA_NAME)[1]})
         return {
             TAG_RUN_ID: str(checkpoint.metadata.get("run_id"))[:_MAX_TAG_LENGTH],
             TAG_STEP: str(checkpoint.step),
@@ -386,11 +382,6 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 def run_key(run_id: str) -> str:
     return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def sha256_of_file(path: Path) -> str:
-    with safe_io.open_regular(path, follow_symlinks=False) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def refused(call: Any) -> str | None:
@@ -450,8 +441,6 @@ class Reporter:
             self._quietly("close", self.tracker.close)
 
     def _quietly(self, what: str, call: Any) -> bool:
-        import warnings
-
         try:
             call()
         except Exception as e:  # any tracker failure: the checkpoint is saved regardless
