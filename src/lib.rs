@@ -305,15 +305,68 @@ fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()>
 /// Malformed bytes as [`load`] reports them, and a checkpoint whose values are in an
 /// external data file, which one buffer cannot hold.
 pub fn decode_buffer(buf: &[u8]) -> Result<Checkpoint<Stored>> {
+    decode_buffer_paired(buf, None)
+}
+
+/// [`decode_buffer`] for a checkpoint whose external data file is held elsewhere (an
+/// object store): `data` is that file's length and its last bytes (at least the pair
+/// trailer's 32, or all of a shorter file), which is all the checks need. The data file
+/// must be the one saved with the checkpoint, and hold every external range.
+///
+/// # Errors
+/// As [`decode_buffer`]; with external data and no `data`, or a data file from another
+/// save, or one too short for a tensor.
+pub fn decode_buffer_paired(buf: &[u8], data: Option<(u64, &[u8])>) -> Result<Checkpoint<Stored>> {
     format::endian::ensure_host_little_endian()?;
     let checkpoint = format::decode(buf)?;
-    if checkpoint.has_external_data {
+    if !checkpoint.has_external_data {
+        return Ok(checkpoint);
+    }
+    let Some((data_len, data_tail)) = data else {
         return Err(Error::invalid_state(
             "the checkpoint keeps its values in an external data file (<checkpoint>.data), \
              which has no place in a single buffer: load it from its path",
         ));
+    };
+    if let (Some(main_pair), Some(data_pair)) = (pairing::pair_id(buf), pairing::pair_id(data_tail))
+    {
+        if main_pair != data_pair {
+            return Err(Error::malformed(
+                "the checkpoint and its data file come from different saves (a save of both \
+                 was interrupted, or one was replaced)",
+            ));
+        }
     }
+    check_external_ranges(&checkpoint, data_len)?;
     Ok(checkpoint)
+}
+
+/// Encodes `ckpt` for writing as a stream, not to a path: placed as [`save`] places it
+/// (external data above `external_data_threshold` bytes of values), sorted like it unless
+/// `keep_order`. [`format::Encoded::segments`] are the checkpoint file in order and
+/// [`format::Encoded::external_data`] its data file; both borrow the tensor bytes.
+///
+/// # Errors
+/// As [`save`], less the OS errors.
+pub fn encode_for_stream<'a>(
+    ckpt: &Checkpoint<Payload<'a>>,
+    keep_order: bool,
+    external_data_threshold: u64,
+) -> Result<format::Encoded<'a>> {
+    format::endian::ensure_host_little_endian()?;
+    let sorted;
+    let ckpt = if keep_order {
+        ckpt
+    } else {
+        sorted = ckpt.sorted_like_ort_state_path();
+        &sorted
+    };
+    let placement = if values_len(ckpt) > external_data_threshold {
+        Placement::External
+    } else {
+        Placement::Inline
+    };
+    format::encode(ckpt, placement)
 }
 
 /// Encodes `ckpt` as one buffer in memory (sorted like [`save`] unless `keep_order`;
@@ -363,23 +416,11 @@ fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
 /// Invalid states (bytes that disagree with dims, duplicate names) and OS errors,
 /// naming the file and tensor; the previous file at `path` is left intact.
 pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
-    format::endian::ensure_host_little_endian()?;
     // Sorted in a copy (names, dims and string values are cloned, tensor bytes never): the
     // caller's order stays. Callers that built the checkpoint for this save can sort it in place
     // and set keep_order, as the Python layer does.
-    let sorted;
-    let ckpt = if options.keep_order {
-        ckpt
-    } else {
-        sorted = ckpt.sorted_like_ort_state_path();
-        &sorted
-    };
-    let placement = if values_len(ckpt) > options.external_data_threshold {
-        Placement::External
-    } else {
-        Placement::Inline
-    };
-    let encoded = format::encode(ckpt, placement).map_err(|e| e.in_file(path))?;
+    let encoded = encode_for_stream(ckpt, options.keep_order, options.external_data_threshold)
+        .map_err(|e| e.in_file(path))?;
     let data_path = external_data_path(path);
     let segments = encoded.segments();
     let external = encoded.has_external_data().then(|| encoded.external_data());

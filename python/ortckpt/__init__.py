@@ -23,6 +23,7 @@ from .errors import (
     CheckpointIntegrityError,
     CheckpointStateError,
     InternalError,
+    ObjectStoreError,
     SpecialFileError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
@@ -64,15 +65,15 @@ if TYPE_CHECKING:
     from .versions import upgrade
 
 
-def load_checkpoint(checkpoint_uri: Any) -> CheckpointState:
-    """:meth:`CheckpointState.load_checkpoint`: a path, or a binary file object."""
-    return CheckpointState.load_checkpoint(checkpoint_uri)
+def load_checkpoint(checkpoint_uri: Any, **options: Any) -> CheckpointState:
+    """:meth:`CheckpointState.load_checkpoint`: a path, an ``s3://`` URL, or a binary file object."""
+    return CheckpointState.load_checkpoint(checkpoint_uri, **options)
 
 
 def save_checkpoint(
     state: CheckpointState, checkpoint_uri: Any, include_optimizer_state: bool = False, **options: Any
 ) -> None:
-    """:meth:`CheckpointState.save_checkpoint`: to a path, or a binary file object."""
+    """:meth:`CheckpointState.save_checkpoint`: to a path, an ``s3://`` URL, or a binary file object."""
     CheckpointState.save_checkpoint(state, checkpoint_uri, include_optimizer_state, **options)
 
 
@@ -106,6 +107,7 @@ __all__ = [
     "CheckpointStateError",
     "Forward",
     "InternalError",
+    "ObjectStoreError",
     "OptimizerGroup",
     "PackedBits",
     "PackedInt4",

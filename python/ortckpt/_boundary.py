@@ -82,6 +82,15 @@ def load_buffer(view: memoryview) -> Loaded:
     return Loaded._of(_core.load_buffer(view))
 
 
+def load_buffer_paired(view: memoryview, external: Any, external_len: int, external_tail: bytes) -> Loaded:
+    """:func:`load_buffer` for a checkpoint whose external data file is ``external`` (any
+    object: the loaded state reads its tensors from it), ``external_len`` bytes long and
+    ending with ``external_tail`` (its last 32 bytes), which the checks read."""
+    return Loaded._of(
+        _core.load_buffer(view, external=external, external_len=external_len, external_tail=external_tail)
+    )
+
+
 class TensorRecord(NamedTuple):
     """A parameter as other code sees it, values aside (``CheckpointState.tensor_records``);
     its values: ``CheckpointState.tensor_value(name)``."""
@@ -134,6 +143,25 @@ def save_bytes(
 ) -> bytes:
     """The bytes :func:`save` would write (values must total under 2 GiB)."""
     return _core.save_bytes(trainable, frozen, groups, *split_properties(properties), **options)
+
+
+# One piece of a checkpoint being streamed: metadata bytes, or a tensor's own byte buffer.
+Segment = Any
+
+
+def encode_segments(
+    trainable: Sequence[Any],
+    frozen: Sequence[Any],
+    groups: Sequence[Any],
+    properties: Mapping[str, PropertyValue],
+    **options: Any,
+) -> tuple[list[Segment], tuple[int, list[tuple[int, Segment]]] | None]:
+    """The files :func:`save` would write, as pieces to stream: (the checkpoint's segments in
+    order, None or (the external data file's length, [(offset, segment)], zeros between)).
+    Tensor segments are the caller's own buffers (no copy); ``options``: nominal,
+    external_data_threshold, keep_order."""
+    main, external = _core.encode_segments(trainable, frozen, groups, *split_properties(properties), **options)
+    return main, external
 
 
 def release_pages(value: Any) -> None:

@@ -10,6 +10,7 @@ __all__ = [
     "TEMP_MARKER",
     "MappedFile",
     "SaveProgress",
+    "encode_segments",
     "load",
     "load_buffer",
     "save",
@@ -44,7 +45,21 @@ _TensorIn = tuple[str, int, Sequence[int], Any]
 _GroupIn = tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]
 
 def load(path: str, *, follow_symlinks: bool = True) -> dict[str, Any]: ...
-def load_buffer(data: Any) -> dict[str, Any]: ...
+def load_buffer(
+    data: Any, *, external: Any | None = None, external_len: int = 0, external_tail: bytes | None = None
+) -> dict[str, Any]: ...
+def encode_segments(
+    trainable: Sequence[_TensorIn],
+    frozen: Sequence[_TensorIn],
+    optimizer_groups: Sequence[_GroupIn],
+    ints: Sequence[tuple[str, int]],
+    floats: Sequence[tuple[str, float]],
+    strings: Sequence[tuple[str, str]],
+    *,
+    nominal: bool = False,
+    external_data_threshold: int = ...,
+    keep_order: bool = False,
+) -> tuple[list[Any], tuple[int, list[tuple[int, Any]]] | None]: ...
 def save(
     path: str,
     trainable: Sequence[_TensorIn],

@@ -73,14 +73,17 @@ class _Tensor:
     def _view(self) -> TensorValue:
         if self._mapping is None:
             raise CheckpointStateError(f"tensor {self.name} has no values (it is from a nominal checkpoint)")
-        if self.code in _dt.SUB_BYTE_CODES:
-            packed = np.frombuffer(self._mapping, np.uint8, self._nbytes, self._offset)
-            return PackedBits.of(packed, self.dims, self.code)
-        dtype = _dt.numpy_dtype(self.code)
-        if self._nbytes == 0:
+        dtype = np.dtype(np.uint8) if self.code in _dt.SUB_BYTE_CODES else _dt.numpy_dtype(self.code)
+        if self._nbytes == 0 and self.code not in _dt.SUB_BYTE_CODES:
             return np.zeros(self.dims, dtype)
-        count = self._nbytes // dtype.itemsize
-        return np.frombuffer(self._mapping, dtype, count, self._offset).reshape(self.dims)
+        source, offset = self._mapping, self._offset
+        read_range = getattr(source, "read_range", None)
+        if read_range is not None:  # an object store's data file, read on first use (object_store.RemoteRanges)
+            source, offset = read_range(offset, self._nbytes), 0
+        values = np.frombuffer(source, dtype, self._nbytes // dtype.itemsize, offset)
+        if self.code in _dt.SUB_BYTE_CODES:
+            return PackedBits.of(values, self.dims, self.code)
+        return values.reshape(self.dims)
 
     def assign(self, value: Any) -> None:
         """Copies ``value`` in, as ONNX Runtime's ``copy_from``: same shape and dtype required."""
@@ -155,6 +158,11 @@ def _strings_of(name: str, value: Any) -> list[str]:
 def _is_file_object(target: Any) -> bool:
     """A binary file object (or anything with read/write), as opposed to a path."""
     return not isinstance(target, (str, bytes, os.PathLike)) and (hasattr(target, "read") or hasattr(target, "write"))
+
+
+def _is_object_url(target: Any) -> bool:
+    """An object store URL (``s3://bucket/key``; see ortckpt.object_store)."""
+    return isinstance(target, str) and target.startswith("s3://")
 
 
 def _dtype_text(value: TensorValue) -> str:
@@ -358,15 +366,28 @@ class CheckpointState:
         return Parameter(self._tensor(name), name not in self._frozen)
 
     @classmethod
-    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike[str] | BinaryIO) -> CheckpointState:
+    def load_checkpoint(
+        cls,
+        checkpoint_uri: str | os.PathLike[str] | BinaryIO,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        lazy: bool = True,
+    ) -> CheckpointState:
         """Loads the checkpoint state from the checkpoint file (complete or nominal).
 
         The file is memory-mapped and verified; parameter data are views over it,
         read from disk only when used. A binary file object is read whole, then loaded as
-        :meth:`from_bytes` loads a buffer.
+        :meth:`from_bytes` loads a buffer. An ``s3://bucket/key`` URL is downloaded into memory
+        (configured by ``storage_options``, the ``AWS_*`` variables and profile: see
+        :mod:`ortckpt.object_store`); its external data file, if any, is read a tensor at a time
+        by ranged GETs on first use, or downloaded whole when ``lazy`` is False.
         """
         if _is_file_object(checkpoint_uri):
             return cls.from_bytes(checkpoint_uri.read())  # type: ignore[union-attr]
+        if _is_object_url(checkpoint_uri):
+            from . import object_store  # only for s3:// URLs: `import ortckpt` stays small
+
+            return cls._over(object_store.load(checkpoint_uri, storage_options, lazy=lazy))  # type: ignore[arg-type]
         return open_checkpoint(checkpoint_uri)  # type: ignore[arg-type]
 
     @classmethod
@@ -431,6 +452,7 @@ class CheckpointState:
         external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
         durable: bool = False,
         progress: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         """Saves the checkpoint state to the checkpoint file, atomically.
 
@@ -447,6 +469,10 @@ class CheckpointState:
                 checkpoint survives a power cut (not only a crash of this process).
             progress: Show a progress bar (tqdm) while the files are written, when that
                 takes more than half a second.
+            storage_options: For an ``s3://bucket/key`` URL: the store's settings (see
+                :mod:`ortckpt.object_store`). The checkpoint streams from the arrays to a
+                multipart upload; it appears when the upload completes (``durable`` and
+                ``progress`` do not apply).
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
@@ -455,6 +481,19 @@ class CheckpointState:
             return
         nominal = state.is_nominal
         trainable, frozen, groups = state._core_tensors(include_optimizer_state)
+        if _is_object_url(checkpoint_uri):
+            from . import object_store
+
+            object_store.save(
+                checkpoint_uri,  # type: ignore[arg-type]
+                (trainable, frozen, groups),
+                state._properties,
+                storage_options,
+                nominal=nominal,
+                external_data_threshold=external_data_threshold,
+                keep_order=False,
+            )
+            return
         path = os.fspath(checkpoint_uri)  # type: ignore[arg-type]
         with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
             _boundary.save(

@@ -69,6 +69,15 @@ class SpecialFileError(CheckpointError, OSError):
     opened for reading (opening a FIFO would wait forever). ``filename`` names it."""
 
 
+class ObjectStoreError(CheckpointError, OSError):
+    """A request to an object store (``s3://``) failed: unreachable, refused or denied, or the
+    object was replaced while a load read it. ``filename`` is the object's URL."""
+
+    def __init__(self, url: str, problem: object) -> None:
+        self.filename = url
+        super().__init__(f"{url}: {problem}")
+
+
 class InternalError(CheckpointError):
     """A bug in ortckpt, caught at the Rust boundary instead of crashing."""
 

@@ -73,9 +73,19 @@ fn load<'py>(
 
 /// Decodes a checkpoint held in a Python buffer (bytes, bytearray, memoryview, mmap...)
 /// without copying: the dict is `load`'s, its "mapping" the object given, whose bytes
-/// the offsets index.
+/// the offsets index. A checkpoint with external data needs `external`, the object its
+/// external offsets index (handed back as "external_mapping", never read here), with
+/// `external_len`, the data file's length, and `external_tail`, its last bytes (32, or all
+/// of a shorter file), which the checks read.
 #[pyfunction]
-fn load_buffer<'py>(py: Python<'py>, data: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (data, *, external = None, external_len = 0, external_tail = None))]
+fn load_buffer<'py>(
+    py: Python<'py>,
+    data: Bound<'py, PyAny>,
+    external: Option<Bound<'py, PyAny>>,
+    external_len: u64,
+    external_tail: Option<Vec<u8>>,
+) -> PyResult<Bound<'py, PyDict>> {
     guarded(py, || {
         let buffer = PyBuffer::<u8>::get(&data)?;
         if !buffer.is_c_contiguous() {
@@ -84,10 +94,14 @@ fn load_buffer<'py>(py: Python<'py>, data: Bound<'py, PyAny>) -> PyResult<Bound<
                 crate::Error::invalid_state("the buffer is not contiguous bytes"),
             ));
         }
+        let paired = external
+            .as_ref()
+            .map(|_| (external_len, external_tail.as_deref().unwrap_or_default()));
         // Decoded with the GIL held: no Python thread can change a mutable buffer
         // between the verifier's checks and the reads that rely on them.
-        let ckpt = crate::decode_buffer(buffer_bytes(&buffer)).map_err(|e| to_py_err(py, e))?;
-        described(py, &ckpt, data.unbind(), None)
+        let ckpt = crate::decode_buffer_paired(buffer_bytes(&buffer), paired)
+            .map_err(|e| to_py_err(py, e))?;
+        described(py, &ckpt, data.unbind(), external.map(Bound::unbind))
     })
 }
 
@@ -225,6 +239,84 @@ fn save_bytes<'py>(
             }
             Ok(())
         })
+    })
+}
+
+/// Encodes a checkpoint (`save`'s arguments, less the file's) for writing as a stream:
+/// returns (checkpoint file, external data) where the checkpoint file is its segments in
+/// order, and the external data None or (its length, [(offset, segment)]), zeros between.
+/// A segment is `bytes` (the metadata, copied out of the encoder) or the very object a
+/// tensor's values were handed over as: tensor bytes are never copied here.
+#[pyfunction]
+#[pyo3(signature = (
+    trainable, frozen, optimizer_groups, ints, floats, strings, *,
+    nominal = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD, keep_order = false,
+))]
+#[allow(clippy::too_many_arguments)]
+fn encode_segments<'py>(
+    py: Python<'py>,
+    trainable: Vec<TensorIn<'py>>,
+    frozen: Vec<TensorIn<'py>>,
+    optimizer_groups: Vec<GroupIn<'py>>,
+    ints: Vec<(String, i64)>,
+    floats: Vec<(String, f32)>,
+    strings: Vec<(String, String)>,
+    nominal: bool,
+    external_data_threshold: u64,
+    keep_order: bool,
+) -> PyResult<Bound<'py, PyTuple>> {
+    guarded(py, || {
+        let owners: Vec<Bound<'py, PyAny>> = [&trainable, &frozen]
+            .into_iter()
+            .flatten()
+            .chain(
+                optimizer_groups
+                    .iter()
+                    .flat_map(|g| g.3.iter().flat_map(|s| s.1.iter())),
+            )
+            .map(|t| t.3.clone())
+            .collect();
+        let mut buffers = Vec::new();
+        let ckpt = checkpoint_in(
+            py,
+            std::path::Path::new("<stream>"),
+            (trainable, frozen, optimizer_groups),
+            (ints, floats, strings),
+            nominal,
+            &mut buffers,
+        )?;
+        let payloads = sorted_unless(keep_order, payloads_of(&ckpt, &buffers)?);
+        let encoded = crate::encode_for_stream(&payloads, true, external_data_threshold)
+            .map_err(|e| to_py_err(py, e))?;
+        // Which object each exported buffer came from, by its address and length.
+        let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
+            .iter()
+            .filter_map(|owner| {
+                let buffer = PyBuffer::<u8>::get(owner).ok()?;
+                Some(((buffer.buf_ptr() as usize, buffer.len_bytes()), owner))
+            })
+            .collect();
+        let segment = |bytes: &[u8]| -> Bound<'py, PyAny> {
+            match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
+                Some(owner) => (*owner).clone(),
+                None => PyBytes::new(py, bytes).into_any(),
+            }
+        };
+        let main = PyList::empty(py);
+        for bytes in encoded.segments() {
+            main.append(segment(bytes))?;
+        }
+        let external = if encoded.has_external_data() {
+            let (len, parts) = encoded.external_data();
+            let list = PyList::empty(py);
+            for (offset, bytes) in parts {
+                list.append((offset, segment(bytes)))?;
+            }
+            (len, list).into_pyobject(py)?.into_any()
+        } else {
+            py.None().into_bound(py)
+        };
+        PyTuple::new(py, [main.into_any(), external])
     })
 }
 
@@ -391,6 +483,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_segments, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from goldens import GOLDEN
 from mlflow_server import MlflowServer
+from s3_server import BUCKET, S3Server
 
 
 @pytest.fixture
@@ -30,3 +33,22 @@ def mlflow_uri() -> str:
     """The URI of a real MLflow tracking server, up for the session (see mlflow_server.py)."""
     assert _server, "collection starts the server for the tests that use it"
     return _server[0].wait_until_up()
+
+
+_s3: list[S3Server] = []  # started by the first test that uses it (about a second)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) for the session (see s3_server.py)."""
+    _s3.append(S3Server())
+    yield _s3[0]
+    while _s3:
+        _s3.pop().stop(keep_data=False)
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
+    """A prefix of its bucket no other test uses: s3://ckpt/<test>-<random>."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    return f"s3://{BUCKET}/{name}-{secrets.token_hex(4)}"

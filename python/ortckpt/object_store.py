@@ -1,0 +1,379 @@
+"""Checkpoints in S3-compatible object storage: ``s3://bucket/key`` wherever a path is taken.
+
+The client is obstore (the Python binding of the Rust ``object_store`` crate, which Apache
+Arrow maintains). Chosen by measurement against boto3 on a local S3 server (the figures are in
+benches/README.md): it downloads 3.4x faster and uploads as fast, it takes any buffer without
+a copy, aborts a multipart upload its input fails in, and puts conditionally (``mode="create"``),
+which two writers committing the same step need. s3fs was not a candidate: next to a current
+boto3 it resolves to a years-old release.
+
+A save streams: the core encodes the checkpoint as segments (metadata it copies out, and the
+caller's own tensor buffers), which go to a multipart upload in parts of :data:`PART_BYTES`,
+at most :data:`PARTS_IN_FLIGHT` at once; nothing is staged on disk, and memory is bounded by
+the parts in flight. An object only becomes visible when its upload completes; a failed upload
+is aborted; a killed one stays invisible. With external data, ``key.data`` is uploaded before
+``key``, and the pair trailers the two share tell a mismatched pair on load.
+
+A load downloads ``key`` (the metadata and inline values) into memory. An external data file
+``key.data`` is read lazily, one ranged GET per tensor on first use, or downloaded whole with
+``lazy=False``; either way each read names the object's ETag, so an object replaced after the
+load began is an error, never a mix of two saves.
+
+Configuration, as boto3 finds it: ``storage_options`` first (``endpoint_url``, ``region``,
+``access_key_id``/``key``, ``secret_access_key``/``secret``, ``session_token``/``token``,
+``profile``, ``max_retries``, ``retry_timeout`` in seconds, or any obstore S3 setting), then
+the ``AWS_*`` environment variables, then the profile (``AWS_PROFILE`` or ``default``) in
+``~/.aws/credentials`` and ``~/.aws/config``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import datetime
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import _boundary
+from .errors import CheckpointError, CheckpointExistsError, ObjectStoreError
+
+SCHEME = "s3://"
+# Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
+PART_BYTES = 16 << 20
+PARTS_IN_FLIGHT = 8
+# The pair trailer (see the core's format::pairing) that ends a checkpoint and its data file.
+PAIR_TRAILER_BYTES = 32
+
+
+def is_url(target: Any) -> bool:
+    """Whether ``target`` names an object (``s3://bucket/key``) rather than a local path."""
+    return isinstance(target, str) and target.startswith(SCHEME)
+
+
+@dataclass(frozen=True)
+class Location:
+    """One object: its store (a bucket, configured) and key."""
+
+    store: Any
+    bucket: str
+    key: str
+
+    @property
+    def url(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+    def child(self, name: str) -> Location:
+        """The object ``name`` under this one taken as a prefix."""
+        return Location(self.store, self.bucket, f"{self.key.rstrip('/')}/{name}" if self.key else name)
+
+    def sibling(self, suffix: str) -> Location:
+        """The object whose key is this one's plus ``suffix`` (``.data``)."""
+        return Location(self.store, self.bucket, self.key + suffix)
+
+
+def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
+    """The object ``url`` names, its store configured from ``storage_options``, the
+    environment and the AWS profile files."""
+    if not is_url(url):
+        raise ValueError(f"not an object URL ({SCHEME}bucket/key): {url!r}")
+    bucket, _, key = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket")
+    if any(part in (".", "..") for part in key.split("/")) or "//" in key.strip("/"):
+        raise ValueError(f"{url!r}: a key with empty, '.' or '..' segments is refused")
+    return Location(_store(bucket, dict(storage_options or {})), bucket, key.strip("/"))
+
+
+def _store(bucket: str, options: dict[str, Any]) -> Any:
+    from obstore.store import S3Store
+
+    aliases = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
+    options = {aliases.get(k, k): v for k, v in options.items()}
+    profile_name = options.pop("profile", None)
+    retry = {name: options.pop(name) for name in ("max_retries", "retry_timeout") if options.get(name) is not None}
+    if "endpoint_url" in options:
+        options["endpoint"] = options.pop("endpoint_url")
+    # An explicit profile outranks the environment (as in boto3's Session(profile_name=...)).
+    sources = [_environment(), _profile(profile_name or os.environ.get("AWS_PROFILE") or "default")]
+    if profile_name:
+        sources.reverse()
+    config: dict[str, Any] = {}
+    for source in sources:
+        for name, value in source.items():
+            config.setdefault(name, value)
+    config.update(options)
+    if "region" not in config:
+        config["region"] = "us-east-1"  # S3-compatible servers ignore it; AWS needs one
+    client_options = {"allow_http": str(config.get("endpoint", "")).startswith("http://")}
+    retry_config: dict[str, Any] = {}
+    if "max_retries" in retry:
+        retry_config["max_retries"] = int(retry["max_retries"])
+    if "retry_timeout" in retry:
+        retry_config["retry_timeout"] = datetime.timedelta(seconds=float(retry["retry_timeout"]))
+    try:
+        settings: dict[str, Any] = {"config": config, "client_options": client_options}
+        return S3Store(bucket, **settings, retry_config=retry_config or None)  # type: ignore[arg-type]
+    except Exception as e:  # obstore's configuration errors
+        raise ValueError(f"{SCHEME}{bucket}: {e}") from e
+
+
+_ENVIRONMENT = {
+    "access_key_id": ("AWS_ACCESS_KEY_ID",),
+    "secret_access_key": ("AWS_SECRET_ACCESS_KEY",),
+    "session_token": ("AWS_SESSION_TOKEN",),
+    "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+    "endpoint": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+}
+
+
+def _environment() -> dict[str, str]:
+    found = {}
+    for name, variables in _ENVIRONMENT.items():
+        value = next((os.environ[v] for v in variables if os.environ.get(v)), None)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+_PROFILE_KEYS = {
+    "aws_access_key_id": "access_key_id",
+    "aws_secret_access_key": "secret_access_key",
+    "aws_session_token": "session_token",
+    "region": "region",
+    "endpoint_url": "endpoint",
+}
+
+
+def _profile(name: str) -> dict[str, str]:
+    """The profile's settings: the credentials file first, then the config file (whose
+    sections are ``[profile NAME]``, but ``[default]``)."""
+    home = os.path.expanduser("~")
+    files = [
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE", os.path.join(home, ".aws", "credentials")), name),
+        (
+            os.environ.get("AWS_CONFIG_FILE", os.path.join(home, ".aws", "config")),
+            name if name == "default" else f"profile {name}",
+        ),
+    ]
+    found: dict[str, str] = {}
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(path, encoding="utf-8")
+        except (configparser.Error, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: {e}") from e
+        if parser.has_section(section):
+            for key, value in parser.items(section):
+                if key in _PROFILE_KEYS and value:
+                    found.setdefault(_PROFILE_KEYS[key], value)
+    return found
+
+
+def _failure(location: Location, e: BaseException) -> BaseException:
+    """An obstore error as ortckpt reports it, naming the object."""
+    from obstore import exceptions
+
+    if isinstance(e, exceptions.NotFoundError):
+        return FileNotFoundError(2, "no such object", location.url)
+    if isinstance(e, exceptions.AlreadyExistsError):
+        error = CheckpointExistsError(f"{location.url} already exists")
+        error.filename = location.url
+        return error
+    if isinstance(e, exceptions.PreconditionError):
+        return ObjectStoreError(location.url, "the object was replaced while it was being read")
+    return ObjectStoreError(location.url, e)
+
+
+def _calling(location: Location, call: Any, *args: Any, **kwargs: Any) -> Any:
+    from obstore.exceptions import BaseError
+
+    try:
+        return call(*args, **kwargs)
+    except BaseError as e:
+        raise _failure(location, e) from e
+
+
+def put_stream(location: Location, pieces: Iterable[Any]) -> None:
+    """Uploads the concatenated ``pieces`` (buffers) as ``location``: one PUT when they fit in
+    a part, else a multipart upload that the object appears with when it completes (aborted if
+    a piece fails). Large buffers are sliced into parts without copying."""
+    import obstore
+
+    pieces = list(pieces)
+    size = sum(memoryview(p).nbytes for p in pieces)
+    if size <= PART_BYTES:
+        data = b"".join(memoryview(p).cast("B") for p in pieces)
+        _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+        return
+    _calling(
+        location,
+        obstore.put,
+        location.store,
+        location.key,
+        _parts(pieces),
+        use_multipart=True,
+        chunk_size=PART_BYTES,
+        max_concurrency=PARTS_IN_FLIGHT,
+    )
+
+
+def _parts(pieces: list[Any]) -> Iterator[memoryview]:
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        for start in range(0, view.nbytes, PART_BYTES):
+            yield view[start : start + PART_BYTES]
+
+
+def put_new(location: Location, data: bytes) -> None:
+    """Creates ``location`` with ``data`` unless it exists (a conditional PUT: of two writers,
+    one wins and the other gets :class:`CheckpointExistsError`)."""
+    import obstore
+
+    _calling(location, obstore.put, location.store, location.key, data, mode="create", use_multipart=False)
+
+
+def put(location: Location, data: bytes) -> None:
+    """Writes ``location`` with ``data`` (one PUT), replacing it."""
+    import obstore
+
+    _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+
+
+@dataclass(frozen=True)
+class Head:
+    size: int
+    etag: str | None
+
+
+def head(location: Location) -> Head | None:
+    """The object's size and ETag, or None when there is none."""
+    import obstore
+
+    try:
+        meta = _calling(location, obstore.head, location.store, location.key)
+    except FileNotFoundError:
+        return None
+    return Head(meta["size"], meta.get("e_tag"))
+
+
+def get(location: Location, etag: str | None = None) -> Any:
+    """The whole object, in memory (a read-only buffer); with ``etag``, only that version."""
+    import obstore
+
+    options = {"if_match": etag} if etag else None
+    result = _calling(location, obstore.get, location.store, location.key, options=options)
+    return _calling(location, result.bytes)
+
+
+def get_range(location: Location, start: int, length: int, etag: str | None = None) -> Any:
+    """``length`` bytes of the object from ``start`` (a read-only buffer); with ``etag``, only that version."""
+    import obstore
+
+    if length == 0:
+        return b""
+    options: dict[str, Any] = {"range": (start, start + length)}
+    if etag:
+        options["if_match"] = etag
+    result = _calling(location, obstore.get, location.store, location.key, options=options)
+    data = _calling(location, result.bytes)
+    if len(data) != length:
+        raise ObjectStoreError(location.url, f"asked for {length} bytes at {start}, got {len(data)}")
+    return data
+
+
+def list_keys(location: Location) -> list[tuple[str, int]]:
+    """(key relative to ``location`` as a prefix, size) of every object under it."""
+    import obstore
+
+    prefix = f"{location.key}/" if location.key else ""
+    out = []
+    for batch in _calling(location, obstore.list, location.store, prefix or None):
+        for meta in batch:
+            path = meta["path"]
+            if path.startswith(prefix):
+                out.append((path[len(prefix) :], meta["size"]))
+    return out
+
+
+def remove(locations: list[Location]) -> None:
+    """Deletes the objects (of one store); missing ones are not an error."""
+    import obstore
+
+    if locations:
+        first = locations[0]
+        _calling(first, obstore.delete, first.store, [location.key for location in locations])
+
+
+class RemoteRanges:
+    """An external data file read lazily: each tensor's bytes by one ranged GET on first use,
+    of the version the load saw (its ETag)."""
+
+    def __init__(self, location: Location, size: int, etag: str | None) -> None:
+        self.location = location
+        self.size = size
+        self.etag = etag
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read_range(self, offset: int, nbytes: int) -> Any:
+        return get_range(self.location, offset, nbytes, self.etag)
+
+
+def save(
+    url: str,
+    tensors: tuple[list, list, list],
+    properties: Mapping[str, Any],
+    storage_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> None:
+    """Uploads a checkpoint to ``url`` (and ``url.data`` with external data, first);
+    ``options``: :func:`_boundary.encode_segments`'s."""
+    location = locate(url, storage_options)
+    main, external = _boundary.encode_segments(*tensors, properties, **options)
+    data = location.sibling(".data")
+    if external is not None:
+        size, parts = external
+        put_stream(data, _filled(size, parts))
+    put_stream(location, main)
+    if external is None:  # a data file a previous save left is no longer this checkpoint's
+        remove([data])
+
+
+def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
+    """The external data file's pieces in order, zeros where nothing is placed."""
+    at = 0
+    for offset, piece in parts:
+        if offset > at:
+            yield bytes(offset - at)
+        yield piece
+        at = offset + memoryview(piece).nbytes
+    if size > at:
+        yield bytes(size - at)
+
+
+def load(url: str, storage_options: Mapping[str, Any] | None = None, *, lazy: bool = True) -> _boundary.Loaded:
+    """Downloads the checkpoint ``url`` and opens it; its external data, if any, is read lazily
+    (or downloaded whole without ``lazy``)."""
+    location = locate(url, storage_options)
+    main_head = head(location)
+    if main_head is None:
+        raise FileNotFoundError(2, "no such object", location.url)
+    view = memoryview(get(location, main_head.etag))
+    data = location.sibling(".data")
+    data_head = head(data)
+    if data_head is None:
+        try:
+            return _boundary.load_buffer(view)
+        except CheckpointError as e:
+            e.filename = location.url
+            raise
+    tail_start = max(0, data_head.size - PAIR_TRAILER_BYTES)
+    tail = bytes(get_range(data, tail_start, data_head.size - tail_start, data_head.etag))
+    external: Any = RemoteRanges(data, data_head.size, data_head.etag) if lazy else get(data, data_head.etag)
+    try:
+        return _boundary.load_buffer_paired(view, external, data_head.size, tail)
+    except CheckpointError as e:
+        e.filename = location.url
+        raise

@@ -1,0 +1,357 @@
+"""Checkpoints on S3 (ortckpt.object_store), against a real S3 server (SeaweedFS, see s3_server.py):
+saves stream to multipart uploads, loads read lazily or whole, and faults leave no visible object."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import ortckpt
+import ortckpt.object_store as object_store
+import pytest
+from goldens import golden_checkpoints, load_json, sha256
+from ortckpt.errors import CheckpointFormatError
+
+BIG = 40 << 20  # over two upload parts
+
+
+def arrays(seed: int = 0, nbytes: int = 8 << 20, count: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    per = nbytes // count // 4
+    return {f"layer{i}.weight": rng.standard_normal(per + i, dtype=np.float32) for i in range(count)}
+
+
+def state_of(values: dict[str, np.ndarray], epoch: int = 1) -> ortckpt.CheckpointState:
+    return ortckpt.CheckpointState.from_arrays(values, {"step": np.array(epoch, np.int64)}, {"epoch": epoch})
+
+
+def assert_holds(state: ortckpt.CheckpointState, values: dict[str, np.ndarray]) -> None:
+    for name, value in values.items():
+        np.testing.assert_array_equal(state.parameters[name].data, value)
+
+
+def keys(s3_url: str, options: dict) -> list[str]:
+    return sorted(k for k, _ in object_store.list_keys(object_store.locate(s3_url, options)))
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external-data"])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "downloaded"])
+def test_round_trip(s3_server, s3_url, external, lazy):
+    options = s3_server.storage_options()
+    values = arrays(nbytes=BIG)
+    url = f"{s3_url}/ckpt"
+    ortckpt.save_checkpoint(
+        state_of(values), url, storage_options=options, external_data_threshold=0 if external else 2**40
+    )
+    assert keys(s3_url, options) == (["ckpt", "ckpt.data"] if external else ["ckpt"])
+    back = ortckpt.load_checkpoint(url, storage_options=options, lazy=lazy)
+    assert_holds(back, values)
+    assert back.properties["epoch"] == 1 and back.parameters["step"].data == 1
+    assert s3_server.pending_uploads() == []  # every multipart upload completed
+
+
+def test_the_object_is_the_file_a_local_save_writes(s3_server, s3_url, tmp_path):
+    options = s3_server.storage_options()
+    state = state_of(arrays(nbytes=BIG))
+    ortckpt.save_checkpoint(state, f"{s3_url}/ckpt", storage_options=options)
+    ortckpt.save_checkpoint(state, tmp_path / "ckpt")
+    location = object_store.locate(f"{s3_url}/ckpt", options)
+    assert bytes(object_store.get(location)) == (tmp_path / "ckpt").read_bytes()
+
+
+def test_onnx_runtime_loads_what_was_uploaded(s3_server, s3_url, tmp_path, ort):
+    """Both layouts, fetched back with the S3 API and opened by ONNX Runtime itself."""
+    options = s3_server.storage_options()
+    values = arrays(nbytes=1 << 20)
+    for threshold, name in ((2**40, "inline"), (0, "external")):
+        ortckpt.save_checkpoint(
+            state_of(values), f"{s3_url}/{name}", storage_options=options, external_data_threshold=threshold
+        )
+        for key in keys(s3_url, options):
+            if key.startswith(name):
+                (tmp_path / key).write_bytes(bytes(object_store.get(object_store.locate(f"{s3_url}/{key}", options))))
+        described = ort("describe", tmp_path / name)
+        assert {p["name"]: p["sha256"] for p in described["parameters"] if p["name"] in values} == {
+            k: sha256(v) for k, v in values.items()
+        }
+        assert described["properties"] == {"epoch": 1}
+
+
+def test_golden_checkpoints_written_by_onnx_runtime_load_from_s3(s3_server, s3_url):
+    options = s3_server.storage_options()
+    for path in golden_checkpoints():
+        url = f"{s3_url}/{path.name}"
+        object_store.put(object_store.locate(url, options), path.read_bytes())
+        expected = load_json(path)
+        state = ortckpt.load_checkpoint(url, storage_options=options)
+        assert state.parameters.names() == sorted(p["name"] for p in expected["parameters"])
+        if not state.is_nominal:  # the same values as the file opened locally
+            local = ortckpt.load_checkpoint(path)
+            for name, param in state.parameters:
+                got, want = param.data, local.parameters[name].data
+                assert sha256(getattr(got, "packed", got)) == sha256(getattr(want, "packed", want)), (path.name, name)
+
+
+def test_overwrite_replaces_and_leaves_no_stale_data_file(s3_server, s3_url):
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    ortckpt.save_checkpoint(state_of(arrays(1), epoch=1), url, storage_options=options, external_data_threshold=0)
+    second = arrays(2)
+    ortckpt.save_checkpoint(state_of(second, epoch=2), url, storage_options=options)
+    assert keys(s3_url, options) == ["ckpt"]
+    back = ortckpt.load_checkpoint(url, storage_options=options)
+    assert back.properties["epoch"] == 2
+    assert_holds(back, second)
+
+
+def test_a_failed_upload_is_aborted_and_the_previous_object_stays(s3_server, s3_url, monkeypatch):
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    first = arrays(1, nbytes=BIG)
+    ortckpt.save_checkpoint(state_of(first), url, storage_options=options)
+    real_parts = object_store._parts
+
+    def failing_parts(pieces):
+        for i, part in enumerate(real_parts(pieces)):
+            if i == 2:
+                assert s3_server.pending_uploads(), "the upload is under way"
+                raise OSError("the disk under the arrays failed")
+            yield part
+
+    monkeypatch.setattr(object_store, "_parts", failing_parts)
+    with pytest.raises(OSError, match="disk under the arrays"):
+        ortckpt.save_checkpoint(state_of(arrays(2, nbytes=BIG)), url, storage_options=options)
+    assert s3_server.pending_uploads() == []  # aborted, not left behind
+    assert_holds(ortckpt.load_checkpoint(url, storage_options=options), first)
+
+
+def test_the_server_stopping_mid_upload_fails_the_save_and_keeps_the_previous(s3_server, s3_url):
+    options = s3_server.storage_options(max_retries=0, retry_timeout=2)
+    url = f"{s3_url}/ckpt"
+    first = arrays(1, nbytes=BIG)
+    ortckpt.save_checkpoint(state_of(first), url, storage_options=options)
+    failure: list[BaseException] = []
+    stopped = threading.Event()
+    real_parts = object_store._parts
+
+    def parts_then_stop(pieces):
+        for i, part in enumerate(real_parts(pieces)):
+            if i == 1:
+                s3_server.stop()  # the server goes away with the upload half done
+                stopped.set()
+            yield part
+
+    def save():
+        try:
+            object_store_parts, object_store._parts = object_store._parts, parts_then_stop
+            try:
+                ortckpt.save_checkpoint(state_of(arrays(2, nbytes=BIG)), url, storage_options=options)
+            finally:
+                object_store._parts = object_store_parts
+        except BaseException as e:
+            failure.append(e)
+
+    worker = threading.Thread(target=save)
+    worker.start()
+    worker.join(120)
+    try:
+        assert stopped.is_set() and not worker.is_alive()
+        assert len(failure) == 1 and isinstance(failure[0], ortckpt.ObjectStoreError), failure
+        assert url.rsplit("/", 1)[0] in str(failure[0])
+    finally:
+        s3_server.start()
+    assert_holds(ortckpt.load_checkpoint(url, storage_options=options), first)
+
+
+KILLED_SAVER = textwrap.dedent(
+    """
+    import sys, numpy as np, ortckpt
+    url, endpoint, key, secret = sys.argv[1:5]
+    options = {"endpoint_url": endpoint, "access_key_id": key, "secret_access_key": secret}
+    values = {f"w{i}": np.full(8 << 20, i + 2, np.float32) for i in range(8)}  # 256 MiB
+    print("saving", flush=True)
+    ortckpt.save_checkpoint(ortckpt.CheckpointState.from_arrays(values), url, storage_options=options)
+    print("saved", flush=True)
+    """
+)
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(s3_server, s3_url, tmp_path):
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    first = arrays(1)
+    ortckpt.save_checkpoint(state_of(first), url, storage_options=options)
+    script = tmp_path / "saver.py"
+    script.write_text(KILLED_SAVER)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            url,
+            s3_server.url,
+            *(options[k] for k in ("access_key_id", "secret_access_key")),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "saving\n"
+        deadline = time.monotonic() + 60
+        while not s3_server.pending_uploads():  # killed once its upload is under way
+            assert child.poll() is None and time.monotonic() < deadline, "the save ended before it could be killed"
+            time.sleep(0.01)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert s3_server.pending_uploads(), "the killed upload is left, invisible"
+    assert keys(s3_url, options) == ["ckpt"]
+    back = ortckpt.load_checkpoint(url, storage_options=options)
+    assert_holds(back, first)
+
+
+def test_a_truncated_object_is_refused_naming_it(s3_server, s3_url):
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    ortckpt.save_checkpoint(state_of(arrays()), url, storage_options=options)
+    location = object_store.locate(url, options)
+    whole = bytes(object_store.get(location))
+    object_store.put(location, whole[: len(whole) // 2])
+    with pytest.raises(CheckpointFormatError) as caught:
+        ortckpt.load_checkpoint(url, storage_options=options)
+    assert caught.value.filename == url
+
+
+def test_a_truncated_data_object_is_refused(s3_server, s3_url):
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    ortckpt.save_checkpoint(state_of(arrays()), url, storage_options=options, external_data_threshold=0)
+    data = object_store.locate(f"{url}.data", options)
+    whole = bytes(object_store.get(data))
+    object_store.put(data, whole[: len(whole) - 1000] + whole[-32:])  # the trailer kept: only ranges tell
+    with pytest.raises(CheckpointFormatError, match="beyond the end of the data file"):
+        ortckpt.load_checkpoint(url, storage_options=options)
+
+
+def test_a_data_object_from_another_save_is_refused(s3_server, s3_url):
+    options = s3_server.storage_options()
+    for name, seed in (("a", 1), ("b", 2)):
+        ortckpt.save_checkpoint(
+            state_of(arrays(seed)), f"{s3_url}/{name}", storage_options=options, external_data_threshold=0
+        )
+    other = bytes(object_store.get(object_store.locate(f"{s3_url}/b.data", options)))
+    object_store.put(object_store.locate(f"{s3_url}/a.data", options), other)
+    with pytest.raises(CheckpointFormatError, match="different saves"):
+        ortckpt.load_checkpoint(f"{s3_url}/a", storage_options=options)
+
+
+def test_a_lazy_load_never_mixes_two_saves(s3_server, s3_url):
+    """The data object replaced after the load began: reading a tensor fails, naming it."""
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    first = arrays(1)
+    ortckpt.save_checkpoint(state_of(first), url, storage_options=options, external_data_threshold=0)
+    lazy = ortckpt.load_checkpoint(url, storage_options=options)
+    np.testing.assert_array_equal(lazy.parameters["layer0.weight"].data, first["layer0.weight"])
+    ortckpt.save_checkpoint(state_of(arrays(2)), url, storage_options=options, external_data_threshold=0)
+    with pytest.raises(ortckpt.ObjectStoreError, match="replaced while it was being read") as caught:
+        lazy.parameters["layer1.weight"].data  # noqa: B018
+    assert caught.value.filename == f"{url}.data"
+
+
+def test_a_missing_object_is_file_not_found(s3_server, s3_url):
+    with pytest.raises(FileNotFoundError):
+        ortckpt.load_checkpoint(f"{s3_url}/nothing", storage_options=s3_server.storage_options())
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///key", "s3://b/a/../k", "s3://b/a//k", "s3://b/./k"])
+def test_malformed_urls_are_refused(url):
+    with pytest.raises(ValueError):
+        object_store.locate(url, {"endpoint_url": "http://127.0.0.1:1"})
+
+
+def test_wrong_credentials_are_an_object_store_error(s3_server, s3_url):
+    options = s3_server.storage_options(secret_access_key="wrong", max_retries=0)
+    with pytest.raises(ortckpt.ObjectStoreError) as caught:
+        ortckpt.save_checkpoint(state_of(arrays(nbytes=1 << 16)), f"{s3_url}/ckpt", storage_options=options)
+    assert caught.value.filename == f"{s3_url}/ckpt"
+
+
+def test_configuration_from_the_environment_and_profile_files(s3_server, s3_url, tmp_path, monkeypatch):
+    """As boto3 finds it: storage_options, then AWS_* variables, then the profile files."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    options = s3_server.storage_options()
+    values = arrays(nbytes=1 << 16)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    ortckpt.save_checkpoint(state_of(values), f"{s3_url}/from-env")
+    # A wrong secret in the environment, the right one in storage_options: storage_options win.
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    assert_holds(
+        ortckpt.load_checkpoint(f"{s3_url}/from-env", storage_options={"secret": options["secret_access_key"]}), values
+    )
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    (tmp_path / "credentials").write_text(
+        f"[training]\naws_access_key_id = {options['access_key_id']}\n"
+        f"aws_secret_access_key = {options['secret_access_key']}\n"
+    )
+    (tmp_path / "config").write_text(f"[profile training]\nendpoint_url = {s3_server.url}\nregion = eu-west-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "training")
+    assert_holds(ortckpt.load_checkpoint(f"{s3_url}/from-env"), values)
+    # An explicit profile outranks the environment's credentials.
+    monkeypatch.delenv("AWS_PROFILE")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    assert_holds(ortckpt.load_checkpoint(f"{s3_url}/from-env", storage_options={"profile": "training"}), values)
+    with pytest.raises(ortckpt.ObjectStoreError):
+        ortckpt.load_checkpoint(f"{s3_url}/from-env", storage_options={"endpoint_url": s3_server.url, "max_retries": 0})
+
+
+def test_a_save_holds_a_few_parts_in_memory_not_the_checkpoint(s3_server, s3_url, tmp_path):
+    """Peak memory of a 512 MiB save, in a fresh process: the arrays, plus about the parts in flight."""
+    script = tmp_path / "measure.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import resource, sys, numpy as np, ortckpt
+            url, endpoint, key, secret = sys.argv[1:5]
+            options = {"endpoint_url": endpoint, "access_key_id": key, "secret_access_key": secret}
+            values = {f"w{i}": np.full(32 << 20, i, np.float32) for i in range(4)}  # 512 MiB, touched
+            state = ortckpt.CheckpointState.from_arrays(values)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            ortckpt.save_checkpoint(state, url, storage_options=options)
+            print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+            """
+        )
+    )
+    options = s3_server.storage_options()
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            f"{s3_url}/ckpt",
+            s3_server.url,
+            options["access_key_id"],
+            options["secret_access_key"],
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    added = int(done.stdout.strip())
+    bound = 2 * object_store.PARTS_IN_FLIGHT * object_store.PART_BYTES + (64 << 20)
+    assert added < bound, f"the save added {added >> 20} MiB at its peak (bound {bound >> 20} MiB)"
+    back = ortckpt.load_checkpoint(f"{s3_url}/ckpt", storage_options=options)
+    assert float(back.parameters["w3"].data[-1]) == 3.0
