@@ -196,6 +196,7 @@ bench: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok $(MLFLOW_VENV)/.ok $(VENV)/.bench
 	$(PY) benches/validation_bench.py --out benches/out/validation.md
 	$(PY) benches/compression_bench.py --out benches/out/compression.md
 	$(PY) benches/tracking_bench.py --out benches/out/tracking.md
+	$(PY) benches/s3_bench.py --out benches/out/s3.md
 	cargo bench --quiet --bench writers
 
 $(TORCH_VENV)/.ok:

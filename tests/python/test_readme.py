@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -16,9 +17,9 @@ def python_blocks(with_torch: bool = False) -> list[str]:
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     blocks = python_blocks()
-    assert len(blocks) == 11, (
+    assert len(blocks) == 12, (
         "import line, quick start, building, CheckpointManager, validation, compression, tracking, sharded, ONNX, "
-        "safetensors, deployment"
+        "safetensors, deployment, object storage"
     )
     _import, quick_start, building, _manager, _validation, _compression, _tracking, *_rest = blocks
     monkeypatch.chdir(tmp_path)
@@ -152,3 +153,20 @@ def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
     from ortckpt import CheckpointState
 
     assert CheckpointState.load_checkpoint(tmp_path / "global.ckpt").properties["num_samples"] == 1000
+
+
+def test_readme_object_storage_example_runs_against_s3(s3_server, monkeypatch, capsys):
+    example = python_blocks()[11]
+    assert "s3://ckpt/runs/demo/checkpoint" in example
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    options = s3_server.storage_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    exec(compile(example, "README object storage example", "exec"), {})
+    assert capsys.readouterr().out == "1 32.0\n"
+    import ortckpt.object_store as object_store
+
+    assert [k for k, _ in object_store.list_keys(object_store.locate("s3://ckpt/runs/demo"))] == ["checkpoint"]
