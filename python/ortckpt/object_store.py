@@ -4,8 +4,8 @@ The client is obstore (the Python binding of the Rust ``object_store`` crate, wh
 Arrow maintains). Chosen by measurement against boto3 on a local S3 server (the figures are in
 benches/README.md): it downloads 3.4x faster and uploads as fast, it takes any buffer without
 a copy, aborts a multipart upload its input fails in, and puts conditionally (``mode="create"``),
-which two writers committing the same step need. s3fs was not a candidate: next to a current
-boto3 it resolves to a years-old release.
+which a manager's commit on S3 will need (of two writers of one step, one wins). s3fs was not a
+candidate: next to a current boto3 it resolves to a years-old release.
 
 A save streams: the core encodes the checkpoint as segments (metadata it copies out, and the
 caller's own tensor buffers), which go to a multipart upload in parts of :data:`PART_BYTES`,
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _boundary
-from .errors import CheckpointError, CheckpointExistsError, ObjectStoreError
+from .errors import CheckpointError, ObjectStoreError
 
 SCHEME = "s3://"
 # Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
@@ -83,6 +83,14 @@ def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> Locati
     if any(part in (".", "..") for part in key.split("/")) or "//" in key.strip("/"):
         raise ValueError(f"{url!r}: a key with empty, '.' or '..' segments is refused")
     return Location(_store(bucket, dict(storage_options or {})), bucket, key.strip("/"))
+
+
+def _object(url: str, storage_options: Mapping[str, Any] | None) -> Location:
+    """:func:`locate` for a checkpoint, which needs a key, not only a bucket."""
+    location = locate(url, storage_options)
+    if not location.key:
+        raise ValueError(f"{url!r} names a bucket, not an object: s3://bucket/key")
+    return location
 
 
 def _store(bucket: str, options: dict[str, Any]) -> Any:
@@ -176,10 +184,6 @@ def _failure(location: Location, e: BaseException) -> BaseException:
 
     if isinstance(e, exceptions.NotFoundError):
         return FileNotFoundError(2, "no such object", location.url)
-    if isinstance(e, exceptions.AlreadyExistsError):
-        error = CheckpointExistsError(f"{location.url} already exists")
-        error.filename = location.url
-        return error
     if isinstance(e, exceptions.PreconditionError):
         return ObjectStoreError(location.url, "the object was replaced while it was being read")
     return ObjectStoreError(location.url, e)
@@ -223,14 +227,6 @@ def _parts(pieces: list[Any]) -> Iterator[memoryview]:
         view = memoryview(piece).cast("B")
         for start in range(0, view.nbytes, PART_BYTES):
             yield view[start : start + PART_BYTES]
-
-
-def put_new(location: Location, data: bytes) -> None:
-    """Creates ``location`` with ``data`` unless it exists (a conditional PUT: of two writers,
-    one wins and the other gets :class:`CheckpointExistsError`)."""
-    import obstore
-
-    _calling(location, obstore.put, location.store, location.key, data, mode="create", use_multipart=False)
 
 
 def put(location: Location, data: bytes) -> None:
@@ -314,9 +310,6 @@ class RemoteRanges:
         self.size = size
         self.etag = etag
 
-    def __len__(self) -> int:
-        return self.size
-
     def read_range(self, offset: int, nbytes: int) -> Any:
         return get_range(self.location, offset, nbytes, self.etag)
 
@@ -330,7 +323,7 @@ def save(
 ) -> None:
     """Uploads a checkpoint to ``url`` (and ``url.data`` with external data, first);
     ``options``: :func:`_boundary.encode_segments`'s."""
-    location = locate(url, storage_options)
+    location = _object(url, storage_options)
     main, external = _boundary.encode_segments(*tensors, properties, **options)
     data = location.sibling(".data")
     if external is not None:
@@ -356,7 +349,7 @@ def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
 def load(url: str, storage_options: Mapping[str, Any] | None = None, *, lazy: bool = True) -> _boundary.Loaded:
     """Downloads the checkpoint ``url`` and opens it; its external data, if any, is read lazily
     (or downloaded whole without ``lazy``)."""
-    location = locate(url, storage_options)
+    location = _object(url, storage_options)
     main_head = head(location)
     if main_head is None:
         raise FileNotFoundError(2, "no such object", location.url)

@@ -275,6 +275,15 @@ def test_malformed_urls_are_refused(url):
         object_store.locate(url, {"endpoint_url": "http://127.0.0.1:1"})
 
 
+@pytest.mark.parametrize("url", ["s3://ckpt", "s3://ckpt/"])
+def test_a_bucket_is_not_a_checkpoint(url):
+    state = state_of(arrays(nbytes=1 << 10))
+    with pytest.raises(ValueError, match="names a bucket, not an object"):
+        ortckpt.save_checkpoint(state, url, storage_options={"endpoint_url": "http://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="names a bucket, not an object"):
+        ortckpt.load_checkpoint(url, storage_options={"endpoint_url": "http://127.0.0.1:1"})
+
+
 def test_wrong_credentials_are_an_object_store_error(s3_server, s3_url):
     options = s3_server.storage_options(secret_access_key="wrong", max_retries=0)
     with pytest.raises(ortckpt.ObjectStoreError) as caught:
