@@ -3,7 +3,7 @@
 then uploading, on a local S3 server (SeaweedFS ``weed mini``, started here, its data on disk).
 
 Each contender runs in a fresh child process, which builds the arrays, then measures its own
-seconds and its peak memory (ru_maxrss) above what it held when it started timing: the child processes share
+seconds and its peak memory (VmHWM) above what it held when it started timing: the child processes share
 nothing. Shuffled rounds, ``os.sync()`` between contenders, ratios paired by round.
 
     python benches/s3_bench.py --sizes 1 4 --rounds 3 --out benches/out/s3.md
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,13 @@ def arrays(gib: float) -> dict[str, np.ndarray]:
 
 
 def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory (VmHWM): unlike ru_maxrss, which a child inherits from
+    the parent it was forked from, it starts afresh at exec."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def resident_bytes() -> int:
