@@ -1,11 +1,13 @@
 """Checkpoints in S3-compatible object storage: ``s3://bucket/key`` wherever a path is taken.
 
 The client is obstore (the Python binding of the Rust ``object_store`` crate, which Apache
-Arrow maintains). Chosen by measurement against boto3 on a local S3 server (the figures are in
-benches/README.md): it downloads 3.4x faster and uploads as fast, it takes any buffer without
-a copy, aborts a multipart upload its input fails in, and puts conditionally (``mode="create"``),
-which a manager's commit on S3 will need (of two writers of one step, one wins). s3fs was not a
-candidate: next to a current boto3 it resolves to a years-old release.
+Arrow maintains). Chosen by measurement against boto3 on a local S3 server (benches/README.md):
+loads through it took 1.06-2.0x less time than boto3's download_file of the same bytes and saves
+as long as upload_file (the server bounds both here), and it takes any buffer without a copy
+(a streamed save's peak memory grew 9 MiB), aborts a multipart upload its input fails in, and
+puts conditionally (``mode="create"``), which a manager's commit on S3 will need (of two writers
+of one step, one wins). s3fs was not a candidate: next to a current boto3 it resolves to a
+years-old release.
 
 A save streams: the core encodes the checkpoint as segments (metadata it copies out, and the
 caller's own tensor buffers), which go to a multipart upload in parts of :data:`PART_BYTES`,
