@@ -100,3 +100,13 @@ def added_table(times: Mapping[str, Sequence[float]], baseline: str) -> list[str
             f"{paired_ratio(ts, base):.2f} |"
         )
     return lines
+
+
+def report(lines: Sequence[str], out: os.PathLike[str] | None) -> None:
+    """Prints a bench's markdown and writes it to ``out`` when given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out is not None:
+        os.makedirs(os.path.dirname(os.fspath(out)) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "python"))  # the tests' S3 server, shared
 
-from measure import current_mib, paired_ratio, shuffled  # noqa: E402
+from measure import current_mib, paired_ratio, report, shuffled  # noqa: E402
 
 TENSORS = 16
 
@@ -182,10 +182,7 @@ def main() -> None:
             lines += bench(server, gib, args.rounds)
     finally:
         server.stop(keep_data=False)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from measure import added_table, time_rounds
+from measure import added_table, report, time_rounds
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.manager.tracking import MlflowTracker
 
@@ -69,11 +69,7 @@ def main() -> None:
         "",
     ]
     lines += added_table(times, "save, no tracker (baseline)")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

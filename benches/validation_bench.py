@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from measure import added_table, time_rounds
+from measure import added_table, report, time_rounds
 from onnx import TensorProto, helper, numpy_helper
 from ortckpt import CheckpointManager, CheckpointState, Forward
 
@@ -77,11 +77,7 @@ def main() -> None:
         "",
     ]
     lines += added_table(times, "save, no validation (baseline)")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -379,14 +379,6 @@ pub fn encode_in_memory<'a>(
     ckpt: &Checkpoint<Payload<'a>>,
     keep_order: bool,
 ) -> Result<format::Encoded<'a>> {
-    format::endian::ensure_host_little_endian()?;
-    let sorted;
-    let ckpt = if keep_order {
-        ckpt
-    } else {
-        sorted = ckpt.sorted_like_ort_state_path();
-        &sorted
-    };
     let values = values_len(ckpt);
     if values > format::encode::MAX_INLINE_LEN {
         return Err(Error::invalid_state(format!(
@@ -395,7 +387,7 @@ pub fn encode_in_memory<'a>(
             format::encode::MAX_INLINE_LEN
         )));
     }
-    format::encode(ckpt, Placement::Inline)
+    encode_for_stream(ckpt, keep_order, u64::MAX) // never past the threshold: inline
 }
 
 /// Bytes of tensor values in `ckpt` (strings not counted).

@@ -352,10 +352,7 @@ def load(url: str, storage_options: Mapping[str, Any] | None = None, *, lazy: bo
     """Downloads the checkpoint ``url`` and opens it; its external data, if any, is read lazily
     (or downloaded whole without ``lazy``)."""
     location = _object(url, storage_options)
-    main_head = head(location)
-    if main_head is None:
-        raise FileNotFoundError(2, "no such object", location.url)
-    view = memoryview(get(location, main_head.etag))
+    view = memoryview(get(location))  # one GET: one version of the object, whole
     data = location.sibling(".data")
     data_head = head(data)
     if data_head is None:

@@ -180,15 +180,14 @@ fn save(
         // Hold every buffer export until the write is done: the exports keep the
         // arrays' memory alive and unresizable while the GIL is released.
         let mut buffers = Vec::new();
-        let ckpt = checkpoint_in(
+        let payloads = payloads_in(
             py,
             &path,
             (trainable, frozen, optimizer_groups),
             (ints, floats, strings),
-            nominal,
+            (nominal, keep_order),
             &mut buffers,
         )?;
-        let payloads = sorted_unless(keep_order, payloads_of(&ckpt, &buffers)?);
         let options = SaveOptions {
             durable,
             external_data_threshold,
@@ -219,15 +218,14 @@ fn save_bytes<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     guarded(py, || {
         let mut buffers = Vec::new();
-        let ckpt = checkpoint_in(
+        let payloads = payloads_in(
             py,
             std::path::Path::new("<bytes>"),
             (trainable, frozen, optimizer_groups),
             (ints, floats, strings),
-            nominal,
+            (nominal, keep_order),
             &mut buffers,
         )?;
-        let payloads = sorted_unless(keep_order, payloads_of(&ckpt, &buffers)?);
         let encoded = crate::encode_in_memory(&payloads, true).map_err(|e| to_py_err(py, e))?;
         let segments = encoded.segments();
         let len = segments.iter().map(|s| s.len()).sum();
@@ -277,15 +275,14 @@ fn encode_segments<'py>(
             .map(|t| t.3.clone())
             .collect();
         let mut buffers = Vec::new();
-        let ckpt = checkpoint_in(
+        let payloads = payloads_in(
             py,
             std::path::Path::new("<stream>"),
             (trainable, frozen, optimizer_groups),
             (ints, floats, strings),
-            nominal,
+            (nominal, keep_order),
             &mut buffers,
         )?;
-        let payloads = sorted_unless(keep_order, payloads_of(&ckpt, &buffers)?);
         let encoded = crate::encode_for_stream(&payloads, true, external_data_threshold)
             .map_err(|e| to_py_err(py, e))?;
         // Which object each exported buffer came from, by its address and length.
@@ -318,6 +315,21 @@ fn encode_segments<'py>(
         };
         PyTuple::new(py, [main.into_any(), external])
     })
+}
+
+/// The checkpoint Python hands over, its buffers exported into `buffers` and its values
+/// borrowed from them, sorted as ONNX Runtime's saver orders it unless `keep_order`.
+fn payloads_in<'py, 'b>(
+    py: Python<'py>,
+    path: &std::path::Path,
+    tensors: (Vec<TensorIn<'py>>, Vec<TensorIn<'py>>, Vec<GroupIn<'py>>),
+    properties: PropertiesIn,
+    (nominal, keep_order): (bool, bool),
+    buffers: &'b mut Vec<PyBuffer<u8>>,
+) -> PyResult<Checkpoint<Payload<'b>>> {
+    let ckpt = checkpoint_in(py, path, tensors, properties, nominal, buffers)?;
+    let buffers: &'b [PyBuffer<u8>] = buffers;
+    Ok(sorted_unless(keep_order, payloads_of(&ckpt, buffers)?))
 }
 
 /// The checkpoint built for one call, sorted in place as ONNX Runtime's saver orders it (the

@@ -26,6 +26,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    """A server started with ``start_new_session`` and every process it started: politely, then not."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(15)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class MlflowServer:
     def __init__(self) -> None:
         root = self.root = Path(tempfile.mkdtemp(prefix="ortckpt-mlflow-"))
@@ -62,16 +75,8 @@ class MlflowServer:
         return self.url
 
     def stop(self) -> None:
-        """The server and its worker (its own process group), politely, then not."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-                self.process.wait(15)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        """The server and its worker."""
+        stop_process_group(self.process)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def _tail(self) -> str:

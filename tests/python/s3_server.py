@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from mlflow_server import free_port
+from mlflow_server import free_port, stop_process_group
 
 STARTUP_SECONDS = 60
 BUCKET = "ckpt"
@@ -94,15 +93,7 @@ class S3Server:
     def stop(self, *, keep_data: bool = True) -> None:
         """The server (its own process group), politely, then not."""
         if self.process is not None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(self.process.pid, sig)
-                    self.process.wait(15)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_process_group(self.process)
             self.process = None
         if not keep_data:
             shutil.rmtree(self.root, ignore_errors=True)
