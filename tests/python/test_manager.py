@@ -391,6 +391,25 @@ while True:
 """
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_no_process_is_forked_while_the_writer_lock_is_held(tmp_path, monkeypatch, async_save):
+    """A child forked while the lock is held shares it until it execs: a writer killed in that
+    moment would leave its directory locked after it is gone (seen once in the kill test). The
+    git commit the metadata records is asked for before the lock is taken."""
+    from ortckpt.manager import metadata
+
+    metadata.git_commit.cache_clear()
+    with CheckpointManager(tmp_path / "ckpts", async_save=async_save) as manager:
+
+        def no_fork(*args, **kwargs):
+            raise AssertionError(f"a subprocess while the writer lock is held: {args}")
+
+        monkeypatch.setattr(metadata.subprocess, "run", no_fork)
+        manager.save(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), 1)
+        manager.wait()
+        assert manager.latest_step() == 1
+
+
 @pytest.mark.once
 @pytest.mark.parametrize("mode, trials", [("sync", 100), ("async", 60)])
 def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mode, trials):

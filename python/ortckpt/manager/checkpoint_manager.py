@@ -253,6 +253,10 @@ class CheckpointManager:
             self.comm = communicator(comm)
         if self._is_root and not read_only:
             safe_io.make_directories(self.directory)
+            # The metadata's git commit comes from a subprocess: asked now, before the lock, since
+            # a child forked while the lock is held shares it until it execs, and a writer killed
+            # in that moment would leave its directory locked after it is gone.
+            _metadata.git_commit()
             self._writer = steps.WriterLock(self.directory)
             steps.remove_leftovers(self.directory, self._writer)
         if self.comm is not None:
