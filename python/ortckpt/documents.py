@@ -161,6 +161,7 @@ NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 METADATA_FORMAT = "ortckpt-metadata/1"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+ATTEMPT = re.compile(r"[0-9a-f]{32}")
 
 
 def check_metadata(value: Any, where: str) -> dict[str, Any]:
@@ -179,6 +180,9 @@ def check_metadata(value: Any, where: str) -> dict[str, Any]:
     for name, metric in _object(meta.get("metrics", {}), where, "metrics").items():
         metrics[name] = decode_metric(metric, where, f"metrics.{name}")
     _file_entries(meta.get("files"), where, "files")
+    attempt = meta.get("attempt")  # on object storage: the folder of the step's files
+    if attempt is not None and not (isinstance(attempt, str) and ATTEMPT.fullmatch(attempt)):
+        raise _bad(where, "attempt", attempt, "32 hexadecimal digits")
     if "compressed" in meta:  # the files before compression: what the archive holds
         _file_entries(meta["compressed"], where, "compressed")
     return {**meta, "metrics": metrics}

@@ -200,35 +200,42 @@ def _calling(location: Location, call: Any, *args: Any, **kwargs: Any) -> Any:
         raise _failure(location, e) from e
 
 
-def put_stream(location: Location, pieces: Iterable[Any]) -> None:
+def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None) -> int:
     """Uploads the concatenated ``pieces`` (buffers) as ``location``: one PUT when they fit in
     a part, else a multipart upload that the object appears with when it completes (aborted if
-    a piece fails). Large buffers are sliced into parts without copying."""
+    a piece fails). Large buffers are sliced into parts without copying. ``digest`` (a hashlib
+    object) is fed the bytes as they go. Returns the object's size."""
     import obstore
 
     pieces = list(pieces)
     size = sum(memoryview(p).nbytes for p in pieces)
     if size <= PART_BYTES:
         data = b"".join(memoryview(p).cast("B") for p in pieces)
+        if digest is not None:
+            digest.update(data)
         _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
-        return
+        return size
     _calling(
         location,
         obstore.put,
         location.store,
         location.key,
-        _parts(pieces),
+        _parts(pieces, digest),
         use_multipart=True,
         chunk_size=PART_BYTES,
         max_concurrency=PARTS_IN_FLIGHT,
     )
+    return size
 
 
-def _parts(pieces: list[Any]) -> Iterator[memoryview]:
+def _parts(pieces: list[Any], digest: Any = None) -> Iterator[memoryview]:
     for piece in pieces:
         view = memoryview(piece).cast("B")
         for start in range(0, view.nbytes, PART_BYTES):
-            yield view[start : start + PART_BYTES]
+            part = view[start : start + PART_BYTES]
+            if digest is not None:  # the upload takes parts in order (hashlib lets the GIL go)
+                digest.update(part)
+            yield part
 
 
 def put(location: Location, data: bytes) -> None:
@@ -236,6 +243,22 @@ def put(location: Location, data: bytes) -> None:
     import obstore
 
     _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+
+
+def put_new(location: Location, data: bytes) -> bool:
+    """Creates ``location`` with ``data`` only if no object has its key (a conditional PUT:
+    of two writers, one wins). False when one exists: perhaps this very PUT's, when a retry
+    followed a lost response; the caller reads it to tell."""
+    import obstore
+    from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+    try:
+        obstore.put(location.store, location.key, data, use_multipart=False, mode="create")
+    except (AlreadyExistsError, PreconditionError):
+        return False
+    except Exception as e:
+        raise _failure(location, e) from e
+    return True
 
 
 @dataclass(frozen=True)
@@ -278,6 +301,20 @@ def get_range(location: Location, start: int, length: int, etag: str | None = No
     if len(data) != length:
         raise ObjectStoreError(location.url, f"asked for {length} bytes at {start}, got {len(data)}")
     return data
+
+
+def sha256_of(location: Location) -> tuple[int, str]:
+    """The object's size and SHA-256, read as a stream (memory: one chunk)."""
+    import hashlib
+
+    import obstore
+
+    digest, size = hashlib.sha256(), 0
+    result = _calling(location, obstore.get, location.store, location.key)
+    for chunk in _calling(location, result.stream, min_chunk_size=PART_BYTES):
+        digest.update(chunk)
+        size += memoryview(chunk).nbytes
+    return size, digest.hexdigest()
 
 
 def list_keys(location: Location) -> list[tuple[str, int]]:
@@ -325,15 +362,32 @@ def save(
 ) -> None:
     """Uploads a checkpoint to ``url`` (and ``url.data`` with external data, first);
     ``options``: :func:`_boundary.encode_segments`'s."""
-    location = _object(url, storage_options)
+    save_at(_object(url, storage_options), tensors, properties, **options)
+
+
+def save_at(
+    location: Location, tensors: tuple[list, list, list], properties: Mapping[str, Any], **options: Any
+) -> dict[str, dict[str, Any]]:
+    """:func:`save` to a located object. Returns what was uploaded, as a manager's metadata
+    records files: {last part of the key: {"bytes": size, "sha256": hex digest}}, each
+    SHA-256 taken from the bytes as they went."""
+    import hashlib
+
     main, external = _boundary.encode_segments(*tensors, properties, **options)
     data = location.sibling(".data")
+    name = location.key.rsplit("/", 1)[-1]
+    uploaded = {}
     if external is not None:
         size, parts = external
-        put_stream(data, _filled(size, parts))
-    put_stream(location, main)
+        digest = hashlib.sha256()
+        size = put_stream(data, _filled(size, parts), digest)
+        uploaded[name + ".data"] = {"bytes": size, "sha256": digest.hexdigest()}
+    digest = hashlib.sha256()
+    size = put_stream(location, main, digest)
+    uploaded[name] = {"bytes": size, "sha256": digest.hexdigest()}
     if external is None:  # a data file a previous save left is no longer this checkpoint's
         remove([data])
+    return uploaded
 
 
 def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
@@ -351,7 +405,11 @@ def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
 def load(url: str, storage_options: Mapping[str, Any] | None = None, *, lazy: bool = True) -> _boundary.Loaded:
     """Downloads the checkpoint ``url`` and opens it; its external data, if any, is read lazily
     (or downloaded whole without ``lazy``)."""
-    location = _object(url, storage_options)
+    return load_at(_object(url, storage_options), lazy=lazy)
+
+
+def load_at(location: Location, *, lazy: bool = True) -> _boundary.Loaded:
+    """:func:`load` of a located object."""
     view = memoryview(get(location))  # one GET: one version of the object, whole
     data = location.sibling(".data")
     data_head = head(data)

@@ -29,28 +29,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import operator
 import os
 import subprocess
 import sys
-import threading
-import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from .. import _boundary, safe_io, steps
 from ..checkpoint_state import CheckpointState, open_checkpoint
-from ..dtypes import PackedBits
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from ..errors import CheckpointError, CheckpointIntegrityError
 from . import metadata as _metadata
+from .common import ManagerBase, as_step
 from .integrity import Verified, verify
 from .retention import RetentionPolicy
 from .tracking import Reporter, TrackedRun, Tracker, tracker_for
@@ -115,25 +108,7 @@ class CheckpointInfo:
         return load_compressed(archive, follow_symlinks=False)  # a symlink planted there is refused
 
 
-class _Staging:
-    """Where an async save's copy of the state goes: one array per tensor, reused from one
-    save to the next while its shape and dtype match, so a copy is a plain memcpy into
-    memory already mapped (fresh memory costs a page fault per 4 KiB)."""
-
-    def __init__(self) -> None:
-        self.arrays: dict[tuple[str, ...], np.ndarray] = {}
-
-    def copy(self, key: tuple[str, ...], value: Any) -> Any:
-        if isinstance(value, PackedBits) or value.dtype == object:  # rare types: a fresh copy
-            return value.copy()
-        target = self.arrays.get(key)
-        if target is None or target.shape != value.shape or target.dtype != value.dtype:
-            target = self.arrays[key] = np.empty(value.shape, value.dtype)
-        np.copyto(target, value)
-        return target
-
-
-class CheckpointManager:
+class CheckpointManager(ManagerBase):
     """Saves, keeps and restores the checkpoints of one training run in ``directory``.
 
     Args:
@@ -216,16 +191,14 @@ class CheckpointManager:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
         if validate is not None and not isinstance(validate, Forward):
             raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
-        if isinstance(save_every, int) and save_every < 1:
-            raise ValueError(f"save_every must be at least 1, got {save_every}")
         if verify_after_save not in (False, True, "process"):
             raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
         if run_id is not None and not isinstance(run_id, str):
             raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         self.directory = Path(directory)
-        self.policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
-        self.save_every = save_every
-        self.async_save = async_save
+        self._start(
+            str(self.directory), RetentionPolicy(max_to_keep, keep_best, keep_every), save_every, async_save, read_only
+        )
         self.durable = durable
         self.verify_after_save = verify_after_save
         self.validate = validate
@@ -233,19 +206,7 @@ class CheckpointManager:
         self.config = dict(config or {})
         self.progress = progress
         self.external_data_threshold = external_data_threshold
-        self.read_only = read_only
-        self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
-        # The pending save as the finalizer sees it, to report a failure nobody waited for.
-        self._unwaited = _UnwaitedSave(self.directory)
-        self._report_lost = weakref.finalize(self, self._unwaited.report)
-        # Async saves copy the state into these arrays, reused from one save to the next
-        # (free again once the previous save is done: save() waits for it first).
-        self._staging = _Staging()
-        self._last_save = time.monotonic()
         self._writer: steps.WriterLock | None = None
-        self._closed = False
         self.comm = None
         if comm is not None:
             from ..distributed import communicator
@@ -261,7 +222,6 @@ class CheckpointManager:
             steps.remove_leftovers(self.directory, self._writer)
         if self.comm is not None:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
-        self._checkpoints: dict[int, CheckpointInfo] = {}
         self.reload()
         latest = self.latest()
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
@@ -307,56 +267,6 @@ class CheckpointManager:
             found[step] = CheckpointInfo(step, directory, meta)
         return found
 
-    def _refresh(self) -> None:
-        if self.read_only:
-            self.reload()
-
-    def all(self) -> list[CheckpointInfo]:
-        """Every complete checkpoint, oldest step first."""
-        self._refresh()
-        with self._lock:
-            return [self._checkpoints[s] for s in sorted(self._checkpoints)]
-
-    def all_steps(self) -> list[int]:
-        return [c.step for c in self.all()]
-
-    def latest(self) -> CheckpointInfo | None:
-        """The complete checkpoint with the highest step, or None."""
-        self._refresh()
-        with self._lock:
-            return self._checkpoints[max(self._checkpoints)] if self._checkpoints else None
-
-    def latest_step(self) -> int | None:
-        latest = self.latest()
-        return latest.step if latest else None
-
-    def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> CheckpointInfo | None:
-        """The checkpoint with the best ``metric`` (default: ``keep_best``'s); ties go to the
-        newer step; checkpoints without the metric, or with NaN, are not ranked."""
-        if metric is None:
-            if self.policy.keep_best is None:
-                raise ValueError("best() needs a metric name and mode, or keep_best set on the manager")
-            metric, mode = self.policy.keep_best[0], self.policy.keep_best[1]
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode is 'min' or 'max', got {mode!r}")
-        checkpoints = self.all()
-        ranked = RetentionPolicy(keep_best=(metric, mode, 1)).ranked([(c.step, c.metrics) for c in checkpoints])
-        return {c.step: c for c in checkpoints}[ranked[0]] if ranked else None
-
-    # --- saving --------------------------------------------------------------------------
-
-    def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the latest)."""
-        step = _step(step)
-        latest = self.latest_step()
-        if latest is not None and step <= latest:
-            return False
-        if self.save_every is None:
-            return True
-        if isinstance(self.save_every, datetime.timedelta):
-            return time.monotonic() - self._last_save >= self.save_every.total_seconds()
-        return step % self.save_every == 0
-
     def save(
         self,
         state: CheckpointState,
@@ -380,60 +290,24 @@ class CheckpointManager:
         With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
         :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
         """
-        self._check_writable("save")
-        if not isinstance(state, CheckpointState):
-            raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
-        step = _step(step)
-        epoch = None if epoch is None else _integer("epoch", epoch)
-        self.wait()  # one save at a time; raises the previous async save's error
-        latest = self.latest_step()
-        if step in self.all_steps():
-            raise CheckpointExistsError(f"{self.directory}: a checkpoint of step {step} exists")
-        if latest is not None and step < latest:
-            raise ValueError(
-                f"{self.directory}: step {step} is older than the latest checkpoint ({latest}); "
-                "delete the newer ones first (manager.delete(step)) to go back"
-            )
-        properties: dict[str, Any] = {"step": step}
-        if epoch is not None:
-            properties["epoch"] = epoch
-        meta = _metadata.build(
-            step=step,
+        step, meta, snapshot = self._prepare_save(
+            state,
+            step,
             epoch=epoch,
-            run_id=self.run_id,
             metrics=metrics,
-            config=self.config,
-            user=metadata,
+            metadata=metadata,
             dataset_fingerprint=dataset_fingerprint,
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
+            run_id=self.run_id,
+            config=self.config,
         )
-        _metadata.check_serializable(meta)
-        # Every value is checked (and strings encoded) here, in the caller's thread.
-        snapshot = state._snapshot(
-            copy_value=self._staging.copy if self.async_save else None,
-            include_optimizer_state=include_optimizer_state,
-            properties=properties,
-        )
-        self._last_save = time.monotonic()
         if self.comm is not None:
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
         if slices is not None:
             raise ValueError("slices are for sharded saves: create the manager with comm=")
-        if not self.async_save:
-            self._write_and_commit(snapshot, step, meta, include_optimizer_state)
-            return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortckpt-save")
-        self._pending = self._executor.submit(self._write_and_commit, snapshot, step, meta, include_optimizer_state)
-        self._unwaited.watch(self._pending, step)
-
-    def _check_writable(self, what: str) -> None:
-        if self.read_only:
-            raise ValueError(f"{self.directory}: this manager is read-only (read_only=True): it cannot {what}")
-        if self._closed:
-            raise ValueError(f"{self.directory}: this manager is closed")
+        self._write(self._write_and_commit, step, snapshot, step, meta, include_optimizer_state)
 
     def _write_and_commit(
         self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
@@ -511,21 +385,7 @@ class CheckpointManager:
             self._reporter.committed(CheckpointInfo(step, final, meta))
 
     def _apply_retention(self) -> None:
-        """Deletes what the policy no longer keeps. The new step is committed by then, so a
-        deletion that fails is a warning, not a failed save; the next save tries again."""
-        with self._lock:
-            keep = self.policy.steps_to_keep([(c.step, c.metrics) for c in self._checkpoints.values()])
-            doomed = [s for s in self._checkpoints if s not in keep]
-        for step in doomed:
-            try:
-                self.delete(step)
-            except OSError as e:
-                warnings.warn(
-                    f"{self.directory}: could not delete the checkpoint of step {step} (kept, to be "
-                    f"retried at the next save): {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        super()._apply_retention()
         if self.compress_kept and self._is_root:
             self._compress_kept()
 
@@ -580,7 +440,7 @@ class CheckpointManager:
         so a crash midway never leaves a partial checkpoint under a step's name. A step whose
         directory is already gone is forgotten; one that cannot be deleted stays listed."""
         self._check_writable("delete")
-        step = _step(step)
+        step = as_step(step)
         with self._lock:
             info = self._checkpoints.get(step)
         if info is None:
@@ -591,23 +451,12 @@ class CheckpointManager:
         with self._lock:
             self._checkpoints.pop(step, None)
 
-    def wait(self) -> None:
-        """Waits for the pending async save; raises its error, if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._unwaited.clear()
-            pending.result()
-
     def close(self) -> None:
         """Waits for the pending save, stops the background thread and gives up the directory
         (another writer may then open it). Queries and restores still work after."""
         try:
-            self.wait()
+            self._stop_saving()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            self._staging = _Staging()  # its arrays freed
             if self._writer is not None:
                 self._writer.release()
             if self._reporter is not None and not self._closed:
@@ -664,38 +513,9 @@ class CheckpointManager:
 
         return load_sharded(self._info(step).directory, comm=self.comm, slices=slices)
 
-    def _retrying(self, step: int | None, load: Any) -> Any:
-        attempts = 10 if self.read_only else 1
-        for attempt in range(attempts):
-            info = self._info(step)
-            try:
-                return load(info)
-            except FileNotFoundError:
-                # Deleted while we loaded it? Then look again (a writer keeps the newest).
-                self.reload()
-                with self._lock:
-                    gone = info.step not in self._checkpoints
-                if not gone or attempt == attempts - 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _info(self, step: int | None) -> CheckpointInfo:
-        self.wait()
-        self._refresh()
-        with self._lock:
-            if step is None:
-                if not self._checkpoints:
-                    raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
-                step = max(self._checkpoints)
-            step = _step(step)
-            info = self._checkpoints.get(step)
-        if info is None:
-            raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
-        return info
-
     def verify(self, step: int | None = None) -> Verified:
         """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest)."""
-        info = self.latest() if step is None else {c.step: c for c in self.all()}.get(_step(step))
+        info = self.latest() if step is None else {c.step: c for c in self.all()}.get(as_step(step))
         if info is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
         return verify(info.directory)
@@ -703,58 +523,6 @@ class CheckpointManager:
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
         return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()}{mode})"
-
-
-def _step(step: Any) -> int:
-    """A step as an int: ints and NumPy integers (not bools) from 0 up."""
-    step = _integer("step", step)
-    if step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step}")
-    return step
-
-
-def _integer(what: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {value!r}") from None
-
-
-class _UnwaitedSave:
-    """The async save nobody has waited for yet: if it failed and the manager is collected or
-    the program ends first, its failure is reported (a warning on stderr) instead of lost."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.future: Future[None] | None = None
-        self.step = 0
-
-    def watch(self, future: Future[None], step: int) -> None:
-        self.future, self.step = future, step
-
-    def clear(self) -> None:
-        self.future = None
-
-    def report(self) -> None:
-        future, self.future = self.future, None
-        if future is None:
-            return
-        if not future.done():  # collected mid-save (only from a finalizer thread): report when done
-            future.add_done_callback(self._warn)
-            return
-        self._warn(future)
-
-    def _warn(self, future: Future[None]) -> None:
-        error = future.exception()
-        if error is not None:
-            warnings.warn(
-                f"{self.directory}: the async save of step {self.step} failed and was never waited for "
-                f"(wait() or close()): that checkpoint was lost: {type(error).__name__}: {error}",
-                RuntimeWarning,
-                stacklevel=1,
-            )
 
 
 def _verify_in_new_process(directory: Path) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import progress as _progress
 from .. import safe_io, steps
-from ..checkpoint_state import open_checkpoint
+from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointIntegrityError
 from . import metadata as _metadata
@@ -219,7 +219,12 @@ def _decode_everything(
 ) -> tuple[int, int, Any]:
     """Loads the checkpoint and forms every value (reading every byte when ``read_bytes``):
     (tensors, bytes of values, step property)."""
-    state = open_checkpoint(checkpoint, follow_symlinks=follow_symlinks)
+    return read_everything(open_checkpoint(checkpoint, follow_symlinks=follow_symlinks), read_bytes, on_bytes)
+
+
+def read_everything(state: CheckpointState, read_bytes: bool, on_bytes: Any = None) -> tuple[int, int, Any]:
+    """Forms every value of a loaded state (reading every byte when ``read_bytes``) and every
+    property: (tensors, bytes of values, step property)."""
     values: list[Any] = []
     if not state.is_nominal:
         values += [param.data for _, param in state.parameters]
