@@ -162,7 +162,19 @@ class CheckpointManager(ManagerBase):
             no lock and changes nothing. A writer (the default) holds ``directory`` for itself
             until :meth:`close`: a second writer gets :class:`~ortckpt.CheckpointDirectoryInUseError`
             naming the first.
+        storage_options: For an ``s3://bucket/prefix`` URL in place of ``directory`` (see
+            :mod:`ortckpt.object_store`): the manager is then an
+            :class:`~ortckpt.manager.object_store_manager.ObjectStoreCheckpointManager`, with the
+            same methods (see there for the layout, the commit and what it does not do).
     """
+
+    def __new__(cls, directory: str | os.PathLike[str], **options: Any) -> Any:
+        # An object store URL gets the manager of an object store prefix, with the same methods.
+        if isinstance(directory, str) and directory.startswith("s3://"):
+            from .object_store_manager import ObjectStoreCheckpointManager
+
+            return ObjectStoreCheckpointManager(directory, **options)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -184,7 +196,10 @@ class CheckpointManager(ManagerBase):
         external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
         comm: Any = None,
         read_only: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        if storage_options is not None:
+            raise ValueError(f"{directory}: storage_options are for an object store URL (s3://bucket/prefix)")
         if comm is not None and (async_save or verify_after_save or validate is not None):
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:

@@ -24,7 +24,7 @@ from . import metadata as _metadata
 class Verified:
     """What :func:`verify` checked."""
 
-    path: Path
+    path: Path | str  # a str: the URL of a step on object storage
     step: int | None
     tensors: int
     tensor_bytes: int

@@ -1,0 +1,368 @@
+"""A checkpoint manager whose run lives under an object store prefix: what
+``CheckpointManager("s3://bucket/run", storage_options=...)`` returns.
+
+Layout under the prefix: one folder per step, ``step_00000100/``, holding ``metadata.json``
+(as in a directory, plus ``attempt``) and the folder of the save that committed it,
+``<attempt: 32 hex digits>/checkpoint`` (and ``checkpoint.data``). A save streams its
+checkpoint into a fresh attempt folder (:func:`ortckpt.object_store.save_at`, SHA-256s taken
+as the bytes go), then commits by creating ``metadata.json`` with a conditional PUT: of two
+writers of one step, one commits and the other gets CheckpointExistsError; a save that fails
+or is killed before that leaves objects that no metadata names, which nothing reads. Deleting
+a step removes its ``metadata.json`` first (the step is gone at once), then its objects.
+
+An object store holds no locks, so nothing proves another writer absent: the objects of saves
+that never committed are removed only by :meth:`ObjectStoreCheckpointManager.remove_leftovers`,
+called when you know that no other writer is saving under the prefix. One writer per prefix, as
+with a directory (where the lock enforces it); any number of readers (``read_only=True``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import secrets
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .. import _boundary, documents, object_store, steps
+from ..checkpoint_state import CheckpointState
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from . import metadata as _metadata
+from .common import ManagerBase, as_step
+from .integrity import Verified, read_everything
+from .retention import RetentionPolicy
+
+
+@dataclass(frozen=True)
+class ObjectCheckpointInfo:
+    """One committed checkpoint under an object store prefix."""
+
+    step: int
+    url: str  # the step's folder: s3://bucket/prefix/step_00000100
+    metadata: dict[str, Any]
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def folder(self) -> str:
+        """Where the step's files are: the committed attempt's folder (a step uploaded from
+        a directory, e.g. by ``aws s3 sync``, names none: its files are in the step's)."""
+        attempt = self.metadata.get("attempt")
+        return f"{self.url}/{attempt}" if attempt else self.url
+
+    @property
+    def path(self) -> str:
+        """The checkpoint's URL: what ``load_checkpoint`` takes (with ``storage_options``)."""
+        return f"{self.folder}/{steps.CHECKPOINT_NAME}"
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.metadata.get("metrics") or {}
+
+    @property
+    def epoch(self) -> int | None:
+        return self.metadata.get("epoch")
+
+    @property
+    def rng_state(self) -> dict[str, Any] | None:
+        return self.metadata.get("rng_state")
+
+    def load(self, *, lazy: bool = True) -> CheckpointState:
+        """The state: the checkpoint downloaded, its external data read by ranged GETs as
+        tensors are used (or downloaded whole without ``lazy``)."""
+        return CheckpointState.load_checkpoint(self.path, storage_options=self.storage_options, lazy=lazy)
+
+
+# The directory manager's options that have no meaning, or no implementation yet, here.
+_NOT_ON_OBJECT_STORAGE = ("validate", "compress_kept", "track", "comm", "progress")
+
+
+class ObjectStoreCheckpointManager(ManagerBase):
+    """:class:`~ortckpt.CheckpointManager` on an object store prefix (``s3://bucket/prefix``):
+    the same methods, arguments and retention; see the module's description for the layout.
+
+    ``durable`` is accepted and changes nothing (an object is durable once its PUT returns);
+    ``validate``, ``compress_kept``, ``track``, ``comm``, ``progress`` and
+    ``verify_after_save="process"`` are refused (ValueError). ``storage_options`` configure the
+    store as for :func:`ortckpt.object_store.locate`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        save_every: int | datetime.timedelta | None = None,
+        max_to_keep: int | None = None,
+        keep_best: tuple[str, Literal["min", "max"], int] | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        durable: bool = True,
+        verify_after_save: bool | Literal["process"] = False,
+        run_id: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        read_only: bool = False,
+        **unsupported: Any,
+    ) -> None:
+        refused = sorted(name for name, value in unsupported.items() if value not in (None, False))
+        unknown = sorted(name for name in unsupported if name not in _NOT_ON_OBJECT_STORAGE)
+        if unknown:
+            raise TypeError(f"CheckpointManager() got unexpected keyword arguments: {', '.join(unknown)}")
+        if verify_after_save == "process":
+            refused.append('verify_after_save="process"')
+        if refused:
+            raise ValueError(f"{url}: not available for a manager on object storage: {', '.join(refused)}")
+        if verify_after_save not in (False, True):
+            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
+        if run_id is not None and not isinstance(run_id, str):
+            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
+        self.prefix = object_store.locate(url, storage_options)
+        self.url = self.prefix.url
+        self.storage_options = dict(storage_options or {})
+        self._start(self.url, RetentionPolicy(max_to_keep, keep_best, keep_every), save_every, async_save, read_only)
+        self.durable = durable
+        self.verify_after_save = verify_after_save
+        self.config = dict(config or {})
+        self.external_data_threshold = external_data_threshold
+        self.reload()
+        latest = self.latest()
+        self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
+
+    # --- what is there -----------------------------------------------------------------
+
+    def reload(self) -> None:
+        """Lists the prefix again: what ``all()``, ``latest()`` and ``restore()`` see. A
+        read-only manager does this on every query; a writer knows what it wrote."""
+        found = self._scan()
+        with self._lock:
+            self._checkpoints = found
+
+    def _scan(self) -> dict[int, ObjectCheckpointInfo]:
+        """Every committed step whose metadata.json reads and validates; a damaged one is
+        skipped with a warning (and kept, for a person to look at)."""
+        found = {}
+        for step, size in sorted(self._committed_metadata().items()):
+            folder = self._step_folder(step)
+            where = folder.child(steps.METADATA_NAME)
+            if size > documents.METADATA.max_bytes:
+                warnings.warn(f"{where.url}: skipped, {size} bytes is over its cap", RuntimeWarning, stacklevel=3)
+                continue
+            try:
+                data = bytes(object_store.get(where))
+            except FileNotFoundError:  # deleted since it was listed
+                continue
+            try:
+                meta = documents.parse(documents.METADATA, data, where.url)
+            except documents.DocumentError as e:
+                warnings.warn(f"{where.url}: skipped, its metadata is damaged: {e}", RuntimeWarning, stacklevel=3)
+                continue
+            if meta["step"] != step:
+                warnings.warn(f"{where.url}: skipped, it says step {meta['step']}", RuntimeWarning, stacklevel=3)
+                continue
+            found[step] = ObjectCheckpointInfo(step, folder.url, meta, self.storage_options)
+        return found
+
+    def _committed_metadata(self) -> dict[int, int]:
+        """step -> size of its metadata.json, for every step folder that has one."""
+        committed = {}
+        for key, size in object_store.list_keys(self.prefix):
+            folder, _, name = key.partition("/")
+            step = steps.step_of(folder)
+            if step is not None and name == steps.METADATA_NAME:
+                committed[step] = size
+        return committed
+
+    def _step_folder(self, step: int) -> object_store.Location:
+        return self.prefix.child(steps.step_directory_name(step))
+
+    # --- saving --------------------------------------------------------------------------
+
+    def save(
+        self,
+        state: CheckpointState,
+        step: int,
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        dataset_fingerprint: str | None = None,
+        rng_state: Mapping[str, Any] | None = None,
+        include_optimizer_state: bool = True,
+        slices: Mapping[str, Any] | None = None,
+    ) -> None:
+        """As :meth:`ortckpt.CheckpointManager.save`: uploads, then commits ``step``."""
+        if slices is not None:
+            raise ValueError("slices are for sharded saves, which a manager on object storage does not make")
+        step, meta, snapshot = self._prepare_save(
+            state,
+            step,
+            epoch=epoch,
+            metrics=metrics,
+            metadata=metadata,
+            dataset_fingerprint=dataset_fingerprint,
+            rng_state=rng_state,
+            include_optimizer_state=include_optimizer_state,
+            run_id=self.run_id,
+            config=self.config,
+        )
+        self._write(self._write_and_commit, step, snapshot, step, meta, include_optimizer_state)
+
+    def _write_and_commit(
+        self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
+    ) -> None:
+        folder = self._step_folder(step)
+        attempt = secrets.token_hex(16)  # unguessable: no other save writes into this folder
+        try:
+            uploaded = object_store.save_at(
+                folder.child(attempt).child(steps.CHECKPOINT_NAME),
+                state._core_tensors(include_optimizer_state),
+                state._properties,
+                nominal=state.is_nominal,
+                external_data_threshold=self.external_data_threshold,
+                keep_order=False,
+            )
+            meta = {**meta, "attempt": attempt, "files": uploaded}
+            info = ObjectCheckpointInfo(step, folder.url, meta, self.storage_options)
+            if self.verify_after_save:
+                self._verify(info)
+            document = _metadata.encode(meta)
+        except BaseException:
+            self._remove_quietly(folder.child(attempt))
+            raise
+        # The commit. An error here is not proof that it failed (the PUT may have landed and
+        # its answer been lost), so the uploaded objects stay: remove_leftovers() finds them.
+        if not object_store.put_new(folder.child(steps.METADATA_NAME), document) and not self._committed_by(
+            folder, attempt
+        ):
+            self._remove_quietly(folder.child(attempt))
+            raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
+        with self._lock:
+            self._checkpoints[step] = info
+        self._apply_retention()
+
+    def _committed_by(self, folder: object_store.Location, attempt: str) -> bool:
+        """Whether the step's metadata.json names ``attempt``: this save's own commit, found
+        existing when a retried PUT followed one whose answer was lost."""
+        where = folder.child(steps.METADATA_NAME)
+        try:
+            meta = documents.parse(documents.METADATA, bytes(object_store.get(where)), where.url)
+        except (FileNotFoundError, documents.DocumentError):
+            return False
+        return meta.get("attempt") == attempt
+
+    def _remove_quietly(self, folder: object_store.Location) -> None:
+        """Removes what a failed save uploaded; what stays is for remove_leftovers()."""
+        try:
+            object_store.remove([folder.child(key) for key, _ in object_store.list_keys(folder)])
+        except OSError as e:
+            warnings.warn(f"{folder.url}: could not remove a failed save's objects: {e}", RuntimeWarning, stacklevel=3)
+
+    def delete(self, step: int) -> None:
+        """Deletes the checkpoint of ``step``: its metadata.json first (from then on it is not
+        listed), then its objects. A step whose metadata is already gone is forgotten."""
+        self._check_writable("delete")
+        step = as_step(step)
+        with self._lock:
+            info = self._checkpoints.get(step)
+        if info is None:
+            raise KeyError(f"{self.url}: no checkpoint of step {step}")
+        folder = self._step_folder(step)
+        object_store.remove([folder.child(steps.METADATA_NAME)])
+        with self._lock:
+            self._checkpoints.pop(step, None)
+        object_store.remove([folder.child(key) for key, _ in object_store.list_keys(folder)])
+
+    def remove_leftovers(self) -> list[str]:
+        """Deletes the objects under step folders that no committed metadata.json names: what
+        saves that failed or were killed mid-upload left, and the uploads of writers that lost
+        a step to another. Call it only when no other writer is saving under this prefix:
+        nothing on an object store proves that, so it never happens by itself. A step whose
+        metadata is damaged keeps everything. Returns the URLs deleted."""
+        self._check_writable("remove leftovers")
+        self.wait()
+        committed = self._scan()
+        listed = self._committed_metadata()
+        doomed = []
+        for key, _ in object_store.list_keys(self.prefix):
+            folder, _, rest = key.partition("/")
+            step = steps.step_of(folder)
+            if step is None or not rest:
+                continue  # not a step's: not this manager's to judge
+            info = committed.get(step)
+            if info is None and step in listed:
+                continue  # a step with damaged metadata: kept whole
+            if info is not None:
+                attempt = info.metadata.get("attempt")
+                if rest == steps.METADATA_NAME or rest.startswith(f"{attempt}/") or (not attempt and "/" not in rest):
+                    continue  # the committed files
+            doomed.append(self.prefix.child(key))
+        for start in range(0, len(doomed), 1000):  # S3 deletes up to 1000 keys a request
+            object_store.remove(doomed[start : start + 1000])
+        return [location.url for location in doomed]
+
+    def close(self) -> None:
+        """Waits for the pending save and stops the background thread. Queries and restores
+        still work after."""
+        try:
+            self._stop_saving()
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> ObjectStoreCheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- restoring -----------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, *, lazy: bool = True) -> CheckpointState:
+        """Loads the checkpoint of ``step`` (default: the latest): downloaded, its external
+        data read by ranged GETs as tensors are used (or downloaded whole without ``lazy``).
+        A reader whose step is deleted while it loads tries again with the new latest."""
+        return self._retrying(step, lambda info: info.load(lazy=lazy))
+
+    def verify(self, step: int | None = None) -> Verified:
+        """Checks the checkpoint of ``step`` (default: the latest): every object's size and
+        SHA-256 against its metadata (read as a stream), then that it decodes and every value
+        and property can be formed. Raises CheckpointIntegrityError listing what is wrong."""
+        return self._verify(self._info(step))
+
+    def _verify(self, info: ObjectCheckpointInfo) -> Verified:
+        folder = object_store.locate(info.folder, self.storage_options)
+        problems, files = [], {}
+        for name, expected in sorted(info.metadata["files"].items()):
+            where = folder.child(name)
+            try:
+                size, digest = object_store.sha256_of(where)
+            except FileNotFoundError:
+                problems.append(f"{where.url}: missing")
+                continue
+            except OSError as e:
+                problems.append(f"{where.url}: {e}")
+                continue
+            if size != expected["bytes"]:
+                problems.append(f"{where.url}: {size} bytes, metadata says {expected['bytes']}")
+            elif digest != expected["sha256"]:
+                problems.append(f"{where.url}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
+            else:
+                files[name] = digest
+        if steps.CHECKPOINT_NAME not in info.metadata["files"]:
+            problems.append(f"{info.url}/{steps.METADATA_NAME}: lists no {steps.CHECKPOINT_NAME}")
+        if problems:
+            raise CheckpointIntegrityError(info.url, problems)
+        try:
+            count, nbytes, saved_step = read_everything(info.load(lazy=False), read_bytes=False)
+        except (CheckpointError, OSError) as e:
+            raise CheckpointIntegrityError(info.url, [f"{info.path}: {e}"]) from None
+        if saved_step is not None and saved_step != info.step:
+            raise CheckpointIntegrityError(
+                info.url, [f"{info.path}: property step={saved_step}, metadata says step={info.step}"]
+            )
+        return Verified(info.url, info.step, count, nbytes, files)
+
+    def __repr__(self) -> str:
+        mode = ", read_only=True" if self.read_only else ""
+        return f"CheckpointManager({self.url!r}, steps={self.all_steps()}{mode})"

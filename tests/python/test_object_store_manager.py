@@ -1,0 +1,373 @@
+"""CheckpointManager on an s3:// prefix (ortckpt.manager.object_store_manager), against a real
+S3 server (SeaweedFS, see s3_server.py): periodic saves, retention, resume, verify, async saves,
+the conditional commit, and kills and faults that must leave the previous step the latest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import ortckpt
+import ortckpt.object_store as object_store
+import pytest
+from ortckpt import CheckpointExistsError, CheckpointIntegrityError, CheckpointManager, CheckpointState
+from ortckpt.manager import object_store_manager
+
+
+def arrays(seed: int, nbytes: int = 1 << 20, count: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {f"w{i}": rng.standard_normal(nbytes // count // 4 + i, dtype=np.float32) for i in range(count)}
+
+
+def keys(url: str, options: dict) -> list[str]:
+    return sorted(k for k, _ in object_store.list_keys(object_store.locate(url, options)))
+
+
+def fetch(url: str, options: dict) -> bytes:
+    return bytes(object_store.get(object_store.locate(url, options)))
+
+
+def assert_holds(state: CheckpointState, values: dict[str, np.ndarray]) -> None:
+    assert sorted(name for name, _ in state.parameters) == sorted(values)
+    for name, value in values.items():
+        np.testing.assert_array_equal(state.parameters[name].data, value)
+
+
+def test_periodic_saves_retention_resume_and_verify(s3_server, s3_url):
+    options = s3_server.storage_options()
+    saved = {}
+    with CheckpointManager(s3_url, storage_options=options, save_every=2, max_to_keep=2) as manager:
+        assert isinstance(manager, object_store_manager.ObjectStoreCheckpointManager)
+        for step in range(1, 8):
+            if manager.should_save(step):
+                saved[step] = arrays(step)
+                manager.save(CheckpointState.from_arrays(saved[step]), step, metrics={"loss": 1.0 / step})
+        assert manager.all_steps() == [4, 6]
+        run_id = manager.run_id
+    # Retention deleted every object of steps 2: only the kept steps' metadata and files are left.
+    listed = keys(s3_url, options)
+    assert [k for k in listed if k.endswith("metadata.json")] == [
+        "step_00000004/metadata.json",
+        "step_00000006/metadata.json",
+    ]
+    assert len(listed) == 4 and all(k.startswith(("step_00000004/", "step_00000006/")) for k in listed)
+    with CheckpointManager(s3_url, storage_options=options) as resumed:  # a restarted job
+        assert resumed.latest_step() == 6 and resumed.run_id == run_id
+        assert resumed.latest().metrics == {"loss": 1.0 / 6}
+        assert_holds(resumed.restore(), saved[6])
+        assert_holds(resumed.restore(4), saved[4])
+        assert resumed.restore().properties["step"] == 6
+        checked = resumed.verify()
+        info = resumed.latest()
+        assert checked.step == 6 and checked.tensors == 4
+        assert checked.files == {"checkpoint": hashlib.sha256(fetch(info.path, options)).hexdigest()}
+        assert info.metadata["files"]["checkpoint"]["bytes"] == len(fetch(info.path, options))
+
+
+def test_external_data_and_onnx_runtime_loads_a_step(s3_server, s3_url, tmp_path, ort):
+    options = s3_server.storage_options()
+    values = arrays(3, nbytes=4 << 20)
+    with CheckpointManager(s3_url, storage_options=options, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(values), 10)
+        info = manager.latest()
+        assert sorted(info.metadata["files"]) == ["checkpoint", "checkpoint.data"]
+        assert_holds(manager.restore(lazy=True), values)
+        assert_holds(manager.restore(lazy=False), values)
+        assert set(manager.verify().files) == {"checkpoint", "checkpoint.data"}
+    for name in ("checkpoint", "checkpoint.data"):
+        (tmp_path / name).write_bytes(fetch(f"{info.folder}/{name}", options))
+    described = ort("describe", tmp_path / "checkpoint")
+    digests = {p["name"]: p["sha256"] for p in described["parameters"]}
+    assert digests == {name: hashlib.sha256(value.tobytes()).hexdigest() for name, value in values.items()}
+
+
+def test_async_saves_write_what_the_arrays_held_at_save(s3_server, s3_url):
+    options = s3_server.storage_options()
+    values = arrays(4)
+    state = CheckpointState.from_arrays(values)
+    expected = {}
+    with CheckpointManager(s3_url, storage_options=options, async_save=True, max_to_keep=3) as manager:
+        for step in range(1, 5):
+            expected[step] = {k: v.copy() for k, v in values.items()}
+            manager.save(state, step)
+            for value in values.values():  # changed while the upload runs in the background
+                np.add(value, 1.0, out=value)
+        manager.wait()
+        assert manager.all_steps() == [2, 3, 4]
+        for step in (2, 3, 4):
+            assert_holds(manager.restore(step), expected[step])
+
+
+def test_an_async_save_that_fails_is_raised_by_the_next_call(s3_server, s3_url, monkeypatch):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, async_save=True) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        manager.wait()
+
+        def refused(*args, **kwargs):
+            raise ortckpt.ObjectStoreError("s3://x", "refused")
+
+        monkeypatch.setattr(object_store, "put_new", refused)
+        manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+        with pytest.raises(ortckpt.ObjectStoreError, match="refused"):
+            manager.wait()
+        assert manager.latest_step() == 1
+
+
+def test_two_writers_of_one_step_one_commits(s3_server, s3_url):
+    """The commit is a conditional PUT: the second writer of a step gets CheckpointExistsError,
+    its objects are removed, and the step holds the first writer's state."""
+    options = s3_server.storage_options()
+    first, second = (
+        CheckpointManager(s3_url, storage_options=options),
+        CheckpointManager(s3_url, storage_options=options),
+    )
+    first.save(CheckpointState.from_arrays(arrays(1)), 5)
+    with pytest.raises(CheckpointExistsError, match="another writer committed step 5"):
+        second.save(CheckpointState.from_arrays(arrays(2)), 5)
+    listed = keys(s3_url, options)
+    assert len(listed) == 2 and "step_00000005/metadata.json" in listed  # the loser's upload is gone
+    assert_holds(CheckpointManager(s3_url, storage_options=options, read_only=True).restore(5), arrays(1))
+
+
+def test_writers_racing_for_a_step_commit_once(s3_server, s3_url):
+    options = s3_server.storage_options()
+    managers = [CheckpointManager(s3_url, storage_options=options) for _ in range(4)]
+    outcomes = [None] * 4
+    start = threading.Barrier(4)
+
+    def save(i):
+        start.wait()
+        try:
+            managers[i].save(CheckpointState.from_arrays(arrays(i)), 7)
+            outcomes[i] = "committed"
+        except CheckpointExistsError:
+            outcomes[i] = "lost"
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == ["committed", "lost", "lost", "lost"]
+    winner = outcomes.index("committed")
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    assert_holds(reader.restore(7), arrays(winner))
+    reader.verify(7)
+
+
+def test_a_commit_whose_answer_was_lost_is_recognised_as_this_saves(s3_server, s3_url, monkeypatch):
+    """A retried conditional PUT that finds the object its first try created is not a lost race."""
+    options = s3_server.storage_options()
+    put_new = object_store.put_new
+
+    def landed_but_answer_lost(location, data):
+        assert put_new(location, data)
+        return False  # what the retry sees: the object exists
+
+    monkeypatch.setattr(object_store, "put_new", landed_but_answer_lost)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        assert manager.all_steps() == [1]
+        manager.verify(1)
+
+
+def test_a_failed_commit_keeps_its_objects_for_remove_leftovers(s3_server, s3_url, monkeypatch):
+    """An error from the commit does not prove it failed: the uploaded objects stay (deleting them
+    could break a step that did commit), the step is not listed, and remove_leftovers removes
+    them once you know no writer is saving."""
+    options = s3_server.storage_options()
+    manager = CheckpointManager(s3_url, storage_options=options)
+    manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+    committed = keys(s3_url, options)
+
+    def unreachable(location, data):
+        raise ortckpt.ObjectStoreError(location.url, "connection reset")
+
+    monkeypatch.setattr(object_store, "put_new", unreachable)
+    with pytest.raises(ortckpt.ObjectStoreError):
+        manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+    monkeypatch.undo()
+    left = [k for k in keys(s3_url, options) if k not in committed]
+    assert len(left) == 1 and left[0].startswith("step_00000002/") and left[0].endswith("/checkpoint")
+    assert CheckpointManager(s3_url, storage_options=options, read_only=True).all_steps() == [1]
+    assert manager.remove_leftovers() == [f"{s3_url}/{left[0]}"]
+    assert keys(s3_url, options) == committed
+    manager.save(CheckpointState.from_arrays(arrays(2)), 2)  # the step can be saved again
+    assert manager.all_steps() == [1, 2]
+
+
+def test_a_failed_upload_leaves_nothing(s3_server, s3_url, monkeypatch):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        committed = keys(s3_url, options)
+        put_stream = object_store.put_stream
+
+        def fails_on_the_second(location, pieces, digest=None):
+            if location.key.endswith("/checkpoint"):  # the data file went up first
+                raise ortckpt.ObjectStoreError(location.url, "disk full")
+            return put_stream(location, pieces, digest)
+
+        monkeypatch.setattr(object_store, "put_stream", fails_on_the_second)
+        with pytest.raises(ortckpt.ObjectStoreError, match="disk full"):
+            manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+        assert keys(s3_url, options) == committed  # the uploaded data file was removed
+        assert manager.all_steps() == [1]
+
+
+KILLED_MANAGER = textwrap.dedent(
+    """
+    import sys, numpy as np, ortckpt
+    url, endpoint, key, secret, mode = sys.argv[1:6]
+    options = {"endpoint_url": endpoint, "access_key_id": key, "secret_access_key": secret}
+    manager = ortckpt.CheckpointManager(url, storage_options=options, max_to_keep=1,
+                                        async_save=mode == "async", external_data_threshold=0)
+    values = {f"w{i}": np.full(8 << 20, i + 2, np.float32) for i in range(8)}  # 256 MiB
+    print("saving", flush=True)
+    manager.save(ortckpt.CheckpointState.from_arrays(values), 2)
+    manager.wait()
+    print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_process_killed_mid_save_leaves_the_previous_step_the_latest(s3_server, s3_url, tmp_path, mode):
+    options = s3_server.storage_options()
+    first = arrays(1)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays(first), 1)
+    committed = keys(s3_url, options)
+    script = tmp_path / "saver.py"
+    script.write_text(KILLED_MANAGER)
+    before = set(s3_server.pending_uploads())
+    command = [
+        sys.executable,
+        str(script),
+        s3_url,
+        s3_server.url,
+        options["access_key_id"],
+        options["secret_access_key"],
+    ]
+    child = subprocess.Popen([*command, mode], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "saving\n"
+        deadline = time.monotonic() + 60
+        while not set(s3_server.pending_uploads()) - before:  # killed once its upload is under way
+            assert child.poll() is None and time.monotonic() < deadline, "the save ended before it could be killed"
+            time.sleep(0.01)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        assert manager.latest_step() == 1
+        manager.verify()
+        assert_holds(manager.restore(), first)
+        manager.remove_leftovers()
+        assert keys(s3_url, options) == committed
+        manager.save(CheckpointState.from_arrays(arrays(2)), 2)  # and the run goes on
+        assert manager.all_steps() == [1, 2]
+
+
+def test_verify_finds_a_changed_or_missing_object(s3_server, s3_url):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        info = manager.latest()
+        checkpoint = object_store.locate(info.path, options)
+        whole = bytearray(fetch(info.path, options))
+        whole[len(whole) // 2] ^= 0xFF
+        object_store.put(checkpoint, bytes(whole))
+        with pytest.raises(CheckpointIntegrityError, match="SHA-256") as caught:
+            manager.verify()
+        assert info.path in str(caught.value)
+        object_store.remove([checkpoint])
+        with pytest.raises(CheckpointIntegrityError, match="missing"):
+            manager.verify(1)
+
+
+def test_verify_after_save_commits_only_what_reads_back(s3_server, s3_url, monkeypatch):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, verify_after_save=True) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        sha256_of = object_store.sha256_of
+        monkeypatch.setattr(object_store, "sha256_of", lambda location: (sha256_of(location)[0], "0" * 64))
+        with pytest.raises(CheckpointIntegrityError):
+            manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+        assert manager.all_steps() == [1]
+    monkeypatch.undo()
+    assert [k.split("/")[0] for k in keys(s3_url, options)] == ["step_00000001"] * 2  # step 2's upload removed
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"attempt": "../../elsewhere"},  # a path out of the step's folder
+        {"files": {"../checkpoint": {"bytes": 1, "sha256": "0" * 64}}},
+        {"step": 8},  # says another step
+        "not json at all",
+    ],
+    ids=["attempt-path", "file-path", "other-step", "garbage"],
+)
+def test_a_hostile_metadata_document_is_skipped_and_kept(s3_server, s3_url, document):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        meta = manager.latest().metadata
+    if isinstance(document, dict):
+        planted = json.dumps({**json.loads(fetch(f"{s3_url}/step_00000001/metadata.json", options)), **document})
+    else:
+        planted = document
+    object_store.put(object_store.locate(f"{s3_url}/step_00000009/metadata.json", options), planted.encode())
+    with pytest.warns(RuntimeWarning, match="step_00000009"):
+        manager = CheckpointManager(s3_url, storage_options=options)
+    assert manager.all_steps() == [1] and manager.latest().metadata["attempt"] == meta["attempt"]
+    with pytest.warns(RuntimeWarning, match="step_00000009"):
+        assert manager.remove_leftovers() == []  # a damaged step is kept whole, for a person to look at
+    assert "step_00000009/metadata.json" in keys(s3_url, options)
+
+
+def test_a_reader_sees_new_and_deleted_steps(s3_server, s3_url):
+    options = s3_server.storage_options()
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    assert reader.latest() is None
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=1) as writer:
+        writer.save(CheckpointState.from_arrays(arrays(1)), 1)
+        assert reader.all_steps() == [1]
+        writer.save(CheckpointState.from_arrays(arrays(2)), 2)
+        assert reader.all_steps() == [2]
+        assert_holds(reader.restore(), arrays(2))
+    with pytest.raises(ValueError, match="read-only"):
+        reader.save(CheckpointState.from_arrays(arrays(3)), 3)
+
+
+def test_keep_best_and_best(s3_server, s3_url):
+    options = s3_server.storage_options()
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.7}
+    with CheckpointManager(s3_url, storage_options=options, keep_best=("loss", "min", 1)) as manager:
+        for step, loss in losses.items():
+            manager.save(CheckpointState.from_arrays(arrays(step)), step, metrics={"loss": loss})
+        assert manager.all_steps() == [2, 4]  # the best and the newest
+        assert manager.best().step == 2
+
+
+def test_options_it_does_not_have_are_refused(s3_server, s3_url, tmp_path):
+    options = s3_server.storage_options()
+    for refused in ({"compress_kept": True}, {"track": "mlflow"}, {"verify_after_save": "process"}, {"progress": True}):
+        with pytest.raises(ValueError, match="not available for a manager on object storage"):
+            CheckpointManager(s3_url, storage_options=options, **refused)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        CheckpointManager(s3_url, storage_options=options, no_such_option=1)
+    with pytest.raises(ValueError, match="storage_options are for an object store URL"):
+        CheckpointManager(tmp_path / "local", storage_options=options)
+    with pytest.raises(ValueError, match=r"'\.\.' segments"):
+        CheckpointManager("s3://ckpt/a/../b", storage_options=options)
