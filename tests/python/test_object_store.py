@@ -117,8 +117,8 @@ def test_a_failed_upload_is_aborted_and_the_previous_object_stays(s3_server, s3_
     ortckpt.save_checkpoint(state_of(first), url, storage_options=options)
     real_parts = object_store._parts
 
-    def failing_parts(pieces):
-        for i, part in enumerate(real_parts(pieces)):
+    def failing_parts(pieces, digest=None):
+        for i, part in enumerate(real_parts(pieces, digest)):
             if i == 2:
                 assert s3_server.pending_uploads(), "the upload is under way"
                 raise OSError("the disk under the arrays failed")
@@ -140,8 +140,8 @@ def test_the_server_stopping_mid_upload_fails_the_save_and_keeps_the_previous(s3
     stopped = threading.Event()
     real_parts = object_store._parts
 
-    def parts_then_stop(pieces):
-        for i, part in enumerate(real_parts(pieces)):
+    def parts_then_stop(pieces, digest=None):
+        for i, part in enumerate(real_parts(pieces, digest)):
             if i == 1:
                 s3_server.stop()  # the server goes away with the upload half done
                 stopped.set()
