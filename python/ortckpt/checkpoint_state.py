@@ -479,21 +479,19 @@ class CheckpointState:
         if _is_file_object(checkpoint_uri):
             checkpoint_uri.write(state.to_bytes(include_optimizer_state))  # type: ignore[union-attr]
             return
-        nominal = state.is_nominal
-        trainable, frozen, groups = state._core_tensors(include_optimizer_state)
         if _is_object_url(checkpoint_uri):
             from . import object_store
 
             object_store.save(
                 checkpoint_uri,  # type: ignore[arg-type]
-                (trainable, frozen, groups),
-                state._properties,
+                state,
+                include_optimizer_state,
                 storage_options,
-                nominal=nominal,
                 external_data_threshold=external_data_threshold,
-                keep_order=False,
             )
             return
+        nominal = state.is_nominal
+        trainable, frozen, groups = state._core_tensors(include_optimizer_state)
         path = os.fspath(checkpoint_uri)  # type: ignore[arg-type]
         with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
             _boundary.save(

@@ -180,12 +180,17 @@ def check_metadata(value: Any, where: str) -> dict[str, Any]:
     for name, metric in _object(meta.get("metrics", {}), where, "metrics").items():
         metrics[name] = decode_metric(metric, where, f"metrics.{name}")
     _file_entries(meta.get("files"), where, "files")
-    attempt = meta.get("attempt")  # on object storage: the folder of the step's files
-    if attempt is not None and not (isinstance(attempt, str) and ATTEMPT.fullmatch(attempt)):
-        raise _bad(where, "attempt", attempt, "32 hexadecimal digits")
+    _attempt(meta, where)
     if "compressed" in meta:  # the files before compression: what the archive holds
         _file_entries(meta["compressed"], where, "compressed")
     return {**meta, "metrics": metrics}
+
+
+def _attempt(document: dict[str, Any], where: str) -> None:
+    """On object storage, a step's files are in the folder of the save that committed it."""
+    attempt = document.get("attempt")
+    if attempt is not None and not (isinstance(attempt, str) and ATTEMPT.fullmatch(attempt)):
+        raise _bad(where, "attempt", attempt, "32 hexadecimal digits")
 
 
 def _file_entries(value: Any, where: str, at: str) -> None:
@@ -237,6 +242,7 @@ def check_index(value: Any, where: str) -> dict[str, Any]:
     index = _versioned(value, where, SHARDED_FORMAT, SHARDED_VERSION, "sharded checkpoint")
     _int(index.get("step"), where, "step", 0, INT64_MAX)
     world = _int(index.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
+    _attempt(index, where)
     ranks = set()
     for i, raw_shard in enumerate(_list(index.get("shards"), where, "shards")):
         at = f"shards[{i}]"

@@ -355,25 +355,35 @@ class RemoteRanges:
 
 def save(
     url: str,
-    tensors: tuple[list, list, list],
-    properties: Mapping[str, Any],
+    state: Any,
+    include_optimizer_state: bool,
     storage_options: Mapping[str, Any] | None = None,
-    **options: Any,
-) -> None:
-    """Uploads a checkpoint to ``url`` (and ``url.data`` with external data, first);
-    ``options``: :func:`_boundary.encode_segments`'s."""
-    save_at(_object(url, storage_options), tensors, properties, **options)
+    *,
+    external_data_threshold: int,
+) -> dict[str, dict[str, Any]]:
+    """Uploads ``state`` (a CheckpointState, not imported here: it imports this module) as
+    the checkpoint ``url`` (and ``url.data`` with external data, first): see :func:`save_at`."""
+    return save_at(_object(url, storage_options), state, include_optimizer_state, external_data_threshold)
 
 
 def save_at(
-    location: Location, tensors: tuple[list, list, list], properties: Mapping[str, Any], **options: Any
+    location: Location, state: Any, include_optimizer_state: bool, external_data_threshold: int
 ) -> dict[str, dict[str, Any]]:
     """:func:`save` to a located object. Returns what was uploaded, as a manager's metadata
     records files: {last part of the key: {"bytes": size, "sha256": hex digest}}, each
     SHA-256 taken from the bytes as they went."""
     import hashlib
 
-    main, external = _boundary.encode_segments(*tensors, properties, **options)
+    trainable, frozen, groups = state._core_tensors(include_optimizer_state)
+    main, external = _boundary.encode_segments(
+        trainable,
+        frozen,
+        groups,
+        state._properties,
+        nominal=state.is_nominal,
+        external_data_threshold=external_data_threshold,
+        keep_order=False,
+    )
     data = location.sibling(".data")
     name = location.key.rsplit("/", 1)[-1]
     uploaded = {}

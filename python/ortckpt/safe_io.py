@@ -374,7 +374,7 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def remove_tree_quietly(path: Path) -> None:
+def remove_tree_quietly(path: str | os.PathLike[str]) -> None:
     """:func:`remove_tree` for cleanup after a failure, which must not hide the failure."""
     shutil.rmtree(path, ignore_errors=True)
 

@@ -21,13 +21,14 @@ import datetime
 import functools
 import json
 import os
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import _boundary, documents, safe_io, steps
+from .. import _boundary, documents, object_store, safe_io, steps
 from .. import dtypes as _dt
 from .._boundary import TensorRecord
 from ..checkpoint_state import CheckpointState, OptimizerGroup, TensorSource, open_checkpoint
@@ -52,15 +53,30 @@ def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
     return steps.step_directory(directory, step)
 
 
-def committed_steps(directory: str | os.PathLike[str]) -> list[int]:
-    """Steps of ``directory`` that hold a sharded checkpoint (committed with its index), oldest first."""
+def committed_steps(
+    directory: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> list[int]:
+    """Steps of ``directory`` (or of an ``s3://bucket/prefix``) that hold a sharded checkpoint
+    (committed with its index), oldest first."""
+    if object_store.is_url(directory):
+        return _steps_in_store(object_store.locate(directory, storage_options))  # type: ignore[arg-type]
     return sorted(s for s, where in steps.step_directories(Path(directory)).items() if (where / INDEX_NAME).is_file())
 
 
-def latest_step(directory: str | os.PathLike[str]) -> int | None:
+def _steps_in_store(prefix: object_store.Location) -> list[int]:
+    committed = []
+    for key, _ in object_store.list_keys(prefix):
+        folder, _, name = key.partition("/")
+        step = steps.step_of(folder)
+        if step is not None and name == INDEX_NAME:
+            committed.append(step)
+    return sorted(committed)
+
+
+def latest_step(directory: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> int | None:
     """The newest committed step of ``directory``, or None: where a restarted job resumes."""
-    steps = committed_steps(directory)
-    return steps[-1] if steps else None
+    committed = committed_steps(directory, storage_options=storage_options)
+    return committed[-1] if committed else None
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -76,9 +92,11 @@ def save_sharded(
     include_optimizer_state: bool = True,
     durable: bool = True,
     external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
     """Saves this rank's part of the training state as step ``step`` of ``directory``; every
-    rank of ``comm`` calls it together. Returns the step's directory once committed.
+    rank of ``comm`` calls it together. Returns the step's directory (a Path) once committed,
+    or its URL on object storage.
 
     Args:
         state_shard: The parameters (and momentums) this rank holds. A parameter that another
@@ -93,8 +111,24 @@ def save_sharded(
         include_optimizer_state: Save the optimizer groups and momentums.
         durable: fsync every shard, the index and the directories before the save counts.
         external_data_threshold: Per shard, as in :meth:`CheckpointState.save_checkpoint`.
+        storage_options: For an ``s3://bucket/prefix`` in place of ``directory`` (see
+            :mod:`ortckpt.object_store`): every rank uploads its shard into a fresh folder of the
+            step, and rank 0 commits by creating the step's index.json with a conditional PUT
+            (of two jobs saving one step, one commits; the other gets CheckpointExistsError).
+            ``durable`` does not apply.
     """
     comm = communicator(comm)
+    if object_store.is_url(directory):
+        return _save_to_store(
+            comm,
+            state_shard,
+            object_store.locate(directory, storage_options),  # type: ignore[arg-type]
+            step,
+            slices,
+            include_optimizer_state,
+            external_data_threshold,
+            storage_options,
+        )
     root, target = Path(directory), step_directory(directory, step)
     writer: list[steps.WriterLock] = []  # rank 0's hold on the directory, for the save's duration
 
@@ -111,9 +145,9 @@ def save_sharded(
             )
         return steps.new_temp_directory(root, step)
 
-    def commit(temp: Path, index: dict[str, Any]) -> None:
-        write_index(temp / INDEX_NAME, index, durable)
-        steps.commit(temp, root, step, durable=durable)
+    def commit(temp: str, index: dict[str, Any]) -> None:
+        write_index(Path(temp) / INDEX_NAME, index, durable)
+        steps.commit(Path(temp), root, step, durable=durable)
 
     try:
         write_shards(
@@ -133,22 +167,82 @@ def save_sharded(
     return target
 
 
+def _save_to_store(
+    comm: Communicator,
+    state: CheckpointState,
+    prefix: object_store.Location,
+    step: int,
+    slices: Mapping[str, Slice] | None,
+    include_optimizer_state: bool,
+    external_data_threshold: int,
+    storage_options: Mapping[str, Any] | None,
+) -> str:
+    """save_sharded to an object store: the shards go to ``step_<n>/<attempt>/`` (a folder
+    of a fresh random name: no other save writes there), and the index, naming the attempt,
+    to ``step_<n>/index.json``, created only if absent."""
+    folder = prefix.child(steps.step_directory_name(step))
+    index_at = folder.child(INDEX_NAME)
+    committing = []  # set once the commit's PUT is sent: from then on it may have landed
+
+    def prepare() -> str:
+        if object_store.head(index_at) is not None:
+            raise CheckpointExistsError(f"{folder.url}: a sharded checkpoint of step {step} exists")
+        return folder.child(secrets.token_hex(16)).url
+
+    def commit(where: str, index: dict[str, Any]) -> None:
+        attempt = where.rsplit("/", 1)[-1]
+        data = encode_index({**index, "attempt": attempt}, index_at.url)
+        committing.append(True)
+        if object_store.put_new(index_at, data):
+            return
+        try:  # perhaps this very PUT, retried after its answer was lost
+            _, committed = read_committed(folder.url, None, storage_options)
+        except (FileNotFoundError, CheckpointError):
+            committed = {}
+        if committed.get("attempt") != attempt:
+            committing.clear()  # another job's commit: ours certainly did not land
+            raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
+
+    def abandon(where: str) -> None:
+        if committing:  # the commit may have landed: its shards stay
+            return
+        attempt = object_store.locate(where, storage_options)
+        object_store.remove([attempt.child(key) for key, _ in object_store.list_keys(attempt)])
+
+    write_shards(
+        comm,
+        state,
+        slices,
+        prepare=prepare,
+        commit=commit,
+        step=step,
+        include_optimizer_state=include_optimizer_state,
+        durable=False,
+        external_data_threshold=external_data_threshold,
+        abandon=abandon,
+        storage_options=storage_options,
+    )
+    return folder.url
+
+
 def write_shards(
     comm: Communicator,
     state: CheckpointState,
     slices: Mapping[str, Slice] | None,
     *,
-    prepare: Callable[[], Path],
-    commit: Callable[[Path, dict[str, Any]], None],
+    prepare: Callable[[], str | Path],
+    commit: Callable[[str, dict[str, Any]], None],
     step: int,
     include_optimizer_state: bool,
     durable: bool,
     external_data_threshold: int,
-    abandon: Callable[[Path], None] = safe_io.remove_tree_quietly,
+    abandon: Callable[[str], None] = safe_io.remove_tree_quietly,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """The collective save in two rounds: every rank describes what it holds and rank 0 plans
-    it (``prepare``, rank 0, makes the directory the shards go to); every rank writes its shard
-    and rank 0 commits them (``commit``), or removes them when some rank failed (``abandon``)."""
+    it (``prepare``, rank 0, makes the directory the shards go to, or names the object store
+    folder); every rank writes its shard and rank 0 commits them (``commit``), or removes them
+    when some rank failed (``abandon``)."""
     rank, world = comm.rank, comm.world_size
     on_root: dict[str, Any] = {}  # what only rank 0 keeps from the plan for the index
 
@@ -164,7 +258,7 @@ def write_shards(
         plan_and_prepare,
         deciding="planning",
     )
-    where = Path(where_name)
+    where = where_name  # a directory's path, or an object store folder's URL
 
     def index_and_commit(written: list[dict[str, int]]) -> None:
         index = {
@@ -187,7 +281,15 @@ def write_shards(
         comm,
         "sharded save",
         lambda: _write_own_shard(
-            state, where, writes[rank], rank, world, include_optimizer_state, durable, external_data_threshold
+            state,
+            where,
+            writes[rank],
+            rank,
+            world,
+            include_optimizer_state,
+            durable,
+            external_data_threshold,
+            storage_options,
         ),
         index_and_commit,
         deciding="committing",
@@ -248,13 +350,14 @@ def describe(
 
 def _write_own_shard(
     state: TensorSource,
-    where: Path,
+    where: str,
     names: list[str],
     rank: int,
     world: int,
     include_optimizer_state: bool,
     durable: bool,
     threshold: int,
+    storage_options: Mapping[str, Any] | None,
 ) -> dict[str, int]:
     """Writes the tensors the plan gave this rank; returns {file name: size}, empty if none."""
     if not names:
@@ -274,11 +377,15 @@ def _write_own_shard(
             )
             for group_name, group in state.optimizer_groups.items()
         }
-    path = where / shard_file_name(rank, world)
+    if object_store.is_url(where):
+        location = object_store.locate(f"{where}/{shard_file_name(rank, world)}", storage_options)
+        uploaded = object_store.save_at(location, shard, include_optimizer_state, threshold)
+        return {name: entry["bytes"] for name, entry in uploaded.items()}
+    path = Path(where) / shard_file_name(rank, world)
     CheckpointState.save_checkpoint(
         shard, path, include_optimizer_state, external_data_threshold=threshold, durable=durable
     )
-    return {p.name: p.stat().st_size for p in sorted(where.glob(path.name + "*"))}
+    return {p.name: p.stat().st_size for p in sorted(path.parent.glob(path.name + "*"))}
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -291,6 +398,7 @@ def load_sharded(
     comm: Any = None,
     slices: Mapping[str, Slice | None] | None = None,
     include_optimizer_state: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[CheckpointState, dict[str, Slice]]:
     """Loads this rank's part of a sharded checkpoint; every rank of ``comm`` calls it together.
 
@@ -306,19 +414,23 @@ def load_sharded(
             dimension are split again evenly along it, tensors every rank held go to every
             rank, other whole tensors to rank (saving rank mod world size).
         include_optimizer_state: Load the momentums of the parameters loaded.
+        storage_options: For an ``s3://bucket/prefix`` (or one step's URL) in place of
+            ``directory``: see :mod:`ortckpt.object_store`. Each shard is then downloaded when
+            first needed, its external data read by ranged GETs of the pieces used.
 
     Only the shards holding the wanted pieces are opened; a piece loaded exactly as it was
     saved is a view over its memory-mapped shard (no copy), others are assembled.
     """
     comm = communicator(comm)
-    where_name, index = root_decides(comm, "sharded load (reading the index)", lambda: read_committed(directory, step))
-    where = Path(where_name)
+    where, index = root_decides(
+        comm, "sharded load (reading the index)", lambda: read_committed(directory, step, storage_options)
+    )
     entries = tensor_entries(index)
     if slices is None:
         layout = default_layout(entries.values(), index["world_size"], comm.rank, comm.world_size)
     else:
         layout = _requested_layout(where, entries, slices)
-    return assemble(where, index, entries, layout, include_optimizer_state), layout
+    return assemble(where, index, entries, layout, include_optimizer_state, storage_options), layout
 
 
 def merge(
@@ -329,26 +441,40 @@ def merge(
     include_optimizer_state: bool = True,
     external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
     durable: bool = False,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
     """Writes one ordinary checkpoint, which ONNX Runtime loads, of a sharded one (one process).
+    Returns ``out`` (a Path, or the URL when ``out`` is one).
 
     Split tensors are assembled in memory (the largest assembled at once is the sum of the
     split tensors); whole ones go from their shard's mapping to the new file without a copy.
+    ``directory`` and ``out`` may each be on object storage (``s3://``, configured by
+    ``storage_options``): whole tensors then stream from ranged GETs of the shards.
     """
-    where, index = read_committed(directory, step)
+    where, index = read_committed(directory, step, storage_options)
     entries = tensor_entries(index)
     layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
-    state = assemble(where, index, entries, layout, include_optimizer_state)
+    state = assemble(where, index, entries, layout, include_optimizer_state, storage_options)
     CheckpointState.save_checkpoint(
-        state, out, include_optimizer_state, external_data_threshold=external_data_threshold, durable=durable
+        state,
+        out,
+        include_optimizer_state,
+        external_data_threshold=external_data_threshold,
+        durable=durable,
+        storage_options=storage_options,
     )
-    return Path(out)
+    return out if object_store.is_url(out) else Path(out)
 
 
-def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple[str, dict[str, Any]]:
-    """(step directory, its index) of a committed sharded checkpoint, the index validated
+def read_committed(
+    directory: str | os.PathLike[str], step: int | None, storage_options: Mapping[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """(where its shards are, its index) of a committed sharded checkpoint, the index validated
     (:mod:`ortckpt.documents`: shard files are plain names of their rank, pieces inside their
-    tensors and tiling them). CheckpointFormatError, naming the index, when it is damaged."""
+    tensors and tiling them). CheckpointFormatError, naming the index, when it is damaged. On
+    object storage, where the shards are is the URL of the committed attempt's folder."""
+    if object_store.is_url(directory):
+        return _read_committed_in_store(object_store.locate(directory, storage_options), step)  # type: ignore[arg-type]
     directory = Path(directory)
     if (directory / INDEX_NAME).is_file():
         where = directory
@@ -372,8 +498,36 @@ def read_committed(directory: str | os.PathLike[str], step: int | None) -> tuple
     return str(where), index
 
 
+def _read_committed_in_store(prefix: object_store.Location, step: int | None) -> tuple[str, dict[str, Any]]:
+    folder = prefix
+    found = object_store.head(prefix.child(INDEX_NAME))  # the URL of one step's folder?
+    if found is None:
+        if step is None:
+            committed = _steps_in_store(prefix)
+            step = committed[-1] if committed else None
+            if step is None:
+                raise FileNotFoundError(f"{prefix.url}: no committed sharded checkpoint")
+        folder = prefix.child(steps.step_directory_name(step))
+        found = object_store.head(folder.child(INDEX_NAME))
+        if found is None:
+            raise FileNotFoundError(
+                f"{folder.url}: no committed sharded checkpoint of step {step} "
+                f"(no {INDEX_NAME}: never saved, or its save did not finish)"
+            )
+    index_at = folder.child(INDEX_NAME)
+    if found.size > documents.SHARDED_INDEX.max_bytes:
+        raise CheckpointFormatError(f"{index_at.url}: {found.size} bytes, over an index's cap")
+    data = bytes(object_store.get(index_at, found.etag))
+    index = documents.parse(documents.SHARDED_INDEX, data, index_at.url)
+    named = steps.step_of(folder.key.rsplit("/", 1)[-1])
+    if named is not None and named != index["step"]:
+        raise CheckpointFormatError(f"{index_at.url}: step {index['step']}, but the folder is of step {named}")
+    attempt = index.get("attempt")
+    return (folder.child(attempt).url if attempt else folder.url), index
+
+
 def _requested_layout(
-    where: Path, entries: Mapping[str, TensorEntry], slices: Mapping[str, Slice | None]
+    where: str, entries: Mapping[str, TensorEntry], slices: Mapping[str, Slice | None]
 ) -> dict[str, Slice]:
     layout = {}
     for name, asked in slices.items():
@@ -395,11 +549,12 @@ def assemble(
     entries: Mapping[str, TensorEntry],
     layout: Mapping[str, Slice],
     include_optimizer_state: bool,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointState:
     """A state of the pieces ``layout`` asks for, read from the shards that hold them. Every
     piece read must have the type and shape the index gives it (CheckpointFormatError, naming
     the shard and the tensor, if not)."""
-    shards = _Shards(Path(where), index)
+    shards = _Shards(os.fspath(where), index, storage_options)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
     groups = (
@@ -426,17 +581,27 @@ class _Shards:
     """The shard files of one sharded step, opened when first needed (only by the plain names
     the index gives, never through a symlink), and the pieces read from them, checked."""
 
-    def __init__(self, where: Path, index: Mapping[str, Any]) -> None:
+    def __init__(self, where: str, index: Mapping[str, Any], storage_options: Mapping[str, Any] | None) -> None:
         self.where = where
-        self.files = {s["rank"]: safe_io.member(where, s["file"]) for s in index["shards"]}
+        self.remote = object_store.is_url(where)
+        self.storage_options = storage_options
+        self.files = {
+            s["rank"]: f"{where}/{s['file']}" if self.remote else safe_io.member(Path(where), s["file"])
+            for s in index["shards"]  # (plain names: the index was validated)
+        }
         self.opened: dict[int, CheckpointState] = {}
         self.records: dict[int, dict[str, TensorRecord]] = {}
 
     def shard(self, rank: int) -> CheckpointState:
         if rank not in self.opened:
             if rank not in self.files:
-                raise CheckpointFormatError(f"{self.where / INDEX_NAME}: names no shard of rank {rank}")
-            self.opened[rank] = open_checkpoint(self.files[rank], follow_symlinks=False)
+                raise CheckpointFormatError(f"{self.where}: the index names no shard of rank {rank}")
+            file = self.files[rank]
+            self.opened[rank] = (
+                CheckpointState.load_checkpoint(file, storage_options=self.storage_options)  # type: ignore[arg-type]
+                if self.remote
+                else open_checkpoint(file, follow_symlinks=False)
+            )
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 
@@ -476,7 +641,7 @@ class _Shards:
 def check_shards(where: str | os.PathLike[str], index: Mapping[str, Any]) -> list[str]:
     """What :func:`assemble` would refuse, for :func:`ortckpt.verify`: every piece of every
     tensor and momentum the index lists, read from its shard and checked against the index."""
-    shards = _Shards(Path(where), index)
+    shards = _Shards(os.fspath(where), index, None)
     problems = []
     for entry in tensor_entries(index).values():
         for piece in entry.pieces:
@@ -519,8 +684,13 @@ def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> An
 
 
 def write_index(path: Path, index: Mapping[str, Any], durable: bool) -> None:
-    """Writes the index atomically (a locked temporary file of a fresh name, then rename), after
-    checking it reads back: a save never commits an index that load would refuse."""
+    """Writes the index atomically (a locked temporary file of a fresh name, then rename)."""
+    safe_io.write_atomically(path, encode_index(index, os.fspath(path)), durable=durable)
+
+
+def encode_index(index: Mapping[str, Any], where: str) -> bytes:
+    """The index as written, checked to read back: a save never commits an index that load
+    would refuse."""
     data = (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
-    documents.parse(documents.SHARDED_INDEX, data, os.fspath(path))
-    safe_io.write_atomically(path, data, durable=durable)
+    documents.parse(documents.SHARDED_INDEX, data, where)
+    return data

@@ -377,9 +377,9 @@ class CheckpointManager(ManagerBase):
 
         assert self.comm is not None
 
-        def commit(temp: Path, index: dict[str, Any]) -> None:
-            write_index(temp / steps.INDEX_NAME, index, self.durable)
-            self._commit_directory(temp, step, meta)
+        def commit(temp: str, index: dict[str, Any]) -> None:
+            write_index(Path(temp) / steps.INDEX_NAME, index, self.durable)
+            self._commit_directory(Path(temp), step, meta)
 
         write_shards(
             self.comm,

@@ -217,11 +217,9 @@ class ObjectStoreCheckpointManager(ManagerBase):
         try:
             uploaded = object_store.save_at(
                 folder.child(attempt).child(steps.CHECKPOINT_NAME),
-                state._core_tensors(include_optimizer_state),
-                state._properties,
-                nominal=state.is_nominal,
-                external_data_threshold=self.external_data_threshold,
-                keep_order=False,
+                state,
+                include_optimizer_state,
+                self.external_data_threshold,
             )
             meta = {**meta, "attempt": attempt, "files": uploaded}
             info = ObjectCheckpointInfo(step, folder.url, meta, self.storage_options)
