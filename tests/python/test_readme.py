@@ -166,7 +166,11 @@ def test_readme_object_storage_example_runs_against_s3(s3_server, monkeypatch, c
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
     exec(compile(example, "README object storage example", "exec"), {})
-    assert capsys.readouterr().out == "1 32.0\n"
+    assert capsys.readouterr().out == "1 32.0\n[2, 3] 3 3\n"
     import ortckpt.object_store as object_store
 
-    assert [k for k, _ in object_store.list_keys(object_store.locate("s3://ckpt/runs/demo"))] == ["checkpoint"]
+    listed = [k for k, _ in object_store.list_keys(object_store.locate("s3://ckpt/runs/demo"))]
+    assert (
+        listed[0] == "checkpoint"
+        and [k.split("/")[0] for k in listed[1:]] == ["step_00000002"] * 2 + ["step_00000003"] * 2
+    )  # each kept step: its metadata and the checkpoint in its attempt folder
