@@ -5,8 +5,8 @@ Arrow maintains). Chosen by measurement against boto3 on a local S3 server (benc
 loads through it took 1.06-2.0x less time than boto3's download_file of the same bytes and saves
 as long as upload_file (the server bounds both here), and it takes any buffer without a copy
 (a streamed save's peak memory grew 9 MiB), aborts a multipart upload its input fails in, and
-puts conditionally (``mode="create"``), which a manager's commit on S3 will need (of two writers
-of one step, one wins). s3fs was not a candidate: next to a current boto3 it resolves to a
+puts conditionally (``mode="create"``), which commits a manager's step and a sharded index (of
+two writers of one step, one wins). s3fs was not a candidate: next to a current boto3 it resolves to a
 years-old release.
 
 A save streams: the core encodes the checkpoint as segments (metadata it copies out, and the
@@ -184,7 +184,7 @@ def _failure(location: Location, e: BaseException) -> BaseException:
     """An obstore error as ortckpt reports it, naming the object."""
     from obstore import exceptions
 
-    if isinstance(e, exceptions.NotFoundError):
+    if isinstance(e, (exceptions.NotFoundError, FileNotFoundError)):  # (obstore's GET raises the builtin)
         return FileNotFoundError(2, "no such object", location.url)
     if isinstance(e, exceptions.PreconditionError):
         return ObjectStoreError(location.url, "the object was replaced while it was being read")
@@ -196,7 +196,7 @@ def _calling(location: Location, call: Any, *args: Any, **kwargs: Any) -> Any:
 
     try:
         return call(*args, **kwargs)
-    except BaseError as e:
+    except (BaseError, FileNotFoundError) as e:
         raise _failure(location, e) from e
 
 

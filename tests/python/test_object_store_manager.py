@@ -371,3 +371,38 @@ def test_options_it_does_not_have_are_refused(s3_server, s3_url, tmp_path):
         CheckpointManager(tmp_path / "local", storage_options=options)
     with pytest.raises(ValueError, match=r"'\.\.' segments"):
         CheckpointManager("s3://ckpt/a/../b", storage_options=options)
+
+
+def test_verify_and_inspect_take_object_urls(s3_server, s3_url, monkeypatch, capsys):
+    """ortckpt.verify and the CLI's verify and inspect take s3:// URLs (a manager's step folder,
+    or a checkpoint object), configured by the AWS_* variables as boto3 is."""
+    from ortckpt.cli import run
+
+    options = s3_server.storage_options()
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    with CheckpointManager(s3_url, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 3)
+        info = manager.latest()
+    step_url = f"{s3_url}/step_00000003"
+    checked = ortckpt.verify(step_url)
+    assert (checked.step, checked.tensors, sorted(checked.files)) == (3, 4, ["checkpoint", "checkpoint.data"])
+    assert ortckpt.verify(info.path).tensors == 4  # the checkpoint object alone: decoded in full
+    assert run(["verify", "--json", step_url]) == 0
+    assert json.loads(capsys.readouterr().out)["sha256"] == checked.files
+    assert run(["inspect", "--json", info.path]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["external_data"] and sorted(described["files"]) == [info.path, info.path + ".data"]
+    assert [t["name"] for t in described["tensors"]] == ["w0", "w1", "w2", "w3"]
+    data = object_store.locate(info.path + ".data", options)
+    whole = bytearray(fetch(data.url, options))
+    whole[0] ^= 1
+    object_store.put(data, bytes(whole))
+    assert run(["verify", step_url]) == 1
+    assert f"{data.url}: SHA-256" in capsys.readouterr().err
+    assert run(["verify", f"{s3_url}/step_00000004"]) == 3  # nothing there: an input that cannot be read
+    assert "no such object" in capsys.readouterr().err

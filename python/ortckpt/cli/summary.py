@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _boundary
+from .. import _boundary, object_store
 from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, PackedBits
 from ..convert.files import format_of, load_any
@@ -18,12 +18,12 @@ def describe(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, 
     """Every tensor (name, role, dtype, shape, bytes, where its bytes live), the optimizer
     groups, the properties and totals. For an ONNX Runtime checkpoint only the header is
     read (no tensor bytes); other formats are loaded through their converter."""
-    fmt = fmt or format_of(path, must_exist=True)
-    if fmt == "ortckpt":
-        out = _describe_checkpoint(Path(path))
+    if object_store.is_url(path):  # an ONNX Runtime checkpoint on object storage (AWS_* configure it)
+        fmt = "ortckpt"
+        out = _describe_object(os.fspath(path))
     else:
-        out = _describe_state(load_any(path, fmt))
-        out["files"] = {os.fspath(path): Path(path).stat().st_size}
+        fmt = fmt or format_of(path, must_exist=True)
+        out = _describe_checkpoint(Path(path)) if fmt == "ortckpt" else _describe_file(path, fmt)
     out = {"path": os.fspath(path), "format": fmt, **out}
     tensors = out["tensors"]
     out["totals"] = {
@@ -34,6 +34,11 @@ def describe(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, 
         "optimizer_bytes": sum(t["bytes"] for t in tensors if t["role"] == "momentum"),
     }
     return out
+
+
+def _describe_file(path: str | os.PathLike[str], fmt: str) -> dict[str, Any]:
+    """A file of another format, loaded through its converter."""
+    return {**_describe_state(load_any(path, fmt)), "files": {os.fspath(path): Path(path).stat().st_size}}
 
 
 def _tensor_entry(name: str, role: str, code: int, dims: Any, nbytes: int, location: str, **extra: Any) -> dict:
@@ -60,6 +65,26 @@ def _where(stored: Any) -> tuple[int, str]:
 
 def _describe_checkpoint(path: Path) -> dict[str, Any]:
     loaded = _boundary.load(path)
+    files = {os.fspath(path): path.stat().st_size}
+    data = Path(f"{path}.data")
+    if loaded.mappings[1] is not None and data.exists():
+        files[os.fspath(data)] = data.stat().st_size
+    return _describe_loaded(loaded, files)
+
+
+def _describe_object(url: str) -> dict[str, Any]:
+    """The same from an object: it is downloaded, its external data (if any) is not."""
+    location = object_store.locate(url)
+    loaded = object_store.load_at(location)
+    files = {}
+    for where in (location, location.sibling(".data")):
+        found = object_store.head(where)
+        if found is not None:
+            files[where.url] = found.size
+    return _describe_loaded(loaded, files)
+
+
+def _describe_loaded(loaded: _boundary.Loaded, files: dict[str, int]) -> dict[str, Any]:
     tensors = []
     for role, entries in (("trainable", loaded.trainable), ("frozen", loaded.frozen)):
         for name, code, dims, stored in entries:
@@ -85,10 +110,6 @@ def _describe_checkpoint(path: Path) -> dict[str, Any]:
                     )
                 )
     properties: dict[str, Any] = dict(loaded.properties)
-    files = {os.fspath(path): path.stat().st_size}
-    data = Path(f"{path}.data")
-    if loaded.mappings[1] is not None and data.exists():
-        files[os.fspath(data)] = data.stat().st_size
     return {
         "nominal": loaded.nominal,
         "external_data": loaded.mappings[1] is not None,

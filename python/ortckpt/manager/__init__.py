@@ -1,6 +1,8 @@
 """Runs of checkpoints: :class:`CheckpointManager` and what it keeps beside each step.
 
 - ``checkpoint_manager``: the manager (periodic and async saves, resume, retention, sharded runs);
+- ``object_store_manager``: the same on an ``s3://`` prefix (commit by a conditional PUT);
+- ``common``: what the two share (queries, the checks and snapshot before a save, async saves);
 - ``retention``: which steps a :class:`RetentionPolicy` keeps;
 - ``metadata``: each step's ``metadata.json`` (metrics, config, files and SHA-256s);
 - ``integrity``: :func:`verify`, of a step directory or a single checkpoint file;

@@ -6,14 +6,15 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import documents, object_store, safe_io, steps
 from .. import progress as _progress
-from .. import safe_io, steps
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointIntegrityError
@@ -31,7 +32,9 @@ class Verified:
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256 checked (empty without metadata)
 
 
-def verify(path: str | os.PathLike[str], *, progress: bool = False) -> Verified:
+def verify(
+    path: str | os.PathLike[str], *, progress: bool = False, storage_options: Mapping[str, Any] | None = None
+) -> Verified:
     """Re-reads a checkpoint and checks it: every file's size and SHA-256 against its
     metadata.json (for a :class:`~ortckpt.CheckpointManager` step directory), then that the
     checkpoint decodes and every parameter, momentum and property can be read in full.
@@ -44,7 +47,13 @@ def verify(path: str | os.PathLike[str], *, progress: bool = False) -> Verified:
     through a symlink. Raises :class:`~ortckpt.CheckpointIntegrityError` listing every problem
     found, each naming its file; FileNotFoundError or SpecialFileError when ``path`` itself is
     missing or not a file or directory. ``progress``: a bar (tqdm) over the bytes read.
+
+    ``path`` may be an ``s3://`` URL (configured by ``storage_options``, see
+    :mod:`ortckpt.object_store`): a manager's step folder there (its objects' SHA-256s are
+    read as streams), or a checkpoint object.
     """
+    if object_store.is_url(path):
+        return verify_object(path, storage_options)  # type: ignore[arg-type]
     path = Path(path)
     mode = os.stat(path).st_mode  # a missing path is FileNotFoundError, not an integrity problem
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
@@ -242,3 +251,80 @@ def read_everything(state: CheckpointState, read_bytes: bool, on_bytes: Any = No
         state.properties[name]
     step = state.properties.get("step", None)
     return len(values), total, step
+
+
+# --- on object storage ----------------------------------------------------------------------------
+
+
+def verify_object(url: str, storage_options: Mapping[str, Any] | None = None) -> Verified:
+    """:func:`verify` of an ``s3://`` URL: a step folder of a manager on object storage (it has
+    a metadata.json), else a checkpoint object (then decoding is the check)."""
+    where = object_store.locate(url, storage_options)
+    meta_at = where.child(steps.METADATA_NAME)
+    found = object_store.head(meta_at)
+    if found is None:
+        try:
+            count, nbytes, _ = read_everything(_over_object(where), read_bytes=False)
+        except FileNotFoundError:
+            raise
+        except (CheckpointError, OSError) as e:
+            raise CheckpointIntegrityError(url, [_problem_at(where.url, e)]) from None
+        return Verified(where.url, None, count, nbytes)
+    try:
+        if found.size > documents.METADATA.max_bytes:
+            raise documents.DocumentError(f"{meta_at.url}: {found.size} bytes, over its cap")
+        meta = documents.parse(documents.METADATA, bytes(object_store.get(meta_at, found.etag)), meta_at.url)
+    except (CheckpointError, OSError) as e:
+        raise CheckpointIntegrityError(where.url, [_problem_at(meta_at.url, e)]) from None
+    return verify_step_objects(where, meta)
+
+
+def verify_step_objects(step: object_store.Location, meta: Mapping[str, Any]) -> Verified:
+    """A committed step on object storage, its metadata read: every object's size and SHA-256
+    (streamed) against it, then every value and property decoded."""
+    attempt = meta.get("attempt")
+    folder = step.child(attempt) if attempt else step
+    problems, files = [], {}
+    for name, expected in sorted(meta["files"].items()):
+        where = folder.child(name)
+        try:
+            size, digest = object_store.sha256_of(where)
+        except FileNotFoundError:
+            problems.append(f"{where.url}: missing")
+            continue
+        except OSError as e:
+            problems.append(_problem_at(where.url, e))
+            continue
+        if size != expected["bytes"]:
+            problems.append(f"{where.url}: {size} bytes, metadata says {expected['bytes']}")
+        elif digest != expected["sha256"]:
+            problems.append(f"{where.url}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
+        else:
+            files[name] = digest
+    if steps.CHECKPOINT_NAME not in meta["files"]:
+        problems.append(f"{step.url}/{steps.METADATA_NAME}: lists no {steps.CHECKPOINT_NAME}")
+    named = steps.step_of(step.key.rsplit("/", 1)[-1])
+    if named is not None and named != meta["step"]:
+        problems.append(f"{step.url}/{steps.METADATA_NAME}: step {meta['step']}, but the folder is of step {named}")
+    if problems:
+        raise CheckpointIntegrityError(step.url, problems)
+    checkpoint = folder.child(steps.CHECKPOINT_NAME)
+    try:
+        count, nbytes, saved_step = read_everything(_over_object(checkpoint), read_bytes=False)
+    except (CheckpointError, OSError) as e:
+        raise CheckpointIntegrityError(step.url, [_problem_at(checkpoint.url, e)]) from None
+    if saved_step is not None and saved_step != meta["step"]:
+        raise CheckpointIntegrityError(
+            step.url, [f"{checkpoint.url}: property step={saved_step}, metadata says step={meta['step']}"]
+        )
+    return Verified(step.url, meta["step"], count, nbytes, files)
+
+
+def _over_object(location: object_store.Location) -> CheckpointState:
+    """The checkpoint object downloaded whole (its external data too): every value in memory."""
+    return CheckpointState._over(object_store.load_at(location, lazy=False))
+
+
+def _problem_at(url: str, error: BaseException) -> str:
+    text = str(error)
+    return text if url in text else f"{url}: {text}"

@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 from .. import _boundary, documents, object_store, steps
 from ..checkpoint_state import CheckpointState
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from ..errors import CheckpointExistsError
 from . import metadata as _metadata
 from .common import ManagerBase, as_step
-from .integrity import Verified, read_everything
+from .integrity import Verified, verify_step_objects
 from .retention import RetentionPolicy
 
 
@@ -329,37 +329,7 @@ class ObjectStoreCheckpointManager(ManagerBase):
         return self._verify(self._info(step))
 
     def _verify(self, info: ObjectCheckpointInfo) -> Verified:
-        folder = object_store.locate(info.folder, self.storage_options)
-        problems, files = [], {}
-        for name, expected in sorted(info.metadata["files"].items()):
-            where = folder.child(name)
-            try:
-                size, digest = object_store.sha256_of(where)
-            except FileNotFoundError:
-                problems.append(f"{where.url}: missing")
-                continue
-            except OSError as e:
-                problems.append(f"{where.url}: {e}")
-                continue
-            if size != expected["bytes"]:
-                problems.append(f"{where.url}: {size} bytes, metadata says {expected['bytes']}")
-            elif digest != expected["sha256"]:
-                problems.append(f"{where.url}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
-            else:
-                files[name] = digest
-        if steps.CHECKPOINT_NAME not in info.metadata["files"]:
-            problems.append(f"{info.url}/{steps.METADATA_NAME}: lists no {steps.CHECKPOINT_NAME}")
-        if problems:
-            raise CheckpointIntegrityError(info.url, problems)
-        try:
-            count, nbytes, saved_step = read_everything(info.load(lazy=False), read_bytes=False)
-        except (CheckpointError, OSError) as e:
-            raise CheckpointIntegrityError(info.url, [f"{info.path}: {e}"]) from None
-        if saved_step is not None and saved_step != info.step:
-            raise CheckpointIntegrityError(
-                info.url, [f"{info.path}: property step={saved_step}, metadata says step={info.step}"]
-            )
-        return Verified(info.url, info.step, count, nbytes, files)
+        return verify_step_objects(object_store.locate(info.url, self.storage_options), info.metadata)
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
