@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _boundary
-from .errors import CheckpointError, ObjectStoreError
+from .errors import CheckpointError, CheckpointStateError, ObjectStoreError
 
 SCHEME = "s3://"
 # Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
@@ -426,6 +426,8 @@ def load_at(location: Location, *, lazy: bool = True) -> _boundary.Loaded:
     if data_head is None:
         try:
             return _boundary.load_buffer(view)
+        except CheckpointStateError as e:  # it has external data, and the data object is gone
+            raise FileNotFoundError(2, "no such object (the checkpoint's external data)", data.url) from e
         except CheckpointError as e:
             e.filename = location.url
             raise

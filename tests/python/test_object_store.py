@@ -372,3 +372,13 @@ def test_a_save_holds_a_few_parts_in_memory_not_the_checkpoint(s3_server, s3_url
     assert added < bound, f"the save added {added >> 20} MiB at its peak (bound {bound >> 20} MiB)"
     back = ortckpt.load_checkpoint(f"{s3_url}/ckpt", storage_options=options)
     assert float(back.parameters["w3"].data[-1]) == 3.0
+
+
+def test_a_missing_data_object_is_named(s3_server, s3_url):
+    options = s3_server.storage_options()
+    url = f"{s3_url}/ckpt"
+    ortckpt.save_checkpoint(state_of(arrays()), url, storage_options=options, external_data_threshold=0)
+    object_store.remove([object_store.locate(f"{url}.data", options)])
+    with pytest.raises(FileNotFoundError, match="external data") as caught:
+        ortckpt.load_checkpoint(url, storage_options=options)
+    assert caught.value.filename == f"{url}.data"

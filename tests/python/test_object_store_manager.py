@@ -406,3 +406,24 @@ def test_verify_and_inspect_take_object_urls(s3_server, s3_url, monkeypatch, cap
     assert f"{data.url}: SHA-256" in capsys.readouterr().err
     assert run(["verify", f"{s3_url}/step_00000004"]) == 3  # nothing there: an input that cannot be read
     assert "no such object" in capsys.readouterr().err
+
+
+def test_a_reader_whose_step_is_deleted_mid_load_restores_the_new_latest(s3_server, s3_url, monkeypatch):
+    """Retention deletes the step a reader is loading between its requests (after the checkpoint's
+    GET, before its data object's HEAD): the reader looks again and restores the new latest."""
+    options = s3_server.storage_options()
+    writer = CheckpointManager(s3_url, storage_options=options, max_to_keep=1, external_data_threshold=0)
+    writer.save(CheckpointState.from_arrays(arrays(1)), 1)
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    head = object_store.head
+    raced = []
+
+    def head_after_retention(location):
+        if location.key.endswith(".data") and not raced:
+            raced.append(True)
+            writer.save(CheckpointState.from_arrays(arrays(2)), 2)  # step 1 deleted
+        return head(location)
+
+    monkeypatch.setattr(object_store, "head", head_after_retention)
+    assert_holds(reader.restore(), arrays(2))
+    assert raced and reader.all_steps() == [2]

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..checkpoint_state import CheckpointState
 from ..dtypes import PackedBits
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError
 from . import metadata as _metadata
 from .retention import RetentionPolicy
 
@@ -228,8 +228,10 @@ class ManagerBase:
             info = self._info(step)
             try:
                 return load(info)
-            except FileNotFoundError:
-                # Deleted while we loaded it? Then look again (a writer keeps the newest).
+            except (OSError, CheckpointError):
+                # Deleted while we loaded it (a missing file, or on object storage a checkpoint
+                # whose data object went between two requests)? Then look again: a writer keeps
+                # the newest. Any other failure is raised.
                 self.reload()
                 with self._lock:
                     gone = info.step not in self._checkpoints
