@@ -47,7 +47,7 @@ def kill_while_writing(rank: int) -> None:
         prefix = f"shard-{rank:05d}"
 
         def watch() -> None:
-            while not any(prefix in p.name for p in where.iterdir()):
+            while not any(prefix in p.name for p in Path(where).iterdir()):
                 time.sleep(0.0005)
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -21,6 +21,7 @@ from mlflow_server import free_port, stop_process_group
 
 STARTUP_SECONDS = 60
 BUCKET = "ckpt"
+READY_KEY = ".ortckpt-server-ready"  # what start() writes and reads back
 ACCESS_KEY, SECRET_KEY = "ortckpt-test", "ortckpt-test-secret"
 
 
@@ -66,12 +67,28 @@ class S3Server:
             with urllib.request.urlopen(f"{self.filer}/buckets/{BUCKET}/", timeout=2) as response:
                 if response.status != 200:
                     return False
-            urllib.request.urlopen(f"{self.url}/", timeout=2).close()
-        except urllib.error.HTTPError as e:
-            return e.code == 403  # S3 answers an unsigned request: it is up
         except OSError:
             return False
-        return True
+        return self._round_trip()
+
+    def _round_trip(self) -> bool:
+        """Whether a signed PUT and GET of a small object succeed: S3 answering is not enough
+        (just after a restart it answered 500 to a GET while its volume server was not back)."""
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(
+            BUCKET,
+            config={**{k: v for k, v in self.storage_options().items() if k != "endpoint_url"}, "region": "us-east-1"},
+            endpoint=self.url,
+            client_options={"allow_http": True, "timeout": "2s"},
+            retry_config={"max_retries": 0},
+        )
+        try:
+            obstore.put(store, READY_KEY, b"ready")
+            return bytes(obstore.get(store, READY_KEY).bytes()) == b"ready"
+        except Exception:
+            return False
 
     def pending_uploads(self) -> list[str]:
         """Multipart uploads begun and neither completed nor aborted (SeaweedFS keeps them under
