@@ -20,6 +20,11 @@ Rules, the same for every function:
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
 chunk at a time (pages dropped once used) and the result is written into the new file chunk
 by chunk, so the memory used is a few chunks, not N checkpoints nor even one.
+
+Object storage: sources and ``out`` may be ``s3://`` URLs (configured by the ``AWS_*``
+variables, or ``storage_options=`` among the save options for ``out``). A source is then
+downloaded (its external data read by ranged GETs a chunk at a time); an ``out`` URL gets the
+result built in memory (one checkpoint's worth) and streamed up.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _boundary, safe_io
+from . import _boundary, object_store, safe_io
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, OptimizerGroup
 from .dtypes import PackedBits
@@ -317,7 +322,7 @@ def _combine(
                 source.done_with(part)
             yield start, result
 
-    if out is None:
+    if out is None or object_store.is_url(out):
         arrays: dict[tuple[str, ...], Any] = dict(plan.copied)
         for key, (dtype, shape, _) in plan.combined.items():
             result = np.empty(shape, dtype)
@@ -325,7 +330,10 @@ def _combine(
             for start, part in chunks(key):
                 flat[start : start + part.size] = part
             arrays[key] = result
-        return _state_of(sources[0].state, arrays, properties, groups)
+        state = _state_of(sources[0].state, arrays, properties, groups)
+        if out is not None:  # an object has no place to fill in: the result, in memory, streams up
+            CheckpointState.save_checkpoint(state, out, include_optimizer_state=bool(groups), **save_options)
+        return state
 
     # Streaming: a file of the result's layout with zeros where combined values go (zeros from
     # calloc cost no memory), filled in place chunk by chunk, then renamed into place.

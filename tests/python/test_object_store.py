@@ -382,3 +382,38 @@ def test_a_missing_data_object_is_named(s3_server, s3_url):
     with pytest.raises(FileNotFoundError, match="external data") as caught:
         ortckpt.load_checkpoint(url, storage_options=options)
     assert caught.value.filename == f"{url}.data"
+
+
+def test_average_delta_and_convert_take_object_urls(s3_server, s3_url, tmp_path, monkeypatch, capsys):
+    """Federated averaging and conversion read and write s3:// (the CLI too, configured by AWS_*)."""
+    from ortckpt.cli import run
+    from ortckpt.convert import ConversionError, convert
+
+    options = s3_server.storage_options()
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    clients = [{"w": np.full(1000, i, np.float32)} for i in (1.0, 2.0, 6.0)]
+    for i, values in enumerate(clients):
+        ortckpt.save_checkpoint(state_of(values), f"{s3_url}/client{i}", external_data_threshold=0 if i else 2**40)
+    urls = [f"{s3_url}/client{i}" for i in range(3)]
+    ortckpt.average(urls, out=f"{s3_url}/global", storage_options=options)
+    np.testing.assert_array_equal(ortckpt.load_checkpoint(f"{s3_url}/global").parameters["w"].data, np.full(1000, 3.0))
+    ortckpt.delta(urls[2], urls[0], out=tmp_path / "delta")  # objects in, a file out
+    np.testing.assert_array_equal(ortckpt.load_checkpoint(tmp_path / "delta").parameters["w"].data, np.full(1000, 5.0))
+    ortckpt.apply(urls[0], tmp_path / "delta", 0.5, out=f"{s3_url}/applied")  # a file and an object in, an object out
+    np.testing.assert_array_equal(ortckpt.load_checkpoint(f"{s3_url}/applied").parameters["w"].data, np.full(1000, 3.5))
+    assert run(["average", f"{s3_url}/cli-global", *urls[:2]]) == 0
+    np.testing.assert_array_equal(
+        ortckpt.load_checkpoint(f"{s3_url}/cli-global").parameters["w"].data, np.full(1000, 1.5)
+    )
+    convert(urls[1], tmp_path / "w.safetensors")
+    convert(tmp_path / "w.safetensors", f"{s3_url}/from-safetensors")
+    np.testing.assert_array_equal(
+        ortckpt.load_checkpoint(f"{s3_url}/from-safetensors").parameters["w"].data, clients[1]["w"]
+    )
+    with pytest.raises(ConversionError, match="only ONNX Runtime checkpoints"):
+        convert(urls[1], f"{s3_url}/w.safetensors")

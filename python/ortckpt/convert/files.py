@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .. import _boundary, safe_io
+from .. import _boundary, object_store, safe_io
 from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError
 
@@ -27,7 +27,13 @@ class ConversionError(CheckpointError, ValueError):
 def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
     """The format of ``path``: from its contents when it exists (an ONNX Runtime checkpoint
     is recognised whatever its name), otherwise from its extension; ``ortckpt`` for a name
-    without a known extension."""
+    without a known extension. On object storage (``s3://``) only ONNX Runtime checkpoints are
+    read and written: another format's extension there is a ConversionError."""
+    if object_store.is_url(path):
+        named = format_of(Path(str(path)[len(object_store.SCHEME) :]).name)
+        if named != "ortckpt":
+            raise ConversionError(f"{os.fspath(path)}: only ONNX Runtime checkpoints go to and from s3://, not {named}")
+        return named
     path = Path(path)
     try:
         with safe_io.open_regular(path) as f:
