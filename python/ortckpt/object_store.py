@@ -309,12 +309,14 @@ def sha256_of(location: Location) -> tuple[int, str]:
 
     import obstore
 
-    digest, size = hashlib.sha256(), 0
-    result = _calling(location, obstore.get, location.store, location.key)
-    for chunk in _calling(location, result.stream, min_chunk_size=PART_BYTES):
-        digest.update(chunk)
-        size += memoryview(chunk).nbytes
-    return size, digest.hexdigest()
+    def read() -> tuple[int, str]:  # every chunk a read that can fail: mapped by _calling
+        digest, size = hashlib.sha256(), 0
+        for chunk in obstore.get(location.store, location.key).stream(min_chunk_size=PART_BYTES):
+            digest.update(chunk)
+            size += memoryview(chunk).nbytes
+        return size, digest.hexdigest()
+
+    return _calling(location, read)
 
 
 def list_keys(location: Location) -> list[tuple[str, int]]:
@@ -322,8 +324,13 @@ def list_keys(location: Location) -> list[tuple[str, int]]:
     import obstore
 
     prefix = f"{location.key}/" if location.key else ""
+    return _calling(location, _listed, obstore.list(location.store, prefix or None), prefix)
+
+
+def _listed(pages: Any, prefix: str) -> list[tuple[str, int]]:
+    """The listing's pages, each a request (so their failures are mapped by the caller)."""
     out = []
-    for batch in _calling(location, obstore.list, location.store, prefix or None):
+    for batch in pages:
         for meta in batch:
             path = meta["path"]
             if path.startswith(prefix):

@@ -440,3 +440,37 @@ def test_remove_leftovers_keeps_a_sharded_step_under_the_prefix(s3_server, s3_ur
         before = keys(s3_url, options)
         assert manager.remove_leftovers() == [] and keys(s3_url, options) == before
         assert manager.all_steps() == [8]
+
+
+def test_the_server_stopping_mid_save_leaves_the_previous_step_the_latest(s3_server, s3_url, monkeypatch):
+    """The server goes away with a step's upload half done: the save fails (ObjectStoreError),
+    its cleanup cannot reach the server either (a warning), and once the server is back the
+    previous step is the latest and remove_leftovers tidies up."""
+    options = s3_server.storage_options(max_retries=0, retry_timeout=2)
+    big = arrays(2, nbytes=40 << 20)  # past two upload parts
+    manager = CheckpointManager(s3_url, storage_options=options, external_data_threshold=0)
+    manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+    committed = keys(s3_url, options)
+    real_parts = object_store._parts
+
+    def parts_then_stop(pieces, digest=None):
+        for i, part in enumerate(real_parts(pieces, digest)):
+            if i == 1:
+                s3_server.stop()  # with the data object's upload half done
+            yield part
+
+    monkeypatch.setattr(object_store, "_parts", parts_then_stop)
+    try:
+        with pytest.warns(RuntimeWarning, match="could not remove a failed save's objects"):
+            with pytest.raises(ortckpt.ObjectStoreError):
+                manager.save(CheckpointState.from_arrays(big), 2)
+    finally:
+        s3_server.start()
+    monkeypatch.undo()
+    with CheckpointManager(s3_url, storage_options=options) as resumed:
+        assert resumed.latest_step() == 1
+        resumed.verify()
+        resumed.remove_leftovers()
+        assert keys(s3_url, options) == committed
+        resumed.save(CheckpointState.from_arrays(big), 2)
+        assert_holds(resumed.restore(2), big)
