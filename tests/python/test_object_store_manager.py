@@ -461,9 +461,11 @@ def test_the_server_stopping_mid_save_leaves_the_previous_step_the_latest(s3_ser
 
     monkeypatch.setattr(object_store, "_parts", parts_then_stop)
     try:
-        with pytest.warns(RuntimeWarning, match="could not remove a failed save's objects"):
-            with pytest.raises(ortckpt.ObjectStoreError):
-                manager.save(CheckpointState.from_arrays(big), 2)
+        with (
+            pytest.warns(RuntimeWarning, match="could not remove a failed save's objects"),
+            pytest.raises(ortckpt.ObjectStoreError),
+        ):
+            manager.save(CheckpointState.from_arrays(big), 2)
     finally:
         s3_server.start()
     monkeypatch.undo()
