@@ -183,3 +183,38 @@ def test_a_hostile_index_is_refused_naming_it(s3_server, s3_url, change):
     with pytest.raises(CheckpointFormatError) as caught:
         load_sharded(s3_url, comm=SingleProcess(), storage_options=options)
     assert at.url in str(caught.value)
+
+
+def test_remove_leftovers_deletes_what_no_index_names(s3_server, s3_url, monkeypatch):
+    """A commit that failed (its shards kept: the index may have landed) and a step never
+    committed leave objects; remove_leftovers deletes them and keeps every committed step, a
+    manager's step and a step whose index is damaged."""
+    from ortckpt import CheckpointManager
+    from ortckpt.distributed import remove_leftovers
+
+    options = s3_server.storage_options()
+    raise_any(save_model(s3_url, options, step=1, world=2))
+    committed = keys(s3_url, options)
+
+    def unreachable(location, data):
+        raise ortckpt.ObjectStoreError(location.url, "connection reset")
+
+    monkeypatch.setattr(object_store, "put_new", unreachable)
+    save_model(s3_url, options, step=2, world=2)  # fails at the commit: its 2 shards stay
+    monkeypatch.undo()
+    raise_any(save_model(s3_url, options, step=3, world=2))
+    damaged = object_store.locate(f"{s3_url}/step_00000003/{INDEX_NAME}", options)
+    object_store.put(damaged, b"{")
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays({"m": np.ones(2, np.float32)}), 4)
+    kept = [k for k in keys(s3_url, options) if not k.startswith("step_00000002/")]
+    assert len(keys(s3_url, options)) == len(kept) + 2
+    removed = remove_leftovers(s3_url, storage_options=options)
+    assert len(removed) == 2 and all(url.startswith(f"{s3_url}/step_00000002/") for url in removed)
+    assert keys(s3_url, options) == kept and set(committed) <= set(kept)
+    assert on_ranks(2, lambda c: check_part(*load_sharded(s3_url, step=1, comm=c, storage_options=options), 1, 2)) == [
+        [],
+        [],
+    ]
+    with pytest.raises(ValueError, match="not an s3:// prefix"):
+        remove_leftovers("local/directory")

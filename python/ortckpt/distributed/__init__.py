@@ -29,6 +29,7 @@ from .sharded import (
     latest_step,
     load_sharded,
     merge,
+    remove_leftovers,
     save_sharded,
     step_directory,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "latest_step",
     "load_sharded",
     "merge",
+    "remove_leftovers",
     "save_sharded",
     "shard_file_name",
     "step_directory",

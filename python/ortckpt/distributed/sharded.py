@@ -225,6 +225,49 @@ def _save_to_store(
     return folder.url
 
 
+def remove_leftovers(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Deletes what sharded saves to the ``s3://`` prefix ``url`` left and no index names: the
+    shards of saves that failed after their commit's PUT was sent, or were killed, and of steps
+    never committed. An object store holds no lock, so nothing proves that no job is saving
+    there: call it only when none is. Steps with a damaged index, and any step with a manager's
+    metadata.json, are kept whole. Returns the URLs deleted. (In a directory, the next save
+    removes leftovers by itself, under the directory's lock.)"""
+    if not object_store.is_url(url):
+        raise ValueError(f"{url}: not an s3:// prefix (a directory's leftovers go at its next save, under its lock)")
+    prefix = object_store.locate(url, storage_options)
+    listed = object_store.list_keys(prefix)
+    folders: dict[int, set[str]] = {}
+    for key, _ in listed:
+        folder, _, rest = key.partition("/")
+        step = steps.step_of(folder)
+        if step is not None and rest:
+            folders.setdefault(step, set()).add(rest)
+    doomed = []
+    for step, names in sorted(folders.items()):
+        if steps.METADATA_NAME in names:
+            continue  # a manager's step: its own remove_leftovers judges it
+        keep: str | None = None  # the committed attempt's folder
+        if INDEX_NAME in names:
+            try:
+                _, index = _read_committed_in_store(prefix.child(steps.step_directory_name(step)), None)
+            except (CheckpointError, OSError):
+                continue  # damaged: kept for a person to look at
+            keep = index.get("attempt") or ""
+        for rest in sorted(names):
+            if rest == INDEX_NAME or (keep is not None and _in_attempt(rest, keep)):
+                continue
+            doomed.append(prefix.child(f"{steps.step_directory_name(step)}/{rest}"))
+    for start in range(0, len(doomed), 1000):  # S3 deletes up to 1000 keys a request
+        object_store.remove(doomed[start : start + 1000])
+    return [location.url for location in doomed]
+
+
+def _in_attempt(name: str, attempt: str) -> bool:
+    """Whether ``name`` (under a step's folder) is in the attempt's folder; an index that names no
+    attempt (a directory uploaded as it was) has its shards beside it."""
+    return name.startswith(f"{attempt}/") if attempt else "/" not in name
+
+
 def write_shards(
     comm: Communicator,
     state: CheckpointState,
