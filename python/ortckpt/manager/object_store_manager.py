@@ -295,7 +295,8 @@ class ObjectStoreCheckpointManager(ManagerBase):
                 continue  # a step with damaged metadata: kept whole
             if info is not None:
                 attempt = info.metadata.get("attempt")
-                if rest == steps.METADATA_NAME or rest.startswith(f"{attempt}/") or (not attempt and "/" not in rest):
+                in_attempt = rest.startswith(f"{attempt}/") if attempt else "/" not in rest  # (none: files beside)
+                if rest == steps.METADATA_NAME or in_attempt:
                     continue  # the committed files
             doomed.append(self.prefix.child(key))
         for start in range(0, len(doomed), 1000):  # S3 deletes up to 1000 keys a request
