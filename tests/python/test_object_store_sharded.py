@@ -218,3 +218,43 @@ def test_remove_leftovers_deletes_what_no_index_names(s3_server, s3_url, monkeyp
     ]
     with pytest.raises(ValueError, match="not an s3:// prefix"):
         remove_leftovers("local/directory")
+
+
+def test_a_manager_drives_sharded_saves_on_object_storage(s3_server, s3_url):
+    """CheckpointManager(s3://..., comm=): every rank uploads its shard into the step's attempt
+    folder; rank 0 adds the index, commits metadata.json (every object's SHA-256) and applies
+    retention; a job of another world size resumes; one process loads and verifies a step whole."""
+    from ortckpt import CheckpointIntegrityError, CheckpointManager
+
+    options = s3_server.storage_options()
+
+    def work(comm):
+        with CheckpointManager(s3_url, storage_options=options, comm=comm, max_to_keep=2) as manager:
+            for step in (10, 20, 30):
+                state, slices = rank_state(step, comm.rank, 2)
+                manager.save(state, step, metrics={"loss": 1.0 / step}, slices=slices)
+            return manager.all_steps(), manager.run_id, check_part(*manager.restore_sharded(), 30, 2)
+
+    results = raise_any(on_ranks(2, work))
+    assert [r[0] for r in results] == [[20, 30]] * 2 and results[0][1] == results[1][1]
+    assert [r[2] for r in results] == [[], []]
+    assert sorted({k.split("/")[0] for k in keys(s3_url, options)}) == ["step_00000020", "step_00000030"]
+
+    def resume(comm):  # four ranks now: each gets its part, resharded
+        with CheckpointManager(s3_url, storage_options=options, comm=comm) as manager:
+            return manager.latest_step(), check_part(*manager.restore_sharded(), 30, 2)
+
+    assert raise_any(on_ranks(4, resume)) == [(30, [])] * 4
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    latest = reader.latest()
+    assert latest.sharded and latest.metrics == {"loss": 1.0 / 30}
+    whole = latest.load()
+    assert np.array_equal(whole.parameters["embedding"].data, whole_tensors(30, 2)["embedding"])
+    verified = reader.verify()
+    assert set(verified.files) == {INDEX_NAME, shard_file_name(0, 2), shard_file_name(1, 2)}
+    shard = object_store.locate(f"{latest.folder}/{shard_file_name(1, 2)}", options)
+    damaged = bytearray(bytes(object_store.get(shard)))
+    damaged[-100] ^= 1
+    object_store.put(shard, bytes(damaged))
+    with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
+        reader.verify()

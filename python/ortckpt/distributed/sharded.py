@@ -262,6 +262,11 @@ def remove_leftovers(url: str, *, storage_options: Mapping[str, Any] | None = No
     return [location.url for location in doomed]
 
 
+def _size_of(entry: Any) -> int:
+    """A written file's size: a file's is its size; an object's is {"bytes", "sha256"}."""
+    return entry["bytes"] if isinstance(entry, dict) else entry
+
+
 def _in_attempt(name: str, attempt: str) -> bool:
     """Whether ``name`` (under a step's folder) is in the attempt's folder; an index that names no
     attempt (a directory uploaded as it was) has its shards beside it."""
@@ -281,11 +286,13 @@ def write_shards(
     external_data_threshold: int,
     abandon: Callable[[str], None] = safe_io.remove_tree_quietly,
     storage_options: Mapping[str, Any] | None = None,
+    digests: dict[str, Any] | None = None,
 ) -> None:
     """The collective save in two rounds: every rank describes what it holds and rank 0 plans
     it (``prepare``, rank 0, makes the directory the shards go to, or names the object store
     folder); every rank writes its shard and rank 0 commits them (``commit``), or removes them
-    when some rank failed (``abandon``)."""
+    when some rank failed (``abandon``). On object storage, ``digests`` (rank 0's) is filled
+    before the commit with each uploaded file's {"bytes", "sha256"}, taken as it went up."""
     rank, world = comm.rank, comm.world_size
     on_root: dict[str, Any] = {}  # what only rank 0 keeps from the plan for the index
 
@@ -303,7 +310,10 @@ def write_shards(
     )
     where = where_name  # a directory's path, or an object store folder's URL
 
-    def index_and_commit(written: list[dict[str, int]]) -> None:
+    def index_and_commit(written: list[dict[str, Any]]) -> None:
+        if digests is not None:
+            digests.update({name: entry for files in written for name, entry in files.items()})
+        written = [{name: _size_of(entry) for name, entry in files.items()} for files in written]
         index = {
             "format": documents.SHARDED_FORMAT,
             "version": documents.SHARDED_VERSION,
@@ -401,8 +411,9 @@ def _write_own_shard(
     durable: bool,
     threshold: int,
     storage_options: Mapping[str, Any] | None,
-) -> dict[str, int]:
-    """Writes the tensors the plan gave this rank; returns {file name: size}, empty if none."""
+) -> dict[str, Any]:
+    """Writes the tensors the plan gave this rank; returns {file name: size} (on object storage
+    {file name: {"bytes", "sha256"}}), empty if none."""
     if not names:
         return {}
     wanted = set(names)
@@ -422,8 +433,7 @@ def _write_own_shard(
         }
     if object_store.is_url(where):
         location = object_store.locate(f"{where}/{shard_file_name(rank, world)}", storage_options)
-        uploaded = object_store.save_at(location, shard, include_optimizer_state, threshold)
-        return {name: entry["bytes"] for name, entry in uploaded.items()}
+        return object_store.save_at(location, shard, include_optimizer_state, threshold)  # sizes and SHA-256s
     path = Path(where) / shard_file_name(rank, world)
     CheckpointState.save_checkpoint(
         shard, path, include_optimizer_state, external_data_threshold=threshold, durable=durable
@@ -681,10 +691,12 @@ class _Shards:
         return value
 
 
-def check_shards(where: str | os.PathLike[str], index: Mapping[str, Any]) -> list[str]:
+def check_shards(
+    where: str | os.PathLike[str], index: Mapping[str, Any], storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
     """What :func:`assemble` would refuse, for :func:`ortckpt.verify`: every piece of every
     tensor and momentum the index lists, read from its shard and checked against the index."""
-    shards = _Shards(os.fspath(where), index, None)
+    shards = _Shards(os.fspath(where), index, storage_options)
     problems = []
     for entry in tensor_entries(index).values():
         for piece in entry.pieces:

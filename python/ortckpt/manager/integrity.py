@@ -276,12 +276,15 @@ def verify_object(url: str, storage_options: Mapping[str, Any] | None = None) ->
         meta = documents.parse(documents.METADATA, bytes(object_store.get(meta_at, found.etag)), meta_at.url)
     except (CheckpointError, OSError) as e:
         raise CheckpointIntegrityError(where.url, [_problem_at(meta_at.url, e)]) from None
-    return verify_step_objects(where, meta)
+    return verify_step_objects(where, meta, storage_options)
 
 
-def verify_step_objects(step: object_store.Location, meta: Mapping[str, Any]) -> Verified:
+def verify_step_objects(
+    step: object_store.Location, meta: Mapping[str, Any], storage_options: Mapping[str, Any] | None = None
+) -> Verified:
     """A committed step on object storage, its metadata read: every object's size and SHA-256
-    (streamed) against it, then every value and property decoded."""
+    (streamed) against it, then every value and property decoded (of a sharded step, every
+    shard, after its index is checked against them)."""
     attempt = meta.get("attempt")
     folder = step.child(attempt) if attempt else step
     problems, files = [], {}
@@ -301,23 +304,49 @@ def verify_step_objects(step: object_store.Location, meta: Mapping[str, Any]) ->
             problems.append(f"{where.url}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
         else:
             files[name] = digest
-    if steps.CHECKPOINT_NAME not in meta["files"]:
+    sharded = steps.INDEX_NAME in meta["files"]
+    if not sharded and steps.CHECKPOINT_NAME not in meta["files"]:
         problems.append(f"{step.url}/{steps.METADATA_NAME}: lists no {steps.CHECKPOINT_NAME}")
     named = steps.step_of(step.key.rsplit("/", 1)[-1])
     if named is not None and named != meta["step"]:
         problems.append(f"{step.url}/{steps.METADATA_NAME}: step {meta['step']}, but the folder is of step {named}")
     if problems:
         raise CheckpointIntegrityError(step.url, problems)
-    checkpoint = folder.child(steps.CHECKPOINT_NAME)
-    try:
-        count, nbytes, saved_step = read_everything(_over_object(checkpoint), read_bytes=False)
-    except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(step.url, [_problem_at(checkpoint.url, e)]) from None
-    if saved_step is not None and saved_step != meta["step"]:
-        raise CheckpointIntegrityError(
-            step.url, [f"{checkpoint.url}: property step={saved_step}, metadata says step={meta['step']}"]
-        )
+    checkpoints = [folder.child(steps.CHECKPOINT_NAME)]
+    if sharded:
+        checkpoints = _checked_shards(step, folder, meta["step"], storage_options)
+    count = nbytes = 0
+    for checkpoint in checkpoints:
+        try:
+            tensors, values, saved_step = read_everything(_over_object(checkpoint), read_bytes=False)
+        except (CheckpointError, OSError) as e:
+            raise CheckpointIntegrityError(step.url, [_problem_at(checkpoint.url, e)]) from None
+        if saved_step is not None and saved_step != meta["step"]:
+            raise CheckpointIntegrityError(
+                step.url, [f"{checkpoint.url}: property step={saved_step}, metadata says step={meta['step']}"]
+            )
+        count, nbytes = count + tensors, nbytes + values
     return Verified(step.url, meta["step"], count, nbytes, files)
+
+
+def _checked_shards(
+    step: object_store.Location, folder: object_store.Location, number: int, storage_options: Mapping[str, Any] | None
+) -> list[object_store.Location]:
+    """A sharded step's shards, its index (hashed already) validated and every piece in them
+    checked against it as a load would (CheckpointIntegrityError if not)."""
+    from ..distributed.sharded import check_shards
+
+    index_at = folder.child(steps.INDEX_NAME)
+    try:
+        index = documents.parse(documents.SHARDED_INDEX, bytes(object_store.get(index_at)), index_at.url)
+    except (CheckpointError, OSError) as e:
+        raise CheckpointIntegrityError(step.url, [_problem_at(index_at.url, e)]) from None
+    problems = check_shards(folder.url, index, storage_options)
+    if index["step"] != number:
+        problems.append(f"{index_at.url}: step {index['step']}, metadata says {number}")
+    if problems:
+        raise CheckpointIntegrityError(step.url, problems)
+    return [folder.child(shard["file"]) for shard in index["shards"]]
 
 
 def _over_object(location: object_store.Location) -> CheckpointState:

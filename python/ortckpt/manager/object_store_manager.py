@@ -19,6 +19,7 @@ with a directory (where the lock enforces it); any number of readers (``read_onl
 from __future__ import annotations
 
 import datetime
+import hashlib
 import secrets
 import uuid
 import warnings
@@ -68,14 +69,24 @@ class ObjectCheckpointInfo:
     def rng_state(self) -> dict[str, Any] | None:
         return self.metadata.get("rng_state")
 
+    @property
+    def sharded(self) -> bool:
+        """Whether this is a sharded checkpoint (one shard per rank and an index)."""
+        return steps.INDEX_NAME in self.metadata["files"]
+
     def load(self, *, lazy: bool = True) -> CheckpointState:
         """The state: the checkpoint downloaded, its external data read by ranged GETs as
-        tensors are used (or downloaded whole without ``lazy``)."""
+        tensors are used (or downloaded whole without ``lazy``); a sharded one assembled
+        whole, in this process."""
+        if self.sharded:
+            from ..distributed import SingleProcess, load_sharded
+
+            return load_sharded(self.folder, comm=SingleProcess(), storage_options=self.storage_options)[0]
         return CheckpointState.load_checkpoint(self.path, storage_options=self.storage_options, lazy=lazy)
 
 
 # The directory manager's options that have no meaning, or no implementation yet, here.
-_NOT_ON_OBJECT_STORAGE = ("validate", "compress_kept", "track", "comm", "progress")
+_NOT_ON_OBJECT_STORAGE = ("validate", "compress_kept", "track", "progress")
 
 
 class ObjectStoreCheckpointManager(ManagerBase):
@@ -83,9 +94,10 @@ class ObjectStoreCheckpointManager(ManagerBase):
     the same methods, arguments and retention; see the module's description for the layout.
 
     ``durable`` is accepted and changes nothing (an object is durable once its PUT returns);
-    ``validate``, ``compress_kept``, ``track``, ``comm``, ``progress`` and
-    ``verify_after_save="process"`` are refused (ValueError). ``storage_options`` configure the
-    store as for :func:`ortckpt.object_store.locate`.
+    ``validate``, ``compress_kept``, ``track``, ``progress`` and ``verify_after_save="process"``
+    are refused (ValueError). ``storage_options`` configure the store as for
+    :func:`ortckpt.object_store.locate`. With ``comm``, every rank uploads its shard into the
+    step's attempt folder (with its index), and rank 0 commits, keeps and deletes.
     """
 
     def __init__(
@@ -103,9 +115,12 @@ class ObjectStoreCheckpointManager(ManagerBase):
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
         external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        comm: Any = None,
         read_only: bool = False,
         **unsupported: Any,
     ) -> None:
+        if comm is not None and (async_save or verify_after_save):
+            raise ValueError("async_save and verify_after_save are not available for sharded saves (comm=)")
         refused = sorted(name for name, value in unsupported.items() if value not in (None, False))
         unknown = sorted(name for name in unsupported if name not in _NOT_ON_OBJECT_STORAGE)
         if unknown:
@@ -126,9 +141,21 @@ class ObjectStoreCheckpointManager(ManagerBase):
         self.verify_after_save = verify_after_save
         self.config = dict(config or {})
         self.external_data_threshold = external_data_threshold
+        self.comm = None
+        if comm is not None:
+            from ..distributed import communicator
+
+            self.comm = communicator(comm)
         self.reload()
         latest = self.latest()
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
+        if self.comm is not None:
+            self.run_id = self.comm.broadcast(self.run_id)  # one id for the run, rank 0's
+
+    @property
+    def _is_root(self) -> bool:
+        """Whether this process commits and deletes checkpoints (rank 0, or the only one)."""
+        return self.comm is None or self.comm.rank == 0
 
     # --- what is there -----------------------------------------------------------------
 
@@ -192,9 +219,11 @@ class ObjectStoreCheckpointManager(ManagerBase):
         include_optimizer_state: bool = True,
         slices: Mapping[str, Any] | None = None,
     ) -> None:
-        """As :meth:`ortckpt.CheckpointManager.save`: uploads, then commits ``step``."""
-        if slices is not None:
-            raise ValueError("slices are for sharded saves, which a manager on object storage does not make")
+        """As :meth:`ortckpt.CheckpointManager.save`: uploads, then commits ``step``. With
+        ``comm``, ``state`` is this rank's part and ``slices`` say which part of a split
+        parameter it holds (:class:`ortckpt.distributed.Slice`)."""
+        if slices is not None and self.comm is None:
+            raise ValueError("slices are for sharded saves: create the manager with comm=")
         step, meta, snapshot = self._prepare_save(
             state,
             step,
@@ -207,6 +236,9 @@ class ObjectStoreCheckpointManager(ManagerBase):
             run_id=self.run_id,
             config=self.config,
         )
+        if self.comm is not None:
+            self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
+            return
         self._write(self._write_and_commit, step, snapshot, step, meta, include_optimizer_state)
 
     def _write_and_commit(
@@ -231,14 +263,69 @@ class ObjectStoreCheckpointManager(ManagerBase):
             raise
         # The commit. An error here is not proof that it failed (the PUT may have landed and
         # its answer been lost), so the uploaded objects stay: remove_leftovers() finds them.
-        if not object_store.put_new(folder.child(steps.METADATA_NAME), document) and not self._committed_by(
-            folder, attempt
-        ):
+        if not self._commit(folder, attempt, document):
             self._remove_quietly(folder.child(attempt))
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
         with self._lock:
             self._checkpoints[step] = info
         self._apply_retention()
+
+    def _save_sharded(
+        self,
+        state: CheckpointState,
+        step: int,
+        meta: dict[str, Any],
+        include_optimizer_state: bool,
+        slices: Mapping[str, Any] | None,
+    ) -> None:
+        """Every rank uploads its shard into the step's attempt folder; rank 0 adds the index
+        there and commits the step's metadata.json (naming the attempt, with every object's
+        SHA-256) once all have succeeded, as a single save commits."""
+        from ..distributed.sharded import encode_index, write_shards
+
+        assert self.comm is not None
+        folder = self._step_folder(step)
+        digests: dict[str, Any] = {}  # rank 0's: each uploaded shard's size and SHA-256
+        committing: list[bool] = []  # set once the commit's PUT is sent: from then on it may have landed
+
+        def commit(where: str, index: dict[str, Any]) -> None:
+            attempt = where.rsplit("/", 1)[-1]
+            index_at = folder.child(attempt).child(steps.INDEX_NAME)
+            data = encode_index(index, index_at.url)
+            object_store.put(index_at, data)
+            files = {**digests, steps.INDEX_NAME: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+            meta.update(attempt=attempt, files=files)
+            committing.append(True)
+            if not self._commit(folder, attempt, _metadata.encode(meta)):
+                committing.clear()  # another writer's commit: ours certainly did not land
+                raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
+
+        def abandon(where: str) -> None:
+            if not committing:
+                self._remove_quietly(object_store.locate(where, self.storage_options))
+
+        write_shards(
+            self.comm,
+            state,
+            slices,
+            prepare=lambda: folder.child(secrets.token_hex(16)).url,
+            commit=commit,
+            step=step,
+            include_optimizer_state=include_optimizer_state,
+            durable=False,
+            external_data_threshold=self.external_data_threshold,
+            abandon=abandon,
+            storage_options=self.storage_options,
+            digests=digests,
+        )
+        committed = self.comm.broadcast(meta if self._is_root else None)  # rank 0's, as committed
+        with self._lock:
+            self._checkpoints[step] = ObjectCheckpointInfo(step, folder.url, committed, self.storage_options)
+        self._apply_retention()
+
+    def _commit(self, folder: object_store.Location, attempt: str, document: bytes) -> bool:
+        """Creates the step's metadata.json; False when another writer's is there."""
+        return object_store.put_new(folder.child(steps.METADATA_NAME), document) or self._committed_by(folder, attempt)
 
     def _committed_by(self, folder: object_store.Location, attempt: str) -> bool:
         """Whether the step's metadata.json names ``attempt``: this save's own commit, found
@@ -266,11 +353,13 @@ class ObjectStoreCheckpointManager(ManagerBase):
             info = self._checkpoints.get(step)
         if info is None:
             raise KeyError(f"{self.url}: no checkpoint of step {step}")
-        folder = self._step_folder(step)
-        object_store.remove([folder.child(steps.METADATA_NAME)])
+        if self._is_root:  # rank 0 deletes; the other ranks only forget it
+            folder = self._step_folder(step)
+            object_store.remove([folder.child(steps.METADATA_NAME)])
         with self._lock:
             self._checkpoints.pop(step, None)
-        object_store.remove([folder.child(key) for key, _ in object_store.list_keys(folder)])
+        if self._is_root:
+            object_store.remove([folder.child(key) for key, _ in object_store.list_keys(folder)])
 
     def remove_leftovers(self) -> list[str]:
         """Deletes the objects under step folders that no committed metadata.json names: what
@@ -322,8 +411,22 @@ class ObjectStoreCheckpointManager(ManagerBase):
     def restore(self, step: int | None = None, *, lazy: bool = True) -> CheckpointState:
         """Loads the checkpoint of ``step`` (default: the latest): downloaded, its external
         data read by ranged GETs as tensors are used (or downloaded whole without ``lazy``).
-        A reader whose step is deleted while it loads tries again with the new latest."""
+        A reader whose step is deleted while it loads tries again with the new latest. With
+        ``comm``, this rank's part: see :meth:`restore_sharded`."""
+        if self.comm is not None:
+            return self.restore_sharded(step)[0]
         return self._retrying(step, lambda info: info.load(lazy=lazy))
+
+    def restore_sharded(
+        self, step: int | None = None, *, slices: Mapping[str, Any] | None = None
+    ) -> tuple[CheckpointState, dict[str, Any]]:
+        """This rank's part of the checkpoint of ``step`` (default: the latest) and the
+        :class:`ortckpt.distributed.Slice` of each parameter it holds, as
+        :func:`ortckpt.distributed.load_sharded` gives them (resharding to this world size)."""
+        from ..distributed import load_sharded
+
+        info = self._info(step)
+        return load_sharded(info.folder, comm=self.comm, slices=slices, storage_options=self.storage_options)
 
     def verify(self, step: int | None = None) -> Verified:
         """Checks the checkpoint of ``step`` (default: the latest): every object's size and
@@ -332,7 +435,9 @@ class ObjectStoreCheckpointManager(ManagerBase):
         return self._verify(self._info(step))
 
     def _verify(self, info: ObjectCheckpointInfo) -> Verified:
-        return verify_step_objects(object_store.locate(info.url, self.storage_options), info.metadata)
+        return verify_step_objects(
+            object_store.locate(info.url, self.storage_options), info.metadata, self.storage_options
+        )
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
