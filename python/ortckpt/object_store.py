@@ -247,16 +247,20 @@ def put(location: Location, data: bytes) -> None:
 
 def put_new(location: Location, data: bytes) -> bool:
     """Creates ``location`` with ``data`` only if no object has its key (a conditional PUT:
-    of two writers, one wins). False when one exists: perhaps this very PUT's, when a retry
-    followed a lost response; the caller reads it to tell."""
+    of two writers, one wins). False when another object is there. An object holding exactly
+    ``data`` is this PUT's own, found by a retry after its answer was lost (callers' documents
+    name a random attempt, so no other writer's has the same bytes): True."""
     import obstore
-    from obstore.exceptions import AlreadyExistsError, PreconditionError
+    from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 
     try:
         obstore.put(location.store, location.key, data, use_multipart=False, mode="create")
     except (AlreadyExistsError, PreconditionError):
-        return False
-    except Exception as e:
+        try:
+            return bytes(get(location)) == data
+        except FileNotFoundError:  # deleted since: not ours to claim
+            return False
+    except (BaseError, FileNotFoundError) as e:
         raise _failure(location, e) from e
     return True
 
@@ -342,9 +346,14 @@ def remove(locations: list[Location]) -> None:
     """Deletes the objects (of one store); missing ones are not an error."""
     import obstore
 
-    if locations:
-        first = locations[0]
-        _calling(first, obstore.delete, first.store, [location.key for location in locations])
+    for start in range(0, len(locations), 1000):  # S3 deletes up to 1000 keys a request
+        batch = locations[start : start + 1000]
+        _calling(batch[0], obstore.delete, batch[0].store, [location.key for location in batch])
+
+
+def remove_under(location: Location) -> None:
+    """Deletes every object under ``location`` taken as a prefix (a step's, an attempt's folder)."""
+    remove([location.child(key) for key, _ in list_keys(location)])
 
 
 class RemoteRanges:
@@ -367,18 +376,28 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     *,
     external_data_threshold: int,
-) -> dict[str, dict[str, Any]]:
+) -> None:
     """Uploads ``state`` (a CheckpointState, not imported here: it imports this module) as
-    the checkpoint ``url`` (and ``url.data`` with external data, first): see :func:`save_at`."""
-    return save_at(_object(url, storage_options), state, include_optimizer_state, external_data_threshold)
+    the checkpoint ``url`` (and ``url.data`` with external data, first), replacing what is
+    there: a data object a previous save left is removed when this one has none."""
+    location = _object(url, storage_options)
+    data = location.sibling(".data")
+    uploaded = save_at(location, state, include_optimizer_state, external_data_threshold, hashed=False)
+    if data.key.rsplit("/", 1)[-1] not in uploaded:  # no data this time: a previous save's is not this one's
+        remove([data])
 
 
 def save_at(
-    location: Location, state: Any, include_optimizer_state: bool, external_data_threshold: int
+    location: Location,
+    state: Any,
+    include_optimizer_state: bool,
+    external_data_threshold: int,
+    *,
+    hashed: bool = True,
 ) -> dict[str, dict[str, Any]]:
-    """:func:`save` to a located object. Returns what was uploaded, as a manager's metadata
+    """Uploads ``state`` to a fresh key. Returns what was uploaded, as a manager's metadata
     records files: {last part of the key: {"bytes": size, "sha256": hex digest}}, each
-    SHA-256 taken from the bytes as they went."""
+    SHA-256 taken from the bytes as they went (without ``hashed``, sizes alone)."""
     import hashlib
 
     trainable, frozen, groups = state._core_tensors(include_optimizer_state)
@@ -391,19 +410,17 @@ def save_at(
         external_data_threshold=external_data_threshold,
         keep_order=False,
     )
-    data = location.sibling(".data")
     name = location.key.rsplit("/", 1)[-1]
-    uploaded = {}
-    if external is not None:
+    uploads: list[tuple[Location, str, Iterable[Any]]] = [(location, name, main)]
+    if external is not None:  # the data object first: the checkpoint names it
         size, parts = external
-        digest = hashlib.sha256()
-        size = put_stream(data, _filled(size, parts), digest)
-        uploaded[name + ".data"] = {"bytes": size, "sha256": digest.hexdigest()}
-    digest = hashlib.sha256()
-    size = put_stream(location, main, digest)
-    uploaded[name] = {"bytes": size, "sha256": digest.hexdigest()}
-    if external is None:  # a data file a previous save left is no longer this checkpoint's
-        remove([data])
+        uploads.insert(0, (location.sibling(".data"), name + ".data", _filled(size, parts)))
+    uploaded: dict[str, dict[str, Any]] = {}
+    for where, file, pieces in uploads:
+        digest = hashlib.sha256() if hashed else None
+        uploaded[file] = {"bytes": put_stream(where, pieces, digest)}
+        if digest is not None:
+            uploaded[file]["sha256"] = digest.hexdigest()
     return uploaded
 
 

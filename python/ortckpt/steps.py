@@ -41,6 +41,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,18 @@ def step_directories(directory: Path) -> dict[int, Path]:
         step = step_of(entry.name)
         if step is not None and entry.is_dir(follow_symlinks=False):
             found[step] = Path(entry.path)
+    return found
+
+
+def steps_holding(listed: Iterable[tuple[str, int]], name: str) -> dict[int, int]:
+    """step -> size of ``step_<n>/<name>``, from an object store prefix's listing ((key under
+    the prefix, size) pairs): the steps that ``name`` (metadata.json, index.json) commits."""
+    found = {}
+    for key, size in listed:
+        folder, _, rest = key.partition("/")
+        step = step_of(folder)
+        if step is not None and rest == name:
+            found[step] = size
     return found
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,3 +53,16 @@ def s3_url(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
     """A prefix of its bucket no other test uses: s3://ckpt/<test>-<random>."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
     return f"s3://{BUCKET}/{name}-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def aws_environment(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test server configured as boto3's users do, by the AWS_* variables alone (any of the
+    machine's own AWS_* variables removed for the test)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    options = s3_server.storage_options()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,3 +118,32 @@ class S3Server:
 
     def _tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
+
+
+def lose_the_answers_of_conditional_puts(monkeypatch: Any) -> None:
+    """Each conditional PUT (``mode="create"``) lands, then is sent again, as a client does when
+    the first answer is lost: the retry meets the object its first try created."""
+    import obstore
+
+    real_put = obstore.put
+
+    def landed_then_retried(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("mode") == "create":
+            real_put(*args, **kwargs)
+        return real_put(*args, **kwargs)
+
+    monkeypatch.setattr(obstore, "put", landed_then_retried)
+
+
+def kill_mid_upload(server: S3Server, child: subprocess.Popen, before: set[str]) -> None:
+    """SIGKILLs ``child`` (a saver that prints "saving" first) once a multipart upload of its is
+    under way on ``server``: one pending that was not in ``before``, taken before it started."""
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 60
+        while not set(server.pending_uploads()) - before:
+            assert child.poll() is None and time.monotonic() < deadline, "the save ended before it could be killed"
+            time.sleep(0.01)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()

@@ -4,12 +4,10 @@ saves stream to multipart uploads, loads read lazily or whole, and faults leave 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import ortckpt
@@ -17,6 +15,7 @@ import ortckpt.object_store as object_store
 import pytest
 from goldens import golden_checkpoints, load_json, sha256
 from ortckpt.errors import CheckpointFormatError
+from s3_server import kill_mid_upload
 
 BIG = 40 << 20  # over two upload parts
 
@@ -203,15 +202,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint(s3_server, s3_
         stdout=subprocess.PIPE,
         text=True,
     )
-    try:
-        assert child.stdout is not None and child.stdout.readline() == "saving\n"
-        deadline = time.monotonic() + 60
-        while not set(s3_server.pending_uploads()) - before:  # killed once its upload is under way
-            assert child.poll() is None and time.monotonic() < deadline, "the save ended before it could be killed"
-            time.sleep(0.01)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+    kill_mid_upload(s3_server, child, before)
     assert set(s3_server.pending_uploads()) - before, "the killed upload is left, invisible"
     assert keys(s3_url, options) == ["ckpt"]
     back = ortckpt.load_checkpoint(url, storage_options=options)
@@ -384,18 +375,12 @@ def test_a_missing_data_object_is_named(s3_server, s3_url):
     assert caught.value.filename == f"{url}.data"
 
 
-def test_average_delta_and_convert_take_object_urls(s3_server, s3_url, tmp_path, monkeypatch, capsys):
+def test_average_delta_and_convert_take_object_urls(s3_server, s3_url, tmp_path, monkeypatch, capsys, aws_environment):
     """Federated averaging and conversion read and write s3:// (the CLI too, configured by AWS_*)."""
     from ortckpt.cli import run
     from ortckpt.convert import ConversionError, convert
 
     options = s3_server.storage_options()
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
     clients = [{"w": np.full(1000, i, np.float32)} for i in (1.0, 2.0, 6.0)]
     for i, values in enumerate(clients):
         ortckpt.save_checkpoint(state_of(values), f"{s3_url}/client{i}", external_data_threshold=0 if i else 2**40)

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import ortckpt
@@ -20,6 +17,7 @@ import ortckpt.object_store as object_store
 import pytest
 from ortckpt import CheckpointExistsError, CheckpointIntegrityError, CheckpointManager, CheckpointState
 from ortckpt.manager import object_store_manager
+from s3_server import kill_mid_upload, lose_the_answers_of_conditional_puts
 
 
 def arrays(seed: int, nbytes: int = 1 << 20, count: int = 4) -> dict[str, np.ndarray]:
@@ -167,13 +165,7 @@ def test_writers_racing_for_a_step_commit_once(s3_server, s3_url):
 def test_a_commit_whose_answer_was_lost_is_recognised_as_this_saves(s3_server, s3_url, monkeypatch):
     """A retried conditional PUT that finds the object its first try created is not a lost race."""
     options = s3_server.storage_options()
-    put_new = object_store.put_new
-
-    def landed_but_answer_lost(location, data):
-        assert put_new(location, data)
-        return False  # what the retry sees: the object exists
-
-    monkeypatch.setattr(object_store, "put_new", landed_but_answer_lost)
+    lose_the_answers_of_conditional_puts(monkeypatch)
     with CheckpointManager(s3_url, storage_options=options) as manager:
         manager.save(CheckpointState.from_arrays(arrays(1)), 1)
         assert manager.all_steps() == [1]
@@ -259,15 +251,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_step_the_latest(s3_server
         options["secret_access_key"],
     ]
     child = subprocess.Popen([*command, mode], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline() == "saving\n"
-        deadline = time.monotonic() + 60
-        while not set(s3_server.pending_uploads()) - before:  # killed once its upload is under way
-            assert child.poll() is None and time.monotonic() < deadline, "the save ended before it could be killed"
-            time.sleep(0.01)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+    kill_mid_upload(s3_server, child, before)
     with CheckpointManager(s3_url, storage_options=options) as manager:
         assert manager.latest_step() == 1
         manager.verify()
@@ -373,18 +357,12 @@ def test_options_it_does_not_have_are_refused(s3_server, s3_url, tmp_path):
         CheckpointManager("s3://ckpt/a/../b", storage_options=options)
 
 
-def test_verify_and_inspect_take_object_urls(s3_server, s3_url, monkeypatch, capsys):
+def test_verify_and_inspect_take_object_urls(s3_server, s3_url, monkeypatch, capsys, aws_environment):
     """ortckpt.verify and the CLI's verify and inspect take s3:// URLs (a manager's step folder,
     or a checkpoint object), configured by the AWS_* variables as boto3 is."""
     from ortckpt.cli import run
 
     options = s3_server.storage_options()
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
     with CheckpointManager(s3_url, external_data_threshold=0) as manager:
         manager.save(CheckpointState.from_arrays(arrays(1)), 3)
         info = manager.latest()

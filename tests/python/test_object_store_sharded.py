@@ -27,6 +27,7 @@ from ortckpt.distributed import (
     shard_file_name,
 )
 from ortckpt.distributed import sharded as sharded_module
+from s3_server import lose_the_answers_of_conditional_puts
 from test_distributed import on_ranks
 
 
@@ -147,13 +148,7 @@ def test_of_two_jobs_saving_one_step_one_commits(s3_server, s3_url, monkeypatch)
 
 def test_a_commit_whose_answer_was_lost_is_this_saves(s3_server, s3_url, monkeypatch):
     options = s3_server.storage_options()
-    put_new = object_store.put_new
-
-    def landed_but_answer_lost(location, data):
-        assert put_new(location, data)
-        return False
-
-    monkeypatch.setattr(object_store, "put_new", landed_but_answer_lost)
+    lose_the_answers_of_conditional_puts(monkeypatch)
     raise_any(save_model(s3_url, options, step=3, world=2))
     assert on_ranks(2, lambda c: check_part(*load_sharded(s3_url, comm=c, storage_options=options), 3, 2)) == [[], []]
 

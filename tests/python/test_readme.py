@@ -112,7 +112,6 @@ def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
 
 
 def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_size(tmp_path):
-    import os
     import shutil
     import subprocess
     import sys
@@ -155,16 +154,9 @@ def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
     assert CheckpointState.load_checkpoint(tmp_path / "global.ckpt").properties["num_samples"] == 1000
 
 
-def test_readme_object_storage_example_runs_against_s3(s3_server, monkeypatch, capsys):
+def test_readme_object_storage_example_runs_against_s3(capsys, aws_environment):
     example = python_blocks()[11]
     assert "s3://ckpt/runs/demo/checkpoint" in example
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    options = s3_server.storage_options()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
     exec(compile(example, "README object storage example", "exec"), {})
     assert capsys.readouterr().out == "1 32.0\n[2, 3] 3 3\n"
     import ortckpt.object_store as object_store

@@ -76,11 +76,10 @@ def _describe_object(url: str) -> dict[str, Any]:
     """The same from an object: it is downloaded, its external data (if any) is not."""
     location = object_store.locate(url)
     loaded = object_store.load_at(location)
-    files = {}
-    for where in (location, location.sibling(".data")):
-        found = object_store.head(where)
-        if found is not None:
-            files[where.url] = found.size
+    main, data = loaded.mappings  # the downloaded object, and its data object read lazily (RemoteRanges)
+    files = {location.url: memoryview(main).nbytes}
+    if data is not None:
+        files[data.location.url] = data.size
     return _describe_loaded(loaded, files)
 
 

@@ -64,13 +64,7 @@ def committed_steps(
 
 
 def _steps_in_store(prefix: object_store.Location) -> list[int]:
-    committed = []
-    for key, _ in object_store.list_keys(prefix):
-        folder, _, name = key.partition("/")
-        step = steps.step_of(folder)
-        if step is not None and name == INDEX_NAME:
-            committed.append(step)
-    return sorted(committed)
+    return sorted(steps.steps_holding(object_store.list_keys(prefix), INDEX_NAME))
 
 
 def latest_step(directory: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> int | None:
@@ -193,21 +187,13 @@ def _save_to_store(
         attempt = where.rsplit("/", 1)[-1]
         data = encode_index({**index, "attempt": attempt}, index_at.url)
         committing.append(True)
-        if object_store.put_new(index_at, data):
-            return
-        try:  # perhaps this very PUT, retried after its answer was lost
-            _, committed = read_committed(folder.url, None, storage_options)
-        except (FileNotFoundError, CheckpointError):
-            committed = {}
-        if committed.get("attempt") != attempt:
+        if not object_store.put_new(index_at, data):
             committing.clear()  # another job's commit: ours certainly did not land
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
 
     def abandon(where: str) -> None:
-        if committing:  # the commit may have landed: its shards stay
-            return
-        attempt = object_store.locate(where, storage_options)
-        object_store.remove([attempt.child(key) for key, _ in object_store.list_keys(attempt)])
+        if not committing:  # once the commit is sent it may have landed: its shards stay
+            object_store.remove_under(object_store.locate(where, storage_options))
 
     write_shards(
         comm,
@@ -257,8 +243,7 @@ def remove_leftovers(url: str, *, storage_options: Mapping[str, Any] | None = No
             if rest == INDEX_NAME or (keep is not None and _in_attempt(rest, keep)):
                 continue
             doomed.append(prefix.child(f"{steps.step_directory_name(step)}/{rest}"))
-    for start in range(0, len(doomed), 1000):  # S3 deletes up to 1000 keys a request
-        object_store.remove(doomed[start : start + 1000])
+    object_store.remove(doomed)
     return [location.url for location in doomed]
 
 

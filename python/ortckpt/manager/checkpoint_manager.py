@@ -32,7 +32,6 @@ import datetime
 import os
 import subprocess
 import sys
-import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -206,27 +205,24 @@ class CheckpointManager(ManagerBase):
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
         if validate is not None and not isinstance(validate, Forward):
             raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
-        if verify_after_save not in (False, True, "process"):
-            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
-        if run_id is not None and not isinstance(run_id, str):
-            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         self.directory = Path(directory)
         self._start(
-            str(self.directory), RetentionPolicy(max_to_keep, keep_best, keep_every), save_every, async_save, read_only
+            str(self.directory),
+            RetentionPolicy(max_to_keep, keep_best, keep_every),
+            save_every=save_every,
+            async_save=async_save,
+            read_only=read_only,
+            durable=durable,
+            verify_after_save=verify_after_save,
+            run_id=run_id,
+            config=config,
+            external_data_threshold=external_data_threshold,
+            comm=comm,
         )
-        self.durable = durable
-        self.verify_after_save = verify_after_save
         self.validate = validate
         self.compress_kept = compress_kept
-        self.config = dict(config or {})
         self.progress = progress
-        self.external_data_threshold = external_data_threshold
         self._writer: steps.WriterLock | None = None
-        self.comm = None
-        if comm is not None:
-            from ..distributed import communicator
-
-            self.comm = communicator(comm)
         if self._is_root and not read_only:
             safe_io.make_directories(self.directory)
             # The metadata's git commit comes from a subprocess: asked now, before the lock, since
@@ -238,19 +234,11 @@ class CheckpointManager(ManagerBase):
         if self.comm is not None:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
         self.reload()
-        latest = self.latest()
-        self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
-        if self.comm is not None:
-            self.run_id = self.comm.broadcast(self.run_id)  # one id for the run, rank 0's
+        self._adopt_run_id(run_id)
         self._reporter: Reporter | None = None
         if track is not None and self._is_root:
             run = TrackedRun(self.run_id, self.directory, self.config, writer=not read_only)
             self._reporter = Reporter(tracker_for(track), run, self.all)
-
-    @property
-    def _is_root(self) -> bool:
-        """Whether this process creates, commits and deletes checkpoints (rank 0, or the only one)."""
-        return self.comm is None or self.comm.rank == 0
 
     # --- what is there -----------------------------------------------------------------
 

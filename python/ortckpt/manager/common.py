@@ -5,10 +5,12 @@ for, and how a step number is checked."""
 
 from __future__ import annotations
 
+import abc
 import datetime
 import operator
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,7 +26,7 @@ from . import metadata as _metadata
 from .retention import RetentionPolicy
 
 
-class ManagerBase:
+class ManagerBase(abc.ABC):
     """A manager's steps as it last read them (``_checkpoints``: step -> info, each with
     ``step``, ``metrics`` and ``metadata``) and what is done with them the same way wherever
     they are stored. A subclass reads them (``reload``), writes one (``_write_and_commit``)
@@ -34,17 +36,39 @@ class ManagerBase:
         self,
         where: str,
         policy: RetentionPolicy,
+        *,
         save_every: int | datetime.timedelta | None,
         async_save: bool,
         read_only: bool,
+        durable: bool,
+        verify_after_save: bool | Literal["process"],
+        run_id: str | None,
+        config: Mapping[str, Any] | None,
+        external_data_threshold: int,
+        comm: Any,
     ) -> None:
+        """Checks and keeps the arguments both managers take; ``run_id`` is adopted by
+        :meth:`_adopt_run_id`, once the steps are read."""
         if isinstance(save_every, int) and save_every < 1:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
+        if verify_after_save not in (False, True, "process"):
+            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
+        if run_id is not None and not isinstance(run_id, str):
+            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         self._where = where
         self.policy = policy
         self.save_every = save_every
         self.async_save = async_save
         self.read_only = read_only
+        self.durable = durable
+        self.verify_after_save = verify_after_save
+        self.config = dict(config or {})
+        self.external_data_threshold = external_data_threshold
+        self.comm = None
+        if comm is not None:
+            from ..distributed import communicator
+
+            self.comm = communicator(comm)
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
         self._checkpoints: dict[int, Any] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -58,11 +82,26 @@ class ManagerBase:
         self._last_save = time.monotonic()
         self._closed = False
 
-    def reload(self) -> None:
-        raise NotImplementedError
+    def _adopt_run_id(self, run_id: str | None) -> None:
+        """The run's id: the one given, else the latest checkpoint's (a resumed run keeps its
+        id), else a new one; with ``comm``, rank 0's on every rank."""
+        latest = self.latest()
+        self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
+        if self.comm is not None:
+            self.run_id = self.comm.broadcast(self.run_id)
 
+    @property
+    def _is_root(self) -> bool:
+        """Whether this process commits and deletes checkpoints (rank 0, or the only one)."""
+        return self.comm is None or self.comm.rank == 0
+
+    @abc.abstractmethod
+    def reload(self) -> None:
+        """Reads the steps again from where they are stored."""
+
+    @abc.abstractmethod
     def delete(self, step: int) -> None:
-        raise NotImplementedError
+        """Deletes the checkpoint of ``step``."""
 
     # --- what is there -----------------------------------------------------------------
 

@@ -66,7 +66,28 @@ def verify(
             bar.close()
 
 
-def _problem(path: Path, error: BaseException) -> str:
+def _check_hash(
+    name: str, file: Path | str, expected: Mapping[str, Any], hashed: Any, problems: list[str], files: dict[str, str]
+) -> None:
+    """Compares a file's (or object's) size and SHA-256, as ``hashed()`` reads them, with its
+    metadata entry: a problem said, or its digest recorded under its name."""
+    try:
+        size, digest = hashed()
+    except FileNotFoundError:
+        problems.append(f"{file}: missing")
+        return
+    except OSError as e:
+        problems.append(_problem(file, e))
+        return
+    if size != expected["bytes"]:
+        problems.append(f"{file}: {size} bytes, metadata says {expected['bytes']}")
+    elif digest != expected["sha256"]:
+        problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
+    else:
+        files[name] = digest
+
+
+def _problem(path: Path | str, error: BaseException) -> str:
     """``path: error``, without naming the file twice when the error already does."""
     text = str(error)
     return text if text.startswith(f"{path}:") or f"'{path}'" in text else f"{path}: {text}"
@@ -106,20 +127,7 @@ def _verify_directory(path: Path, on_bytes: Any, cleanup: contextlib.ExitStack) 
             later.append(f"{directory / steps.METADATA_NAME}: step {step}, but the directory is of step {named}")
         for name, expected in sorted(meta["files"].items()):
             file = directory / name
-            try:
-                size, digest = _metadata.sha256_of(file, on_bytes)
-            except FileNotFoundError:
-                problems.append(f"{file}: missing")
-                continue
-            except OSError as e:
-                problems.append(_problem(file, e))
-                continue
-            if size != expected["bytes"]:
-                problems.append(f"{file}: {size} bytes, metadata says {expected['bytes']}")
-            elif digest != expected["sha256"]:
-                problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
-            else:
-                files[name] = digest
+            _check_hash(name, file, expected, lambda file=file: _metadata.sha256_of(file, on_bytes), problems, files)
         if "compressed" in meta and not problems:
             checkpoints = _decompressed(directory, meta["compressed"], cleanup, problems, files, on_bytes)
         for checkpoint in checkpoints:
@@ -268,14 +276,14 @@ def verify_object(url: str, storage_options: Mapping[str, Any] | None = None) ->
         except FileNotFoundError:
             raise
         except (CheckpointError, OSError) as e:
-            raise CheckpointIntegrityError(url, [_problem_at(where.url, e)]) from None
+            raise CheckpointIntegrityError(url, [_problem(where.url, e)]) from None
         return Verified(where.url, None, count, nbytes)
     try:
         if found.size > documents.METADATA.max_bytes:
             raise documents.DocumentError(f"{meta_at.url}: {found.size} bytes, over its cap")
         meta = documents.parse(documents.METADATA, bytes(object_store.get(meta_at, found.etag)), meta_at.url)
     except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(where.url, [_problem_at(meta_at.url, e)]) from None
+        raise CheckpointIntegrityError(where.url, [_problem(meta_at.url, e)]) from None
     return verify_step_objects(where, meta, storage_options)
 
 
@@ -287,23 +295,11 @@ def verify_step_objects(
     shard, after its index is checked against them)."""
     attempt = meta.get("attempt")
     folder = step.child(attempt) if attempt else step
-    problems, files = [], {}
+    problems: list[str] = []
+    files: dict[str, str] = {}
     for name, expected in sorted(meta["files"].items()):
         where = folder.child(name)
-        try:
-            size, digest = object_store.sha256_of(where)
-        except FileNotFoundError:
-            problems.append(f"{where.url}: missing")
-            continue
-        except OSError as e:
-            problems.append(_problem_at(where.url, e))
-            continue
-        if size != expected["bytes"]:
-            problems.append(f"{where.url}: {size} bytes, metadata says {expected['bytes']}")
-        elif digest != expected["sha256"]:
-            problems.append(f"{where.url}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
-        else:
-            files[name] = digest
+        _check_hash(name, where.url, expected, lambda where=where: object_store.sha256_of(where), problems, files)
     sharded = steps.INDEX_NAME in meta["files"]
     if not sharded and steps.CHECKPOINT_NAME not in meta["files"]:
         problems.append(f"{step.url}/{steps.METADATA_NAME}: lists no {steps.CHECKPOINT_NAME}")
@@ -320,7 +316,7 @@ def verify_step_objects(
         try:
             tensors, values, saved_step = read_everything(_over_object(checkpoint), read_bytes=False)
         except (CheckpointError, OSError) as e:
-            raise CheckpointIntegrityError(step.url, [_problem_at(checkpoint.url, e)]) from None
+            raise CheckpointIntegrityError(step.url, [_problem(checkpoint.url, e)]) from None
         if saved_step is not None and saved_step != meta["step"]:
             raise CheckpointIntegrityError(
                 step.url, [f"{checkpoint.url}: property step={saved_step}, metadata says step={meta['step']}"]
@@ -340,7 +336,7 @@ def _checked_shards(
     try:
         index = documents.parse(documents.SHARDED_INDEX, bytes(object_store.get(index_at)), index_at.url)
     except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(step.url, [_problem_at(index_at.url, e)]) from None
+        raise CheckpointIntegrityError(step.url, [_problem(index_at.url, e)]) from None
     problems = check_shards(folder.url, index, storage_options)
     if index["step"] != number:
         problems.append(f"{index_at.url}: step {index['step']}, metadata says {number}")
@@ -352,8 +348,3 @@ def _checked_shards(
 def _over_object(location: object_store.Location) -> CheckpointState:
     """The checkpoint object downloaded whole (its external data too): every value in memory."""
     return CheckpointState._over(object_store.load_at(location, lazy=False))
-
-
-def _problem_at(url: str, error: BaseException) -> str:
-    text = str(error)
-    return text if url in text else f"{url}: {text}"

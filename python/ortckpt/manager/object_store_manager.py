@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import secrets
-import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -129,33 +128,24 @@ class ObjectStoreCheckpointManager(ManagerBase):
             refused.append('verify_after_save="process"')
         if refused:
             raise ValueError(f"{url}: not available for a manager on object storage: {', '.join(refused)}")
-        if verify_after_save not in (False, True):
-            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
-        if run_id is not None and not isinstance(run_id, str):
-            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         self.prefix = object_store.locate(url, storage_options)
         self.url = self.prefix.url
         self.storage_options = dict(storage_options or {})
-        self._start(self.url, RetentionPolicy(max_to_keep, keep_best, keep_every), save_every, async_save, read_only)
-        self.durable = durable
-        self.verify_after_save = verify_after_save
-        self.config = dict(config or {})
-        self.external_data_threshold = external_data_threshold
-        self.comm = None
-        if comm is not None:
-            from ..distributed import communicator
-
-            self.comm = communicator(comm)
+        self._start(
+            self.url,
+            RetentionPolicy(max_to_keep, keep_best, keep_every),
+            save_every=save_every,
+            async_save=async_save,
+            read_only=read_only,
+            durable=durable,  # kept, and changes nothing: an object is durable once its PUT returns
+            verify_after_save=verify_after_save,
+            run_id=run_id,
+            config=config,
+            external_data_threshold=external_data_threshold,
+            comm=comm,
+        )
         self.reload()
-        latest = self.latest()
-        self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
-        if self.comm is not None:
-            self.run_id = self.comm.broadcast(self.run_id)  # one id for the run, rank 0's
-
-    @property
-    def _is_root(self) -> bool:
-        """Whether this process commits and deletes checkpoints (rank 0, or the only one)."""
-        return self.comm is None or self.comm.rank == 0
+        self._adopt_run_id(run_id)
 
     # --- what is there -----------------------------------------------------------------
 
@@ -166,11 +156,14 @@ class ObjectStoreCheckpointManager(ManagerBase):
         with self._lock:
             self._checkpoints = found
 
-    def _scan(self) -> dict[int, ObjectCheckpointInfo]:
-        """Every committed step whose metadata.json reads and validates; a damaged one is
-        skipped with a warning (and kept, for a person to look at)."""
+    def _scan(self, listed: list[tuple[str, int]] | None = None) -> dict[int, ObjectCheckpointInfo]:
+        """Every committed step whose metadata.json reads and validates (from ``listed``, the
+        prefix's listing, or a new one); a damaged one is skipped with a warning (and kept, for a
+        person to look at)."""
+        if listed is None:
+            listed = object_store.list_keys(self.prefix)
         found = {}
-        for step, size in sorted(self._committed_metadata().items()):
+        for step, size in sorted(steps.steps_holding(listed, steps.METADATA_NAME).items()):
             folder = self._step_folder(step)
             where = folder.child(steps.METADATA_NAME)
             if size > documents.METADATA.max_bytes:
@@ -190,16 +183,6 @@ class ObjectStoreCheckpointManager(ManagerBase):
                 continue
             found[step] = ObjectCheckpointInfo(step, folder.url, meta, self.storage_options)
         return found
-
-    def _committed_metadata(self, name: str = steps.METADATA_NAME) -> dict[int, int]:
-        """step -> size of its metadata.json (or ``name``), for every step folder that has one."""
-        committed = {}
-        for key, size in object_store.list_keys(self.prefix):
-            folder, _, rest = key.partition("/")
-            step = steps.step_of(folder)
-            if step is not None and rest == name:
-                committed[step] = size
-        return committed
 
     def _step_folder(self, step: int) -> object_store.Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -263,7 +246,7 @@ class ObjectStoreCheckpointManager(ManagerBase):
             raise
         # The commit. An error here is not proof that it failed (the PUT may have landed and
         # its answer been lost), so the uploaded objects stay: remove_leftovers() finds them.
-        if not self._commit(folder, attempt, document):
+        if not object_store.put_new(folder.child(steps.METADATA_NAME), document):
             self._remove_quietly(folder.child(attempt))
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
         with self._lock:
@@ -296,7 +279,7 @@ class ObjectStoreCheckpointManager(ManagerBase):
             files = {**digests, steps.INDEX_NAME: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
             meta.update(attempt=attempt, files=files)
             committing.append(True)
-            if not self._commit(folder, attempt, _metadata.encode(meta)):
+            if not object_store.put_new(folder.child(steps.METADATA_NAME), _metadata.encode(meta)):
                 committing.clear()  # another writer's commit: ours certainly did not land
                 raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
 
@@ -323,24 +306,10 @@ class ObjectStoreCheckpointManager(ManagerBase):
             self._checkpoints[step] = ObjectCheckpointInfo(step, folder.url, committed, self.storage_options)
         self._apply_retention()
 
-    def _commit(self, folder: object_store.Location, attempt: str, document: bytes) -> bool:
-        """Creates the step's metadata.json; False when another writer's is there."""
-        return object_store.put_new(folder.child(steps.METADATA_NAME), document) or self._committed_by(folder, attempt)
-
-    def _committed_by(self, folder: object_store.Location, attempt: str) -> bool:
-        """Whether the step's metadata.json names ``attempt``: this save's own commit, found
-        existing when a retried PUT followed one whose answer was lost."""
-        where = folder.child(steps.METADATA_NAME)
-        try:
-            meta = documents.parse(documents.METADATA, bytes(object_store.get(where)), where.url)
-        except (FileNotFoundError, documents.DocumentError):
-            return False
-        return meta.get("attempt") == attempt
-
     def _remove_quietly(self, folder: object_store.Location) -> None:
         """Removes what a failed save uploaded; what stays is for remove_leftovers()."""
         try:
-            object_store.remove([folder.child(key) for key, _ in object_store.list_keys(folder)])
+            object_store.remove_under(folder)
         except OSError as e:
             warnings.warn(f"{folder.url}: could not remove a failed save's objects: {e}", RuntimeWarning, stacklevel=3)
 
@@ -359,7 +328,7 @@ class ObjectStoreCheckpointManager(ManagerBase):
         with self._lock:
             self._checkpoints.pop(step, None)
         if self._is_root:
-            object_store.remove([folder.child(key) for key, _ in object_store.list_keys(folder)])
+            object_store.remove_under(folder)
 
     def remove_leftovers(self) -> list[str]:
         """Deletes the objects under step folders that no committed metadata.json names: what
@@ -370,11 +339,12 @@ class ObjectStoreCheckpointManager(ManagerBase):
         Returns the URLs deleted."""
         self._check_writable("remove leftovers")
         self.wait()
-        committed = self._scan()
-        listed = self._committed_metadata()
-        sharded = self._committed_metadata(steps.INDEX_NAME)
+        listing = object_store.list_keys(self.prefix)  # one listing, judged whole
+        committed = self._scan(listing)
+        listed = steps.steps_holding(listing, steps.METADATA_NAME)
+        sharded = steps.steps_holding(listing, steps.INDEX_NAME)
         doomed = []
-        for key, _ in object_store.list_keys(self.prefix):
+        for key, _ in listing:
             folder, _, rest = key.partition("/")
             step = steps.step_of(folder)
             if step is None or not rest or step in sharded:
@@ -388,8 +358,7 @@ class ObjectStoreCheckpointManager(ManagerBase):
                 if rest == steps.METADATA_NAME or in_attempt:
                     continue  # the committed files
             doomed.append(self.prefix.child(key))
-        for start in range(0, len(doomed), 1000):  # S3 deletes up to 1000 keys a request
-            object_store.remove(doomed[start : start + 1000])
+        object_store.remove(doomed)
         return [location.url for location in doomed]
 
     def close(self) -> None:
