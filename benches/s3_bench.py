@@ -59,7 +59,7 @@ def resident_bytes() -> int:
 def child(op: str, gib: float, url: str, options: dict, scratch: str) -> dict:
     import boto3
     import ortckpt
-    from ortckpt import object_store
+    from ortckpt import object_store, targets
 
     bucket, _, key = url[len("s3://") :].partition("/")
     client = boto3.client(
@@ -91,7 +91,7 @@ def child(op: str, gib: float, url: str, options: dict, scratch: str) -> dict:
             client.upload_file(str(path), bucket, key + path.name[len("ckpt") :])
     elif op == "load: boto3 download_file":
         for suffix in ("", ".data"):
-            if object_store.head(object_store.locate(url + suffix, options)) is not None:
+            if object_store.head(targets.object_location(url + suffix, options)) is not None:
                 client.download_file(bucket, key + suffix, str(local) + suffix)
     elif op.startswith("load: ortckpt"):
         lazy = "lazy" in op
@@ -136,13 +136,13 @@ LOADS = [
 
 def bench(server, gib: float, rounds: int) -> list[str]:
     import ortckpt
-    from ortckpt import object_store
+    from ortckpt import object_store, targets
 
     options = server.storage_options()
     url = f"s3://ckpt/bench-{gib}"
     # The object the loads read: ortckpt's own save (external data above 1800 MiB, as ONNX Runtime's).
     ortckpt.save_checkpoint(ortckpt.CheckpointState.from_arrays(arrays(gib)), url, storage_options=options)
-    layout = "external data" if object_store.head(object_store.locate(url + ".data", options)) else "inline"
+    layout = "external data" if object_store.head(targets.object_location(url + ".data", options)) else "inline"
     results: dict[str, list[dict]] = {op: [] for op in SAVES + LOADS}
     for r in range(rounds):
         for op in shuffled(SAVES + LOADS, f"s3 {gib} {r}"):
@@ -152,7 +152,7 @@ def bench(server, gib: float, rounds: int) -> list[str]:
             os.sync()
             results[op].append(run_child(op, gib, target, options))
             if op.startswith("save"):  # the object and its data object, or the manager's prefix
-                location = object_store.locate(target, options)
+                location = targets.object_location(target, options)
                 under = [location.child(key) for key, _ in object_store.list_keys(location)]
                 object_store.remove([location, location.sibling(".data"), *under])
             os.sync()
@@ -170,7 +170,7 @@ def bench(server, gib: float, rounds: int) -> list[str]:
                 f"| {label} | {statistics.median(ts):.2f} | {gib / statistics.median(ts):.2f} | "
                 f"{paired_ratio(ts, base):.2f} | {added:.0f} |"
             )
-    object_store.remove([object_store.locate(url, options), object_store.locate(url + ".data", options)])
+    object_store.remove([targets.object_location(url, options), targets.object_location(url + ".data", options)])
     return [*lines, ""]
 
 

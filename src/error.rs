@@ -21,6 +21,9 @@ pub enum ErrorKind {
     BigEndianHost,
     /// The path names a FIFO, socket or device: what it is, e.g. "a FIFO".
     NotRegularFile(&'static str),
+    /// A lock stayed held past its deadline, or is another user's: why, and who holds it
+    /// as the holder recorded itself (empty when unknown).
+    Locked { problem: String, holder: String },
 }
 
 /// An error with the file and tensor it concerns, where known.
@@ -101,6 +104,7 @@ impl Error {
             ErrorKind::UnsupportedDataType(code) => {
                 format!("unsupported tensor data type {code}")
             }
+            ErrorKind::Locked { problem, .. } => problem.clone(),
             ErrorKind::NotRegularFile(what) => {
                 format!("{what}, not a regular file: refused before reading")
             }

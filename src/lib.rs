@@ -401,19 +401,41 @@ fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
 }
 
 /// Writes `ckpt` to `path` the way ONNX Runtime's state-path saver does (sorted
-/// by name; `ckpt` is sorted in place), replacing any previous file atomically.
+/// by name unless `options.keep_order`), replacing any previous file atomically.
 /// Above `options.external_data_threshold` bytes of values, they go to `<path>.data`.
 ///
 /// # Errors
 /// Invalid states (bytes that disagree with dims, duplicate names) and OS errors,
 /// naming the file and tensor; the previous file at `path` is left intact.
 pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
+    write_staged(path, ckpt, options)?
+        .0
+        .commit(&io::CommitOptions {
+            durable: options.durable,
+            ..io::CommitOptions::default()
+        })
+}
+
+/// Where each tensor's values went in a staged save: (offset, in the data file?), by the
+/// address of the caller's bytes (the tensors' own buffers, which the caller knows).
+pub type PlacedValues = Vec<(usize, u64, bool)>;
+
+/// [`save`] up to, not including, the commit: the files written in full into temporary
+/// files (not fsynced), and where each tensor's values are in them, so that a caller may
+/// fill values in place before [`io::Staged::commit`] publishes them.
+///
+/// # Errors
+/// As [`save`].
+pub fn write_staged(
+    path: &Path,
+    ckpt: &Checkpoint<Payload<'_>>,
+    options: &SaveOptions,
+) -> Result<(io::Staged, PlacedValues)> {
     // Sorted in a copy (names, dims and string values are cloned, tensor bytes never): the
     // caller's order stays. Callers that built the checkpoint for this save can sort it in place
     // and set keep_order, as the Python layer does.
     let encoded = encode_for_stream(ckpt, options.keep_order, options.external_data_threshold)
         .map_err(|e| e.in_file(path))?;
-    let data_path = external_data_path(path);
     let segments = encoded.segments();
     let external = encoded.has_external_data().then(|| encoded.external_data());
     let unobserved = io::Progress::default();
@@ -428,57 +450,24 @@ pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) 
         writeback: options.durable,
         progress,
     };
-    // Both files are written in full before either replaces its target, so a failed save
-    // leaves the previous checkpoint whole. The data file is committed first: the
-    // checkpoint that points into it goes last. A crash between the two renames leaves
-    // the new data beside the old checkpoint; their pair trailers tell, and load then
-    // reads the new checkpoint from its temporary file (see format::pairing).
-    let data = match &external {
-        Some((len, values)) => Some(io::write_pending(&data_path, options.durable, |file| {
-            io::write_at_parallel(file, *len, values, options.threads, &after)
-        })?),
-        None => None,
-    };
-    let mut main = io::write_pending(path, options.durable, |file| {
-        io::write_segments(file, &segments, &after)
-    })?;
-    match data {
-        Some(mut data) => {
-            // Saves of one path from several threads or processes commit one at a time, so
-            // the two renames of one save are never interleaved with another's (which could
-            // leave one save's checkpoint beside another's data file for good).
-            let _lock = io::PathLock::acquire(path)?;
-            data.commit()?;
-            main.commit()?;
-            // Only now, and under the lock: until a save has committed, a crashed save's
-            // temporary checkpoint may be the one that matches the data file (see load).
-            io::remove_stale_temps(&io::pending_temps_of(&[path, &data_path]));
-        }
-        None => {
-            // Inline saves commit without a lock: one rename is atomic by itself.
-            main.commit()?;
-            let stale_data = std::fs::symlink_metadata(&data_path).is_ok();
-            let leftovers = io::pending_temps_of(&[path, &data_path]);
-            if stale_data || !leftovers.is_empty() {
-                // A data file left from an earlier save with external data would mislead, and
-                // leftovers take space. Removed under the commit lock, and only while the
-                // checkpoint is still this save's: a save with external data may have
-                // committed since, and then both files are its own.
-                let _lock = io::PathLock::acquire(path)?;
-                if main.is_target_now() {
-                    match std::fs::remove_file(&data_path) {
-                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                            return Err(Error::from(e).in_file(&data_path))
-                        }
-                        _ => {}
-                    }
-                    io::remove_stale_temps(&leftovers);
-                }
-            }
-        }
+    let mut staged = io::Staged::new(path, external.is_some())?;
+    if let (Some((len, values)), Some(data)) = (&external, staged.data()) {
+        io::write_at_parallel(data.file(), *len, values, options.threads, &after)
+            .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?;
     }
-    if options.durable {
-        io::sync_parent_dir(path)?;
+    io::write_segments(staged.main().file(), &segments, &after)
+        .map_err(|e| Error::from(e).in_file(path))?;
+    let mut placed: PlacedValues = encoded
+        .payload_ranges()
+        .zip(encoded.payload_addresses())
+        .map(|((offset, _), address)| (address, offset as u64, false))
+        .collect();
+    if let Some((_, values)) = &external {
+        placed.extend(
+            values
+                .iter()
+                .map(|(offset, bytes)| (bytes.as_ptr() as usize, *offset, true)),
+        );
     }
-    Ok(())
+    Ok((staged, placed))
 }

@@ -20,6 +20,12 @@ from .dtypes import PackedBits
 
 MappedFile = _core.MappedFile
 SaveProgress = _core.SaveProgress
+# The one commit (the core's io::commit): staged files, directory renames, lock files.
+Staging = _core.Staging
+Lock = _core.Lock
+stage = _core.stage
+rename_directory = _core.rename_directory
+acquire_lock = _core.acquire_lock
 CHECKPOINT_VERSION = _core.CHECKPOINT_VERSION
 DEFAULT_EXTERNAL_DATA_THRESHOLD = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD
 # How the core names its temporary files; Python-side temporaries use the same marker.
@@ -121,28 +127,48 @@ def split_properties(properties: Mapping[str, PropertyValue]) -> tuple[list, lis
     )
 
 
-def save(
-    path: str | os.PathLike[str],
-    trainable: Sequence[Any],
-    frozen: Sequence[Any],
-    groups: Sequence[Any],
-    properties: Mapping[str, PropertyValue],
-    **options: Any,
-) -> None:
-    """Writes a checkpoint atomically; ``options``: ``_core.save``'s keywords (nominal,
-    durable, external_data_threshold, progress, keep_order)."""
-    _core.save(os.fspath(path), trainable, frozen, groups, *split_properties(properties), **options)
+@dataclass(frozen=True)
+class CoreState:
+    """A checkpoint as the core writes it: tensors as (name, code, dims, values) where values
+    are a contiguous byte buffer (the caller's own memory: never copied here), a list of str,
+    or None (nominal); groups as (name, step, learning rate, [(parameter, [momentum tensors])]).
+    What :meth:`ortckpt.CheckpointState.core_state` gives, and every writer takes."""
+
+    trainable: Sequence[Any]
+    frozen: Sequence[Any]
+    groups: Sequence[Any]
+    properties: Mapping[str, PropertyValue]
+    nominal: bool = False
+    keep_order: bool = False  # tensors in the order given, not sorted as ONNX Runtime's state path sorts
+
+    def arguments(self) -> tuple[Any, ...]:
+        return (self.trainable, self.frozen, self.groups, *split_properties(self.properties))
 
 
-def save_bytes(
-    trainable: Sequence[Any],
-    frozen: Sequence[Any],
-    groups: Sequence[Any],
-    properties: Mapping[str, PropertyValue],
-    **options: Any,
-) -> bytes:
+def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None:
+    """Writes a checkpoint atomically (the core's one commit); ``options``: ``_core.save``'s
+    keywords (durable, external_data_threshold, progress)."""
+    _core.save(os.fspath(path), *state.arguments(), nominal=state.nominal, keep_order=state.keep_order, **options)
+
+
+def save_staged(
+    path: str | os.PathLike[str], state: CoreState, **options: Any
+) -> tuple[Staging, dict[int, tuple[int, bool]]]:
+    """:func:`save` written, not committed: the staged files, and where each tensor's values
+    are in them, by the address of the buffer they were given in: {address: (offset, in the
+    data file?)}. The caller may fill values in place (``os.pwrite`` on ``fileno()``), then
+    commits (fsynced then, with ``durable``)."""
+    staged = _core.save(
+        os.fspath(path), *state.arguments(), nominal=state.nominal, keep_order=state.keep_order, commit=False, **options
+    )
+    assert staged is not None
+    staging, placed = staged
+    return staging, {address: (offset, external) for address, offset, external in placed}
+
+
+def save_bytes(state: CoreState) -> bytes:
     """The bytes :func:`save` would write (values must total under 2 GiB)."""
-    return _core.save_bytes(trainable, frozen, groups, *split_properties(properties), **options)
+    return _core.save_bytes(*state.arguments(), nominal=state.nominal, keep_order=state.keep_order)
 
 
 # One piece of a checkpoint being streamed: metadata bytes, or a tensor's own byte buffer.
@@ -150,17 +176,17 @@ Segment = Any
 
 
 def encode_segments(
-    trainable: Sequence[Any],
-    frozen: Sequence[Any],
-    groups: Sequence[Any],
-    properties: Mapping[str, PropertyValue],
-    **options: Any,
+    state: CoreState, *, external_data_threshold: int
 ) -> tuple[list[Segment], tuple[int, list[tuple[int, Segment]]] | None]:
     """The files :func:`save` would write, as pieces to stream: (the checkpoint's segments in
     order, None or (the external data file's length, [(offset, segment)], zeros between)).
-    Tensor segments are the caller's own buffers (no copy); ``options``: nominal,
-    external_data_threshold, keep_order."""
-    main, external = _core.encode_segments(trainable, frozen, groups, *split_properties(properties), **options)
+    Tensor segments are the caller's own buffers (no copy)."""
+    main, external = _core.encode_segments(
+        *state.arguments(),
+        nominal=state.nominal,
+        keep_order=state.keep_order,
+        external_data_threshold=external_data_threshold,
+    )
     return main, external
 
 

@@ -1,4 +1,5 @@
 # Type stubs for the Rust extension module ortckpt._core (checked by mypy's stubtest in `make test-wheel`).
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, final
@@ -8,13 +9,18 @@ __all__ = [
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
     "PAYLOAD_ALIGNMENT",
     "TEMP_MARKER",
+    "Lock",
     "MappedFile",
     "SaveProgress",
+    "Staging",
+    "acquire_lock",
     "encode_segments",
     "load",
     "load_buffer",
+    "rename_directory",
     "save",
     "save_bytes",
+    "stage",
 ]
 
 CHECKPOINT_VERSION: int
@@ -38,6 +44,29 @@ class SaveProgress:
     def total(self) -> int: ...
     @property
     def written(self) -> int: ...
+
+@final
+class Staging:
+    """Files being written that replace a target (and its data file) only when committed."""
+    def fileno(self, data: bool = False) -> int: ...
+    @property
+    def target(self) -> str: ...
+    def temporary(self, data: bool = False) -> str: ...
+    def commit(self, *, durable: bool = False, lock_timeout: float | None = None) -> None: ...
+    def discard(self) -> None: ...
+
+@final
+class Lock:
+    """A held lock file (acquire_lock)."""
+    def release(self) -> None: ...
+    @property
+    def held(self) -> bool: ...
+
+def stage(target: str | os.PathLike[str], *, with_data: bool = False) -> Staging: ...
+def rename_directory(
+    source: str | os.PathLike[str], target: str | os.PathLike[str], *, durable: bool = False
+) -> None: ...
+def acquire_lock(path: str | os.PathLike[str], *, timeout: float, record: str = "") -> Lock | None: ...
 
 # (name, ONNX type code, dims, values): values are a contiguous byte buffer, a list of str, or None (nominal).
 _TensorIn = tuple[str, int, Sequence[int], Any]
@@ -74,7 +103,8 @@ def save(
     external_data_threshold: int = ...,
     progress: SaveProgress | None = None,
     keep_order: bool = False,
-) -> None: ...
+    commit: bool = True,
+) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],

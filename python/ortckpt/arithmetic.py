@@ -37,7 +37,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _boundary, object_store, safe_io
+from . import _boundary, safe_io, targets
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, OptimizerGroup
 from .dtypes import PackedBits
@@ -322,7 +322,7 @@ def _combine(
                 source.done_with(part)
             yield start, result
 
-    if out is None or object_store.is_url(out):
+    if out is None or targets.is_object_url(out):
         arrays: dict[tuple[str, ...], Any] = dict(plan.copied)
         for key, (dtype, shape, _) in plan.combined.items():
             result = np.empty(shape, dtype)
@@ -335,37 +335,39 @@ def _combine(
             CheckpointState.save_checkpoint(state, out, include_optimizer_state=bool(groups), **save_options)
         return state
 
-    # Streaming: a file of the result's layout with zeros where combined values go (zeros from
-    # calloc cost no memory), filled in place chunk by chunk, then renamed into place.
+    # Streaming: the result's files staged by the core with zeros where combined values go
+    # (zeros from calloc cost no memory), filled in place chunk by chunk, then put in place by
+    # the core's one commit (the same as every save's).
+    options = dict(save_options)
+    durable = bool(options.pop("durable", False))
+    threshold = options.pop("external_data_threshold", _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD)
+    if options:
+        raise TypeError(f"{what}() got unexpected save options: {', '.join(sorted(options))}")
     template = dict(plan.copied)
     for key, (dtype, shape, _) in plan.combined.items():
         template[key] = np.zeros(shape, dtype)
-    staged_state = _state_of(sources[0].state, template, properties, groups)
     path = Path(out)
-    with safe_io.staging_directory(path) as staging:
-        staged = staging / path.name
-        CheckpointState.save_checkpoint(staged_state, staged, include_optimizer_state=bool(groups), **save_options)
-        del staged_state, template
-        layout = _boundary.load(staged, follow_symlinks=False)
-        where = _offsets(layout)
-        del layout
-        durable = bool(save_options.get("durable"))
-        for external, target in ((False, staged), (True, Path(f"{staged}.data"))):
-            keys = [key for key in plan.combined if where[key][1] == external]
-            if keys:  # one open (and fsync) per file, every chunk of its tensors written in turn
+    core = _state_of(sources[0].state, template, properties, groups).core_state(bool(groups))
+    staging, placed = _boundary.save_staged(path, core, external_data_threshold=threshold)
+    try:
+        # Where each combined tensor's zeros went: found by the address of its template array.
+        where = {
+            key: placed[template[key].__array_interface__["data"][0]] for key in plan.combined if template[key].nbytes
+        }
+        del core, template
+        for external in (False, True):
+            keys = [key for key in where if where[key][1] == external]
+            if keys:  # every chunk of the file's tensors written in turn
                 writes = (
                     (where[key][0] + start * plan.combined[key][0].itemsize, part.view(np.uint8))
                     for key in keys
                     for start, part in chunks(key)
                 )
-                safe_io.pwrite_all(target, writes, durable=durable)
-        safe_io.publish_staged(staging, path, durable=durable)
+                safe_io.pwrite_all(staging.fileno(data=external), writes, Path(f"{path}.data") if external else path)
+        staging.commit(durable=durable)
+    finally:
+        staging.discard()
     return CheckpointState.load_checkpoint(path)
-
-
-def _offsets(loaded: _boundary.Loaded) -> dict[tuple[str, ...], tuple[int, bool]]:
-    """Where each tensor's bytes are in a loaded file: (offset, in the data file?)."""
-    return {key: (stored[0], stored[2]) for key, (*_, stored) in loaded.tensors() if isinstance(stored, tuple)}
 
 
 def _state_of(

@@ -22,7 +22,6 @@ from . import dtypes as _dt
 from ._boundary import PropertyValue, TensorRecord, as_bytes
 from .dtypes import PackedBits
 from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError, UnsupportedDataTypeError
-from .progress import save_progress
 
 TensorValue = np.ndarray | PackedBits
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -153,16 +152,6 @@ def _strings_of(name: str, value: Any) -> list[str]:
                 "an object array is saved as a STRING tensor, which holds text only"
             )
     return out
-
-
-def _is_file_object(target: Any) -> bool:
-    """A binary file object (or anything with read/write), as opposed to a path."""
-    return not isinstance(target, (str, bytes, os.PathLike)) and (hasattr(target, "read") or hasattr(target, "write"))
-
-
-def _is_object_url(target: Any) -> bool:
-    """An object store URL (``s3://bucket/key``; see ortckpt.object_store)."""
-    return isinstance(target, str) and target.startswith("s3://")
 
 
 def _dtype_text(value: TensorValue) -> str:
@@ -382,13 +371,14 @@ class CheckpointState:
         :mod:`ortckpt.object_store`); its external data file, if any, is read a tensor at a time
         by ranged GETs on first use, or downloaded whole when ``lazy`` is False.
         """
-        if _is_file_object(checkpoint_uri):
-            return cls.from_bytes(checkpoint_uri.read())  # type: ignore[union-attr]
-        if _is_object_url(checkpoint_uri):
-            from . import object_store  # only for s3:// URLs: `import ortckpt` stays small
+        from . import targets  # (on first use: `import ortckpt` stays small)
 
-            return cls._over(object_store.load(checkpoint_uri, storage_options, lazy=lazy))  # type: ignore[arg-type]
-        return open_checkpoint(checkpoint_uri)  # type: ignore[arg-type]
+        target = targets.checkpoint(checkpoint_uri, storage_options)
+        if isinstance(target, targets.StreamFile):
+            return cls.from_bytes(target.read())
+        if isinstance(target, targets.ObjectFile):
+            return cls._over(target.load(lazy=lazy))
+        return open_checkpoint(target.path)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview | Any) -> CheckpointState:
@@ -409,17 +399,16 @@ class CheckpointState:
         """The checkpoint file :meth:`save_checkpoint` would write, as ``bytes`` (each
         tensor's bytes copied once, into the result). Values must total under 2 GiB: in
         memory there is no external data file."""
-        return _boundary.save_bytes(
-            *self._core_tensors(include_optimizer_state), self._properties, nominal=self.is_nominal
-        )
+        return _boundary.save_bytes(self.core_state(include_optimizer_state))
 
-    def _core_tensors(self, include_optimizer_state: bool) -> tuple[list, list, list]:
-        """(trainable, frozen, optimizer groups) as ``_boundary.save`` takes them."""
+    def core_state(self, include_optimizer_state: bool) -> _boundary.CoreState:
+        """The state as the core writes it: every value handed over as the array's own
+        memory (never copied), for the writers (files, objects, streams) to save."""
         nominal = self.is_nominal
         trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
         frozen = [self._tensor(n).to_core(nominal) for n in self._frozen]
         groups = self._groups_to_core() if include_optimizer_state else []
-        return trainable, frozen, groups
+        return _boundary.CoreState(trainable, frozen, groups, self._properties, nominal)
 
     @property
     def format_version(self) -> int:
@@ -458,8 +447,9 @@ class CheckpointState:
 
         Args:
             state: The checkpoint state object.
-            checkpoint_uri: The path to the checkpoint file, or a binary file object that
-                receives :meth:`to_bytes` (then nothing but ``include_optimizer_state`` applies).
+            checkpoint_uri: The path to the checkpoint file, an ``s3://bucket/key`` URL, or a
+                binary file object that receives :meth:`to_bytes`, every byte or an error (then
+                nothing but ``include_optimizer_state`` applies).
             include_optimizer_state: If True, the optimizer state is also saved to the checkpoint file.
             external_data_threshold: When the tensor values (momentums included) total more bytes
                 than this (1800 MiB by default, as in ONNX Runtime), they go to
@@ -476,35 +466,16 @@ class CheckpointState:
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
-        if _is_file_object(checkpoint_uri):
-            checkpoint_uri.write(state.to_bytes(include_optimizer_state))  # type: ignore[union-attr]
-            return
-        if _is_object_url(checkpoint_uri):
-            from . import object_store
+        from . import targets  # (on first use: `import ortckpt` stays small)
 
-            object_store.save(
-                checkpoint_uri,  # type: ignore[arg-type]
-                state,
-                include_optimizer_state,
-                storage_options,
-                external_data_threshold=external_data_threshold,
-            )
-            return
-        nominal = state.is_nominal
-        trainable, frozen, groups = state._core_tensors(include_optimizer_state)
-        path = os.fspath(checkpoint_uri)  # type: ignore[arg-type]
-        with save_progress(progress, f"saving {os.path.basename(path)}") as counter:
-            _boundary.save(
-                path,
-                trainable,
-                frozen,
-                groups,
-                state._properties,
-                nominal=nominal,
-                external_data_threshold=external_data_threshold,
-                durable=durable,
-                progress=counter,
-            )
+        target = targets.checkpoint(checkpoint_uri, storage_options)
+        core = state.core_state(include_optimizer_state)
+        if isinstance(target, targets.StreamFile):
+            target.save(core)
+        elif isinstance(target, targets.ObjectFile):
+            target.save(core, external_data_threshold=external_data_threshold)
+        else:
+            target.save(core, external_data_threshold=external_data_threshold, durable=durable, progress=progress)
 
     @classmethod
     def from_arrays(

@@ -197,16 +197,23 @@ def decompress(
 ) -> Path:
     """Writes the checkpoint held in the archive ``src`` back to ``dst`` (and ``dst.data``),
     byte for byte as it was compressed; every file's size and SHA-256 are checked
-    (:class:`~ortckpt.CheckpointIntegrityError`) before it replaces anything. Returns ``dst``.
+    (:class:`~ortckpt.CheckpointIntegrityError`), the whole archive before anything is
+    replaced. Returns ``dst``.
     Without ``follow_symlinks``, a symlink at ``src`` is refused (for an archive a step names)."""
     dst = Path(dst)
     with safe_io.open_regular(src, follow_symlinks=follow_symlinks) as archive:
         footer = read_footer(archive, os.fspath(src))
-        # The external data file first: the checkpoint that refers to it comes last.
-        for entry in reversed(footer["files"]):
-            target = dst if entry["role"] == "checkpoint" else Path(f"{dst}.data")
-            with safe_io.atomic_file(target, durable=durable) as out:
-                _restore(archive, entry, footer["block_elements"], out, os.fspath(src))
+        # Every file is decompressed and checked into the core's staged files first; only then
+        # does the one commit put them in place (the data file first, the checkpoint last).
+        staged = _boundary.stage(os.fspath(dst), with_data=len(footer["files"]) > 1)
+        try:
+            for entry in footer["files"]:
+                external = entry["role"] != "checkpoint"
+                with safe_io.staged_writer(staged.fileno(data=external)) as out:
+                    _restore(archive, entry, footer["block_elements"], out, os.fspath(src))
+            staged.commit(durable=durable)
+        finally:
+            staged.discard()
     return dst
 
 

@@ -49,7 +49,16 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """A :class:`~ortckpt.CheckpointManager` already holds a checkpoint for this step."""
 
 
-class CheckpointDirectoryInUseError(CheckpointError):
+class CheckpointLockedError(CheckpointError):
+    """A lock ortckpt needs stayed held by another process past its deadline (a save waits
+    at most ``lock_timeout`` for another save of the same path to commit), or belongs to
+    another user (ortckpt locks only files its own user created, so that nobody else can
+    hold them). ``filename`` is the lock file; ``holder`` who holds it, as it recorded itself."""
+
+    holder: object = None
+
+
+class CheckpointDirectoryInUseError(CheckpointLockedError):
     """Another writer (a :class:`~ortckpt.CheckpointManager`, or a sharded save) holds this
     directory. ``holder`` says who, as that writer recorded it (pid, host, start time,
     command), as far as it could be read; ``filename`` is the directory."""
@@ -88,6 +97,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointFormatError",
     "CheckpointIntegrityError",
+    "CheckpointLockedError",
     "CheckpointStateError",
     "InternalError",
     "SpecialFileError",

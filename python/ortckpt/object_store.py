@@ -1,4 +1,5 @@
-"""Checkpoints in S3-compatible object storage: ``s3://bucket/key`` wherever a path is taken.
+"""S3-compatible object storage: moving bytes to and from objects, and nothing of checkpoints
+(:mod:`ortckpt.targets` turns checkpoints into the pieces uploaded here, and back).
 
 The client is obstore (the Python binding of the Rust ``object_store`` crate, which Apache
 Arrow maintains). Chosen by measurement against boto3 on a local S3 server (benches/README.md):
@@ -9,17 +10,11 @@ puts conditionally (``mode="create"``), which commits a manager's step and a sha
 two writers of one step, one wins). s3fs was not a candidate: next to a current boto3 it resolves to a
 years-old release.
 
-A save streams: the core encodes the checkpoint as segments (metadata it copies out, and the
-caller's own tensor buffers), which go to a multipart upload in parts of :data:`PART_BYTES`,
-at most :data:`PARTS_IN_FLIGHT` at once; nothing is staged on disk, and memory is bounded by
-the parts in flight. An object only becomes visible when its upload completes; a failed upload
-is aborted; a killed one stays invisible. With external data, ``key.data`` is uploaded before
-``key``, and the pair trailers the two share tell a mismatched pair on load.
-
-A load downloads ``key`` (the metadata and inline values) into memory. An external data file
-``key.data`` is read lazily, one ranged GET per tensor on first use, or downloaded whole with
-``lazy=False``; either way each read names the object's ETag, so an object replaced after the
-load began is an error, never a mix of two saves.
+An upload streams buffers (the caller's own memory, never copied) to a multipart upload in
+parts of :data:`PART_BYTES`, at most :data:`PARTS_IN_FLIGHT` at once; memory is bounded by the
+parts in flight. An object only becomes visible when its upload completes; a failed upload is
+aborted; a killed one stays invisible. Reads may name the ETag of the version they expect, so
+an object replaced meanwhile is an error, never a mix of two versions.
 
 Configuration, as boto3 finds it: ``storage_options`` first (``endpoint_url``, ``region``,
 ``access_key_id``/``key``, ``secret_access_key``/``secret``, ``session_token``/``token``,
@@ -37,62 +32,37 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _boundary
-from .errors import CheckpointError, CheckpointStateError, ObjectStoreError
+from .errors import ObjectStoreError
 
-SCHEME = "s3://"
 # Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
 PART_BYTES = 16 << 20
 PARTS_IN_FLIGHT = 8
-# The pair trailer (see the core's format::pairing) that ends a checkpoint and its data file.
-PAIR_TRAILER_BYTES = 32
-
-
-def is_url(target: Any) -> bool:
-    """Whether ``target`` names an object (``s3://bucket/key``) rather than a local path."""
-    return isinstance(target, str) and target.startswith(SCHEME)
 
 
 @dataclass(frozen=True)
 class Location:
-    """One object: its store (a bucket, configured) and key."""
+    """One object, or a prefix: its store (a bucket, configured), key, and URL (for messages;
+    :mod:`ortckpt.targets` parses and makes URLs)."""
 
     store: Any
     bucket: str
     key: str
-
-    @property
-    def url(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}"
+    url: str
 
     def child(self, name: str) -> Location:
         """The object ``name`` under this one taken as a prefix."""
-        return Location(self.store, self.bucket, f"{self.key.rstrip('/')}/{name}" if self.key else name)
+        key = f"{self.key.rstrip('/')}/{name}" if self.key else name
+        return Location(self.store, self.bucket, key, f"{self.url.rstrip('/')}/{name}")
 
     def sibling(self, suffix: str) -> Location:
         """The object whose key is this one's plus ``suffix`` (``.data``)."""
-        return Location(self.store, self.bucket, self.key + suffix)
+        return Location(self.store, self.bucket, self.key + suffix, self.url + suffix)
 
 
-def locate(url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
-    """The object ``url`` names, its store configured from ``storage_options``, the
-    environment and the AWS profile files."""
-    if not is_url(url):
-        raise ValueError(f"not an object URL ({SCHEME}bucket/key): {url!r}")
-    bucket, _, key = url[len(SCHEME) :].partition("/")
-    if not bucket:
-        raise ValueError(f"{url!r} names no bucket")
-    if any(part in (".", "..") for part in key.split("/")) or "//" in key.strip("/"):
-        raise ValueError(f"{url!r}: a key with empty, '.' or '..' segments is refused")
-    return Location(_store(bucket, dict(storage_options or {})), bucket, key.strip("/"))
-
-
-def _object(url: str, storage_options: Mapping[str, Any] | None) -> Location:
-    """:func:`locate` for a checkpoint, which needs a key, not only a bucket."""
-    location = locate(url, storage_options)
-    if not location.key:
-        raise ValueError(f"{url!r} names a bucket, not an object: s3://bucket/key")
-    return location
+def location(bucket: str, key: str, url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
+    """The object ``key`` of ``bucket`` (``url`` names it in messages), its store configured
+    from ``storage_options``, the environment and the AWS profile files."""
+    return Location(_store(bucket, dict(storage_options or {})), bucket, key, url)
 
 
 def _store(bucket: str, options: dict[str, Any]) -> Any:
@@ -125,7 +95,7 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
         settings: dict[str, Any] = {"config": config, "client_options": client_options}
         return S3Store(bucket, **settings, retry_config=retry_config or None)  # type: ignore[arg-type]
     except Exception as e:  # obstore's configuration errors
-        raise ValueError(f"{SCHEME}{bucket}: {e}") from e
+        raise ValueError(f"bucket {bucket}: {e}") from e
 
 
 _ENVIRONMENT = {
@@ -356,110 +326,29 @@ def remove_under(location: Location) -> None:
     remove([location.child(key) for key, _ in list_keys(location)])
 
 
-class RemoteRanges:
-    """An external data file read lazily: each tensor's bytes by one ranged GET on first use,
-    of the version the load saw (its ETag)."""
+def download_to(
+    location: Location, fd: int, *, expected_size: int | None = None, etag: str | None = None, digest: Any = None
+) -> int:
+    """Streams the object into the open file ``fd`` (one chunk in memory at a time), feeding
+    ``digest`` (a hashlib object) if given; returns its size. ObjectStoreError when it is not
+    ``expected_size`` bytes."""
+    import obstore
 
-    def __init__(self, location: Location, size: int, etag: str | None) -> None:
-        self.location = location
-        self.size = size
-        self.etag = etag
+    def read() -> int:
+        options: Any = {"if_match": etag} if etag else None
+        size = 0
+        for chunk in obstore.get(location.store, location.key, options=options).stream(min_chunk_size=PART_BYTES):
+            view = memoryview(chunk).cast("B")
+            if digest is not None:
+                digest.update(view)
+            if expected_size is not None and size + view.nbytes > expected_size:
+                raise ObjectStoreError(location.url, f"more than the {expected_size} bytes expected")
+            while view:
+                written = os.pwrite(fd, view, size)
+                view, size = view[written:], size + written
+        return size
 
-    def read_range(self, offset: int, nbytes: int) -> Any:
-        return get_range(self.location, offset, nbytes, self.etag)
-
-
-def save(
-    url: str,
-    state: Any,
-    include_optimizer_state: bool,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    external_data_threshold: int,
-) -> None:
-    """Uploads ``state`` (a CheckpointState, not imported here: it imports this module) as
-    the checkpoint ``url`` (and ``url.data`` with external data, first), replacing what is
-    there: a data object a previous save left is removed when this one has none."""
-    location = _object(url, storage_options)
-    data = location.sibling(".data")
-    uploaded = save_at(location, state, include_optimizer_state, external_data_threshold, hashed=False)
-    if data.key.rsplit("/", 1)[-1] not in uploaded:  # no data this time: a previous save's is not this one's
-        remove([data])
-
-
-def save_at(
-    location: Location,
-    state: Any,
-    include_optimizer_state: bool,
-    external_data_threshold: int,
-    *,
-    hashed: bool = True,
-) -> dict[str, dict[str, Any]]:
-    """Uploads ``state`` to a fresh key. Returns what was uploaded, as a manager's metadata
-    records files: {last part of the key: {"bytes": size, "sha256": hex digest}}, each
-    SHA-256 taken from the bytes as they went (without ``hashed``, sizes alone)."""
-    import hashlib
-
-    trainable, frozen, groups = state._core_tensors(include_optimizer_state)
-    main, external = _boundary.encode_segments(
-        trainable,
-        frozen,
-        groups,
-        state._properties,
-        nominal=state.is_nominal,
-        external_data_threshold=external_data_threshold,
-        keep_order=False,
-    )
-    name = location.key.rsplit("/", 1)[-1]
-    uploads: list[tuple[Location, str, Iterable[Any]]] = [(location, name, main)]
-    if external is not None:  # the data object first: the checkpoint names it
-        size, parts = external
-        uploads.insert(0, (location.sibling(".data"), name + ".data", _filled(size, parts)))
-    uploaded: dict[str, dict[str, Any]] = {}
-    for where, file, pieces in uploads:
-        digest = hashlib.sha256() if hashed else None
-        uploaded[file] = {"bytes": put_stream(where, pieces, digest)}
-        if digest is not None:
-            uploaded[file]["sha256"] = digest.hexdigest()
-    return uploaded
-
-
-def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
-    """The external data file's pieces in order, zeros where nothing is placed."""
-    at = 0
-    for offset, piece in parts:
-        if offset > at:
-            yield bytes(offset - at)
-        yield piece
-        at = offset + memoryview(piece).nbytes
-    if size > at:
-        yield bytes(size - at)
-
-
-def load(url: str, storage_options: Mapping[str, Any] | None = None, *, lazy: bool = True) -> _boundary.Loaded:
-    """Downloads the checkpoint ``url`` and opens it; its external data, if any, is read lazily
-    (or downloaded whole without ``lazy``)."""
-    return load_at(_object(url, storage_options), lazy=lazy)
-
-
-def load_at(location: Location, *, lazy: bool = True) -> _boundary.Loaded:
-    """:func:`load` of a located object."""
-    view = memoryview(get(location))  # one GET: one version of the object, whole
-    data = location.sibling(".data")
-    data_head = head(data)
-    if data_head is None:
-        try:
-            return _boundary.load_buffer(view)
-        except CheckpointStateError as e:  # it has external data, and the data object is gone
-            raise FileNotFoundError(2, "no such object (the checkpoint's external data)", data.url) from e
-        except CheckpointError as e:
-            e.filename = location.url
-            raise
-    tail_start = max(0, data_head.size - PAIR_TRAILER_BYTES)
-    tail = bytes(get_range(data, tail_start, data_head.size - tail_start, data_head.etag))
-    external: Any = RemoteRanges(data, data_head.size, data_head.etag) if lazy else get(data, data_head.etag)
-    try:
-        return _boundary.load_buffer_paired(view, external, data_head.size, tail)
-    except CheckpointError as e:
-        e.filename = location.url
-        raise
+    size = _calling(location, read)
+    if expected_size is not None and size != expected_size:
+        raise ObjectStoreError(location.url, f"{size} bytes, {expected_size} expected")
+    return size

@@ -3,12 +3,12 @@
 The rules, kept in one place so that no caller can forget one (a test fails if other modules
 call ``open`` for writing, ``os.replace`` or ``mkdir`` themselves):
 
-- Files are created exclusively (O_CREAT|O_EXCL|O_NOFOLLOW), so a symlink or file planted at
-  the name is never written through: a temporary file gets a fresh unpredictable name (128
-  random bits) and is renamed over its target, which replaces a planted symlink rather than
-  following it.
-- A temporary file is locked (flock) by its writer until renamed, as the Rust core's are: a
-  cleaner removes only files whose lock it can take (see ``src/io/locks.rs``).
+- A file that replaces another is written through the core's one commit (``src/io/commit.rs``,
+  :func:`atomic_file`): a locked temporary file of an unpredictable name, renamed over its
+  target under the target's commit lock, which replaces a planted symlink rather than
+  following it. Python itself renames nothing into place.
+- Files in a directory this process has just created privately are created exclusively
+  (O_CREAT|O_EXCL|O_NOFOLLOW) by :func:`write_new`.
 - Files are opened for reading only if they are regular files, checked on the open file
   descriptor (O_NONBLOCK, so a FIFO never blocks the open): a directory is IsADirectoryError,
   anything else SpecialFileError.
@@ -24,7 +24,6 @@ import fcntl
 import io
 import os
 import re
-import secrets
 import shutil
 import stat
 import tempfile
@@ -33,18 +32,13 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-from ._boundary import TEMP_MARKER
+from . import _boundary
 from .errors import CheckpointFormatError, SpecialFileError
 
 FILE_MODE = 0o644  # before the umask, as for any file a program creates
 _NAME_ATTEMPTS = 16
 # What a name read from a document may be: one path component, no separators, not . or ..
 _PLAIN_NAME = re.compile(r"[^/\x00]{1,255}")
-
-
-def temp_name(name: str) -> str:
-    """A hidden, unpredictable sibling name for a file being written to ``name``."""
-    return f".{name}{TEMP_MARKER}{secrets.token_hex(16)}"
 
 
 def _with_filename(e: OSError, path: os.PathLike[str] | str) -> OSError:
@@ -93,76 +87,50 @@ def still_named(fd: int, path: Path) -> bool:
     return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
-def _new_locked_temp(path: Path) -> tuple[Path, int]:
-    """A fresh temporary file beside ``path``: created exclusively, locked by us."""
-    last: OSError | None = None
-    for _ in range(_NAME_ATTEMPTS):
-        temp = path.parent / temp_name(path.name)
-        try:
-            fd = create_exclusive(temp, lock=True)
-        except FileExistsError as e:  # planted, or a 1-in-2^128 coincidence: another name
-            last = e
-            continue
-        if still_named(fd, temp):
-            return temp, fd
-        os.close(fd)  # a cleaner took it for a dead save's before we locked it: another name
-    raise last or FileExistsError(errno.EEXIST, "no temporary name was free", os.fspath(path.parent))
-
-
 @contextmanager
 def atomic_file(path: str | os.PathLike[str], *, durable: bool = False) -> Iterator[IO[bytes]]:
-    """A file to write that replaces ``path`` when the block ends, all or nothing: it is a
-    locked temporary file of a fresh name beside ``path``, renamed over it at the end. On any
-    failure the temporary file goes and ``path`` is as it was; OS errors name ``path`` (a
-    full disk says which file could not be written). After the rename, temporary files of
-    earlier saves to ``path`` whose writers are gone (killed mid-save) are removed."""
-    path = Path(path)
-    temp, fd = _new_locked_temp(path)
+    """A file to write that replaces ``path`` when the block ends, all or nothing, through the
+    core's one commit (a locked temporary file beside ``path``, renamed over it under its commit
+    lock; temporary files of saves killed earlier are swept). On any failure the temporary
+    file goes and ``path`` is as it was; OS errors name ``path``."""
+    staging = _boundary.stage(os.fspath(path))
     try:
         try:
-            with open(fd, "wb", closefd=False) as f:
+            with staged_writer(staging.fileno()) as f:
                 yield f
-            if durable:
-                os.fsync(fd)
-            os.replace(temp, path)
         except OSError as e:
             raise _with_filename(e, path) from None
-    except BaseException:
-        _unlink_quietly(temp)
-        raise
+        staging.commit(durable=durable)
     finally:
-        os.close(fd)
-    if durable:
-        fsync_directory(path.parent)
-    remove_abandoned_temps(path)
+        staging.discard()  # (nothing left to discard once committed)
 
 
-def remove_abandoned_temps(path: Path) -> None:
-    """Removes the temporary files of saves to ``path`` that no writer holds locked (as the Rust
-    core does for checkpoints): a held lock means a live save, in any process, and is left alone."""
-    prefix = f".{path.name}{TEMP_MARKER}"
-    for entry in entries(path.parent):
-        if not entry.name.startswith(prefix):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its writer lives
-                if still_named(fd, Path(entry.path)):
-                    os.unlink(entry.path)
-        except OSError:
-            pass  # alive, or no locks on this filesystem: nothing proves it abandoned
-        finally:
-            os.close(fd)
+def staged_writer(fd: int) -> IO[bytes]:
+    """A binary file object over a staged file's descriptor (``Staging.fileno()``), which it
+    leaves open: the core owns it."""
+    return open(fd, "wb", closefd=False)
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes, *, durable: bool = False) -> None:
     """Replaces ``path`` with ``data``, as :func:`atomic_file`."""
     with atomic_file(path, durable=durable) as f:
         f.write(data)
+
+
+def write_stream(stream: Any, data: Any) -> None:
+    """Writes every byte of ``data`` to a binary stream, or raises: a raw stream's ``write``
+    may take fewer bytes than given (its count is checked), or none (None: it would block)."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = stream.write(view)
+        if written is None:
+            raise BlockingIOError(errno.EAGAIN, "the stream took no bytes (it would block)")
+        if not isinstance(written, int) or not 0 < written <= view.nbytes:
+            raise OSError(errno.EIO, f"the stream's write() returned {written!r} for {view.nbytes} bytes")
+        view = view[written:]
+    flush = getattr(stream, "flush", None)
+    if flush is not None:
+        flush()
 
 
 def write_new(path: Path, data: bytes, *, durable: bool = False) -> None:
@@ -217,6 +185,24 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
     except BaseException:
         os.close(fd)
         raise
+
+
+def sha256_of(path: Path, on_bytes: Any = None) -> tuple[int, str]:
+    """(size, SHA-256) of a regular file, opened without following a symlink (hashlib releases
+    the GIL on large chunks); ``on_bytes(n)`` after each chunk."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    buffer = bytearray(8 << 20)
+    view = memoryview(buffer)
+    size = 0
+    with open_regular(path, follow_symlinks=False) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            size += n
+            if on_bytes:
+                on_bytes(n)
+    return size, digest.hexdigest()
 
 
 def special_file(path: str | os.PathLike[str], mode: int) -> SpecialFileError:
@@ -312,60 +298,17 @@ def current_umask() -> int:
     return 0o022
 
 
-@contextmanager
-def staging_directory(target: Path) -> Iterator[Path]:
-    """A private directory beside ``target`` for a library that writes files by name itself
-    (onnx's external data), removed with whatever is left in it when the block ends."""
-    staging = target.parent / f".{target.name}.ortckpt-staging.{secrets.token_hex(16)}"
-    make_private_directory(staging)
+def pwrite_all(fd: int, writes: Iterable[tuple[int, Any]], path: Path) -> None:
+    """Writes each (offset, bytes) into the open file ``fd`` (a staged file of the core's),
+    short writes continued; OS errors name ``path``."""
     try:
-        yield staging
-    finally:
-        remove_tree_quietly(staging)
-
-
-def publish_staged(staging: Path, target: Path, *, durable: bool = False) -> None:
-    """Moves ``staging/<name>`` over ``target`` (whose name it has), its ``<name>.data`` first
-    when one was staged (the file that points into it goes last); without one, an earlier
-    ``<target>.data``, which the new file does not use, is removed."""
-    data = f"{target.name}.data"
-    if (staging / data).exists():
-        move_into_place(staging, target.parent, [data, target.name])
-    else:
-        move_into_place(staging, target.parent, [target.name])
-        _unlink_quietly(target.parent / data)
-    if durable:
-        fsync_directory(target.parent)
-
-
-def move_into_place(staging: Path, directory: Path, names: Iterable[str]) -> None:
-    """Renames files of a staging directory over their namesakes in ``directory``, in order."""
-    for name in names:
-        try:
-            os.replace(staging / name, directory / name)
-        except OSError as e:
-            raise _with_filename(e, directory / name) from None
-
-
-def pwrite_all(path: Path, writes: Iterable[tuple[int, Any]], *, durable: bool = False) -> None:
-    """Writes each (offset, bytes) into the existing regular file ``path`` (not following a
-    symlink; never creating it): for files of a private staging directory filled in place."""
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise special_file(path, mode)
         for start, data in writes:
             view, offset = memoryview(data).cast("B"), start
             while view:
                 written = os.pwrite(fd, view, offset)
                 view, offset = view[written:], offset + written
-        if durable:
-            os.fsync(fd)
     except OSError as e:
         raise _with_filename(e, path) from None
-    finally:
-        os.close(fd)
 
 
 def remove_tree(path: Path) -> None:

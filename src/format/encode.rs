@@ -77,6 +77,14 @@ impl<'a> Encoded<'a> {
         self.payloads.iter().map(|&(at, bytes)| (at, bytes.len()))
     }
 
+    /// The address of each inline value's bytes (the caller's memory), in the order of
+    /// [`Encoded::payload_ranges`].
+    pub fn payload_addresses(&self) -> impl Iterator<Item = usize> + '_ {
+        self.payloads
+            .iter()
+            .map(|&(_, bytes)| bytes.as_ptr() as usize)
+    }
+
     /// Whether the checkpoint needs its external data file.
     pub fn has_external_data(&self) -> bool {
         self.has_external_data

@@ -1,13 +1,10 @@
-//! Atomic replacement: write a temporary file beside the target, then rename.
-//!
-//! A crash or error at any point leaves the target either as it was or complete.
-//! Renaming (not writing in place) also keeps any live mapping of the old file
-//! valid: the old inode lives on until its last mapping goes.
+//! Temporary files beside their targets, and the writers that fill them.
 //!
 //! Temporary files are created exclusively (O_EXCL, O_NOFOLLOW) under unpredictable
 //! names, so nothing planted in the directory is ever written through, and each is
 //! locked by its writer until committed (see [`super::locks`]): a cleaner removes only
-//! those whose writer is gone, whatever their names say.
+//! those whose writer is gone, whatever their names say. [`super::commit`] renames them
+//! into place.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, IoSlice, Write};
@@ -43,9 +40,12 @@ pub fn temp_path_for(target: &Path) -> PathBuf {
     target.with_file_name(format!(".{name}{TEMP_MARKER}{random}"))
 }
 
-/// A fully written temporary file waiting to replace its target, locked by this
-/// process until then. Dropped without [`PendingFile::commit`], it removes itself:
-/// the target is untouched.
+/// Permissions of a temporary file while it is written: its owner's alone, so that no other
+/// user can open it (and so lock it, which would make a crashed save's leftover look alive).
+const PRIVATE_MODE: u32 = 0o600;
+
+/// A temporary file beside its target, created exclusively and locked by this process until
+/// it is renamed over the target ([`super::commit`] does that) or dropped, which removes it.
 pub struct PendingFile {
     file: File,
     temp: PathBuf,
@@ -54,24 +54,63 @@ pub struct PendingFile {
 }
 
 impl PendingFile {
-    /// Renames the temporary file over the target (atomic within a filesystem).
+    /// A new, empty temporary file for `target`.
     ///
     /// # Errors
-    /// The OS error of the rename, with the target's path; the temporary file is removed.
-    pub fn commit(&mut self) -> Result<()> {
-        fs::rename(&self.temp, &self.target).map_err(|e| Error::from(e).in_file(&self.target))?;
-        self.committed = true;
-        Ok(())
+    /// OS errors naming the target (or the temporary name, when it is the name that is taken).
+    pub fn create(target: &Path) -> Result<PendingFile> {
+        if target.file_name().is_none() {
+            let e = io::Error::new(io::ErrorKind::InvalidInput, "the path names no file");
+            return Err(Error::from(e).in_file(target));
+        }
+        let (file, temp) = create_locked_temp(target)?;
+        Ok(PendingFile {
+            file,
+            temp,
+            target: target.to_path_buf(),
+            committed: false,
+        })
+    }
+
+    pub fn file(&mut self) -> &mut File {
+        &mut self.file
+    }
+
+    pub fn temp(&self) -> &Path {
+        &self.temp
     }
 
     pub fn target(&self) -> &Path {
         &self.target
     }
 
-    /// Whether the target is still the file this one became at commit (no other save
-    /// has replaced it since).
-    pub fn is_target_now(&self) -> bool {
-        still_named(&self.file, &self.target)
+    /// fsyncs the file (when `durable`) and gives it the permissions of a new file (0644
+    /// less the umask): from private temporary to publishable.
+    pub(crate) fn finish(&self, durable: bool) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let in_temp = |e: io::Error| Error::from(e).in_file(&self.target);
+        if durable {
+            self.file.sync_all().map_err(in_temp)?;
+        }
+        let mode = FILE_MODE & !umask();
+        self.file
+            .set_permissions(fs::Permissions::from_mode(mode))
+            .map_err(in_temp)
+    }
+
+    /// Locks-and-renames for a lock file: the new file (this user's, mode 0600, locked by
+    /// us since its creation) takes the target's name; returns it, still locked.
+    pub(crate) fn replace_target(mut self) -> Result<File> {
+        self.rename_into_place()?;
+        let file = self.file.try_clone().map_err(|e| Error::from(e).in_file(&self.target))?;
+        Ok(file)
+    }
+
+    /// Renames the temporary file over its target (atomic within a filesystem).
+    pub(crate) fn rename_into_place(&mut self) -> Result<()> {
+        fs::rename(&self.temp, &self.target).map_err(|e| Error::from(e).in_file(&self.target))?;
+        self.committed = true;
+        Ok(())
     }
 }
 
@@ -84,15 +123,31 @@ impl Drop for PendingFile {
     }
 }
 
+/// The process's umask, read without changing it (umask(2) sets as it reads, racing
+/// other threads).
+fn umask() -> u32 {
+    static UMASK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *UMASK.get_or_init(|| {
+        fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|status| {
+                let line = status.lines().find(|l| l.starts_with("Umask:"))?;
+                u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
+            })
+            .unwrap_or(0o022)
+    })
+}
+
 /// A new, empty temporary file for a save to `target`, created exclusively and locked.
 fn create_locked_temp(target: &Path) -> Result<(File, PathBuf)> {
     let mut last = None;
     for _ in 0..NAME_ATTEMPTS {
         let temp = temp_path_for(target);
         let file = match OpenOptions::new()
+            .read(true)
             .write(true)
             .create_new(true)
-            .mode(FILE_MODE)
+            .mode(PRIVATE_MODE)
             .custom_flags(NO_FOLLOW)
             .open(&temp)
         {
@@ -119,44 +174,6 @@ fn create_locked_temp(target: &Path) -> Result<(File, PathBuf)> {
     Err(last.unwrap_or_else(|| {
         Error::from(io::Error::other("no temporary file could be created")).in_file(target)
     }))
-}
-
-/// Runs `write` on a fresh temporary file beside `path` (fsynced when `durable`)
-/// and returns it uncommitted, so that several files can be written before any
-/// replaces its target.
-///
-/// # Errors
-/// Any OS error, with the target's path attached (the temporary file's, when it is
-/// the temporary name that is taken); the temporary file is removed.
-pub fn write_pending(
-    path: &Path,
-    durable: bool,
-    write: impl FnOnce(&mut File) -> io::Result<()>,
-) -> Result<PendingFile> {
-    if path.file_name().is_none() {
-        let e = io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "the checkpoint path names no file",
-        );
-        return Err(Error::from(e).in_file(path));
-    }
-    let (file, temp) = create_locked_temp(path)?;
-    // From here on, dropping `pending` (on any error) removes the temporary file.
-    let mut pending = PendingFile {
-        file,
-        temp,
-        target: path.to_path_buf(),
-        committed: false,
-    };
-    let written = write(&mut pending.file).and_then(|()| {
-        if durable {
-            pending.file.sync_all()
-        } else {
-            Ok(())
-        }
-    });
-    written.map_err(|e| Error::from(e).in_file(path))?;
-    Ok(pending)
 }
 
 /// The temporary files of saves to `target` that never committed, or still run.
@@ -210,24 +227,6 @@ pub fn sync_parent_dir(path: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| Error::from(e).in_file(dir))
-}
-
-/// Runs `write` on a fresh temporary file and renames it over `path`.
-/// With `durable`, the file and its directory are fsynced so the new
-/// checkpoint also survives a power cut; without, it survives a process crash.
-///
-/// # Errors
-/// Any OS error, with the target's path attached; the temporary file is removed.
-pub fn replace_atomically(
-    path: &Path,
-    durable: bool,
-    write: impl FnOnce(&mut File) -> io::Result<()>,
-) -> Result<()> {
-    write_pending(path, durable, write)?.commit()?;
-    if durable {
-        sync_parent_dir(path)?;
-    }
-    Ok(())
 }
 
 /// Writes consecutive slices to a fresh file with few system calls (writev of

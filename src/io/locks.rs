@@ -2,24 +2,30 @@
 //!
 //! A lock is released by the kernel when its holder closes the file or dies (SIGKILL
 //! included), so "I could take the lock" proves "nobody is using this", which a pid never
-//! can (pids are reused, and every container's trainer is pid 1). Two rules make it hold:
+//! can (pids are reused, and every container's trainer is pid 1). The rules that make it hold:
 //!
 //! - Lock and verify: a lock is taken on an open file, and the file may be unlinked (by a
 //!   cleaner, or by the previous holder) between the open and the lock; so after locking,
 //!   the holder checks that the name still refers to the inode it locked, and otherwise
 //!   starts again.
 //! - Whoever removes a lock file or a temporary file holds its lock while removing it.
+//! - Only its owner can open a lock file (mode 0600, and one another user owns is refused):
+//!   flock needs nothing but an open descriptor, so a file anyone may read is a file anyone
+//!   may lock, and a reader could then keep a crashed writer from ever resuming.
+//! - Every wait has a deadline, and ends in [`ErrorKind::Locked`] naming the lock file and
+//!   its holder, as the holder recorded itself in the file.
 //!
 //! On filesystems without locks (some NFS and Lustre mounts), taking a lock fails:
 //! writers then go on without one and cleaners remove nothing they cannot prove dead.
 
 use std::fs::{self, File, OpenOptions};
-use std::io;
-use std::os::unix::fs::OpenOptionsExt;
+use std::io::{self, Read};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use super::mapped::{ensure_regular, FileId};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// Whether `file` (open) is what `path` names now (not followed if a symlink).
 pub fn still_named(file: &File, path: &Path) -> bool {
@@ -30,15 +36,25 @@ pub fn still_named(file: &File, path: &Path) -> bool {
 /// never inherited by child processes, never blocking on a FIFO.
 pub const NO_FOLLOW: i32 = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
 
-/// An exclusive lock on a lock file beside `target`, serializing the commits (renames) of
-/// saves to `target` across threads and processes. The lock file is removed on drop, while
-/// still locked, so no lock file outlives the saves that use it.
-pub struct PathLock {
+/// Lock files: readable and writable by their owner only (see the module's rules).
+const LOCK_MODE: u32 = 0o600;
+
+/// How much of a lock file's holder record is read (it is a short line of text).
+const HOLDER_RECORD_MAX: u64 = 1024;
+
+/// How long a commit waits for another save of the same path to finish its renames
+/// (milliseconds, unless it is stopped or stuck) before giving up.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// An exclusive lock on a lock file: serializes the commits of saves to one target, or
+/// holds a manager's directory for its one writer. The lock file is removed on drop, while
+/// still locked, so no lock file outlives its holder's use of it.
+pub struct LockFile {
     file: File,
     path: PathBuf,
 }
 
-/// The lock file of `target`: `.<name>.ortckpt-lock` in the same directory.
+/// The commit lock of `target`: `.<name>.ortckpt-lock` in the same directory.
 pub fn lock_path_for(target: &Path) -> PathBuf {
     let name = target
         .file_name()
@@ -47,44 +63,201 @@ pub fn lock_path_for(target: &Path) -> PathBuf {
     target.with_file_name(format!(".{name}.ortckpt-lock"))
 }
 
-impl PathLock {
-    /// Waits for and takes the lock of `target`. `None` where the filesystem has no locks.
+/// The lock serializing commits to a target (see [`lock_path_for`]).
+pub type PathLock = LockFile;
+
+impl LockFile {
+    /// Takes the commit lock of `target`, waiting at most `timeout`. `None` where the
+    /// filesystem has no locks.
     ///
     /// # Errors
-    /// The lock file cannot be opened or created (a symlink planted there: ELOOP), naming it.
-    pub fn acquire(target: &Path) -> Result<Option<PathLock>> {
-        let path = lock_path_for(target);
+    /// As [`LockFile::acquire_file`].
+    pub fn acquire(target: &Path, timeout: Duration) -> Result<Option<LockFile>> {
+        Self::acquire_file(&lock_path_for(target), timeout, "")
+    }
+
+    /// Takes the lock file `path` (created if missing, mode 0600), waiting at most `timeout`
+    /// (zero: one try), then writes `record` and this process's id and host into it, for
+    /// whoever finds it held. `None` where the filesystem has no locks.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Locked`], naming the file and the holder it records, when it stays held
+    /// past the deadline or belongs to another user; OS errors naming the file (a symlink
+    /// planted there: ELOOP), and anything but a regular file at its name.
+    pub fn acquire_file(path: &Path, timeout: Duration, record: &str) -> Result<Option<LockFile>> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
         loop {
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .custom_flags(NO_FOLLOW)
-                .open(&path)
-                .map_err(|e| Error::from(e).in_file(&path))?;
-            // Something planted under the lock's name (a FIFO, a device) is not ours to lock.
-            let meta = file.metadata().map_err(|e| Error::from(e).in_file(&path))?;
-            ensure_regular(&meta, &path)?;
-            match file.lock() {
-                Ok(()) => {}
-                Err(e) if locks_unsupported(&e) => return Ok(None),
-                Err(e) => return Err(Error::from(e).in_file(&path)),
+            let file = open_lock_file(path)?;
+            loop {
+                match file.try_lock() {
+                    Ok(()) => break,
+                    Err(fs::TryLockError::Error(e)) if locks_unsupported(&e) => return Ok(None),
+                    Err(fs::TryLockError::Error(e)) => return Err(Error::from(e).in_file(path)),
+                    Err(fs::TryLockError::WouldBlock) => {}
+                }
+                if Instant::now() >= deadline {
+                    return Err(locked(path, holder_of(&file)));
+                }
+                std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+                pause = (pause * 2).min(Duration::from_millis(50));
             }
-            if still_named(&file, &path) {
-                return Ok(Some(PathLock { file, path }));
+            if still_named(&file, path) {
+                write_holder_record(&file, record);
+                return Ok(Some(LockFile {
+                    file,
+                    path: path.to_path_buf(),
+                }));
             }
             // The previous holder removed this lock file after we opened it: take the new one.
         }
     }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
-impl Drop for PathLock {
+impl Drop for LockFile {
     fn drop(&mut self) {
         // Removed while locked; a waiter that locks the removed inode sees it is no
-        // longer named (still_named) and opens the path again.
-        let _ = fs::remove_file(&self.path);
+        // longer named (still_named) and opens the path again. Unlocked explicitly: a child
+        // forked meanwhile shares the lock until it execs or exits.
+        if still_named(&self.file, &self.path) {
+            let _ = fs::remove_file(&self.path);
+        }
         let _ = self.file.unlock();
     }
+}
+
+/// Opens (creating it if missing) a lock file this user owns, mode 0600, refusing anything
+/// else at its name. A lock file another user left is replaced by one of ours when nobody
+/// holds it (its writer died), so that it can never stop the next writer.
+fn open_lock_file(path: &Path) -> Result<File> {
+    let in_file = |e: io::Error| Error::from(e).in_file(path);
+    let opened = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(LOCK_MODE)
+        .custom_flags(NO_FOLLOW)
+        .open(path);
+    let file = match opened {
+        Ok(file) => file,
+        // Another user's file, which we may not write: replace it if nobody holds it.
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return replace_foreign(path, e),
+        Err(e) => return Err(in_file(e)),
+    };
+    // Something planted under the lock's name (a FIFO, a device) is not ours to lock.
+    let meta = file.metadata().map_err(in_file)?;
+    ensure_regular(&meta, path)?;
+    if meta.uid() != current_uid() {
+        drop(file);
+        return replace_foreign(path, io::Error::from(io::ErrorKind::PermissionDenied));
+    }
+    if meta.mode() & 0o077 != 0 {
+        // Ours, but readable by others (an older release made it so): nobody else's to lock.
+        file.set_permissions(fs::Permissions::from_mode(LOCK_MODE))
+            .map_err(in_file)?;
+    }
+    Ok(file)
+}
+
+/// A lock file of another user at `path`: if we can read it and nobody holds it, it is
+/// replaced, while we hold its lock (so nobody takes it meanwhile), by a new one of ours. One
+/// held, or one we cannot even read (so cannot tell), is refused: [`ErrorKind::Locked`].
+fn replace_foreign(path: &Path, denied: io::Error) -> Result<File> {
+    let in_file = |e: io::Error| Error::from(e).in_file(path);
+    let meta = fs::symlink_metadata(path).map_err(in_file)?;
+    if !meta.file_type().is_file() || meta.uid() == current_uid() {
+        return Err(in_file(denied)); // not another user's file: the open's own error says why
+    }
+    let foreign = OpenOptions::new()
+        .read(true)
+        .custom_flags(NO_FOLLOW)
+        .open(path)
+        .map_err(|_| foreign(path, meta.uid(), "it cannot be read, so nothing tells whether it is held"))?;
+    match foreign.try_lock() {
+        Ok(()) => {}
+        Err(fs::TryLockError::WouldBlock) => {
+            let holder = holder_of(&foreign);
+            return Err(foreign_held(path, meta.uid(), holder));
+        }
+        Err(fs::TryLockError::Error(e)) => return Err(in_file(e)),
+    }
+    if !still_named(&foreign, path) {
+        return Err(in_file(io::Error::from(io::ErrorKind::Interrupted)));
+    }
+    let mine = super::atomic::PendingFile::create(path)?;
+    let file = mine.replace_target()?;
+    let _ = foreign.unlock();
+    Ok(file)
+}
+
+fn current_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn foreign(path: &Path, uid: u32, why: &str) -> Error {
+    Error::new(ErrorKind::Locked {
+        problem: format!("the lock file belongs to another user (uid {uid}) and {why}"),
+        holder: format!("uid {uid}"),
+    })
+    .in_file(path)
+}
+
+fn foreign_held(path: &Path, uid: u32, holder: String) -> Error {
+    let who = if holder.is_empty() {
+        format!("uid {uid}")
+    } else {
+        holder
+    };
+    Error::new(ErrorKind::Locked {
+        problem: format!("the lock file belongs to another user (uid {uid}), who holds it ({who})"),
+        holder: who,
+    })
+    .in_file(path)
+}
+
+fn locked(path: &Path, holder: String) -> Error {
+    let who = if holder.is_empty() {
+        "holder unknown"
+    } else {
+        &holder
+    };
+    let problem = format!("held by another process past the deadline ({who})");
+    Error::new(ErrorKind::Locked { problem, holder }).in_file(path)
+}
+
+/// `record` (the caller's, e.g. a JSON object) or, without one, this process's pid and host.
+fn write_holder_record(file: &File, record: &str) {
+    use std::os::unix::fs::FileExt;
+    let line = if record.is_empty() {
+        format!("pid {} on {}", std::process::id(), hostname())
+    } else {
+        record.to_owned()
+    };
+    // Advisory: a holder that cannot say who it is still holds the lock.
+    let _ = file.set_len(0);
+    let _ = file.write_all_at(line.as_bytes(), 0);
+}
+
+/// What the holder of `file` recorded (printable characters only: it goes into messages).
+pub fn holder_of(file: &File) -> String {
+    let mut text = String::new();
+    let _ = file.take(HOLDER_RECORD_MAX).read_to_string(&mut text);
+    text.chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect::<String>()
+        .trim()
+        .to_owned()
+}
+
+fn hostname() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default()
 }
 
 /// Whether an error of flock means "this filesystem has no locks" rather than a failure.
@@ -120,6 +293,8 @@ pub fn remove_if_abandoned(path: &Path) -> bool {
 mod tests {
     use super::*;
 
+    const NOW: Duration = Duration::ZERO;
+
     #[test]
     fn a_locked_file_is_kept_and_an_unlocked_one_removed() {
         let dir = tempfile::tempdir().unwrap();
@@ -139,14 +314,45 @@ mod tests {
     fn path_locks_exclude_each_other_and_leave_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("ck");
-        let first = PathLock::acquire(&target).unwrap().unwrap();
+        let first = PathLock::acquire(&target, NOW).unwrap().unwrap();
         let other = File::open(lock_path_for(&target)).unwrap();
         assert!(other.try_lock().is_err());
         drop(first);
         assert!(!lock_path_for(&target).exists());
-        let again = PathLock::acquire(&target).unwrap().unwrap();
+        let again = PathLock::acquire(&target, NOW).unwrap().unwrap();
         assert!(lock_path_for(&target).exists());
+        let mode = fs::metadata(lock_path_for(&target)).unwrap().mode();
+        assert_eq!(mode & 0o777, LOCK_MODE);
         drop(again);
+    }
+
+    #[test]
+    fn a_held_lock_ends_in_a_typed_error_naming_the_holder_at_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lock");
+        let _held = LockFile::acquire_file(&path, NOW, "the first holder")
+            .unwrap()
+            .unwrap();
+        let started = Instant::now();
+        let e = LockFile::acquire_file(&path, Duration::from_millis(200), "")
+            .err()
+            .expect("refused");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert!(
+            matches!(e.kind(), ErrorKind::Locked { holder, .. } if holder == "the first holder")
+        );
+        assert_eq!(e.path(), Some(path.as_path()));
+    }
+
+    #[test]
+    fn a_lock_file_readable_by_others_is_made_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lock");
+        fs::write(&path, b"").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        let lock = LockFile::acquire_file(&path, NOW, "").unwrap().unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, LOCK_MODE);
+        drop(lock);
     }
 
     #[test]
@@ -156,7 +362,7 @@ mod tests {
         let victim = dir.path().join("victim");
         fs::write(&victim, b"precious").unwrap();
         std::os::unix::fs::symlink(&victim, lock_path_for(&target)).unwrap();
-        let e = PathLock::acquire(&target).err().expect("refused");
+        let e = PathLock::acquire(&target, NOW).err().expect("refused");
         assert_eq!(e.path(), Some(lock_path_for(&target).as_path()));
         assert_eq!(fs::read(&victim).unwrap(), b"precious");
     }

@@ -1,18 +1,20 @@
-//! Files: private memory maps for reading, vectored writes into a temporary
-//! file that atomically replaces the target, and the locks that tell live
-//! writers from dead ones. Knows byte ranges, not tensors.
+//! Files: private memory maps for reading, vectored writes into temporary files, the
+//! one commit that puts them in place, and the locks that tell live writers from dead
+//! ones. Knows byte ranges, not tensors.
 
 mod atomic;
+pub mod commit;
 pub mod locks;
 mod mapped;
 mod progress;
 mod writeback;
 
 pub use atomic::{
-    pending_temps, pending_temps_of, remove_stale_temps, replace_atomically, sync_parent_dir,
-    temp_path_for, write_at_parallel, write_pending, write_segments, PendingFile, TEMP_MARKER,
+    pending_temps, pending_temps_of, remove_stale_temps, sync_parent_dir, temp_path_for,
+    write_at_parallel, write_segments, PendingFile, TEMP_MARKER,
 };
-pub use locks::PathLock;
+pub use commit::{rename_directory, write_file, CommitOptions, Staged};
+pub use locks::{LockFile, PathLock};
 pub use mapped::{map_private, map_private_any, FileId};
 pub use progress::Progress;
 pub use writeback::AfterEachPiece;

@@ -30,6 +30,11 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
         ErrorKind::InvalidState(_) => "CheckpointStateError",
         ErrorKind::BigEndianHost => "UnsupportedPlatformError",
         ErrorKind::NotRegularFile(_) => "SpecialFileError",
+        ErrorKind::Locked { holder, .. } => {
+            let err = package_error(py, "CheckpointLockedError", &e.to_string(), filename, None);
+            let _ = err.value(py).setattr("holder", holder.as_str());
+            return err;
+        }
     };
     package_error(py, class, &e.to_string(), filename, e.tensor())
 }

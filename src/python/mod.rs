@@ -158,7 +158,7 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
 #[pyo3(signature = (
     path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
     nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
-    progress = None, keep_order = false,
+    progress = None, keep_order = false, commit = true,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn save(
@@ -175,7 +175,8 @@ fn save(
     external_data_threshold: u64,
     progress: Option<PyRef<'_, SaveProgress>>,
     keep_order: bool,
-) -> PyResult<()> {
+    commit: bool,
+) -> PyResult<Option<(Staging, crate::PlacedValues)>> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
         // arrays' memory alive and unresizable while the GIL is released.
@@ -195,9 +196,171 @@ fn save(
             keep_order: true,
             ..SaveOptions::default()
         };
-        py.detach(|| crate::save(&path, &payloads, &options))
+        if commit {
+            py.detach(|| crate::save(&path, &payloads, &options))
+                .map_err(|e| to_py_err(py, e))?;
+            return Ok(None);
+        }
+        // Written, not committed: the caller fills values in place, then commits.
+        let (staged, placed) = py
+            .detach(|| crate::write_staged(&path, &payloads, &options))
+            .map_err(|e| to_py_err(py, e))?;
+        Ok(Some((Staging::of(staged), placed)))
+    })
+}
+
+/// Files being written that replace `target` (and `<target>.data` with `with_data`) only
+/// when committed: the one commit of the core (`io::commit`), for files Python writes.
+#[pyfunction]
+#[pyo3(signature = (target, *, with_data = false))]
+fn stage(py: Python<'_>, target: PathBuf, with_data: bool) -> PyResult<Staging> {
+    guarded(py, || {
+        let staged = crate::io::Staged::new(&target, with_data).map_err(|e| to_py_err(py, e))?;
+        Ok(Staging::of(staged))
+    })
+}
+
+/// A staged file (and data file): written by Python through `fileno()`, published by
+/// `commit()`, dropped by `discard()` (or when collected uncommitted).
+#[pyclass(frozen, module = "ortckpt._core")]
+struct Staging(std::sync::Mutex<Option<crate::io::Staged>>);
+
+impl Staging {
+    fn of(staged: crate::io::Staged) -> Self {
+        Staging(std::sync::Mutex::new(Some(staged)))
+    }
+
+    fn with<T>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut crate::io::Staged) -> PyResult<T>,
+    ) -> PyResult<T> {
+        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_mut() {
+            Some(staged) => f(staged),
+            None => Err(to_py_err(py, Staging::gone())),
+        }
+    }
+
+    fn gone() -> crate::Error {
+        crate::Error::invalid_state("this staged save is committed or discarded")
+    }
+}
+
+#[pymethods]
+impl Staging {
+    /// The file descriptor of the staged checkpoint (or, with `data`, of its data file):
+    /// the core owns it; write with os.write/os.pwrite, never close it.
+    #[pyo3(signature = (data = false))]
+    fn fileno(&self, py: Python<'_>, data: bool) -> PyResult<i32> {
+        use std::os::fd::AsRawFd;
+        self.with(py, |staged| {
+            let file = if data {
+                staged.data().map(|d| d.file().as_raw_fd())
+            } else {
+                Some(staged.main().file().as_raw_fd())
+            };
+            file.ok_or_else(|| to_py_err(py, crate::Error::invalid_state("no data file is staged")))
+        })
+    }
+
+    /// What the staged files replace when committed.
+    #[getter]
+    fn target(&self, py: Python<'_>) -> PyResult<PathBuf> {
+        self.with(py, |staged| Ok(staged.target().to_path_buf()))
+    }
+
+    /// The temporary file's own (hidden, unpredictable) name, or its data file's with `data`.
+    #[pyo3(signature = (data = false))]
+    fn temporary(&self, py: Python<'_>, data: bool) -> PyResult<PathBuf> {
+        self.with(py, |staged| {
+            let file = if data {
+                staged.data().map(|d| d.temp().to_path_buf())
+            } else {
+                Some(staged.main().temp().to_path_buf())
+            };
+            file.ok_or_else(|| to_py_err(py, crate::Error::invalid_state("no data file is staged")))
+        })
+    }
+
+    /// Publishes the staged files (fsynced first with `durable`), waiting at most
+    /// `lock_timeout` seconds for another save of the target to finish its commit.
+    #[pyo3(signature = (*, durable = false, lock_timeout = None))]
+    fn commit(&self, py: Python<'_>, durable: bool, lock_timeout: Option<f64>) -> PyResult<()> {
+        guarded(py, || {
+            let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let staged = staged.ok_or_else(|| to_py_err(py, Staging::gone()))?;
+            let options = crate::io::CommitOptions {
+                durable,
+                lock_timeout: lock_timeout
+                    .map(std::time::Duration::from_secs_f64)
+                    .unwrap_or(crate::io::locks::DEFAULT_LOCK_TIMEOUT),
+            };
+            py.detach(|| staged.commit(&options))
+                .map_err(|e| to_py_err(py, e))
+        })
+    }
+
+    /// Removes the staged files; the target stays as it was.
+    fn discard(&self) {
+        let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(staged);
+    }
+}
+
+/// Renames the directory `source` to `target`, which must not exist (FileExistsError if it
+/// does), fsyncing both parents' entries with `durable`: how a step directory is committed
+/// or retired.
+#[pyfunction]
+#[pyo3(signature = (source, target, *, durable = false))]
+fn rename_directory(
+    py: Python<'_>,
+    source: PathBuf,
+    target: PathBuf,
+    durable: bool,
+) -> PyResult<()> {
+    guarded(py, || {
+        py.detach(|| crate::io::rename_directory(&source, &target, durable))
             .map_err(|e| to_py_err(py, e))
     })
+}
+
+/// An exclusive lock on the lock file `path` (mode 0600, this user's), taken within
+/// `timeout` seconds (0: one try) or refused with CheckpointLockedError naming the holder;
+/// `record` is written into it for whoever finds it held. None where the filesystem has
+/// no locks.
+#[pyfunction]
+#[pyo3(signature = (path, *, timeout, record = String::new()))]
+fn acquire_lock(
+    py: Python<'_>,
+    path: PathBuf,
+    timeout: f64,
+    record: String,
+) -> PyResult<Option<Lock>> {
+    guarded(py, || {
+        let timeout = std::time::Duration::from_secs_f64(timeout.max(0.0));
+        let lock = py
+            .detach(|| crate::io::LockFile::acquire_file(&path, timeout, &record))
+            .map_err(|e| to_py_err(py, e))?;
+        Ok(lock.map(|l| Lock(std::sync::Mutex::new(Some(l)))))
+    })
+}
+
+/// A held lock (`acquire_lock`); `release()` removes its file and lets it go.
+#[pyclass(frozen, module = "ortckpt._core")]
+struct Lock(std::sync::Mutex<Option<crate::io::LockFile>>);
+
+#[pymethods]
+impl Lock {
+    fn release(&self) {
+        let lock = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(lock);
+    }
+
+    #[getter]
+    fn held(&self) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
 }
 
 /// Encodes a checkpoint (`save`'s arguments, less the file's) into a new `bytes`:
@@ -496,10 +659,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(encode_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(stage, m)?)?;
+    m.add_function(wrap_pyfunction!(rename_directory, m)?)?;
+    m.add_function(wrap_pyfunction!(acquire_lock, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;
     m.add_class::<SaveProgress>()?;
+    m.add_class::<Staging>()?;
+    m.add_class::<Lock>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add("TEMP_MARKER", crate::io::TEMP_MARKER)?;
     m.add(

@@ -22,6 +22,8 @@ from ortckpt import (
     CheckpointManager,
     CheckpointState,
     SpecialFileError,
+    _boundary,
+    targets,
 )
 from ortckpt.cli import FAILED, run
 from ortckpt.convert import format_of, load_any, load_safetensors, save_safetensors, state_from_onnx
@@ -127,13 +129,13 @@ def test_a_symlink_at_the_destination_is_replaced_not_followed(tmp_path, victim)
 
 
 def test_metadata_json_is_never_written_through_a_planted_symlink(tmp_path, victim, monkeypatch):
-    real_save = CheckpointState.save_checkpoint
+    real_save = targets.LocalFile.save
 
-    def save_and_plant(state, path, *args, **kwargs):  # an attacker who can write in the directory
-        real_save(state, path, *args, **kwargs)
-        (Path(path).parent / "metadata.json").symlink_to(victim)
+    def save_and_plant(target, *args, **kwargs):  # an attacker who can write in the directory
+        real_save(target, *args, **kwargs)
+        (target.path.parent / "metadata.json").symlink_to(victim)
 
-    monkeypatch.setattr(CheckpointState, "save_checkpoint", save_and_plant)
+    monkeypatch.setattr(targets.LocalFile, "save", save_and_plant)
     with CheckpointManager(tmp_path / "run") as manager:
         with pytest.raises(OSError, match=r"metadata.json") as e:
             manager.save(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), 1)
@@ -144,14 +146,14 @@ def test_metadata_json_is_never_written_through_a_planted_symlink(tmp_path, vict
 
 
 def test_the_sharded_index_is_never_written_through_a_planted_symlink(tmp_path, victim, monkeypatch):
-    real_save = CheckpointState.save_checkpoint
+    real_save = targets.LocalFile.save
 
-    def save_and_plant(state, path, *args, **kwargs):
-        real_save(state, path, *args, **kwargs)
+    def save_and_plant(target, *args, **kwargs):
+        real_save(target, *args, **kwargs)
         for pid in range(os.getpid() - 2, os.getpid() + 3):
-            (Path(path).parent / f".{INDEX_NAME}.tmp-{pid}").symlink_to(victim)
+            (target.path.parent / f".{INDEX_NAME}.tmp-{pid}").symlink_to(victim)
 
-    monkeypatch.setattr(CheckpointState, "save_checkpoint", save_and_plant)
+    monkeypatch.setattr(targets.LocalFile, "save", save_and_plant)
     save_sharded(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), tmp_path / "run", step=1)
     assert victim.read_text() == "precious"
     assert json.loads((tmp_path / "run" / "step_00000001" / INDEX_NAME).read_text())["step"] == 1
@@ -161,17 +163,19 @@ def test_temporary_names_are_unpredictable(tmp_path, monkeypatch):
     """No temporary name a save uses is derived from the pid alone: two saves of one process use
     names no other process could plant in advance."""
     seen: list[str] = []
-    real_replace, real_rename = os.replace, os.rename
+    real_stage, real_rename = _boundary.stage, _boundary.rename_directory
 
-    def spy(kind):
-        def call(src, dst, *args, **kwargs):
-            seen.append(os.path.basename(src))
-            return (real_replace if kind == "replace" else real_rename)(src, dst, *args, **kwargs)
+    def staged(*args, **kwargs):  # the core's staged files, which its one commit renames
+        staging = real_stage(*args, **kwargs)
+        seen.append(os.path.basename(staging.temporary()))
+        return staging
 
-        return call
+    def renamed(src, dst, **kwargs):  # step directories, committed by renames
+        seen.append(os.path.basename(src))
+        return real_rename(src, dst, **kwargs)
 
-    monkeypatch.setattr(os, "replace", spy("replace"))
-    monkeypatch.setattr(os, "rename", spy("rename"))
+    monkeypatch.setattr(_boundary, "stage", staged)
+    monkeypatch.setattr(_boundary, "rename_directory", renamed)
     state = CheckpointState.from_arrays({"w": np.ones(3, np.float32)})
     for _ in range(2):
         save_safetensors(state, tmp_path / "m.safetensors")

@@ -26,10 +26,12 @@ from ortckpt import (
     OptimizerGroup,
     capture_rng_state,
     restore_rng_state,
+    targets,
     verify,
 )
 from ortckpt.manager.metadata import git_commit_of
 from ortckpt.steps import WRITER_LOCK_NAME
+from ortckpt.stepstore import DirectoryStore
 from test_retention import reference_kept
 
 
@@ -213,7 +215,7 @@ def test_async_save_error_surfaces_at_the_next_call_and_leaves_nothing(tmp_path,
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(CheckpointState, "save_checkpoint", disk_full)
+    monkeypatch.setattr(targets.LocalFile, "save", disk_full)
     manager.save(make_state(), 2)  # returns: the failure happens in the background
     with pytest.raises(OSError, match="No space left"):
         manager.save(make_state(), 3)
@@ -246,15 +248,16 @@ def test_verify_after_save_refuses_to_commit_a_bad_checkpoint(tmp_path, monkeypa
     manager = CheckpointManager(tmp_path, verify_after_save=how)
     manager.save(make_state(), 1)
     assert manager.all_steps() == [1]
-    real_write = ortckpt.manager.metadata.write
+    real_describe = DirectoryStore.describe
 
-    def corrupting_write(directory, meta, durable):  # the checkpoint changes after it was hashed
-        real_write(directory, meta, durable)
-        with open(directory / "checkpoint", "r+b") as f:
+    def corrupting_describe(store, attempt, *args):  # the checkpoint changes after it was hashed
+        described = real_describe(store, attempt, *args)
+        with open(attempt.folder / "checkpoint", "r+b") as f:
             f.seek(-1, 2)
             f.write(b"\xff")
+        return described
 
-    monkeypatch.setattr(ortckpt.manager.metadata, "write", corrupting_write)
+    monkeypatch.setattr(DirectoryStore, "describe", corrupting_describe)
     with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
         manager.save(make_state(), 2)
     assert manager.all_steps() == [1]

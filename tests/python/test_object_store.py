@@ -14,6 +14,7 @@ import ortckpt
 import ortckpt.object_store as object_store
 import pytest
 from goldens import golden_checkpoints, load_json, sha256
+from ortckpt import targets
 from ortckpt.errors import CheckpointFormatError
 from s3_server import kill_mid_upload
 
@@ -36,7 +37,7 @@ def assert_holds(state: ortckpt.CheckpointState, values: dict[str, np.ndarray]) 
 
 
 def keys(s3_url: str, options: dict) -> list[str]:
-    return sorted(k for k, _ in object_store.list_keys(object_store.locate(s3_url, options)))
+    return sorted(k for k, _ in object_store.list_keys(targets.object_location(s3_url, options)))
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external-data"])
@@ -61,7 +62,7 @@ def test_the_object_is_the_file_a_local_save_writes(s3_server, s3_url, tmp_path)
     state = state_of(arrays(nbytes=BIG))
     ortckpt.save_checkpoint(state, f"{s3_url}/ckpt", storage_options=options)
     ortckpt.save_checkpoint(state, tmp_path / "ckpt")
-    location = object_store.locate(f"{s3_url}/ckpt", options)
+    location = targets.object_location(f"{s3_url}/ckpt", options)
     assert bytes(object_store.get(location)) == (tmp_path / "ckpt").read_bytes()
 
 
@@ -75,7 +76,9 @@ def test_onnx_runtime_loads_what_was_uploaded(s3_server, s3_url, tmp_path, ort):
         )
         for key in keys(s3_url, options):
             if key.startswith(name):
-                (tmp_path / key).write_bytes(bytes(object_store.get(object_store.locate(f"{s3_url}/{key}", options))))
+                (tmp_path / key).write_bytes(
+                    bytes(object_store.get(targets.object_location(f"{s3_url}/{key}", options)))
+                )
         described = ort("describe", tmp_path / name)
         assert {p["name"]: p["sha256"] for p in described["parameters"] if p["name"] in values} == {
             k: sha256(v) for k, v in values.items()
@@ -87,7 +90,7 @@ def test_golden_checkpoints_written_by_onnx_runtime_load_from_s3(s3_server, s3_u
     options = s3_server.storage_options()
     for path in golden_checkpoints():
         url = f"{s3_url}/{path.name}"
-        object_store.put(object_store.locate(url, options), path.read_bytes())
+        object_store.put(targets.object_location(url, options), path.read_bytes())
         expected = load_json(path)
         state = ortckpt.load_checkpoint(url, storage_options=options)
         assert state.parameters.names() == sorted(p["name"] for p in expected["parameters"])
@@ -213,7 +216,7 @@ def test_a_truncated_object_is_refused_naming_it(s3_server, s3_url):
     options = s3_server.storage_options()
     url = f"{s3_url}/ckpt"
     ortckpt.save_checkpoint(state_of(arrays()), url, storage_options=options)
-    location = object_store.locate(url, options)
+    location = targets.object_location(url, options)
     whole = bytes(object_store.get(location))
     object_store.put(location, whole[: len(whole) // 2])
     with pytest.raises(CheckpointFormatError) as caught:
@@ -225,7 +228,7 @@ def test_a_truncated_data_object_is_refused(s3_server, s3_url):
     options = s3_server.storage_options()
     url = f"{s3_url}/ckpt"
     ortckpt.save_checkpoint(state_of(arrays()), url, storage_options=options, external_data_threshold=0)
-    data = object_store.locate(f"{url}.data", options)
+    data = targets.object_location(f"{url}.data", options)
     whole = bytes(object_store.get(data))
     object_store.put(data, whole[: len(whole) - 1000] + whole[-32:])  # the trailer kept: only ranges tell
     with pytest.raises(CheckpointFormatError, match="beyond the end of the data file"):
@@ -238,8 +241,8 @@ def test_a_data_object_from_another_save_is_refused(s3_server, s3_url):
         ortckpt.save_checkpoint(
             state_of(arrays(seed)), f"{s3_url}/{name}", storage_options=options, external_data_threshold=0
         )
-    other = bytes(object_store.get(object_store.locate(f"{s3_url}/b.data", options)))
-    object_store.put(object_store.locate(f"{s3_url}/a.data", options), other)
+    other = bytes(object_store.get(targets.object_location(f"{s3_url}/b.data", options)))
+    object_store.put(targets.object_location(f"{s3_url}/a.data", options), other)
     with pytest.raises(CheckpointFormatError, match="different saves"):
         ortckpt.load_checkpoint(f"{s3_url}/a", storage_options=options)
 
@@ -266,7 +269,7 @@ def test_a_missing_object_is_file_not_found(s3_server, s3_url):
 @pytest.mark.parametrize("url", ["s3://", "s3:///key", "s3://b/a/../k", "s3://b/a//k", "s3://b/./k"])
 def test_malformed_urls_are_refused(url):
     with pytest.raises(ValueError):
-        object_store.locate(url, {"endpoint_url": "http://127.0.0.1:1"})
+        targets.object_location(url, {"endpoint_url": "http://127.0.0.1:1"})
 
 
 @pytest.mark.parametrize("url", ["s3://ckpt", "s3://ckpt/"])
@@ -369,7 +372,7 @@ def test_a_missing_data_object_is_named(s3_server, s3_url):
     options = s3_server.storage_options()
     url = f"{s3_url}/ckpt"
     ortckpt.save_checkpoint(state_of(arrays()), url, storage_options=options, external_data_threshold=0)
-    object_store.remove([object_store.locate(f"{url}.data", options)])
+    object_store.remove([targets.object_location(f"{url}.data", options)])
     with pytest.raises(FileNotFoundError, match="external data") as caught:
         ortckpt.load_checkpoint(url, storage_options=options)
     assert caught.value.filename == f"{url}.data"

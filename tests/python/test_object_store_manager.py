@@ -1,4 +1,4 @@
-"""CheckpointManager on an s3:// prefix (ortckpt.manager.object_store_manager), against a real
+"""CheckpointManager on an s3:// prefix (ortckpt.stepstore.objects), against a real
 S3 server (SeaweedFS, see s3_server.py): periodic saves, retention, resume, verify, async saves,
 the conditional commit, and kills and faults that must leave the previous step the latest."""
 
@@ -15,8 +15,7 @@ import numpy as np
 import ortckpt
 import ortckpt.object_store as object_store
 import pytest
-from ortckpt import CheckpointExistsError, CheckpointIntegrityError, CheckpointManager, CheckpointState
-from ortckpt.manager import object_store_manager
+from ortckpt import CheckpointExistsError, CheckpointIntegrityError, CheckpointManager, CheckpointState, targets
 from s3_server import kill_mid_upload, lose_the_answers_of_conditional_puts
 
 
@@ -26,11 +25,11 @@ def arrays(seed: int, nbytes: int = 1 << 20, count: int = 4) -> dict[str, np.nda
 
 
 def keys(url: str, options: dict) -> list[str]:
-    return sorted(k for k, _ in object_store.list_keys(object_store.locate(url, options)))
+    return sorted(k for k, _ in object_store.list_keys(targets.object_location(url, options)))
 
 
 def fetch(url: str, options: dict) -> bytes:
-    return bytes(object_store.get(object_store.locate(url, options)))
+    return bytes(object_store.get(targets.object_location(url, options)))
 
 
 def assert_holds(state: CheckpointState, values: dict[str, np.ndarray]) -> None:
@@ -43,7 +42,7 @@ def test_periodic_saves_retention_resume_and_verify(s3_server, s3_url):
     options = s3_server.storage_options()
     saved = {}
     with CheckpointManager(s3_url, storage_options=options, save_every=2, max_to_keep=2) as manager:
-        assert isinstance(manager, object_store_manager.ObjectStoreCheckpointManager)
+        assert isinstance(manager, ortckpt.CheckpointManager)  # one class, whatever holds the run
         for step in range(1, 8):
             if manager.should_save(step):
                 saved[step] = arrays(step)
@@ -267,7 +266,7 @@ def test_verify_finds_a_changed_or_missing_object(s3_server, s3_url):
     with CheckpointManager(s3_url, storage_options=options) as manager:
         manager.save(CheckpointState.from_arrays(arrays(1)), 1)
         info = manager.latest()
-        checkpoint = object_store.locate(info.path, options)
+        checkpoint = targets.object_location(info.path, options)
         whole = bytearray(fetch(info.path, options))
         whole[len(whole) // 2] ^= 0xFF
         object_store.put(checkpoint, bytes(whole))
@@ -283,8 +282,12 @@ def test_verify_after_save_commits_only_what_reads_back(s3_server, s3_url, monke
     options = s3_server.storage_options()
     with CheckpointManager(s3_url, storage_options=options, verify_after_save=True) as manager:
         manager.save(CheckpointState.from_arrays(arrays(1)), 1)
-        sha256_of = object_store.sha256_of
-        monkeypatch.setattr(object_store, "sha256_of", lambda location: (sha256_of(location)[0], "0" * 64))
+        download_to = object_store.download_to
+
+        def misread(location, fd, **options):  # the bytes read back are not what was hashed going up
+            return download_to(location, fd, **{**options, "digest": hashlib.sha256(b"something else")})
+
+        monkeypatch.setattr(object_store, "download_to", misread)
         with pytest.raises(CheckpointIntegrityError):
             manager.save(CheckpointState.from_arrays(arrays(2)), 2)
         assert manager.all_steps() == [1]
@@ -311,7 +314,7 @@ def test_a_hostile_metadata_document_is_skipped_and_kept(s3_server, s3_url, docu
         planted = json.dumps({**json.loads(fetch(f"{s3_url}/step_00000001/metadata.json", options)), **document})
     else:
         planted = document
-    object_store.put(object_store.locate(f"{s3_url}/step_00000009/metadata.json", options), planted.encode())
+    object_store.put(targets.object_location(f"{s3_url}/step_00000009/metadata.json", options), planted.encode())
     with pytest.warns(RuntimeWarning, match="step_00000009"):
         manager = CheckpointManager(s3_url, storage_options=options)
     assert manager.all_steps() == [1] and manager.latest().metadata["attempt"] == meta["attempt"]
@@ -376,7 +379,7 @@ def test_verify_and_inspect_take_object_urls(s3_server, s3_url, monkeypatch, cap
     described = json.loads(capsys.readouterr().out)
     assert described["external_data"] and sorted(described["files"]) == [info.path, info.path + ".data"]
     assert [t["name"] for t in described["tensors"]] == ["w0", "w1", "w2", "w3"]
-    data = object_store.locate(info.path + ".data", options)
+    data = targets.object_location(info.path + ".data", options)
     whole = bytearray(fetch(data.url, options))
     whole[0] ^= 1
     object_store.put(data, bytes(whole))

@@ -14,7 +14,7 @@ import ortckpt
 import ortckpt.object_store as object_store
 import pytest
 from distributed_model import check_part, rank_state, whole_tensors
-from ortckpt import CheckpointFormatError, CheckpointState
+from ortckpt import CheckpointFormatError, CheckpointState, targets
 from ortckpt.distributed import (
     INDEX_NAME,
     ShardedCheckpointError,
@@ -32,7 +32,7 @@ from test_distributed import on_ranks
 
 
 def keys(url: str, options: dict) -> list[str]:
-    return sorted(k for k, _ in object_store.list_keys(object_store.locate(url, options)))
+    return sorted(k for k, _ in object_store.list_keys(targets.object_location(url, options)))
 
 
 def save_model(url: str, options: dict, step: int, world: int, **more: Any) -> list[Any]:
@@ -59,7 +59,9 @@ def test_every_rank_uploads_its_shard_and_gets_it_back(s3_server, s3_url, thresh
     assert committed_steps(s3_url, storage_options=options) == [100]
     assert latest_step(s3_url, storage_options=options) == 100
     listed = keys(s3_url, options)
-    index = json.loads(bytes(object_store.get(object_store.locate(f"{s3_url}/step_00000100/{INDEX_NAME}", options))))
+    index = json.loads(
+        bytes(object_store.get(targets.object_location(f"{s3_url}/step_00000100/{INDEX_NAME}", options)))
+    )
     shards = [shard_file_name(r, world) for r in range(world)]
     expected = [f"step_00000100/{index['attempt']}/{s}{suffix}" for s in shards for suffix in ("", ".data")]
     assert listed == sorted([f"step_00000100/{INDEX_NAME}", *expected[:: 1 if threshold == 0 else 2]])
@@ -78,7 +80,7 @@ def test_merge_from_and_to_object_storage_loads_in_onnx_runtime(s3_server, s3_ur
     merged_url = merge(s3_url, f"{s3_url}/merged", storage_options=options)
     assert merged_url == f"{s3_url}/merged"
     local = merge(f"{s3_url}/step_00000009", tmp_path / "merged", storage_options=options)  # one step's URL
-    assert bytes(object_store.get(object_store.locate(merged_url, options))) == local.read_bytes()
+    assert bytes(object_store.get(targets.object_location(merged_url, options))) == local.read_bytes()
     whole = whole_tensors(9, 2)
     described = ort("describe", local)
     assert {p["name"]: p["sha256"] for p in described["parameters"]} == {
@@ -140,7 +142,9 @@ def test_of_two_jobs_saving_one_step_one_commits(s3_server, s3_url, monkeypatch)
         save_sharded(state_b, s3_url, step=5, comm=SingleProcess(), storage_options=options)
     loaded, _ = load_sharded(s3_url, comm=SingleProcess(), storage_options=options)
     assert sorted(loaded.parameters.names()) == ["a"]
-    index = json.loads(bytes(object_store.get(object_store.locate(f"{s3_url}/step_00000005/{INDEX_NAME}", options))))
+    index = json.loads(
+        bytes(object_store.get(targets.object_location(f"{s3_url}/step_00000005/{INDEX_NAME}", options)))
+    )
     assert keys(s3_url, options) == sorted(
         [f"step_00000005/{INDEX_NAME}", f"step_00000005/{index['attempt']}/{shard_file_name(0, 1)}"]
     )
@@ -173,7 +177,7 @@ def test_a_failed_commit_keeps_the_shards_it_may_have_committed(s3_server, s3_ur
 def test_a_hostile_index_is_refused_naming_it(s3_server, s3_url, change):
     options = s3_server.storage_options()
     raise_any(save_model(s3_url, options, step=1, world=1))
-    at = object_store.locate(f"{s3_url}/step_00000001/{INDEX_NAME}", options)
+    at = targets.object_location(f"{s3_url}/step_00000001/{INDEX_NAME}", options)
     object_store.put(at, json.dumps({**json.loads(bytes(object_store.get(at))), **change}).encode())
     with pytest.raises(CheckpointFormatError) as caught:
         load_sharded(s3_url, comm=SingleProcess(), storage_options=options)
@@ -198,7 +202,7 @@ def test_remove_leftovers_deletes_what_no_index_names(s3_server, s3_url, monkeyp
     save_model(s3_url, options, step=2, world=2)  # fails at the commit: its 2 shards stay
     monkeypatch.undo()
     raise_any(save_model(s3_url, options, step=3, world=2))
-    damaged = object_store.locate(f"{s3_url}/step_00000003/{INDEX_NAME}", options)
+    damaged = targets.object_location(f"{s3_url}/step_00000003/{INDEX_NAME}", options)
     object_store.put(damaged, b"{")
     with CheckpointManager(s3_url, storage_options=options) as manager:
         manager.save(CheckpointState.from_arrays({"m": np.ones(2, np.float32)}), 4)
@@ -247,7 +251,7 @@ def test_a_manager_drives_sharded_saves_on_object_storage(s3_server, s3_url):
     assert np.array_equal(whole.parameters["embedding"].data, whole_tensors(30, 2)["embedding"])
     verified = reader.verify()
     assert set(verified.files) == {INDEX_NAME, shard_file_name(0, 2), shard_file_name(1, 2)}
-    shard = object_store.locate(f"{latest.folder}/{shard_file_name(1, 2)}", options)
+    shard = targets.object_location(f"{latest.folder}/{shard_file_name(1, 2)}", options)
     damaged = bytearray(bytes(object_store.get(shard)))
     damaged[-100] ^= 1
     object_store.put(shard, bytes(damaged))

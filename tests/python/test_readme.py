@@ -160,8 +160,9 @@ def test_readme_object_storage_example_runs_against_s3(capsys, aws_environment):
     exec(compile(example, "README object storage example", "exec"), {})
     assert capsys.readouterr().out == "1 32.0\n[2, 3] 3 3\n"
     import ortckpt.object_store as object_store
+    from ortckpt import targets
 
-    listed = [k for k, _ in object_store.list_keys(object_store.locate("s3://ckpt/runs/demo"))]
+    listed = [k for k, _ in object_store.list_keys(targets.object_location("s3://ckpt/runs/demo"))]
     assert (
         listed[0] == "checkpoint"
         and [k.split("/")[0] for k in listed[1:]] == ["step_00000002"] * 2 + ["step_00000003"] * 2

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _boundary, object_store
+from .. import _boundary, targets
 from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, PackedBits
 from ..convert.files import format_of, load_any
@@ -18,9 +18,10 @@ def describe(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, 
     """Every tensor (name, role, dtype, shape, bytes, where its bytes live), the optimizer
     groups, the properties and totals. For an ONNX Runtime checkpoint only the header is
     read (no tensor bytes); other formats are loaded through their converter."""
-    if object_store.is_url(path):  # an ONNX Runtime checkpoint on object storage (AWS_* configure it)
+    target = targets.checkpoint(path)
+    if isinstance(target, targets.ObjectFile):  # an ONNX Runtime checkpoint on object storage (AWS_* configure it)
         fmt = "ortckpt"
-        out = _describe_object(os.fspath(path))
+        out = _describe_object(target)
     else:
         fmt = fmt or format_of(path, must_exist=True)
         out = _describe_checkpoint(Path(path)) if fmt == "ortckpt" else _describe_file(path, fmt)
@@ -72,12 +73,11 @@ def _describe_checkpoint(path: Path) -> dict[str, Any]:
     return _describe_loaded(loaded, files)
 
 
-def _describe_object(url: str) -> dict[str, Any]:
+def _describe_object(target: targets.ObjectFile) -> dict[str, Any]:
     """The same from an object: it is downloaded, its external data (if any) is not."""
-    location = object_store.locate(url)
-    loaded = object_store.load_at(location)
+    loaded = target.load()
     main, data = loaded.mappings  # the downloaded object, and its data object read lazily (RemoteRanges)
-    files = {location.url: memoryview(main).nbytes}
+    files = {target.name: memoryview(main).nbytes}
     if data is not None:
         files[data.location.url] = data.size
     return _describe_loaded(loaded, files)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .. import _boundary, object_store, safe_io
+from .. import _boundary, safe_io, targets
 from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError
 
@@ -29,8 +29,8 @@ def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
     is recognised whatever its name), otherwise from its extension; ``ortckpt`` for a name
     without a known extension. On object storage (``s3://``) only ONNX Runtime checkpoints are
     read and written: another format's extension there is a ConversionError."""
-    if object_store.is_url(path):
-        named = format_of(Path(str(path)[len(object_store.SCHEME) :]).name)
+    if targets.is_object_url(path):
+        named = format_of(Path(str(path)).name)
         if named != "ortckpt":
             raise ConversionError(f"{os.fspath(path)}: only ONNX Runtime checkpoints go to and from s3://, not {named}")
         return named
@@ -154,5 +154,6 @@ def to_nominal(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, src_
     for name, code, _, requires_grad in state.tensor_records():  # (a nominal source has no data to read)
         roles[0 if requires_grad else 1].append((name, code, (), None))
     # the source's order, as ONNX Runtime's TensorProto path keeps it
-    _boundary.save(dst, roles[0], roles[1], [], dict(state.properties), nominal=True, keep_order=True)
+    nominal = _boundary.CoreState(roles[0], roles[1], [], dict(state.properties), nominal=True, keep_order=True)
+    _boundary.save(dst, nominal)
     return len(roles[0]) + len(roles[1])

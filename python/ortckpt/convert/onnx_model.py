@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,12 +84,7 @@ def save_checkpoint(
     external = not nominal_checkpoint and total > external_data_threshold - MiB
     _boundary.save(
         path_to_checkpoint,
-        tensors[0],
-        tensors[1],
-        [],
-        {},
-        nominal=nominal_checkpoint,
-        keep_order=True,
+        _boundary.CoreState(tensors[0], tensors[1], [], {}, nominal=nominal_checkpoint, keep_order=True),
         external_data_threshold=0 if external else 2**63 - 1,
     )
 
@@ -315,22 +310,47 @@ def export_model(
             external_data = proto.ByteSize() > PROTOBUF_LIMIT
         except EncodeError:  # protobuf will not even size a message past its limit
             external_data = True
-    # onnx writes into a private directory of ours (nothing planted there to write through);
-    # then the files move into place, the data file first and the model that points into it last.
-    with safe_io.staging_directory(path) as staging:
+    # Both files are staged by the core and published by its one commit (the data file first,
+    # the model that points into it last); the external data is written here, not by onnx,
+    # which writes it by name beside the model.
+    staged = _boundary.stage(os.fspath(path), with_data=external_data)
+    try:
         if external_data:
-            onnx.save_model(
-                proto,
-                os.fspath(staging / path.name),
-                save_as_external_data=True,
-                all_tensors_to_one_file=True,
-                location=f"{path.name}.data",
-                size_threshold=size_threshold,
+            onnx.external_data_helper.convert_model_to_external_data(
+                proto, all_tensors_to_one_file=True, location=f"{path.name}.data", size_threshold=size_threshold
             )
-        else:
-            onnx.save_model(proto, os.fspath(staging / path.name))
-        safe_io.publish_staged(staging, path)
+            _write_external_data(proto, staged.fileno(data=True), Path(f"{path}.data"))
+        safe_io.pwrite_all(staged.fileno(), [(0, proto.SerializeToString())], path)
+        staged.commit()
+    finally:
+        staged.discard()
     return path
+
+
+def _write_external_data(proto: onnx.ModelProto, fd: int, data_path: Path) -> None:
+    """Moves the raw bytes of every initializer marked for external data into the file ``fd``,
+    one after another, recording each one's offset and length as onnx's own save does."""
+    from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
+
+    at = 0
+    for tensor in _initializers(proto.graph):
+        if uses_external_data(tensor) and tensor.HasField("raw_data"):
+            data = tensor.raw_data
+            safe_io.pwrite_all(fd, [(at, data)], data_path)
+            set_external_data(tensor, ExternalDataInfo(tensor).location, at, len(data))
+            tensor.ClearField("raw_data")
+            at += len(data)
+
+
+def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """The initializers of a graph and of its nodes' subgraphs."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from _initializers(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _initializers(subgraph)
 
 
 __all__ = [

@@ -21,19 +21,19 @@ import datetime
 import functools
 import json
 import os
-import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import _boundary, documents, object_store, safe_io, steps
+from .. import _boundary, documents, steps, targets
 from .. import dtypes as _dt
 from .._boundary import TensorRecord
-from ..checkpoint_state import CheckpointState, OptimizerGroup, TensorSource, open_checkpoint
+from ..checkpoint_state import CheckpointState, OptimizerGroup, TensorSource
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
+from ..stepstore import Attempt, Step, StepStore, open_store
 from .comm import Communicator, communicator, gather_decide_broadcast, root_decides
 from .layout import (
     INDEX_NAME,
@@ -58,13 +58,7 @@ def committed_steps(
 ) -> list[int]:
     """Steps of ``directory`` (or of an ``s3://bucket/prefix``) that hold a sharded checkpoint
     (committed with its index), oldest first."""
-    if object_store.is_url(directory):
-        return _steps_in_store(object_store.locate(directory, storage_options))  # type: ignore[arg-type]
-    return sorted(s for s, where in steps.step_directories(Path(directory)).items() if (where / INDEX_NAME).is_file())
-
-
-def _steps_in_store(prefix: object_store.Location) -> list[int]:
-    return sorted(steps.steps_holding(object_store.list_keys(prefix), INDEX_NAME))
+    return sorted(open_store(directory, storage_options, writer=False).scan(INDEX_NAME).steps)
 
 
 def latest_step(directory: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> int | None:
@@ -112,193 +106,105 @@ def save_sharded(
             ``durable`` does not apply.
     """
     comm = communicator(comm)
-    if object_store.is_url(directory):
-        return _save_to_store(
-            comm,
-            state_shard,
-            object_store.locate(directory, storage_options),  # type: ignore[arg-type]
-            step,
-            slices,
-            include_optimizer_state,
-            external_data_threshold,
-            storage_options,
-        )
-    root, target = Path(directory), step_directory(directory, step)
-    writer: list[steps.WriterLock] = []  # rank 0's hold on the directory, for the save's duration
+    reader = open_store(directory, storage_options, writer=False)  # where every rank writes
+    held: list[StepStore] = []  # rank 0's writer store: its lock held for the save's duration
 
-    def prepare() -> Path:  # the step layout's protocol, as a manager's (ortckpt.steps)
-        safe_io.make_directories(root)
-        lock = steps.WriterLock(root)  # one writer at a time, as for a manager
-        writer.append(lock)
-        steps.remove_leftovers(root, lock)  # what crashed saves left: holding the lock proves them dead
-        if (target / INDEX_NAME).is_file():
-            raise CheckpointExistsError(f"{target}: a sharded checkpoint of step {step} exists")
-        if os.path.lexists(target):
+    def begin() -> Attempt:
+        store = open_store(directory, storage_options, writer=True, create=True)
+        held.append(store)
+        store.remove_proven_leftovers()  # what crashed saves left: the lock proves them dead
+        if store.read(step, INDEX_NAME) is not None:
+            raise CheckpointExistsError(f"{reader.name}: a sharded checkpoint of step {step} exists")
+        try:
+            return store.begin(step)
+        except CheckpointExistsError:
             raise CheckpointExistsError(
-                f"{target}: step {step} exists, but not as a sharded checkpoint (no {INDEX_NAME})"
-            )
-        return steps.new_temp_directory(root, step)
+                f"{steps.step_directory(directory, step)}: step {step} exists, but not as a sharded "
+                f"checkpoint (no {INDEX_NAME})"
+            ) from None
 
-    def commit(temp: str, index: dict[str, Any]) -> None:
-        write_index(Path(temp) / INDEX_NAME, index, durable)
-        steps.commit(Path(temp), root, step, durable=durable)
+    def abandon(attempt: Attempt) -> None:
+        held[0].abandon(attempt)
+
+    def commit(attempt: Attempt, index: dict[str, Any]) -> None:
+        if not held[0].local:  # on object storage the index names the attempt holding the shards
+            index = {**index, "attempt": attempt.where}
+        data = encode_index(index, f"{reader.name}/{steps.step_directory_name(step)}/{INDEX_NAME}")
+        held[0].commit(attempt, INDEX_NAME, data, durable=durable)
 
     try:
         write_shards(
             comm,
+            reader,
             state_shard,
             slices,
-            prepare=prepare,
+            begin=begin,
             commit=commit,
+            abandon=abandon,
             step=step,
             include_optimizer_state=include_optimizer_state,
             durable=durable,
             external_data_threshold=external_data_threshold,
         )
     finally:
-        for lock in writer:
-            lock.release()
-    return target
+        for store in held:
+            store.close()
+    return step_directory(directory, step) if reader.local else f"{reader.name}/{steps.step_directory_name(step)}"
 
 
-def _save_to_store(
-    comm: Communicator,
-    state: CheckpointState,
-    prefix: object_store.Location,
-    step: int,
-    slices: Mapping[str, Slice] | None,
-    include_optimizer_state: bool,
-    external_data_threshold: int,
-    storage_options: Mapping[str, Any] | None,
-) -> str:
-    """save_sharded to an object store: the shards go to ``step_<n>/<attempt>/`` (a folder
-    of a fresh random name: no other save writes there), and the index, naming the attempt,
-    to ``step_<n>/index.json``, created only if absent."""
-    folder = prefix.child(steps.step_directory_name(step))
-    index_at = folder.child(INDEX_NAME)
-    committing = []  # set once the commit's PUT is sent: from then on it may have landed
-
-    def prepare() -> str:
-        if object_store.head(index_at) is not None:
-            raise CheckpointExistsError(f"{folder.url}: a sharded checkpoint of step {step} exists")
-        return folder.child(secrets.token_hex(16)).url
-
-    def commit(where: str, index: dict[str, Any]) -> None:
-        attempt = where.rsplit("/", 1)[-1]
-        data = encode_index({**index, "attempt": attempt}, index_at.url)
-        committing.append(True)
-        if not object_store.put_new(index_at, data):
-            committing.clear()  # another job's commit: ours certainly did not land
-            raise CheckpointExistsError(f"{folder.url}: another writer committed step {step} first")
-
-    def abandon(where: str) -> None:
-        if not committing:  # once the commit is sent it may have landed: its shards stay
-            object_store.remove_under(object_store.locate(where, storage_options))
-
-    write_shards(
-        comm,
-        state,
-        slices,
-        prepare=prepare,
-        commit=commit,
-        step=step,
-        include_optimizer_state=include_optimizer_state,
-        durable=False,
-        external_data_threshold=external_data_threshold,
-        abandon=abandon,
-        storage_options=storage_options,
-    )
-    return folder.url
-
-
-def remove_leftovers(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Deletes what sharded saves to the ``s3://`` prefix ``url`` left and no index names: the
-    shards of saves that failed after their commit's PUT was sent, or were killed, and of steps
-    never committed. An object store holds no lock, so nothing proves that no job is saving
-    there: call it only when none is. Steps with a damaged index, and any step with a manager's
-    metadata.json, are kept whole. Returns the URLs deleted. (In a directory, the next save
-    removes leftovers by itself, under the directory's lock.)"""
-    if not object_store.is_url(url):
-        raise ValueError(f"{url}: not an s3:// prefix (a directory's leftovers go at its next save, under its lock)")
-    prefix = object_store.locate(url, storage_options)
-    listed = object_store.list_keys(prefix)
-    folders: dict[int, set[str]] = {}
-    for key, _ in listed:
-        folder, _, rest = key.partition("/")
-        step = steps.step_of(folder)
-        if step is not None and rest:
-            folders.setdefault(step, set()).add(rest)
-    doomed = []
-    for step, names in sorted(folders.items()):
-        if steps.METADATA_NAME in names:
-            continue  # a manager's step: its own remove_leftovers judges it
-        keep: str | None = None  # the committed attempt's folder
-        if INDEX_NAME in names:
-            try:
-                _, index = _read_committed_in_store(prefix.child(steps.step_directory_name(step)), None)
-            except (CheckpointError, OSError):
-                continue  # damaged: kept for a person to look at
-            keep = index.get("attempt") or ""
-        for rest in sorted(names):
-            if rest == INDEX_NAME or (keep is not None and _in_attempt(rest, keep)):
-                continue
-            doomed.append(prefix.child(f"{steps.step_directory_name(step)}/{rest}"))
-    object_store.remove(doomed)
-    return [location.url for location in doomed]
-
-
-def _size_of(entry: Any) -> int:
-    """A written file's size: a file's is its size; an object's is {"bytes", "sha256"}."""
-    return entry["bytes"] if isinstance(entry, dict) else entry
-
-
-def _in_attempt(name: str, attempt: str) -> bool:
-    """Whether ``name`` (under a step's folder) is in the attempt's folder; an index that names no
-    attempt (a directory uploaded as it was) has its shards beside it."""
-    return name.startswith(f"{attempt}/") if attempt else "/" not in name
+def remove_leftovers(directory: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Removes what sharded saves (and managers) left under ``directory`` or an ``s3://`` prefix
+    and no committed document names: the shards of saves that failed or were killed, of steps
+    never committed, and on object storage the multipart uploads killed writers left. Steps with
+    a damaged document are kept whole. A directory is swept under its writer lock (a second
+    writer there is refused); an object store holds no lock, so nothing proves that no job is
+    saving there: call it only when none is. Returns what it removed."""
+    store = open_store(directory, storage_options, writer=True)
+    try:
+        return store.remove_leftovers()
+    finally:
+        store.close()
 
 
 def write_shards(
     comm: Communicator,
+    store: StepStore,
     state: CheckpointState,
     slices: Mapping[str, Slice] | None,
     *,
-    prepare: Callable[[], str | Path],
-    commit: Callable[[str, dict[str, Any]], None],
+    begin: Callable[[], Attempt],
+    commit: Callable[[Attempt, dict[str, Any]], None],
+    abandon: Callable[[Attempt], None],
     step: int,
     include_optimizer_state: bool,
     durable: bool,
     external_data_threshold: int,
-    abandon: Callable[[str], None] = safe_io.remove_tree_quietly,
-    storage_options: Mapping[str, Any] | None = None,
-    digests: dict[str, Any] | None = None,
 ) -> None:
-    """The collective save in two rounds: every rank describes what it holds and rank 0 plans
-    it (``prepare``, rank 0, makes the directory the shards go to, or names the object store
-    folder); every rank writes its shard and rank 0 commits them (``commit``), or removes them
-    when some rank failed (``abandon``). On object storage, ``digests`` (rank 0's) is filled
-    before the commit with each uploaded file's {"bytes", "sha256"}, taken as it went up."""
+    """The collective save in two rounds, one step transaction of ``store``: every rank
+    describes what it holds and rank 0 plans it and stages the step (``begin``); every rank
+    writes its shard into the attempt, and rank 0 commits them (``commit``, with the index), or
+    removes them when some rank failed (``abandon``)."""
     rank, world = comm.rank, comm.world_size
-    on_root: dict[str, Any] = {}  # what only rank 0 keeps from the plan for the index
+    on_root: dict[str, Any] = {}  # what only rank 0 keeps: the plan's tables, its attempt
 
-    def plan_and_prepare(descriptions: list[RankDescription]) -> tuple[str, list[list[str]]]:
+    def plan_and_begin(descriptions: list[RankDescription]) -> tuple[str, list[list[str]]]:
         writes, tables = plan(descriptions)
-        on_root.update(tables=tables, properties=dict(descriptions[0].properties))
-        return str(prepare()), writes
+        attempt = begin()
+        on_root.update(tables=tables, properties=dict(descriptions[0].properties), attempt=attempt)
+        return attempt.where, writes
 
-    where_name, writes = gather_decide_broadcast(
+    where, writes = gather_decide_broadcast(
         comm,
         "sharded save (checking the state)",
         lambda: describe(state, slices, rank, include_optimizer_state),
-        plan_and_prepare,
+        plan_and_begin,
         deciding="planning",
     )
-    where = where_name  # a directory's path, or an object store folder's URL
 
     def index_and_commit(written: list[dict[str, Any]]) -> None:
-        if digests is not None:
-            digests.update({name: entry for files in written for name, entry in files.items()})
-        written = [{name: _size_of(entry) for name, entry in files.items()} for files in written]
+        attempt: Attempt = on_root["attempt"]
+        for files in written:
+            attempt.written.update(files)  # every rank's files: what the commit checks and records
         index = {
             "format": documents.SHARDED_FORMAT,
             "version": documents.SHARDED_VERSION,
@@ -306,32 +212,32 @@ def write_shards(
             "world_size": world,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "shards": [
-                {"rank": r, "file": shard_file_name(r, world), "files": files}
+                {"rank": r, "file": shard_file_name(r, world), "files": {n: e["bytes"] for n, e in files.items()}}
                 for r, files in enumerate(written)
                 if files
             ],
             **on_root["tables"],
             "properties": on_root["properties"],
         }
-        commit(where, index)
+        commit(attempt, index)
 
     gather_decide_broadcast(
         comm,
         "sharded save",
         lambda: _write_own_shard(
+            store,
+            store.join(where, step) if rank else on_root["attempt"],
             state,
-            where,
             writes[rank],
             rank,
             world,
             include_optimizer_state,
             durable,
             external_data_threshold,
-            storage_options,
         ),
         index_and_commit,
         deciding="committing",
-        on_failure=lambda: abandon(where),
+        on_failure=lambda: abandon(on_root["attempt"]),
     )
 
 
@@ -387,18 +293,18 @@ def describe(
 
 
 def _write_own_shard(
+    store: StepStore,
+    attempt: Attempt,
     state: TensorSource,
-    where: str,
     names: list[str],
     rank: int,
     world: int,
     include_optimizer_state: bool,
     durable: bool,
     threshold: int,
-    storage_options: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Writes the tensors the plan gave this rank; returns {file name: size} (on object storage
-    {file name: {"bytes", "sha256"}}), empty if none."""
+    """Writes the tensors the plan gave this rank into the attempt; returns its files
+    {name: {"bytes", ...}}, empty if none."""
     if not names:
         return {}
     wanted = set(names)
@@ -416,14 +322,13 @@ def _write_own_shard(
             )
             for group_name, group in state.optimizer_groups.items()
         }
-    if object_store.is_url(where):
-        location = object_store.locate(f"{where}/{shard_file_name(rank, world)}", storage_options)
-        return object_store.save_at(location, shard, include_optimizer_state, threshold)  # sizes and SHA-256s
-    path = Path(where) / shard_file_name(rank, world)
-    CheckpointState.save_checkpoint(
-        shard, path, include_optimizer_state, external_data_threshold=threshold, durable=durable
+    return store.write_checkpoint(
+        attempt,
+        shard_file_name(rank, world),
+        shard.core_state(include_optimizer_state),
+        external_data_threshold=threshold,
+        durable=durable,
     )
-    return {p.name: p.stat().st_size for p in sorted(path.parent.glob(path.name + "*"))}
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -460,15 +365,42 @@ def load_sharded(
     saved is a view over its memory-mapped shard (no copy), others are assembled.
     """
     comm = communicator(comm)
-    where, index = root_decides(
-        comm, "sharded load (reading the index)", lambda: read_committed(directory, step, storage_options)
-    )
+    store = open_store(directory, storage_options, writer=False)
+    folder, index = root_decides(comm, "sharded load (reading the index)", lambda: read_committed(store, step))
+    return _load_part(store, folder, index, comm, slices, include_optimizer_state)
+
+
+def load_step(
+    store: StepStore, step: Step, *, comm: Any = None, slices: Mapping[str, Slice | None] | None = None
+) -> tuple[CheckpointState, dict[str, Slice]]:
+    """:func:`load_sharded` of one committed step of a store (a manager's restore_sharded)."""
+    comm = communicator(comm)
+    folder, index = root_decides(comm, "sharded load (reading the index)", lambda: (step.folder, index_of(store, step)))
+    return _load_part(store, folder, index, comm, slices, True)
+
+
+def _load_part(
+    store: StepStore,
+    folder: Any,
+    index: dict[str, Any],
+    comm: Communicator,
+    slices: Mapping[str, Slice | None] | None,
+    include_optimizer_state: bool,
+) -> tuple[CheckpointState, dict[str, Slice]]:
     entries = tensor_entries(index)
     if slices is None:
         layout = default_layout(entries.values(), index["world_size"], comm.rank, comm.world_size)
     else:
-        layout = _requested_layout(where, entries, slices)
-    return assemble(where, index, entries, layout, include_optimizer_state, storage_options), layout
+        layout = _requested_layout(store.name, entries, slices)
+    return assemble(store, folder, index, entries, layout, include_optimizer_state), layout
+
+
+def assemble_step(store: StepStore, folder: Any) -> CheckpointState:
+    """A sharded step's whole state, in one process."""
+    index = _parse_index(store.read_document(folder, INDEX_NAME), f"{store.file(folder, INDEX_NAME).name}")
+    entries = tensor_entries(index)
+    layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
+    return assemble(store, folder, index, entries, layout, True)
 
 
 def merge(
@@ -487,12 +419,13 @@ def merge(
     Split tensors are assembled in memory (the largest assembled at once is the sum of the
     split tensors); whole ones go from their shard's mapping to the new file without a copy.
     ``directory`` and ``out`` may each be on object storage (``s3://``, configured by
-    ``storage_options``): whole tensors then stream from ranged GETs of the shards.
+    ``storage_options``).
     """
-    where, index = read_committed(directory, step, storage_options)
+    store = open_store(directory, storage_options, writer=False)
+    folder, index = read_committed(store, step)
     entries = tensor_entries(index)
     layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
-    state = assemble(where, index, entries, layout, include_optimizer_state, storage_options)
+    state = assemble(store, folder, index, entries, layout, include_optimizer_state)
     CheckpointState.save_checkpoint(
         state,
         out,
@@ -501,67 +434,53 @@ def merge(
         durable=durable,
         storage_options=storage_options,
     )
-    return out if object_store.is_url(out) else Path(out)
+    return out if targets.is_object_url(out) else Path(out)
 
 
-def read_committed(
-    directory: str | os.PathLike[str], step: int | None, storage_options: Mapping[str, Any] | None = None
-) -> tuple[str, dict[str, Any]]:
-    """(where its shards are, its index) of a committed sharded checkpoint, the index validated
-    (:mod:`ortckpt.documents`: shard files are plain names of their rank, pieces inside their
-    tensors and tiling them). CheckpointFormatError, naming the index, when it is damaged. On
-    object storage, where the shards are is the URL of the committed attempt's folder."""
-    if object_store.is_url(directory):
-        return _read_committed_in_store(object_store.locate(directory, storage_options), step)  # type: ignore[arg-type]
-    directory = Path(directory)
-    if (directory / INDEX_NAME).is_file():
-        where = directory
-    else:
-        if step is None:
-            step = latest_step(directory)
-            if step is None:
-                raise FileNotFoundError(f"{directory}: no committed sharded checkpoint")
-        where = step_directory(directory, step)
-        if not (where / INDEX_NAME).is_file():
-            raise FileNotFoundError(
-                f"{where}: no committed sharded checkpoint of step {step} "
-                f"(no {INDEX_NAME}: never saved, or its save did not finish)"
+def read_committed(store: StepStore, step: int | None) -> tuple[Any, dict[str, Any]]:
+    """(where its shards are, its index) of a committed sharded checkpoint of ``store`` (the
+    store's own folder when it is one step's, else ``step``, else the latest), the index
+    validated (:mod:`ortckpt.documents`: shard files are plain names of their rank, pieces
+    inside their tensors and tiling them). CheckpointFormatError, naming the index, when it is
+    damaged."""
+    found = store.locate()
+    if found is not None:  # the store's folder is itself a step's
+        named = steps.step_of(Path(store.name).name)
+        if named is not None and named != found.number:
+            raise CheckpointFormatError(
+                f"{store.name}/{INDEX_NAME}: step {found.number}, but the directory is of step {named}"
             )
-    path = where / INDEX_NAME
-    data = safe_io.read_regular(path, limit=documents.SHARDED_INDEX.max_bytes, follow_symlinks=False)
-    index = documents.parse(documents.SHARDED_INDEX, data, os.fspath(path))
-    named = steps.step_of(where.name)
-    if named is not None and named != index["step"]:
-        raise CheckpointFormatError(f"{path}: step {index['step']}, but the directory is of step {named}")
-    return str(where), index
-
-
-def _read_committed_in_store(prefix: object_store.Location, step: int | None) -> tuple[str, dict[str, Any]]:
-    folder = prefix
-    found = object_store.head(prefix.child(INDEX_NAME))  # the URL of one step's folder?
-    if found is None:
+    if found is None or (step is not None and found.number != step):
         if step is None:
-            committed = _steps_in_store(prefix)
-            step = committed[-1] if committed else None
-            if step is None:
-                raise FileNotFoundError(f"{prefix.url}: no committed sharded checkpoint")
-        folder = prefix.child(steps.step_directory_name(step))
-        found = object_store.head(folder.child(INDEX_NAME))
+            scan = store.scan(INDEX_NAME)
+            if not scan.steps and not scan.damaged:
+                raise FileNotFoundError(f"{store.name}: no committed sharded checkpoint")
+            step = max([*scan.steps, *scan.damaged])  # a damaged latest index is an error, not skipped
+        found = store.read(step, INDEX_NAME)
         if found is None:
             raise FileNotFoundError(
-                f"{folder.url}: no committed sharded checkpoint of step {step} "
+                f"{store.name}/{steps.step_directory_name(step)}: no committed sharded checkpoint of step {step} "
                 f"(no {INDEX_NAME}: never saved, or its save did not finish)"
             )
-    index_at = folder.child(INDEX_NAME)
-    if found.size > documents.SHARDED_INDEX.max_bytes:
-        raise CheckpointFormatError(f"{index_at.url}: {found.size} bytes, over an index's cap")
-    data = bytes(object_store.get(index_at, found.etag))
-    index = documents.parse(documents.SHARDED_INDEX, data, index_at.url)
-    named = steps.step_of(folder.key.rsplit("/", 1)[-1])
-    if named is not None and named != index["step"]:
-        raise CheckpointFormatError(f"{index_at.url}: step {index['step']}, but the folder is of step {named}")
-    attempt = index.get("attempt")
-    return (folder.child(attempt).url if attempt else folder.url), index
+    return found.folder, index_of(store, found)
+
+
+def index_of(store: StepStore, step: Step) -> dict[str, Any]:
+    """A sharded step's index: the document that committed it, or (a manager's sharded step,
+    committed by its metadata) the one among its files."""
+    if "shards" in step.document:
+        return step.document
+    data = store.read_document(step.folder, INDEX_NAME)
+    index = _parse_index(data, store.file(step.folder, INDEX_NAME).name)
+    if index["step"] != step.number:
+        raise CheckpointFormatError(
+            f"{store.file(step.folder, INDEX_NAME).name}: step {index['step']}, not {step.number}"
+        )
+    return index
+
+
+def _parse_index(data: bytes, where: str) -> dict[str, Any]:
+    return documents.parse(documents.SHARDED_INDEX, data, where)  # type: ignore[no-any-return]
 
 
 def _requested_layout(
@@ -582,17 +501,17 @@ def _requested_layout(
 
 
 def assemble(
-    where: str | os.PathLike[str],
+    store: StepStore,
+    folder: Any,
     index: Mapping[str, Any],
     entries: Mapping[str, TensorEntry],
     layout: Mapping[str, Slice],
     include_optimizer_state: bool,
-    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointState:
-    """A state of the pieces ``layout`` asks for, read from the shards that hold them. Every
-    piece read must have the type and shape the index gives it (CheckpointFormatError, naming
-    the shard and the tensor, if not)."""
-    shards = _Shards(os.fspath(where), index, storage_options)
+    """A state of the pieces ``layout`` asks for, read from the shards (in ``folder`` of
+    ``store``) that hold them. Every piece read must have the type and shape the index gives it
+    (CheckpointFormatError, naming the shard and the tensor, if not)."""
+    shards = _Shards(store, folder, index)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
     groups = (
@@ -619,27 +538,19 @@ class _Shards:
     """The shard files of one sharded step, opened when first needed (only by the plain names
     the index gives, never through a symlink), and the pieces read from them, checked."""
 
-    def __init__(self, where: str, index: Mapping[str, Any], storage_options: Mapping[str, Any] | None) -> None:
-        self.where = where
-        self.remote = object_store.is_url(where)
-        self.storage_options = storage_options
-        self.files = {
-            s["rank"]: f"{where}/{s['file']}" if self.remote else safe_io.member(Path(where), s["file"])
-            for s in index["shards"]  # (plain names: the index was validated)
-        }
+    def __init__(self, store: StepStore, folder: Any, index: Mapping[str, Any]) -> None:
+        self.store = store
+        self.folder = folder
+        self.names = {s["rank"]: s["file"] for s in index["shards"]}  # (plain names: the index was validated)
+        self.files = {rank: store.file(folder, name).name for rank, name in self.names.items()}
         self.opened: dict[int, CheckpointState] = {}
         self.records: dict[int, dict[str, TensorRecord]] = {}
 
     def shard(self, rank: int) -> CheckpointState:
         if rank not in self.opened:
             if rank not in self.files:
-                raise CheckpointFormatError(f"{self.where}: the index names no shard of rank {rank}")
-            file = self.files[rank]
-            self.opened[rank] = (
-                CheckpointState.load_checkpoint(file, storage_options=self.storage_options)  # type: ignore[arg-type]
-                if self.remote
-                else open_checkpoint(file, follow_symlinks=False)
-            )
+                raise CheckpointFormatError(f"{self.store.name}: the index names no shard of rank {rank}")
+            self.opened[rank] = self.store.load(self.folder, self.names[rank])
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 
@@ -676,12 +587,10 @@ class _Shards:
         return value
 
 
-def check_shards(
-    where: str | os.PathLike[str], index: Mapping[str, Any], storage_options: Mapping[str, Any] | None = None
-) -> list[str]:
+def check_shards(store: StepStore, folder: Any, index: Mapping[str, Any]) -> list[str]:
     """What :func:`assemble` would refuse, for :func:`ortckpt.verify`: every piece of every
     tensor and momentum the index lists, read from its shard and checked against the index."""
-    shards = _Shards(os.fspath(where), index, storage_options)
+    shards = _Shards(store, folder, index)
     problems = []
     for entry in tensor_entries(index).values():
         for piece in entry.pieces:
@@ -721,11 +630,6 @@ def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> An
 
 
 # --- small helpers -------------------------------------------------------------------------------
-
-
-def write_index(path: Path, index: Mapping[str, Any], durable: bool) -> None:
-    """Writes the index atomically (a locked temporary file of a fresh name, then rename)."""
-    safe_io.write_atomically(path, encode_index(index, os.fspath(path)), durable=durable)
 
 
 def encode_index(index: Mapping[str, Any], where: str) -> bytes:

@@ -11,18 +11,21 @@ like Orbax's ``CheckpointManager``, in ONNX Runtime's own format::
             if manager.should_save(step):
                 manager.save(state, step, metrics={"loss": loss})
 
-Layout of ``directory``: one directory per step, ``step_00000100/`` holding
-``checkpoint`` (what ONNX Runtime's ``load_checkpoint`` takes; ``checkpoint.data``
-beside it when large) and ``metadata.json``. A step directory is written under a hidden
-temporary name and renamed into place only once complete (and fsynced, when durable), so
-a reader never sees half a checkpoint. One manager writes a directory at a time (a lock
-proves it, :mod:`ortckpt.steps`); any number read it (``read_only=True``). Leftovers of
-crashed saves are removed when a writer starts.
+One class, whatever holds the run: a local directory or an ``s3://bucket/prefix``. Each save is
+one step transaction of :mod:`ortckpt.stepstore` (stage, write, verify, write metadata,
+commit, retire), so a reader never sees half a checkpoint, and a crash at any point leaves the
+previous step the latest. The layout (:mod:`ortckpt.steps`): one folder per step,
+``step_00000100/``, holding ``checkpoint`` (what ONNX Runtime's ``load_checkpoint`` takes;
+``checkpoint.data`` beside it when large) and ``metadata.json``; on object storage the files
+are in the folder of the save that committed the step, which ``metadata.json`` names. One
+manager writes a directory at a time (a lock proves it); any number read it
+(``read_only=True``). Leftovers of crashed saves are removed when a writer of a directory
+starts; under an object store prefix by :meth:`CheckpointManager.remove_leftovers`.
 
 With ``comm`` (an mpi4py communicator or a torch.distributed group), every rank of a
 distributed job calls the same methods together and each saves only its part of the state:
-the step directory then holds one shard per rank and an ``index.json`` (see
-:mod:`ortckpt.distributed`) instead of ``checkpoint``; rank 0 commits, keeps and deletes.
+the step then holds one shard per rank and an ``index.json`` (see :mod:`ortckpt.distributed`)
+instead of ``checkpoint``; rank 0 commits, keeps and deletes.
 """
 
 from __future__ import annotations
@@ -32,21 +35,30 @@ import datetime
 import os
 import subprocess
 import sys
+import threading
+import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, safe_io, steps
-from ..checkpoint_state import CheckpointState, open_checkpoint
-from ..errors import CheckpointError, CheckpointIntegrityError
+from .. import _boundary, safe_io, steps, targets
+from ..checkpoint_state import CheckpointState
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from ..stepstore import Attempt, Step, StepStore, open_store
 from . import metadata as _metadata
-from .common import ManagerBase, as_step
-from .integrity import Verified, verify
+from .common import Staging, UnwaitedSave, as_integer, as_step
+from .integrity import Verified, verify_step
 from .retention import RetentionPolicy
 from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
+
+# What only a run in a local directory can do (each needs the step's files on this machine).
+_LOCAL_ONLY = ("validate", "compress_kept", "track", "progress")
 
 
 @dataclass(frozen=True)
@@ -54,13 +66,34 @@ class CheckpointInfo:
     """One complete checkpoint of a :class:`CheckpointManager`."""
 
     step: int
-    directory: Path
+    directory: Any  # the step's folder: a Path in a directory, its URL on object storage
     metadata: dict[str, Any]
+    store: StepStore = field(repr=False, compare=False)
+    files: Any = field(repr=False, compare=False, default=None)  # where its files are (a Path, or a Location)
+
+    @classmethod
+    def of(cls, store: StepStore, step: Step) -> CheckpointInfo:
+        folder = step.folder
+        directory = folder if isinstance(folder, Path) else folder.url.removesuffix(f"/{step.document.get('attempt')}")
+        return cls(step.number, directory, step.document, store, folder)
 
     @property
-    def path(self) -> Path:
-        """The checkpoint file: what ``load_checkpoint`` (ortckpt's or ONNX Runtime's) takes."""
-        return self.directory / steps.CHECKPOINT_NAME
+    def folder(self) -> Any:
+        """Where the step's files are: its directory, or on object storage the folder of the
+        save that committed it (a URL)."""
+        return self.files if isinstance(self.files, Path) else self.files.url
+
+    @property
+    def url(self) -> str:
+        """The step folder's URL (on object storage) or path."""
+        return os.fspath(self.directory) if isinstance(self.directory, Path) else self.directory
+
+    @property
+    def path(self) -> Any:
+        """The checkpoint file: what ``load_checkpoint`` (ortckpt's or ONNX Runtime's) takes; a
+        URL on object storage."""
+        target = self.store.file(self.files, steps.CHECKPOINT_NAME)
+        return target.path if isinstance(target, targets.LocalFile) else target.name
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -78,7 +111,7 @@ class CheckpointInfo:
     @property
     def sharded(self) -> bool:
         """Whether this is a sharded checkpoint (one shard per rank and an index)."""
-        return (self.directory / steps.INDEX_NAME).is_file()
+        return steps.INDEX_NAME in self.metadata["files"]
 
     @property
     def compressed(self) -> bool:
@@ -89,29 +122,32 @@ class CheckpointInfo:
 
     def load(self) -> CheckpointState:
         """The whole state, in this process (a sharded checkpoint's pieces assembled, a
-        compressed one decompressed)."""
+        compressed one decompressed). On object storage, a local copy: it stays usable
+        whatever retention deletes later, as the mapped files of a directory do."""
         if self.sharded:
-            from ..distributed import SingleProcess, load_sharded
+            from ..distributed.sharded import assemble_step
 
-            return load_sharded(self.directory, comm=SingleProcess())[0]
+            return assemble_step(self.store, self.files)
         try:
-            return open_checkpoint(self.path, follow_symlinks=False)
+            return self.store.load(self.files, steps.CHECKPOINT_NAME)
         except FileNotFoundError:
             # Compressed (perhaps since this info was read: the archive is written before the
             # checkpoint goes, so it is there whenever the checkpoint is not).
-            archive = self.directory / steps.COMPRESSED_NAME
-            if not os.path.lexists(archive):
+            archive = self.files / steps.COMPRESSED_NAME if self.store.local else None
+            if archive is None or not os.path.lexists(archive):
                 raise
         from ..compression import load_compressed
 
         return load_compressed(archive, follow_symlinks=False)  # a symlink planted there is refused
 
 
-class CheckpointManager(ManagerBase):
-    """Saves, keeps and restores the checkpoints of one training run in ``directory``.
+class CheckpointManager:
+    """Saves, keeps and restores the checkpoints of one training run in ``directory`` (a
+    local directory, or an ``s3://bucket/prefix`` URL).
 
     Args:
-        directory: Where step directories go (created if missing).
+        directory: Where step directories go (created if missing), or an ``s3://bucket/prefix``
+            (configured by ``storage_options``, see :mod:`ortckpt.object_store`).
         save_every: :meth:`should_save` is True every this many steps (an int), or once this
             much time has passed since the last save (a ``datetime.timedelta``); None: every step.
         max_to_keep: Keep the newest K checkpoints.
@@ -123,32 +159,33 @@ class CheckpointManager(ManagerBase):
             change its arrays); writing, fsync, commit and retention happen in a background
             thread. An error there is raised by the next :meth:`save` or :meth:`wait`. The
             copy is kept for the next save to copy into: memory the size of the state.
-        durable: fsync each checkpoint's files and directories before it counts as saved.
+        durable: fsync each checkpoint's files and directories before it counts as saved (on
+            object storage an object is durable once its PUT returns: nothing changes).
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
-            True in this process, ``"process"`` in a fresh Python process. A checkpoint that
-            fails is not committed.
+            True in this process, ``"process"`` in a fresh Python process (directories only).
+            A checkpoint that fails is not committed.
         compress_kept: Compress the steps kept only by ``keep_every`` or ``keep_best`` (never the
             latest, nor the newest ``max_to_keep``) into ``checkpoint.zst`` (:mod:`ortckpt.compression`):
             ONNX Runtime cannot read them, :meth:`restore` and ``load()`` decompress them, and
-            :func:`ortckpt.verify` checks the SHA-256 of the uncompressed files.
+            :func:`ortckpt.verify` checks the SHA-256 of the uncompressed files. Directories only.
         validate: A :class:`~ortckpt.manager.validation.Forward`: before committing, run the eval
             model with the new checkpoint's weights in ONNX Runtime; a checkpoint whose forward
             pass fails, is not finite, fails ``check`` or disagrees with the logged metric is not
             committed (:class:`~ortckpt.CheckpointIntegrityError`) and the previous step stays
-            the latest.
+            the latest. Directories only.
         track: Report each checkpoint to an experiment tracker: ``"mlflow"`` (an
             :class:`~ortckpt.manager.tracking.MlflowTracker` configured by MLflow's environment
             variables), a configured ``MlflowTracker(...)``, or any
             :class:`~ortckpt.manager.tracking.Tracker`. Metrics at their step, the config as
             params, the step's directory and SHA-256s as tags; a resumed run continues its
             tracker run. A tracker that fails is a warning; what it missed is reported later.
-            :meth:`register_best` hands the best checkpoint to its model registry.
+            :meth:`register_best` hands the best checkpoint to its model registry. Directories only.
         run_id: Recorded in every checkpoint's metadata; default: the latest checkpoint's
             (a resumed run keeps its id), else a new random id.
         config: The run's hyperparameters or configuration (JSON-able), recorded in every
             checkpoint's metadata.
         progress: Progress bars (tqdm) while a checkpoint is written and hashed, for saves
-            that take more than half a second.
+            that take more than half a second. Directories only.
         external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
             bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
@@ -158,22 +195,11 @@ class CheckpointManager(ManagerBase):
             split parameter). Not with ``async_save`` or ``verify_after_save``.
         read_only: A reader: lists, restores and verifies checkpoints that another process
             writes (training running elsewhere), seeing new and deleted steps as they come; takes
-            no lock and changes nothing. A writer (the default) holds ``directory`` for itself
+            no lock and changes nothing. A writer (the default) holds a directory for itself
             until :meth:`close`: a second writer gets :class:`~ortckpt.CheckpointDirectoryInUseError`
-            naming the first.
-        storage_options: For an ``s3://bucket/prefix`` URL in place of ``directory`` (see
-            :mod:`ortckpt.object_store`): the manager is then an
-            :class:`~ortckpt.manager.object_store_manager.ObjectStoreCheckpointManager`, with the
-            same methods (see there for the layout, the commit and what it does not do).
+            naming the first. An object store holds no lock: one writer per prefix is yours to keep.
+        storage_options: For an ``s3://bucket/prefix`` URL (see :mod:`ortckpt.object_store`).
     """
-
-    def __new__(cls, directory: str | os.PathLike[str], **options: Any) -> Any:
-        # An object store URL gets the manager of an object store prefix, with the same methods.
-        if isinstance(directory, str) and directory.startswith("s3://"):
-            from .object_store_manager import ObjectStoreCheckpointManager
-
-            return ObjectStoreCheckpointManager(directory, **options)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -197,78 +223,157 @@ class CheckpointManager(ManagerBase):
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if storage_options is not None:
-            raise ValueError(f"{directory}: storage_options are for an object store URL (s3://bucket/prefix)")
+        remote = targets.is_object_url(directory)
+        if storage_options is not None and not remote:
+            raise ValueError(
+                f"{directory}: storage_options are for an object store URL ({targets.SCHEME}bucket/prefix)"
+            )
         if comm is not None and (async_save or verify_after_save or validate is not None):
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
         if validate is not None and not isinstance(validate, Forward):
             raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
-        self.directory = Path(directory)
-        self._start(
-            str(self.directory),
-            RetentionPolicy(max_to_keep, keep_best, keep_every),
-            save_every=save_every,
-            async_save=async_save,
-            read_only=read_only,
-            durable=durable,
-            verify_after_save=verify_after_save,
-            run_id=run_id,
-            config=config,
-            external_data_threshold=external_data_threshold,
-            comm=comm,
-        )
+        if isinstance(save_every, int) and save_every < 1:
+            raise ValueError(f"save_every must be at least 1, got {save_every}")
+        if verify_after_save not in (False, True, "process"):
+            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
+        if run_id is not None and not isinstance(run_id, str):
+            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
+        if remote:
+            asked = {"validate": validate, "compress_kept": compress_kept, "track": track, "progress": progress}
+            refused = [name for name in _LOCAL_ONLY if asked[name] not in (None, False)]
+            if verify_after_save == "process":
+                refused.append('verify_after_save="process"')
+            if refused:
+                raise ValueError(f"{directory}: not available for a manager on object storage: {', '.join(refused)}")
+        self.policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
+        self.save_every = save_every
+        self.async_save = async_save
+        self.read_only = read_only
+        self.durable = durable
+        self.verify_after_save = verify_after_save
+        self.config = dict(config or {})
+        self.external_data_threshold = external_data_threshold
         self.validate = validate
         self.compress_kept = compress_kept
         self.progress = progress
-        self._writer: steps.WriterLock | None = None
-        if self._is_root and not read_only:
-            safe_io.make_directories(self.directory)
+        self.storage_options = dict(storage_options or {})
+        self.comm = None
+        if comm is not None:
+            from ..distributed import communicator
+
+            self.comm = communicator(comm)
+        writer = self._is_root and not read_only
+        if writer:
             # The metadata's git commit comes from a subprocess: asked now, before the lock, since
             # a child forked while the lock is held shares it until it execs, and a writer killed
             # in that moment would leave its directory locked after it is gone.
             _metadata.git_commit()
-            self._writer = steps.WriterLock(self.directory)
-            steps.remove_leftovers(self.directory, self._writer)
+        self.store = open_store(directory, storage_options, writer=writer, create=writer)
+        if writer:
+            self.store.remove_proven_leftovers()
+        self.directory: Any = Path(directory) if self.store.local else self.store.name
+        self.url = self.store.name
+        self._where = self.store.name
+        self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
+        self._checkpoints: dict[int, CheckpointInfo] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        # The pending save as the finalizer sees it, to report a failure nobody waited for.
+        self._unwaited = UnwaitedSave(self._where)
+        self._report_lost = weakref.finalize(self, self._unwaited.report)
+        # Async saves copy the state into these arrays, reused from one save to the next
+        # (free again once the previous save is done: save() waits for it first).
+        self._staging = Staging()
+        self._last_save = time.monotonic()
+        self._closed = False
         if self.comm is not None:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
         self.reload()
-        self._adopt_run_id(run_id)
+        latest = self.latest()
+        # The run's id: the one given, else the latest checkpoint's (a resumed run keeps its id),
+        # else a new one; with comm, rank 0's on every rank.
+        self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
+        if self.comm is not None:
+            self.run_id = self.comm.broadcast(self.run_id)
         self._reporter: Reporter | None = None
         if track is not None and self._is_root:
-            run = TrackedRun(self.run_id, self.directory, self.config, writer=not read_only)
+            run = TrackedRun(self.run_id, Path(self.directory), self.config, writer=not read_only)
             self._reporter = Reporter(tracker_for(track), run, self.all)
+
+    @property
+    def _is_root(self) -> bool:
+        """Whether this process commits and deletes checkpoints (rank 0, or the only one)."""
+        return self.comm is None or self.comm.rank == 0
 
     # --- what is there -----------------------------------------------------------------
 
     def reload(self) -> None:
-        """Reads the directory again: what ``all()``, ``latest()`` and ``restore()`` see. A
-        read-only manager does this on every query; a writer knows what it wrote."""
-        found = self._scan()
+        """Reads the steps again: what ``all()``, ``latest()`` and ``restore()`` see. A
+        read-only manager does this on every query; a writer knows what it wrote. A step whose
+        metadata.json is damaged is skipped with a warning (and kept, for a person to look at);
+        one without any is not this manager's (e.g. a save_sharded step) and is ignored."""
+        scan = self.store.scan(steps.METADATA_NAME)
+        for number, problem in sorted(scan.damaged.items()):
+            warnings.warn(
+                f"{self._where}: step {number} skipped, its metadata is damaged: {problem}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        found = {number: CheckpointInfo.of(self.store, step) for number, step in scan.steps.items()}
         with self._lock:
             self._checkpoints = found
 
-    def _scan(self) -> dict[int, CheckpointInfo]:
-        """Every committed step whose metadata.json reads and validates. A step directory with a
-        damaged metadata.json is skipped with a warning (and kept on disk, for a person to look
-        at); one without any is not this manager's (e.g. a save_sharded step) and is ignored."""
-        found = {}
-        for step, directory in steps.step_directories(self.directory).items():
-            try:
-                meta = _metadata.read(directory)
-            except FileNotFoundError:
-                continue
-            except (CheckpointError, OSError, ValueError) as e:
-                warnings.warn(f"{directory}: skipped, its metadata is damaged: {e}", RuntimeWarning, stacklevel=3)
-                continue
-            if meta["step"] != step:
-                warnings.warn(
-                    f"{directory}: skipped, its metadata.json says step {meta['step']}", RuntimeWarning, stacklevel=3
-                )
-                continue
-            found[step] = CheckpointInfo(step, directory, meta)
-        return found
+    def _refresh(self) -> None:
+        if self.read_only:
+            self.reload()
+
+    def all(self) -> list[CheckpointInfo]:
+        """Every complete checkpoint, oldest step first."""
+        self._refresh()
+        with self._lock:
+            return [self._checkpoints[s] for s in sorted(self._checkpoints)]
+
+    def all_steps(self) -> list[int]:
+        return [c.step for c in self.all()]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The complete checkpoint with the highest step, or None."""
+        self._refresh()
+        with self._lock:
+            return self._checkpoints[max(self._checkpoints)] if self._checkpoints else None
+
+    def latest_step(self) -> int | None:
+        latest = self.latest()
+        return latest.step if latest else None
+
+    def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> CheckpointInfo | None:
+        """The checkpoint with the best ``metric`` (default: ``keep_best``'s); ties go to the
+        newer step; checkpoints without the metric, or with NaN, are not ranked."""
+        if metric is None:
+            if self.policy.keep_best is None:
+                raise ValueError("best() needs a metric name and mode, or keep_best set on the manager")
+            metric, mode = self.policy.keep_best[0], self.policy.keep_best[1]
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode is 'min' or 'max', got {mode!r}")
+        checkpoints = self.all()
+        ranked = RetentionPolicy(keep_best=(metric, mode, 1)).ranked([(c.step, c.metrics) for c in checkpoints])
+        return {c.step: c for c in checkpoints}[ranked[0]] if ranked else None
+
+    # --- saving --------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the latest)."""
+        step = as_step(step)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            return False
+        if self.save_every is None:
+            return True
+        if isinstance(self.save_every, datetime.timedelta):
+            return time.monotonic() - self._last_save >= self.save_every.total_seconds()
+        return step % self.save_every == 0
 
     def save(
         self,
@@ -293,6 +398,8 @@ class CheckpointManager(ManagerBase):
         With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
         :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
         """
+        if slices is not None and self.comm is None:
+            raise ValueError("slices are for sharded saves: create the manager with comm=")
         step, meta, snapshot = self._prepare_save(
             state,
             step,
@@ -302,54 +409,124 @@ class CheckpointManager(ManagerBase):
             dataset_fingerprint=dataset_fingerprint,
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
-            run_id=self.run_id,
-            config=self.config,
         )
         if self.comm is not None:
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
-        if slices is not None:
-            raise ValueError("slices are for sharded saves: create the manager with comm=")
-        self._write(self._write_and_commit, step, snapshot, step, meta, include_optimizer_state)
+        if not self.async_save:
+            self._write_and_commit(snapshot, step, meta, include_optimizer_state)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortckpt-save")
+        self._pending = self._executor.submit(self._write_and_commit, snapshot, step, meta, include_optimizer_state)
+        self._unwaited.watch(self._pending, step)
+
+    def _prepare_save(
+        self,
+        state: CheckpointState,
+        step: int,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+        dataset_fingerprint: str | None,
+        rng_state: Mapping[str, Any] | None,
+        include_optimizer_state: bool,
+    ) -> tuple[int, dict[str, Any], CheckpointState]:
+        """Checks a save's arguments and takes the snapshot to write (a copy, for an async
+        save), all in the caller's thread: (step, metadata without its files, snapshot)."""
+        self._check_writable("save")
+        if not isinstance(state, CheckpointState):
+            raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
+        step = as_step(step)
+        epoch = None if epoch is None else as_integer("epoch", epoch)
+        self.wait()  # one save at a time; raises the previous async save's error
+        latest = self.latest_step()
+        if step in self.all_steps():
+            raise CheckpointExistsError(f"{self._where}: a checkpoint of step {step} exists")
+        if latest is not None and step < latest:
+            raise ValueError(
+                f"{self._where}: step {step} is older than the latest checkpoint ({latest}); "
+                "delete the newer ones first (manager.delete(step)) to go back"
+            )
+        properties: dict[str, Any] = {"step": step}
+        if epoch is not None:
+            properties["epoch"] = epoch
+        meta = _metadata.build(
+            step=step,
+            epoch=epoch,
+            run_id=self.run_id,
+            metrics=metrics,
+            config=self.config,
+            user=metadata,
+            dataset_fingerprint=dataset_fingerprint,
+            rng_state=rng_state,
+            include_optimizer_state=include_optimizer_state,
+        )
+        _metadata.check_serializable(meta)
+        # Every value is checked (and strings encoded) here, in the caller's thread.
+        snapshot = state._snapshot(
+            copy_value=self._staging.copy if self.async_save else None,
+            include_optimizer_state=include_optimizer_state,
+            properties=properties,
+        )
+        self._last_save = time.monotonic()
+        return step, meta, snapshot
 
     def _write_and_commit(
         self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
     ) -> None:
-        temp = steps.new_temp_directory(self.directory, step)
+        """The step transaction of one save: stage, write, verify, metadata, commit; then
+        retention and the tracker's report."""
+        attempt = self.store.begin(step)
         try:
-            CheckpointState.save_checkpoint(
-                state,
-                temp / steps.CHECKPOINT_NAME,
-                include_optimizer_state,
+            self.store.write_checkpoint(
+                attempt,
+                steps.CHECKPOINT_NAME,
+                state.core_state(include_optimizer_state),
                 external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
                 progress=self.progress,
             )
-            final = self._commit_directory(temp, step, meta)
+            committed = self._commit(attempt, meta)
         except BaseException:
-            safe_io.remove_tree_quietly(temp)
+            self.store.abandon(attempt)
             raise
-        info = CheckpointInfo(step, final, meta)
+        self._committed(committed)
+
+    def _commit(self, attempt: Attempt, meta: dict[str, Any]) -> CheckpointInfo:
+        """Records the written files (sizes, SHA-256s) in the metadata, verifies and validates
+        if asked, and commits the step by its metadata.json."""
+        on_bytes = None
+        bar = None
+        if self.progress:
+            from .. import progress as _progress
+
+            bar = _progress.bar(f"hashing {steps.step_directory_name(attempt.step)}")
+            on_bytes = bar.update
+        try:
+            files = self.store.describe(attempt, on_bytes)
+        finally:
+            if bar is not None:
+                bar.close()
+        meta = {**meta, "files": files}
+        if not self.store.local:
+            meta["attempt"] = attempt.where
+        if self.verify_after_save == "process":
+            _verify_in_new_process(Path(attempt.folder), meta)
+        elif self.verify_after_save:
+            verify_step(self.store, Step(attempt.step, meta, attempt.folder))
+        if self.validate is not None:
+            self.validate.validate(Path(attempt.folder) / steps.CHECKPOINT_NAME, meta.get("metrics"))
+        step = self.store.commit(attempt, steps.METADATA_NAME, _metadata.encode(meta), durable=self.durable)
+        return CheckpointInfo.of(self.store, step)
+
+    def _committed(self, info: CheckpointInfo) -> None:
         with self._lock:
-            self._checkpoints[step] = info
+            self._checkpoints[info.step] = info
         self._apply_retention()
         if self._reporter is not None:
             self._reporter.committed(info)
-
-    def _commit_directory(self, temp: Path, step: int, meta: dict[str, Any]) -> Path:
-        """Hashes the written files into metadata.json, verifies if asked, and renames the
-        temporary directory to the step's name (fsynced when durable)."""
-        name = steps.step_directory_name(step)
-        written = sorted(e.name for e in safe_io.entries(temp) if not e.name.startswith("."))
-        meta["files"] = _metadata.describe_files(temp, written, progress=name if self.progress else None)
-        _metadata.write(temp, meta, self.durable)
-        if self.verify_after_save == "process":
-            _verify_in_new_process(temp)
-        elif self.verify_after_save:
-            verify(temp)
-        if self.validate is not None:
-            self.validate.validate(temp / steps.CHECKPOINT_NAME, meta.get("metrics"))
-        return steps.commit(temp, self.directory, step, durable=self.durable)
 
     def _save_sharded(
         self,
@@ -359,36 +536,64 @@ class CheckpointManager(ManagerBase):
         include_optimizer_state: bool,
         slices: Mapping[str, Any] | None,
     ) -> None:
-        """Every rank writes its shard into rank 0's temporary step directory; rank 0 adds the
-        index and metadata and renames it into place once all have succeeded."""
-        from ..distributed.sharded import write_index, write_shards
+        """Every rank writes its shard into rank 0's attempt; rank 0 adds the index inside it
+        and commits the step's metadata.json once all have succeeded."""
+        from ..distributed.sharded import encode_index, write_shards
 
         assert self.comm is not None
+        committed: list[CheckpointInfo] = []
 
-        def commit(temp: str, index: dict[str, Any]) -> None:
-            write_index(Path(temp) / steps.INDEX_NAME, index, self.durable)
-            self._commit_directory(Path(temp), step, meta)
+        def commit(attempt: Attempt, index: dict[str, Any]) -> None:
+            self.store.write_document(
+                attempt, steps.INDEX_NAME, encode_index(index, attempt.where), durable=self.durable
+            )
+            committed.append(self._commit(attempt, meta))
 
         write_shards(
             self.comm,
+            self.store,
             state,
             slices,
-            prepare=lambda: steps.new_temp_directory(self.directory, step),
+            begin=lambda: self.store.begin(step),
             commit=commit,
+            abandon=self.store.abandon,
             step=step,
             include_optimizer_state=include_optimizer_state,
             durable=self.durable,
             external_data_threshold=self.external_data_threshold,
         )
-        final = steps.step_directory(self.directory, step)
-        with self._lock:  # rank 0 holds meta as written; the other ranks read it back
-            self._checkpoints[step] = CheckpointInfo(step, final, meta if self._is_root else _metadata.read(final))
-        self._apply_retention()
-        if self._reporter is not None:  # rank 0's alone
-            self._reporter.committed(CheckpointInfo(step, final, meta))
+        # Rank 0 knows what it committed; the other ranks read it back.
+        info = committed[0] if committed else self._read_step(step)
+        self._committed(info)
+
+    def _read_step(self, step: int) -> CheckpointInfo:
+        found = self.store.read(step, steps.METADATA_NAME)
+        if found is None:
+            raise FileNotFoundError(f"{self._where}: no checkpoint of step {step}")
+        return CheckpointInfo.of(self.store, found)
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ValueError(f"{self._where}: this manager is read-only (read_only=True): it cannot {what}")
+        if self._closed:
+            raise ValueError(f"{self._where}: this manager is closed")
 
     def _apply_retention(self) -> None:
-        super()._apply_retention()
+        """Deletes what the policy no longer keeps. The new step is committed by then, so a
+        deletion that fails is a warning, not a failed save; the next save tries again."""
+        with self._lock:
+            keep = self.policy.steps_to_keep([(c.step, c.metrics) for c in self._checkpoints.values()])
+            doomed = [s for s in self._checkpoints if s not in keep]
+        for step in doomed:
+            try:
+                self.delete(step)
+            except OSError as e:
+                warnings.warn(
+                    f"{self._where}: could not delete the checkpoint of step {step} (kept, to be "
+                    f"retried at the next save): {e}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         if self.compress_kept and self._is_root:
             self._compress_kept()
 
@@ -400,7 +605,7 @@ class CheckpointManager(ManagerBase):
         wanted = self.policy.steps_to_compress([(c.step, c.metrics) for c in checkpoints.values()])
         for step in sorted(wanted):
             info = checkpoints[step]
-            if info.sharded or (info.compressed and not info.path.exists()):
+            if info.sharded or (info.compressed and not Path(info.path).exists()):
                 continue
             try:
                 self._compress_step(info)
@@ -417,18 +622,18 @@ class CheckpointManager(ManagerBase):
         it replaces: a crash at any point leaves a step that loads and verifies."""
         from ..compression import compress
 
-        directory = info.directory
+        directory = Path(info.directory)
         if not info.compressed:
             archive = directory / steps.COMPRESSED_NAME
             compress(info.path, archive, durable=self.durable)
-            size, digest = _metadata.sha256_of(archive)
+            size, digest = safe_io.sha256_of(archive)
             meta = {
                 **info.metadata,
                 "compressed": info.metadata["files"],
                 "files": {steps.COMPRESSED_NAME: {"bytes": size, "sha256": digest}},
             }
             _metadata.rewrite(directory, meta, self.durable)
-            info = CheckpointInfo(info.step, directory, meta)
+            info = CheckpointInfo(info.step, directory, meta, self.store, directory)
             with self._lock:
                 if info.step in self._checkpoints:
                     self._checkpoints[info.step] = info
@@ -439,29 +644,50 @@ class CheckpointManager(ManagerBase):
             safe_io.fsync_directory(directory)
 
     def delete(self, step: int) -> None:
-        """Deletes the checkpoint of ``step``: renamed out of sight first (atomic), then removed,
-        so a crash midway never leaves a partial checkpoint under a step's name. A step whose
-        directory is already gone is forgotten; one that cannot be deleted stays listed."""
+        """Deletes the checkpoint of ``step``: hidden from readers first (in a directory, renamed
+        out of sight; on object storage, marked retired), then removed, so a crash midway never
+        leaves a partial checkpoint under a step's name. A step already gone is forgotten; one
+        that cannot be deleted stays listed."""
         self._check_writable("delete")
         step = as_step(step)
         with self._lock:
             info = self._checkpoints.get(step)
         if info is None:
-            raise KeyError(f"{self.directory}: no checkpoint of step {step}")
+            raise KeyError(f"{self._where}: no checkpoint of step {step}")
         if self._is_root:  # rank 0 deletes; the other ranks only forget it
             with contextlib.suppress(FileNotFoundError):  # removed by hand: nothing left to delete
-                steps.delete(info.directory)
+                self.store.retire(Step(info.step, info.metadata, info.files))
         with self._lock:
             self._checkpoints.pop(step, None)
+
+    def remove_leftovers(self) -> list[str]:
+        """Removes what saves that failed or were killed left (and, on object storage, the
+        multipart uploads they left, and retirements that did not finish); returns what it
+        removed. A writer of a directory does this when it starts, under its lock, which
+        proves their writers gone. On object storage nothing proves that no other writer is
+        saving under the prefix, so it never happens by itself: call it when none is."""
+        self._check_writable("remove leftovers")
+        self.wait()
+        return self.store.remove_leftovers()
+
+    def wait(self) -> None:
+        """Waits for the pending async save; raises its error, if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._unwaited.clear()
+            pending.result()
 
     def close(self) -> None:
         """Waits for the pending save, stops the background thread and gives up the directory
         (another writer may then open it). Queries and restores still work after."""
         try:
-            self._stop_saving()
+            self.wait()
         finally:
-            if self._writer is not None:
-                self._writer.release()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._staging = Staging()  # its arrays freed
+            self.store.close()
             if self._reporter is not None and not self._closed:
                 self._reporter.close()
             self._closed = True
@@ -487,10 +713,10 @@ class CheckpointManager(ManagerBase):
         the checkpoint's metrics and lineage (tracker run, step, SHA-256s). Returns what the
         tracker returns: MLflow's ``ModelVersion``. A read-only manager registers too."""
         if self._reporter is None:
-            raise ValueError(f"{self.directory}: register_best needs a tracker: create the manager with track=")
+            raise ValueError(f"{self._where}: register_best needs a tracker: create the manager with track=")
         info = self.best(metric, mode)
         if info is None:
-            raise FileNotFoundError(f"{self.directory}: no checkpoint has the metric to rank by")
+            raise FileNotFoundError(f"{self._where}: no checkpoint has the metric to rank by")
         from ..convert.onnx_model import inference_model
 
         model = inference_model(info.load(), eval_model, output_names=output_names)
@@ -500,11 +726,25 @@ class CheckpointManager(ManagerBase):
 
     def restore(self, step: int | None = None) -> CheckpointState:
         """Loads the checkpoint of ``step`` (default: the latest). With ``comm``, this rank's
-        part: see :meth:`restore_sharded`. A reader whose step is deleted (by retention)
-        while it loads tries again with the new latest."""
+        part: see :meth:`restore_sharded`. A reader whose step is deleted (by retention) while
+        it loads tries again with the new latest; the state it gets stays usable whatever
+        retention deletes later."""
         if self.comm is not None:
             return self.restore_sharded(step)[0]
-        return self._retrying(step, lambda info: info.load())
+        attempts = 10 if self.read_only else 1
+        for attempt in range(attempts):
+            info = self._info(step)
+            try:
+                return info.load()
+            except (OSError, CheckpointError):
+                # Deleted while we loaded it? Then look again: a writer keeps the newest. Any
+                # other failure is raised.
+                self.reload()
+                with self._lock:
+                    gone = info.step not in self._checkpoints
+                if not gone or attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def restore_sharded(
         self, step: int | None = None, *, slices: Mapping[str, Any] | None = None
@@ -512,25 +752,51 @@ class CheckpointManager(ManagerBase):
         """This rank's part of the checkpoint of ``step`` (default: the latest) and the
         :class:`ortckpt.distributed.Slice` of each parameter it holds, as
         :func:`ortckpt.distributed.load_sharded` gives them (resharding to this world size)."""
-        from ..distributed import load_sharded
+        from ..distributed.sharded import load_step
 
-        return load_sharded(self._info(step).directory, comm=self.comm, slices=slices)
+        info = self._info(step)
+        return load_step(self.store, Step(info.step, info.metadata, info.files), comm=self.comm, slices=slices)
+
+    def _info(self, step: int | None) -> CheckpointInfo:
+        self.wait()
+        self._refresh()
+        with self._lock:
+            if step is None:
+                if not self._checkpoints:
+                    raise FileNotFoundError(f"{self._where}: no checkpoint to restore")
+                step = max(self._checkpoints)
+            step = as_step(step)
+            info = self._checkpoints.get(step)
+        if info is None:
+            raise FileNotFoundError(f"{self._where}: no checkpoint of step {step}")
+        return info
 
     def verify(self, step: int | None = None) -> Verified:
-        """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest)."""
-        info = self.latest() if step is None else {c.step: c for c in self.all()}.get(as_step(step))
-        if info is None:
-            raise FileNotFoundError(f"{self.directory}: no checkpoint of step {step}")
-        return verify(info.directory)
+        """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest): every
+        file's size and SHA-256 against its metadata, then every value and property decoded."""
+        info = self._info(step)
+        return verify_step(self.store, Step(info.step, info.metadata, info.files))
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
-        return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()}{mode})"
+        return f"CheckpointManager({self._where!r}, steps={self.all_steps()}{mode})"
 
 
-def _verify_in_new_process(directory: Path) -> None:
+# The manager of an object store prefix is the same class (kept as a name for older code).
+ObjectStoreCheckpointManager = CheckpointManager
+
+
+def _verify_in_new_process(directory: Path, meta: dict[str, Any]) -> None:
+    """Verifies the staged step in a fresh Python process that imports what this one did."""
     code = "import sys, ortckpt; ortckpt.verify(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, check=False)
+    _metadata.write(directory, meta, False)  # what verify checks the files against
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(directory)], capture_output=True, text=True, check=False, env=env
+        )
+    finally:
+        os.unlink(directory / steps.METADATA_NAME)
     if done.returncode != 0:
         raise CheckpointIntegrityError(
             directory,

@@ -1,4 +1,11 @@
-"""``ortckpt.verify``: is this checkpoint whole, byte for byte, and does every tensor decode?"""
+"""``ortckpt.verify``: is this checkpoint whole, byte for byte, and does every tensor decode?
+
+One verification for every kind of step (:mod:`ortckpt.stepstore`): each file's size and
+SHA-256 against the step's metadata.json, a sharded step's index against its shards, then
+every value and property decoded. A step on object storage is first streamed into a private
+temporary directory (its SHA-256s taken as the bytes come), then checked there: one download,
+memory bounded as for a directory.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import documents, object_store, safe_io, steps
+from .. import documents, object_store, safe_io, steps, targets
 from .. import progress as _progress
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointIntegrityError
-from . import metadata as _metadata
+from ..stepstore import DirectoryStore, ObjectStore, Step, StepStore
 
 
 @dataclass
@@ -49,34 +56,189 @@ def verify(
     missing or not a file or directory. ``progress``: a bar (tqdm) over the bytes read.
 
     ``path`` may be an ``s3://`` URL (configured by ``storage_options``, see
-    :mod:`ortckpt.object_store`): a manager's step folder there (its objects' SHA-256s are
-    read as streams), or a checkpoint object.
+    :mod:`ortckpt.object_store`): a manager's step folder there, or a checkpoint object.
     """
-    if object_store.is_url(path):
-        return verify_object(path, storage_options)  # type: ignore[arg-type]
-    path = Path(path)
-    mode = os.stat(path).st_mode  # a missing path is FileNotFoundError, not an integrity problem
+    run = targets.run(path, storage_options)
+    if not isinstance(run, Path):
+        return _verify_object(ObjectStore(run))
+    mode = os.stat(run).st_mode  # a missing path is FileNotFoundError, not an integrity problem
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-        raise safe_io.special_file(path, mode)
-    bar = _progress.bar(f"verifying {path.name}") if progress else None
+        raise safe_io.special_file(run, mode)
+    bar = _progress.bar(f"verifying {run.name}") if progress else None
+    on_bytes = bar.update if bar is not None else None
     try:
-        return _verify(path, bar.update if bar is not None else None)
+        if not stat.S_ISDIR(mode):
+            return _verify_file(run, on_bytes)
+        store = DirectoryStore(run, writer=False)
+        try:
+            step = store.locate()
+        except (CheckpointError, OSError) as e:
+            raise CheckpointIntegrityError(run, [_problem(run / steps.METADATA_NAME, e)]) from None
+        if step is None:
+            raise CheckpointIntegrityError(run, [f"{run / steps.METADATA_NAME}: missing"])
+        return verify_step(store, step, on_bytes)
     finally:
         if bar is not None:
             bar.close()
 
 
+def verify_step(store: StepStore, step: Step, on_bytes: Any = None) -> Verified:
+    """Checks a committed (or staged) step of ``store``: see :func:`verify`."""
+    if isinstance(store, ObjectStore):
+        with tempfile.TemporaryDirectory(prefix="ortckpt-verify-") as scratch:
+            return _verify_downloaded(store, step, Path(scratch))
+    return _verify_folder(Path(step.folder), step, {}, on_bytes, name=Path(step.folder))
+
+
+def _verify_object(store: ObjectStore) -> Verified:
+    """An ``s3://`` URL: a manager's step folder, else a checkpoint object (decoding is the check)."""
+    try:
+        step = store.locate()
+    except (CheckpointError, OSError) as e:
+        raise CheckpointIntegrityError(store.name, [_problem(f"{store.name}/{steps.METADATA_NAME}", e)]) from None
+    if step is not None:
+        return verify_step(store, step)
+    target = targets.ObjectFile(store.prefix)
+    with tempfile.TemporaryDirectory(prefix="ortckpt-verify-") as scratch:
+        local = Path(scratch) / steps.CHECKPOINT_NAME
+        try:
+            target.download(local)
+            count, nbytes, _ = read_everything(open_checkpoint(local, follow_symlinks=False), read_bytes=True)
+        except FileNotFoundError:
+            raise
+        except (CheckpointError, OSError) as e:
+            raise CheckpointIntegrityError(store.name, [_problem(store.name, e)]) from None
+    return Verified(store.name, None, count, nbytes)
+
+
+def _verify_downloaded(store: ObjectStore, step: Step, scratch: Path) -> Verified:
+    """A step on object storage: every file it names streamed into ``scratch`` (its SHA-256 and
+    size taken as it comes), then checked there as a directory's step is."""
+    folder = step.folder
+    assert not isinstance(folder, Path)
+    if "files" in step.document:  # a manager's step: its metadata names every file
+        names = sorted(step.document["files"])
+    else:  # a sharded step without a manager: its index is the document
+        names = sorted(name for shard in step.document["shards"] for name in shard["files"])
+    hashed: dict[str, tuple[int, str] | BaseException] = {}
+    for name in names:
+        hashed[name] = _download(folder.child(name), safe_io.member(scratch, name))
+    return _verify_folder(scratch, step, hashed, None, name=folder.url)
+
+
+def _download(source: Any, local: Path) -> tuple[int, str] | BaseException:
+    """Streams an object into the new file ``local``: its (size, SHA-256), or the error (the
+    file then absent)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    fd = safe_io.create_exclusive(local)
+    try:
+        size = object_store.download_to(source, fd, digest=digest)
+    except (OSError, CheckpointError) as e:
+        os.close(fd)
+        os.unlink(local)
+        return e
+    os.close(fd)
+    return size, digest.hexdigest()
+
+
+def _verify_folder(
+    directory: Path,
+    step: Step,
+    hashed: Mapping[str, tuple[int, str] | BaseException],
+    on_bytes: Any,
+    *,
+    name: Any,
+) -> Verified:
+    """The checks of one step whose files are in ``directory``. ``hashed``: sizes and
+    SHA-256s already taken (as a download came), by file name; ``name``: the step in messages."""
+    problems: list[str] = []
+    files: dict[str, str] = {}
+    later: list[str] = []  # reported with the rest, after decoding
+    meta = step.document if "files" in step.document else None
+    index: dict[str, Any] | None = step.document if "shards" in step.document else None
+
+    def shown(file: str) -> str:
+        return f"{name}/{file}"
+
+    if meta is not None and steps.INDEX_NAME in meta["files"]:
+        try:
+            data = safe_io.read_regular(
+                directory / steps.INDEX_NAME, limit=documents.SHARDED_INDEX.max_bytes, follow_symlinks=False
+            )
+            index = documents.parse(documents.SHARDED_INDEX, data, shown(steps.INDEX_NAME))
+        except (CheckpointError, OSError) as e:
+            problems.append(_problem(shown(steps.INDEX_NAME), e))
+    if index is not None:
+        if index["step"] != step.number:
+            later.append(f"{shown(steps.INDEX_NAME)}: step {index['step']}, metadata says {step.number}")
+        later += _shard_sizes(directory, index, shown)  # (after what decoding the shards finds)
+    checkpoints = [steps.CHECKPOINT_NAME] if index is None else [shard["file"] for shard in index["shards"]]
+    with contextlib.ExitStack() as cleanup:  # what decompressing a compressed step leaves, removed after
+        if meta is not None:
+            named = steps.step_of(Path(str(name)).name)
+            if named is not None and named != meta["step"]:
+                later.append(f"{shown(steps.METADATA_NAME)}: step {meta['step']}, but the directory is of step {named}")
+            for file, expected in sorted(meta["files"].items()):
+                where = directory / file
+                found = hashed.get(file)
+                _check_hash(
+                    file,
+                    shown(file),
+                    expected,
+                    (lambda found=found: _raise_or(found))
+                    if found is not None
+                    else (lambda where=where: safe_io.sha256_of(where, on_bytes)),
+                    problems,
+                    files,
+                )
+            if "compressed" in meta and not problems:
+                directory = _decompressed(directory, meta["compressed"], cleanup, problems, files, on_bytes, shown)
+            for checkpoint in checkpoints:
+                if checkpoint not in meta.get("compressed", meta["files"]):
+                    problems.append(f"{shown(steps.METADATA_NAME)}: lists no {checkpoint} file")
+        if problems:  # decoding a file that failed its hash only repeats it
+            raise CheckpointIntegrityError(name, problems)
+        tensors = tensor_bytes = 0
+        if index is not None:
+            from ..distributed.sharded import check_shards
+
+            problems += check_shards(DirectoryStore(directory, writer=False), directory, index)
+        for checkpoint in checkpoints:
+            try:
+                state = open_checkpoint(safe_io.member(directory, checkpoint), follow_symlinks=False)
+                # Hashed files were just read in full; others are read here instead.
+                count, nbytes, saved_step = read_everything(state, checkpoint not in files, on_bytes)
+            except (CheckpointError, OSError) as e:
+                problems.append(_problem(shown(checkpoint), e).replace(str(directory), str(name)))
+                continue
+            tensors, tensor_bytes = tensors + count, tensor_bytes + nbytes
+            if meta is not None and saved_step is not None and saved_step != meta["step"]:
+                problems.append(f"{shown(checkpoint)}: property step={saved_step}, metadata says step={meta['step']}")
+    problems += later
+    if problems:
+        raise CheckpointIntegrityError(name, problems)
+    return Verified(name, step.number if meta is not None else None, tensors, tensor_bytes, files)
+
+
+def _raise_or(found: tuple[int, str] | BaseException) -> tuple[int, str]:
+    if isinstance(found, BaseException):
+        raise found
+    return found
+
+
 def _check_hash(
-    name: str, file: Path | str, expected: Mapping[str, Any], hashed: Any, problems: list[str], files: dict[str, str]
+    name: str, file: str, expected: Mapping[str, Any], hashed: Any, problems: list[str], files: dict[str, str]
 ) -> None:
-    """Compares a file's (or object's) size and SHA-256, as ``hashed()`` reads them, with its
-    metadata entry: a problem said, or its digest recorded under its name."""
+    """Compares a file's size and SHA-256, as ``hashed()`` reads them, with its metadata entry:
+    a problem said, or its digest recorded under its name."""
     try:
         size, digest = hashed()
     except FileNotFoundError:
         problems.append(f"{file}: missing")
         return
-    except OSError as e:
+    except (OSError, CheckpointError) as e:
         problems.append(_problem(file, e))
         return
     if size != expected["bytes"]:
@@ -93,67 +255,21 @@ def _problem(path: Path | str, error: BaseException) -> str:
     return text if text.startswith(f"{path}:") or f"'{path}'" in text else f"{path}: {text}"
 
 
-def _verify(path: Path, on_bytes: Any) -> Verified:
-    if not path.is_dir():
-        return _verify_file(path, on_bytes)
-    with contextlib.ExitStack() as cleanup:  # what decompressing a compressed step leaves, removed after
-        return _verify_directory(path, on_bytes, cleanup)
-
-
-def _verify_directory(path: Path, on_bytes: Any, cleanup: contextlib.ExitStack) -> Verified:
-    problems: list[str] = []
-    files: dict[str, str] = {}
-    directory = path
-    sharded = os.path.isfile(directory / steps.INDEX_NAME) and not os.path.islink(directory / steps.INDEX_NAME)
-    index: dict[str, Any] | None = None
-    later: list[str] = []  # reported with the rest, after decoding
-    if sharded:
-        index, shard_problems = _check_index(directory)
-        (problems if index is None else later).extend(shard_problems)
-    checkpoints = [directory / steps.CHECKPOINT_NAME] if index is None else _shard_paths(directory, index)
-    try:
-        meta = _metadata.read(directory)
-    except FileNotFoundError:
-        if not sharded:  # a manager's directory always has metadata; save_sharded's need not
-            raise CheckpointIntegrityError(path, [f"{directory / steps.METADATA_NAME}: missing"]) from None
-        meta = None
-    except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(path, [_problem(directory / steps.METADATA_NAME, e)]) from None
-    step = None
-    if meta is not None:
-        step = meta["step"]
-        named = steps.step_of(directory.name)
-        if named is not None and named != step:
-            later.append(f"{directory / steps.METADATA_NAME}: step {step}, but the directory is of step {named}")
-        for name, expected in sorted(meta["files"].items()):
-            file = directory / name
-            _check_hash(name, file, expected, lambda file=file: _metadata.sha256_of(file, on_bytes), problems, files)
-        if "compressed" in meta and not problems:
-            checkpoints = _decompressed(directory, meta["compressed"], cleanup, problems, files, on_bytes)
-        for checkpoint in checkpoints:
-            if checkpoint.name not in meta.get("compressed", meta["files"]):
-                problems.append(f"{directory / steps.METADATA_NAME}: lists no {checkpoint.name} file")
-    if problems:  # decoding a file that failed its hash only repeats it
-        raise CheckpointIntegrityError(path, problems)
-    tensors = tensor_bytes = 0
-    if index is not None:
-        from ..distributed.sharded import check_shards
-
-        problems += check_shards(directory, index)
-    for checkpoint in checkpoints:
-        try:
-            # Hashed files were just read in full; others are read here instead.
-            count, nbytes, saved_step = _decode_everything(checkpoint, checkpoint.name not in files, on_bytes)
-        except (CheckpointError, OSError) as e:
-            problems.append(_problem(checkpoint, e))
-            continue
-        tensors, tensor_bytes = tensors + count, tensor_bytes + nbytes
-        if step is not None and saved_step is not None and saved_step != step:
-            problems.append(f"{checkpoint}: property step={saved_step}, metadata says step={step}")
-    problems += later
-    if problems:
-        raise CheckpointIntegrityError(path, problems)
-    return Verified(path, step, tensors, tensor_bytes, files)
+def _shard_sizes(directory: Path, index: dict[str, Any], shown: Any) -> list[str]:
+    """Problems with a sharded step's shard files' sizes, against its index."""
+    problems = []
+    for shard in index["shards"]:
+        for name, size in shard["files"].items():
+            try:
+                actual = os.lstat(safe_io.member(directory, name))
+            except FileNotFoundError:
+                problems.append(f"{shown(name)}: missing")
+                continue
+            if not stat.S_ISREG(actual.st_mode):
+                problems.append(f"{shown(name)}: not a regular file")
+            elif actual.st_size != size:
+                problems.append(f"{shown(name)}: {actual.st_size} bytes, {steps.INDEX_NAME} says {size}")
+    return problems
 
 
 def _decompressed(
@@ -163,80 +279,44 @@ def _decompressed(
     problems: list[str],
     files: dict[str, str],
     on_bytes: Any,
-) -> list[Path]:
+    shown: Any,
+) -> Path:
     """A compressed step's checkpoint, decompressed into a private temporary directory (removed
     by ``cleanup``; the archive checks each file's SHA-256 against its own footer) and checked
-    against metadata.json's record of the files before compression; the checkpoint to decode,
-    or [] with ``problems`` said."""
+    against metadata.json's record of the files before compression: that directory."""
     from ..compression import decompress
 
     scratch = Path(tempfile.mkdtemp(prefix="ortckpt-verify-"))
     cleanup.callback(safe_io.remove_tree_quietly, scratch)
     archive = directory / steps.COMPRESSED_NAME
     try:
-        checkpoint = decompress(archive, scratch / steps.CHECKPOINT_NAME, follow_symlinks=False)
+        decompress(archive, scratch / steps.CHECKPOINT_NAME, follow_symlinks=False)
     except (CheckpointError, OSError) as e:
-        problems.append(_problem(archive, e))
-        return []
+        problems.append(_problem(shown(steps.COMPRESSED_NAME), e))
+        return scratch
     for name, entry in sorted(expected.items()):
         try:
-            size, digest = _metadata.sha256_of(scratch / name, on_bytes)
+            size, digest = safe_io.sha256_of(scratch / name, on_bytes)
         except FileNotFoundError:
-            problems.append(f"{archive}: holds no {name}, which metadata.json lists")
+            problems.append(f"{shown(steps.COMPRESSED_NAME)}: holds no {name}, which metadata.json lists")
             continue
         if (size, digest) != (entry["bytes"], entry["sha256"]):
             problems.append(
-                f"{archive}: its {name} is {size} bytes, SHA-256 {digest}; "
+                f"{shown(steps.COMPRESSED_NAME)}: its {name} is {size} bytes, SHA-256 {digest}; "
                 f"metadata says {entry['bytes']}, {entry['sha256']}"
             )
         else:
             files[name] = digest
-    return [checkpoint]
+    return scratch
 
 
 def _verify_file(path: Path, on_bytes: Any) -> Verified:
     """A bare checkpoint file: no hashes, so decoding (and reading every byte) is the check."""
     try:
-        count, nbytes, _ = _decode_everything(path, True, on_bytes, follow_symlinks=True)
+        count, nbytes, _ = read_everything(open_checkpoint(path), True, on_bytes)
     except (CheckpointError, OSError) as e:
         raise CheckpointIntegrityError(path, [_problem(path, e)]) from None
     return Verified(path, None, count, nbytes)
-
-
-def _check_index(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """The validated index of a sharded step, and problems with its shard files' sizes."""
-    from ..distributed.sharded import read_committed
-
-    try:
-        _, index = read_committed(directory, None)
-    except (CheckpointError, OSError) as e:
-        return None, [_problem(directory / steps.INDEX_NAME, e)]
-    problems = []
-    for shard in index["shards"]:
-        for name, size in shard["files"].items():
-            file = directory / name
-            try:
-                actual = os.lstat(file)
-            except FileNotFoundError:
-                problems.append(f"{file}: missing")
-                continue
-            if not stat.S_ISREG(actual.st_mode):
-                problems.append(f"{file}: not a regular file")
-            elif actual.st_size != size:
-                problems.append(f"{file}: {actual.st_size} bytes, {steps.INDEX_NAME} says {size}")
-    return index, problems
-
-
-def _shard_paths(directory: Path, index: dict[str, Any]) -> list[Path]:
-    return [safe_io.member(directory, shard["file"]) for shard in index["shards"]]
-
-
-def _decode_everything(
-    checkpoint: Path, read_bytes: bool, on_bytes: Any = None, *, follow_symlinks: bool = False
-) -> tuple[int, int, Any]:
-    """Loads the checkpoint and forms every value (reading every byte when ``read_bytes``):
-    (tensors, bytes of values, step property)."""
-    return read_everything(open_checkpoint(checkpoint, follow_symlinks=follow_symlinks), read_bytes, on_bytes)
 
 
 def read_everything(state: CheckpointState, read_bytes: bool, on_bytes: Any = None) -> tuple[int, int, Any]:
@@ -261,90 +341,4 @@ def read_everything(state: CheckpointState, read_bytes: bool, on_bytes: Any = No
     return len(values), total, step
 
 
-# --- on object storage ----------------------------------------------------------------------------
-
-
-def verify_object(url: str, storage_options: Mapping[str, Any] | None = None) -> Verified:
-    """:func:`verify` of an ``s3://`` URL: a step folder of a manager on object storage (it has
-    a metadata.json), else a checkpoint object (then decoding is the check)."""
-    where = object_store.locate(url, storage_options)
-    meta_at = where.child(steps.METADATA_NAME)
-    found = object_store.head(meta_at)
-    if found is None:
-        try:
-            count, nbytes, _ = read_everything(_over_object(where), read_bytes=False)
-        except FileNotFoundError:
-            raise
-        except (CheckpointError, OSError) as e:
-            raise CheckpointIntegrityError(url, [_problem(where.url, e)]) from None
-        return Verified(where.url, None, count, nbytes)
-    try:
-        if found.size > documents.METADATA.max_bytes:
-            raise documents.DocumentError(f"{meta_at.url}: {found.size} bytes, over its cap")
-        meta = documents.parse(documents.METADATA, bytes(object_store.get(meta_at, found.etag)), meta_at.url)
-    except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(where.url, [_problem(meta_at.url, e)]) from None
-    return verify_step_objects(where, meta, storage_options)
-
-
-def verify_step_objects(
-    step: object_store.Location, meta: Mapping[str, Any], storage_options: Mapping[str, Any] | None = None
-) -> Verified:
-    """A committed step on object storage, its metadata read: every object's size and SHA-256
-    (streamed) against it, then every value and property decoded (of a sharded step, every
-    shard, after its index is checked against them)."""
-    attempt = meta.get("attempt")
-    folder = step.child(attempt) if attempt else step
-    problems: list[str] = []
-    files: dict[str, str] = {}
-    for name, expected in sorted(meta["files"].items()):
-        where = folder.child(name)
-        _check_hash(name, where.url, expected, lambda where=where: object_store.sha256_of(where), problems, files)
-    sharded = steps.INDEX_NAME in meta["files"]
-    if not sharded and steps.CHECKPOINT_NAME not in meta["files"]:
-        problems.append(f"{step.url}/{steps.METADATA_NAME}: lists no {steps.CHECKPOINT_NAME}")
-    named = steps.step_of(step.key.rsplit("/", 1)[-1])
-    if named is not None and named != meta["step"]:
-        problems.append(f"{step.url}/{steps.METADATA_NAME}: step {meta['step']}, but the folder is of step {named}")
-    if problems:
-        raise CheckpointIntegrityError(step.url, problems)
-    checkpoints = [folder.child(steps.CHECKPOINT_NAME)]
-    if sharded:
-        checkpoints = _checked_shards(step, folder, meta["step"], storage_options)
-    count = nbytes = 0
-    for checkpoint in checkpoints:
-        try:
-            tensors, values, saved_step = read_everything(_over_object(checkpoint), read_bytes=False)
-        except (CheckpointError, OSError) as e:
-            raise CheckpointIntegrityError(step.url, [_problem(checkpoint.url, e)]) from None
-        if saved_step is not None and saved_step != meta["step"]:
-            raise CheckpointIntegrityError(
-                step.url, [f"{checkpoint.url}: property step={saved_step}, metadata says step={meta['step']}"]
-            )
-        count, nbytes = count + tensors, nbytes + values
-    return Verified(step.url, meta["step"], count, nbytes, files)
-
-
-def _checked_shards(
-    step: object_store.Location, folder: object_store.Location, number: int, storage_options: Mapping[str, Any] | None
-) -> list[object_store.Location]:
-    """A sharded step's shards, its index (hashed already) validated and every piece in them
-    checked against it as a load would (CheckpointIntegrityError if not)."""
-    from ..distributed.sharded import check_shards
-
-    index_at = folder.child(steps.INDEX_NAME)
-    try:
-        index = documents.parse(documents.SHARDED_INDEX, bytes(object_store.get(index_at)), index_at.url)
-    except (CheckpointError, OSError) as e:
-        raise CheckpointIntegrityError(step.url, [_problem(index_at.url, e)]) from None
-    problems = check_shards(folder.url, index, storage_options)
-    if index["step"] != number:
-        problems.append(f"{index_at.url}: step {index['step']}, metadata says {number}")
-    if problems:
-        raise CheckpointIntegrityError(step.url, problems)
-    return [folder.child(shard["file"]) for shard in index["shards"]]
-
-
-def _over_object(location: object_store.Location) -> CheckpointState:
-    """The checkpoint object downloaded whole (its external data too): every value in memory."""
-    return CheckpointState._over(object_store.load_at(location, lazy=False))
+__all__ = ["Verified", "read_everything", "verify", "verify_step"]

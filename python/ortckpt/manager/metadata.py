@@ -6,7 +6,6 @@ SHA-256 of every file so that :func:`ortckpt.verify` can tell a damaged copy.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -14,7 +13,7 @@ import platform
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -29,22 +28,6 @@ FORMAT = documents.METADATA_FORMAT
 _CHUNK = 8 << 20
 
 
-def sha256_of(path: Path, on_bytes: Callable[[int], object] | None = None) -> tuple[int, str]:
-    """(size, SHA-256) of a regular file of a step directory, opened without following a
-    symlink (hashlib releases the GIL on large chunks); ``on_bytes(n)`` after each chunk."""
-    digest = hashlib.sha256()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    size = 0
-    with safe_io.open_regular(path, follow_symlinks=False) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-            size += n
-            if on_bytes:
-                on_bytes(n)
-    return size, digest.hexdigest()
-
-
 def describe_files(directory: Path, names: list[str], progress: str | None = None) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of each file; ``progress``: the label of a progress bar, if one is wanted."""
     sizes = {name: os.lstat(directory / name).st_size for name in names}
@@ -53,7 +36,7 @@ def describe_files(directory: Path, names: list[str], progress: str | None = Non
         on_bytes = bar.update if bar is not None else None
         described = {}
         for name in names:
-            size, digest = sha256_of(directory / name, on_bytes)
+            size, digest = safe_io.sha256_of(directory / name, on_bytes)
             described[name] = {"bytes": size, "sha256": digest}
         return described
     finally:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .. import __version__, safe_io, steps
-from .metadata import sha256_of
 
 
 class CommittedCheckpoint(Protocol):
@@ -355,7 +354,9 @@ class MlflowTracker:
         files = checkpoint.metadata.get("files", {})
         digests = json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True)
         if len(digests) > _MAX_TAG_LENGTH:  # many shards: metadata.json's own digest, which lists theirs
-            digests = json.dumps({steps.METADATA_NAME: sha256_of(checkpoint.directory / steps.METADATA_NAME)[1]})
+            digests = json.dumps(
+                {steps.METADATA_NAME: safe_io.sha256_of(checkpoint.directory / steps.METADATA_NAME)[1]}
+            )
         return {
             TAG_RUN_ID: str(checkpoint.metadata.get("run_id"))[:_MAX_TAG_LENGTH],
             TAG_STEP: str(checkpoint.step),

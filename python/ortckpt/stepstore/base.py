@@ -1,0 +1,144 @@
+"""The step transaction's types (see :mod:`ortckpt.stepstore` for the transaction)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .. import targets
+
+if TYPE_CHECKING:
+    from .._boundary import CoreState
+    from ..checkpoint_state import CheckpointState
+
+# A reader's scan that finds steps deleted under it looks again this many times: retention
+# deletes a step only after a newer one is committed, so a fresh look finds the newer one.
+SCAN_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class Step:
+    """A committed step: its number, its commit document (validated), where its files are."""
+
+    number: int
+    document: dict[str, Any]
+    folder: Any  # a Path in a directory, a Location on object storage: each backend reads its own
+
+
+@dataclass
+class Attempt:
+    """One save of a step, staged and not yet committed: where its files go (``folder``), how
+    other ranks find it (``where``: a path or URL), and what was written into it."""
+
+    step: int
+    folder: Any  # a Path in a directory, a Location on object storage
+    where: str
+    written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sent: bool = False  # its commit was sent: from then on it may have landed, whatever was heard
+
+
+@dataclass
+class Scan:
+    """What a scan found: committed steps, and the steps whose document is damaged (a
+    reason each), kept for a person to look at."""
+
+    steps: dict[int, Step]
+    damaged: dict[int, str]
+
+
+class StepStore(abc.ABC):
+    """A run of steps: see :mod:`ortckpt.stepstore` for the transaction."""
+
+    name: str  # the directory's path or the prefix's URL, for messages
+    local: bool  # whether steps are directories of this machine (files a library can open)
+
+    @abc.abstractmethod
+    def scan(self, document: str) -> Scan:
+        """The steps that ``document`` (metadata.json, index.json) commits."""
+
+    @abc.abstractmethod
+    def read(self, step: int, document: str) -> Step | None:
+        """One step, if ``document`` commits it (CheckpointFormatError if it is damaged)."""
+
+    @abc.abstractmethod
+    def locate(self) -> Step | None:
+        """The step whose folder is the store's own (a step directory, a step folder's URL),
+        committed by its metadata.json or index.json, or None if it is none."""
+
+    @abc.abstractmethod
+    def file(self, folder: Any, name: str) -> targets.LocalFile | targets.ObjectFile:
+        """A file of a step (or an attempt), as a checkpoint target."""
+
+    @abc.abstractmethod
+    def load(self, folder: Any, name: str) -> CheckpointState:
+        """A checkpoint of a step, loaded; it stays usable whatever later retention deletes."""
+
+    @abc.abstractmethod
+    def read_document(self, folder: Any, name: str) -> bytes:
+        """A document of a step (index.json inside it), within its kind's size cap."""
+
+    # --- writing -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def begin(self, step: int) -> Attempt:
+        """A fresh, private place for the files of a save of ``step``."""
+
+    @abc.abstractmethod
+    def join(self, where: str, step: int) -> Attempt:
+        """The attempt ``begin`` made on another rank, from its ``where``."""
+
+    @abc.abstractmethod
+    def write_checkpoint(
+        self,
+        attempt: Attempt,
+        name: str,
+        state: CoreState,
+        *,
+        external_data_threshold: int,
+        durable: bool,
+        progress: bool = False,
+    ) -> dict[str, dict[str, Any]]:
+        """Writes a checkpoint into the attempt; returns its files: {name: {"bytes": size,
+        "sha256": hex digest}} (also recorded in ``attempt.written``)."""
+
+    @abc.abstractmethod
+    def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
+        """Writes a document into the attempt (a manager's sharded step keeps its index there);
+        returns its {"bytes", "sha256"}."""
+
+    @abc.abstractmethod
+    def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
+        """Publishes the attempt as its step with ``data`` as the ``document`` that commits it;
+        CheckpointExistsError when another save committed the step first (this one's files
+        are then removed)."""
+
+    @abc.abstractmethod
+    def abandon(self, attempt: Attempt) -> None:
+        """Removes what a failed save wrote (what cannot be removed now is a leftover)."""
+
+    @abc.abstractmethod
+    def retire(self, step: Step) -> None:
+        """Deletes a committed step: at once hidden from every reader, then its files removed
+        (what fails to be removed is retried by the next sweep). FileNotFoundError when it is
+        gone already."""
+
+    @abc.abstractmethod
+    def remove_proven_leftovers(self) -> list[str]:
+        """:meth:`remove_leftovers` where a held lock proves their writers gone (a directory's
+        writer); nothing where nothing can prove it (an object store)."""
+
+    @abc.abstractmethod
+    def describe(self, attempt: Attempt, on_bytes: Any = None) -> dict[str, dict[str, Any]]:
+        """Size and SHA-256 of every file written into the attempt."""
+
+    @abc.abstractmethod
+    def remove_leftovers(self) -> list[str]:
+        """Removes what saves that failed or were killed left, and finishes retirements that
+        failed: returns what it removed."""
+
+    def close(self) -> None:  # noqa: B027 (nothing to give up but a directory's lock)
+        """Gives up the store (a directory's writer lock)."""
+
+
+__all__ = ["SCAN_ATTEMPTS", "Attempt", "Scan", "Step", "StepStore"]

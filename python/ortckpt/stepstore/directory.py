@@ -1,0 +1,272 @@
+"""Steps in a local directory: the step transaction by renames (the layout: :mod:`ortckpt.steps`).
+
+- **One writer at a time.** A writer holds the lock file ``.ortckpt-writer.lock`` of the
+  directory (the core's locks: mode 0600, so nobody else can hold it) from when it opens the
+  store until it closes it, and records who it is there (pid, host, start time, command). A
+  second writer, in this process or any other, gets
+  :class:`~ortckpt.CheckpointDirectoryInUseError` naming the holder. Readers take no lock. The
+  kernel releases the lock when its holder dies.
+- **Liveness is a held lock, never a pid.** Since only the lock's holder writes, every
+  temporary or half-deleted step directory it finds is a leftover of a writer that is gone
+  (every container's trainer is pid 1; pids are reused). The files inside follow the same rule
+  one level down (the core's locked temporary files).
+- **A step is written privately, committed by rename.** ``.step_<n>.tmp-<random>/`` is created
+  writable by this user only, filled (its commit document last), then given its final
+  permissions and renamed to ``step_<n>`` by the core, which never replaces an existing one.
+  So a directory under a step's name is always complete; what is not is hidden.
+- **Deletion renames first** (``.step_<n>.deleting-<random>``), then removes, so no step
+  directory is ever half deleted under its own name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import socket
+import sys
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+from .. import _boundary, documents, safe_io, steps, targets
+from .._boundary import CoreState
+from ..checkpoint_state import CheckpointState, open_checkpoint
+from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
+from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore
+
+# The documents a step may be committed by, with their caps and schemas.
+KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
+
+
+class DirectoryStore(StepStore):
+    """A run of steps in ``directory`` (see the module's description)."""
+
+    local = True
+
+    def __init__(self, directory: Path, *, writer: bool, create: bool = False) -> None:
+        self.directory = directory
+        self.name = str(directory)
+        self.writer: WriterLock | None = None
+        if writer:
+            if create:
+                safe_io.make_directories(directory)
+            self.writer = WriterLock(directory)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def scan(self, document: str) -> Scan:
+        """Every step directory committed by ``document``; one whose document is damaged is
+        reported in ``damaged`` (and kept on disk, for a person to look at); one without it is
+        not this document's (e.g. a save_sharded step seen by a manager) and is ignored."""
+        for _ in range(SCAN_ATTEMPTS):
+            found: dict[int, Step] = {}
+            damaged: dict[int, str] = {}
+            vanished = -1
+            for number, path in step_directories(self.directory).items():
+                try:
+                    found[number] = self._read(number, path, document)
+                except FileNotFoundError:
+                    if not os.path.lexists(path):  # deleted since it was listed
+                        vanished = max(vanished, number)
+                except (CheckpointError, OSError, ValueError) as e:
+                    damaged[number] = str(e)
+            # A step is deleted only once a newer one is committed: without a newer one found,
+            # the listing missed it, and a fresh one will not.
+            if vanished < max(found, default=-1) or vanished < 0:
+                return Scan(found, damaged)
+        return Scan(found, damaged)
+
+    def _read(self, number: int, path: Path, document: str) -> Step:
+        where = path / document
+        data = safe_io.read_regular(where, limit=KINDS[document].max_bytes, follow_symlinks=False)
+        parsed = documents.parse(KINDS[document], data, os.fspath(where))
+        if parsed["step"] != number:
+            raise documents.DocumentError(f"{where}: step {parsed['step']}, but the directory is of step {number}")
+        return Step(number, parsed, path)
+
+    def read(self, step: int, document: str) -> Step | None:
+        path = steps.step_directory(self.directory, step)
+        try:
+            return self._read(step, path, document)
+        except FileNotFoundError:
+            return None
+
+    def locate(self) -> Step | None:
+        path = self.directory
+        for document in steps.COMMIT_DOCUMENTS:
+            if (path / document).is_file():
+                where = path / document
+                data = safe_io.read_regular(where, limit=KINDS[document].max_bytes, follow_symlinks=False)
+                parsed = documents.parse(KINDS[document], data, os.fspath(where))
+                return Step(parsed["step"], parsed, path)
+        return None
+
+    def file(self, folder: Any, name: str) -> targets.LocalFile:
+        return targets.LocalFile(safe_io.member(Path(folder), name))
+
+    def load(self, folder: Any, name: str) -> CheckpointState:
+        # (documents name plain files inside the step: never followed through a symlink)
+        return open_checkpoint(safe_io.member(Path(folder), name), follow_symlinks=False)
+
+    def read_document(self, folder: Any, name: str) -> bytes:
+        kind = KINDS.get(name, documents.SHARDED_INDEX)
+        return safe_io.read_regular(safe_io.member(Path(folder), name), limit=kind.max_bytes, follow_symlinks=False)
+
+    # --- writing -------------------------------------------------------------------------
+
+    def begin(self, step: int) -> Attempt:
+        final = steps.step_directory(self.directory, step)
+        if os.path.lexists(final):
+            raise CheckpointExistsError(
+                f"{final}: a directory of step {step} exists already "
+                "(not a checkpoint this manager lists: look at it, or delete it)"
+            )
+        temp = self.directory / steps.temporary_name(step, "tmp")
+        safe_io.make_private_directory(temp)
+        return Attempt(step, temp, str(temp))
+
+    def join(self, where: str, step: int) -> Attempt:
+        return Attempt(step, Path(where), where)
+
+    def write_checkpoint(
+        self,
+        attempt: Attempt,
+        name: str,
+        state: CoreState,
+        *,
+        external_data_threshold: int,
+        durable: bool,
+        progress: bool = False,
+    ) -> dict[str, dict[str, Any]]:
+        path = safe_io.member(Path(attempt.folder), name)
+        targets.LocalFile(path).save(
+            state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
+        )
+        written = {p.name: {"bytes": p.stat().st_size} for p in (path, Path(f"{path}.data")) if p.exists()}
+        attempt.written.update(written)
+        return written
+
+    def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
+        safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
+        entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        attempt.written[name] = entry
+        return entry
+
+    def describe(self, attempt: Attempt, on_bytes: Any = None) -> dict[str, dict[str, Any]]:
+        """Size and SHA-256 of every file written into the attempt (read back: the core does
+        not hash as it writes)."""
+        described = {}
+        for name in sorted(attempt.written):
+            size, digest = safe_io.sha256_of(Path(attempt.folder) / name, on_bytes)
+            described[name] = {"bytes": size, "sha256": digest}
+        return described
+
+    def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
+        temp = Path(attempt.folder)
+        safe_io.write_new(temp / document, data, durable=durable)
+        safe_io.publish_directory(temp)
+        final = steps.step_directory(self.directory, attempt.step)
+        try:
+            _boundary.rename_directory(temp, final, durable=durable)  # never over an existing step
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"{final}: a directory of step {attempt.step} exists already "
+                "(not a checkpoint this manager lists: look at it, or delete it)"
+            ) from None
+        return Step(attempt.step, documents.parse(KINDS[document], data, os.fspath(final / document)), final)
+
+    def abandon(self, attempt: Attempt) -> None:
+        safe_io.remove_tree_quietly(attempt.folder)
+
+    def retire(self, step: Step) -> None:
+        folder = Path(step.folder)
+        doomed = folder.with_name(steps.temporary_name(step.number, "deleting"))
+        _boundary.rename_directory(folder, doomed)  # out of sight at once: no half-deleted step
+        safe_io.remove_tree(doomed)
+
+    def remove_proven_leftovers(self) -> list[str]:
+        return self.remove_leftovers()
+
+    def remove_leftovers(self) -> list[str]:
+        """Removes temporary and half-deleted step directories: only a writer that holds the
+        lock may (holding it proves their writers gone); without locks nothing is removed."""
+        if self.writer is None or not self.writer.locked:
+            return []
+        removed = []
+        for entry in safe_io.entries(self.directory):
+            if steps.TEMPORARY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                safe_io.remove_tree(Path(entry.path))
+                removed.append(entry.path)
+        return removed
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.release()
+
+
+def step_directories(directory: Path) -> dict[int, Path]:
+    """Every step directory of ``directory`` (a directory, not a symlink, under a step's
+    name), by step. A missing ``directory`` has none."""
+    found = {}
+    for entry in safe_io.entries(directory):
+        step = steps.step_of(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False):
+            found[step] = Path(entry.path)
+    return found
+
+
+def acquire_lock(path: Path, record: str) -> _boundary.Lock | None:
+    """The core's lock (one try): here so that a test can stand in a filesystem without locks."""
+    return _boundary.acquire_lock(os.fspath(path), timeout=0, record=record)
+
+
+class WriterLock:
+    """The right to write ``directory``: taken at once or refused with
+    :class:`~ortckpt.CheckpointDirectoryInUseError`. Released by :meth:`release`, when the
+    object is collected, or by the kernel when the process dies.
+
+    On a filesystem without locks (some NFS and Lustre mounts) it warns and goes on unlocked:
+    then nothing proves another writer absent, and leftovers are never removed.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / steps.WRITER_LOCK_NAME
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)[:200],
+        }
+        try:
+            lock = acquire_lock(self.path, json.dumps(record))
+        except CheckpointLockedError as e:
+            raise CheckpointDirectoryInUseError(directory, _holder(str(e.holder or ""))) from None
+        if lock is None:
+            warnings.warn(
+                f"{directory}: this filesystem has no file locks: a second writer cannot be detected, "
+                "and leftovers of crashed saves are kept",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self.locked = lock is not None
+        self._release = weakref.finalize(self, lock.release) if lock is not None else None
+
+    def release(self) -> None:
+        """Gives the directory up (idempotent)."""
+        if self._release is not None:
+            self._release()
+
+
+def _holder(record: str) -> dict[str, Any]:
+    """Who holds the lock, as it recorded itself (a JSON object; other text as it is)."""
+    try:
+        return documents.parse(documents.WRITER_HOLDER, record, "lock record")  # type: ignore[no-any-return]
+    except documents.DocumentError:
+        return {"holder": record} if record else {}
+
+
+__all__ = ["DirectoryStore", "WriterLock", "step_directories"]

@@ -1,0 +1,303 @@
+"""Steps under an object store prefix: the step transaction by conditional PUTs (the layout:
+:mod:`ortckpt.steps`).
+
+- **A save writes into a folder of its own**, ``step_<n>/<attempt>/`` (32 random hex digits: no
+  other save writes there), taking each object's size and SHA-256 as the bytes go up.
+- **It commits by creating the step's document** (``metadata.json``, or ``index.json`` for a
+  sharded save without a manager), which names the attempt, with a conditional PUT: of two
+  writers of one step, one commits; the other gets CheckpointExistsError and its upload is
+  removed. Before the PUT and after it, every object the save wrote must still be there: a
+  restarted job's sweep may have deleted the upload of a zombie writer beside it, and a step
+  never names objects that do not exist (a commit found broken after its PUT is withdrawn).
+  A commit whose answer was lost is recognised as this save's (the document names its
+  attempt); an error is not proof that it failed, so its objects stay for the sweep.
+- **Retiring a step** first creates ``step_<n>/retired-<attempt>``, which hides it from every
+  reader at once, then deletes its document, its objects and last the marker: a deletion that
+  fails is finished by the next :meth:`ObjectStore.remove_leftovers`.
+- **Leftovers.** An object store holds no lock, so nothing proves another writer absent: the
+  objects of saves that never committed, and multipart uploads that killed writers left, are
+  removed only by :meth:`ObjectStore.remove_leftovers`, which its caller runs when no other
+  writer is saving under the prefix. It never runs by itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .. import documents, object_store, safe_io, steps, targets
+from .._boundary import CoreState
+from ..checkpoint_state import CheckpointState, open_checkpoint
+from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from ..object_store import Location
+from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore
+
+KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
+
+
+class ObjectStore(StepStore):
+    """A run of steps under ``prefix`` (see the module's description)."""
+
+    local = False
+
+    def __init__(self, prefix: Location) -> None:
+        self.prefix = prefix
+        self.name = prefix.url
+
+    def _folder(self, step: int) -> Location:
+        return self.prefix.child(steps.step_directory_name(step))
+
+    def _files_of(self, folder: Location, document: dict[str, Any]) -> Location:
+        """Where a committed step's files are: its attempt's folder (a step uploaded from a
+        directory, e.g. by ``aws s3 sync``, names none: its files are beside the document)."""
+        attempt = document.get("attempt")
+        return folder.child(attempt) if attempt else folder
+
+    # --- reading -------------------------------------------------------------------------
+
+    def scan(self, document: str) -> Scan:
+        for _ in range(SCAN_ATTEMPTS):
+            listing = object_store.list_keys(self.prefix)
+            retired = _retired(listing)
+            found: dict[int, Step] = {}
+            damaged: dict[int, str] = {}
+            vanished = -1
+            for number, size in sorted(steps.steps_holding(listing, document).items()):
+                try:
+                    step = self._read(number, document, size)
+                except FileNotFoundError:  # deleted since it was listed
+                    vanished = max(vanished, number)
+                    continue
+                except (CheckpointError, OSError) as e:
+                    damaged[number] = str(e)
+                    continue
+                if (number, step.document.get("attempt")) not in retired:
+                    found[number] = step
+            # A step is deleted only once a newer one is committed: without a newer one found,
+            # the listing missed it, and a fresh one will not.
+            if vanished < max(found, default=-1) or vanished < 0:
+                return Scan(found, damaged)
+        return Scan(found, damaged)
+
+    def _read(self, number: int, document: str, size: int | None = None) -> Step:
+        folder = self._folder(number)
+        where = folder.child(document)
+        parsed = _document(where, KINDS[document], size)
+        if parsed["step"] != number:
+            raise documents.DocumentError(f"{where.url}: step {parsed['step']}, but the folder is of step {number}")
+        return Step(number, parsed, self._files_of(folder, parsed))
+
+    def read(self, step: int, document: str) -> Step | None:
+        try:
+            return self._read(step, document)
+        except FileNotFoundError:
+            return None
+
+    def locate(self) -> Step | None:
+        """The step whose folder is this store's prefix itself, if it is one."""
+        for document in steps.COMMIT_DOCUMENTS:
+            try:
+                parsed = _document(self.prefix.child(document), KINDS[document])
+            except FileNotFoundError:
+                continue
+            return Step(parsed["step"], parsed, self._files_of(self.prefix, parsed))
+        return None
+
+    def file(self, folder: Any, name: str) -> targets.ObjectFile:
+        return targets.ObjectFile(folder.child(name))
+
+    def load(self, folder: Any, name: str) -> CheckpointState:
+        """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
+        stream, so memory stays bounded, and usable whatever later retention deletes."""
+        scratch = Path(tempfile.mkdtemp(prefix="ortckpt-restored-"))
+        try:
+            path = scratch / steps.CHECKPOINT_NAME
+            self.file(folder, name).download(path)
+            return open_checkpoint(path, follow_symlinks=False)
+        finally:
+            safe_io.remove_tree_quietly(scratch)  # the maps keep the bytes
+
+    def read_document(self, folder: Any, name: str) -> bytes:
+        where = folder.child(name)
+        kind = KINDS.get(name, documents.SHARDED_INDEX)
+        found = object_store.head(where)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", where.url)
+        if found.size > kind.max_bytes:
+            raise documents.DocumentError(f"{where.url}: {found.size} bytes, more than a {kind.name} may have")
+        return bytes(object_store.get(where, found.etag))
+
+    # --- writing -------------------------------------------------------------------------
+
+    def begin(self, step: int) -> Attempt:
+        attempt = steps.new_attempt()
+        return Attempt(step, self._folder(step).child(attempt), attempt)
+
+    def join(self, where: str, step: int) -> Attempt:
+        if not documents.ATTEMPT.fullmatch(where):
+            raise ValueError(f"{where!r} is not an attempt")
+        return Attempt(step, self._folder(step).child(where), where)
+
+    def write_checkpoint(
+        self,
+        attempt: Attempt,
+        name: str,
+        state: CoreState,
+        *,
+        external_data_threshold: int,
+        durable: bool,
+        progress: bool = False,
+    ) -> dict[str, dict[str, Any]]:
+        target = self.file(attempt.folder, name)
+        written = target.upload(state, external_data_threshold=external_data_threshold)
+        attempt.written.update(written)
+        return written
+
+    def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
+        object_store.put(attempt.folder.child(name), data)
+        entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        attempt.written[name] = entry
+        return entry
+
+    def describe(self, attempt: Attempt, on_bytes: Any = None) -> dict[str, dict[str, Any]]:
+        """What was uploaded, with the SHA-256s taken as the bytes went."""
+        return dict(attempt.written)
+
+    def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
+        folder = self._folder(attempt.step)
+        where = folder.child(document)
+        self._check_present(attempt, "before its commit")
+        attempt.sent = True  # from here on the commit may land whatever this process hears
+        if not object_store.put_new(where, data):
+            attempt.sent = False  # another writer's commit: ours certainly did not land
+            self.abandon(attempt)
+            raise CheckpointExistsError(f"{folder.url}: another writer committed step {attempt.step} first")
+        try:
+            self._check_present(attempt, "after its commit")
+        except CheckpointIntegrityError:
+            object_store.remove([where])  # withdrawn: no step names objects that are gone
+            raise
+        return Step(attempt.step, documents.parse(KINDS[document], data, where.url), attempt.folder)
+
+    def _check_present(self, attempt: Attempt, when: str) -> None:
+        """Every object the attempt wrote is there with its size, or CheckpointIntegrityError."""
+        problems = []
+        for name, entry in sorted(attempt.written.items()):
+            found = object_store.head(attempt.folder.child(name))
+            if found is None or found.size != entry["bytes"]:
+                problems.append(
+                    f"{attempt.folder.child(name).url}: {'gone' if found is None else f'{found.size} bytes'} "
+                    f"{when} (written: {entry['bytes']} bytes); another job's sweep may have removed it"
+                )
+        if problems:
+            raise CheckpointIntegrityError(self._folder(attempt.step).url, problems)
+
+    def abandon(self, attempt: Attempt) -> None:
+        if attempt.sent:
+            return  # the commit may have landed: its objects stay (remove_leftovers judges them)
+        _remove_quietly(attempt.folder)
+
+    def retire(self, step: Step) -> None:
+        folder = self._folder(step.number)
+        attempt = step.document.get("attempt")
+        marker = folder.child(steps.retired_marker(attempt)) if attempt else None
+        if marker is not None:
+            object_store.put(marker, b"")  # hidden from every reader from now on
+        object_store.remove([folder.child(document) for document in steps.COMMIT_DOCUMENTS])
+        object_store.remove_under(step.folder if attempt else folder)
+        if marker is not None:
+            object_store.remove([marker])
+
+    def remove_proven_leftovers(self) -> list[str]:
+        return []  # nothing on an object store proves a writer gone: remove_leftovers() is the caller's call
+
+    def remove_leftovers(self) -> list[str]:
+        """Deletes, under the prefix, everything in step folders that no committed document
+        names (saves that failed or were killed, uploads of writers that lost a step), the
+        steps whose retirement did not finish, and the multipart uploads killed writers left.
+        A step whose document is damaged is kept whole, for a person to look at. Run it only
+        when no other writer is saving under the prefix (nothing on an object store proves
+        that, so it never runs by itself). Returns the URLs removed."""
+        listing = object_store.list_keys(self.prefix)
+        by_step: dict[int, set[str]] = {}
+        for key, _ in listing:
+            parts = steps.split_key(key)
+            if parts is not None:
+                by_step.setdefault(parts[0], set()).add(parts[1])
+        retired = _retired(listing)
+        doomed: list[Location] = []
+        for number, names in sorted(by_step.items()):
+            keep = self._kept(number, names, retired)
+            if keep is None:
+                continue  # a damaged document: kept whole
+            doomed += [self._folder(number).child(name) for name in sorted(names) if not keep(name)]
+        object_store.remove(doomed)
+        removed = [location.url for location in doomed]
+        for key, upload_id in object_store.pending_uploads(self.prefix):
+            object_store.abort_upload(self.prefix.child(key), upload_id)
+            removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
+        return removed
+
+    def _kept(self, number: int, names: set[str], retired: set[tuple[int, Any]]) -> Any:
+        """Which names of a step folder the sweep keeps: a predicate, or None to keep all."""
+        attempts: set[str | None] = set()
+        kept_documents = set()
+        for document in steps.COMMIT_DOCUMENTS:
+            if document not in names:
+                continue
+            try:
+                parsed = _document(self._folder(number).child(document), KINDS[document])
+            except FileNotFoundError:
+                continue
+            except (CheckpointError, OSError):
+                return None
+            if (number, parsed.get("attempt")) in retired:
+                continue  # a retirement that did not finish: its document goes too
+            attempts.add(parsed.get("attempt"))
+            kept_documents.add(document)
+
+        def keep(name: str) -> bool:
+            if name in kept_documents:
+                return True
+            if None in attempts and "/" not in name and not name.startswith(steps.RETIRED_PREFIX):
+                return True  # files beside a document that names no attempt
+            return name.partition("/")[0] in attempts
+
+        return keep
+
+
+def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
+    """(step, attempt) of every retirement marker in a listing."""
+    found = set()
+    for key, _ in listing:
+        parts = steps.split_key(key)
+        if parts is not None and parts[1].startswith(steps.RETIRED_PREFIX):
+            found.add((parts[0], parts[1].removeprefix(steps.RETIRED_PREFIX)))
+    return found
+
+
+def _document(where: Location, kind: documents.Kind, size: int | None = None) -> Any:
+    """A document object, validated; refused unread when over its kind's cap."""
+    if size is None:
+        found = object_store.head(where)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", where.url)
+        size = found.size
+    if size > kind.max_bytes:
+        raise documents.DocumentError(f"{where.url}: {size} bytes, more than a {kind.name} may have")
+    return documents.parse(kind, bytes(object_store.get(where)), where.url)
+
+
+def _remove_quietly(folder: Location) -> None:
+    """Removes what a failed save uploaded; what stays is for remove_leftovers()."""
+    try:
+        object_store.remove_under(folder)
+    except OSError as e:
+        warnings.warn(f"{folder.url}: could not remove a failed save's objects: {e}", RuntimeWarning, stacklevel=3)
+
+
+__all__ = ["ObjectStore"]

@@ -1,0 +1,305 @@
+"""Where a checkpoint goes or comes from, classified once, at the public edge.
+
+The public API takes a path, an ``s3://bucket/key`` URL or a binary file object wherever it
+takes a checkpoint, and a directory or an ``s3://bucket/prefix`` wherever it takes a run of
+steps (a manager, a sharded save). :func:`checkpoint` and :func:`run` turn each into a target,
+once; below this module nothing asks what a name is (``tests/python/test_design_rules.py``
+holds every other module to it):
+
+- :class:`LocalFile`: a checkpoint file (and ``<path>.data``), written through the core's one
+  commit and opened by memory-mapping;
+- :class:`ObjectFile`: a checkpoint object (and ``<key>.data``), streamed up from the arrays in
+  multipart parts and downloaded with a limit known before memory is allocated;
+- :class:`StreamFile`: a binary file object, written whole (every byte or an error) and read
+  at most as far as a checkpoint can reach.
+
+A run is a local directory (a :class:`pathlib.Path`) or an object prefix
+(:class:`ortckpt.object_store.Location`); :mod:`ortckpt.stepstore` gives each its backend.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import _boundary
+from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError
+
+if TYPE_CHECKING:
+    from .object_store import Location
+
+SCHEME = "s3://"
+# A checkpoint without external data is one flatbuffer: at most 2 GiB (what a stream or an
+# object may hold before it is refused, unread).
+MAX_CHECKPOINT_BYTES = 2**31
+# The pair trailer (see the core's format::pairing) that ends a checkpoint and its data file.
+PAIR_TRAILER_BYTES = 32
+
+
+def is_object_url(where: Any) -> bool:
+    """Whether ``where`` names an object store location (``s3://bucket/key``): the one place
+    this is asked."""
+    return isinstance(where, str) and where.startswith(SCHEME)
+
+
+def is_stream(where: Any) -> bool:
+    """Whether ``where`` is a binary file object rather than a name."""
+    return not isinstance(where, (str, bytes, os.PathLike)) and (hasattr(where, "read") or hasattr(where, "write"))
+
+
+def object_location(url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
+    """The object (or prefix) ``url`` names, its store configured from ``storage_options``,
+    the environment and the AWS profile files (see :mod:`ortckpt.object_store`)."""
+    from . import object_store
+
+    if not is_object_url(url):
+        raise ValueError(f"not an object URL ({SCHEME}bucket/key): {url!r}")
+    bucket, _, key = url[len(SCHEME) :].partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket")
+    if any(part in (".", "..") for part in key.split("/")) or "//" in key.strip("/"):
+        raise ValueError(f"{url!r}: a key with empty, '.' or '..' segments is refused")
+    key = key.strip("/")
+    return object_store.location(bucket, key, f"{SCHEME}{bucket}/{key}", storage_options)
+
+
+def display_name(where: Any) -> str:
+    """A checkpoint's name for messages and file formats: its path or URL, or the stream's."""
+    if is_stream(where):
+        return str(getattr(where, "name", "<stream>"))
+    return os.fspath(where)
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """A checkpoint file (and its ``.data``): written by the core's one commit, opened by map."""
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return os.fspath(self.path)
+
+    def save(self, state: _boundary.CoreState, *, external_data_threshold: int, durable: bool, progress: bool) -> None:
+        from .progress import save_progress
+
+        with save_progress(progress, f"saving {self.path.name}") as counter:
+            _boundary.save(
+                self.path, state, external_data_threshold=external_data_threshold, durable=durable, progress=counter
+            )
+
+
+@dataclass(frozen=True)
+class StreamFile:
+    """A binary file object: written whole, read no further than a checkpoint can reach."""
+
+    stream: Any
+
+    @property
+    def name(self) -> str:
+        return display_name(self.stream)
+
+    def save(self, state: _boundary.CoreState) -> None:
+        from .safe_io import write_stream
+
+        write_stream(self.stream, _boundary.save_bytes(state))
+
+    def read(self) -> bytearray:
+        """The stream's bytes to its end, refused (CheckpointFormatError) once they pass what
+        one checkpoint buffer can hold, before more is read."""
+        data = bytearray()
+        while True:
+            chunk = self.stream.read(min(16 << 20, MAX_CHECKPOINT_BYTES + 1 - len(data)))
+            if chunk is None:
+                raise BlockingIOError(11, "the stream has no bytes ready (non-blocking)")
+            if not chunk:
+                return data
+            data += chunk
+            if len(data) > MAX_CHECKPOINT_BYTES:
+                raise CheckpointFormatError(
+                    f"{self.name}: more than {MAX_CHECKPOINT_BYTES} bytes, more than one checkpoint "
+                    "buffer holds (a checkpoint with external data is two files: load it from its path)"
+                )
+
+
+@dataclass(frozen=True)
+class ObjectFile:
+    """A checkpoint object (``key``, and ``key.data`` with external data)."""
+
+    location: Location
+
+    @property
+    def name(self) -> str:
+        return self.location.url
+
+    @property
+    def data(self) -> Location:
+        return self.location.sibling(".data")
+
+    def save(self, state: _boundary.CoreState, *, external_data_threshold: int) -> None:
+        """Uploads ``state`` in place of what is there; a data object the replaced checkpoint
+        had (one carrying its pair trailer), and no other, is removed when this one has none."""
+        from . import object_store
+
+        replaced = _trailer_of(self.location)
+        uploaded = self.upload(state, external_data_threshold=external_data_threshold, hashed=False)
+        data_name = self.data.key.rsplit("/", 1)[-1]
+        if data_name not in uploaded and replaced is not None and _trailer_of(self.data) == replaced:
+            object_store.remove([self.data])
+
+    def upload(
+        self, state: _boundary.CoreState, *, external_data_threshold: int, hashed: bool = True
+    ) -> dict[str, dict[str, Any]]:
+        """Streams ``state`` up (its data object first: the checkpoint names it). Returns what
+        was uploaded as a step's metadata records files: {last part of the key: {"bytes":
+        size, "sha256": hex digest}}, each SHA-256 taken as the bytes went (sizes alone
+        without ``hashed``)."""
+        import hashlib
+
+        from . import object_store
+
+        main, external = _boundary.encode_segments(state, external_data_threshold=external_data_threshold)
+        name = self.location.key.rsplit("/", 1)[-1]
+        uploads: list[tuple[Location, str, Iterable[Any]]] = [(self.location, name, main)]
+        if external is not None:
+            size, parts = external
+            uploads.insert(0, (self.data, name + ".data", _filled(size, parts)))
+        uploaded: dict[str, dict[str, Any]] = {}
+        for where, file, pieces in uploads:
+            digest = hashlib.sha256() if hashed else None
+            uploaded[file] = {"bytes": object_store.put_stream(where, pieces, digest)}
+            if digest is not None:
+                uploaded[file]["sha256"] = digest.hexdigest()
+        return uploaded
+
+    def load(self, *, lazy: bool = True) -> _boundary.Loaded:
+        """Downloads the checkpoint and opens it; its external data, if any, is read lazily by
+        ranged GETs of the version the load saw (or downloaded whole without ``lazy``)."""
+        from . import object_store
+
+        view = memoryview(object_store.get(self.location))  # one GET: one version of the object
+        data_head = object_store.head(self.data)
+        if data_head is None:
+            try:
+                return _boundary.load_buffer(view)
+            except CheckpointStateError as e:  # it has external data, and the data object is gone
+                raise FileNotFoundError(2, "no such object (the checkpoint's external data)", self.data.url) from e
+            except CheckpointError as e:
+                e.filename = self.location.url
+                raise
+        tail_start = max(0, data_head.size - PAIR_TRAILER_BYTES)
+        tail = bytes(object_store.get_range(self.data, tail_start, data_head.size - tail_start, data_head.etag))
+        external: Any = (
+            RemoteRanges(self.data, data_head.size, data_head.etag)
+            if lazy
+            else object_store.get(self.data, data_head.etag)
+        )
+        try:
+            return _boundary.load_buffer_paired(view, external, data_head.size, tail)
+        except CheckpointError as e:
+            e.filename = self.location.url
+            raise
+
+    def download(self, path: Path) -> None:
+        """Streams the checkpoint (and its data object) into new files ``path`` (and
+        ``path.data``) with bounded memory: a local copy that later deletions cannot touch."""
+        from . import object_store
+        from .safe_io import create_exclusive
+
+        for source, local in ((self.location, path), (self.data, Path(f"{path}.data"))):
+            found = object_store.head(source)
+            if found is None:
+                if source is self.location:
+                    raise FileNotFoundError(2, "no such object", source.url)
+                continue  # no external data
+            if source is self.location and found.size > MAX_CHECKPOINT_BYTES:
+                raise CheckpointFormatError(f"{source.url}: {found.size} bytes, more than a checkpoint can be")
+            fd = create_exclusive(local)
+            try:
+                object_store.download_to(source, fd, expected_size=found.size, etag=found.etag)
+            finally:
+                os.close(fd)
+
+
+class RemoteRanges:
+    """An external data object read lazily: each tensor's bytes by one ranged GET on first use,
+    of the version the load saw (its ETag)."""
+
+    def __init__(self, location: Location, size: int, etag: str | None) -> None:
+        self.location = location
+        self.size = size
+        self.etag = etag
+
+    def read_range(self, offset: int, nbytes: int) -> Any:
+        from . import object_store
+
+        return object_store.get_range(self.location, offset, nbytes, self.etag)
+
+
+def _trailer_of(location: Location) -> bytes | None:
+    """The pair trailer an object ends with, if it exists and ends with one."""
+    from . import object_store
+
+    found = object_store.head(location)
+    if found is None or found.size < PAIR_TRAILER_BYTES:
+        return None
+    try:
+        tail = bytes(object_store.get_range(location, found.size - PAIR_TRAILER_BYTES, PAIR_TRAILER_BYTES, found.etag))
+    except (FileNotFoundError, OSError):
+        return None
+    return tail if tail.startswith(b"ortckpt pair id\0") else None
+
+
+def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
+    """The external data file's pieces in order, zeros where nothing is placed."""
+    at = 0
+    for offset, piece in parts:
+        if offset > at:
+            yield bytes(offset - at)
+        yield piece
+        at = offset + memoryview(piece).nbytes
+    if size > at:
+        yield bytes(size - at)
+
+
+CheckpointTarget = LocalFile | ObjectFile | StreamFile
+
+
+def checkpoint(where: Any, storage_options: Mapping[str, Any] | None = None) -> CheckpointTarget:
+    """The target a checkpoint argument names: an ``s3://`` URL, a binary file object, or a path."""
+    if is_stream(where):
+        return StreamFile(where)
+    if is_object_url(where):
+        location = object_location(where, storage_options)
+        if not location.key:
+            raise ValueError(f"{where!r} names a bucket, not an object: {SCHEME}bucket/key")
+        return ObjectFile(location)
+    return LocalFile(Path(where))  # (storage_options configure object stores only)
+
+
+def run(where: Any, storage_options: Mapping[str, Any] | None = None) -> Path | Location:
+    """Where a run of steps lives: a local directory, or an object store prefix."""
+    if is_object_url(where):
+        return object_location(where, storage_options)
+    return Path(where)  # (storage_options configure object stores only)
+
+
+__all__ = [
+    "SCHEME",
+    "CheckpointTarget",
+    "LocalFile",
+    "ObjectFile",
+    "StreamFile",
+    "checkpoint",
+    "display_name",
+    "is_object_url",
+    "is_stream",
+    "object_location",
+    "run",
+]
