@@ -1,15 +1,18 @@
 //! Bytes -> checkpoint: verify, then index every tensor as a byte range.
 //!
 //! Nothing here copies tensor values; the result holds offsets into the
-//! caller's buffer (the mapped file), so decoding costs O(metadata).
+//! caller's buffer (the mapped file), so decoding costs O(metadata). The bytes may
+//! change while they are decoded (a file rewritten in place, a shared mmap), so the
+//! decoding pass trusts nothing the verifier saw: it reads through `reader::Reader`.
 
-use flatbuffers::{ForwardsUOffset, Vector, VerifierOptions};
+use flatbuffers::VerifierOptions;
 
 use super::dtype::{element_count, DataType};
 use super::model::{
     Checkpoint, OptimizerGroup, ParameterOptimizerState, PropertyBag, Stored, Tensor,
 };
 use super::names::first_clash;
+use super::reader::{List, Reader, Table};
 use super::verify::verify_checkpoint;
 use super::{Role, CHECKPOINT_VERSION, FILE_IDENTIFIER, FIRST_CHECKPOINT_VERSION};
 use crate::error::{Error, ErrorKind, Result};
@@ -25,7 +28,8 @@ const MIN_LEN: usize = 8;
 /// # Errors
 /// [`ErrorKind::Malformed`] for anything the flatbuffers verifier rejects and for
 /// what it cannot see (version, required fields, dims versus byte length,
-/// duplicate names); [`ErrorKind::UnsupportedDataType`] for unknown type codes.
+/// duplicate names), and for bytes that changed while they were read;
+/// [`ErrorKind::UnsupportedDataType`] for unknown type codes.
 pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
     if buf.len() < MIN_LEN {
         return Err(Error::malformed(format!(
@@ -33,10 +37,12 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
             buf.len()
         )));
     }
-    if !fbs::checkpoint_buffer_has_identifier(buf) {
+    // A copy: text made from bytes that change while it is made may not be UTF-8.
+    let identifier = Reader::new(buf, &verifier_options(buf.len())).identifier()?;
+    if identifier != *FILE_IDENTIFIER.as_bytes() {
         return Err(Error::malformed(format!(
             "not an ONNX Runtime training checkpoint: file identifier is {:?}, expected {:?}",
-            String::from_utf8_lossy(&buf[4..8]),
+            String::from_utf8_lossy(&identifier),
             FILE_IDENTIFIER
         )));
     }
@@ -45,11 +51,19 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
         let first = e.to_string().lines().next().unwrap_or_default().to_owned();
         Error::malformed(format!("checkpoint verification failed: {first}"))
     })?;
-    // SAFETY: verify_checkpoint checked every table, vector and string reachable from
-    // the root, as the generated verifier would (int64 vectors only 4-byte aligned,
-    // which is sound because flatbuffers reads scalars with unaligned copies).
-    let root = unsafe { fbs::root_as_checkpoint_unchecked(buf) };
-    let version = root.version();
+    // The verifier gave static malformed files their messages; the bytes may have
+    // changed since, so the decoding pass checks every read again.
+    decode_checked(buf)
+}
+
+/// Decodes `buf` without relying on any earlier look at it: every read is checked as it
+/// is made (see [`Reader`]), so bytes that change meanwhile give a consistent
+/// checkpoint or a [`ErrorKind::Malformed`] error, never a panic. [`decode`] runs the
+/// verifier first, for its messages; tests call this alone.
+pub(crate) fn decode_checked(buf: &[u8]) -> Result<Checkpoint<Stored>> {
+    let r = &mut Reader::new(buf, &verifier_options(buf.len()));
+    let root = r.root(FILE_IDENTIFIER)?;
+    let version = r.i32(root, fbs::Checkpoint::VT_VERSION, 0)?;
     if !(FIRST_CHECKPOINT_VERSION..=CHECKPOINT_VERSION).contains(&version) {
         return Err(Error::malformed(format!(
             "checkpoint version {version} is not supported (ONNX Runtime has written versions \
@@ -57,39 +71,38 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
         )));
     }
 
-    let decoder = Decoder {
-        base: buf.as_ptr() as usize,
-    };
     let mut ckpt = Checkpoint {
         version,
         ..Checkpoint::default()
     };
-    if let Some(module) = root.module_state() {
-        ckpt.is_nominal = module.is_nominal_state();
-        ckpt.has_external_data = module.has_external_data();
+    if let Some(module) = r.table(root, fbs::Checkpoint::VT_MODULE_STATE)? {
+        use fbs::ModuleState as M;
+        ckpt.is_nominal = r.bool(module, M::VT_IS_NOMINAL_STATE)?;
+        ckpt.has_external_data = r.bool(module, M::VT_HAS_EXTERNAL_DATA)?;
         // Version 2 (ONNX Runtime 1.17) added both flags; a version-1 writer cannot set them.
         if version == 1 && (ckpt.is_nominal || ckpt.has_external_data) {
             return Err(Error::malformed(
                 "a version-1 checkpoint cannot be nominal or have external data (version 2 added both)",
             ));
         }
-        let trainable = module
-            .requires_grad_params()
+        let trainable = r
+            .list(module, M::VT_REQUIRES_GRAD_PARAMS)?
             .ok_or_else(|| Error::malformed("module state has no requires_grad_params vector"))?;
-        let frozen = module
-            .frozen_params()
+        let frozen = r
+            .list(module, M::VT_FROZEN_PARAMS)?
             .ok_or_else(|| Error::malformed("module state has no frozen_params vector"))?;
-        ckpt.trainable = decoder.tensors(trainable, Role::Trainable, &ckpt)?;
-        ckpt.frozen = decoder.tensors(frozen, Role::Frozen, &ckpt)?;
+        ckpt.trainable = tensors(r, trainable, Role::Trainable, &ckpt)?;
+        ckpt.frozen = tensors(r, frozen, Role::Frozen, &ckpt)?;
     }
-    if let Some(groups) = root.optimizer_groups() {
-        for group in groups {
-            let decoded = decoder.group(group, &ckpt)?;
+    if let Some(groups) = r.list(root, fbs::Checkpoint::VT_OPTIMIZER_GROUPS)? {
+        for i in 0..groups.len {
+            let group = r.table_in(groups, i)?;
+            let decoded = optimizer_group(r, group, &ckpt)?;
             ckpt.optimizer_groups.push(decoded);
         }
     }
-    if let Some(bag) = root.property_bag() {
-        ckpt.properties = properties(bag)?;
+    if let Some(bag) = r.table(root, fbs::Checkpoint::VT_PROPERTY_BAG)? {
+        ckpt.properties = properties(r, bag)?;
     }
     if let Some(clash) = first_clash(&ckpt) {
         return Err(clash.into_error(Error::malformed));
@@ -147,166 +160,383 @@ fn verifier_options(len: usize) -> VerifierOptions {
     }
 }
 
-struct Decoder {
-    /// Address of the buffer's first byte, to turn slices into file offsets.
-    base: usize,
+fn tensors(
+    r: &mut Reader<'_>,
+    list: List,
+    role: Role,
+    ckpt: &Checkpoint<Stored>,
+) -> Result<Vec<Tensor<Stored>>> {
+    let mut out = Vec::new();
+    for i in 0..list.len {
+        let t = r.table_in(list, i)?;
+        out.push(tensor(r, t, i, role, ckpt)?);
+    }
+    Ok(out)
 }
 
-impl Decoder {
-    fn tensors(
-        &self,
-        list: Vector<'_, ForwardsUOffset<fbs::Tensor<'_>>>,
-        role: Role,
-        ckpt: &Checkpoint<Stored>,
-    ) -> Result<Vec<Tensor<Stored>>> {
-        list.iter()
-            .enumerate()
-            .map(|(i, t)| self.tensor(t, i, role, ckpt))
-            .collect()
+fn tensor(
+    r: &mut Reader<'_>,
+    t: Table,
+    index: usize,
+    role: Role,
+    ckpt: &Checkpoint<Stored>,
+) -> Result<Tensor<Stored>> {
+    use fbs::Tensor as T;
+    let name = r
+        .string(t, T::VT_NAME)?
+        .ok_or_else(|| Error::malformed(format!("{} tensor #{index} has no name", role.label())))?;
+    let in_tensor = |e: Error| e.in_tensor(&name);
+    let dims = r
+        .int64s(t, T::VT_DIMS)
+        .and_then(|dims| dims.ok_or_else(|| Error::malformed("tensor has no dims")))
+        .map_err(in_tensor)?;
+    let code = r.i32(t, T::VT_DATA_TYPE, 0).map_err(in_tensor)?;
+    let data_type = DataType::from_code(code).map_err(in_tensor)?;
+    if data_type == DataType::Undefined {
+        return Err(Error::new(ErrorKind::UnsupportedDataType(0)).in_tensor(&name));
     }
+    let data = if ckpt.is_nominal {
+        Stored::Absent
+    } else {
+        values(r, t, data_type, &dims, ckpt.has_external_data).map_err(in_tensor)?
+    };
+    Ok(Tensor {
+        name,
+        data_type,
+        dims,
+        data,
+    })
+}
 
-    fn tensor(
-        &self,
-        t: fbs::Tensor<'_>,
-        index: usize,
-        role: Role,
-        ckpt: &Checkpoint<Stored>,
-    ) -> Result<Tensor<Stored>> {
-        let name = t.name().ok_or_else(|| {
-            Error::malformed(format!("{} tensor #{index} has no name", role.label()))
-        })?;
-        let in_tensor = |e: Error| e.in_tensor(name);
-        let dims: Vec<i64> = t
-            .dims()
-            .ok_or_else(|| Error::malformed("tensor has no dims"))
-            .map_err(in_tensor)?
-            .iter()
-            .collect();
-        let data_type = DataType::from_code(t.data_type().0).map_err(in_tensor)?;
-        if data_type == DataType::Undefined {
-            return Err(Error::new(ErrorKind::UnsupportedDataType(0)).in_tensor(name));
-        }
-        let data = if ckpt.is_nominal {
-            Stored::Absent
-        } else {
-            self.values(&t, data_type, &dims, ckpt.has_external_data)
-                .map_err(in_tensor)?
-        };
-        Ok(Tensor {
-            name: name.to_owned(),
-            data_type,
-            dims,
-            data,
-        })
-    }
-
-    fn values(
-        &self,
-        t: &fbs::Tensor<'_>,
-        data_type: DataType,
-        dims: &[i64],
-        has_external_data: bool,
-    ) -> Result<Stored> {
-        let count = element_count(dims, data_type).map_err(Error::malformed)?;
-        if data_type == DataType::String {
-            let strings = t
-                .string_data()
-                .ok_or_else(|| Error::malformed("STRING tensor has no string_data"))?;
-            if strings.len() as u64 != count {
-                return Err(Error::malformed(format!(
-                    "string_data holds {} strings but dims {dims:?} need {count}",
-                    strings.len()
-                )));
-            }
-            return Ok(Stored::Strings(strings.iter().map(str::to_owned).collect()));
-        }
-        let expected = data_type.byte_len(count).ok_or_else(|| {
-            Error::malformed(format!(
-                "dims {dims:?} of {} overflow the byte length",
-                data_type.name()
-            ))
-        })?;
-        let offset = t.external_data_offset();
-        if offset >= 0 {
-            if !has_external_data {
-                return Err(Error::malformed(
-                    "tensor has an external_data_offset but the checkpoint has no external data",
-                ));
-            }
-            return Ok(Stored::External {
-                offset: offset as u64,
-                len: expected,
-            });
-        }
-        let raw = t
-            .raw_data()
-            .ok_or_else(|| Error::malformed("tensor has neither raw_data nor external data"))?
-            .bytes();
-        if raw.len() as u64 != expected {
+fn values(
+    r: &mut Reader<'_>,
+    t: Table,
+    data_type: DataType,
+    dims: &[i64],
+    has_external_data: bool,
+) -> Result<Stored> {
+    use fbs::Tensor as T;
+    let count = element_count(dims, data_type).map_err(Error::malformed)?;
+    if data_type == DataType::String {
+        let strings = r
+            .list(t, T::VT_STRING_DATA)?
+            .ok_or_else(|| Error::malformed("STRING tensor has no string_data"))?;
+        if strings.len as u64 != count {
             return Err(Error::malformed(format!(
-                "raw_data holds {} bytes but dims {dims:?} of {} need {expected}",
-                raw.len(),
-                data_type.name()
+                "string_data holds {} strings but dims {dims:?} need {count}",
+                strings.len
             )));
         }
-        Ok(Stored::Inline {
-            offset: raw.as_ptr() as usize - self.base,
-            len: raw.len(),
-        })
+        let values = (0..strings.len)
+            .map(|i| r.string_in(strings, i))
+            .collect::<Result<_>>()?;
+        return Ok(Stored::Strings(values));
     }
+    let expected = data_type.byte_len(count).ok_or_else(|| {
+        Error::malformed(format!(
+            "dims {dims:?} of {} overflow the byte length",
+            data_type.name()
+        ))
+    })?;
+    let offset = r.i64(t, T::VT_EXTERNAL_DATA_OFFSET, -1)?;
+    if offset >= 0 {
+        if !has_external_data {
+            return Err(Error::malformed(
+                "tensor has an external_data_offset but the checkpoint has no external data",
+            ));
+        }
+        return Ok(Stored::External {
+            offset: offset as u64,
+            len: expected,
+        });
+    }
+    // The values stay where they are: a byte range of the buffer.
+    let (start, len) = r
+        .byte_range(t, T::VT_RAW_DATA)?
+        .ok_or_else(|| Error::malformed("tensor has neither raw_data nor external data"))?;
+    if len as u64 != expected {
+        return Err(Error::malformed(format!(
+            "raw_data holds {len} bytes but dims {dims:?} of {} need {expected}",
+            data_type.name()
+        )));
+    }
+    Ok(Stored::Inline { offset: start, len })
+}
 
-    fn group(
-        &self,
-        g: fbs::OptimizerGroup<'_>,
-        ckpt: &Checkpoint<Stored>,
-    ) -> Result<OptimizerGroup<Stored>> {
-        let name = g
-            .group_name()
-            .ok_or_else(|| Error::malformed("optimizer group has no name"))?;
-        let mut states = Vec::new();
-        for (i, s) in g.optimizer_states().into_iter().flatten().enumerate() {
-            let param_name = s.param_name().ok_or_else(|| {
+fn optimizer_group(
+    r: &mut Reader<'_>,
+    g: Table,
+    ckpt: &Checkpoint<Stored>,
+) -> Result<OptimizerGroup<Stored>> {
+    use fbs::OptimizerGroup as G;
+    use fbs::ParameterOptimizerState as S;
+    let name = r
+        .string(g, G::VT_GROUP_NAME)?
+        .ok_or_else(|| Error::malformed("optimizer group has no name"))?;
+    let mut states = Vec::new();
+    if let Some(list) = r.list(g, G::VT_OPTIMIZER_STATES)? {
+        for i in 0..list.len {
+            let s = r.table_in(list, i)?;
+            let param_name = r.string(s, S::VT_PARAM_NAME)?.ok_or_else(|| {
                 Error::malformed(format!(
                     "optimizer group '{name}': state #{i} has no param_name"
                 ))
             })?;
-            let momentums = match s.momentums() {
-                Some(list) => self
-                    .tensors(list, Role::Momentum, ckpt)
+            let momentums = match r.list(s, S::VT_MOMENTUMS)? {
+                Some(list) => tensors(r, list, Role::Momentum, ckpt)
                     .map_err(|e| e.in_tensor_scope(&format!("{name}/{param_name}")))?,
                 None => Vec::new(),
             };
             states.push(ParameterOptimizerState {
-                param_name: param_name.to_owned(),
+                param_name,
                 momentums,
             });
         }
-        Ok(OptimizerGroup {
-            name: name.to_owned(),
-            step: g.step(),
-            initial_learning_rate: g.initial_learning_rate(),
-            states,
-        })
     }
+    Ok(OptimizerGroup {
+        step: r.i64(g, G::VT_STEP, 0)?,
+        initial_learning_rate: r.f32(g, G::VT_INITIAL_LEARNING_RATE, 0.0)?,
+        name,
+        states,
+    })
 }
 
-fn properties(bag: fbs::PropertyBag<'_>) -> Result<PropertyBag> {
+fn properties(r: &mut Reader<'_>, bag: Table) -> Result<PropertyBag> {
+    use fbs::PropertyBag as B;
     let missing = |kind: &str, i: usize, what: &str| {
         Error::malformed(format!("{kind} property #{i} has no {what}"))
     };
     let mut out = PropertyBag::default();
-    for (i, p) in bag.ints().into_iter().flatten().enumerate() {
-        let name = p.name().ok_or_else(|| missing("int", i, "name"))?;
-        out.ints.push((name.to_owned(), p.value()));
+    if let Some(list) = r.list(bag, B::VT_INTS)? {
+        for i in 0..list.len {
+            let p = r.table_in(list, i)?;
+            let name = r
+                .string(p, fbs::IntProperty::VT_NAME)?
+                .ok_or_else(|| missing("int", i, "name"))?;
+            out.ints
+                .push((name, r.i64(p, fbs::IntProperty::VT_VALUE, 0)?));
+        }
     }
-    for (i, p) in bag.floats().into_iter().flatten().enumerate() {
-        let name = p.name().ok_or_else(|| missing("float", i, "name"))?;
-        out.floats.push((name.to_owned(), p.value()));
+    if let Some(list) = r.list(bag, B::VT_FLOATS)? {
+        for i in 0..list.len {
+            let p = r.table_in(list, i)?;
+            let name = r
+                .string(p, fbs::FloatProperty::VT_NAME)?
+                .ok_or_else(|| missing("float", i, "name"))?;
+            out.floats
+                .push((name, r.f32(p, fbs::FloatProperty::VT_VALUE, 0.0)?));
+        }
     }
-    for (i, p) in bag.strings().into_iter().flatten().enumerate() {
-        let name = p.name().ok_or_else(|| missing("string", i, "name"))?;
-        let value = p.value().ok_or_else(|| missing("string", i, "value"))?;
-        out.strings.push((name.to_owned(), value.to_owned()));
+    if let Some(list) = r.list(bag, B::VT_STRINGS)? {
+        for i in 0..list.len {
+            let p = r.table_in(list, i)?;
+            let name = r
+                .string(p, fbs::StringProperty::VT_NAME)?
+                .ok_or_else(|| missing("string", i, "name"))?;
+            let value = r
+                .string(p, fbs::StringProperty::VT_VALUE)?
+                .ok_or_else(|| missing("string", i, "value"))?;
+            out.strings.push((name, value));
+        }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::path::Path;
+
+    use flatbuffers::FlatBufferBuilder;
+
+    use super::*;
+
+    /// Every checkpoint ONNX Runtime wrote for the golden tests, versions 1 and 2.
+    fn goldens() -> Vec<(String, Vec<u8>)> {
+        fn walk(dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let path = entry.unwrap().path();
+                let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if !matches!(ext, "json" | "md" | "onnx") {
+                    out.push((path.display().to_string(), std::fs::read(&path).unwrap()));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/ort-vectors"),
+            &mut out,
+        );
+        out.sort();
+        assert!(out.len() >= 29, "{} golden files", out.len());
+        out
+    }
+
+    /// SplitMix64: a fixed sequence, so a failure reproduces.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    /// The checked pass alone on `buf`, as it would see bytes that changed after the
+    /// verifier's pass: it must decode or fail typed, never panic. On bytes the verifier
+    /// accepts, it must not claim they changed (its checks are the verifier's).
+    fn check(buf: &[u8], what: impl Fn() -> String) {
+        let Ok(checked) = catch_unwind(AssertUnwindSafe(|| decode_checked(buf))) else {
+            panic!("the checked decoder panicked on {}", what());
+        };
+        if let Err(e) = &checked {
+            assert!(
+                matches!(
+                    e.kind(),
+                    ErrorKind::Malformed(_) | ErrorKind::UnsupportedDataType(_)
+                ),
+                "{}: {e:?}",
+                what()
+            );
+            // What decode checks before the checked pass.
+            let verified = fbs::checkpoint_buffer_has_identifier(buf)
+                && verify_checkpoint(&verifier_options(buf.len()), buf).is_ok();
+            assert!(
+                !(verified && e.to_string().contains("changed while")),
+                "{}: the verifier passed, yet: {e}",
+                what()
+            );
+        }
+    }
+
+    #[test]
+    fn the_checked_decoder_survives_every_byte_of_every_golden_file_changed() {
+        for (name, original) in goldens() {
+            let mut buf = original.clone();
+            for pos in 0..buf.len() {
+                let was = original[pos];
+                for value in [
+                    0x00,
+                    0xFF,
+                    0x7F,
+                    0x80,
+                    was ^ 0x01,
+                    was ^ 0x10,
+                    was.wrapping_add(4),
+                ] {
+                    buf[pos] = value;
+                    check(&buf, || format!("{name} with byte {pos} = {value:#04x}"));
+                }
+                buf[pos] = was;
+            }
+            // The file itself decodes alike both ways.
+            assert_eq!(
+                decode_checked(&original).unwrap(),
+                decode(&original).unwrap(),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_checked_decoder_survives_random_changes_to_golden_files() {
+        let mut rng = Rng(0x0DDC_0FFE);
+        for (name, original) in goldens() {
+            for round in 0..3000 {
+                let mut buf = original.clone();
+                let len = buf.len();
+                for _ in 0..1 + rng.below(8) {
+                    if rng.below(2) == 0 {
+                        buf[rng.below(len)] = rng.next() as u8;
+                    } else {
+                        // An offset or length somewhere: small, near the size, or anything.
+                        let at = rng.below(len / 4) * 4;
+                        let value = match rng.below(3) {
+                            0 => rng.below(64) as u32,
+                            1 => (len + rng.below(16)).wrapping_sub(8) as u32,
+                            _ => rng.next() as u32,
+                        };
+                        buf[at..at + 4].copy_from_slice(&value.to_le_bytes());
+                    }
+                }
+                check(&buf, || format!("{name}, random round {round}"));
+            }
+        }
+    }
+
+    #[test]
+    fn a_name_that_stops_being_utf8_is_an_error_in_the_checked_pass() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/data/ort-vectors/protos.ckpt"
+        );
+        let mut buf = std::fs::read(path).unwrap();
+        let at = buf
+            .windows(b"encoder.bias".len())
+            .position(|w| w == b"encoder.bias")
+            .unwrap();
+        buf[at] = 0xFF;
+        let verified = decode(&buf).unwrap_err().to_string();
+        assert!(
+            verified.starts_with("checkpoint verification failed: Utf8 error"),
+            "{verified}"
+        );
+        let checked = decode_checked(&buf).unwrap_err().to_string();
+        assert!(
+            checked.starts_with("the checkpoint changed while it was being read (the string at")
+                && checked.contains("is not UTF-8"),
+            "{checked}"
+        );
+    }
+
+    #[test]
+    fn the_checked_pass_bounds_the_work_of_a_dag_of_offsets_to_one_big_tensor() {
+        // 20,000 references to one tensor with 1,000 dims: about 100 KB that would
+        // decode to 160 MB of dims. The checked pass alone refuses it, as the verifier does.
+        let mut fbb = FlatBufferBuilder::new();
+        let name = fbb.create_string("t");
+        let dims = fbb.create_vector(&[1i64; 1000]);
+        let tensor = fbs::Tensor::create(
+            &mut fbb,
+            &fbs::TensorArgs {
+                name: Some(name),
+                dims: Some(dims),
+                data_type: fbs::TensorDataType::FLOAT,
+                ..Default::default()
+            },
+        );
+        let params = fbb.create_vector(&vec![tensor; 20_000]);
+        let none = fbb.create_vector::<flatbuffers::WIPOffset<fbs::Tensor>>(&[]);
+        let module = fbs::ModuleState::create(
+            &mut fbb,
+            &fbs::ModuleStateArgs {
+                requires_grad_params: Some(params),
+                frozen_params: Some(none),
+                is_nominal_state: true,
+                ..Default::default()
+            },
+        );
+        let root = fbs::Checkpoint::create(
+            &mut fbb,
+            &fbs::CheckpointArgs {
+                version: CHECKPOINT_VERSION,
+                module_state: Some(module),
+                ..Default::default()
+            },
+        );
+        fbb.finish(root, Some(FILE_IDENTIFIER));
+        let buf = fbb.finished_data();
+        assert!(decode(buf).is_err());
+        let e = decode_checked(buf).unwrap_err().to_string();
+        assert!(e.contains("it refers to more bytes than it holds"), "{e}");
+    }
 }

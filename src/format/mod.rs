@@ -8,6 +8,7 @@ pub mod model;
 pub mod names;
 pub mod pairing;
 pub mod plan;
+mod reader;
 mod verify;
 
 pub use decode::decode;

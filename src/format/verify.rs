@@ -6,7 +6,7 @@
 //! 4-byte boundary (its C++ verifier only checks the 4-byte length prefix). So
 //! these mirror types verify exactly what the generated code verifies, field by
 //! field, except that int64 vectors need 4-byte alignment. Reading them is still
-//! sound: flatbuffers reads every scalar with an unaligned copy.
+//! sound: the decoder (`reader.rs`) copies every scalar out, aligned or not.
 
 use flatbuffers::{
     ForwardsUOffset, InvalidFlatbuffer, Vector, Verifiable, Verifier, VerifierOptions,

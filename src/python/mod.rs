@@ -97,8 +97,8 @@ fn load_buffer<'py>(
         let paired = external
             .as_ref()
             .map(|_| (external_len, external_tail.as_deref().unwrap_or_default()));
-        // Decoded with the GIL held: no Python thread can change a mutable buffer
-        // between the verifier's checks and the reads that rely on them.
+        // Decoded with the GIL held, though nothing relies on it: another process may
+        // write a shared mmap meanwhile, and the decoder checks every read as it makes it.
         let ckpt = crate::decode_buffer_paired(buffer_bytes(&buffer), paired)
             .map_err(|e| to_py_err(py, e))?;
         described(py, &ckpt, data.unbind(), external.map(Bound::unbind))
