@@ -106,6 +106,12 @@ impl PendingFile {
         Ok(file)
     }
 
+    /// Whether the target is still the file this one became at commit (no other save has
+    /// replaced it since).
+    pub fn is_target_now(&self) -> bool {
+        still_named(&self.file, &self.target)
+    }
+
     /// Renames the temporary file over its target (atomic within a filesystem).
     pub(crate) fn rename_into_place(&mut self) -> Result<()> {
         fs::rename(&self.temp, &self.target).map_err(|e| Error::from(e).in_file(&self.target))?;
@@ -140,9 +146,16 @@ fn umask() -> u32 {
 
 /// A new, empty temporary file for a save to `target`, created exclusively and locked.
 fn create_locked_temp(target: &Path) -> Result<(File, PathBuf)> {
+    create_locked_temp_named(target, std::iter::repeat_with(|| temp_path_for(target)))
+}
+
+/// [`create_locked_temp`] trying the names `names` gives (a test gives taken ones).
+fn create_locked_temp_named(
+    target: &Path,
+    names: impl Iterator<Item = PathBuf>,
+) -> Result<(File, PathBuf)> {
     let mut last = None;
-    for _ in 0..NAME_ATTEMPTS {
-        let temp = temp_path_for(target);
+    for temp in names.take(NAME_ATTEMPTS) {
         let file = match OpenOptions::new()
             .read(true)
             .write(true)
@@ -338,6 +351,17 @@ mod tests {
             .enumerate()
             .map(|(i, &n)| (0..n).map(|j| (i * 31 + j) as u8).collect())
             .collect()
+    }
+
+    #[test]
+    fn when_every_temporary_name_is_taken_the_error_names_it_and_not_the_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let (target, taken) = (dir.path().join("m"), dir.path().join(".m.ortckpt-tmp.same"));
+        fs::write(&taken, b"taken").unwrap();
+        let e = create_locked_temp_named(&target, std::iter::repeat(taken.clone())).unwrap_err();
+        assert_eq!(e.path(), Some(taken.as_path()));
+        assert_eq!(fs::read(&taken).unwrap(), b"taken");
+        assert!(!target.exists());
     }
 
     #[test]

@@ -103,26 +103,41 @@ impl Staged {
         if let Some(data) = &self.data {
             data.finish(options.durable)?;
         }
-        {
-            // Commits of one target, from any thread or process, take turns: the two renames
-            // of one save are never interleaved with another's, and what a save removes is
-            // judged while nothing else moves.
-            let _lock = PathLock::acquire(&self.target, options.lock_timeout)?;
-            let leftovers = pending_temps_of(&[&self.target, &data_path]);
-            match &mut self.data {
-                Some(data) => {
-                    data.rename_into_place()?;
-                    self.main.rename_into_place()?;
-                }
-                None => {
-                    let replaced = replaced_pairs(&self.target, &leftovers);
-                    self.main.rename_into_place()?;
-                    remove_data_of(&data_path, &replaced)?;
+        let ours = [Some(self.main.temp()), self.data.as_ref().map(|d| d.temp())];
+        let mut leftovers = pending_temps_of(&[&self.target, &data_path]);
+        leftovers.retain(|temp| !ours.contains(&Some(temp.as_path())));
+        match &mut self.data {
+            Some(data) => {
+                // Commits of one target, from any thread or process, take turns: the two renames
+                // of one save are never interleaved with another's.
+                let _lock = PathLock::acquire(&self.target, options.lock_timeout)?;
+                data.rename_into_place()?;
+                self.main.rename_into_place()?;
+                // Only now, and under the lock: until a save has committed, a crashed save's
+                // temporary checkpoint may be the one that matches the data file (see load).
+                remove_stale_temps(&leftovers);
+            }
+            None if leftovers.is_empty() && fs::symlink_metadata(&data_path).is_err() => {
+                // Nothing to judge: one rename is atomic by itself, and an inline save waits
+                // for nobody's lock. A data file that a save with external data commits
+                // meanwhile is judged after, under the lock.
+                let replaced = pair_id_of_file(&self.target);
+                self.main.rename_into_place()?;
+                if fs::symlink_metadata(&data_path).is_ok() {
+                    let _lock = PathLock::acquire(&self.target, options.lock_timeout)?;
+                    if self.main.is_target_now() {
+                        remove_data_of(&data_path, &replaced.into_iter().collect::<Vec<_>>())?;
+                    }
                 }
             }
-            // Only now, and under the lock: until a save has committed, a crashed save's
-            // temporary checkpoint may be the one that matches the data file (see load).
-            remove_stale_temps(&leftovers);
+            None => {
+                // A data file, or leftovers, to judge while nothing else moves.
+                let _lock = PathLock::acquire(&self.target, options.lock_timeout)?;
+                let replaced = replaced_pairs(&self.target, &leftovers);
+                self.main.rename_into_place()?;
+                remove_data_of(&data_path, &replaced)?;
+                remove_stale_temps(&leftovers);
+            }
         }
         if options.durable {
             sync_parent_dir(&self.target)?;

@@ -43,16 +43,16 @@ def kill_while_writing(rank: int) -> None:
     """Makes this rank die (SIGKILL) as soon as its shard's file appears, mid-write."""
     real = sharded_module._write_own_shard
 
-    def write_and_die(state, where, names, rank_, world, *args):  # type: ignore[no-untyped-def]
+    def write_and_die(store, attempt, state, names, rank_, world, *args):  # type: ignore[no-untyped-def]
         prefix = f"shard-{rank:05d}"
 
         def watch() -> None:
-            while not any(prefix in p.name for p in Path(where).iterdir()):
+            while not any(prefix in p.name for p in Path(attempt.folder).iterdir()):
                 time.sleep(0.0005)
             os.kill(os.getpid(), signal.SIGKILL)
 
         threading.Thread(target=watch, daemon=True).start()
-        real(state, where, names, rank_, world, *args)
+        real(store, attempt, state, names, rank_, world, *args)
         time.sleep(5)  # the watcher fires first; never report success
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -30,6 +30,7 @@ from ortckpt.distributed import (
     step_directory,
 )
 from ortckpt.distributed import sharded as sharded_module
+from ortckpt.stepstore import DirectoryStore
 
 
 class ThreadWorld:
@@ -248,8 +249,8 @@ def test_a_rank_failing_to_write_commits_nothing_and_every_rank_raises(
     save_model(tmp_path, step=1, world=2)
     real = sharded_module._write_own_shard
 
-    def failing(state, where, names, rank, *args):  # type: ignore[no-untyped-def]
-        files = real(state, where, names, rank, *args)
+    def failing(store, attempt, state, names, rank, *args):  # type: ignore[no-untyped-def]
+        files = real(store, attempt, state, names, rank, *args)
         if rank == 1:
             raise OSError(28, "No space left on device")
         return files
@@ -322,10 +323,10 @@ def test_a_commit_that_fails_on_rank_0_abandons_the_step_on_every_rank(
 ) -> None:
     save_model(tmp_path, step=1, world=2)
 
-    def full_disk(path: Path, index: Any, durable: bool) -> None:
+    def full_disk(store: Any, attempt: Any, document: str, data: bytes, *, durable: bool) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sharded_module, "write_index", full_disk)
+    monkeypatch.setattr(DirectoryStore, "commit", full_disk)
     results = on_ranks(
         2,
         lambda comm: save_sharded(
@@ -370,13 +371,13 @@ def test_an_existing_step_is_refused_and_leftovers_are_cleared(tmp_path: Path) -
 def test_a_sharded_step_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Until the index is in, the step's name does not exist: a reader never sees half a step."""
     seen: list[list[str]] = []
-    real = sharded_module.write_index
+    real = DirectoryStore.commit
 
-    def watching(path: Path, index: Any, durable: bool) -> None:
+    def watching(store: Any, attempt: Any, document: str, data: bytes, *, durable: bool) -> Any:
         seen.append(sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ortckpt")))
-        real(path, index, durable)
+        return real(store, attempt, document, data, durable=durable)
 
-    monkeypatch.setattr(sharded_module, "write_index", watching)
+    monkeypatch.setattr(DirectoryStore, "commit", watching)
     where = save_sharded(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), tmp_path, step=7)
     assert where == step_directory(tmp_path, 7) and (where / INDEX_NAME).is_file()
     assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].startswith(".step_00000007.tmp-"), seen

@@ -96,8 +96,8 @@ def test_a_rank_failing_to_upload_commits_nothing_and_leaves_no_objects(s3_serve
     before = keys(s3_url, options)
     real = sharded_module._write_own_shard
 
-    def failing(state, where, names, rank, *args):
-        files = real(state, where, names, rank, *args)  # uploaded, then the rank fails
+    def failing(store, attempt, state, names, rank, *args):
+        files = real(store, attempt, state, names, rank, *args)  # uploaded, then the rank fails
         if rank == 1:
             raise OSError(28, "No space left on device")
         return files
@@ -127,8 +127,8 @@ def test_of_two_jobs_saving_one_step_one_commits(s3_server, s3_url, monkeypatch)
     real = sharded_module._write_own_shard
     raced = []
 
-    def a_commits_meanwhile(state, where, names, rank, *args):
-        files = real(state, where, names, rank, *args)
+    def a_commits_meanwhile(store, attempt, state, names, rank, *args):
+        files = real(store, attempt, state, names, rank, *args)
         if not raced:
             raced.append(True)
             monkeypatch.setattr(sharded_module, "_write_own_shard", real)

@@ -9,7 +9,6 @@ import errno
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -199,12 +198,11 @@ def test_a_full_disk_while_writing_metadata_names_the_file(tmp_path, monkeypatch
 FORGOTTEN_ASYNC_SAVE = """
 import sys
 import numpy as np
-from ortckpt import CheckpointManager, CheckpointState
+from ortckpt import CheckpointManager, CheckpointState, targets
 manager = CheckpointManager(sys.argv[1], async_save=True)
-original = CheckpointState.save_checkpoint
 def disk_full(*args, **kwargs):
     raise OSError(28, "No space left on device")
-CheckpointState.save_checkpoint = disk_full
+targets.LocalFile.save = disk_full
 manager.save(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), 1)
 {ending}
 """
@@ -226,21 +224,6 @@ def test_a_failed_async_save_that_was_waited_for_is_not_reported_twice(tmp_path)
         [sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.stdout.strip() == "caught" and "No space" not in done.stderr, done.stderr
-
-
-def test_errors_of_a_taken_temporary_name_do_not_blame_the_target(tmp_path, monkeypatch):
-    """Saves retry another random name when theirs is taken; the message, if every try fails, names
-    the temporary file, not the checkpoint (which was never touched)."""
-    from ortckpt import safe_io
-
-    monkeypatch.setattr(safe_io.secrets, "token_hex", lambda n=16: "same")
-    (tmp_path / ".m.safetensors.ortckpt-tmp.same").write_text("taken")
-    from ortckpt.convert import save_safetensors
-
-    with pytest.raises(FileExistsError) as e:
-        save_safetensors(CheckpointState.from_arrays({"w": np.ones(2, np.float32)}), tmp_path / "m.safetensors")
-    assert e.value.filename == str(tmp_path / ".m.safetensors.ortckpt-tmp.same")
-    assert Path(e.value.filename).read_text() == "taken"
 
 
 @pytest.mark.parametrize(

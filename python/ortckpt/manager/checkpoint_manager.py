@@ -668,6 +668,7 @@ class CheckpointManager:
         saving under the prefix, so it never happens by itself: call it when none is."""
         self._check_writable("remove leftovers")
         self.wait()
+        self.reload()  # (says which steps are damaged: those are kept whole)
         return self.store.remove_leftovers()
 
     def wait(self) -> None:

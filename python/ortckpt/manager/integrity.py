@@ -170,14 +170,16 @@ def _verify_folder(
             index = documents.parse(documents.SHARDED_INDEX, data, shown(steps.INDEX_NAME))
         except (CheckpointError, OSError) as e:
             problems.append(_problem(shown(steps.INDEX_NAME), e))
+    named = steps.step_of(Path(str(name)).name)  # the step its folder's name gives
     if index is not None:
         if index["step"] != step.number:
             later.append(f"{shown(steps.INDEX_NAME)}: step {index['step']}, metadata says {step.number}")
+        elif meta is None and named is not None and named != index["step"]:
+            later.append(f"{shown(steps.INDEX_NAME)}: step {index['step']}, but the directory is of step {named}")
         later += _shard_sizes(directory, index, shown)  # (after what decoding the shards finds)
     checkpoints = [steps.CHECKPOINT_NAME] if index is None else [shard["file"] for shard in index["shards"]]
     with contextlib.ExitStack() as cleanup:  # what decompressing a compressed step leaves, removed after
         if meta is not None:
-            named = steps.step_of(Path(str(name)).name)
             if named is not None and named != meta["step"]:
                 later.append(f"{shown(steps.METADATA_NAME)}: step {meta['step']}, but the directory is of step {named}")
             for file, expected in sorted(meta["files"].items()):
