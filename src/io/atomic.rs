@@ -102,7 +102,10 @@ impl PendingFile {
     /// us since its creation) takes the target's name; returns it, still locked.
     pub(crate) fn replace_target(mut self) -> Result<File> {
         self.rename_into_place()?;
-        let file = self.file.try_clone().map_err(|e| Error::from(e).in_file(&self.target))?;
+        let file = self
+            .file
+            .try_clone()
+            .map_err(|e| Error::from(e).in_file(&self.target))?;
         Ok(file)
     }
 

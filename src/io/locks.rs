@@ -176,7 +176,13 @@ fn replace_foreign(path: &Path, denied: io::Error) -> Result<File> {
         .read(true)
         .custom_flags(NO_FOLLOW)
         .open(path)
-        .map_err(|_| foreign(path, meta.uid(), "it cannot be read, so nothing tells whether it is held"))?;
+        .map_err(|_| {
+            foreign(
+                path,
+                meta.uid(),
+                "it cannot be read, so nothing tells whether it is held",
+            )
+        })?;
     match foreign.try_lock() {
         Ok(()) => {}
         Err(fs::TryLockError::WouldBlock) => {
