@@ -32,7 +32,9 @@ def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:
     if targets.is_object_url(path):
         named = format_of(Path(str(path)).name)
         if named != "ortckpt":
-            raise ConversionError(f"{os.fspath(path)}: only ONNX Runtime checkpoints go to and from s3://, not {named}")
+            raise ConversionError(
+                f"{os.fspath(path)}: only ONNX Runtime checkpoints go to and from {targets.SCHEME}, not {named}"
+            )
         return named
     path = Path(path)
     try:
