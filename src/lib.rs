@@ -63,6 +63,8 @@ pub struct SaveOptions {
     /// Write tensors in the order given, as ONNX Runtime's TensorProto path does,
     /// instead of sorted by name as its state path does.
     pub keep_order: bool,
+    /// How long the commit waits for another save of the same path to finish its renames.
+    pub lock_timeout: std::time::Duration,
 }
 
 impl Default for SaveOptions {
@@ -73,6 +75,7 @@ impl Default for SaveOptions {
             threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(4)),
             progress: None,
             keep_order: false,
+            lock_timeout: io::locks::DEFAULT_LOCK_TIMEOUT,
         }
     }
 }
@@ -412,7 +415,7 @@ pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) 
         .0
         .commit(&io::CommitOptions {
             durable: options.durable,
-            ..io::CommitOptions::default()
+            lock_timeout: options.lock_timeout,
         })
 }
 

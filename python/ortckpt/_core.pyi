@@ -104,6 +104,7 @@ def save(
     progress: SaveProgress | None = None,
     keep_order: bool = False,
     commit: bool = True,
+    lock_timeout: float | None = None,
 ) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],

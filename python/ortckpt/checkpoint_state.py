@@ -442,6 +442,7 @@ class CheckpointState:
         durable: bool = False,
         progress: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        lock_timeout: float | None = None,
     ) -> None:
         """Saves the checkpoint state to the checkpoint file, atomically.
 
@@ -459,6 +460,9 @@ class CheckpointState:
                 checkpoint survives a power cut (not only a crash of this process).
             progress: Show a progress bar (tqdm) while the files are written, when that
                 takes more than half a second.
+            lock_timeout: Seconds to wait (60 by default) for another save of the same path, in
+                any process, to finish putting its files in place; past it,
+                :class:`~ortckpt.CheckpointLockedError` names the lock file and its holder.
             storage_options: For an ``s3://bucket/key`` URL: the store's settings (see
                 :mod:`ortckpt.object_store`). The checkpoint streams from the arrays to a
                 multipart upload; it appears when the upload completes (``durable`` and
@@ -475,7 +479,13 @@ class CheckpointState:
         elif isinstance(target, targets.ObjectFile):
             target.save(core, external_data_threshold=external_data_threshold)
         else:
-            target.save(core, external_data_threshold=external_data_threshold, durable=durable, progress=progress)
+            target.save(
+                core,
+                external_data_threshold=external_data_threshold,
+                durable=durable,
+                progress=progress,
+                lock_timeout=lock_timeout,
+            )
 
     @classmethod
     def from_arrays(

@@ -35,6 +35,8 @@ SCHEME = "s3://"
 # A checkpoint without external data is one flatbuffer: at most 2 GiB (what a stream or an
 # object may hold before it is refused, unread).
 MAX_CHECKPOINT_BYTES = 2**31
+# What bytes 4..8 of every checkpoint hold (flatbuffers' file identifier).
+CHECKPOINT_IDENTIFIER = b"ODTC"
 # The pair trailer (see the core's format::pairing) that ends a checkpoint and its data file.
 PAIR_TRAILER_BYTES = 32
 
@@ -86,12 +88,25 @@ class LocalFile:
     def name(self) -> str:
         return os.fspath(self.path)
 
-    def save(self, state: _boundary.CoreState, *, external_data_threshold: int, durable: bool, progress: bool) -> None:
+    def save(
+        self,
+        state: _boundary.CoreState,
+        *,
+        external_data_threshold: int,
+        durable: bool,
+        progress: bool,
+        lock_timeout: float | None = None,
+    ) -> None:
         from .progress import save_progress
 
         with save_progress(progress, f"saving {self.path.name}") as counter:
             _boundary.save(
-                self.path, state, external_data_threshold=external_data_threshold, durable=durable, progress=counter
+                self.path,
+                state,
+                external_data_threshold=external_data_threshold,
+                durable=durable,
+                progress=counter,
+                lock_timeout=lock_timeout,
             )
 
 
@@ -111,7 +126,8 @@ class StreamFile:
         write_stream(self.stream, _boundary.save_bytes(state))
 
     def read(self) -> bytearray:
-        """The stream's bytes to its end, refused (CheckpointFormatError) once they pass what
+        """The stream's bytes to its end, refused (CheckpointFormatError) as soon as they cannot
+        be a checkpoint: when its first 8 bytes lack the file identifier, or once they pass what
         one checkpoint buffer can hold, before more is read."""
         data = bytearray()
         while True:
@@ -121,6 +137,11 @@ class StreamFile:
             if not chunk:
                 return data
             data += chunk
+            if len(data) >= 8 and data[4:8] != CHECKPOINT_IDENTIFIER:
+                raise CheckpointFormatError(
+                    f"{self.name}: not an ONNX Runtime training checkpoint: file identifier is "
+                    f"{bytes(data[4:8])!r}, expected {CHECKPOINT_IDENTIFIER!r}"
+                )
             if len(data) > MAX_CHECKPOINT_BYTES:
                 raise CheckpointFormatError(
                     f"{self.name}: more than {MAX_CHECKPOINT_BYTES} bytes, more than one checkpoint "

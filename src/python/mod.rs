@@ -158,7 +158,7 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
 #[pyo3(signature = (
     path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
     nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
-    progress = None, keep_order = false, commit = true,
+    progress = None, keep_order = false, commit = true, lock_timeout = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn save(
@@ -176,6 +176,7 @@ fn save(
     progress: Option<PyRef<'_, SaveProgress>>,
     keep_order: bool,
     commit: bool,
+    lock_timeout: Option<f64>,
 ) -> PyResult<Option<(Staging, crate::PlacedValues)>> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
@@ -194,6 +195,9 @@ fn save(
             external_data_threshold,
             progress: progress.map(|p| Arc::clone(&p.0)),
             keep_order: true,
+            lock_timeout: lock_timeout.map_or(crate::io::locks::DEFAULT_LOCK_TIMEOUT, |s| {
+                std::time::Duration::from_secs_f64(s.max(0.0))
+            }),
             ..SaveOptions::default()
         };
         if commit {
