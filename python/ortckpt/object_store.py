@@ -16,27 +16,66 @@ parts in flight. An object only becomes visible when its upload completes; a fai
 aborted; a killed one stays invisible. Reads may name the ETag of the version they expect, so
 an object replaced meanwhile is an error, never a mix of two versions.
 
+Every read has a limit known before memory is allocated. A body is streamed, in chunks of
+:data:`STREAM_CHUNK`, and refused (:class:`ObjectStoreError`) before a byte is read when the size
+the server declares is over the caller's limit or is not the size the caller expects, and as soon
+as more bytes arrive than it declared, or when fewer did; a whole read goes into one buffer of the
+declared size. :func:`get_checkpoint` also refuses an object that cannot be a checkpoint, from its
+size and its first chunk; :func:`download_to` and :func:`sha256_of` hold one chunk. A listing
+ends in an error at :data:`LIST_KEYS` keys or :data:`LIST_PAGES` pages, or at a key listed twice
+(a page repeated).
+
+Multipart uploads that killed writers left (invisible, but their parts are kept) are listed by
+:func:`pending_uploads` and aborted by :func:`abort_upload`: obstore has neither, so these are
+requests of the standard library's, signed (SigV4) with the store's own configuration (static
+credentials only), their XML bounded and without entities.
+
 Configuration, as boto3 finds it: ``storage_options`` first (``endpoint_url``, ``region``,
 ``access_key_id``/``key``, ``secret_access_key``/``secret``, ``session_token``/``token``,
 ``profile``, ``max_retries``, ``retry_timeout`` in seconds, or any obstore S3 setting), then
 the ``AWS_*`` environment variables, then the profile (``AWS_PROFILE`` or ``default``) in
-``~/.aws/credentials`` and ``~/.aws/config``.
+``~/.aws/credentials`` and ``~/.aws/config``. Every request has deadlines, in seconds:
+``connect_timeout`` (10 by default), ``timeout`` for the whole request (60 by default; a GET's
+body cut by it is resumed where it stopped) and, if given, ``read_timeout``, the longest wait for
+a byte (obstore's client options of those names; see :data:`DEADLINES`). A request that fails is
+retried by obstore, up to ``max_retries`` times within ``retry_timeout``; the multipart requests
+above are not retried.
 """
 
 from __future__ import annotations
 
 import configparser
+import contextlib
 import datetime
+import mmap
 import os
+import socket
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ObjectStoreError
+from .errors import CheckpointFormatError, ObjectStoreError
 
 # Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
 PART_BYTES = 16 << 20
 PARTS_IN_FLIGHT = 8
+# Reads stream in chunks of this size (obstore's min_chunk_size): the memory a streamed read holds.
+STREAM_CHUNK = 4 << 20
+# ONNX Runtime's format without external data is one flatbuffer, which cannot reach 2 GiB; its
+# bytes 4..8 are the flatbuffers file identifier.
+CHECKPOINT_LIMIT = 2**31
+CHECKPOINT_IDENTIFIER = b"ODTC"
+IDENTIFIED_BY = 8
+# Listings: keys a page (S3's most), and the bounds past which a listing is an error.
+LIST_PAGE_KEYS = 1000
+LIST_PAGES = 100_000
+LIST_KEYS = 1_000_000
+# The largest XML answer read (a page of 1000 multipart uploads is under 1 MiB).
+XML_LIMIT = 4 << 20
+# Every request's deadlines, in seconds (storage_options of the same names override them):
+# connecting, and the whole request (a part of an upload; a GET's body cut by it is resumed
+# from where it stopped, a retry of obstore's).
+DEADLINES = {"connect_timeout": 10.0, "timeout": 60.0}
 
 
 @dataclass(frozen=True)
@@ -72,6 +111,8 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
     options = {aliases.get(k, k): v for k, v in options.items()}
     profile_name = options.pop("profile", None)
     retry = {name: options.pop(name) for name in ("max_retries", "retry_timeout") if options.get(name) is not None}
+    given = {name: options.pop(name, None) for name in (*DEADLINES, "read_timeout")}
+    deadlines = {**DEADLINES, **{name: seconds for name, seconds in given.items() if seconds is not None}}
     if "endpoint_url" in options:
         options["endpoint"] = options.pop("endpoint_url")
     # An explicit profile outranks the environment (as in boto3's Session(profile_name=...)).
@@ -85,16 +126,18 @@ def _store(bucket: str, options: dict[str, Any]) -> Any:
     config.update(options)
     if "region" not in config:
         config["region"] = "us-east-1"  # S3-compatible servers ignore it; AWS needs one
-    client_options = {"allow_http": str(config.get("endpoint", "")).startswith("http://")}
+    client_options: dict[str, Any] = {"allow_http": str(config.get("endpoint", "")).startswith("http://")}
     retry_config: dict[str, Any] = {}
-    if "max_retries" in retry:
-        retry_config["max_retries"] = int(retry["max_retries"])
-    if "retry_timeout" in retry:
-        retry_config["retry_timeout"] = datetime.timedelta(seconds=float(retry["retry_timeout"]))
     try:
+        for name, seconds in deadlines.items():
+            client_options[name] = datetime.timedelta(seconds=float(seconds))
+        if "max_retries" in retry:
+            retry_config["max_retries"] = int(retry["max_retries"])
+        if "retry_timeout" in retry:
+            retry_config["retry_timeout"] = datetime.timedelta(seconds=float(retry["retry_timeout"]))
         settings: dict[str, Any] = {"config": config, "client_options": client_options}
         return S3Store(bucket, **settings, retry_config=retry_config or None)  # type: ignore[arg-type]
-    except Exception as e:  # obstore's configuration errors
+    except Exception as e:  # obstore's configuration errors, numbers that are not
         raise ValueError(f"bucket {bucket}: {e}") from e
 
 
@@ -219,16 +262,20 @@ def put_new(location: Location, data: bytes) -> bool:
     """Creates ``location`` with ``data`` only if no object has its key (a conditional PUT:
     of two writers, one wins). False when another object is there. An object holding exactly
     ``data`` is this PUT's own, found by a retry after its answer was lost (callers' documents
-    name a random attempt, so no other writer's has the same bytes): True."""
+    name a random attempt, so no other writer's has the same bytes): True. The object found is
+    read only when its size is that of ``data``."""
     import obstore
     from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 
     try:
         obstore.put(location.store, location.key, data, use_multipart=False, mode="create")
     except (AlreadyExistsError, PreconditionError):
+        found = head(location)
+        if found is None or found.size != len(data):  # deleted since, or another's: not ours to claim
+            return False
         try:
-            return bytes(get(location)) == data
-        except FileNotFoundError:  # deleted since: not ours to claim
+            return bytes(get(location, found.etag, expected_size=len(data))) == data
+        except FileNotFoundError:
             return False
     except (BaseError, FileNotFoundError) as e:
         raise _failure(location, e) from e
@@ -252,63 +299,191 @@ def head(location: Location) -> Head | None:
     return Head(meta["size"], meta.get("e_tag"))
 
 
-def get(location: Location, etag: str | None = None) -> Any:
-    """The whole object, in memory (a read-only buffer); with ``etag``, only that version."""
-    import obstore
+def get(
+    location: Location, etag: str | None = None, *, expected_size: int | None = None, limit: int | None = None
+) -> Any:
+    """The whole object, in memory (a read-only buffer); with ``etag``, only that version.
 
-    options = {"if_match": etag} if etag else None
-    result = _calling(location, obstore.get, location.store, location.key, options=options)
-    return _calling(location, result.bytes)
+    Refused (:class:`ObjectStoreError`) before a byte is read when the size the server declares
+    is over ``limit`` (by default ``expected_size``, or else the machine's memory) or is not
+    ``expected_size``; and when more or fewer bytes arrive than it declared. The buffer is
+    allocated once, of the declared size, and takes memory as the bytes arrive."""
+    if limit is None:
+        limit = expected_size if expected_size is not None else _memory()
+    result, size = _opened(location, _options(etag), expected_size=expected_size, limit=limit)
+    return _filled_from(location, result, size)
 
 
 def get_range(location: Location, start: int, length: int, etag: str | None = None) -> Any:
-    """``length`` bytes of the object from ``start`` (a read-only buffer); with ``etag``, only that version."""
-    import obstore
-
+    """``length`` bytes of the object from ``start`` (a read-only buffer); with ``etag``, only
+    that version. Exactly ``length`` bytes, or :class:`ObjectStoreError`."""
     if length == 0:
         return b""
-    options: dict[str, Any] = {"range": (start, start + length)}
-    if etag:
-        options["if_match"] = etag
-    result = _calling(location, obstore.get, location.store, location.key, options=options)
-    data = _calling(location, result.bytes)
-    if len(data) != length:
-        raise ObjectStoreError(location.url, f"asked for {length} bytes at {start}, got {len(data)}")
-    return data
+    options = _options(etag, range=(start, start + length))
+    result, size = _opened(location, options, expected_size=length, limit=length)
+    if result.range != (start, start + length):  # (a server answering another range)
+        raise ObjectStoreError(location.url, f"asked for bytes {start}-{start + length}, got {result.range}")
+    return _filled_from(location, result, size)
 
 
-def sha256_of(location: Location) -> tuple[int, str]:
-    """The object's size and SHA-256, read as a stream (memory: one chunk)."""
+def get_checkpoint(location: Location, etag: str | None = None, *, limit: int = CHECKPOINT_LIMIT) -> Any:
+    """:func:`get` of an object that must be a checkpoint without external data: one
+    flatbuffer, under :data:`CHECKPOINT_LIMIT` (2 GiB), whose bytes 4..8 are ``ODTC``. One over
+    ``limit`` by its declared size is refused before a byte is read, and one with other bytes
+    from its first chunk (:class:`CheckpointFormatError`, naming the URL); transport failures
+    and a server sending other than it declared are :class:`ObjectStoreError`."""
+    result, size = _opened(location, _options(etag))
+    if size > limit:
+        raise _not_a_checkpoint(location, f"{size} bytes, over the {limit} a checkpoint can hold")
+    if size < IDENTIFIED_BY:
+        raise _not_a_checkpoint(location, f"{size} bytes, too short to be a checkpoint")
+
+    def identified(first: memoryview) -> None:
+        if first[4:8] != CHECKPOINT_IDENTIFIER:
+            raise _not_a_checkpoint(location, f"no {CHECKPOINT_IDENTIFIER.decode()} identifier in its first bytes")
+
+    return _filled_from(location, result, size, identified)
+
+
+def _not_a_checkpoint(location: Location, problem: str) -> CheckpointFormatError:
+    error = CheckpointFormatError(f"{location.url}: not an ONNX Runtime training checkpoint: {problem}")
+    error.filename = location.url
+    return error
+
+
+def download_to(
+    location: Location,
+    fd_or_file: Any,
+    *,
+    expected_size: int | None = None,
+    etag: str | None = None,
+    digest: Any = None,
+) -> int:
+    """Streams the object into ``fd_or_file`` (a file descriptor, or an open binary file, at its
+    position), feeding ``digest`` (a hashlib object) if given; memory: one chunk. Returns the
+    number of bytes written. The bytes checked as :func:`get` checks them (``expected_size``,
+    the size declared), an error (:class:`ObjectStoreError`) may come after some were written.
+    The file's own failures (a full disk) are its ``OSError``."""
+    fd = fd_or_file if isinstance(fd_or_file, int) else fd_or_file.fileno()
+    if not isinstance(fd_or_file, int):
+        fd_or_file.flush()  # what the file object holds goes first
+    result, size = _opened(location, _options(etag), expected_size=expected_size)
+    for chunk in _chunks(location, result, size):
+        if digest is not None:
+            digest.update(chunk)
+        view = memoryview(chunk)
+        while view.nbytes:  # a write may take fewer bytes than given
+            view = view[os.write(fd, view) :]
+    return size
+
+
+def sha256_of(location: Location, *, expected_size: int | None = None) -> tuple[int, str]:
+    """The object's size and SHA-256, read as a stream (memory: one chunk); the bytes checked as
+    :func:`get` checks them (``expected_size``, the size declared)."""
     import hashlib
 
+    digest = hashlib.sha256()
+    result, size = _opened(location, {}, expected_size=expected_size)
+    for chunk in _chunks(location, result, size):
+        digest.update(chunk)
+    return size, digest.hexdigest()
+
+
+def _options(etag: str | None, **more: Any) -> dict[str, Any]:
+    return {"if_match": etag, **more} if etag else more
+
+
+def _opened(
+    location: Location, options: dict[str, Any], *, expected_size: int | None = None, limit: int | None = None
+) -> tuple[Any, int]:
+    """A GET's result, its body not yet read, and the body's size as the server declares it:
+    refused when it is not ``expected_size`` or is over ``limit``."""
     import obstore
 
-    def read() -> tuple[int, str]:  # every chunk a read that can fail: mapped by _calling
-        digest, size = hashlib.sha256(), 0
-        for chunk in obstore.get(location.store, location.key).stream(min_chunk_size=PART_BYTES):
-            digest.update(chunk)
-            size += memoryview(chunk).nbytes
-        return size, digest.hexdigest()
+    result = _calling(location, obstore.get, location.store, location.key, options=options or None)
+    first, end = result.range
+    size = end - first
+    if expected_size is not None and size != expected_size:
+        raise ObjectStoreError(location.url, f"the server declares {size} bytes, {expected_size} were expected")
+    if limit is not None and size > limit:
+        raise ObjectStoreError(location.url, f"the server declares {size} bytes, over the limit of {limit}")
+    return result, size
 
-    return _calling(location, read)
+
+def _chunks(location: Location, result: Any, size: int) -> Iterator[Any]:
+    """The body of ``result`` (:func:`_opened`), in chunks of about :data:`STREAM_CHUNK`, stopped
+    as soon as more than the declared ``size`` bytes arrive, and an error if fewer did."""
+    stream = _calling(location, result.stream, min_chunk_size=STREAM_CHUNK)
+    arrived = 0
+    while True:
+        chunk = _calling(location, next, stream, None)  # each chunk a read that can fail
+        if chunk is None:
+            break
+        arrived += memoryview(chunk).nbytes
+        if arrived > size:
+            raise ObjectStoreError(location.url, f"the server sent more than the {size} bytes it declared")
+        yield chunk
+    if arrived < size:
+        raise ObjectStoreError(location.url, f"the server sent {arrived} of the {size} bytes it declared")
 
 
-def list_keys(location: Location) -> list[tuple[str, int]]:
-    """(key relative to ``location`` as a prefix, size) of every object under it."""
+def _filled_from(location: Location, result: Any, size: int, check: Any = None) -> Any:
+    """The body of ``result`` in one buffer of its declared ``size`` (read-only), which takes
+    memory as the bytes arrive (an anonymous map: no copy of the chunks, no zeros written
+    first). ``check`` is shown the first :data:`IDENTIFIED_BY` bytes as soon as they are in."""
+    if size == 0:
+        return b""
+    buffer = memoryview(mmap.mmap(-1, size))
+    at = 0
+    for chunk in _chunks(location, result, size):
+        count = memoryview(chunk).nbytes
+        buffer[at : at + count] = chunk
+        at += count
+        if check is not None and at >= IDENTIFIED_BY:
+            check(buffer[:IDENTIFIED_BY])
+            check = None
+    return buffer.toreadonly()
+
+
+def _memory() -> int:
+    """The machine's memory: no object larger can be read into it."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def list_keys(location: Location, *, max_keys: int = LIST_KEYS, max_pages: int = LIST_PAGES) -> list[tuple[str, int]]:
+    """(key relative to ``location`` as a prefix, size) of every object under it.
+
+    An :class:`ObjectStoreError` naming the prefix, rather than a listing without end, when the
+    listing passes ``max_keys`` keys or ``max_pages`` pages (obstore's: it hides the server's,
+    and hands over :data:`LIST_PAGE_KEYS` keys at a time), or when a key comes twice (a page
+    repeated: a server that repeats its continuation token)."""
     import obstore
 
     prefix = f"{location.key}/" if location.key else ""
-    return _calling(location, _listed, obstore.list(location.store, prefix or None), prefix)
+    pages = obstore.list(location.store, prefix or None, chunk_size=LIST_PAGE_KEYS)
+    return _calling(location, _listed, location, pages, prefix, max_keys, max_pages)
 
 
-def _listed(pages: Any, prefix: str) -> list[tuple[str, int]]:
+def _listed(location: Location, pages: Any, prefix: str, max_keys: int, max_pages: int) -> list[tuple[str, int]]:
     """The listing's pages, each a request (so their failures are mapped by the caller)."""
-    out = []
-    for batch in pages:
+
+    def failed(problem: str) -> ObjectStoreError:
+        return ObjectStoreError(f"{location.url.rstrip('/')}/", f"listing: {problem}")
+
+    out: list[tuple[str, int]] = []
+    seen: set[str] = set()  # (S3 lists keys in order, but some servers not quite: a set, not a comparison)
+    for count, batch in enumerate(pages, 1):
+        if count > max_pages:
+            raise failed(f"over {max_pages} pages")
         for meta in batch:
             path = meta["path"]
+            if path in seen:
+                raise failed(f"{path!r} listed twice (a page repeated: the server repeats its continuation token)")
+            seen.add(path)
             if path.startswith(prefix):
                 out.append((path[len(prefix) :], meta["size"]))
+        if len(seen) > max_keys:
+            raise failed(f"over {max_keys} keys")
     return out
 
 
@@ -321,34 +496,231 @@ def remove(locations: list[Location]) -> None:
         _calling(batch[0], obstore.delete, batch[0].store, [location.key for location in batch])
 
 
-def remove_under(location: Location) -> None:
+def remove_under(location: Location, *, max_keys: int = LIST_KEYS) -> None:
     """Deletes every object under ``location`` taken as a prefix (a step's, an attempt's folder)."""
-    remove([location.child(key) for key, _ in list_keys(location)])
+    remove([location.child(key) for key, _ in list_keys(location, max_keys=max_keys)])
 
 
-def download_to(
-    location: Location, fd: int, *, expected_size: int | None = None, etag: str | None = None, digest: Any = None
-) -> int:
-    """Streams the object into the open file ``fd`` (one chunk in memory at a time), feeding
-    ``digest`` (a hashlib object) if given; returns its size. ObjectStoreError when it is not
-    ``expected_size`` bytes."""
-    import obstore
+def pending_uploads(
+    location: Location, *, max_uploads: int = LIST_KEYS, max_pages: int = LIST_PAGES
+) -> list[tuple[str, str, datetime.datetime]]:
+    """The multipart uploads begun under ``location`` taken as a prefix and neither completed
+    nor aborted (a writer killed mid-upload leaves one: invisible, but its parts are kept, and
+    billed): (key relative to ``location``, upload ID, when it began). An
+    :class:`ObjectStoreError` naming the prefix when the listing passes ``max_uploads`` uploads
+    or ``max_pages`` pages, repeats an upload or its markers, or answers other than bounded,
+    entity-free XML."""
+    prefix = f"{location.key}/" if location.key else ""
+    where = f"{location.url.rstrip('/')}/"
+    out: list[tuple[str, str, datetime.datetime]] = []
+    seen: set[tuple[str, str]] = set()
+    markers = {("", "")}  # those asked with: a server that sends one twice would loop
+    key_marker = upload_marker = ""
+    for _ in range(max_pages):
+        query = {"uploads": "", "prefix": prefix, "max-uploads": "1000"}
+        if key_marker:
+            query["key-marker"], query["upload-id-marker"] = key_marker, upload_marker
+        page = _xml(where, _signed(location, where, "GET", "", query))
+        for upload in _children(page, "Upload"):
+            key, upload_id = _text(upload, "Key"), _text(upload, "UploadId")
+            if (key, upload_id) in seen:
+                raise ObjectStoreError(where, f"listing uploads: {key!r} {upload_id!r} listed twice")
+            seen.add((key, upload_id))
+            if len(seen) > max_uploads:
+                raise ObjectStoreError(where, f"listing uploads: over {max_uploads}")
+            if key.startswith(prefix):
+                out.append((key[len(prefix) :], upload_id, _time(where, _text(upload, "Initiated"))))
+        if _text(page, "IsTruncated") != "true":
+            return out
+        key_marker, upload_marker = _text(page, "NextKeyMarker"), _text(page, "NextUploadIdMarker")
+        if (key_marker, upload_marker) in markers:
+            raise ObjectStoreError(where, f"listing uploads: the markers {key_marker!r} {upload_marker!r} repeat")
+        markers.add((key_marker, upload_marker))
+    raise ObjectStoreError(where, f"listing uploads: over {max_pages} pages")
 
-    def read() -> int:
-        options: Any = {"if_match": etag} if etag else None
-        size = 0
-        for chunk in obstore.get(location.store, location.key, options=options).stream(min_chunk_size=PART_BYTES):
-            view = memoryview(chunk).cast("B")
-            if digest is not None:
-                digest.update(view)
-            if expected_size is not None and size + view.nbytes > expected_size:
-                raise ObjectStoreError(location.url, f"more than the {expected_size} bytes expected")
-            while view:
-                written = os.pwrite(fd, view, size)
-                view, size = view[written:], size + written
-        return size
 
-    size = _calling(location, read)
-    if expected_size is not None and size != expected_size:
-        raise ObjectStoreError(location.url, f"{size} bytes, {expected_size} expected")
-    return size
+def abort_upload(location: Location, upload_id: str) -> None:
+    """Aborts the multipart upload ``upload_id`` of ``location`` (see :func:`pending_uploads`);
+    one already gone is not an error."""
+    _signed(location, location.url, "DELETE", location.key, {"uploadId": upload_id}, missing_ok=True)
+
+
+def _signed(
+    location: Location, url: str, method: str, key: str, query: dict[str, str], *, missing_ok: bool = False
+) -> bytes:
+    """The body of a request obstore cannot send (to ``key``, or the bucket with ``""``), signed
+    as the store is configured (static credentials only), with its deadlines, read up to
+    :data:`XML_LIMIT` bytes. Failures, an error status (but 404 with ``missing_ok``), are
+    ObjectStoreErrors naming ``url``."""
+    import urllib.parse
+
+    config = _config_of(location.store)
+    if not (config.get("access_key_id") and config.get("secret_access_key")):
+        raise ObjectStoreError(url, "multipart uploads are listed and aborted with static credentials only")
+    base = urllib.parse.urlsplit(_bucket_url(config, location.bucket))
+    path = base.path.rstrip("/") + "".join(f"/{_quoted(part)}" for part in key.split("/") if key)
+    canonical_query = "&".join(f"{_quoted(k)}={_quoted(v)}" for k, v in sorted(query.items()))
+    headers = _signature_v4(config, method, base.netloc, path, canonical_query)
+    status, reason, body = _exchange(url, base, method, f"{path}?{canonical_query}", headers, config)
+    if status == 404 and missing_ok:
+        return b""
+    if not 200 <= status < 300:
+        try:
+            code = _text(_xml(url, body), "Code")
+        except ObjectStoreError:  # an error's body that is not S3's XML: the status says enough
+            code = ""
+        raise ObjectStoreError(url, f"{method} {path}: HTTP {status} {code or reason}")
+    return body
+
+
+def _signature_v4(config: Mapping[str, Any], method: str, host: str, path: str, query: str) -> dict[str, str]:
+    """The headers that sign a request without a body (AWS Signature Version 4, service s3)."""
+    import hashlib
+    import hmac
+    import time
+
+    now = time.gmtime()
+    stamp, day = time.strftime("%Y%m%dT%H%M%SZ", now), time.strftime("%Y%m%d", now)
+    empty = hashlib.sha256(b"").hexdigest()
+    headers = {"host": host, "x-amz-content-sha256": empty, "x-amz-date": stamp}
+    if config.get("session_token"):
+        headers["x-amz-security-token"] = str(config["session_token"])
+    names = ";".join(sorted(headers))
+    canonical = "\n".join([method, path, query, *(f"{n}:{headers[n]}" for n in sorted(headers)), "", names, empty])
+    scope = f"{day}/{config.get('region') or 'us-east-1'}/s3/aws4_request"
+    to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{hashlib.sha256(canonical.encode()).hexdigest()}"
+    key = f"AWS4{config['secret_access_key']}".encode()
+    for part in scope.split("/"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    credential = f"{config['access_key_id']}/{scope}"
+    headers["authorization"] = f"AWS4-HMAC-SHA256 Credential={credential}, SignedHeaders={names}, Signature={signature}"
+    return headers
+
+
+def _exchange(
+    url: str, base: Any, method: str, target: str, headers: dict[str, str], config: Mapping[str, Any]
+) -> tuple[int, str, bytes]:
+    """(status, reason, body) of one request to ``base`` (a split URL): the connection within
+    ``connect_timeout``, the whole exchange within ``timeout`` (a timer cuts the socket, whatever
+    it waits on), the body refused past :data:`XML_LIMIT`, by its declared length if it has one."""
+    import http.client
+    import threading
+
+    kind = http.client.HTTPSConnection if base.scheme == "https" else http.client.HTTPConnection
+    connection = kind(base.hostname or "", base.port, timeout=config["connect_timeout"])
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        if connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+
+    deadline = threading.Timer(config["timeout"], cut)
+    deadline.start()
+    try:
+        connection.connect()
+        connection.sock.settimeout(config["read_timeout"] or config["timeout"])  # type: ignore[union-attr]
+        connection.request(method, target, headers=headers)
+        response = connection.getresponse()
+        declared = int(response.getheader("Content-Length") or 0)
+        if declared > XML_LIMIT:
+            raise ObjectStoreError(url, f"the server declares an answer of {declared} bytes, over {XML_LIMIT}")
+        body = bytearray()
+        while chunk := response.read1(XML_LIMIT + 1 - len(body)):
+            body += chunk
+            if len(body) > XML_LIMIT:
+                raise ObjectStoreError(url, f"the server's answer runs over {XML_LIMIT} bytes")
+    except ObjectStoreError:
+        raise
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        if expired.is_set():
+            raise ObjectStoreError(url, f"{method} {target}: no answer in {config['timeout']} s") from e
+        raise ObjectStoreError(url, f"{method} {target}: {type(e).__name__}: {e}") from e
+    finally:
+        deadline.cancel()
+        connection.close()
+    if expired.is_set():  # (the cut socket may read as an answer that ended early)
+        raise ObjectStoreError(url, f"{method} {target}: no answer in {config['timeout']} s")
+    return response.status, response.reason, bytes(body)
+
+
+def _quoted(text: str) -> str:
+    """URI-encoded as Signature Version 4 wants (every byte but the unreserved characters)."""
+    import urllib.parse
+
+    return urllib.parse.quote(text, safe="-_.~")
+
+
+def _bucket_url(config: Mapping[str, Any], bucket: str) -> str:
+    """The bucket's URL as obstore addresses it: path-style under an endpoint unless
+    ``virtual_hosted_style_request`` (then the endpoint is the bucket's own), else AWS's."""
+    virtual = str(config.get("virtual_hosted_style_request", "")).lower() == "true"
+    endpoint = config.get("endpoint")
+    if endpoint:
+        return str(endpoint) if virtual else f"{str(endpoint).rstrip('/')}/{bucket}"
+    region = config.get("region") or "us-east-1"
+    return f"https://{bucket}.s3.{region}.amazonaws.com" if virtual else f"https://s3.{region}.amazonaws.com/{bucket}"
+
+
+def _config_of(store: Any) -> dict[str, Any]:
+    """What ``store`` (an obstore S3Store) was built from: its S3 settings (``aws_`` prefixes
+    dropped) and its deadlines in seconds."""
+    config = {str(k).removeprefix("aws_"): v for k, v in (store.config or {}).items()}
+    if "token" in config:
+        config.setdefault("session_token", config["token"])
+    client = store.client_options or {}
+    for name, default in DEADLINES.items():
+        config[name] = _seconds(client.get(name)) or default
+    config["read_timeout"] = _seconds(client.get("read_timeout"))
+    return config
+
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "day": 86400}
+
+
+def _seconds(duration: Any) -> float | None:
+    """``duration`` as obstore reports it (``"2s 500ms"``, a timedelta) in seconds; None when
+    there is none, or it cannot be read."""
+    import re
+
+    if isinstance(duration, datetime.timedelta):
+        return duration.total_seconds()
+    spans = re.findall(r"(\d+)\s*([a-z]+)", str(duration or ""))
+    if not spans or any(unit not in _UNITS for _, unit in spans):
+        return None
+    return sum(int(count) * _UNITS[unit] for count, unit in spans)
+
+
+def _xml(url: str, body: bytes) -> Any:
+    """``body`` parsed as XML: UTF-8, with no document type (no entities to expand or fetch)."""
+    import xml.etree.ElementTree as ElementTree
+
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ObjectStoreError(url, "the server's answer is not UTF-8 XML") from None
+    if "<!DOCTYPE" in text or "<!ENTITY" in text:
+        raise ObjectStoreError(url, "the server's XML declares a document type (entities): refused")
+    try:
+        return ElementTree.fromstring(text)
+    except ElementTree.ParseError as e:
+        raise ObjectStoreError(url, f"the server's XML is unreadable: {e}") from None
+
+
+def _children(element: Any, name: str) -> list[Any]:
+    return [child for child in element if child.tag.rpartition("}")[2] == name]
+
+
+def _text(element: Any, name: str) -> str:
+    """The text of ``element``'s child ``name`` (whatever its namespace), or ``""``."""
+    found = _children(element, name)
+    return (found[0].text or "") if found else ""
+
+
+def _time(url: str, text: str) -> datetime.datetime:
+    try:
+        return datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ObjectStoreError(url, f"the server's time {text!r} is not an ISO 8601 time") from None

@@ -65,7 +65,10 @@ def object_location(url: str, storage_options: Mapping[str, Any] | None = None) 
     if any(part in (".", "..") for part in key.split("/")) or "//" in key.strip("/"):
         raise ValueError(f"{url!r}: a key with empty, '.' or '..' segments is refused")
     key = key.strip("/")
-    return object_store.location(bucket, key, f"{SCHEME}{bucket}/{key}", storage_options)
+    try:
+        return object_store.location(bucket, key, f"{SCHEME}{bucket}/{key}", storage_options)
+    except ValueError as e:  # the store's configuration
+        raise ValueError(f"{SCHEME}{bucket}: {e}") from e
 
 
 def display_name(where: Any) -> str:
@@ -204,7 +207,8 @@ class ObjectFile:
         ranged GETs of the version the load saw (or downloaded whole without ``lazy``)."""
         from . import object_store
 
-        view = memoryview(object_store.get(self.location))  # one GET: one version of the object
+        # One GET: one version of the object, refused unread past 2 GiB or without the identifier.
+        view = memoryview(object_store.get_checkpoint(self.location))
         data_head = object_store.head(self.data)
         if data_head is None:
             try:
@@ -219,7 +223,7 @@ class ObjectFile:
         external: Any = (
             RemoteRanges(self.data, data_head.size, data_head.etag)
             if lazy
-            else object_store.get(self.data, data_head.etag)
+            else object_store.get(self.data, data_head.etag, expected_size=data_head.size)
         )
         try:
             return _boundary.load_buffer_paired(view, external, data_head.size, tail)

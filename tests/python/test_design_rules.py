@@ -49,9 +49,11 @@ def findings(source: str) -> list[tuple[str, int]]:
                 found.append(("create", node.lineno))
         elif name == "open" and owner == "os" and "O_CREAT" in text:
             found.append(("create", node.lineno))
-        elif (name in ("rename", "replace") and owner == "os") or (name == "move" and owner == "shutil"):
-            found.append(("rename", node.lineno))
-        elif name == "rename" and isinstance(func, ast.Attribute) and len(node.args) == 1:  # Path.rename
+        elif (
+            (name in ("rename", "replace") and owner == "os")
+            or (name == "move" and owner == "shutil")
+            or (name == "rename" and isinstance(func, ast.Attribute) and len(node.args) == 1)
+        ):
             found.append(("rename", node.lineno))
         elif name in ("mkdir", "makedirs"):
             found.append(("mkdir", node.lineno))

@@ -124,12 +124,7 @@ class ObjectStore(StepStore):
     def read_document(self, folder: Any, name: str) -> bytes:
         where = folder.child(name)
         kind = KINDS.get(name, documents.SHARDED_INDEX)
-        found = object_store.head(where)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", where.url)
-        if found.size > kind.max_bytes:
-            raise documents.DocumentError(f"{where.url}: {found.size} bytes, more than a {kind.name} may have")
-        return bytes(object_store.get(where, found.etag))
+        return bytes(_bounded_get(where, kind))
 
     # --- writing -------------------------------------------------------------------------
 
@@ -237,7 +232,7 @@ class ObjectStore(StepStore):
             doomed += [self._folder(number).child(name) for name in sorted(names) if not keep(name)]
         object_store.remove(doomed)
         removed = [location.url for location in doomed]
-        for key, upload_id in object_store.pending_uploads(self.prefix):
+        for key, upload_id, _began in object_store.pending_uploads(self.prefix):
             object_store.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
         return removed
@@ -281,15 +276,22 @@ def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
 
 
 def _document(where: Location, kind: documents.Kind, size: int | None = None) -> Any:
-    """A document object, validated; refused unread when over its kind's cap."""
-    if size is None:
-        found = object_store.head(where)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", where.url)
-        size = found.size
-    if size > kind.max_bytes:
+    """A document object, validated; refused unread when over its kind's cap (by the size a
+    listing gave, or the size the GET declares)."""
+    if size is not None and size > kind.max_bytes:
         raise documents.DocumentError(f"{where.url}: {size} bytes, more than a {kind.name} may have")
-    return documents.parse(kind, bytes(object_store.get(where)), where.url)
+    return documents.parse(kind, bytes(_bounded_get(where, kind)), where.url)
+
+
+def _bounded_get(where: Location, kind: documents.Kind) -> Any:
+    """A document's bytes: refused (DocumentError) before a byte is read when the server
+    declares more than its kind's cap."""
+    found = object_store.head(where)
+    if found is None:
+        raise FileNotFoundError(2, "no such object", where.url)
+    if found.size > kind.max_bytes:
+        raise documents.DocumentError(f"{where.url}: {found.size} bytes, more than a {kind.name} may have")
+    return object_store.get(where, found.etag, expected_size=found.size)
 
 
 def _remove_quietly(folder: Location) -> None:
