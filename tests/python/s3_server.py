@@ -92,8 +92,9 @@ class S3Server:
             return False
 
     def pending_uploads(self) -> list[str]:
-        """Multipart uploads begun and neither completed nor aborted (SeaweedFS keeps them under
-        the bucket's .uploads folder; its S3 API does not list them)."""
+        """Multipart uploads begun and neither completed nor aborted, as the server's filer keeps
+        them (under the bucket's .uploads folder): a view independent of ortckpt's own listing
+        through the S3 API (object_store.pending_uploads)."""
         import json
 
         request = urllib.request.Request(

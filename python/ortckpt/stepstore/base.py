@@ -12,9 +12,21 @@ if TYPE_CHECKING:
     from .._boundary import CoreState
     from ..checkpoint_state import CheckpointState
 
-# A reader's scan that finds steps deleted under it looks again this many times: retention
-# deletes a step only after a newer one is committed, so a fresh look finds the newer one.
+# A reader's scan that finds steps deleted under it looks again, at most this many times:
+# retention deletes a step only after a newer one is committed, so a fresh look finds the newer one.
 SCAN_ATTEMPTS = 20
+# A scan that finds nothing at all looks again this many times: neither a directory's listing nor an
+# object store's is a snapshot, so one that began before the newest step appeared and reached the
+# step retention deleted after it was gone saw neither (and cannot tell: nothing of it is left).
+EMPTY_RESCANS = 3
+
+
+def missed(found: dict[int, Any], vanished: int, attempt: int) -> bool:
+    """Whether a scan may have missed a committed step: one it listed was deleted (or is being
+    retired) with nothing newer found, or it found nothing at all (a few looks)."""
+    if vanished >= 0 and vanished >= max(found, default=-1):
+        return True
+    return not found and attempt < EMPTY_RESCANS
 
 
 @dataclass(frozen=True)
@@ -141,4 +153,4 @@ class StepStore(abc.ABC):
         """Gives up the store (a directory's writer lock)."""
 
 
-__all__ = ["SCAN_ATTEMPTS", "Attempt", "Scan", "Step", "StepStore"]
+__all__ = ["EMPTY_RESCANS", "SCAN_ATTEMPTS", "Attempt", "Scan", "Step", "StepStore", "missed"]

@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import sys
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -35,7 +36,7 @@ from .. import _boundary, documents, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
-from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore
+from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore, missed
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -61,7 +62,7 @@ class DirectoryStore(StepStore):
         """Every step directory committed by ``document``; one whose document is damaged is
         reported in ``damaged`` (and kept on disk, for a person to look at); one without it is
         not this document's (e.g. a save_sharded step seen by a manager) and is ignored."""
-        for _ in range(SCAN_ATTEMPTS):
+        for attempt in range(SCAN_ATTEMPTS):
             found: dict[int, Step] = {}
             damaged: dict[int, str] = {}
             vanished = -1
@@ -75,8 +76,9 @@ class DirectoryStore(StepStore):
                     damaged[number] = str(e)
             # A step is deleted only once a newer one is committed: without a newer one found,
             # the listing missed it, and a fresh one will not.
-            if vanished < max(found, default=-1) or vanished < 0:
+            if not missed(found, vanished, attempt):
                 return Scan(found, damaged)
+            time.sleep(0.001 * attempt)
         return Scan(found, damaged)
 
     def _read(self, number: int, path: Path, document: str) -> Step:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,7 +35,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore
+from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore, missed
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -60,12 +61,14 @@ class ObjectStore(StepStore):
     # --- reading -------------------------------------------------------------------------
 
     def scan(self, document: str) -> Scan:
-        for _ in range(SCAN_ATTEMPTS):
+        for attempt in range(SCAN_ATTEMPTS):
             listing = object_store.list_keys(self.prefix)
             retired = _retired(listing)
             found: dict[int, Step] = {}
             damaged: dict[int, str] = {}
-            vanished = -1
+            # A retirement marker, with or without its step's document still listed, means a newer
+            # step was committed before it.
+            vanished = max((number for number, _ in retired), default=-1)
             for number, size in sorted(steps.steps_holding(listing, document).items()):
                 try:
                     step = self._read(number, document, size)
@@ -75,12 +78,13 @@ class ObjectStore(StepStore):
                 except (CheckpointError, OSError) as e:
                     damaged[number] = str(e)
                     continue
-                if (number, step.document.get("attempt")) not in retired:
+                if (number, step.document.get("attempt")) not in retired:  # (a retired one is hidden)
                     found[number] = step
             # A step is deleted only once a newer one is committed: without a newer one found,
-            # the listing missed it, and a fresh one will not.
-            if vanished < max(found, default=-1) or vanished < 0:
+            # the listing missed it (a listing is no snapshot), and a fresh one will not.
+            if not missed(found, vanished, attempt):
                 return Scan(found, damaged)
+            time.sleep(0.001 * attempt)
         return Scan(found, damaged)
 
     def _read(self, number: int, document: str, size: int | None = None) -> Step:
