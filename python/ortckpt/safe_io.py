@@ -47,24 +47,13 @@ def _with_filename(e: OSError, path: os.PathLike[str] | str) -> OSError:
     return e
 
 
-def create_exclusive(path: Path, *, lock: bool = False) -> int:
+def create_exclusive(path: Path) -> int:
     """Creates ``path`` (it must not exist, not even as a dangling symlink) and returns a
-    write-only file descriptor; with ``lock``, the file is flocked before it is returned."""
+    write-only file descriptor: for files of a directory this process created privately."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     except OSError as e:
         raise _with_filename(e, path) from None
-    if lock:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            if e.errno not in LOCKS_UNSUPPORTED:
-                os.close(fd)
-                raise _with_filename(e, path) from None
-    return fd
-
-
-LOCKS_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 def write_all(fd: int, data: bytes | memoryview, path: Path) -> None:
@@ -75,16 +64,6 @@ def write_all(fd: int, data: bytes | memoryview, path: Path) -> None:
         except OSError as e:
             raise _with_filename(e, path) from None
         view = view[written:]
-
-
-def still_named(fd: int, path: Path) -> bool:
-    """Whether the open ``fd`` is what ``path`` names now (a symlink there is not followed):
-    after taking a lock on a file, proof that nobody removed or replaced it meanwhile."""
-    try:
-        named, opened = os.lstat(path), os.fstat(fd)
-    except OSError:
-        return False
-    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 @contextmanager

@@ -73,9 +73,9 @@ class CheckpointInfo:
 
     @classmethod
     def of(cls, store: StepStore, step: Step) -> CheckpointInfo:
-        folder = step.folder
-        directory = folder if isinstance(folder, Path) else folder.url.removesuffix(f"/{step.document.get('attempt')}")
-        return cls(step.number, directory, step.document, store, folder)
+        # (a directory's files are in the step's directory; on object storage, in its attempt's folder)
+        directory = step.folder if store.local else f"{store.name.rstrip('/')}/{steps.step_directory_name(step.number)}"
+        return cls(step.number, directory, step.document, store, step.folder)
 
     @property
     def folder(self) -> Any:

@@ -21,27 +21,9 @@ from typing import Any
 import numpy as np
 
 from .. import documents, safe_io
-from .. import progress as _progress
 from ..steps import METADATA_NAME
 
 FORMAT = documents.METADATA_FORMAT
-_CHUNK = 8 << 20
-
-
-def describe_files(directory: Path, names: list[str], progress: str | None = None) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of each file; ``progress``: the label of a progress bar, if one is wanted."""
-    sizes = {name: os.lstat(directory / name).st_size for name in names}
-    bar = _progress.bar(f"hashing {progress}", sum(sizes.values())) if progress else None
-    try:
-        on_bytes = bar.update if bar is not None else None
-        described = {}
-        for name in names:
-            size, digest = safe_io.sha256_of(directory / name, on_bytes)
-            described[name] = {"bytes": size, "sha256": digest}
-        return described
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 @lru_cache(maxsize=1)
@@ -141,14 +123,6 @@ def check_serializable(metadata: Mapping[str, Any]) -> None:
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint metadata must be JSON-serialisable: {e}") from None
     documents.parse(documents.METADATA, data, METADATA_NAME)  # what a reader will check, its size cap included
-
-
-def read(directory: Path) -> dict[str, Any]:
-    """A step's metadata.json, validated (:mod:`ortckpt.documents`); non-finite metrics come
-    back as floats. FileNotFoundError when there is none; DocumentError when it is damaged."""
-    path = directory / METADATA_NAME
-    data = safe_io.read_regular(path, limit=documents.METADATA.max_bytes, follow_symlinks=False)
-    return documents.parse(documents.METADATA, data, os.fspath(path))
 
 
 def _json_safe(value: Any) -> Any:
