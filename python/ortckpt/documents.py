@@ -509,15 +509,14 @@ def tiling_problem(
 
 # An index lists every piece of every tensor. As saves write it (indent=1) a piece is 14 JSON
 # values in about 160 bytes ({"holders": [r], "offset": [a, b], "shape": [c, d], "shard": r}), a
-# tensor's own fields 20 more (with two momentums): 100,000 tensors of 16 pieces each (a very
-# large model, 16-way tensor-parallel) are 24.4 million values in about 260 MiB, just past the
-# byte cap (95,000 fit, and parse in about 15 s and 1.5 GiB). Saves spend about 11 bytes a value,
-# so 2^25 values (8 bytes each) admit any index a save writes under the byte cap. A hostile index
-# of as many values (2 bytes each, up to 100 once parsed) takes about 25 s and 3 GiB to parse and
-# be refused: the price of reading the largest indexes (2^23 would bound it to 5 s and 0.8 GiB,
-# and refuse indexes of more than about 34,000 such tensors).
+# tensor's own fields 20 more (with two momentums): 48,000 tensors of 16 pieces each (a very large
+# model, 16-way tensor-parallel) are 11.7 million values in about 125 MiB, under both caps. Saves
+# spend about 11 bytes a value, so 2^24 values (8 bytes each) admit any index a save writes under
+# the byte cap. A hostile index of as many values (2 bytes each, up to 100 once parsed) takes
+# about 10 s and 1.5 GiB to parse and be refused (2^25 and 256 MiB: 25 s and 3 GiB; the adversarial
+# review measured 63-69 s and 5 GiB before any budget): the price of reading the largest indexes.
 SHARDED_INDEX = Kind(
-    "sharded checkpoint index", max_bytes=256 << 20, max_values=1 << 25, max_depth=8, check=check_index
+    "sharded checkpoint index", max_bytes=128 << 20, max_values=1 << 24, max_depth=8, check=check_index
 )
 
 

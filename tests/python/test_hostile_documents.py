@@ -161,7 +161,7 @@ def test_an_oversized_index_is_refused_before_it_is_parsed(tmp_path, monkeypatch
     index = json.loads(index_path.read_text())
     index["padding"] = "x" * (2 << 20)
     index_path.write_text(json.dumps(index))
-    monkeypatch.setattr(documents.SHARDED_INDEX, "max_bytes", 1 << 20)  # 256 MiB in earnest
+    monkeypatch.setattr(documents.SHARDED_INDEX, "max_bytes", 1 << 20)  # 128 MiB in earnest
     parsed = []
     monkeypatch.setattr(documents.json, "loads", lambda *a, **k: parsed.append(1))
     with pytest.raises(CheckpointFormatError, match="bytes"):
