@@ -229,14 +229,32 @@ fn load_once(path: &Path, follow_symlinks: bool) -> std::result::Result<LoadedCh
                 Attempt::Failed(e)
             }
         };
-        let (mapped, data_id) =
-            io::map_private_any(&data_path, follow_symlinks).map_err(|e| raced(None, e))?;
+        let main_pair = pairing::pair_id(&map);
+        let (mapped, data_id) = match io::map_private_any(&data_path, follow_symlinks) {
+            Ok(found) => found,
+            // A save moves the previous data file out of sight before it renames its own into
+            // place: killed between the two, it leaves the checkpoint's data file hidden.
+            Err(e) if matches!(e.kind(), ErrorKind::Io(io) if io.kind() == std::io::ErrorKind::NotFound) => {
+                match main_pair.and_then(|id| data_of_interrupted_save(path, id)) {
+                    Some(found) => found,
+                    None => return Err(raced(None, e)),
+                }
+            }
+            Err(e) => return Err(raced(None, e)),
+        };
         data = mapped;
         let pair = data.as_deref().and_then(pairing::pair_id);
-        if let (Some(main_pair), Some(data_pair)) = (pairing::pair_id(&map), pair) {
+        if let (Some(main_pair), Some(data_pair)) = (main_pair, pair) {
             if main_pair != data_pair {
-                (map, checkpoint) = checkpoint_of_interrupted_save(path, data_pair)
-                    .map_err(|e| raced(Some(data_id), e))?;
+                match checkpoint_of_interrupted_save(path, data_pair) {
+                    Ok(found) => (map, checkpoint) = found,
+                    // Or the previous data file, moved out of sight by a save that failed or was
+                    // killed before its data file replaced it: the checkpoint in place is whole.
+                    Err(e) => match data_of_interrupted_save(path, main_pair) {
+                        Some((found, _)) => data = found,
+                        None => return Err(raced(Some(data_id), e)),
+                    },
+                }
             }
         }
         let len = data.as_ref().map_or(0, |d| d.len() as u64);
@@ -283,6 +301,19 @@ fn checkpoint_of_interrupted_save(
         external_data_path(path).display()
     ))
     .in_file(path))
+}
+
+/// The data file of the checkpoint at `path` whose pair id is `id`, moved out of sight (a
+/// temporary name of `<path>.data`'s) by a save that was interrupted before it renamed its own
+/// data file into place or back: its mapping, if there is one.
+fn data_of_interrupted_save(
+    path: &Path,
+    id: pairing::PairId,
+) -> Option<(Option<MmapMut>, io::FileId)> {
+    io::pending_temps(&external_data_path(path))
+        .into_iter()
+        .filter_map(|temp| io::map_private_any(&temp, false).ok())
+        .find(|(map, _)| map.as_deref().and_then(pairing::pair_id) == Some(id))
 }
 
 /// Every external tensor must lie inside the data file, before any view exists.
@@ -416,6 +447,7 @@ pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) 
         .commit(&io::CommitOptions {
             durable: options.durable,
             lock_timeout: options.lock_timeout,
+            unpaired: false,
         })
 }
 

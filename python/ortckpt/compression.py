@@ -26,7 +26,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,12 +297,9 @@ def load_compressed(src: str | os.PathLike[str], *, follow_symlinks: bool = True
     """The checkpoint in the archive ``src``, loaded: decompressed into a private temporary
     directory, memory-mapped, and the directory removed (the maps keep the data; the page cache
     holds it, not the process's heap: chosen by measurement, see benches/README.md)."""
-    scratch = Path(tempfile.mkdtemp(prefix="ortckpt-decompressed-"))
-    try:
+    with safe_io.scratch_directory() as scratch:
         checkpoint = decompress(src, scratch / "checkpoint", follow_symlinks=follow_symlinks)
-        return open_checkpoint(checkpoint, follow_symlinks=False)
-    finally:
-        safe_io.remove_tree_quietly(scratch)
+        return open_checkpoint(checkpoint, follow_symlinks=False)  # (the maps outlive the directory)
 
 
 __all__ = ["Compressed", "compress", "decompress", "decompress_to_memory", "is_compressed", "load_compressed"]

@@ -97,6 +97,17 @@ class Location:
         """The object whose key is this one's plus ``suffix`` (``.data``)."""
         return Location(self.store, self.bucket, self.key + suffix, self.url + suffix)
 
+    def parent(self) -> Location:
+        """The folder this object is in, as a prefix."""
+        folder, _, last = self.key.rpartition("/")
+        return Location(self.store, self.bucket, folder, self.url[: len(self.url) - len(last)].rstrip("/"))
+
+    def beside(self, name: str) -> Location:
+        """The object ``name`` in the same folder as this one."""
+        folder, _, last = self.key.rpartition("/")
+        key = f"{folder}/{name}" if folder else name
+        return Location(self.store, self.bucket, key, self.url[: len(self.url) - len(last)] + name)
+
 
 def location(bucket: str, key: str, url: str, storage_options: Mapping[str, Any] | None = None) -> Location:
     """The object ``key`` of ``bucket`` (``url`` names it in messages), its store configured

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import _boundary
-from .errors import CheckpointFormatError, SpecialFileError
+from .errors import CheckpointError, CheckpointFormatError, SpecialFileError
 
 FILE_MODE = 0o644  # before the umask, as for any file a program creates
 _NAME_ATTEMPTS = 16
@@ -104,7 +104,7 @@ def write_stream(stream: Any, data: Any) -> None:
         written = stream.write(view)
         if written is None:
             raise BlockingIOError(errno.EAGAIN, "the stream took no bytes (it would block)")
-        if not isinstance(written, int) or not 0 < written <= view.nbytes:
+        if type(written) is not int or not 0 < written <= view.nbytes:  # (True is an int: not a count)
             raise OSError(errno.EIO, f"the stream's write() returned {written!r} for {view.nbytes} bytes")
         view = view[written:]
     flush = getattr(stream, "flush", None)
@@ -211,6 +211,47 @@ def read_regular(path: str | os.PathLike[str], *, limit: int | None = None, foll
         return f.read()
 
 
+# Scratch directories (ortckpt's private temporary directories in TMPDIR): each holds the lock file
+# that proves its process alive; one made but not yet locked has another name.
+SCRATCH_PREFIX = "ortckpt-scratch-"
+_SCRATCH_LOCK = ".ortckpt-alive"
+
+
+@contextmanager
+def scratch_directory() -> Iterator[Path]:
+    """A private temporary directory, removed when the block ends. A process killed inside the
+    block leaves it behind, so it holds a lock file of its process's: the next scratch directory
+    removes every one whose lock it can take (its process gone), never a live one. Made under
+    another name and renamed once locked, so a cleaner never sees one unlocked."""
+    remove_dead_scratch_directories()
+    made = Path(tempfile.mkdtemp(prefix="ortckpt-making-"))
+    lock = None
+    try:
+        lock = _boundary.acquire_lock(made / _SCRATCH_LOCK, timeout=0)
+        path = made.with_name(SCRATCH_PREFIX + made.name.removeprefix("ortckpt-making-"))
+        _boundary.rename_directory(made, path)
+        made = path
+        yield path
+    finally:
+        remove_tree_quietly(made)  # (its lock file with it, while still held)
+        if lock is not None:
+            lock.release()
+
+
+def remove_dead_scratch_directories() -> None:
+    """Removes the scratch directories that killed processes left (their locks free)."""
+    for entry in entries(Path(tempfile.gettempdir())):
+        if not (entry.name.startswith(SCRATCH_PREFIX) and entry.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            lock = _boundary.acquire_lock(os.path.join(entry.path, _SCRATCH_LOCK), timeout=0)
+        except (CheckpointError, OSError):
+            continue  # held: a live process's (or not ours to judge)
+        if lock is not None:  # (without locks nothing proves it dead)
+            remove_tree_quietly(entry.path)
+            lock.release()
+
+
 @contextmanager
 def pinned_files(directory: Path, names: Iterable[str]) -> Iterator[Path]:
     """A private temporary directory whose entries are the named files of ``directory`` as
@@ -219,17 +260,18 @@ def pinned_files(directory: Path, names: Iterable[str]) -> Iterator[Path]:
     library that reads files by path (an uploader) reads those files, whatever is renamed or
     planted in ``directory`` meanwhile."""
     files = []
-    view = Path(tempfile.mkdtemp(prefix="ortckpt-pinned-"))
-    try:
-        for name in names:
-            opened = open_regular(member(directory, name), follow_symlinks=False)
-            files.append(opened)
-            os.symlink(f"/proc/self/fd/{opened.fileno()}", view / name)
-        yield view
-    finally:
-        for opened in files:
-            opened.close()
-        remove_tree_quietly(view)
+    with scratch_directory() as scratch:
+        view = scratch / "files"  # (beside the scratch directory's own lock file)
+        make_private_directory(view)
+        try:
+            for name in names:
+                opened = open_regular(member(directory, name), follow_symlinks=False)
+                files.append(opened)
+                os.symlink(f"/proc/self/fd/{opened.fileno()}", view / name)
+            yield view
+        finally:
+            for opened in files:
+                opened.close()
 
 
 def is_plain_name(name: object) -> bool:

@@ -50,9 +50,12 @@ def step_directory(directory: str | os.PathLike[str], step: int) -> Path:
 
 
 def step_of(name: str) -> int | None:
-    """The step a committed step folder's name gives, or None for any other name."""
+    """The step a committed step folder's name gives, or None for any other name (``step_1``
+    is not ``step_00000001``: only the name a save gives is a step's)."""
     match = STEP_DIR.fullmatch(name)
-    return int(match.group(1)) if match else None
+    if match is None or step_directory_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
 
 
 def temporary_name(step: int, purpose: str) -> str:

@@ -39,6 +39,7 @@ MAX_CHECKPOINT_BYTES = 2**31
 CHECKPOINT_IDENTIFIER = b"ODTC"
 # The pair trailer (see the core's format::pairing) that ends a checkpoint and its data file.
 PAIR_TRAILER_BYTES = 32
+PAIR_MAGIC = b"ortckpt pair id\0"
 
 
 def is_object_url(where: Any) -> bool:
@@ -167,15 +168,46 @@ class ObjectFile:
         return self.location.sibling(".data")
 
     def save(self, state: _boundary.CoreState, *, external_data_threshold: int) -> None:
-        """Uploads ``state`` in place of what is there; a data object the replaced checkpoint
-        had (one carrying its pair trailer), and no other, is removed when this one has none."""
+        """Uploads ``state`` in place of what is there. An object appears whole when its upload
+        completes; with external data there are two, so the checkpoint goes up first beside its
+        key (a pending object), then the data object, then the checkpoint at its key: a save
+        killed between the last two leaves the new data object beside the old checkpoint, and a
+        load finds the new checkpoint in the pending object (see :meth:`load`). A data object
+        the replaced checkpoint had (one carrying its pair trailer), and no other, is removed
+        when this one has none."""
         from . import object_store
 
         replaced = _trailer_of(self.location)
-        uploaded = self.upload(state, external_data_threshold=external_data_threshold, hashed=False)
-        data_name = self.data.key.rsplit("/", 1)[-1]
-        if data_name not in uploaded and replaced is not None and _trailer_of(self.data) == replaced:
-            object_store.remove([self.data])
+        main, external = _boundary.encode_segments(state, external_data_threshold=external_data_threshold)
+        if external is None:
+            object_store.put_stream(self.location, main)
+            if replaced is not None and _trailer_of(self.data) == replaced:
+                object_store.remove([self.data])  # the replaced checkpoint's data object
+            return
+        import secrets
+
+        pending = self.location.beside(f"{self._pending_name()}{secrets.token_hex(16)}")
+        object_store.put_stream(pending, main)
+        size, parts = external
+        object_store.put_stream(self.data, _filled(size, parts))
+        object_store.put_stream(self.location, main)
+        object_store.remove([pending])  # (a killed save's stays: small, it names a data object no longer there)
+
+    def _pending_name(self) -> str:
+        """How the pending objects of this key begin (as the core names its temporary files)."""
+        return f".{self.location.key.rpartition('/')[2]}{_boundary.TEMP_MARKER}"
+
+    def _pending_objects(self) -> list[tuple[Location, int]]:
+        """The pending checkpoints of this key that saves left, with their sizes (a listing of
+        its folder: only on the rare path that needs them)."""
+        from . import object_store
+
+        name = self._pending_name()
+        return [
+            (self.location.beside(key), size)
+            for key, size in object_store.list_keys(self.location.parent())
+            if key.startswith(name) and "/" not in key
+        ]
 
     def upload(
         self, state: _boundary.CoreState, *, external_data_threshold: int, hashed: bool = True
@@ -220,6 +252,8 @@ class ObjectFile:
                 raise
         tail_start = max(0, data_head.size - PAIR_TRAILER_BYTES)
         tail = bytes(object_store.get_range(self.data, tail_start, data_head.size - tail_start, data_head.etag))
+        if _paired(tail) and _paired(view[-PAIR_TRAILER_BYTES:]) and bytes(view[-PAIR_TRAILER_BYTES:]) != tail:
+            view = self._interrupted(tail, view)  # a save killed between its data object and its checkpoint
         external: Any = (
             RemoteRanges(self.data, data_head.size, data_head.etag)
             if lazy
@@ -251,6 +285,20 @@ class ObjectFile:
             finally:
                 os.close(fd)
 
+    def _interrupted(self, data_tail: bytes, main: memoryview) -> memoryview:
+        """The checkpoint of the save whose data object is in place but whose checkpoint is not
+        (it was killed between the two): its pending object, whose pair trailer is the data
+        object's. Without one, ``main`` as it is (the load then says the pair is mismatched)."""
+        from . import object_store
+
+        for pending, size in self._pending_objects():
+            if size < PAIR_TRAILER_BYTES or size > MAX_CHECKPOINT_BYTES:
+                continue
+            found = object_store.get_range(pending, size - PAIR_TRAILER_BYTES, PAIR_TRAILER_BYTES)
+            if bytes(found) == data_tail:
+                return memoryview(object_store.get_checkpoint(pending))
+        return main
+
 
 class RemoteRanges:
     """An external data object read lazily: each tensor's bytes by one ranged GET on first use,
@@ -278,7 +326,12 @@ def _trailer_of(location: Location) -> bytes | None:
         tail = bytes(object_store.get_range(location, found.size - PAIR_TRAILER_BYTES, PAIR_TRAILER_BYTES, found.etag))
     except (FileNotFoundError, OSError):
         return None
-    return tail if tail.startswith(b"ortckpt pair id\0") else None
+    return tail if _paired(tail) else None
+
+
+def _paired(tail: Any) -> bool:
+    """Whether the last bytes of a file are a pair trailer (see the core's format::pairing)."""
+    return bytes(tail[:16]) == PAIR_MAGIC
 
 
 def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:

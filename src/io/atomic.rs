@@ -8,7 +8,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, IoSlice, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::locks::{self, still_named, NO_FOLLOW};
@@ -26,23 +26,59 @@ pub const TEMP_MARKER: &str = ".ortckpt-tmp.";
 /// file or a 1-in-2^128 coincidence).
 const NAME_ATTEMPTS: usize = 16;
 
-/// A temporary name for a save to `target`: hidden, in the same directory (rename is
-/// only atomic within one filesystem), with 128 random bits.
-pub fn temp_path_for(target: &Path) -> PathBuf {
+/// The longest file name most filesystems take (ext4, xfs, btrfs, tmpfs: NAME_MAX).
+const NAME_MAX: usize = 255;
+
+/// `.<name><marker>`: how the hidden siblings of `target` (its temporary files, its lock file)
+/// begin. When that, plus `reserve` more bytes, would pass [`NAME_MAX`], the name is cut and a hash
+/// of the whole of it added (the same in every process, so cleaners find them): a target with
+/// a long but valid name can still be saved.
+pub(crate) fn hidden_prefix(target: &Path, marker: &str, reserve: usize) -> String {
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    let full = format!(".{name}{marker}");
+    if full.len() + reserve <= NAME_MAX {
+        return full;
+    }
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3) // FNV-1a: stable, not secret
+    });
+    let mut keep = NAME_MAX.saturating_sub(reserve + marker.len() + 1 + 17);
+    while !name.is_char_boundary(keep.min(name.len())) {
+        keep -= 1;
+    }
+    format!(".{}~{hash:016x}{marker}", &name[..keep.min(name.len())])
+}
+
+/// A temporary name for a save to `target`: hidden, in the same directory (rename is
+/// only atomic within one filesystem), with 128 random bits.
+pub fn temp_path_for(target: &Path) -> PathBuf {
     let random: String = crate::random::unpredictable_128()
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    target.with_file_name(format!(".{name}{TEMP_MARKER}{random}"))
+    target.with_file_name(format!(
+        "{}{random}",
+        hidden_prefix(target, TEMP_MARKER, 32)
+    ))
 }
 
-/// Permissions of a temporary file while it is written: its owner's alone, so that no other
-/// user can open it (and so lock it, which would make a crashed save's leftover look alive).
-const PRIVATE_MODE: u32 = 0o600;
+/// The permissions of the files ortckpt keeps beside a target while it works (temporaries, lock
+/// files): readable and writable by whoever may write the directory, by no one else. A reader of
+/// the directory cannot open them, so cannot lock one and make a dead writer's look alive; a
+/// writer of another user can, so a dead writer's can never stop it.
+pub(crate) fn writers_mode(dir: &Path) -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let mode = fs::metadata(dir).map_or(0o700, |m| m.mode());
+    0o600 | if mode & 0o020 != 0 { 0o060 } else { 0 } | if mode & 0o002 != 0 { 0o006 } else { 0 }
+}
 
 /// A temporary file beside its target, created exclusively and locked by this process until
 /// it is renamed over the target ([`super::commit`] does that) or dropped, which removes it.
@@ -51,6 +87,8 @@ pub struct PendingFile {
     temp: PathBuf,
     target: PathBuf,
     committed: bool,
+    /// The process that created it: a child forked meanwhile, dropping its copy, leaves it alone.
+    owner: u32,
 }
 
 impl PendingFile {
@@ -69,6 +107,7 @@ impl PendingFile {
             temp,
             target: target.to_path_buf(),
             committed: false,
+            owner: std::process::id(),
         })
     }
 
@@ -87,7 +126,6 @@ impl PendingFile {
     /// fsyncs the file (when `durable`) and gives it the permissions of a new file (0644
     /// less the umask): from private temporary to publishable.
     pub(crate) fn finish(&self, durable: bool) -> Result<()> {
-        use std::os::unix::fs::PermissionsExt;
         let in_temp = |e: io::Error| Error::from(e).in_file(&self.target);
         if durable {
             self.file.sync_all().map_err(in_temp)?;
@@ -125,7 +163,7 @@ impl PendingFile {
 
 impl Drop for PendingFile {
     fn drop(&mut self) {
-        if !self.committed {
+        if !self.committed && std::process::id() == self.owner {
             let _ = fs::remove_file(&self.temp);
         }
         // The lock goes with the file descriptor, after the name is gone.
@@ -163,7 +201,7 @@ fn create_locked_temp_named(
             .read(true)
             .write(true)
             .create_new(true)
-            .mode(PRIVATE_MODE)
+            .mode(0o600)
             .custom_flags(NO_FOLLOW)
             .open(&temp)
         {
@@ -174,6 +212,11 @@ fn create_locked_temp_named(
             }
             Err(e) => return Err(Error::from(e).in_file(target)),
         };
+        // Readable by the directory's writers alone (the umask may have taken more): a dead
+        // save's temporary can be proven dead and removed by any of them, by no reader.
+        let _ = file.set_permissions(fs::Permissions::from_mode(writers_mode(
+            temp.parent().unwrap_or(Path::new(".")),
+        )));
         match file.lock() {
             Ok(()) => {}
             Err(e) if locks::locks_unsupported(&e) => return Ok((file, temp)),
@@ -208,8 +251,7 @@ pub fn pending_temps_of(targets: &[&Path]) -> Vec<PathBuf> {
     };
     let prefixes: Vec<String> = targets
         .iter()
-        .filter_map(|t| t.file_name())
-        .map(|n| format!(".{}{TEMP_MARKER}", n.to_string_lossy()))
+        .map(|t| hidden_prefix(t, TEMP_MARKER, 32))
         .collect();
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();

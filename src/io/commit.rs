@@ -48,6 +48,11 @@ pub struct CommitOptions {
     pub durable: bool,
     /// How long to wait for another save of the same target to finish its commit.
     pub lock_timeout: Duration,
+    /// The files carry no pair trailer (an ONNX model and its external data), so nothing could
+    /// tell the previous file beside the new data file: the previous one is moved out of sight
+    /// before the data file is renamed, and a crash between the renames leaves no file at the
+    /// target, never a silent mix of two saves.
+    pub unpaired: bool,
 }
 
 impl Default for CommitOptions {
@@ -55,6 +60,7 @@ impl Default for CommitOptions {
         CommitOptions {
             durable: false,
             lock_timeout: locks::DEFAULT_LOCK_TIMEOUT,
+            unpaired: false,
         }
     }
 }
@@ -65,6 +71,7 @@ impl Staged {
     /// # Errors
     /// OS errors naming the target; a path that names no file.
     pub fn new(target: &Path, with_data: bool) -> Result<Staged> {
+        sweep_dead_temps(target);
         let data = if with_data {
             Some(PendingFile::create(&external_data_path(target))?)
         } else {
@@ -111,8 +118,36 @@ impl Staged {
                 // Commits of one target, from any thread or process, take turns: the two renames
                 // of one save are never interleaved with another's.
                 let _lock = PathLock::acquire(&self.target, options.lock_timeout)?;
-                data.rename_into_place()?;
-                self.main.rename_into_place()?;
+                // What this save replaces, moved out of sight first, so that a failed rename can
+                // put it back: a checkpoint's previous data file (the previous checkpoint stays
+                // whole beside it); or, for files without pair trailers, the previous file itself
+                // (nothing could tell it beside the new data file: no file beats a silent mix).
+                let moved = if options.unpaired {
+                    &self.target
+                } else {
+                    &data_path
+                };
+                let previous = retire(moved)?;
+                let put_back = |previous: &Option<PathBuf>| {
+                    if let Some(previous) = previous {
+                        let _ = fs::rename(previous, moved);
+                    }
+                };
+                if let Err(e) = data.rename_into_place() {
+                    put_back(&previous);
+                    return Err(e);
+                }
+                if let Err(e) = self.main.rename_into_place() {
+                    if options.unpaired {
+                        return Err(e);
+                    }
+                    // Nothing of this save is in place but its data file: the previous one back.
+                    put_back(&previous);
+                    return Err(e);
+                }
+                if let Some(previous) = previous {
+                    let _ = fs::remove_file(previous);
+                }
                 // Only now, and under the lock: until a save has committed, a crashed save's
                 // temporary checkpoint may be the one that matches the data file (see load).
                 remove_stale_temps(&leftovers);
@@ -121,12 +156,17 @@ impl Staged {
                 // Nothing to judge: one rename is atomic by itself, and an inline save waits
                 // for nobody's lock. A data file that a save with external data commits
                 // meanwhile is judged after, under the lock.
-                let replaced = pair_id_of_file(&self.target);
                 self.main.rename_into_place()?;
                 if fs::symlink_metadata(&data_path).is_ok() {
+                    // It appeared during this commit: a save with external data committed between
+                    // the look above and the rename, and this checkpoint replaced its checkpoint.
+                    // Judged under the lock (no save is then between its renames): while this is
+                    // still the target, a data file with a pair trailer is that save's, and stale.
                     let _lock = PathLock::acquire(&self.target, options.lock_timeout)?;
                     if self.main.is_target_now() {
-                        remove_data_of(&data_path, &replaced.into_iter().collect::<Vec<_>>())?;
+                        if let Some(id) = pair_id_of_file(&data_path) {
+                            remove_data_of(&data_path, &[id])?;
+                        }
                     }
                 }
             }
@@ -146,6 +186,26 @@ impl Staged {
     }
 }
 
+/// Removes the temporary files that saves of `target` killed earlier left (their locks free),
+/// before this one stages its own: they may fill the disk that this save needs. Kept: a dead
+/// temporary that loading needs (a save killed between its renames), until a save commits again.
+fn sweep_dead_temps(target: &Path) {
+    let data_path = external_data_path(target);
+    for temp in pending_temps_of(&[target, &data_path]) {
+        let (main, data, this) = (
+            pair_id_of_file(target),
+            pair_id_of_file(&data_path),
+            pair_id_of_file(&temp),
+        );
+        // While the files in place come from different saves, loading reads the dead temporary
+        // that matches one of them: the new checkpoint, or the previous data file.
+        let needed = this.is_some() && main != data && (this == data || this == main);
+        if !needed {
+            locks::remove_if_abandoned(&temp);
+        }
+    }
+}
+
 /// The pair ids a save without a data file supersedes: the checkpoint it replaces, and the
 /// checkpoints of interrupted saves (temporary files whose writers died), which a data file
 /// left in place may belong to.
@@ -155,6 +215,20 @@ fn replaced_pairs(target: &Path, leftovers: &[PathBuf]) -> Vec<PairId> {
         .chain(abandoned.map(PathBuf::as_path))
         .filter_map(pair_id_of_file)
         .collect()
+}
+
+/// Moves the file at `target` (if any) out of sight, under a temporary name of its own (which a
+/// later commit sweeps, should this one be killed before removing it): its path, or None.
+fn retire(target: &Path) -> Result<Option<PathBuf>> {
+    if fs::symlink_metadata(target).is_err() {
+        return Ok(None);
+    }
+    let hidden = super::atomic::temp_path_for(target);
+    match fs::rename(target, &hidden) {
+        Ok(()) => Ok(Some(hidden)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::from(e).in_file(target)),
+    }
 }
 
 /// Removes the data file at `data_path` when it ends with one of `pairs`: a data file of a

@@ -9,9 +9,13 @@
 //!   the holder checks that the name still refers to the inode it locked, and otherwise
 //!   starts again.
 //! - Whoever removes a lock file or a temporary file holds its lock while removing it.
-//! - Only its owner can open a lock file (mode 0600, and one another user owns is refused):
-//!   flock needs nothing but an open descriptor, so a file anyone may read is a file anyone
-//!   may lock, and a reader could then keep a crashed writer from ever resuming.
+//! - Only those who may write the directory can open a lock file (its mode mirrors the
+//!   directory's writers: 0600 in a directory only its owner writes): flock needs nothing but an
+//!   open descriptor, so a file anyone may read is a file anyone may lock, and a reader could
+//!   then keep a crashed writer from ever resuming. A lock file another user left is used (or,
+//!   if we may only read it, replaced) once nobody holds it.
+//! - A lock belongs to the process that took it: a child forked meanwhile shares the locked
+//!   file, and its exit neither removes the file nor unlocks it.
 //! - Every wait has a deadline, and ends in [`ErrorKind::Locked`] naming the lock file and
 //!   its holder, as the holder recorded itself in the file.
 //!
@@ -24,6 +28,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::atomic::writers_mode;
 use super::mapped::{ensure_regular, FileId};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -36,8 +41,22 @@ pub fn still_named(file: &File, path: &Path) -> bool {
 /// never inherited by child processes, never blocking on a FIFO.
 pub const NO_FOLLOW: i32 = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
 
-/// Lock files: readable and writable by their owner only (see the module's rules).
-const LOCK_MODE: u32 = 0o600;
+/// The longest wait a deadline may ask for: longer ones (infinity) are this.
+const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A wait of `seconds` (a caller's deadline): negative or NaN is an error, infinity or more
+/// than a year is a year.
+///
+/// # Errors
+/// [`ErrorKind::InvalidState`] for a negative or NaN number of seconds.
+pub fn wait_of(seconds: f64) -> Result<Duration> {
+    if seconds.is_nan() || seconds < 0.0 {
+        return Err(Error::invalid_state(format!(
+            "a lock timeout is a number of seconds >= 0, got {seconds}"
+        )));
+    }
+    Ok(Duration::try_from_secs_f64(seconds).map_or(LONGEST_WAIT, |d| d.min(LONGEST_WAIT)))
+}
 
 /// How much of a lock file's holder record is read (it is a short line of text).
 const HOLDER_RECORD_MAX: u64 = 1024;
@@ -52,15 +71,14 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct LockFile {
     file: File,
     path: PathBuf,
+    /// The process that took it: a forked child that drops its copy leaves the lock alone.
+    owner: u32,
 }
 
-/// The commit lock of `target`: `.<name>.ortckpt-lock` in the same directory.
+/// The commit lock of `target`: `.<name>.ortckpt-lock` in the same directory (a long name cut, see
+/// `hidden_prefix`).
 pub fn lock_path_for(target: &Path) -> PathBuf {
-    let name = target
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    target.with_file_name(format!(".{name}.ortckpt-lock"))
+    target.with_file_name(super::atomic::hidden_prefix(target, ".ortckpt-lock", 0))
 }
 
 /// The lock serializing commits to a target (see [`lock_path_for`]).
@@ -85,10 +103,21 @@ impl LockFile {
     /// past the deadline or belongs to another user; OS errors naming the file (a symlink
     /// planted there: ELOOP), and anything but a regular file at its name.
     pub fn acquire_file(path: &Path, timeout: Duration, record: &str) -> Result<Option<LockFile>> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + timeout.min(LONGEST_WAIT);
         let mut pause = Duration::from_millis(1);
         loop {
-            let file = open_lock_file(path)?;
+            let file = match open_lock_file(path) {
+                Ok(file) => file,
+                // Another user's, held: its holder may finish (a co-writer mid-commit), so wait.
+                Err(e) if is_held_foreign(&e) && Instant::now() < deadline => {
+                    std::thread::sleep(
+                        pause.min(deadline.saturating_duration_since(Instant::now())),
+                    );
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             loop {
                 match file.try_lock() {
                     Ok(()) => break,
@@ -107,6 +136,7 @@ impl LockFile {
                 return Ok(Some(LockFile {
                     file,
                     path: path.to_path_buf(),
+                    owner: std::process::id(),
                 }));
             }
             // The previous holder removed this lock file after we opened it: take the new one.
@@ -120,6 +150,9 @@ impl LockFile {
 
 impl Drop for LockFile {
     fn drop(&mut self) {
+        if std::process::id() != self.owner {
+            return; // a forked child's copy: closing it leaves the owner's lock held
+        }
         // Removed while locked; a waiter that locks the removed inode sees it is no
         // longer named (still_named) and opens the path again. Unlocked explicitly: a child
         // forked meanwhile shares the lock until it execs or exits.
@@ -130,16 +163,17 @@ impl Drop for LockFile {
     }
 }
 
-/// Opens (creating it if missing) a lock file this user owns, mode 0600, refusing anything
-/// else at its name. A lock file another user left is replaced by one of ours when nobody
-/// holds it (its writer died), so that it can never stop the next writer.
+/// Opens (creating it if missing) the lock file at `path`, readable and writable by those who may
+/// write its directory (see the module's rules), refusing anything else at its name. A lock file
+/// of another user is used when we may write it; one we may only read is replaced by one of ours
+/// when nobody holds it.
 fn open_lock_file(path: &Path) -> Result<File> {
     let in_file = |e: io::Error| Error::from(e).in_file(path);
     let opened = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
-        .mode(LOCK_MODE)
+        .mode(0o600)
         .custom_flags(NO_FOLLOW)
         .open(path);
     let file = match opened {
@@ -151,21 +185,20 @@ fn open_lock_file(path: &Path) -> Result<File> {
     // Something planted under the lock's name (a FIFO, a device) is not ours to lock.
     let meta = file.metadata().map_err(in_file)?;
     ensure_regular(&meta, path)?;
-    if meta.uid() != current_uid() {
-        drop(file);
-        return replace_foreign(path, io::Error::from(io::ErrorKind::PermissionDenied));
-    }
-    if meta.mode() & 0o077 != 0 {
-        // Ours, but readable by others (an older release made it so): nobody else's to lock.
-        file.set_permissions(fs::Permissions::from_mode(LOCK_MODE))
+    let wanted = writers_mode(path.parent().unwrap_or(Path::new(".")));
+    if meta.uid() == current_uid() && meta.mode() & 0o777 != wanted {
+        // Ours, but open to readers of the directory (an older release made it 0644), or
+        // closed to its other writers: their business is who may lock it.
+        file.set_permissions(fs::Permissions::from_mode(wanted))
             .map_err(in_file)?;
     }
     Ok(file)
 }
 
-/// A lock file of another user at `path`: if we can read it and nobody holds it, it is
-/// replaced, while we hold its lock (so nobody takes it meanwhile), by a new one of ours. One
-/// held, or one we cannot even read (so cannot tell), is refused: [`ErrorKind::Locked`].
+/// A lock file of another user at `path`, which we may not write: if we can read it and nobody
+/// holds it, it is replaced, while we hold its lock (so nobody takes it meanwhile), by a new one
+/// of ours. One held, or one we cannot even read (so cannot tell), is refused:
+/// [`ErrorKind::Locked`].
 fn replace_foreign(path: &Path, denied: io::Error) -> Result<File> {
     let in_file = |e: io::Error| Error::from(e).in_file(path);
     let meta = fs::symlink_metadata(path).map_err(in_file)?;
@@ -180,7 +213,8 @@ fn replace_foreign(path: &Path, denied: io::Error) -> Result<File> {
             foreign(
                 path,
                 meta.uid(),
-                "it cannot be read, so nothing tells whether it is held",
+                "neither it nor its lock can be opened by this user, so nothing tells whether its \
+                 writer lives; if it is gone, remove the file",
             )
         })?;
     match foreign.try_lock() {
@@ -213,6 +247,13 @@ fn foreign(path: &Path, uid: u32, why: &str) -> Error {
     .in_file(path)
 }
 
+/// Whether `e` is [`foreign_held`]'s: another user's lock file, held now.
+fn is_held_foreign(e: &Error) -> bool {
+    matches!(e.kind(), ErrorKind::Locked { problem, .. } if problem.contains(HELD_BY_ANOTHER_USER))
+}
+
+const HELD_BY_ANOTHER_USER: &str = "belongs to another user, who holds it";
+
 fn foreign_held(path: &Path, uid: u32, holder: String) -> Error {
     let who = if holder.is_empty() {
         format!("uid {uid}")
@@ -220,7 +261,7 @@ fn foreign_held(path: &Path, uid: u32, holder: String) -> Error {
         holder
     };
     Error::new(ErrorKind::Locked {
-        problem: format!("the lock file belongs to another user (uid {uid}), who holds it ({who})"),
+        problem: format!("the lock file {HELD_BY_ANOTHER_USER} (uid {uid}: {who})"),
         holder: who,
     })
     .in_file(path)
@@ -328,7 +369,7 @@ mod tests {
         let again = PathLock::acquire(&target, NOW).unwrap().unwrap();
         assert!(lock_path_for(&target).exists());
         let mode = fs::metadata(lock_path_for(&target)).unwrap().mode();
-        assert_eq!(mode & 0o777, LOCK_MODE);
+        assert_eq!(mode & 0o777, 0o600); // (a temporary directory: its owner's alone)
         drop(again);
     }
 
@@ -351,14 +392,27 @@ mod tests {
     }
 
     #[test]
-    fn a_lock_file_readable_by_others_is_made_private() {
+    fn a_lock_file_is_open_to_the_directorys_writers_alone() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("lock");
         fs::write(&path, b"").unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
         let lock = LockFile::acquire_file(&path, NOW, "").unwrap().unwrap();
-        assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, LOCK_MODE);
+        assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
         drop(lock);
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+        let lock = LockFile::acquire_file(&path, NOW, "").unwrap().unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o666);
+        drop(lock);
+    }
+
+    #[test]
+    fn waits_are_bounded_and_bad_ones_refused() {
+        assert_eq!(wait_of(1.5).unwrap(), Duration::from_millis(1500));
+        assert_eq!(wait_of(f64::INFINITY).unwrap(), LONGEST_WAIT);
+        assert_eq!(wait_of(1e30).unwrap(), LONGEST_WAIT);
+        assert!(wait_of(-1.0).is_err() && wait_of(f64::NAN).is_err());
     }
 
     #[test]

@@ -195,9 +195,7 @@ fn save(
             external_data_threshold,
             progress: progress.map(|p| Arc::clone(&p.0)),
             keep_order: true,
-            lock_timeout: lock_timeout.map_or(crate::io::locks::DEFAULT_LOCK_TIMEOUT, |s| {
-                std::time::Duration::from_secs_f64(s.max(0.0))
-            }),
+            lock_timeout: wait_or_default(py, lock_timeout)?,
             ..SaveOptions::default()
         };
         if commit {
@@ -288,17 +286,24 @@ impl Staging {
     }
 
     /// Publishes the staged files (fsynced first with `durable`), waiting at most
-    /// `lock_timeout` seconds for another save of the target to finish its commit.
-    #[pyo3(signature = (*, durable = false, lock_timeout = None))]
-    fn commit(&self, py: Python<'_>, durable: bool, lock_timeout: Option<f64>) -> PyResult<()> {
+    /// `lock_timeout` seconds for another save of the target to finish its commit. `unpaired`:
+    /// files with no pair trailer (an ONNX model and its data), whose previous file is moved
+    /// out of sight first (see `io::CommitOptions`).
+    #[pyo3(signature = (*, durable = false, lock_timeout = None, unpaired = false))]
+    fn commit(
+        &self,
+        py: Python<'_>,
+        durable: bool,
+        lock_timeout: Option<f64>,
+        unpaired: bool,
+    ) -> PyResult<()> {
         guarded(py, || {
             let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
             let staged = staged.ok_or_else(|| to_py_err(py, Staging::gone()))?;
             let options = crate::io::CommitOptions {
                 durable,
-                lock_timeout: lock_timeout
-                    .map(std::time::Duration::from_secs_f64)
-                    .unwrap_or(crate::io::locks::DEFAULT_LOCK_TIMEOUT),
+                lock_timeout: wait_or_default(py, lock_timeout)?,
+                unpaired,
             };
             py.detach(|| staged.commit(&options))
                 .map_err(|e| to_py_err(py, e))
@@ -310,6 +315,14 @@ impl Staging {
         let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(staged);
     }
+}
+
+/// A caller's deadline in seconds (None: the default), checked: a negative or NaN one is a
+/// CheckpointStateError, an infinite one a year.
+fn wait_or_default(py: Python<'_>, seconds: Option<f64>) -> PyResult<std::time::Duration> {
+    seconds.map_or(Ok(crate::io::locks::DEFAULT_LOCK_TIMEOUT), |s| {
+        crate::io::locks::wait_of(s).map_err(|e| to_py_err(py, e))
+    })
 }
 
 /// Renames the directory `source` to `target`, which must not exist (FileExistsError if it
@@ -342,7 +355,7 @@ fn acquire_lock(
     record: String,
 ) -> PyResult<Option<Lock>> {
     guarded(py, || {
-        let timeout = std::time::Duration::from_secs_f64(timeout.max(0.0));
+        let timeout = crate::io::locks::wait_of(timeout).map_err(|e| to_py_err(py, e))?;
         let lock = py
             .detach(|| crate::io::LockFile::acquire_file(&path, timeout, &record))
             .map_err(|e| to_py_err(py, e))?;

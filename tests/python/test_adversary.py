@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import adversary_shim
@@ -125,10 +126,20 @@ def test_finding_a_killed_export_never_leaves_a_model_mixing_two_exports(shim, t
     assert first.returncode == 0, first.stderr
     killed = adversary_shim.run(shim, "/model.onnx.data", "kill-after", EXPORT, golden, EVAL_MODEL, out, 2.0)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    model = onnx.load(str(out))
     trained = {name for name, _ in CheckpointState.load_checkpoint(golden).parameters}
-    values = {float(numpy_helper.to_array(t).ravel()[0]) for t in model.graph.initializer if t.name in trained}
-    assert len(values) == 1, f"the model at {out.name} mixes two exports: {sorted(values)}"
+
+    def values_of_the_model() -> set[float]:
+        model = onnx.load(str(out))
+        return {float(numpy_helper.to_array(t).ravel()[0]) for t in model.graph.initializer if t.name in trained}
+
+    # Fixed: the previous model is moved out of sight before the data file is replaced, so a
+    # crash between the renames leaves no model at the path (a loud FileNotFoundError), never a mix.
+    assert not out.exists() or len(values_of_the_model()) == 1, f"{out.name} mixes two exports"
+    again = subprocess.run(
+        [sys.executable, "-c", EXPORT, *map(str, (golden, EVAL_MODEL, out, 3.0))], check=False, capture_output=True
+    )
+    assert again.returncode == 0 and len(values_of_the_model()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["model.onnx", "model.onnx.data"]  # what the killed export left: swept
 
 
 def test_finding_an_inline_save_racing_an_external_one_leaves_no_orphan_data_file(shim, tmp_path):
@@ -431,7 +442,9 @@ def test_finding_s3_a_save_killed_after_its_data_object_keeps_the_previous_check
         timeout=120,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert value_of(ortckpt.load_checkpoint(url, storage_options=options)) == 1.0
+    # Fixed: the killed save's checkpoint went up first beside its key; the load finds it there,
+    # the one that matches the data object in place: the new checkpoint, whole.
+    assert value_of(ortckpt.load_checkpoint(url, storage_options=options)) == 2.0
 
 
 def test_finding_s3_a_sweep_racing_a_zombie_commit_never_leaves_a_step_naming_gone_objects(
@@ -450,21 +463,36 @@ def test_finding_s3_a_sweep_racing_a_zombie_commit_never_leaves_a_step_naming_go
     zombie = CheckpointManager(s3_url, storage_options=options)
     zombie.save(state_of(1.0), 1)
     real_describe, real_remove = ObjectStore.describe, object_store.remove
-    in_flight: list[list] = []
+    deleting, landed = threading.Event(), threading.Event()
+    sweep: list[threading.Thread] = []
+
+    def slow_delete(locations):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is sweep[0] and not landed.is_set():
+            deleting.set()  # the sweep's DELETE is on its way, and lands only once the zombie has committed
+            assert landed.wait(60)
+        return real_remove(locations)
 
     def restart_sweeps_meanwhile(store, attempt, *args):  # type: ignore[no-untyped-def]
         described = real_describe(store, attempt, *args)  # the zombie's objects are up, uncommitted
-        monkeypatch.setattr(object_store, "remove", lambda locations: in_flight.append(list(locations)))
-        with CheckpointManager(s3_url, storage_options=options) as restart:
-            restart.remove_leftovers()  # listed and decided; its DELETE is on its way
-        monkeypatch.setattr(object_store, "remove", real_remove)
+
+        def restart() -> None:
+            with CheckpointManager(s3_url, storage_options=options) as restarted:
+                restarted.remove_leftovers()
+
+        sweep.append(threading.Thread(target=restart))
+        sweep[0].start()
+        assert deleting.wait(60)  # listed, decided, its DELETE sent
         return described
 
+    monkeypatch.setattr(object_store, "remove", slow_delete)
     monkeypatch.setattr(ObjectStore, "describe", restart_sweeps_meanwhile)
-    zombie.save(state_of(2.0), 2)  # commits: its objects are there before and after its PUT
+    try:
+        zombie.save(state_of(2.0), 2)  # commits: its objects are there before and after its PUT
+    finally:
+        landed.set()  # the sweep's DELETE lands; the sweep goes on
+        if sweep:
+            sweep[0].join(60)
     monkeypatch.undo()
-    for locations in in_flight:  # the sweep's DELETE lands
-        real_remove(locations)
     reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
     try:
         restored = reader.restore()
@@ -555,6 +583,14 @@ def test_finding_s3_a_restore_killed_mid_download_leaves_no_copy_behind(s3_serve
         env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
+    # Fixed: the copy is in a scratch directory holding its process's lock; the next user of one
+    # (here a restore that completes) proves that process dead and removes what it left.
+    again = subprocess.run(
+        [sys.executable, "-c", "import json, sys, ortckpt; ortckpt.CheckpointManager(sys.argv[1], "
+         "storage_options=json.loads(sys.argv[2]), read_only=True).restore()", s3_url, json.dumps(options)],
+        check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(scratch)},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
     left = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*"))
     assert left == [], f"left for ever by a killed restore: {left}"
 

@@ -321,7 +321,7 @@ def export_model(
             )
             _write_external_data(proto, staged.fileno(data=True), Path(f"{path}.data"))
         safe_io.pwrite_all(staged.fileno(), [(0, proto.SerializeToString())], path)
-        staged.commit()
+        staged.commit(unpaired=True)  # (no trailer ties an ONNX model to its data: see the core)
     finally:
         staged.discard()
     return path

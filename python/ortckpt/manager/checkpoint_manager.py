@@ -732,14 +732,18 @@ class CheckpointManager:
         retention deletes later."""
         if self.comm is not None:
             return self.restore_sharded(step)[0]
+        return self._reading(step, lambda info: info.load())
+
+    def _reading(self, step: int | None, read: Any) -> Any:
+        """``read(info)`` of the checkpoint of ``step`` (default: the latest). A reader whose step
+        retention deletes meanwhile (a race, not damage: any failure, once the step is gone) looks
+        again: the new latest, or for a step asked by number, the news that it is gone."""
         attempts = 10 if self.read_only else 1
         for attempt in range(attempts):
             info = self._info(step)
             try:
-                return info.load()
+                return read(info)
             except (OSError, CheckpointError):
-                # Deleted while we loaded it? Then look again: a writer keeps the newest. Any
-                # other failure is raised.
                 self.reload()
                 with self._lock:
                     gone = info.step not in self._checkpoints
@@ -775,8 +779,7 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> Verified:
         """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest): every
         file's size and SHA-256 against its metadata, then every value and property decoded."""
-        info = self._info(step)
-        return verify_step(self.store, Step(info.step, info.metadata, info.files))
+        return self._reading(step, lambda info: verify_step(self.store, Step(info.step, info.metadata, info.files)))
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,8 +84,8 @@ def verify(
 def verify_step(store: StepStore, step: Step, on_bytes: Any = None) -> Verified:
     """Checks a committed (or staged) step of ``store``: see :func:`verify`."""
     if isinstance(store, ObjectStore):
-        with tempfile.TemporaryDirectory(prefix="ortckpt-verify-") as scratch:
-            return _verify_downloaded(store, step, Path(scratch))
+        with safe_io.scratch_directory() as scratch:
+            return _verify_downloaded(store, step, scratch)
     return _verify_folder(Path(step.folder), step, {}, on_bytes, name=Path(step.folder))
 
 
@@ -99,8 +98,8 @@ def _verify_object(store: ObjectStore) -> Verified:
     if step is not None:
         return verify_step(store, step)
     target = targets.ObjectFile(store.prefix)
-    with tempfile.TemporaryDirectory(prefix="ortckpt-verify-") as scratch:
-        local = Path(scratch) / steps.CHECKPOINT_NAME
+    with safe_io.scratch_directory() as scratch:
+        local = scratch / steps.CHECKPOINT_NAME
         try:
             target.download(local)
             count, nbytes, _ = read_everything(open_checkpoint(local, follow_symlinks=False), read_bytes=True)
@@ -288,8 +287,7 @@ def _decompressed(
     against metadata.json's record of the files before compression: that directory."""
     from ..compression import decompress
 
-    scratch = Path(tempfile.mkdtemp(prefix="ortckpt-verify-"))
-    cleanup.callback(safe_io.remove_tree_quietly, scratch)
+    scratch = cleanup.enter_context(safe_io.scratch_directory())
     archive = directory / steps.COMPRESSED_NAME
     try:
         decompress(archive, scratch / steps.CHECKPOINT_NAME, follow_symlinks=False)

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import secrets
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -187,8 +186,8 @@ class MlflowTracker:
         client = self.client
         # Unique: a source that a later registration overwrote would change an existing version.
         artifact_path = f"models/step_{checkpoint.step}-{secrets.token_hex(4)}"
-        with tempfile.TemporaryDirectory(prefix="ortckpt-model-") as scratch:
-            local = Path(scratch) / "model"
+        with safe_io.scratch_directory() as scratch:
+            local = scratch / "model"
             # Requirements given, not inferred: inference loads the model in a subprocess (tens of s).
             mlflow.onnx.save_model(model, str(local), pip_requirements=mlflow.onnx.get_default_pip_requirements())
             client.log_artifacts(self.mlflow_run_id, str(local), artifact_path)

@@ -22,12 +22,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import tempfile
 import time
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from .. import documents, object_store, safe_io, steps, targets
@@ -117,13 +116,10 @@ class ObjectStore(StepStore):
     def load(self, folder: Any, name: str) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
         stream, so memory stays bounded, and usable whatever later retention deletes."""
-        scratch = Path(tempfile.mkdtemp(prefix="ortckpt-restored-"))
-        try:
+        with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
             self.file(folder, name).download(path)
-            return open_checkpoint(path, follow_symlinks=False)
-        finally:
-            safe_io.remove_tree_quietly(scratch)  # the maps keep the bytes
+            return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
 
     def read_document(self, folder: Any, name: str) -> bytes:
         where = folder.child(name)
@@ -171,7 +167,10 @@ class ObjectStore(StepStore):
         where = folder.child(document)
         self._check_present(attempt, "before its commit")
         attempt.sent = True  # from here on the commit may land whatever this process hears
-        if not object_store.put_new(where, data):
+        committed = object_store.put_new(where, data)
+        if not committed and self._finish_retirement(attempt.step, document):
+            committed = object_store.put_new(where, data)  # (a deletion killed half way was in the way)
+        if not committed:
             attempt.sent = False  # another writer's commit: ours certainly did not land
             self.abandon(attempt)
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {attempt.step} first")
@@ -181,6 +180,19 @@ class ObjectStore(StepStore):
             object_store.remove([where])  # withdrawn: no step names objects that are gone
             raise
         return Step(attempt.step, documents.parse(KINDS[document], data, where.url), attempt.folder)
+
+    def _finish_retirement(self, number: int, document: str) -> bool:
+        """Finishes the retirement of step ``number`` if one was begun and not finished (its
+        marker is there, and the document naming its attempt still is): whether it did."""
+        try:
+            step = self._read(number, document)
+        except (FileNotFoundError, CheckpointError, OSError):
+            return False
+        attempt = step.document.get("attempt")
+        if attempt is None or object_store.head(self._folder(number).child(steps.retired_marker(attempt))) is None:
+            return False
+        self.retire(step)
+        return True
 
     def _check_present(self, attempt: Attempt, when: str) -> None:
         """Every object the attempt wrote is there with its size, or CheckpointIntegrityError."""
@@ -206,7 +218,12 @@ class ObjectStore(StepStore):
         marker = folder.child(steps.retired_marker(attempt)) if attempt else None
         if marker is not None:
             object_store.put(marker, b"")  # hidden from every reader from now on
-        object_store.remove([folder.child(document) for document in steps.COMMIT_DOCUMENTS])
+        # The step's documents, while they name this step's attempt (no S3 DELETE is conditional:
+        # read first, so that another writer's commit of the step is not deleted with it).
+        for document in steps.COMMIT_DOCUMENTS:
+            with contextlib.suppress(FileNotFoundError, CheckpointError, OSError):
+                if self._read(step.number, document).document.get("attempt") == attempt:
+                    object_store.remove([folder.child(document)])
         object_store.remove_under(step.folder if attempt else folder)
         if marker is not None:
             object_store.remove([marker])
@@ -228,17 +245,42 @@ class ObjectStore(StepStore):
             if parts is not None:
                 by_step.setdefault(parts[0], set()).add(parts[1])
         retired = _retired(listing)
-        doomed: list[Location] = []
+        removed: list[str] = []
         for number, names in sorted(by_step.items()):
             keep = self._kept(number, names, retired)
             if keep is None:
                 continue  # a damaged document: kept whole
-            doomed += [self._folder(number).child(name) for name in sorted(names) if not keep(name)]
-        object_store.remove(doomed)
-        removed = [location.url for location in doomed]
+            removed += self._remove_unnamed(number, [name for name in sorted(names) if not keep(name)])
         for key, upload_id, _began in object_store.pending_uploads(self.prefix):
             object_store.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
+        return removed
+
+    def _remove_unnamed(self, number: int, names: list[str]) -> list[str]:
+        """Removes the objects ``names`` of step ``number`` that the listing found no document
+        naming. An attempt's folder is first marked retired: a zombie's commit naming it that
+        lands meanwhile is then hidden from every reader, and withdrawn here, rather than left
+        naming objects that are gone. Returns the URLs removed."""
+        folder = self._folder(number)
+        attempts: dict[str, list[str]] = {}
+        for name in names:
+            attempt, _, rest = name.partition("/")
+            key = attempt if rest and documents.ATTEMPT.fullmatch(attempt) else ""
+            attempts.setdefault(key, []).append(name)
+        removed = []
+        for attempt, members in sorted(attempts.items()):
+            marker = folder.child(steps.retired_marker(attempt)) if attempt else None
+            if marker is not None:
+                object_store.put(marker, b"")
+            object_store.remove([folder.child(name) for name in members])
+            removed += [folder.child(name).url for name in members]
+            if marker is not None:
+                for document in steps.COMMIT_DOCUMENTS:
+                    with contextlib.suppress(FileNotFoundError, CheckpointError, OSError):
+                        if self._read(number, document).document.get("attempt") == attempt:
+                            object_store.remove([folder.child(document)])  # a zombie's, committed meanwhile
+                            removed.append(folder.child(document).url)
+                object_store.remove([marker])
         return removed
 
     def _kept(self, number: int, names: set[str], retired: set[tuple[int, Any]]) -> Any:
