@@ -210,7 +210,7 @@ fn sweep_dead_temps(target: &Path) {
 /// checkpoints of interrupted saves (temporary files whose writers died), which a data file
 /// left in place may belong to.
 fn replaced_pairs(target: &Path, leftovers: &[PathBuf]) -> Vec<PairId> {
-    let abandoned = leftovers.iter().filter(|temp| !is_held(temp));
+    let abandoned = leftovers.iter().filter(|temp| !locks::is_held(temp));
     std::iter::once(target)
         .chain(abandoned.map(PathBuf::as_path))
         .filter_map(pair_id_of_file)
@@ -242,25 +242,6 @@ fn remove_data_of(data_path: &Path, pairs: &[PairId]) -> Result<()> {
     match fs::remove_file(data_path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(Error::from(e).in_file(data_path)),
         _ => Ok(()),
-    }
-}
-
-/// Whether a live writer holds the lock of the temporary file `path`.
-fn is_held(path: &Path) -> bool {
-    let Ok(file) = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(NO_FOLLOW)
-        .open(path)
-    else {
-        return true; // cannot tell: treat as alive
-    };
-    match file.try_lock() {
-        Ok(()) => {
-            let _ = file.unlock();
-            false
-        }
-        Err(_) => true,
     }
 }
 

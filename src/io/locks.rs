@@ -319,21 +319,29 @@ pub fn locks_unsupported(e: &io::Error) -> bool {
 /// lock while removing it. Returns whether it was removed. Anything that cannot be proven
 /// abandoned (a held lock, a filesystem without locks, not a regular file) is left alone.
 pub fn remove_if_abandoned(path: &Path) -> bool {
-    let Ok(file) = OpenOptions::new()
+    match lock_if_abandoned(path) {
+        Some(file) => still_named(&file, path) && fs::remove_file(path).is_ok(),
+        None => false, // held by a live writer, or no locks here: keep it
+    }
+}
+
+/// Whether a live writer holds the lock of the regular file `path` (or nothing can tell).
+pub fn is_held(path: &Path) -> bool {
+    lock_if_abandoned(path).is_none_or(|file| file.unlock().is_err())
+}
+
+/// The regular file at `path`, opened and locked by us: only when no one held its lock.
+fn lock_if_abandoned(path: &Path) -> Option<File> {
+    let file = OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(NO_FOLLOW)
         .open(path)
-    else {
-        return false;
-    };
+        .ok()?;
     if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return false;
+        return None;
     }
-    match file.try_lock() {
-        Ok(()) => still_named(&file, path) && fs::remove_file(path).is_ok(),
-        Err(_) => false, // held by a live writer, or no locks here: keep it
-    }
+    file.try_lock().ok().map(|()| file)
 }
 
 #[cfg(test)]
