@@ -1,8 +1,8 @@
 """Runs of checkpoints: :class:`CheckpointManager` and what it keeps beside each step.
 
-- ``checkpoint_manager``: the manager (periodic and async saves, resume, retention, sharded runs);
-- ``object_store_manager``: the same on an ``s3://`` prefix (commit by a conditional PUT);
-- ``common``: what the two share (queries, the checks and snapshot before a save, async saves);
+- ``checkpoint_manager``: the manager (periodic and async saves, resume, retention, sharded runs),
+  one class over a step store (:mod:`ortckpt.stepstore`: a directory, or an ``s3://`` prefix);
+- ``common``: the copy an async save writes from, the report of an unwaited one, step checks;
 - ``retention``: which steps a :class:`RetentionPolicy` keeps;
 - ``metadata``: each step's ``metadata.json`` (metrics, config, files and SHA-256s);
 - ``integrity``: :func:`verify`, of a step directory or a single checkpoint file;
@@ -11,8 +11,8 @@
 - ``tracking``: the :class:`~ortckpt.manager.tracking.Tracker` interface and ``MlflowTracker``, which
   report each committed step to an experiment tracker and hand the best to a model registry.
 
-The step directories themselves (names, the writer lock, commit, deletion) are
-:mod:`ortckpt.steps`', shared with sharded saves.
+The steps themselves (their layout: :mod:`ortckpt.steps`; the transaction: :mod:`ortckpt.stepstore`)
+are shared with sharded saves.
 """
 
 from .checkpoint_manager import CheckpointInfo, CheckpointManager
