@@ -28,15 +28,16 @@ from typing import TYPE_CHECKING, Any
 from . import _boundary
 from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError
 
+# What a checkpoint without external data can be (one flatbuffer: at most 2 GiB, bytes 4..8 its
+# file identifier): past that a stream or an object is refused unread. One definition, the byte
+# mover's (object_store imports only the standard library at first).
+from .object_store import CHECKPOINT_IDENTIFIER as CHECKPOINT_IDENTIFIER
+from .object_store import CHECKPOINT_LIMIT as MAX_CHECKPOINT_BYTES
+
 if TYPE_CHECKING:
     from .object_store import Location
 
 SCHEME = "s3://"
-# A checkpoint without external data is one flatbuffer: at most 2 GiB (what a stream or an
-# object may hold before it is refused, unread).
-MAX_CHECKPOINT_BYTES = 2**31
-# What bytes 4..8 of every checkpoint hold (flatbuffers' file identifier).
-CHECKPOINT_IDENTIFIER = b"ODTC"
 # The pair trailer (see the core's format::pairing) that ends a checkpoint and its data file.
 PAIR_TRAILER_BYTES = 32
 PAIR_MAGIC = b"ortckpt pair id\0"
@@ -70,13 +71,6 @@ def object_location(url: str, storage_options: Mapping[str, Any] | None = None) 
         return object_store.location(bucket, key, f"{SCHEME}{bucket}/{key}", storage_options)
     except ValueError as e:  # the store's configuration
         raise ValueError(f"{SCHEME}{bucket}: {e}") from e
-
-
-def display_name(where: Any) -> str:
-    """A checkpoint's name for messages and file formats: its path or URL, or the stream's."""
-    if is_stream(where):
-        return str(getattr(where, "name", "<stream>"))
-    return os.fspath(where)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -122,7 +116,7 @@ class StreamFile:
 
     @property
     def name(self) -> str:
-        return display_name(self.stream)
+        return str(getattr(self.stream, "name", "<stream>"))
 
     def save(self, state: _boundary.CoreState) -> None:
         from .safe_io import write_stream
@@ -375,7 +369,6 @@ __all__ = [
     "ObjectFile",
     "StreamFile",
     "checkpoint",
-    "display_name",
     "is_object_url",
     "is_stream",
     "object_location",

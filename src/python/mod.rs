@@ -244,6 +244,26 @@ impl Staging {
         }
     }
 
+    /// `f` of the staged checkpoint's file, or with `data` of its data file.
+    fn with_file<T>(
+        &self,
+        py: Python<'_>,
+        data: bool,
+        f: impl FnOnce(&mut crate::io::PendingFile) -> T,
+    ) -> PyResult<T> {
+        self.with(py, |staged| {
+            let file = if data {
+                staged.data()
+            } else {
+                Some(staged.main())
+            };
+            let file = file.ok_or_else(|| {
+                to_py_err(py, crate::Error::invalid_state("no data file is staged"))
+            })?;
+            Ok(f(file))
+        })
+    }
+
     fn gone() -> crate::Error {
         crate::Error::invalid_state("this staged save is committed or discarded")
     }
@@ -256,14 +276,7 @@ impl Staging {
     #[pyo3(signature = (data = false))]
     fn fileno(&self, py: Python<'_>, data: bool) -> PyResult<i32> {
         use std::os::fd::AsRawFd;
-        self.with(py, |staged| {
-            let file = if data {
-                staged.data().map(|d| d.file().as_raw_fd())
-            } else {
-                Some(staged.main().file().as_raw_fd())
-            };
-            file.ok_or_else(|| to_py_err(py, crate::Error::invalid_state("no data file is staged")))
-        })
+        self.with_file(py, data, |file| file.file().as_raw_fd())
     }
 
     /// What the staged files replace when committed.
@@ -275,14 +288,7 @@ impl Staging {
     /// The temporary file's own (hidden, unpredictable) name, or its data file's with `data`.
     #[pyo3(signature = (data = false))]
     fn temporary(&self, py: Python<'_>, data: bool) -> PyResult<PathBuf> {
-        self.with(py, |staged| {
-            let file = if data {
-                staged.data().map(|d| d.temp().to_path_buf())
-            } else {
-                Some(staged.main().temp().to_path_buf())
-            };
-            file.ok_or_else(|| to_py_err(py, crate::Error::invalid_state("no data file is staged")))
-        })
+        self.with_file(py, data, |file| file.temp().to_path_buf())
     }
 
     /// Publishes the staged files (fsynced first with `durable`), waiting at most

@@ -131,7 +131,6 @@ HOSTILE_AT_THE_CAPS = {
 }
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
 @pytest.mark.parametrize("case", list(HOSTILE_AT_THE_CAPS), ids=list(HOSTILE_AT_THE_CAPS))
 def test_a_hostile_index_at_the_real_caps_is_refused_within_a_memory_limit(case):
     script = textwrap.dedent(

@@ -6,6 +6,7 @@ readers that must never see a hole while retention deletes."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import shutil
@@ -281,7 +282,16 @@ def as_nobody(code: str, *args: object) -> subprocess.Popen:
     )
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="another user is played by root dropping its user")
+def needs_root(test):  # type: ignore[no-untyped-def]
+    """A test that plays another user (root dropping its user) or mounts a filesystem: the suite
+    runs as root (as CI does); without root it fails, saying so, rather than passing unchecked."""
+
+    def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert os.geteuid() == 0, f"{test.__name__} needs root (it plays user nobody, or mounts a tmpfs)"
+        return test(*args, **kwargs)
+
+    return functools.wraps(test)(checked)
+
 
 OTHER_USER_HOLDS = textwrap.dedent(
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +66,22 @@ class StepStore(abc.ABC):
     name: str  # the directory's path or the prefix's URL, for messages
     local: bool  # whether steps are directories of this machine (files a library can open)
 
-    @abc.abstractmethod
     def scan(self, document: str) -> Scan:
-        """The steps that ``document`` (metadata.json, index.json) commits."""
+        """The steps that ``document`` (metadata.json, index.json) commits; one whose document is
+        damaged is reported in ``damaged`` (and kept, for a person to look at); one without it is
+        not this document's (e.g. a save_sharded step seen by a manager) and is ignored. A look
+        that may have missed a committed step (see :func:`missed`) is taken again."""
+        for attempt in range(SCAN_ATTEMPTS):
+            scan, vanished = self._look(document)
+            if not missed(scan.steps, vanished, attempt):
+                break
+            time.sleep(0.001 * attempt)
+        return scan
+
+    @abc.abstractmethod
+    def _look(self, document: str) -> tuple[Scan, int]:
+        """One look at the steps ``document`` commits: the scan, and the newest step found gone
+        or being retired meanwhile (-1: none)."""
 
     @abc.abstractmethod
     def read(self, step: int, document: str) -> Step | None:

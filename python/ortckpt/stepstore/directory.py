@@ -26,7 +26,6 @@ import json
 import os
 import socket
 import sys
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -36,7 +35,7 @@ from .. import _boundary, documents, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
-from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore, missed
+from .base import Attempt, Scan, Step, StepStore
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -58,28 +57,19 @@ class DirectoryStore(StepStore):
 
     # --- reading -------------------------------------------------------------------------
 
-    def scan(self, document: str) -> Scan:
-        """Every step directory committed by ``document``; one whose document is damaged is
-        reported in ``damaged`` (and kept on disk, for a person to look at); one without it is
-        not this document's (e.g. a save_sharded step seen by a manager) and is ignored."""
-        for attempt in range(SCAN_ATTEMPTS):
-            found: dict[int, Step] = {}
-            damaged: dict[int, str] = {}
-            vanished = -1
-            for number, path in step_directories(self.directory).items():
-                try:
-                    found[number] = self._read(number, path, document)
-                except FileNotFoundError:
-                    if not os.path.lexists(path):  # deleted since it was listed
-                        vanished = max(vanished, number)
-                except (CheckpointError, OSError, ValueError) as e:
-                    damaged[number] = str(e)
-            # A step is deleted only once a newer one is committed: without a newer one found,
-            # the listing missed it, and a fresh one will not.
-            if not missed(found, vanished, attempt):
-                return Scan(found, damaged)
-            time.sleep(0.001 * attempt)
-        return Scan(found, damaged)
+    def _look(self, document: str) -> tuple[Scan, int]:
+        found: dict[int, Step] = {}
+        damaged: dict[int, str] = {}
+        vanished = -1
+        for number, path in step_directories(self.directory).items():
+            try:
+                found[number] = self._read(number, path, document)
+            except FileNotFoundError:
+                if not os.path.lexists(path):  # deleted since it was listed
+                    vanished = max(vanished, number)
+            except (CheckpointError, OSError, ValueError) as e:
+                damaged[number] = str(e)
+        return Scan(found, damaged), vanished
 
     def _read(self, number: int, path: Path, document: str) -> Step:
         where = path / document

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import time
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -34,7 +33,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from .base import SCAN_ATTEMPTS, Attempt, Scan, Step, StepStore, missed
+from .base import Attempt, Scan, Step, StepStore
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -59,32 +58,26 @@ class ObjectStore(StepStore):
 
     # --- reading -------------------------------------------------------------------------
 
-    def scan(self, document: str) -> Scan:
-        for attempt in range(SCAN_ATTEMPTS):
-            listing = object_store.list_keys(self.prefix)
-            retired = _retired(listing)
-            found: dict[int, Step] = {}
-            damaged: dict[int, str] = {}
-            # A retirement marker, with or without its step's document still listed, means a newer
-            # step was committed before it.
-            vanished = max((number for number, _ in retired), default=-1)
-            for number, size in sorted(steps.steps_holding(listing, document).items()):
-                try:
-                    step = self._read(number, document, size)
-                except FileNotFoundError:  # deleted since it was listed
-                    vanished = max(vanished, number)
-                    continue
-                except (CheckpointError, OSError) as e:
-                    damaged[number] = str(e)
-                    continue
-                if (number, step.document.get("attempt")) not in retired:  # (a retired one is hidden)
-                    found[number] = step
-            # A step is deleted only once a newer one is committed: without a newer one found,
-            # the listing missed it (a listing is no snapshot), and a fresh one will not.
-            if not missed(found, vanished, attempt):
-                return Scan(found, damaged)
-            time.sleep(0.001 * attempt)
-        return Scan(found, damaged)
+    def _look(self, document: str) -> tuple[Scan, int]:
+        listing = object_store.list_keys(self.prefix)
+        retired = _retired(listing)
+        found: dict[int, Step] = {}
+        damaged: dict[int, str] = {}
+        # A retirement marker, with or without its step's document still listed, means a newer
+        # step was committed before it.
+        vanished = max((number for number, _ in retired), default=-1)
+        for number, size in sorted(steps.steps_holding(listing, document).items()):
+            try:
+                step = self._read(number, document, size)
+            except FileNotFoundError:  # deleted since it was listed
+                vanished = max(vanished, number)
+                continue
+            except (CheckpointError, OSError) as e:
+                damaged[number] = str(e)
+                continue
+            if (number, step.document.get("attempt")) not in retired:  # (a retired one is hidden)
+                found[number] = step
+        return Scan(found, damaged), vanished
 
     def _read(self, number: int, document: str, size: int | None = None) -> Step:
         folder = self._folder(number)
