@@ -458,15 +458,16 @@ class CheckpointState:
                 64 bytes and strings stay inline. 0 forces external data.
             durable: fsync the file(s) and their directory before returning, so the new
                 checkpoint survives a power cut (not only a crash of this process).
-            progress: Show a progress bar (tqdm) while the files are written, when that
-                takes more than half a second.
+            progress: Show a progress bar (tqdm) while the files are written or uploaded, when
+                that takes more than half a second. A bar never holds up or fails the save (a
+                stderr nobody reads any more is left alone).
             lock_timeout: Seconds to wait (60 by default) for another save of the same path, in
                 any process, to finish putting its files in place; past it,
                 :class:`~ortckpt.CheckpointLockedError` names the lock file and its holder.
             storage_options: For an ``s3://bucket/key`` URL: the store's settings (see
                 :mod:`ortckpt.object_store`). The checkpoint streams from the arrays to a
-                multipart upload; it appears when the upload completes (``durable`` and
-                ``progress`` do not apply).
+                multipart upload; it appears when the upload completes (``durable`` does not
+                apply).
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
@@ -475,9 +476,9 @@ class CheckpointState:
         target = targets.checkpoint(checkpoint_uri, storage_options)
         core = state.core_state(include_optimizer_state)
         if isinstance(target, targets.StreamFile):
-            target.save(core)
+            target.save(core, progress=progress)
         elif isinstance(target, targets.ObjectFile):
-            target.save(core, external_data_threshold=external_data_threshold)
+            target.save(core, external_data_threshold=external_data_threshold, progress=progress)
         else:
             target.save(
                 core,

@@ -58,7 +58,7 @@ from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
 
 # What only a run in a local directory can do (each needs the step's files on this machine).
-_LOCAL_ONLY = ("validate", "compress_kept", "track", "progress")
+_LOCAL_ONLY = ("validate", "compress_kept", "track")
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,8 @@ class CheckpointManager:
             (a resumed run keeps its id), else a new random id.
         config: The run's hyperparameters or configuration (JSON-able), recorded in every
             checkpoint's metadata.
-        progress: Progress bars (tqdm) while a checkpoint is written and hashed, for saves
-            that take more than half a second. Directories only.
+        progress: Progress bars (tqdm) while a checkpoint is written (or uploaded) and hashed,
+            for saves that take more than half a second. A bar never holds up or fails a save.
         external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
             bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
@@ -241,7 +241,7 @@ class CheckpointManager:
         if run_id is not None and not isinstance(run_id, str):
             raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         if remote:
-            asked = {"validate": validate, "compress_kept": compress_kept, "track": track, "progress": progress}
+            asked = {"validate": validate, "compress_kept": compress_kept, "track": track}
             refused = [name for name in _LOCAL_ONLY if asked[name] not in (None, False)]
             if verify_after_save == "process":
                 refused.append('verify_after_save="process"')
