@@ -625,7 +625,7 @@ class CheckpointManager:
         directory = Path(info.directory)
         if not info.compressed:
             archive = directory / steps.COMPRESSED_NAME
-            compress(info.path, archive, durable=self.durable)
+            compress(info.path, archive, durable=self.durable, progress=self.progress)
             size, digest = safe_io.sha256_of(archive)
             meta = {
                 **info.metadata,
