@@ -48,8 +48,15 @@ from typing import Any, Literal
 
 from .. import _boundary, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    InvalidArgumentTypeError,
+    name_file,
+)
 from ..stepstore import Attempt, Step, StepStore, open_store
+from . import arguments
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
 from .integrity import Verified, verify_step
@@ -223,6 +230,32 @@ class CheckpointManager:
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        # Every argument is checked first, naming it, before anything is opened or written
+        # (manager.arguments: a float or a bool is no count, a string no flag).
+        if not isinstance(directory, (str, os.PathLike)):
+            raise InvalidArgumentTypeError(
+                f"directory is a path or an s3:// URL, got {type(directory).__name__}", "directory"
+            )
+        save_every = arguments.save_every(save_every)
+        async_save, durable, compress_kept, progress, read_only = (
+            arguments.flag(name, value)
+            for name, value in (
+                ("async_save", async_save),
+                ("durable", durable),
+                ("compress_kept", compress_kept),
+                ("progress", progress),
+                ("read_only", read_only),
+            )
+        )
+        verify_after_save = arguments.verify_after_save(verify_after_save)
+        run_id = None if run_id is None else arguments.text("run_id", run_id)
+        external_data_threshold = arguments.count(
+            "external_data_threshold", external_data_threshold, 0, arguments.MAX_BYTES
+        )
+        track = arguments.track(track)
+        policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
+        config = _metadata.check_config(config, os.fspath(directory))
+        storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
         remote = targets.is_object_url(directory)
         if storage_options is not None and not remote:
             raise ValueError(
@@ -233,13 +266,9 @@ class CheckpointManager:
         if comm is not None and compress_kept:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
         if validate is not None and not isinstance(validate, Forward):
-            raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
-        if isinstance(save_every, int) and save_every < 1:
-            raise ValueError(f"save_every must be at least 1, got {save_every}")
-        if verify_after_save not in (False, True, "process"):
-            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
-        if run_id is not None and not isinstance(run_id, str):
-            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
+            raise InvalidArgumentTypeError(
+                f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}", "validate"
+            )
         if remote:
             asked = {"validate": validate, "compress_kept": compress_kept, "track": track, "progress": progress}
             refused = [name for name in _LOCAL_ONLY if asked[name] not in (None, False)]
@@ -247,13 +276,13 @@ class CheckpointManager:
                 refused.append('verify_after_save="process"')
             if refused:
                 raise ValueError(f"{directory}: not available for a manager on object storage: {', '.join(refused)}")
-        self.policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
+        self.policy = policy
         self.save_every = save_every
         self.async_save = async_save
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save
-        self.config = dict(config or {})
+        self.config = config
         self.external_data_threshold = external_data_threshold
         self.validate = validate
         self.compress_kept = compress_kept
@@ -463,13 +492,19 @@ class CheckpointManager:
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
         )
-        _metadata.check_serializable(meta)
+        where = f"{self._where.rstrip('/')}/{steps.step_directory_name(step)}"  # (named in what is refused)
+        _metadata.check_serializable(meta, f"{where}/{steps.METADATA_NAME}")
         # Every value is checked (and strings encoded) here, in the caller's thread.
         snapshot = state._snapshot(
             copy_value=self._staging.copy if self.async_save else None,
             include_optimizer_state=include_optimizer_state,
             properties=properties,
         )
+        try:
+            snapshot.core_state(include_optimizer_state)  # (checks every name and string the core will write)
+        except CheckpointError as e:
+            name_file(e, where)
+            raise
         self._last_save = time.monotonic()
         return step, meta, snapshot
 
