@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, safe_io, steps, targets
+from .. import _boundary, arguments, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState
 from ..errors import (
     CheckpointError,
@@ -56,7 +56,7 @@ from ..errors import (
     name_file,
 )
 from ..stepstore import Attempt, Step, StepStore, open_store
-from . import arguments
+from . import arguments as options
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
 from .integrity import Verified, verify_step
@@ -234,9 +234,9 @@ class CheckpointManager:
         # (manager.arguments: a float or a bool is no count, a string no flag).
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidArgumentTypeError(
-                f"directory is a path or an s3:// URL, got {type(directory).__name__}", "directory"
+                f"directory is a path or an {targets.SCHEME} URL, got {type(directory).__name__}", "directory"
             )
-        save_every = arguments.save_every(save_every)
+        save_every = options.save_every(save_every)
         async_save, durable, compress_kept, progress, read_only = (
             arguments.flag(name, value)
             for name, value in (
@@ -247,12 +247,12 @@ class CheckpointManager:
                 ("read_only", read_only),
             )
         )
-        verify_after_save = arguments.verify_after_save(verify_after_save)
+        verify_after_save = options.verify_after_save(verify_after_save)
         run_id = None if run_id is None else arguments.text("run_id", run_id)
         external_data_threshold = arguments.count(
             "external_data_threshold", external_data_threshold, 0, arguments.MAX_BYTES
         )
-        track = arguments.track(track)
+        track = options.track(track)
         policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
         config = _metadata.check_config(config, os.fspath(directory))
         storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
