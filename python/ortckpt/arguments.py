@@ -78,14 +78,17 @@ def mapping(name: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def finite(name: str, value: Any) -> float:
+def finite(name: str, value: Any, argument: str | None = None) -> float:
     """A real number (not a bool), finite once a float."""
+    argument = argument or name
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentTypeError(f"{name} is a number, got {reprlib.repr(value)} ({type(value).__name__})", name)
+        raise InvalidArgumentTypeError(
+            f"{name} is a number, got {reprlib.repr(value)} ({type(value).__name__})", argument
+        )
     try:
         number = float(value)
     except OverflowError:
         number = math.inf
     if not math.isfinite(number):
-        raise InvalidArgumentError(f"{name} must be a finite number, got {reprlib.repr(value)}", name)
+        raise InvalidArgumentError(f"{name} must be a finite number, got {reprlib.repr(value)}", argument)
     return number

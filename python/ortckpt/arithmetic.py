@@ -14,8 +14,16 @@ Rules, the same for every function:
   takes the first source's instead); a delta holds them as they are in ``a``.
 - Arithmetic runs in float64 for float32/float64 tensors and in float32 for the narrower
   floats (float16, bfloat16, float8), then rounds once to the tensor's type.
+- A result is finite wherever its inputs are: one that does not fit the tensor's type
+  (``apply`` of float16 60000 + 60000) is a :class:`~ortckpt.ValueOverflowError` naming the
+  tensor, the element and the checkpoints, and nothing is written. Values that are already
+  NaN or infinite are the user's: they pass through as the arithmetic makes them.
+- Arguments (weights, ``scale``, ``t``, ``frozen``, ``out``, save options) are checked before
+  any checkpoint is read: :class:`~ortckpt.InvalidArgumentError` (or its TypeError,
+  :class:`~ortckpt.InvalidArgumentTypeError`) naming the argument.
 - Properties come from the first source; an average sums ``num_samples`` when every source
-  has it. Optimizer state is left out unless asked for.
+  has it (each a finite number of 0 or more, the sum within what a property holds), and has
+  none otherwise. Optimizer state is left out unless asked for.
 
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
 chunk at a time (pages dropped once used) and the result is written into the new file chunk
@@ -79,11 +87,12 @@ def average(
 
     ``weights`` (finite numbers, none negative, not all 0) default to every source's
     ``num_samples`` property when all have one, else equal weights; they need not sum to 1.
-    The mean is ``sum(w_i * x_i) / sum(w_i)``, summed in source order (NumPy's ``np.average``
-    of the stacked tensors, bit for bit), with the weights first scaled by a power of two so
-    that none is past 1 (exact: ``[1e308, 1e308]`` is an equal mean); where the sum overflows
-    the type it is computed in (float64 values near its largest), the mean is computed there
-    from each weight's share instead, so a mean of finite values is finite. With
+    The mean is ``sum(w_i * x_i) / sum(w_i)``, summed in source order, with the weights first
+    scaled by a power of two so that the largest is in [0.5, 1): exact, so the result is
+    NumPy's ``np.average`` of the stacked tensors bit for bit wherever that neither overflows
+    nor underflows, and weights such as ``[1e308, 1e308]`` give the equal mean. Where the sum
+    overflows the type it is computed in (float64 values near its largest), the mean is
+    computed there from each weight's share instead: a mean of finite values is finite. With
     ``include_optimizer_state`` the momentums are averaged with the same weights, and each
     group's step is the largest of the sources' (the learning rate must agree). The result's
     ``num_samples`` is the sources' sum when all have one (none otherwise). With ``out``, the
@@ -188,11 +197,11 @@ def _check_arguments(
             f"{what}: sources is a list of checkpoints (paths or states), got {type(sources).__name__}", "sources"
         )
     if len(sources) == 0:
-        raise InvalidArgumentError(f"{what}: no checkpoints given", "sources")
+        raise InvalidArgumentError(f"{what}: no checkpoints given (sources is empty)", "sources")
     for i, source in enumerate(sources):
         if not isinstance(source, (CheckpointState, str, os.PathLike)):
             raise InvalidArgumentTypeError(
-                f"{what}: checkpoint #{i} is a {type(source).__name__}, not a path nor a CheckpointState", "sources"
+                f"{what}: sources[{i}] is of type {type(source).__name__}, not a path nor a CheckpointState", "sources"
             )
     arguments.flag("include_optimizer_state", include_optimizer_state)
     if frozen not in ("equal", "first") or not isinstance(frozen, str):
@@ -223,7 +232,7 @@ def _weights(weights: Any, expected: int, name: str = "weights") -> np.ndarray:
     values = list(weights)
     if len(values) != expected:
         raise InvalidArgumentError(f"{len(values)} {name} for {expected} checkpoints", "weights")
-    w = np.array([arguments.finite(f"{name}[{i}]", v) for i, v in enumerate(values)], dtype=np.float64)
+    w = np.array([arguments.finite(f"{name}[{i}]", v, "weights") for i, v in enumerate(values)], dtype=np.float64)
     if np.any(w < 0) or not np.any(w > 0):
         raise InvalidArgumentError(f"{name} must be finite, non-negative and not all 0, got {values}", "weights")
     return w

@@ -297,6 +297,28 @@ def _file_entries(value: Any, where: str, at: str) -> None:
             raise _bad(where, f"{at}.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
 
 
+def encode_non_finite(document: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """``document`` with the non-finite floats inside its ``fields`` (small ones: a sharded
+    index's properties and optimizer groups) written as strings, their places listed under
+    ``non_finite``: what :func:`_decode_non_finite` reads back."""
+    places: list[list[str | int]] = []
+
+    def encoded(value: Any, place: list[str | int]) -> Any:
+        if isinstance(value, Mapping):
+            return {k: encoded(v, [*place, k]) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [encoded(v, [*place, i]) for i, v in enumerate(value)]
+        if isinstance(value, float) and not math.isfinite(value):
+            places.append(place)
+            return encode_metric(value)
+        return value
+
+    out = {**document, **{field: encoded(document[field], [field]) for field in fields if field in document}}
+    if places:
+        out[NON_FINITE_KEY] = places
+    return out
+
+
 def _decode_non_finite(document: dict[str, Any], where: str) -> None:
     """Turns the strings at the places ``non_finite`` lists into floats, in place, and drops the
     list. Each place is walked from the top (time linear in the list, which the caps bound)."""
@@ -366,6 +388,7 @@ def check_index(value: Any, where: str) -> dict[str, Any]:
     """A sharded checkpoint's index: every shard a plain name of the form its rank gives, every
     piece inside its tensor and held by a shard, the pieces of a tensor tiling it exactly."""
     index = _versioned(value, where, SHARDED_FORMAT, SHARDED_VERSION, "sharded checkpoint")
+    _decode_non_finite(index, where)  # (a property or learning rate that is NaN or infinite)
     _int(index.get("step"), where, "step", 0, INT64_MAX)
     world = _int(index.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
     _attempt(index, where)
