@@ -146,6 +146,7 @@ def _strings_of(name: str, value: Any) -> list[str]:
     out = []
     for i, element in enumerate(np.asarray(value).reshape(-1)):
         if isinstance(element, str):
+            _boundary.check_text(element, f"tensor {name!r}: element {i}", tensor=name)
             out.append(str(element))
         elif isinstance(element, bytes):
             try:

@@ -287,6 +287,8 @@ def test_names_and_properties_with_a_lone_surrogate_are_refused_when_given():
         CheckpointState.from_arrays({SURROGATE: np.ones(2)})
     no_bare_unicode_error(caught.value)
     assert caught.value.tensor == SURROGATE
+    with pytest.raises(CheckpointStateError, match="tensor 'v': element 1 'a\\\\udc80b' is not text"):
+        CheckpointState.from_arrays({}, {"v": np.array(["x", SURROGATE], dtype=object)})
     s = state()
     with pytest.raises(CheckpointStateError, match="property name 'a\\\\udc80b' is not text"):
         s.properties[SURROGATE] = 1

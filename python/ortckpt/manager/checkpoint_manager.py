@@ -40,7 +40,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -492,19 +492,16 @@ class CheckpointManager:
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
         )
-        where = f"{self._where.rstrip('/')}/{steps.step_directory_name(step)}"  # (named in what is refused)
-        _metadata.check_serializable(meta, f"{where}/{steps.METADATA_NAME}")
+        _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
         # Every value is checked (and strings encoded) here, in the caller's thread.
-        snapshot = state._snapshot(
-            copy_value=self._staging.copy if self.async_save else None,
-            include_optimizer_state=include_optimizer_state,
-            properties=properties,
-        )
-        try:
-            snapshot.core_state(include_optimizer_state)  # (checks every name and string the core will write)
-        except CheckpointError as e:
-            name_file(e, where)
-            raise
+        with self._naming_step(step):
+            snapshot = state._snapshot(
+                copy_value=self._staging.copy if self.async_save else None,
+                include_optimizer_state=include_optimizer_state,
+                properties=properties,
+            )
+            if self.async_save:  # (its values are copies by now: views only) refused here, not in the background
+                snapshot.core_state(include_optimizer_state)
         self._last_save = time.monotonic()
         return step, meta, snapshot
 
@@ -513,12 +510,14 @@ class CheckpointManager:
     ) -> None:
         """The step transaction of one save: stage, write, verify, metadata, commit; then
         retention and the tracker's report."""
+        with self._naming_step(step):
+            core = state.core_state(include_optimizer_state)
         attempt = self.store.begin(step)
         try:
             self.store.write_checkpoint(
                 attempt,
                 steps.CHECKPOINT_NAME,
-                state.core_state(include_optimizer_state),
+                core,
                 external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
                 progress=self.progress,
@@ -528,6 +527,20 @@ class CheckpointManager:
             self.store.abandon(attempt)
             raise
         self._committed(committed)
+
+    @contextlib.contextmanager
+    def _naming_step(self, step: int) -> Iterator[None]:
+        """A value or name no file can hold, refused as the state is copied or handed to the
+        core, is named with the step's folder."""
+        try:
+            yield
+        except CheckpointError as e:
+            name_file(e, self._step_folder(step))
+            raise
+
+    def _step_folder(self, step: int) -> str:
+        """The step's folder, as messages name it (a path, or on object storage its URL)."""
+        return f"{self._where.rstrip('/')}/{steps.step_directory_name(step)}"
 
     def _commit(self, attempt: Attempt, meta: dict[str, Any]) -> CheckpointInfo:
         """Records the written files (sizes, SHA-256s) in the metadata, verifies and validates
