@@ -203,6 +203,28 @@ def test_keys_other_than_str_and_int_are_refused(tmp_path, key):
         assert manager.all_steps() == []
 
 
+@pytest.mark.parametrize(
+    ("save", "kind", "argument"),
+    [
+        ({"metrics": [("loss", 1.0)]}, TypeError, "metrics"),
+        ({"metadata": "notes"}, TypeError, "metadata"),
+        ({"metadata": [("a", 1)]}, TypeError, "metadata"),
+        ({"rng_state": 5}, TypeError, "rng_state"),
+        ({"include_optimizer_state": "no"}, TypeError, "include_optimizer_state"),
+        ({"dataset_fingerprint": 5}, TypeError, "dataset_fingerprint"),
+        ({"metrics": {"loss": "0.5"}}, TypeError, "metrics"),
+        ({"metrics": {"loss": 10**400}}, ValueError, "metrics"),  # ranked as a float: it would fail after the commit
+        ({"metadata": {"x": 10**5000}}, ValueError, "metadata"),  # Python could not read it back
+    ],
+)
+def test_save_arguments_that_metadata_json_cannot_hold_are_refused_naming_them(tmp_path, save, kind, argument):
+    with CheckpointManager(tmp_path, keep_best=("loss", "min", 1)) as manager:
+        with pytest.raises(kind) as caught:
+            manager.save(state(), 1, **save)
+        assert isinstance(caught.value, InvalidArgumentError) and caught.value.argument == argument
+        assert manager.all_steps() == []
+
+
 def test_int_keys_are_written_as_their_digits(tmp_path):
     with CheckpointManager(tmp_path, config={np.int64(3): "layers", 10**30: "big"}) as manager:
         manager.save(state(), 1, metadata={1: "one", -2: "minus two"})

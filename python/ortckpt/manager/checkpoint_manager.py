@@ -421,8 +421,11 @@ class CheckpointManager:
 
         ``step`` (and ``epoch``, when given) also go into the checkpoint's properties, where
         ONNX Runtime sees them; both are ints (NumPy integers too). ``metrics`` (numbers; NaN
-        and infinities round-trip) rank checkpoints for ``keep_best``; ``metadata`` is any
-        JSON-able data of yours; ``rng_state`` comes from :func:`ortckpt.capture_rng_state`.
+        and infinities round-trip) rank checkpoints for ``keep_best``; ``metadata`` is a mapping
+        of JSON-able data of yours (keys str or int, two never the same once written as JSON's
+        strings; floats come back as floats, NaN and infinities too); ``rng_state`` comes from
+        :func:`ortckpt.capture_rng_state`. What metadata.json cannot hold is refused here,
+        naming its key (:class:`~ortckpt.InvalidArgumentError`).
         With ``async_save``, returns once the state is copied; otherwise once it is committed.
         With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
         :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
@@ -469,6 +472,9 @@ class CheckpointManager:
             raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
         step = as_step(step)
         epoch = None if epoch is None else as_integer("epoch", epoch)
+        arguments.flag("include_optimizer_state", include_optimizer_state)
+        for name, value in (("metrics", metrics), ("metadata", metadata), ("rng_state", rng_state)):
+            arguments.mapping(name, value)
         self.wait()  # one save at a time; raises the previous async save's error
         latest = self.latest_step()
         if step in self.all_steps():

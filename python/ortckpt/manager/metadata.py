@@ -130,6 +130,10 @@ def check_serializable(metadata: Mapping[str, Any], where: str = METADATA_NAME) 
                 "metrics",
                 f"metrics[{name!r}]",
             )
+        if isinstance(value, (int, np.integer)) and not -_FLOAT_INTS <= value <= _FLOAT_INTS:
+            raise InvalidArgumentError(  # (a metric is ranked, and tracked, as a float)
+                f"{where}: metrics[{name!r}] is past a float's range", "metrics", f"metrics[{name!r}]"
+            )
     fingerprint = metadata.get("dataset_fingerprint")
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise InvalidArgumentTypeError(
@@ -163,8 +167,11 @@ def check_config(config: Any, where: str) -> dict[str, Any]:
 # How the places in metadata.json are called in messages: by the argument that gave them.
 _ARGUMENTS = {"user": "metadata"}
 
-# Python writes no int of more digits than this (sys.get_int_max_str_digits()), nor reads one back.
+# Python neither writes nor reads back an int of more than 4300 digits (sys.get_int_max_str_digits()
+# by default); 4000 bits are 1205 digits, well inside.
 _MAX_INT_BITS = 4000
+# The largest int a float holds (about 1.8e308).
+_FLOAT_INTS = int(np.finfo(np.float64).max)
 
 
 class _Encoder:
