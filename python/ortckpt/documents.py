@@ -247,11 +247,12 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 ATTEMPT = re.compile(r"[0-9a-f]{32}")
 
 
-# JSON has no NaN nor infinities: metadata.json holds a non-finite float as the string "nan",
-# "inf" or "-inf", and lists where under this key (each place a list of keys and indices from
-# the document's top, e.g. ["config", "max_grad_norm"]), so that exactly those strings become
-# floats again and a string "inf" of the user's stays a string. Metrics are numbers: their
-# strings are decoded without a list (as metadata.json written before the list held them).
+# JSON has no NaN nor infinities: metadata.json (and a sharded index.json, for its properties
+# and learning rates) holds a non-finite float as the string "nan", "inf" or "-inf", and lists
+# where under this key (each place a list of keys and indices from the document's top, e.g.
+# ["config", "max_grad_norm"]), so that exactly those strings become floats again and a string
+# "inf" of the user's stays a string. Metrics are numbers: their strings are decoded without a
+# list (as metadata.json written before the list held them).
 NON_FINITE_KEY = "non_finite"
 
 

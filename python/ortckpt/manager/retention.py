@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .. import arguments
-from .arguments import keep_best
+from . import arguments as options
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         # Checked (naming the argument: a float or a bool is no count) and kept as plain ints.
         object.__setattr__(self, "max_to_keep", arguments.optional_count("max_to_keep", self.max_to_keep))
-        object.__setattr__(self, "keep_best", keep_best(self.keep_best))
+        object.__setattr__(self, "keep_best", options.keep_best(self.keep_best))
         object.__setattr__(self, "keep_every", arguments.optional_count("keep_every", self.keep_every))
 
     @property
