@@ -24,10 +24,13 @@ from .errors import (
     CheckpointLockedError,
     CheckpointStateError,
     InternalError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     ObjectStoreError,
     SpecialFileError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
+    ValueOverflowError,
 )
 
 # The rest is imported on first use (PEP 562), so `import ortckpt` costs the checkpoint
@@ -109,6 +112,8 @@ __all__ = [
     "CheckpointStateError",
     "Forward",
     "InternalError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "ObjectStoreError",
     "OptimizerGroup",
     "PackedBits",
@@ -120,6 +125,7 @@ __all__ = [
     "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
+    "ValueOverflowError",
     "Verified",
     "__version__",
     "apply",
