@@ -51,6 +51,7 @@ from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, OptimizerGroup
 from .dtypes import PackedBits
 from .errors import CheckpointStateError, InvalidArgumentError, InvalidArgumentTypeError, ValueOverflowError
+from .progress import Bar, Hidden, maybe_bar
 
 Source = CheckpointState | str | os.PathLike
 
@@ -81,6 +82,7 @@ def average(
     include_optimizer_state: bool = False,
     frozen: str = "equal",
     out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
     **save_options: Any,
 ) -> CheckpointState:
     """The weighted mean of checkpoints (paths or states): FedAvg.
@@ -98,8 +100,9 @@ def average(
     ``num_samples`` is the sources' sum when all have one (none otherwise). With ``out``, the
     result is written there as it is computed and returned loaded from it (``save_options``:
     :meth:`CheckpointState.save_checkpoint`'s ``external_data_threshold`` and ``durable``).
+    ``progress``: a bar (tqdm) over the bytes computed, as every function here takes.
     """
-    _check_arguments(sources, include_optimizer_state, frozen, out, save_options, "average")
+    _check_arguments(sources, include_optimizer_state, frozen, out, save_options, "average", progress)
     given = None if weights is None else _weights(weights, len(sources))
     states = _open_all(sources)
     samples = _num_samples(states)
@@ -128,24 +131,34 @@ def average(
     properties.pop("num_samples", None)
     if samples is not None:
         properties["num_samples"] = _sum_of_samples(samples, states)
-    return _combine(states, mean, properties, include_optimizer_state, frozen, out, "average", save_options)
+    return _combine(states, mean, properties, include_optimizer_state, frozen, out, "average", save_options, progress)
 
 
-def delta(a: Source, b: Source, *, out: str | os.PathLike[str] | None = None, **save_options: Any) -> CheckpointState:
+def delta(
+    a: Source, b: Source, *, out: str | os.PathLike[str] | None = None, progress: bool = False, **save_options: Any
+) -> CheckpointState:
     """``a - b``: a checkpoint of the differences of the trainable float parameters (frozen
     and other tensors as they are in ``a``, and ``a``'s properties): what a device uploads."""
-    _check_arguments([a, b], False, "first", out, save_options, "delta")
-    return _combine(_open_all([a, b]), lambda c: c[0] - c[1], None, False, "first", out, "delta", save_options)
+    _check_arguments([a, b], False, "first", out, save_options, "delta", progress)
+    return _combine(
+        _open_all([a, b]), lambda c: c[0] - c[1], None, False, "first", out, "delta", save_options, progress
+    )
 
 
 def apply(
-    base: Source, delta: Source, scale: float = 1.0, *, out: str | os.PathLike[str] | None = None, **save_options: Any
+    base: Source,
+    delta: Source,
+    scale: float = 1.0,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    **save_options: Any,
 ) -> CheckpointState:
     """``base + scale * delta``: a server update from a device's delta (``scale``, a finite
     number, a learning rate); frozen and other tensors, and the properties, as they are in
     ``base``."""
     s = arguments.finite("scale", scale)
-    _check_arguments([base, delta], False, "first", out, save_options, "apply")
+    _check_arguments([base, delta], False, "first", out, save_options, "apply", progress)
     return _combine(
         _open_all([base, delta]),
         lambda c: c[0] + c[1] * np.asarray(s, c[1].dtype),
@@ -155,16 +168,23 @@ def apply(
         out,
         "apply",
         save_options,
+        progress,
     )
 
 
 def interpolate(
-    a: Source, b: Source, t: float, *, out: str | os.PathLike[str] | None = None, **save_options: Any
+    a: Source,
+    b: Source,
+    t: float,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    **save_options: Any,
 ) -> CheckpointState:
     """``(1 - t) * a + t * b``: model merging (``t``, a finite number: 0 gives ``a``'s values,
     1 ``b``'s; past them, extrapolation)."""
     tt = arguments.finite("t", t)
-    _check_arguments([a, b], False, "equal", out, save_options, "interpolate")
+    _check_arguments([a, b], False, "equal", out, save_options, "interpolate", progress)
     return _combine(
         _open_all([a, b]),
         lambda c: c[0] * np.asarray(1 - tt, c[0].dtype) + c[1] * np.asarray(tt, c[1].dtype),
@@ -174,6 +194,7 @@ def interpolate(
         out,
         "interpolate",
         save_options,
+        progress,
     )
 
 
@@ -190,8 +211,10 @@ def _check_arguments(
     out: Any,
     save_options: dict[str, Any],
     what: str,
+    progress: Any,
 ) -> None:
     """The arguments every function takes, refused before any checkpoint is read."""
+    arguments.flag("progress", progress)
     if isinstance(sources, (str, bytes, os.PathLike)) or not isinstance(sources, Sequence):
         raise InvalidArgumentTypeError(
             f"{what}: sources is a list of checkpoints (paths or states), got {type(sources).__name__}", "sources"
@@ -419,8 +442,25 @@ def _combine(
     out: str | os.PathLike[str] | None,
     what: str,
     save_options: dict[str, Any],
+    progress: bool,
 ) -> CheckpointState:
     plan = _plan(sources, include_optimizer_state, frozen, what)
+    computed = sum(dtype.itemsize * math.prod(shape) for dtype, shape, _ in plan.combined.values())
+    with maybe_bar(progress, what, computed) as bar:
+        return _computed(sources, plan, combine, properties, include_optimizer_state, out, what, save_options, bar)
+
+
+def _computed(
+    sources: list[_Opened],
+    plan: _Plan,
+    combine: Combine,
+    properties: dict[str, Any] | None,
+    include_optimizer_state: bool,
+    out: str | os.PathLike[str] | None,
+    what: str,
+    save_options: dict[str, Any],
+    bar: Bar | Hidden,
+) -> CheckpointState:
     groups = _groups(sources, what) if include_optimizer_state else {}
     if properties is None:
         properties = dict(sources[0].properties)
@@ -444,6 +484,7 @@ def _combine(
             result = chunk(key, raw, start)
             for source, part in zip(sources, raw, strict=True):
                 source.done_with(part)
+            bar.update(result.nbytes)
             yield start, result
 
     if out is None or targets.is_object_url(out):

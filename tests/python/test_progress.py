@@ -7,6 +7,7 @@ import sys
 import threading
 
 import numpy as np
+import ortckpt
 import pytest
 from ortckpt import CheckpointManager, CheckpointState, _core, compression
 from ortckpt import progress as progress_module
@@ -179,6 +180,19 @@ def test_bars_show_for_streams_and_compression(tmp_path, monkeypatch, capfd):
     compression.decompress(tmp_path / "c.zst", tmp_path / "back", progress=True)
     assert "decompressing c.zst" in capfd.readouterr().err
     assert CheckpointState.load_checkpoint(tmp_path / "back").parameters["w"].data.sum() == 8 << 18
+
+
+@pytest.mark.parametrize("out", [None, "mean"])
+def test_bars_show_for_arithmetic(tmp_path, monkeypatch, capfd, out):
+    monkeypatch.setattr(progress_module, "DELAY_SECONDS", 0)
+    target = None if out is None else tmp_path / out
+    mean = ortckpt.average([state_of(8), state_of(8)], progress=True, out=target)
+    assert "average" in capfd.readouterr().err
+    assert mean.parameters["w"].data.sum() == 8 << 18
+    ortckpt.apply(mean, mean, 0.5, progress=True, out=target)
+    assert "apply" in capfd.readouterr().err
+    with pytest.raises(TypeError, match="progress"):
+        ortckpt.average([state_of(1)], progress="yes")
 
 
 def test_a_bar_counts_from_any_thread():
