@@ -78,6 +78,18 @@ _inference_outputs = click.option(
 )
 
 
+class Name(click.Path):
+    """A file, directory or URL; an empty one is bad usage (it would name the current directory)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "":
+            self.fail("an empty name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+NAME = Name()
+
+
 class Number(click.ParamType):
     """A finite number (``inf`` and ``nan`` are bad usage), at least ``minimum`` if given."""
 
@@ -184,7 +196,7 @@ def main() -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="List tensors, optimizer groups, properties and totals.")
-@click.argument("path", type=click.Path())
+@click.argument("path", type=NAME)
 @click.option("--from", "fmt", type=FORMAT_CHOICE, help="The file's format (default: detected).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
 @click.option(
@@ -243,7 +255,7 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Check that a checkpoint is whole and readable.")
-@click.argument("path", type=click.Path())
+@click.argument("path", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
 @_fail_cleanly
@@ -286,8 +298,8 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Compare two checkpoints, with tolerances.")
-@click.argument("a", type=click.Path())
-@click.argument("b", type=click.Path())
+@click.argument("a", type=NAME)
+@click.argument("b", type=NAME)
 @click.option("--rtol", type=Number(minimum=0), default=0.0, show_default=True, help="Relative tolerance for values.")
 @click.option("--atol", type=Number(minimum=0), default=0.0, show_default=True, help="Absolute tolerance for values.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
@@ -335,8 +347,8 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 
 
 @main.command(epilog=EXIT_CODES, short_help="Convert between checkpoint, safetensors, ONNX and torch files.")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
 @click.option("--to", "dst_format", type=FORMAT_CHOICE, help="DST's format (default: from its extension).")
 @click.option(
@@ -347,7 +359,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 )
 @click.option("--no-optimizer", is_flag=True, help="Leave the optimizer state out.")
 @click.option(
-    "--model", type=click.Path(), help="For an ONNX destination: the eval model (or any model) that takes the weights."
+    "--model", type=NAME, help="For an ONNX destination: the eval model (or any model) that takes the weights."
 )
 @click.option(
     "--output",
@@ -405,8 +417,8 @@ def convert(
 
 
 @main.command(epilog=EXIT_CODES, short_help="Write a checkpoint's nominal twin (names and types only).")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
@@ -426,9 +438,9 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Export an inference ONNX model from a checkpoint and its eval model.")
-@click.argument("checkpoint", type=click.Path())
-@click.argument("eval_model", type=click.Path())
-@click.argument("out", type=click.Path())
+@click.argument("checkpoint", type=NAME)
+@click.argument("eval_model", type=NAME)
+@click.argument("out", type=NAME)
 @_inference_outputs
 @click.option(
     "--external-data/--no-external-data",
@@ -456,8 +468,8 @@ def export(
 
 
 @main.command(epilog=EXIT_CODES, short_help="Rewrite an ONNX Runtime 1.16 checkpoint (version 1) as version 2.")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def upgrade(src: str, dst: str, as_json: bool) -> None:
@@ -473,8 +485,8 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Compress a checkpoint kept for the long term (zstd).")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--level", type=click.IntRange(1, 22), default=3, show_default=True, help="The zstd level.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
@@ -493,8 +505,8 @@ def compress(src: str, dst: str, level: int, as_json: bool) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Write a compressed checkpoint back as the checkpoint it was.")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def decompress(src: str, dst: str, as_json: bool) -> None:
@@ -513,9 +525,9 @@ def decompress(src: str, dst: str, as_json: bool) -> None:
 @main.command(
     "register-best", epilog=EXIT_CODES, short_help="Register a run's best checkpoint in MLflow's model registry."
 )
-@click.argument("directory", type=click.Path())
+@click.argument("directory", type=NAME)
 @click.argument("name")
-@click.argument("eval_model", type=click.Path())
+@click.argument("eval_model", type=NAME)
 @_inference_outputs
 @click.option("--metric", help="The metric to rank by (default: the one the run's checkpoints have, if only one).")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True, help="Best is min or max.")
@@ -597,8 +609,8 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Weighted mean of checkpoints (federated averaging).")
-@click.argument("out", type=click.Path())
-@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(), metavar="SOURCES...")
+@click.argument("out", type=NAME)
+@click.argument("checkpoints", nargs=-1, required=True, type=NAME, metavar="SOURCES...")
 @click.option(
     "--weights",
     type=Weights(),
@@ -643,9 +655,9 @@ def average(
 
 
 @main.command("delta", epilog=EXIT_CODES, short_help="Write A - B (what changed).")
-@click.argument("a", type=click.Path())
-@click.argument("b", type=click.Path())
-@click.argument("out", type=click.Path())
+@click.argument("a", type=NAME)
+@click.argument("b", type=NAME)
+@click.argument("out", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def delta_command(a: str, b: str, out: str, as_json: bool) -> None:
@@ -661,9 +673,9 @@ def delta_command(a: str, b: str, out: str, as_json: bool) -> None:
 
 
 @main.command("apply", epilog=EXIT_CODES, short_help="Write BASE + scale * DELTA.")
-@click.argument("base", type=click.Path())
-@click.argument("delta", type=click.Path())
-@click.argument("out", type=click.Path())
+@click.argument("base", type=NAME)
+@click.argument("delta", type=NAME)
+@click.argument("out", type=NAME)
 @click.option(
     "--scale", type=Number(), default=1.0, show_default=True, help="The (finite) factor DELTA is multiplied by."
 )
