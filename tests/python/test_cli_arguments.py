@@ -67,28 +67,29 @@ def eval_model(path: Path) -> Path:
     return path
 
 
-def step_folders(root: str) -> dict[str, str]:
-    """Step folders of each kind under ``root`` (a directory or an s3:// prefix): a manager's
-    plain step, its sharded step (comm=), and a sharded step saved without a manager; and in a
-    directory, a compressed step (compress_kept)."""
-    join = (lambda *parts: "/".join(parts)) if root.startswith("s3://") else os.path.join
-    with CheckpointManager(join(root, "plain"), external_data_threshold=64) as manager:
-        manager.save(state(), step=1000, metrics={"loss": 0.5})
-    with CheckpointManager(join(root, "sharded"), comm=SingleProcess()) as manager:
-        manager.save(state(), step=20)
-    save_sharded(state(), join(root, "bare"), step=30)
-    found = {
-        "plain": join(root, "plain", "step_00001000"),
-        "sharded": join(root, "sharded", "step_00000020"),
-        "bare sharded": join(root, "bare", "step_00000030"),
-    }
-    if not root.startswith("s3://"):  # (compress_kept: directories only)
-        with CheckpointManager(join(root, "compressed"), max_to_keep=1, keep_every=1, compress_kept=True) as manager:
+def step_folder(run: str, kind: str = "plain") -> str:
+    """A step folder of ``kind`` in the run ``run`` (a directory or an s3:// prefix): a
+    manager's plain step (step 1000, metric loss), its sharded step (comm=), a sharded step
+    saved without a manager, or (directories only) a step compressed by compress_kept."""
+    if kind == "plain":
+        with CheckpointManager(run, external_data_threshold=64) as manager:
+            manager.save(state(), step=1000, metrics={"loss": 0.5})
+        number = 1000
+    elif kind == "sharded":
+        with CheckpointManager(run, comm=SingleProcess()) as manager:
+            manager.save(state(), step=20)
+        number = 20
+    elif kind == "bare sharded":
+        save_sharded(state(), run, step=30)
+        number = 30
+    else:
+        assert kind == "compressed"
+        with CheckpointManager(run, max_to_keep=1, keep_every=1, compress_kept=True) as manager:
             manager.save(state(), step=1)
             manager.save(state(), step=2)
-        found["compressed"] = join(root, "compressed", "step_00000001")
-        assert sorted(os.listdir(found["compressed"])) == ["checkpoint.zst", "metadata.json"]
-    return found
+        assert sorted(os.listdir(f"{run}/step_00000001")) == ["checkpoint.zst", "metadata.json"]
+        number = 1
+    return f"{run}/step_{number:08d}"
 
 
 def every_command_reads(step: str, tmp: Path) -> None:
@@ -142,7 +143,7 @@ def every_command_reads(step: str, tmp: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["plain", "compressed", "sharded", "bare sharded"])
 def test_every_command_takes_a_local_step_folder(tmp_path, kind):
-    step = step_folders(str(tmp_path / "runs"))[kind]
+    step = step_folder(str(tmp_path / "run"), kind)
     every_command_reads(step, tmp_path)
 
 
@@ -150,25 +151,25 @@ def test_every_command_takes_a_local_step_folder(tmp_path, kind):
 def test_every_command_takes_a_step_folder_on_s3(s3_url, tmp_path, aws_environment, kind):
     """On s3 the checkpoint is in the folder of the attempt that committed the step: found
     through the step's document, never by the URL alone."""
-    step = step_folders(s3_url)[kind]
+    step = step_folder(f"{s3_url}/run", kind)
     every_command_reads(step, tmp_path)
 
 
 def test_a_compressed_step_decompresses_and_odd_paths_work(tmp_path):
-    folders = step_folders(str(tmp_path / "runs ünï"))
+    folders = {kind: step_folder(str(tmp_path / "runs ünï" / kind), kind) for kind in ("plain", "compressed")}
     done = ortckpt("decompress", folders["compressed"], tmp_path / "back")
     assert done.returncode == OK, done.stderr
     assert ortckpt("diff", tmp_path / "back", folders["plain"]).returncode == 1  # the step property differs only
     (tmp_path / "a link").symlink_to(folders["plain"])
     done = ortckpt("inspect", "--json", tmp_path / "a link")
     assert done.returncode == OK and json.loads(done.stdout)["step"] == 1000
-    plain_step = ortckpt("decompress", folders["plain"], tmp_path / "x")
-    assert plain_step.returncode == FAILED and "not compressed" in one_line_naming(plain_step, folders["plain"])
+    done = ortckpt("decompress", folders["plain"], tmp_path / "x")
+    assert done.returncode == FAILED and "not compressed" in one_line_naming(done, folders["plain"])
 
 
 def test_what_is_no_checkpoint_is_refused_in_one_line_naming_it(tmp_path):
-    folders = step_folders(str(tmp_path))
     run_dir = tmp_path / "plain"
+    folders = {"plain": step_folder(str(run_dir))}
     for command in ("inspect", "verify"):
         done = ortckpt(command, run_dir)
         line = one_line_naming(done, run_dir)
@@ -249,7 +250,7 @@ def test_object_storage_errors_name_the_url(s3_url, tmp_path, aws_environment):
     assert done.returncode == OK, done.stderr
     assert ortckpt("decompress", tmp_path / "kept.zst", tmp_path / "back.ckpt").returncode == OK
     assert ortckpt("diff", checkpoint, tmp_path / "back.ckpt").returncode == OK
-    step_folders(f"{s3_url}/runs")
+    step_folder(f"{s3_url}/runs/plain")
     done = ortckpt("inspect", f"{s3_url}/runs/plain")  # a run, not a step: its latest step named
     assert done.returncode == FAILED and f"{s3_url}/runs/plain/step_00001000" in one_line_naming(done, s3_url)
     for args in (("nominal", checkpoint), ("compress", checkpoint), ("export", checkpoint, tmp_path / "eval.onnx")):
@@ -297,21 +298,23 @@ def test_an_empty_name_is_bad_usage(tmp_path):
 
 
 def test_usage_errors_found_in_the_inputs_exit_2(tmp_path):
-    folders = step_folders(str(tmp_path))
-    source = folders["plain"]
+    source = step_folder(str(tmp_path / "plain"))
     model = eval_model(tmp_path / "eval.onnx")
     run_dir = str(Path(source).parent)
+    safetensors = tmp_path / "model.safetensors"
+    assert ortckpt("convert", source, safetensors).returncode == OK
     for args, named in (
         (("average", tmp_path / "m.ckpt", source, source, "--weights", "1,2,3"), "--weights"),
         (("register-best", run_dir, "name", model, "--metric", "accuracy"), "accuracy"),
         (("register-best", source, "name", model), "name the run's directory"),
         (("convert", source, tmp_path / "x.safetensors", "--frozen", "layer.bias"), "--frozen"),
         (("convert", source, tmp_path / "x.onnx"), "--model"),
+        (("convert", safetensors, tmp_path / "x.ckpt", "--frozen", "layer.bias", "--frozen", "nope"), "nope"),
         (("convert", source, tmp_path / "x.ckpt", "--to", "safetensors", "--model", "s3://b/m.onnx"), "--model"),
     ):
         done = ortckpt(*args)
         assert done.returncode == USAGE and named in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
-    assert not (tmp_path / "m.ckpt").exists() and not (tmp_path / "x.onnx").exists()
+    assert not any((tmp_path / name).exists() for name in ("m.ckpt", "x.onnx", "x.ckpt", "x.safetensors"))
     with CheckpointManager(tmp_path / "two metrics") as manager:
         manager.save(state(), step=1, metrics={"loss": 1.0, "accuracy": 0.5})
     done = ortckpt("register-best", tmp_path / "two metrics", "name", model)  # which metric? say it
@@ -323,8 +326,7 @@ def test_every_command_takes_json_and_prints_json(tmp_path, mlflow_uri):
     JSON alone on stdout."""
     from ortckpt.cli.commands import main
 
-    folders = step_folders(str(tmp_path))
-    step = folders["plain"]
+    step = step_folder(str(tmp_path / "plain"))
     model = eval_model(tmp_path / "eval.onnx")
     safetensors = tmp_path / "m.safetensors"
     archive = tmp_path / "kept.zst"

@@ -394,12 +394,7 @@ def convert(
         raise click.UsageError("writing an ONNX model needs the model whose inputs take the weights: --model MODEL")
     with sources.checkpoint(src) as found:
         source_format = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
-        if frozen and source_format == "ortckpt":
-            raise click.BadParameter(
-                f"{src} is a checkpoint, whose parameters say if they are frozen (safetensors, ONNX and torch "
-                "sources only)",
-                param_hint="--frozen",
-            )
+        _check_frozen(src, found.path, source_format, frozen)
         formats = run_convert(
             found.path,
             dst,
@@ -414,6 +409,24 @@ def convert(
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from": formats[0], "to": formats[1]})
     click.echo(f"{src} ({formats[0]}) -> {dst} ({formats[1]})")
+
+
+def _check_frozen(src: str, path: str, fmt: str, frozen: tuple[str, ...]) -> None:
+    """Bad usage when --frozen is given for a checkpoint (its parameters say if they are frozen)
+    or names a parameter that the source does not have (one read of its names, before the
+    conversion)."""
+    if not frozen:
+        return
+    if fmt == "ortckpt":
+        raise click.BadParameter(
+            f"{src} is a checkpoint, whose parameters say if they are frozen (for safetensors, ONNX and torch)",
+            param_hint="--frozen",
+        )
+    from ..convert.files import load_any
+
+    unknown = sorted(set(frozen) - set(load_any(path, fmt).parameters.names()))
+    if unknown:
+        raise click.BadParameter(f"{src} has no parameter named {', '.join(unknown)}", param_hint="--frozen")
 
 
 @main.command(epilog=EXIT_CODES, short_help="Write a checkpoint's nominal twin (names and types only).")

@@ -106,9 +106,18 @@ def _object_step(given: str) -> StepFolder | None:
     return None
 
 
-def _committed_steps(store: StepStore) -> list[int]:
+def _committed_steps(store: DirectoryStore | ObjectStore) -> list[int]:
+    """The steps a run holds, from one listing (a hint for the message: no document is read).
+    In a directory every step folder is committed (a save renames it into place); under a
+    prefix, one whose document is there."""
     try:
-        return sorted(store.scan(steps.METADATA_NAME).steps) or sorted(store.scan(steps.INDEX_NAME).steps)
+        if isinstance(store, DirectoryStore):
+            named = (steps.step_of(entry.name) for entry in safe_io.entries(store.directory) if entry.is_dir())
+            return sorted(number for number in named if number is not None)
+        listing = object_store.list_keys(store.prefix)
+        return sorted(
+            {*steps.steps_holding(listing, steps.METADATA_NAME), *steps.steps_holding(listing, steps.INDEX_NAME)}
+        )
     except (OSError, ValueError, RuntimeError):  # (the listing failed: say what the name is not)
         return []
 
@@ -117,7 +126,7 @@ def _not_a_checkpoint(given: str, found: list[int], what: str) -> NotACheckpoint
     if found:
         latest = f"{given.rstrip('/')}/{steps.step_directory_name(found[-1])}"
         return NotACheckpointError(
-            f"{given}: a run of {len(found)} steps, not one checkpoint: name a step, e.g. {latest}"
+            f"{given}: a run of steps ({len(found)}), not one checkpoint: name a step, e.g. {latest}"
         )
     if what == "a directory":
         problem = _legacy(given)
