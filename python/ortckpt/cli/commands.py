@@ -68,6 +68,11 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+# Commands that read or write much: a bar unless asked not to (or stderr is no terminal).
+_progress_option = click.option(
+    "--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal)."
+)
+
 # `export` and `register-best`: which outputs the inference model keeps.
 _inference_outputs = click.option(
     "--output",
@@ -257,7 +262,7 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
 @main.command(epilog=EXIT_CODES, short_help="Check that a checkpoint is whole and readable.")
 @click.argument("path", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@_progress_option
 @_fail_cleanly
 def verify(path: str, as_json: bool, progress: bool | None) -> None:
     """Check that a checkpoint is whole: for a CheckpointManager step directory every file's size
@@ -303,7 +308,7 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
 @click.option("--rtol", type=Number(minimum=0), default=0.0, show_default=True, help="Relative tolerance for values.")
 @click.option("--atol", type=Number(minimum=0), default=0.0, show_default=True, help="Absolute tolerance for values.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@_progress_option
 @_fail_cleanly
 def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool | None) -> None:
     """Compare two checkpoints (of any formats): tensor names, roles, dtypes, shapes and values
@@ -368,7 +373,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     metavar="NAME",
     help="For an ONNX destination: an output to keep (repeatable); see `ortckpt export`.",
 )
-@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@_progress_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def convert(
@@ -502,8 +507,9 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
 @click.argument("dst", type=NAME)
 @click.option("--level", type=click.IntRange(1, 22), default=3, show_default=True, help="The zstd level.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def compress(src: str, dst: str, level: int, as_json: bool) -> None:
+def compress(src: str, dst: str, level: int, as_json: bool, progress: bool | None) -> None:
     """Write the checkpoint SRC (and SRC.data) as one compressed archive DST: zstd over the
     files with each floating-point tensor's bytes grouped. ONNX Runtime cannot read it:
     `ortckpt decompress` gives the checkpoint back, byte for byte."""
@@ -511,7 +517,7 @@ def compress(src: str, dst: str, level: int, as_json: bool) -> None:
 
     _local(dst, "DST")
     with sources.checkpoint(src, local=True) as found:
-        done = run_compress(found.path, dst, level=level)
+        done = run_compress(found.path, dst, level=level, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst, "bytes": done.size, "compressed_bytes": done.compressed_size})
     click.echo(f"{src} ({done.size:,} bytes) -> {dst} ({done.compressed_size:,} bytes, {done.ratio:.2f}x)")
@@ -521,15 +527,16 @@ def compress(src: str, dst: str, level: int, as_json: bool) -> None:
 @click.argument("src", type=NAME)
 @click.argument("dst", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def decompress(src: str, dst: str, as_json: bool) -> None:
+def decompress(src: str, dst: str, as_json: bool, progress: bool | None) -> None:
     """Write the checkpoint in the archive SRC to DST (and DST.data), checking every file's
     size and SHA-256 against the archive before it replaces anything."""
     from ..compression import decompress as run_decompress
 
     _local(dst, "DST")
     with sources.archive(src) as archive:
-        run_decompress(archive, dst)
+        run_decompress(archive, dst, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst})
     click.echo(f"{src} -> {dst}")
@@ -635,6 +642,7 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
     "--frozen-from-first", is_flag=True, help="Take frozen parameters from the first source even if they differ."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
 def average(
     out: str,
@@ -643,6 +651,7 @@ def average(
     include_optimizer_state: bool,
     frozen_from_first: bool,
     as_json: bool,
+    progress: bool | None,
 ) -> None:
     """Write to OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
     sources are read a chunk at a time, whatever their size. Integer, bool and string tensors and
@@ -661,6 +670,7 @@ def average(
             include_optimizer_state=include_optimizer_state,
             frozen="first" if frozen_from_first else "equal",
             out=out,
+            progress=_show_progress(progress),
         )
     if as_json:
         return _emit_json({"out": out, "sources": list(checkpoints), "weights": weights})
@@ -672,14 +682,15 @@ def average(
 @click.argument("b", type=NAME)
 @click.argument("out", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def delta_command(a: str, b: str, out: str, as_json: bool) -> None:
+def delta_command(a: str, b: str, out: str, as_json: bool, progress: bool | None) -> None:
     """Write to OUT the difference A - B of the trainable float parameters (other tensors as in A).
     A and B may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import delta as run_delta
 
     with sources.checkpoints([a, b]) as (path_a, path_b):
-        run_delta(path_a, path_b, out=out)
+        run_delta(path_a, path_b, out=out, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"a": a, "b": b, "out": out})
     click.echo(f"{out}: {a} - {b}")
@@ -693,14 +704,15 @@ def delta_command(a: str, b: str, out: str, as_json: bool) -> None:
     "--scale", type=Number(), default=1.0, show_default=True, help="The (finite) factor DELTA is multiplied by."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def apply_command(base: str, delta: str, out: str, scale: float, as_json: bool) -> None:
+def apply_command(base: str, delta: str, out: str, scale: float, as_json: bool, progress: bool | None) -> None:
     """Write to OUT the checkpoint BASE + scale * DELTA (a delta written by `ortckpt delta`).
     BASE and DELTA may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import apply as run_apply
 
     with sources.checkpoints([base, delta]) as (path_base, path_delta):
-        run_apply(path_base, path_delta, scale, out=out)
+        run_apply(path_base, path_delta, scale, out=out, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"base": base, "delta": delta, "out": out, "scale": scale})
     click.echo(f"{out}: {base} + {scale:g} * {delta}")
