@@ -409,8 +409,8 @@ KILLED_AFTER_THE_DATA_OBJECT = textwrap.dedent(
     url, options = sys.argv[1], json.loads(sys.argv[2])
     real = object_store.put_stream
 
-    def put_stream(location, pieces, digest=None):
-        size = real(location, pieces, digest)
+    def put_stream(location, pieces, digest=None, on_bytes=None):
+        size = real(location, pieces, digest, on_bytes)
         if location.key.endswith(".data"):  # the data object is up; the checkpoint is next
             os.kill(os.getpid(), signal.SIGKILL)
         return size

@@ -121,8 +121,8 @@ def test_a_failed_upload_is_aborted_and_the_previous_object_stays(s3_server, s3_
     real_parts = object_store._parts
     before = set(s3_server.pending_uploads())
 
-    def failing_parts(pieces, digest=None):
-        for i, part in enumerate(real_parts(pieces, digest)):
+    def failing_parts(pieces, digest=None, on_bytes=None):
+        for i, part in enumerate(real_parts(pieces, digest, on_bytes)):
             if i == 2:
                 assert set(s3_server.pending_uploads()) - before, "the upload is under way"
                 raise OSError("the disk under the arrays failed")
@@ -144,8 +144,8 @@ def test_the_server_stopping_mid_upload_fails_the_save_and_keeps_the_previous(s3
     stopped = threading.Event()
     real_parts = object_store._parts
 
-    def parts_then_stop(pieces, digest=None):
-        for i, part in enumerate(real_parts(pieces, digest)):
+    def parts_then_stop(pieces, digest=None, on_bytes=None):
+        for i, part in enumerate(real_parts(pieces, digest, on_bytes)):
             if i == 1:
                 s3_server.stop()  # the server goes away with the upload half done
                 stopped.set()

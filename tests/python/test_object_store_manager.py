@@ -202,10 +202,10 @@ def test_a_failed_upload_leaves_nothing(s3_server, s3_url, monkeypatch):
         committed = keys(s3_url, options)
         put_stream = object_store.put_stream
 
-        def fails_on_the_second(location, pieces, digest=None):
+        def fails_on_the_second(location, pieces, digest=None, on_bytes=None):
             if location.key.endswith("/checkpoint"):  # the data file went up first
                 raise ortckpt.ObjectStoreError(location.url, "disk full")
-            return put_stream(location, pieces, digest)
+            return put_stream(location, pieces, digest, on_bytes)
 
         monkeypatch.setattr(object_store, "put_stream", fails_on_the_second)
         with pytest.raises(ortckpt.ObjectStoreError, match="disk full"):
@@ -433,8 +433,8 @@ def test_the_server_stopping_mid_save_leaves_the_previous_step_the_latest(s3_ser
     committed = keys(s3_url, options)
     real_parts = object_store._parts
 
-    def parts_then_stop(pieces, digest=None):
-        for i, part in enumerate(real_parts(pieces, digest)):
+    def parts_then_stop(pieces, digest=None, on_bytes=None):
+        for i, part in enumerate(real_parts(pieces, digest, on_bytes)):
             if i == 1:
                 s3_server.stop()  # with the data object's upload half done
             yield part
