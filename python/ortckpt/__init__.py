@@ -28,6 +28,7 @@ from .errors import (
     SpecialFileError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
+    ValidationTimeoutError,
 )
 
 # The rest is imported on first use (PEP 562), so `import ortckpt` costs the checkpoint
@@ -120,6 +121,7 @@ __all__ = [
     "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
+    "ValidationTimeoutError",
     "Verified",
     "__version__",
     "apply",

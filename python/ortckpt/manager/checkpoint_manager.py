@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -50,6 +48,7 @@ from .. import _boundary, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..stepstore import Attempt, Step, StepStore, open_store
+from . import child
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
 from .integrity import Verified, verify_step
@@ -162,8 +161,11 @@ class CheckpointManager:
         durable: fsync each checkpoint's files and directories before it counts as saved (on
             object storage an object is durable once its PUT returns: nothing changes).
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
-            True in this process, ``"process"`` in a fresh Python process (directories only).
-            A checkpoint that fails is not committed.
+            True in this process, ``"process"`` in a fresh Python process (directories only; it
+            imports the same ortckpt as this one). A checkpoint that fails is not committed.
+        verify_timeout: For ``verify_after_save="process"``: seconds the fresh process may take
+            (default: 120 s plus 1 s per 64 MiB of checkpoint); past it, it is killed and the
+            step refused (:class:`~ortckpt.ValidationTimeoutError`).
         compress_kept: Compress the steps kept only by ``keep_every`` or ``keep_best`` (never the
             latest, nor the newest ``max_to_keep``) into ``checkpoint.zst`` (:mod:`ortckpt.compression`):
             ONNX Runtime cannot read them, :meth:`restore` and ``load()`` decompress them, and
@@ -212,6 +214,7 @@ class CheckpointManager:
         async_save: bool = False,
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
+        verify_timeout: float | None = None,
         validate: Forward | None = None,
         compress_kept: bool = False,
         track: str | Tracker | None = None,
@@ -238,6 +241,9 @@ class CheckpointManager:
             raise ValueError(f"save_every must be at least 1, got {save_every}")
         if verify_after_save not in (False, True, "process"):
             raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
+        child.check_timeout("verify_timeout", verify_timeout)
+        if verify_timeout is not None and verify_after_save != "process":
+            raise ValueError('verify_timeout is for verify_after_save="process" (a check in this process cannot be cut)')
         if run_id is not None and not isinstance(run_id, str):
             raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         if remote:
@@ -253,6 +259,7 @@ class CheckpointManager:
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save
+        self.verify_timeout = verify_timeout
         self.config = dict(config or {})
         self.external_data_threshold = external_data_threshold
         self.validate = validate
@@ -513,7 +520,7 @@ class CheckpointManager:
         if not self.store.local:
             meta["attempt"] = attempt.where
         if self.verify_after_save == "process":
-            _verify_in_new_process(Path(attempt.folder), meta)
+            _verify_in_new_process(Path(attempt.folder), meta, self.verify_timeout)
         elif self.verify_after_save:
             verify_step(self.store, Step(attempt.step, meta, attempt.folder))
         if self.validate is not None:
@@ -790,23 +797,12 @@ class CheckpointManager:
 ObjectStoreCheckpointManager = CheckpointManager
 
 
-def _verify_in_new_process(directory: Path, meta: dict[str, Any]) -> None:
+def _verify_in_new_process(directory: Path, meta: dict[str, Any], timeout: float | None) -> None:
     """Verifies the staged step in a fresh Python process that imports what this one did."""
-    code = "import sys, ortckpt; ortckpt.verify(sys.argv[1])"
+    if timeout is None:
+        timeout = child.default_timeout(sum(int(f.get("bytes", 0)) for f in meta["files"].values()))
     _metadata.write(directory, meta, False)  # what verify checks the files against
     try:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(directory)], capture_output=True, text=True, check=False, env=env
-        )
+        child.run(child.verify, (str(directory),), subject=directory, what="verification process", timeout=timeout)
     finally:
         os.unlink(directory / steps.METADATA_NAME)
-    if done.returncode != 0:
-        raise CheckpointIntegrityError(
-            directory,
-            [
-                done.stderr.strip().splitlines()[-1]
-                if done.stderr
-                else f"verification process exited with {done.returncode}"
-            ],
-        )

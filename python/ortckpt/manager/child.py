@@ -1,0 +1,261 @@
+"""A check of a new checkpoint in a fresh Python process, before the manager commits it.
+
+``verify_after_save="process"`` and ``validate=Forward(..., process=True)`` run their check in a
+child, so that a crash in a kernel cannot take the training down. Each way in or out of the
+child is a channel of its own:
+
+- what to run travels in a file of a private temporary directory, with this process's
+  ``sys.path`` and the file of every top-level package the check needs (ortckpt, the module of
+  a user's ``check``): the child imports the very files this process imported, even from a
+  ``sys.path`` entry made at run time, or a relative one this process has since left by ``chdir``;
+- the verdict (the problems found, or what the child raised) comes back in a file of that
+  directory, written whole by the child;
+- whatever the child prints (stdout and stderr, one pipe) is drained as it comes and logged
+  line by line by the logger ``ortckpt.manager.child`` (INFO), never read as a verdict.
+
+The child runs in a session of its own: at its deadline, or as soon as it is done, its whole
+process group is killed, so neither a hung check nor a helper it started outlives the save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import CheckpointIntegrityError, ValidationTimeoutError
+
+log = logging.getLogger(__name__)
+
+# The default deadline: a fixed allowance (starting Python, importing ONNX Runtime, a forward
+# pass) plus the time to read the checkpoint at a slow disk's pace.
+BASE_TIMEOUT = 120.0
+BYTES_PER_SECOND = 64 << 20
+
+_LOGGED_LINES = 1000  # of one child's output; past it, lines are drained and counted
+_LINE_CHARS = 4096  # a longer line is logged cut
+_OUTPUT_GRACE = 5.0  # seconds to finish reading the output once the child's group is gone
+
+# Runs in the child with nothing imported but the standard library: restores the parent's
+# sys.path and packages, runs the check and writes its verdict, then exits at once (a thread the
+# check left running would otherwise hold the child until its deadline).
+_BOOTSTRAP = """
+import importlib.util, json, os, pickle, sys, traceback
+request, verdict_file = sys.argv[1], sys.argv[2]
+try:
+    with open(request, "rb") as f:
+        sys.path[:] = pickle.load(f)
+        for name, origin, locations in pickle.load(f):
+            spec = importlib.util.spec_from_file_location(name, origin, submodule_search_locations=locations)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        function, args = pickle.load(f)
+    verdict = {"problems": [str(p) for p in function(*args)]}
+except BaseException as e:
+    verdict = {"raised": f"{type(e).__name__}: {e}".strip(), "traceback": traceback.format_exc()}
+with open(verdict_file + ".part", "w", encoding="utf-8") as f:
+    json.dump(verdict, f)
+os.replace(verdict_file + ".part", verdict_file)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
+
+def default_timeout(checkpoint_bytes: int) -> float:
+    """The deadline of a check of a checkpoint of this many bytes: 120 s plus 1 s per 64 MiB."""
+    return BASE_TIMEOUT + checkpoint_bytes / BYTES_PER_SECOND
+
+
+def check_timeout(name: str, timeout: Any) -> None:
+    """Refuses a deadline that is not a positive number of seconds (None: the default)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} is a number of seconds, got {type(timeout).__name__}")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout}")
+
+
+def run(
+    function: Callable[..., Iterable[str]],
+    args: tuple[Any, ...],
+    *,
+    subject: object,
+    what: str,
+    timeout: float,
+    modules: Iterable[str] = (),
+) -> None:
+    """Runs ``function(*args)`` (a module-level function returning the problems it found) in a
+    fresh Python process, and raises :class:`~ortckpt.CheckpointIntegrityError` naming
+    ``subject`` unless it found none: its problems, how the child failed (an exception, a
+    signal, an exit without a verdict), or :class:`~ortckpt.ValidationTimeoutError` past
+    ``timeout`` seconds. ``what`` names the child in messages and logs; ``modules``, the modules
+    besides ortckpt that unpickling ``function`` and ``args`` imports."""
+    with tempfile.TemporaryDirectory(prefix="ortckpt-check-") as private:  # mode 0700: this user's alone
+        request = os.path.join(private, "request.pickle")
+        verdict_file = os.path.join(private, "verdict.json")
+        with open(request, "wb") as f:
+            pickle.dump(_search_path(), f)
+            pickle.dump(_package_files(["ortckpt", *modules]), f)
+            pickle.dump((function, args), f)
+        command = [sys.executable, *_interpreter_flags(), "-c", _BOOTSTRAP, request, verdict_file]
+        child = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        assert child.stdout is not None
+        output = _Output(child.stdout, what)
+        timed_out = False
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # also when the wait is interrupted (Ctrl-C): nothing of the child survives the save
+            _kill_group(child.pid)
+            child.wait()
+            output.finish()
+        verdict = _read_verdict(verdict_file)
+    if timed_out:
+        raise ValidationTimeoutError(
+            subject,
+            f"the {what} ran past its timeout of {timeout:g} s and was killed (with every process it started)",
+            timeout,
+        )
+    if verdict is None:
+        code = child.returncode
+        if code < 0:
+            how = f"was killed by signal {_signal_name(-code)}"
+        else:
+            how = f"exited with status {code}"
+        problems = [f"the {what} {how} without giving a verdict" + output.last_words()]
+    elif "raised" in verdict:
+        log.info("%s failed:\n%s", what, verdict.get("traceback", ""))
+        problems = [f"the {what} failed: {verdict['raised']}"]
+    else:
+        problems = list(verdict["problems"])
+    if problems:
+        raise CheckpointIntegrityError(subject, problems)
+
+
+def verify(directory: str) -> list[str]:
+    """What :func:`ortckpt.verify` finds wrong with ``directory`` (run in the child)."""
+    from .integrity import verify as verify_checkpoint
+
+    try:
+        verify_checkpoint(directory)
+    except CheckpointIntegrityError as e:
+        return e.problems
+    return []
+
+
+def _search_path() -> list[str]:
+    # Relative entries stay relative: the child starts in this process's working directory,
+    # where they mean what they mean here now.
+    return [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]
+
+
+def _package_files(names: Iterable[str]) -> list[tuple[str, str, list[str] | None]]:
+    """(name, file, package directories) of the top-level package or module of each name, as
+    this process imported it (those with no file of their own resolve by sys.path)."""
+    found: dict[str, tuple[str, str, list[str] | None]] = {}
+    for name in names:
+        top = name.partition(".")[0]
+        module = sys.modules.get(top)
+        origin = getattr(module, "__file__", None)
+        if top in found or top == "__main__" or not origin or not os.path.isfile(origin):
+            continue
+        locations = getattr(module, "__path__", None)
+        found[top] = (top, origin, None if locations is None else list(locations))
+    return list(found.values())
+
+
+def _interpreter_flags() -> list[str]:
+    # The flags this interpreter runs with (-S, -I, -E, -O, -X ..., -W ...), as multiprocessing
+    # passes them to its children.
+    flags: Callable[[], list[str]] = getattr(subprocess, "_args_from_interpreter_flags", list)
+    return flags()
+
+
+def _kill_group(pid: int) -> None:
+    # The child's session is its process group: the child and whatever it started and did not
+    # move to a session of its own.
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _read_verdict(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            verdict = json.load(f)
+    except FileNotFoundError:
+        return None
+    return verdict if isinstance(verdict, dict) else None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+class _Output:
+    """Drains the child's stdout and stderr (one pipe) in a thread as they come, logging each
+    line: a child that prints a lot never blocks on a full pipe, and nothing it prints is read
+    as its verdict."""
+
+    def __init__(self, pipe: IO[bytes], what: str) -> None:
+        self._what = what
+        self._tail: deque[str] = deque(maxlen=3)
+        self._thread = threading.Thread(target=self._drain, args=(pipe,), name="ortckpt-check-output", daemon=True)
+        self._thread.start()
+
+    def _drain(self, pipe: IO[bytes]) -> None:
+        lines = 0
+        partial = b""
+        with pipe:
+            while chunk := os.read(pipe.fileno(), 1 << 16):
+                *complete, partial = (partial + chunk).split(b"\n")
+                if len(partial) > _LINE_CHARS:  # a line without end is logged in pieces
+                    complete.append(partial)
+                    partial = b""
+                for line in complete:
+                    lines += 1
+                    self._line(line, lines)
+            if partial:
+                lines += 1
+                self._line(partial, lines)
+        if lines > _LOGGED_LINES:
+            log.info("%s: %d more lines of output not logged", self._what, lines - _LOGGED_LINES)
+
+    def _line(self, line: bytes, number: int) -> None:
+        text = line[:_LINE_CHARS].decode(errors="replace").rstrip()
+        if text:
+            self._tail.append(text)
+        if number <= _LOGGED_LINES:
+            log.info("%s: %s", self._what, text)
+
+    def finish(self) -> None:
+        """Waits for the rest of the output; a process that left the child's session may hold
+        the pipe open: the thread then ends with it, in the background."""
+        self._thread.join(_OUTPUT_GRACE)
+
+    def last_words(self) -> str:
+        """The child's last lines of output, for a message (empty if none)."""
+        return f"; its last output: {' | '.join(self._tail)}" if self._tail else ""
+
+
+__all__ = ["BASE_TIMEOUT", "BYTES_PER_SECOND", "check_timeout", "default_timeout", "run", "verify"]
