@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 from .. import _boundary, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
+from ..errors import CheckpointError, CheckpointExistsError
 from ..stepstore import Attempt, Step, StepStore, open_store
 from . import child
 from . import metadata as _metadata
@@ -243,7 +243,7 @@ class CheckpointManager:
             raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
         child.check_timeout("verify_timeout", verify_timeout)
         if verify_timeout is not None and verify_after_save != "process":
-            raise ValueError('verify_timeout is for verify_after_save="process" (a check in this process cannot be cut)')
+            raise ValueError('verify_timeout is for verify_after_save="process": a check in this process cannot be cut')
         if run_id is not None and not isinstance(run_id, str):
             raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
         if remote:

@@ -4,7 +4,7 @@
 child, so that a crash in a kernel cannot take the training down. Each way in or out of the
 child is a channel of its own:
 
-- what to run travels in a file of a private temporary directory, with this process's
+- what to run travels in a file of a private scratch directory, with this process's
   ``sys.path`` and the file of every top-level package the check needs (ortckpt, the module of
   a user's ``check``): the child imports the very files this process imported, even from a
   ``sys.path`` entry made at run time, or a relative one this process has since left by ``chdir``;
@@ -19,21 +19,21 @@ process group is killed, so neither a hung check nor a helper it started outlive
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import pickle
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import CheckpointIntegrityError, ValidationTimeoutError
+from .. import documents, safe_io
+from ..errors import CheckpointFormatError, CheckpointIntegrityError, ValidationTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,31 @@ try:
     verdict = {"problems": [str(p) for p in function(*args)]}
 except BaseException as e:
     verdict = {"raised": f"{type(e).__name__}: {e}".strip(), "traceback": traceback.format_exc()}
-with open(verdict_file + ".part", "w", encoding="utf-8") as f:
-    json.dump(verdict, f)
-os.replace(verdict_file + ".part", verdict_file)
+fd = os.open(verdict_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+with os.fdopen(fd, "wb") as f:
+    f.write(json.dumps(verdict).encode())
 sys.stdout.flush()
 sys.stderr.flush()
-os._exit(0)
+os._exit(0)  # the status that says the verdict is whole
 """
+
+
+def _checked_verdict(value: Any, where: str) -> dict[str, Any]:
+    """{"problems": [str, ...]} or {"raised": str, "traceback": str}."""
+    texts = value.get("problems") if isinstance(value, dict) and set(value) == {"problems"} else None
+    if isinstance(texts, list) and all(isinstance(p, str) for p in texts):
+        return value
+    if (
+        isinstance(value, dict)
+        and set(value) == {"raised", "traceback"}
+        and all(isinstance(v, str) for v in value.values())
+    ):
+        return value
+    raise documents.DocumentError(f"{where}: neither a list of problems nor an exception")
+
+
+# The verdict is a document of its own (problems name files: thousands fit).
+_VERDICT = documents.Kind("verdict", max_bytes=16 << 20, max_values=1 << 20, max_depth=2, check=_checked_verdict)
 
 
 def default_timeout(checkpoint_bytes: int) -> float:
@@ -103,14 +121,16 @@ def run(
     signal, an exit without a verdict), or :class:`~ortckpt.ValidationTimeoutError` past
     ``timeout`` seconds. ``what`` names the child in messages and logs; ``modules``, the modules
     besides ortckpt that unpickling ``function`` and ``args`` imports."""
-    with tempfile.TemporaryDirectory(prefix="ortckpt-check-") as private:  # mode 0700: this user's alone
-        request = os.path.join(private, "request.pickle")
-        verdict_file = os.path.join(private, "verdict.json")
-        with open(request, "wb") as f:
-            pickle.dump(_search_path(), f)
-            pickle.dump(_package_files(["ortckpt", *modules]), f)
-            pickle.dump((function, args), f)
-        command = [sys.executable, *_interpreter_flags(), "-c", _BOOTSTRAP, request, verdict_file]
+    with safe_io.scratch_directory() as private:  # this user's alone, removed even if this process is killed
+        request = private / "request.pickle"
+        verdict_file = private / "verdict.json"
+        safe_io.write_new(
+            request,
+            pickle.dumps(_search_path())
+            + pickle.dumps(_package_files(["ortckpt", *modules]))
+            + pickle.dumps((function, args)),
+        )
+        command = [sys.executable, *_interpreter_flags(), "-c", _BOOTSTRAP, str(request), str(verdict_file)]
         child = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -125,27 +145,32 @@ def run(
             _kill_group(child.pid)
             child.wait()
             output.finish()
-        verdict = _read_verdict(verdict_file)
-    if timed_out:
-        raise ValidationTimeoutError(
-            subject,
-            f"the {what} ran past its timeout of {timeout:g} s and was killed (with every process it started)",
-            timeout,
-        )
-    if verdict is None:
+        if timed_out:
+            raise ValidationTimeoutError(
+                subject,
+                f"the {what} ran past its timeout of {timeout:g} s and was killed (with every process it started)",
+                timeout,
+            )
         code = child.returncode
-        if code < 0:
-            how = f"was killed by signal {_signal_name(-code)}"
+        if code == 0 and verdict_file.exists():
+            problems = _problems(verdict_file, what)
         else:
-            how = f"exited with status {code}"
-        problems = [f"the {what} {how} without giving a verdict" + output.last_words()]
-    elif "raised" in verdict:
-        log.info("%s failed:\n%s", what, verdict.get("traceback", ""))
-        problems = [f"the {what} failed: {verdict['raised']}"]
-    else:
-        problems = list(verdict["problems"])
+            how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+            problems = [f"the {what} {how} without giving a verdict" + output.last_words()]
     if problems:
         raise CheckpointIntegrityError(subject, problems)
+
+
+def _problems(verdict_file: Path, what: str) -> list[str]:
+    """The problems in a child's verdict (what it raised is one)."""
+    try:
+        verdict = documents.parse(_VERDICT, safe_io.read_regular(verdict_file, limit=_VERDICT.max_bytes), what)
+    except (CheckpointFormatError, OSError) as e:
+        return [f"the {what} gave a verdict that cannot be read: {e}"]
+    if "raised" in verdict:
+        log.info("%s failed:\n%s", what, verdict["traceback"])
+        return [f"the {what} failed: {verdict['raised']}"]
+    return list(verdict["problems"])
 
 
 def verify(directory: str) -> list[str]:
@@ -190,19 +215,8 @@ def _interpreter_flags() -> list[str]:
 def _kill_group(pid: int) -> None:
     # The child's session is its process group: the child and whatever it started and did not
     # move to a session of its own.
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone already
-
-
-def _read_verdict(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            verdict = json.load(f)
-    except FileNotFoundError:
-        return None
-    return verdict if isinstance(verdict, dict) else None
 
 
 def _signal_name(number: int) -> str:
