@@ -47,14 +47,20 @@ def sleeps(outputs: dict[str, np.ndarray]) -> bool:
     return True
 
 
-def _start_helper() -> None:
-    # A grandchild that inherits the child's stdout and stderr and outlives it.
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+def _start_helper(escape: bool = False) -> None:
+    # A grandchild that inherits the child's stdout and stderr and outlives it; escaping: in a
+    # session of its own, out of reach of a kill of the child's process group.
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=escape)
     _record(helper.pid)
 
 
 def starts_a_helper_and_passes(outputs: dict[str, np.ndarray]) -> bool:
     _start_helper()
+    return True
+
+
+def starts_an_escaping_helper_and_passes(outputs: dict[str, np.ndarray]) -> bool:
+    _start_helper(escape=True)
     return True
 
 

@@ -156,6 +156,22 @@ def test_a_helper_the_check_leaves_running_neither_delays_the_save_nor_outlives_
     assert_nothing_left()
 
 
+def test_a_helper_that_leaves_the_childs_session_with_its_pipe_does_not_hold_the_save(
+    tmp_path: Path, mark: Path
+) -> None:
+    # Out of the child's process group, it cannot be killed with it; the save reads the output a
+    # few seconds more, then goes on (the reader ends when the helper closes the pipe).
+    forward = Forward(EVAL_MODEL, inputs=INPUTS, check=child_checks.starts_an_escaping_helper_and_passes, process=True)
+    try:
+        with CheckpointManager(tmp_path, validate=forward) as manager:
+            assert timed(lambda: manager.save(trained(), 1)) < 30
+            assert committed(manager) == [1]
+    finally:
+        for pid in map(int, mark.read_text().split()):
+            os.kill(pid, signal.SIGKILL)  # the helper this test's check started
+    assert_nothing_left()
+
+
 # --- 2. a deadline ---
 
 
