@@ -312,11 +312,11 @@ with CheckpointManager({run!r}, verify_after_save="process", validate=forward) a
 
 SETUPS = {
     # sys.path entries made at run time, absolute: the plain vendored case
-    "absolute": ("sys.path[:0] = [{vendor!r}, {checks!r}]", ""),
+    "absolute": ("sys.path[:0] = [{vendor!r}, {checks!r}, {extras!r}]", ""),
     # relative entries, and a script that then moves to its output folder
-    "relative, then chdir": ("sys.path[:0] = ['vendor', 'checks']", "os.chdir({run_parent!r})"),
+    "relative, then chdir": ("sys.path[:0] = ['vendor', 'checks', 'extras']", "os.chdir({run_parent!r})"),
     # entries dropped once imported
-    "removed after import": ("sys.path[:0] = [{vendor!r}, {checks!r}]", "del sys.path[:2]"),
+    "removed after import": ("sys.path[:0] = [{vendor!r}, {checks!r}, {extras!r}]", "del sys.path[:2]"),
 }
 
 
@@ -326,18 +326,25 @@ def test_the_child_imports_the_ortckpt_and_check_the_parent_imported(
     tmp_path: Path, setup: str, pathsep_in_name: bool
 ) -> None:
     project = tmp_path / (f"my{os.pathsep}project" if pathsep_in_name else "project")
-    vendor, checks = project / "vendor", project / "checks"
+    vendor, checks, extras = project / "vendor", project / "checks", project / "extras"
     shutil.copytree(Path(ortckpt.__file__).parent, vendor / "ortckpt", ignore=shutil.ignore_patterns("__pycache__"))
     # Each import of this copy of ortckpt says so: the log proves which ortckpt every process ran.
     imports = tmp_path / "imports.log"
     with open(vendor / "ortckpt" / "__init__.py", "a") as f:
         f.write(f"\nwith open({str(imports)!r}, 'a') as _log:\n    _log.write(__file__ + '\\n')\n")
     checks.mkdir()
-    (checks / "mychecks.py").write_text("def passes(outputs):\n    return True\n")
+    # The check's module imports a sibling; the check, when called, a module of a folder nothing was
+    # imported from before.
+    (checks / "mychecks.py").write_text(
+        "import mylimits\n\ndef passes(outputs):\n    import mythreshold\n    return mythreshold.OK and mylimits.OK\n"
+    )
+    (checks / "mylimits.py").write_text("OK = True\n")
+    extras.mkdir()
+    (extras / "mythreshold.py").write_text("OK = True\n")
     run = tmp_path / "out" / "run"
     run.parent.mkdir()
     setup_code, after_import = SETUPS[setup]
-    names = {"vendor": str(vendor), "checks": str(checks), "run_parent": str(run.parent)}
+    names = {"vendor": str(vendor), "checks": str(checks), "extras": str(extras), "run_parent": str(run.parent)}
     script = project / "train.py"
     script.write_text(
         TRAIN.format(

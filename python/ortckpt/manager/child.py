@@ -5,9 +5,12 @@ child, so that a crash in a kernel cannot take the training down. Each way in or
 child is a channel of its own:
 
 - what to run travels in a file of a private scratch directory, with this process's
-  ``sys.path`` and the file of every top-level package the check needs (ortckpt, the module of
-  a user's ``check``): the child imports the very files this process imported, even from a
-  ``sys.path`` entry made at run time, or a relative one this process has since left by ``chdir``;
+  ``sys.path`` (each entry as this process resolved it, then the folders of the modules it
+  imported from entries it has removed since) and the file of every top-level package the
+  check needs (ortckpt, the module of a user's ``check``), which the child loads from that
+  very file: a vendored ortckpt, reached through a ``sys.path`` entry made at run time, a
+  relative one this process has left by ``chdir``, or one removed once imported, is the one the
+  child runs;
 - the verdict (the problems found, or what the child raised) comes back in a file of that
   directory, written whole by the child;
 - whatever the child prints (stdout and stderr, one pipe) is drained as it comes and logged
@@ -185,20 +188,38 @@ def verify(directory: str) -> list[str]:
 
 
 def _search_path() -> list[str]:
-    # Relative entries stay relative: the child starts in this process's working directory,
-    # where they mean what they mean here now.
-    return [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]
+    """This process's sys.path as it resolves it, then the folders its imported top-level
+    modules came from that the path no longer names (an entry removed since): after the path,
+    so the child finds nothing first that this process would not. A relative entry is bound to
+    the directory it named when first used (its finder holds it), though this process may have
+    changed directory since; '' is the working directory whenever it is used, here as there."""
+    path = []
+    for item in sys.path:
+        if isinstance(item, (str, os.PathLike)):
+            entry = os.fspath(item)
+            resolved = getattr(sys.path_importer_cache.get(entry), "path", None)
+            path.append(resolved if entry and isinstance(resolved, str) else entry)
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        if "." in name or name == "__main__" or not isinstance(origin, str) or not os.path.isabs(origin):
+            continue
+        folder = os.path.dirname(origin)
+        root = os.path.dirname(folder) if hasattr(module, "__path__") else folder
+        if root not in path:
+            path.append(root)
+    return path
 
 
 def _package_files(names: Iterable[str]) -> list[tuple[str, str, list[str] | None]]:
     """(name, file, package directories) of the top-level package or module of each name, as
-    this process imported it (those with no file of their own resolve by sys.path)."""
+    this process imported it: the child loads it from the same file, whatever its sys.path
+    finds first. One with no file of its own resolves by sys.path."""
     found: dict[str, tuple[str, str, list[str] | None]] = {}
     for name in names:
         top = name.partition(".")[0]
         module = sys.modules.get(top)
         origin = getattr(module, "__file__", None)
-        if top in found or top == "__main__" or not origin or not os.path.isfile(origin):
+        if top in found or top == "__main__" or not isinstance(origin, str) or not os.path.isfile(origin):
             continue
         locations = getattr(module, "__path__", None)
         found[top] = (top, origin, None if locations is None else list(locations))
