@@ -12,7 +12,7 @@ child is a channel of its own:
   relative one this process has left by ``chdir``, or one removed once imported, is the one the
   child runs;
 - the verdict (the problems found, or what the child raised) comes back in a file of that
-  directory, written whole by the child;
+  directory, read only once the child has exited with the status that says it is whole;
 - whatever the child prints (stdout and stderr, one pipe) is drained as it comes and logged
   line by line by the logger ``ortckpt.manager.child`` (INFO), never read as a verdict.
 
