@@ -24,11 +24,14 @@ from .errors import (
     CheckpointLockedError,
     CheckpointStateError,
     InternalError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
     ObjectStoreError,
     SpecialFileError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
     ValidationTimeoutError,
+    ValueOverflowError,
 )
 
 # The rest is imported on first use (PEP 562), so `import ortckpt` costs the checkpoint
@@ -110,6 +113,8 @@ __all__ = [
     "CheckpointStateError",
     "Forward",
     "InternalError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "ObjectStoreError",
     "OptimizerGroup",
     "PackedBits",
@@ -122,6 +127,7 @@ __all__ = [
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
     "ValidationTimeoutError",
+    "ValueOverflowError",
     "Verified",
     "__version__",
     "apply",

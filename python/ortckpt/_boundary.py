@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _core
 from .dtypes import PackedBits
+from .errors import CheckpointStateError, InvalidArgumentTypeError
 
 MappedFile = _core.MappedFile
 SaveProgress = _core.SaveProgress
@@ -127,6 +128,35 @@ def split_properties(properties: Mapping[str, PropertyValue]) -> tuple[list, lis
     )
 
 
+def unencodable_at(text: str) -> int | None:
+    """Where ``text`` holds a character UTF-8 cannot encode (a lone surrogate, as a file name
+    read with ``surrogateescape`` makes), or None: the files hold UTF-8, so such text is
+    refused by name before it reaches a writer (which would raise a bare UnicodeEncodeError)."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def check_text(text: Any, what: str, tensor: str | None = None) -> None:
+    """Refuses ``text`` (``what`` says what it is: "tensor name", "property 'p': value")
+    unless it is a str a checkpoint can hold; ``tensor`` goes into the error."""
+    if not isinstance(text, str):
+        error: CheckpointStateError = InvalidArgumentTypeError(f"{what} {text!r} is a {type(text).__name__}, not a str")
+    elif (at := unencodable_at(text)) is not None:
+        error = CheckpointStateError(
+            f"{what} {text!r} is not text: the character {text[at]!r} at position {at} is a lone "
+            "surrogate (a checkpoint holds UTF-8)"
+        )
+    else:
+        return
+    error.tensor = tensor
+    raise error
+
+
 @dataclass(frozen=True)
 class CoreState:
     """A checkpoint as the core writes it: tensors as (name, code, dims, values) where values
@@ -141,8 +171,31 @@ class CoreState:
     nominal: bool = False
     keep_order: bool = False  # tensors in the order given, not sorted as ONNX Runtime's state path sorts
 
+    def __post_init__(self) -> None:
+        # Every name and string the core writes, checked here, whoever built the state.
+        for tensor in [*self.trainable, *self.frozen]:
+            _check_tensor_text(tensor, "tensor")
+        for group, _step, _rate, parameters in self.groups:
+            check_text(group, "optimizer group name")
+            for parameter, momentums in parameters:
+                check_text(parameter, f"optimizer group {group!r}: parameter name")
+                for momentum in momentums:
+                    _check_tensor_text(momentum, f"optimizer group {group!r}: parameter {parameter!r}: momentum")
+        for name, value in self.properties.items():
+            check_text(name, "property name")
+            if isinstance(value, str):
+                check_text(value, f"property {name!r}: value")
+
     def arguments(self) -> tuple[Any, ...]:
         return (self.trainable, self.frozen, self.groups, *split_properties(self.properties))
+
+
+def _check_tensor_text(tensor: Any, what: str) -> None:
+    name, _code, _dims, stored = tensor
+    check_text(name, f"{what} name", tensor=name)
+    if isinstance(stored, list):  # a STRING tensor's elements
+        for i, element in enumerate(stored):
+            check_text(element, f"{what} {name!r}: element {i}", tensor=name)
 
 
 def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from . import dtypes as _dt
 from . import safe_io
 from .dtypes import PackedBits
-from .errors import CheckpointStateError
+from .errors import CheckpointFormatError, CheckpointStateError
 
 if TYPE_CHECKING:
     import onnx
@@ -73,10 +73,28 @@ def load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> tuple[Any, st
         from onnx.external_data_helper import load_external_data_for_model
 
         base_dir = os.path.dirname(os.fspath(model))
-        proto = onnx.load_model_from_string(safe_io.read_regular(model))
+        proto = _parsed(onnx, safe_io.read_regular(model), os.fspath(model))
         load_external_data_for_model(proto, base_dir)
         return proto, base_dir
     return model, ""
+
+
+def _parsed(onnx: Any, data: bytes, name: str) -> Any:
+    """The ModelProto in ``data``; CheckpointFormatError naming the file when it is none (a
+    protobuf parser's own error names no file, and zero bytes parse as an empty model)."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        proto = onnx.load_model_from_string(data)
+    except DecodeError as e:
+        error = CheckpointFormatError(f"{name}: not an ONNX model (protobuf cannot parse it: {e})")
+        error.filename = name
+        raise error from None
+    if not proto.HasField("graph"):
+        error = CheckpointFormatError(f"{name}: not an ONNX model (it holds no graph)")
+        error.filename = name
+        raise error
+    return proto
 
 
 def initializers(

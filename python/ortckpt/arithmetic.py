@@ -14,8 +14,16 @@ Rules, the same for every function:
   takes the first source's instead); a delta holds them as they are in ``a``.
 - Arithmetic runs in float64 for float32/float64 tensors and in float32 for the narrower
   floats (float16, bfloat16, float8), then rounds once to the tensor's type.
+- A result is finite wherever its inputs are: one that does not fit the tensor's type
+  (``apply`` of float16 60000 + 60000) is a :class:`~ortckpt.ValueOverflowError` naming the
+  tensor, the element and the checkpoints, and nothing is written. Values that are already
+  NaN or infinite are the user's: they pass through as the arithmetic makes them.
+- Arguments (weights, ``scale``, ``t``, ``frozen``, ``out``, save options) are checked before
+  any checkpoint is read: :class:`~ortckpt.InvalidArgumentError` (or its TypeError,
+  :class:`~ortckpt.InvalidArgumentTypeError`) naming the argument.
 - Properties come from the first source; an average sums ``num_samples`` when every source
-  has it. Optimizer state is left out unless asked for.
+  has it (each a finite number of 0 or more, the sum within what a property holds), and has
+  none otherwise. Optimizer state is left out unless asked for.
 
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
 chunk at a time (pages dropped once used) and the result is written into the new file chunk
@@ -29,19 +37,21 @@ result built in memory (one checkpoint's worth) and streamed up.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from . import _boundary, safe_io, targets
+from . import _boundary, arguments, safe_io, targets
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, OptimizerGroup
 from .dtypes import PackedBits
-from .errors import CheckpointStateError
+from .errors import CheckpointStateError, InvalidArgumentError, InvalidArgumentTypeError, ValueOverflowError
+from .progress import Bar, Hidden, maybe_bar
 
 Source = CheckpointState | str | os.PathLike
 
@@ -72,56 +82,83 @@ def average(
     include_optimizer_state: bool = False,
     frozen: str = "equal",
     out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
     **save_options: Any,
 ) -> CheckpointState:
     """The weighted mean of checkpoints (paths or states): FedAvg.
 
-    ``weights`` default to every source's ``num_samples`` property when all have one, else
-    equal weights; they need not sum to 1. The mean is ``sum(w_i * x_i) / sum(w_i)``, summed
-    in source order (NumPy's ``np.average`` of the stacked tensors, bit for bit). With
+    ``weights`` (finite numbers, none negative, not all 0) default to every source's
+    ``num_samples`` property when all have one, else equal weights; they need not sum to 1.
+    The mean is ``sum(w_i * x_i) / sum(w_i)``, summed in source order, with the weights first
+    scaled by a power of two so that the largest is in [0.5, 1): exact, so the result is
+    NumPy's ``np.average`` of the stacked tensors bit for bit wherever that neither overflows
+    nor underflows, and weights such as ``[1e308, 1e308]`` give the equal mean. Where the sum
+    overflows the type it is computed in (float64 values near its largest), the mean is
+    computed there from each weight's share instead: a mean of finite values is finite. With
     ``include_optimizer_state`` the momentums are averaged with the same weights, and each
-    group's step is the largest of the sources' (the learning rate must agree). With ``out``,
-    the result is written there as it is computed and returned loaded from it
-    (``save_options``: :meth:`CheckpointState.save_checkpoint`'s ``external_data_threshold``
-    and ``durable``).
+    group's step is the largest of the sources' (the learning rate must agree). The result's
+    ``num_samples`` is the sources' sum when all have one (none otherwise). With ``out``, the
+    result is written there as it is computed and returned loaded from it (``save_options``:
+    :meth:`CheckpointState.save_checkpoint`'s ``external_data_threshold`` and ``durable``).
+    ``progress``: a bar (tqdm) over the bytes computed, as every function here takes.
     """
+    _check_arguments(sources, include_optimizer_state, frozen, out, save_options, "average", progress)
+    given = None if weights is None else _weights(weights, len(sources))
     states = _open_all(sources)
-    if weights is None:
-        counts = [s.properties.get("num_samples", None) for s in states]
-        weights = (
-            [float(c) for c in counts] if all(isinstance(c, (int, float)) for c in counts) else [1.0] * len(states)
-        )
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(states),):
-        raise CheckpointStateError(f"{len(w)} weights for {len(states)} checkpoints")
-    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise CheckpointStateError(f"weights must be finite, non-negative and not all 0, got {list(weights)}")
+    samples = _num_samples(states)
+    if given is not None:
+        w = given
+    elif samples is not None:
+        w = _weights(samples, len(states), "the checkpoints' num_samples")
+    else:
+        w = np.ones(len(states))
+    # Scaled by a power of two (exact), the largest weight in [0.5, 1): their sum cannot overflow.
+    w = np.ldexp(w, -np.frexp(w.max())[1])
     total = w.sum()
 
     def mean(chunks: list[np.ndarray]) -> np.ndarray:
         acc = np.multiply(chunks[0], w[0].astype(chunks[0].dtype))
         for chunk, weight in zip(chunks[1:], w[1:], strict=True):
             acc += chunk * weight.astype(chunk.dtype)
-        return acc / total.astype(acc.dtype)
+        result = acc / total.astype(acc.dtype)
+        overflowed = np.isinf(acc)
+        if overflowed.any():  # each weight's share of each input: at most the largest input
+            shares = (w / total).astype(acc.dtype)
+            result[overflowed] = sum(share * chunk[overflowed] for share, chunk in zip(shares, chunks, strict=True))
+        return result
 
     properties = dict(states[0].properties)
-    if all("num_samples" in s.properties for s in states):
-        properties["num_samples"] = sum(s.properties["num_samples"] for s in states)  # type: ignore[misc]
-    return _combine(states, mean, properties, include_optimizer_state, frozen, out, "average", save_options)
+    properties.pop("num_samples", None)
+    if samples is not None:
+        properties["num_samples"] = _sum_of_samples(samples, states)
+    return _combine(states, mean, properties, include_optimizer_state, frozen, out, "average", save_options, progress)
 
 
-def delta(a: Source, b: Source, *, out: str | os.PathLike[str] | None = None, **save_options: Any) -> CheckpointState:
+def delta(
+    a: Source, b: Source, *, out: str | os.PathLike[str] | None = None, progress: bool = False, **save_options: Any
+) -> CheckpointState:
     """``a - b``: a checkpoint of the differences of the trainable float parameters (frozen
     and other tensors as they are in ``a``, and ``a``'s properties): what a device uploads."""
-    return _combine(_open_all([a, b]), lambda c: c[0] - c[1], None, False, "first", out, "delta", save_options)
+    _check_arguments([a, b], False, "first", out, save_options, "delta", progress)
+    return _combine(
+        _open_all([a, b]), lambda c: c[0] - c[1], None, False, "first", out, "delta", save_options, progress
+    )
 
 
 def apply(
-    base: Source, delta: Source, scale: float = 1.0, *, out: str | os.PathLike[str] | None = None, **save_options: Any
+    base: Source,
+    delta: Source,
+    scale: float = 1.0,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    **save_options: Any,
 ) -> CheckpointState:
-    """``base + scale * delta``: a server update from a device's delta (``scale`` a learning
-    rate); frozen and other tensors, and the properties, as they are in ``base``."""
-    s = float(scale)
+    """``base + scale * delta``: a server update from a device's delta (``scale``, a finite
+    number, a learning rate); frozen and other tensors, and the properties, as they are in
+    ``base``."""
+    s = arguments.finite("scale", scale)
+    _check_arguments([base, delta], False, "first", out, save_options, "apply", progress)
     return _combine(
         _open_all([base, delta]),
         lambda c: c[0] + c[1] * np.asarray(s, c[1].dtype),
@@ -131,14 +168,23 @@ def apply(
         out,
         "apply",
         save_options,
+        progress,
     )
 
 
 def interpolate(
-    a: Source, b: Source, t: float, *, out: str | os.PathLike[str] | None = None, **save_options: Any
+    a: Source,
+    b: Source,
+    t: float,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    **save_options: Any,
 ) -> CheckpointState:
-    """``(1 - t) * a + t * b``: model merging (``t=0`` gives ``a``'s values, ``t=1`` ``b``'s)."""
-    tt = float(t)
+    """``(1 - t) * a + t * b``: model merging (``t``, a finite number: 0 gives ``a``'s values,
+    1 ``b``'s; past them, extrapolation)."""
+    tt = arguments.finite("t", t)
+    _check_arguments([a, b], False, "equal", out, save_options, "interpolate", progress)
     return _combine(
         _open_all([a, b]),
         lambda c: c[0] * np.asarray(1 - tt, c[0].dtype) + c[1] * np.asarray(tt, c[1].dtype),
@@ -148,12 +194,104 @@ def interpolate(
         out,
         "interpolate",
         save_options,
+        progress,
     )
 
 
-def _open_all(sources: Sequence[Source]) -> list[_Opened]:
+# The save options each kind of ``out`` takes: a local file is written in place (streamed); an
+# object gets the result saved by CheckpointState.save_checkpoint.
+_FILE_OPTIONS = {"durable", "external_data_threshold"}
+_OBJECT_OPTIONS = {"durable", "external_data_threshold", "storage_options"}
+
+
+def _check_arguments(
+    sources: Sequence[Source],
+    include_optimizer_state: Any,
+    frozen: Any,
+    out: Any,
+    save_options: dict[str, Any],
+    what: str,
+    progress: Any,
+) -> None:
+    """The arguments every function takes, refused before any checkpoint is read."""
+    arguments.flag("progress", progress)
+    if isinstance(sources, (str, bytes, os.PathLike)) or not isinstance(sources, Sequence):
+        raise InvalidArgumentTypeError(
+            f"{what}: sources is a list of checkpoints (paths or states), got {type(sources).__name__}", "sources"
+        )
     if len(sources) == 0:
-        raise CheckpointStateError("no checkpoints given")
+        raise InvalidArgumentError(f"{what}: no checkpoints given (sources is empty)", "sources")
+    for i, source in enumerate(sources):
+        if not isinstance(source, (CheckpointState, str, os.PathLike)):
+            raise InvalidArgumentTypeError(
+                f"{what}: sources[{i}] is of type {type(source).__name__}, not a path nor a CheckpointState", "sources"
+            )
+    arguments.flag("include_optimizer_state", include_optimizer_state)
+    if frozen not in ("equal", "first") or not isinstance(frozen, str):
+        raise InvalidArgumentError(f"frozen must be 'equal' or 'first', got {frozen!r}", "frozen")
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise InvalidArgumentTypeError(
+            f"{what}: out is a path or an {targets.SCHEME} URL, got {type(out).__name__}", "out"
+        )
+    allowed = _FILE_OPTIONS if out is not None and not targets.is_object_url(out) else _OBJECT_OPTIONS
+    unknown = sorted(set(save_options) - allowed) if out is not None else sorted(save_options)
+    if unknown:
+        raise InvalidArgumentTypeError(
+            f"{what}() got unexpected save options: {', '.join(unknown)}"
+            + ("" if out is not None else " (save options are for out=)"),
+            unknown[0],
+        )
+    if "external_data_threshold" in save_options:
+        arguments.count("external_data_threshold", save_options["external_data_threshold"], 0, arguments.MAX_BYTES)
+    if "durable" in save_options:
+        arguments.flag("durable", save_options["durable"])
+
+
+def _weights(weights: Any, expected: int, name: str = "weights") -> np.ndarray:
+    """The weights as float64: finite numbers (not bools), none negative, not all 0, one a
+    checkpoint."""
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Iterable):
+        raise InvalidArgumentTypeError(f"{name} is a list of numbers, got {weights!r}", "weights")
+    values = list(weights)
+    if len(values) != expected:
+        raise InvalidArgumentError(f"{len(values)} {name} for {expected} checkpoints", "weights")
+    w = np.array([arguments.finite(f"{name}[{i}]", v, "weights") for i, v in enumerate(values)], dtype=np.float64)
+    if np.any(w < 0) or not np.any(w > 0):
+        raise InvalidArgumentError(f"{name} must be finite, non-negative and not all 0, got {values}", "weights")
+    return w
+
+
+def _num_samples(states: list[_Opened]) -> list[float | int] | None:
+    """Every source's ``num_samples`` when all have one (each a number of samples, or a
+    typed error naming the checkpoint), else None."""
+    counts = []
+    for s in states:
+        count = s.properties.get("num_samples")
+        if count is None:
+            return None
+        if not isinstance(count, (int, float)) or not math.isfinite(count) or count < 0:
+            error = CheckpointStateError(
+                f"{s.label}: property num_samples is {count!r}, not a number of samples (a finite number, 0 or more)"
+            )
+            error.filename = s.path
+            raise error
+        counts.append(count)
+    return counts
+
+
+def _sum_of_samples(samples: list[float | int], states: list[_Opened]) -> float | int:
+    """The result's ``num_samples``: a property holds an int64 or a float32."""
+    total = sum(samples)
+    limit = 2**63 - 1 if isinstance(total, int) else float(np.finfo(np.float32).max)
+    if total > limit:
+        raise ValueOverflowError(
+            f"the num_samples of {', '.join(s.label for s in states)} sum to {total}, more than a property "
+            f"holds ({limit:g})"
+        )
+    return total
+
+
+def _open_all(sources: Sequence[Source]) -> list[_Opened]:
     return [_Opened(s, i) for i, s in enumerate(sources)]
 
 
@@ -161,11 +299,13 @@ class _Opened:
     """A source: its state, a label for errors, and whether its maps are ours to drop pages of."""
 
     def __init__(self, source: Source, index: int) -> None:
+        self.path: str | None = None
         if isinstance(source, CheckpointState):
             self.state, self.label, self.owned = source, f"checkpoint #{index}", False
         else:
             self.state = CheckpointState.load_checkpoint(source)
-            self.label, self.owned = f"checkpoint #{index} ({os.fspath(source)})", True
+            self.path = os.fspath(source)
+            self.label, self.owned = f"checkpoint #{index} ({self.path})", True
         if self.state.is_nominal:
             raise CheckpointStateError(f"{self.label} is nominal: it holds no values")
 
@@ -234,8 +374,6 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, what: str) -> _Plan:
-    if frozen not in ("equal", "first"):
-        raise ValueError(f"frozen must be 'equal' or 'first', got {frozen!r}")
     first = sources[0]
     every = [
         {key: (value, is_frozen) for key, value, is_frozen in _tensors(s, include_optimizer_state)} for s in sources
@@ -304,22 +442,49 @@ def _combine(
     out: str | os.PathLike[str] | None,
     what: str,
     save_options: dict[str, Any],
+    progress: bool,
 ) -> CheckpointState:
     plan = _plan(sources, include_optimizer_state, frozen, what)
+    computed = sum(dtype.itemsize * math.prod(shape) for dtype, shape, _ in plan.combined.values())
+    with maybe_bar(progress, what, computed) as bar:
+        return _computed(sources, plan, combine, properties, include_optimizer_state, out, what, save_options, bar)
+
+
+def _computed(
+    sources: list[_Opened],
+    plan: _Plan,
+    combine: Combine,
+    properties: dict[str, Any] | None,
+    include_optimizer_state: bool,
+    out: str | os.PathLike[str] | None,
+    what: str,
+    save_options: dict[str, Any],
+    bar: Bar | Hidden,
+) -> CheckpointState:
     groups = _groups(sources, what) if include_optimizer_state else {}
     if properties is None:
         properties = dict(sources[0].properties)
 
+    def chunk(key: tuple[str, ...], raw: list[np.ndarray], start: int) -> np.ndarray:
+        """One chunk of a combined tensor's result (its work arrays freed on return)."""
+        dtype = plan.combined[key][0]
+        parts = [r.astype(_work_dtype(dtype)) for r in raw]
+        with np.errstate(over="ignore", invalid="ignore"):  # (what overflows is refused just below)
+            exact = combine(parts)
+            result = exact.astype(dtype)
+        if not np.isfinite(result).all():
+            _refuse_overflow(key, dtype, exact, result, parts, start, sources, out, what)
+        return result
+
     def chunks(key: tuple[str, ...]) -> Iterator[tuple[int, np.ndarray]]:
         """(first element, result) for each chunk of a combined tensor, in order."""
-        dtype, _, values = plan.combined[key]
-        flats = [np.asarray(v).reshape(-1) for v in values]
-        work = _work_dtype(dtype)
+        flats = [np.asarray(v).reshape(-1) for v in plan.combined[key][2]]
         for start in range(0, flats[0].size, CHUNK):
-            parts = [f[start : start + CHUNK] for f in flats]
-            result = combine([p.astype(work) for p in parts]).astype(dtype)
-            for source, part in zip(sources, parts, strict=True):
+            raw = [f[start : start + CHUNK] for f in flats]
+            result = chunk(key, raw, start)
+            for source, part in zip(sources, raw, strict=True):
                 source.done_with(part)
+            bar.update(result.nbytes)
             yield start, result
 
     if out is None or targets.is_object_url(out):
@@ -338,11 +503,8 @@ def _combine(
     # Streaming: the result's files staged by the core with zeros where combined values go
     # (zeros from calloc cost no memory), filled in place chunk by chunk, then put in place by
     # the core's one commit (the same as every save's).
-    options = dict(save_options)
-    durable = bool(options.pop("durable", False))
-    threshold = options.pop("external_data_threshold", _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD)
-    if options:
-        raise TypeError(f"{what}() got unexpected save options: {', '.join(sorted(options))}")
+    durable = bool(save_options.get("durable", False))
+    threshold = save_options.get("external_data_threshold", _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD)
     template = dict(plan.copied)
     for key, (dtype, shape, _) in plan.combined.items():
         template[key] = np.zeros(shape, dtype)
@@ -368,6 +530,36 @@ def _combine(
     finally:
         staging.discard()
     return CheckpointState.load_checkpoint(path)
+
+
+def _refuse_overflow(
+    key: tuple[str, ...],
+    dtype: np.dtype,
+    exact: np.ndarray,
+    result: np.ndarray,
+    parts: list[np.ndarray],
+    start: int,
+    sources: list[_Opened],
+    out: str | os.PathLike[str] | None,
+    what: str,
+) -> None:
+    """Refuses a result that is not finite where every input is (inputs that are not finite
+    are the user's: they pass as they are), naming the tensor, the element and the checkpoints."""
+    bad = ~np.isfinite(result)
+    for part in parts:
+        bad &= np.isfinite(part)
+    if not bad.any():
+        return
+    i = int(np.flatnonzero(bad)[0])
+    names = " and ".join(s.label for s in sources)
+    error = ValueOverflowError(
+        f"{what}: {_describe(key)}: element {start + i} of the result ({float(exact[i]):g}) does not fit {dtype} "
+        f"(at most {float(ml_dtypes.finfo(dtype).max):g}), from the finite values of {names}"
+        + (f"; nothing was written to {os.fspath(out)}" if out is not None else "")
+    )
+    error.tensor = key[1] if key[0] == "parameter" else "/".join(key[1:])
+    error.filename = os.fspath(out) if out is not None else sources[0].path
+    raise error
 
 
 def _state_of(

@@ -9,6 +9,7 @@ Runtime, without ever touching the file.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,10 +22,18 @@ from . import _boundary
 from . import dtypes as _dt
 from ._boundary import PropertyValue, TensorRecord, as_bytes
 from .dtypes import PackedBits
-from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError, UnsupportedDataTypeError
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointStateError,
+    UnsupportedDataTypeError,
+    ValueOverflowError,
+    name_file,
+)
 
 TensorValue = np.ndarray | PackedBits
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class _Tensor:
@@ -137,6 +146,7 @@ def _strings_of(name: str, value: Any) -> list[str]:
     out = []
     for i, element in enumerate(np.asarray(value).reshape(-1)):
         if isinstance(element, str):
+            _boundary.check_text(element, f"tensor {name!r}: element {i}", tensor=name)
             out.append(str(element))
         elif isinstance(element, bytes):
             try:
@@ -272,6 +282,7 @@ class Properties:
     def __setitem__(self, name: str, value: PropertyValue) -> None:
         if not isinstance(name, str):
             raise TypeError(f"property names are str, got {type(name).__name__}")
+        _boundary.check_text(name, "property name")
         self._state._properties[name] = _property_value(name, value)
 
     def __contains__(self, name: object) -> bool:
@@ -298,11 +309,18 @@ def _property_value(name: str, value: Any) -> PropertyValue:
     if isinstance(value, (int, np.integer)):
         value = int(value)
         if not _INT64_MIN <= value <= _INT64_MAX:
-            raise OverflowError(f"Property {name}: {value} does not fit in int64")
+            raise ValueOverflowError(f"Property {name!r}: {value} does not fit in int64")
         return value
     if isinstance(value, (float, np.floating)):
-        return float(np.float32(value))  # stored as float32, so read back as ONNX Runtime does
+        # Stored as float32, so read back as ONNX Runtime does; a finite value past float32's
+        # range is refused, not stored as an infinity (NaN and infinities are kept as they are).
+        with np.errstate(over="ignore"):
+            stored = float(np.float32(value))
+        if math.isinf(stored) and math.isfinite(value):
+            raise ValueOverflowError(f"Property {name!r}: {value} does not fit in float32 (at most {_FLOAT32_MAX:g})")
+        return stored
     if isinstance(value, str):
+        _boundary.check_text(value, f"property {name!r}: value")
         return value
     raise TypeError(f"Property {name}: properties hold int, float or str, got {type(value).__name__}")
 
@@ -458,26 +476,31 @@ class CheckpointState:
                 64 bytes and strings stay inline. 0 forces external data.
             durable: fsync the file(s) and their directory before returning, so the new
                 checkpoint survives a power cut (not only a crash of this process).
-            progress: Show a progress bar (tqdm) while the files are written, when that
-                takes more than half a second.
+            progress: Show a progress bar (tqdm) while the files are written or uploaded, when
+                that takes more than half a second. A bar never holds up or fails the save (a
+                stderr nobody reads any more is left alone).
             lock_timeout: Seconds to wait (60 by default) for another save of the same path, in
                 any process, to finish putting its files in place; past it,
                 :class:`~ortckpt.CheckpointLockedError` names the lock file and its holder.
             storage_options: For an ``s3://bucket/key`` URL: the store's settings (see
                 :mod:`ortckpt.object_store`). The checkpoint streams from the arrays to a
-                multipart upload; it appears when the upload completes (``durable`` and
-                ``progress`` do not apply).
+                multipart upload; it appears when the upload completes (``durable`` does not
+                apply).
         """
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
         from . import targets  # (on first use: `import ortckpt` stays small)
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
-        core = state.core_state(include_optimizer_state)
+        try:
+            core = state.core_state(include_optimizer_state)
+        except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)
+            name_file(e, target.name)
+            raise
         if isinstance(target, targets.StreamFile):
-            target.save(core)
+            target.save(core, progress=progress)
         elif isinstance(target, targets.ObjectFile):
-            target.save(core, external_data_threshold=external_data_threshold)
+            target.save(core, external_data_threshold=external_data_threshold, progress=progress)
         else:
             target.save(
                 core,
@@ -503,6 +526,7 @@ class CheckpointState:
             for name, value in arrays.items():
                 if not isinstance(name, str):
                     raise TypeError(f"parameter names are str, got {name!r} ({type(name).__name__})")
+                _boundary.check_text(name, "tensor name", tensor=name)
                 if name in state._tensors:
                     raise CheckpointStateError(f"Parameter {name} is given as both trainable and frozen.")
                 state._tensors[name] = _Tensor.from_value(name, value)

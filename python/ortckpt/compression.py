@@ -37,6 +37,7 @@ from . import _boundary, documents, safe_io
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, open_checkpoint
 from .errors import CheckpointFormatError, CheckpointIntegrityError
+from .progress import maybe_bar
 
 MAGIC = b"ORTCKPTZ"
 SUFFIX = ".zst"  # what the manager and the command name an archive: <checkpoint>.zst
@@ -83,18 +84,28 @@ def is_compressed(path: str | os.PathLike[str]) -> bool:
 
 
 def compress(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, level: int = LEVEL, durable: bool = False
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    level: int = LEVEL,
+    durable: bool = False,
+    progress: bool = False,
 ) -> Compressed:
     """Writes the checkpoint ``src`` (and its external data file) as one compressed archive
     ``dst`` (atomically: a temporary file renamed over it). ``src`` is verified first, so an
-    archive never holds a checkpoint that does not load."""
+    archive never holds a checkpoint that does not load. ``progress``: a bar (tqdm) over the
+    bytes compressed."""
     zstandard = _zstd()
     loaded = _boundary.load(src)  # verified, mapped
     roles = zip(documents.COMPRESSED_ROLES, loaded.mappings, strict=True)
     files = [(role, mapping) for role, mapping in roles if mapping is not None]
     regions = _grouped_regions(loaded)
     entries: list[dict[str, Any]] = []
-    with safe_io.atomic_file(dst, durable=durable) as out:
+    total = sum(len(memoryview(mapping)) for _, mapping in files)
+    with (
+        maybe_bar(progress, f"compressing {Path(src).name}", total) as bar,
+        safe_io.atomic_file(dst, durable=durable) as out,
+    ):
         out.write(MAGIC)
         for index, (role, mapping) in enumerate(files):
             view = memoryview(mapping).cast("B")
@@ -106,6 +117,7 @@ def compress(
                     original = view[begin:end]
                     digest.update(original)  # one read of the file: hashed and compressed together
                     frame.write(_grouped(original, itemsize) if itemsize else original)
+                    bar.update(end - begin)
             entries.append(
                 {
                     "role": role,
@@ -192,16 +204,24 @@ def read_footer(archive: IO[bytes], where: str) -> dict[str, Any]:
 
 
 def decompress(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, durable: bool = False, follow_symlinks: bool = True
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    durable: bool = False,
+    follow_symlinks: bool = True,
+    progress: bool = False,
 ) -> Path:
     """Writes the checkpoint held in the archive ``src`` back to ``dst`` (and ``dst.data``),
     byte for byte as it was compressed; every file's size and SHA-256 are checked
     (:class:`~ortckpt.CheckpointIntegrityError`), the whole archive before anything is
     replaced. Returns ``dst``.
-    Without ``follow_symlinks``, a symlink at ``src`` is refused (for an archive a step names)."""
+    Without ``follow_symlinks``, a symlink at ``src`` is refused (for an archive a step names).
+    ``progress``: a bar (tqdm) over the bytes restored."""
     dst = Path(dst)
     with safe_io.open_regular(src, follow_symlinks=follow_symlinks) as archive:
         footer = read_footer(archive, os.fspath(src))
+        total = sum(int(entry["size"]) for entry in footer["files"])
+        bar = maybe_bar(progress, f"decompressing {Path(src).name}", total)
         # Every file is decompressed and checked into the core's staged files first; only then
         # does the one commit put them in place (the data file first, the checkpoint last).
         staged = _boundary.stage(os.fspath(dst), with_data=len(footer["files"]) > 1)
@@ -209,10 +229,11 @@ def decompress(
             for entry in footer["files"]:
                 external = entry["role"] != "checkpoint"
                 with safe_io.staged_writer(staged.fileno(data=external)) as out:
-                    _restore(archive, entry, footer["block_elements"], out, os.fspath(src))
+                    _restore(archive, entry, footer["block_elements"], out, os.fspath(src), bar.update)
             staged.commit(durable=durable)
         finally:
             staged.discard()
+            bar.close()
     return dst
 
 
@@ -248,8 +269,16 @@ class _IntoBuffer:
         return view.nbytes
 
 
-def _restore(archive: IO[bytes], entry: dict[str, Any], block_elements: int, out: IO[bytes], where: str) -> None:
-    """Decompresses one file's frame into ``out``, ungrouping its regions, checking size and SHA-256."""
+def _restore(
+    archive: IO[bytes],
+    entry: dict[str, Any],
+    block_elements: int,
+    out: IO[bytes],
+    where: str,
+    on_bytes: Any = None,
+) -> None:
+    """Decompresses one file's frame into ``out``, ungrouping its regions, checking size and
+    SHA-256; ``on_bytes`` (a progress bar's update) is told of each piece."""
     zstandard = _zstd()
     archive.seek(entry["frame_offset"])
     frame = io.BufferedReader(_Limited(archive, entry["frame_size"]))
@@ -267,6 +296,8 @@ def _restore(archive: IO[bytes], entry: dict[str, Any], block_elements: int, out
                 original = _ungrouped(data, itemsize) if itemsize else data
                 digest.update(original)
                 out.write(original)
+                if on_bytes is not None:
+                    on_bytes(end - start)
             if reader.read(1):
                 problems.append(f"{entry['role']}: the frame holds more than {entry['size']} bytes")
     except zstandard.ZstdError as e:

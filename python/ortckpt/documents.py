@@ -247,11 +247,22 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 ATTEMPT = re.compile(r"[0-9a-f]{32}")
 
 
+# JSON has no NaN nor infinities: metadata.json (and a sharded index.json, for its properties
+# and learning rates) holds a non-finite float as the string "nan", "inf" or "-inf", and lists
+# where under this key (each place a list of keys and indices from the document's top, e.g.
+# ["config", "max_grad_norm"]), so that exactly those strings become floats again and a string
+# "inf" of the user's stays a string. Metrics are numbers: their strings are decoded without a
+# list (as metadata.json written before the list held them).
+NON_FINITE_KEY = "non_finite"
+
+
 def check_metadata(value: Any, where: str) -> dict[str, Any]:
-    """A step's metadata.json: returns it with non-finite metrics decoded to floats."""
+    """A step's metadata.json: returns it with non-finite floats decoded (the places
+    ``non_finite`` lists, and metrics)."""
     meta = _object(value, where, "the document")
     if meta.get("format") != METADATA_FORMAT:
         raise _bad(where, "format", meta.get("format"), repr(METADATA_FORMAT))
+    _decode_non_finite(meta, where)  # (first: the fields are then checked as they will be used)
     _int(meta.get("step"), where, "step", 0, INT64_MAX)
     _optional(_int, meta.get("epoch"), where, "epoch", None)
     _optional(_str, meta.get("run_id"), where, "run_id")
@@ -285,6 +296,51 @@ def _file_entries(value: Any, where: str, at: str) -> None:
         _int(entry.get("bytes"), where, f"{at}.{name}.bytes", 0, INT64_MAX)
         if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
             raise _bad(where, f"{at}.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
+
+
+def encode_non_finite(document: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """``document`` with the non-finite floats inside its ``fields`` (small ones: a sharded
+    index's properties and optimizer groups) written as strings, their places listed under
+    ``non_finite``: what :func:`_decode_non_finite` reads back."""
+    places: list[list[str | int]] = []
+
+    def encoded(value: Any, place: list[str | int]) -> Any:
+        if isinstance(value, Mapping):
+            return {k: encoded(v, [*place, k]) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [encoded(v, [*place, i]) for i, v in enumerate(value)]
+        if isinstance(value, float) and not math.isfinite(value):
+            places.append(place)
+            return encode_metric(value)
+        return value
+
+    out = {**document, **{field: encoded(document[field], [field]) for field in fields if field in document}}
+    if places:
+        out[NON_FINITE_KEY] = places
+    return out
+
+
+def _decode_non_finite(document: dict[str, Any], where: str) -> None:
+    """Turns the strings at the places ``non_finite`` lists into floats, in place, and drops the
+    list. Each place is walked from the top (time linear in the list, which the caps bound)."""
+    for i, raw in enumerate(_list(document.pop(NON_FINITE_KEY, []), where, NON_FINITE_KEY)):
+        at = f"{NON_FINITE_KEY}[{i}]"
+        place = _list(raw, where, at)
+        parent: Any = document
+        for depth, key in enumerate(place):
+            inside = (type(parent) is dict and isinstance(key, str) and key in parent) or (
+                type(parent) is list and type(key) is int and 0 <= key < len(parent)
+            )
+            if not inside:
+                raise _bad(where, at, place, "the place of a value in the document")
+            if depth < len(place) - 1:
+                parent = parent[key]
+                continue
+            if not (isinstance(parent[key], str) and parent[key] in NON_FINITE):
+                raise _bad(where, f"the value at {at}", parent[key], '"nan", "inf" or "-inf"')
+            parent[key] = NON_FINITE[parent[key]]
+        if not place:
+            raise _bad(where, at, place, "the place of a value in the document")
 
 
 def decode_metric(value: Any, where: str, at: str) -> float | int:
@@ -333,6 +389,7 @@ def check_index(value: Any, where: str) -> dict[str, Any]:
     """A sharded checkpoint's index: every shard a plain name of the form its rank gives, every
     piece inside its tensor and held by a shard, the pieces of a tensor tiling it exactly."""
     index = _versioned(value, where, SHARDED_FORMAT, SHARDED_VERSION, "sharded checkpoint")
+    _decode_non_finite(index, where)  # (a property or learning rate that is NaN or infinite)
     _int(index.get("step"), where, "step", 0, INT64_MAX)
     world = _int(index.get("world_size"), where, "world_size", 1, MAX_WORLD_SIZE)
     _attempt(index, where)

@@ -17,6 +17,13 @@ class CheckpointError(RuntimeError):
     tensor: str | None = None
 
 
+def name_file(error: CheckpointError, filename: str) -> None:
+    """Names ``filename`` in ``error``, raised before the file was known (a check of the values
+    to write): as its ``filename`` and at the start of its message."""
+    error.filename = filename
+    error.args = (f"{filename}: {error}",)
+
+
 class CheckpointFormatError(CheckpointError, ValueError):
     """The file is not a valid ONNX Runtime training checkpoint (ODTC version 2)."""
 
@@ -29,6 +36,30 @@ class UnsupportedDataTypeError(CheckpointFormatError, TypeError):
 class CheckpointStateError(CheckpointError, ValueError):
     """The state cannot be saved or changed as asked: values that disagree with a
     parameter's shape or dtype, bytes that disagree with dims, repeated names."""
+
+
+class InvalidArgumentError(CheckpointStateError):
+    """An argument refused before any work is done: out of its range, not finite, at odds with
+    the others (3 weights for 2 checkpoints), or text a file cannot hold. ``argument`` names it
+    (e.g. ``"max_to_keep"``, ``"weights"``), ``key`` the place inside it when it is a mapping
+    (e.g. ``metadata['1']``). What the command line reports as a usage error."""
+
+    def __init__(self, message: str, argument: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.key = key
+
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type: a float or a bool where a count goes, a str where a
+    number or a bool goes, a mapping key that is neither str nor int."""
+
+
+class ValueOverflowError(CheckpointStateError, OverflowError):
+    """A value that does not fit the type that must hold it, from inputs that fit theirs: an
+    arithmetic result past its tensor's data type (``tensor`` and ``filename`` name it), a
+    float property past float32, an int property or a sum of ``num_samples`` past int64.
+    Nothing is written."""
 
 
 class UnsupportedPlatformError(CheckpointError):
@@ -111,8 +142,11 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointStateError",
     "InternalError",
+    "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
     "ValidationTimeoutError",
+    "ValueOverflowError",
 ]

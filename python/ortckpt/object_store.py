@@ -224,11 +224,12 @@ def _calling(location: Location, call: Any, *args: Any, **kwargs: Any) -> Any:
         raise _failure(location, e) from e
 
 
-def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None) -> int:
+def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on_bytes: Any = None) -> int:
     """Uploads the concatenated ``pieces`` (buffers) as ``location``: one PUT when they fit in
     a part, else a multipart upload that the object appears with when it completes (aborted if
     a piece fails). Large buffers are sliced into parts without copying. ``digest`` (a hashlib
-    object) is fed the bytes as they go. Returns the object's size."""
+    object) is fed the bytes as they go, ``on_bytes`` (a progress bar's update) their count.
+    Returns the object's size."""
     import obstore
 
     pieces = list(pieces)
@@ -238,13 +239,15 @@ def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None) ->
         if digest is not None:
             digest.update(data)
         _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+        if on_bytes is not None:
+            on_bytes(size)
         return size
     _calling(
         location,
         obstore.put,
         location.store,
         location.key,
-        _parts(pieces, digest),
+        _parts(pieces, digest, on_bytes),
         use_multipart=True,
         chunk_size=PART_BYTES,
         max_concurrency=PARTS_IN_FLIGHT,
@@ -252,7 +255,7 @@ def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None) ->
     return size
 
 
-def _parts(pieces: list[Any], digest: Any = None) -> Iterator[memoryview]:
+def _parts(pieces: list[Any], digest: Any = None, on_bytes: Any = None) -> Iterator[memoryview]:
     for piece in pieces:
         view = memoryview(piece).cast("B")
         for start in range(0, view.nbytes, PART_BYTES):
@@ -260,6 +263,8 @@ def _parts(pieces: list[Any], digest: Any = None) -> Iterator[memoryview]:
             if digest is not None:  # the upload takes parts in order (hashlib lets the GIL go)
                 digest.update(part)
             yield part
+            if on_bytes is not None:  # taken: the upload asks for the next part once this one is on its way
+                on_bytes(part.nbytes)
 
 
 def put(location: Location, data: bytes) -> None:

@@ -96,17 +96,24 @@ def write_atomically(path: str | os.PathLike[str], data: bytes, *, durable: bool
         f.write(data)
 
 
-def write_stream(stream: Any, data: Any) -> None:
+STREAM_PIECE = 64 << 20  # what one write() to a stream is given: a progress bar moves between them
+
+
+def write_stream(stream: Any, data: Any, on_bytes: Any = None) -> None:
     """Writes every byte of ``data`` to a binary stream, or raises: a raw stream's ``write``
-    may take fewer bytes than given (its count is checked), or none (None: it would block)."""
+    may take fewer bytes than given (its count is checked), or none (None: it would block).
+    ``on_bytes`` (a progress bar's update) is told each write's count."""
     view = memoryview(data).cast("B")
     while view:
-        written = stream.write(view)
+        written = stream.write(view[:STREAM_PIECE])
         if written is None:
             raise BlockingIOError(errno.EAGAIN, "the stream took no bytes (it would block)")
-        if type(written) is not int or not 0 < written <= view.nbytes:  # (True is an int: not a count)
-            raise OSError(errno.EIO, f"the stream's write() returned {written!r} for {view.nbytes} bytes")
+        asked = min(view.nbytes, STREAM_PIECE)
+        if type(written) is not int or not 0 < written <= asked:  # (True is an int: not a count)
+            raise OSError(errno.EIO, f"the stream's write() returned {written!r} for {asked} bytes")
         view = view[written:]
+        if on_bytes is not None:
+            on_bytes(written)
     flush = getattr(stream, "flush", None)
     if flush is not None:
         flush()

@@ -118,10 +118,13 @@ class StreamFile:
     def name(self) -> str:
         return str(getattr(self.stream, "name", "<stream>"))
 
-    def save(self, state: _boundary.CoreState) -> None:
+    def save(self, state: _boundary.CoreState, *, progress: bool = False) -> None:
+        from .progress import maybe_bar
         from .safe_io import write_stream
 
-        write_stream(self.stream, _boundary.save_bytes(state))
+        data = _boundary.save_bytes(state)
+        with maybe_bar(progress, f"saving {self.name}", memoryview(data).nbytes) as bar:
+            write_stream(self.stream, data, bar.update)
 
     def read(self) -> bytearray:
         """The stream's bytes to its end, refused (CheckpointFormatError) as soon as they cannot
@@ -161,31 +164,36 @@ class ObjectFile:
     def data(self) -> Location:
         return self.location.sibling(".data")
 
-    def save(self, state: _boundary.CoreState, *, external_data_threshold: int) -> None:
+    def save(self, state: _boundary.CoreState, *, external_data_threshold: int, progress: bool = False) -> None:
         """Uploads ``state`` in place of what is there. An object appears whole when its upload
         completes; with external data there are two, so the checkpoint goes up first beside its
         key (a pending object), then the data object, then the checkpoint at its key: a save
         killed between the last two leaves the new data object beside the old checkpoint, and a
         load finds the new checkpoint in the pending object (see :meth:`load`). A data object
         the replaced checkpoint had (one carrying its pair trailer), and no other, is removed
-        when this one has none."""
+        when this one has none. ``progress``: a bar over the bytes uploaded."""
         from . import object_store
+        from .progress import maybe_bar
 
         replaced = _trailer_of(self.location)
         main, external = _boundary.encode_segments(state, external_data_threshold=external_data_threshold)
-        if external is None:
-            object_store.put_stream(self.location, main)
-            if replaced is not None and _trailer_of(self.data) == replaced:
-                object_store.remove([self.data])  # the replaced checkpoint's data object
-            return
-        import secrets
+        main_bytes = _size_of(main)
+        total = main_bytes if external is None else 2 * main_bytes + external[0]
+        with maybe_bar(progress, f"uploading {self.location.key.rpartition('/')[2]}", total) as bar:
+            on_bytes = bar.update
+            if external is None:
+                object_store.put_stream(self.location, main, on_bytes=on_bytes)
+                if replaced is not None and _trailer_of(self.data) == replaced:
+                    object_store.remove([self.data])  # the replaced checkpoint's data object
+                return
+            import secrets
 
-        pending = self.location.beside(f"{self._pending_name()}{secrets.token_hex(16)}")
-        object_store.put_stream(pending, main)
-        size, parts = external
-        object_store.put_stream(self.data, _filled(size, parts))
-        object_store.put_stream(self.location, main)
-        object_store.remove([pending])  # (a killed save's stays: small, it names a data object no longer there)
+            pending = self.location.beside(f"{self._pending_name()}{secrets.token_hex(16)}")
+            object_store.put_stream(pending, main, on_bytes=on_bytes)
+            size, parts = external
+            object_store.put_stream(self.data, _filled(size, parts), on_bytes=on_bytes)
+            object_store.put_stream(self.location, main, on_bytes=on_bytes)
+            object_store.remove([pending])  # (a killed save's stays: small, it names a data object no longer there)
 
     def _pending_name(self) -> str:
         """How the pending objects of this key begin (as the core names its temporary files)."""
@@ -204,15 +212,21 @@ class ObjectFile:
         ]
 
     def upload(
-        self, state: _boundary.CoreState, *, external_data_threshold: int, hashed: bool = True
+        self,
+        state: _boundary.CoreState,
+        *,
+        external_data_threshold: int,
+        hashed: bool = True,
+        progress: bool = False,
     ) -> dict[str, dict[str, Any]]:
         """Streams ``state`` up (its data object first: the checkpoint names it). Returns what
         was uploaded as a step's metadata records files: {last part of the key: {"bytes":
         size, "sha256": hex digest}}, each SHA-256 taken as the bytes went (sizes alone
-        without ``hashed``)."""
+        without ``hashed``). ``progress``: a bar over the bytes uploaded."""
         import hashlib
 
         from . import object_store
+        from .progress import maybe_bar
 
         main, external = _boundary.encode_segments(state, external_data_threshold=external_data_threshold)
         name = self.location.key.rsplit("/", 1)[-1]
@@ -220,12 +234,14 @@ class ObjectFile:
         if external is not None:
             size, parts = external
             uploads.insert(0, (self.data, name + ".data", _filled(size, parts)))
+        total = _size_of(main) + (external[0] if external is not None else 0)
         uploaded: dict[str, dict[str, Any]] = {}
-        for where, file, pieces in uploads:
-            digest = hashlib.sha256() if hashed else None
-            uploaded[file] = {"bytes": object_store.put_stream(where, pieces, digest)}
-            if digest is not None:
-                uploaded[file]["sha256"] = digest.hexdigest()
+        with maybe_bar(progress, f"uploading {name}", total) as bar:
+            for where, file, pieces in uploads:
+                digest = hashlib.sha256() if hashed else None
+                uploaded[file] = {"bytes": object_store.put_stream(where, pieces, digest, bar.update)}
+                if digest is not None:
+                    uploaded[file]["sha256"] = digest.hexdigest()
         return uploaded
 
     def load(self, *, lazy: bool = True) -> _boundary.Loaded:
@@ -326,6 +342,10 @@ def _trailer_of(location: Location) -> bytes | None:
 def _paired(tail: Any) -> bool:
     """Whether the last bytes of a file are a pair trailer (see the core's format::pairing)."""
     return bytes(tail[:16]) == PAIR_MAGIC
+
+
+def _size_of(pieces: list[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in pieces)
 
 
 def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:

@@ -6,6 +6,7 @@ ONNX models (the golden eval model, and one that loops for ever)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -25,7 +26,15 @@ import ortckpt
 import pytest
 from goldens import ARTIFACTS, EVAL_MODEL, INPUTS
 from onnx import TensorProto, helper
-from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, Forward, ValidationTimeoutError
+from ortckpt import (
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointState,
+    Forward,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    ValidationTimeoutError,
+)
 
 # Generous bounds that prove "does not hang": each save below takes seconds when it works.
 NO_HANG = 60.0
@@ -224,16 +233,25 @@ def test_verification_in_a_process_has_a_deadline(tmp_path: Path, mark: Path) ->
 def test_timeouts_are_checked_when_configured(tmp_path: Path) -> None:
     assert Forward(EVAL_MODEL, process=True).timeout is None  # the documented default: 120 s + 1 s per 64 MiB
     assert ortckpt.manager.child.default_timeout(64 << 20) == 121
-    with pytest.raises(ValueError, match="needs process=True"):
+    with pytest.raises(InvalidArgumentError, match="needs process=True") as e:
         Forward(EVAL_MODEL, timeout=5)
-    for bad in (0, -1, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="positive, finite"):
+    assert e.value.argument == "timeout"
+    for bad, message in (
+        (0, "positive number"),
+        (-1, "positive number"),
+        (float("inf"), "finite"),
+        (math.nan, "finite"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=message) as e:
             Forward(EVAL_MODEL, process=True, timeout=bad)
-        with pytest.raises(ValueError, match="verify_timeout must be"):
+        assert e.value.argument == "timeout"
+        with pytest.raises(InvalidArgumentError, match=f"verify_timeout (is a|must be a) {message}") as e:
             CheckpointManager(tmp_path, verify_after_save="process", verify_timeout=bad)
-    with pytest.raises(TypeError, match="number of seconds"):
-        Forward(EVAL_MODEL, process=True, timeout="5")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="verify_timeout is for"):
+        assert e.value.argument == "verify_timeout"
+    for wrong in ("5", True):
+        with pytest.raises(InvalidArgumentTypeError, match="timeout is a number"):
+            Forward(EVAL_MODEL, process=True, timeout=wrong)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="verify_timeout is for"):
         CheckpointManager(tmp_path, verify_after_save=True, verify_timeout=5)
     assert list(tmp_path.iterdir()) == []
 

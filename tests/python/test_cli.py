@@ -117,7 +117,7 @@ def test_convert_between_formats_and_back_is_lossless(capsys, ckpt, tmp_path):
     assert code == OK and json.loads(out)["to"] == "ortckpt"
     assert cli(capsys, "diff", ckpt, tmp_path / "back")[0] == OK
     code, _, err = cli(capsys, "convert", ckpt, tmp_path / "model.onnx")
-    assert code == FAILED and "--model" in err
+    assert code == USAGE and "--model" in err  # bad usage: exit 2, before any work
 
 
 def test_nominal_keeps_names_roles_and_types_without_values(capsys, ckpt, tmp_path):
@@ -164,7 +164,7 @@ def test_nominal_of_onnx_runtimes_checkpoint_holds_what_its_own_nominal_twin_hol
         assert ours[key] == theirs[key], key  # names in the same order, types, empty dims, no values
 
 
-def test_progress_bars_on_verify_diff_and_convert(capfd, ckpt, tmp_path, monkeypatch):
+def test_progress_bars_on_every_long_command(capfd, ckpt, tmp_path, monkeypatch):
     from ortckpt import progress
 
     monkeypatch.setattr(progress, "DELAY_SECONDS", 0)  # show at once, even for a small file
@@ -172,6 +172,11 @@ def test_progress_bars_on_verify_diff_and_convert(capfd, ckpt, tmp_path, monkeyp
         (["verify", "--progress", ckpt], "verifying model.ckpt"),
         (["diff", "--progress", ckpt, ckpt], "comparing"),
         (["convert", "--progress", ckpt, tmp_path / "copy.ckpt"], "saving copy.ckpt"),
+        (["compress", "--progress", ckpt, tmp_path / "c.zst"], "compressing model.ckpt"),
+        (["decompress", "--progress", tmp_path / "c.zst", tmp_path / "back"], "decompressing c.zst"),
+        (["average", "--progress", tmp_path / "mean", ckpt, ckpt], "average"),
+        (["delta", "--progress", ckpt, ckpt, tmp_path / "zero"], "delta"),
+        (["apply", "--progress", ckpt, tmp_path / "zero", tmp_path / "same"], "apply"),
     ):
         code, _, err = cli(capfd, *args)
         assert code == OK and label in err, (args, err)

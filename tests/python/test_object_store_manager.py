@@ -348,7 +348,7 @@ def test_keep_best_and_best(s3_server, s3_url):
 
 def test_options_it_does_not_have_are_refused(s3_server, s3_url, tmp_path):
     options = s3_server.storage_options()
-    for refused in ({"compress_kept": True}, {"track": "mlflow"}, {"verify_after_save": "process"}, {"progress": True}):
+    for refused in ({"compress_kept": True}, {"track": "mlflow"}, {"verify_after_save": "process"}):
         with pytest.raises(ValueError, match="not available for a manager on object storage"):
             CheckpointManager(s3_url, storage_options=options, **refused)
     with pytest.raises(TypeError, match="unexpected keyword"):

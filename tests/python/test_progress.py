@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+
 import numpy as np
+import ortckpt
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, _core
+from ortckpt import CheckpointManager, CheckpointState, _core, compression
 from ortckpt import progress as progress_module
 
 
@@ -60,3 +65,142 @@ def test_without_tqdm_the_error_says_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"ortckpt\[progress\]"):
         CheckpointState.save_checkpoint(state_of(1), tmp_path / "x", progress=True)
     assert not (tmp_path / "x").exists()
+
+
+# --- a bar never holds up or fails the work it shows ----------------------------------------
+
+# Saves with every kind of bar, run by a child whose stderr nobody reads any more; "done" on
+# stdout once they all returned. Bars show at once (DELAY_SECONDS 0) so each one writes.
+EVERY_BAR = """
+import os, sys
+import numpy as np
+from ortckpt import CheckpointManager, CheckpointState, compression, progress
+progress.DELAY_SECONDS = 0
+where = sys.argv[1]
+state = CheckpointState.from_arrays({"w": np.ones(32 << 18, np.float32)})
+for i in range(3):
+    CheckpointState.save_checkpoint(state, os.path.join(where, "plain"), progress=True)
+with CheckpointManager(os.path.join(where, "run"), progress=True) as manager:
+    manager.save(state, 1)
+compression.compress(os.path.join(where, "plain"), os.path.join(where, "plain.zst"), progress=True)
+compression.decompress(os.path.join(where, "plain.zst"), os.path.join(where, "back"), progress=True)
+assert CheckpointState.load_checkpoint(os.path.join(where, "back")).parameters["w"].data.sum() == 32 << 18
+print("done", flush=True)
+os._exit(0)  # (the interpreter's own flush of a broken stderr at exit is not ours to test)
+"""
+
+
+def test_saves_finish_when_stderr_has_no_reader(tmp_path):
+    """`python train.py 2>&1 | head -c 100`: once head exits, every write to stderr fails
+    (EPIPE). The bars stop showing; the saves go on (they used to hang for ever, tqdm's lock
+    left taken by the failed write)."""
+    script = tmp_path / "train.py"
+    script.write_text(EVERY_BAR)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    child.stderr.close()  # the log reader goes away before the first bar
+    try:
+        out, _ = child.communicate(timeout=180)
+    finally:
+        child.kill()
+    assert child.returncode == 0, out
+    assert out.split() == [b"done"]
+
+
+LOCK_LEFT_TAKEN = """
+import sys, threading, time
+import numpy as np
+import tqdm
+from ortckpt import CheckpointState, progress
+progress.DELAY_SECONDS = 0
+# Another tqdm user holds tqdm's write lock for good (its write blocked on a pipe nobody drains).
+taken = threading.Event()
+def hold():
+    tqdm.tqdm.get_lock().acquire()
+    taken.set()
+    threading.Event().wait()
+threading.Thread(target=hold, daemon=True).start()
+taken.wait()
+state = CheckpointState.from_arrays({"w": np.ones(1 << 18, np.float32)})
+start = time.monotonic()
+for i in range(5):
+    CheckpointState.save_checkpoint(state, sys.argv[1], progress=True)
+bars = [t for t in threading.enumerate() if t.name == "ortckpt-progress"]
+print(len(bars), round(time.monotonic() - start), flush=True)
+"""
+
+
+def test_a_tqdm_lock_left_taken_costs_one_bar_not_the_saves(tmp_path):
+    """A bar thread stuck on tqdm's lock is let go after CLOSE_SECONDS; the bars after it
+    show nothing rather than start more stuck threads."""
+    script = tmp_path / "lock.py"
+    script.write_text(LOCK_LEFT_TAKEN)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    threads, seconds = map(int, done.stdout.split())
+    assert threads == 1  # the first bar's, still waiting on the lock; no other started
+    assert seconds < 60  # five saves of 1 MiB: the stuck bar cost one CLOSE_SECONDS, not ever
+    assert CheckpointState.load_checkpoint(tmp_path / "ck").parameters["w"].data.sum() == 1 << 18
+
+
+def test_bars_show_for_uploads(s3_server, s3_url, monkeypatch, capfd):
+    """Saves to object storage show a bar over the bytes uploaded, with external data too;
+    so does a manager of an s3:// prefix."""
+    monkeypatch.setattr(progress_module, "DELAY_SECONDS", 0)
+    options = s3_server.storage_options()
+    state = state_of(8)
+    for threshold in (0, 1 << 40):
+        url = f"{s3_url}/plain-{threshold}"
+        CheckpointState.save_checkpoint(
+            state, url, progress=True, storage_options=options, external_data_threshold=threshold
+        )
+        assert f"uploading plain-{threshold}" in capfd.readouterr().err
+        loaded = CheckpointState.load_checkpoint(url, storage_options=options)
+        assert loaded.parameters["w"].data.sum() == 8 << 18
+    with CheckpointManager(f"{s3_url}/run", storage_options=options, progress=True) as manager:
+        manager.save(state, 1)
+    assert "uploading checkpoint" in capfd.readouterr().err
+    assert (
+        CheckpointManager(f"{s3_url}/run", storage_options=options, read_only=True).restore().parameters["w"].data.sum()
+        == 8 << 18
+    )
+
+
+def test_bars_show_for_streams_and_compression(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(progress_module, "DELAY_SECONDS", 0)
+    state = state_of(8)
+    with open(tmp_path / "streamed", "wb") as stream:
+        CheckpointState.save_checkpoint(state, stream, progress=True)
+    assert "saving " in capfd.readouterr().err
+    compression.compress(tmp_path / "streamed", tmp_path / "c.zst", progress=True)
+    assert "compressing streamed" in capfd.readouterr().err
+    compression.decompress(tmp_path / "c.zst", tmp_path / "back", progress=True)
+    assert "decompressing c.zst" in capfd.readouterr().err
+    assert CheckpointState.load_checkpoint(tmp_path / "back").parameters["w"].data.sum() == 8 << 18
+
+
+@pytest.mark.parametrize("out", [None, "mean"])
+def test_bars_show_for_arithmetic(tmp_path, monkeypatch, capfd, out):
+    monkeypatch.setattr(progress_module, "DELAY_SECONDS", 0)
+    target = None if out is None else tmp_path / out
+    mean = ortckpt.average([state_of(8), state_of(8)], progress=True, out=target)
+    assert "average" in capfd.readouterr().err
+    assert mean.parameters["w"].data.sum() == 8 << 18
+    ortckpt.apply(mean, mean, 0.5, progress=True, out=target)
+    assert "apply" in capfd.readouterr().err
+    with pytest.raises(TypeError, match="progress"):
+        ortckpt.average([state_of(1)], progress="yes")
+
+
+def test_a_bar_counts_from_any_thread():
+    bar = progress_module.Bar("counting", 4000)
+    threads = [threading.Thread(target=lambda: [bar.update(1) for _ in range(1000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+    assert bar.n == 4000

@@ -1,7 +1,9 @@
 """The ``ortckpt`` command (also ``python -m ortckpt``), built on click.
 
 Each command is a thin layer over a library function (summary.describe, integrity.verify,
-compare.compare, convert.convert, convert.to_nominal): parsing, printing, exit codes.
+compare.compare, convert.convert, convert.to_nominal, ...): parsing, printing, exit codes.
+Every checkpoint argument goes through :mod:`.sources` (a file, an object, or a manager's step
+folder, local or ``s3://``); every argument is checked before any work (bad usage: exit 2).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import platform
 import sys
@@ -17,8 +20,9 @@ from typing import Any
 
 import click
 
-from .. import __version__
+from .. import __version__, targets
 from ..convert.files import FORMATS
+from . import sources
 
 # Exit codes, as documented in --help.
 OK, DIFFERENT, USAGE, FAILED = 0, 1, 2, 3
@@ -29,10 +33,24 @@ EXIT_CODES = (
 FORMAT_CHOICE = click.Choice(list(FORMATS))
 
 
+def _message(e: BaseException) -> str:
+    """One line for an error: ``file: problem`` for an OS error that names its file, the
+    exception's type for an unexpected kind; temporary copies named as the user named them."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        names = [str(e.filename)] + ([str(e.filename2)] if e.filename2 is not None else [])
+        text = f"{' -> '.join(names)}: {e.strerror}"
+    elif isinstance(e, (OSError, ValueError, RuntimeError, TypeError, ImportError)):
+        text = str(e)
+    else:
+        text = f"{type(e).__name__}: {e}"
+    return sources.shown(" ".join(text.split()))
+
+
 def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     """Any failure to read or write becomes one line on stderr (the error names the file) and
     exit code 3; never a traceback. Inputs are not checked by click (a missing one is exit 3,
-    as documented, not a usage error): the readers refuse what they cannot read."""
+    as documented, not a usage error): the readers refuse what they cannot read. Bad usage is a
+    click.UsageError (exit 2), raised before any work."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -44,13 +62,16 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(OK) from None
         except Exception as e:
-            known = isinstance(e, (OSError, ValueError, RuntimeError, TypeError, ImportError))
-            text = " ".join(str(e).split()) if known else f"{type(e).__name__}: {' '.join(str(e).split())}"
-            click.echo(f"ortckpt: error: {text}", err=True)
+            click.echo(f"ortckpt: error: {_message(e)}", err=True)
             raise SystemExit(FAILED) from None
 
     return run
 
+
+# Commands that read or write much: a bar unless asked not to (or stderr is no terminal).
+_progress_option = click.option(
+    "--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal)."
+)
 
 # `export` and `register-best`: which outputs the inference model keeps.
 _inference_outputs = click.option(
@@ -60,6 +81,77 @@ _inference_outputs = click.option(
     metavar="NAME",
     help="An output of the inference model (repeatable; default: the eval model's outputs).",
 )
+
+
+class Name(click.Path):
+    """A file, directory or URL; an empty one is bad usage (it would name the current directory)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "":
+            self.fail("an empty name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+NAME = Name()
+
+
+class Number(click.ParamType):
+    """A finite number (``inf`` and ``nan`` are bad usage), at least ``minimum`` if given."""
+
+    name = "number"
+
+    def __init__(self, minimum: float | None = None) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = float(click.FLOAT.convert(value, param, ctx))
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.minimum is not None and number < self.minimum:
+            self.fail(f"{value!r} is less than {self.minimum:g}", param, ctx)
+        return number
+
+
+class Weights(click.ParamType):
+    """A comma-separated list of finite, non-negative numbers, not all 0."""
+
+    name = "w1,w2,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[float]:
+        if isinstance(value, list):
+            return value
+        try:
+            weights = [float(w) for w in str(value).split(",")]
+        except ValueError:
+            self.fail(f"not a comma-separated list of numbers: {value}", param, ctx)
+        if not all(math.isfinite(w) and w >= 0 for w in weights):
+            self.fail(f"every weight must be a finite number >= 0: {value}", param, ctx)
+        if not any(w > 0 for w in weights):
+            self.fail(f"the weights are all 0: {value}", param, ctx)
+        return weights
+
+
+def _local(value: str | None, hint: str) -> None:
+    """Bad usage where a command reads or writes only local files and was given a URL."""
+    if value is not None and targets.is_object_url(value):
+        raise click.BadParameter(
+            f"{value}: a local file, please (this is not read or written on object storage)", param_hint=hint
+        )
+
+
+def _format(path: str, given: str | None, hint: str, *, must_exist: bool) -> str:
+    """The format of ``path``: ``given``, or detected (a file's contents, else its extension);
+    one that object storage does not hold is bad usage."""
+    from ..convert.files import ConversionError, format_of
+
+    if given not in (None, "ortckpt") and targets.is_object_url(path):
+        raise click.BadParameter(
+            f"{path}: only ONNX Runtime checkpoints go to and from {targets.SCHEME}, not {given}", param_hint=hint
+        )
+    try:
+        return given or format_of(path, must_exist=must_exist)
+    except ConversionError as e:
+        raise click.BadParameter(str(e), param_hint=hint) from None
 
 
 def _show_progress(asked: bool | None) -> bool:
@@ -109,20 +201,34 @@ def main() -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="List tensors, optimizer groups, properties and totals.")
-@click.argument("path", type=click.Path())
+@click.argument("path", type=NAME)
 @click.option("--from", "fmt", type=FORMAT_CHOICE, help="The file's format (default: detected).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
-@click.option("--limit", type=int, default=50, show_default=True, help="Tensors listed (0: all); totals count all.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=50,
+    show_default=True,
+    help="Tensors listed (0: all); totals count all.",
+)
 @_fail_cleanly
 def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
     """List the tensors of a checkpoint (role, dtype, shape, size, where the bytes live), its
-    optimizer groups, properties and totals. Reads only the header of an ONNX Runtime checkpoint."""
+    optimizer groups, properties and totals. Reads only the header of an ONNX Runtime checkpoint.
+    PATH is a checkpoint (a file, or an s3:// object) or a CheckpointManager's step folder."""
     from .summary import describe
 
-    info = describe(path, fmt)
+    with sources.checkpoint(path) as found:
+        info = describe(found.path, None if found.step else fmt)
+    info["path"] = path
+    if found.step is not None:
+        info["step"] = found.step.step.number
+        if found.copy:  # (a sharded or compressed step: its own files, not the copy read)
+            info["files"] = found.step.files()
     if as_json:
         return _emit_json(info)
     flags = [info["format"]] + ["nominal"] * info["nominal"] + ["external data"] * info["external_data"]
+    flags += [f"step {info['step']}"] if "step" in info else []
     files = ", ".join(f"{os.path.basename(f)} {_size(s)}" for f, s in info["files"].items())
     click.echo(f"{path}: {', '.join(flags)}; {files}")
     tensors = info["tensors"]
@@ -154,17 +260,23 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Check that a checkpoint is whole and readable.")
-@click.argument("path", type=click.Path())
+@click.argument("path", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@_progress_option
 @_fail_cleanly
 def verify(path: str, as_json: bool, progress: bool | None) -> None:
     """Check that a checkpoint is whole: for a CheckpointManager step directory every file's size
     and SHA-256 against its metadata.json, then (for any checkpoint) that every tensor, momentum
-    and property decodes and reads in full."""
-    from ..errors import CheckpointIntegrityError
+    and property decodes and reads in full. PATH may be on s3://."""
+    from ..errors import CheckpointError, CheckpointIntegrityError
     from ..manager.integrity import verify as run_verify
 
+    try:  # a bucket, a run of steps, a directory that is no step: refused here, one line
+        sources.step_folder(path)
+    except sources.NotACheckpointError:
+        raise
+    except (CheckpointError, OSError, ValueError):
+        pass  # a damaged step, a missing file: verify says what it finds
     try:
         result = run_verify(path, progress=_show_progress(progress))
     except CheckpointIntegrityError as e:
@@ -191,12 +303,12 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
 
 
 @main.command(epilog=EXIT_CODES, short_help="Compare two checkpoints, with tolerances.")
-@click.argument("a", type=click.Path())
-@click.argument("b", type=click.Path())
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
+@click.argument("a", type=NAME)
+@click.argument("b", type=NAME)
+@click.option("--rtol", type=Number(minimum=0), default=0.0, show_default=True, help="Relative tolerance for values.")
+@click.option("--atol", type=Number(minimum=0), default=0.0, show_default=True, help="Absolute tolerance for values.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@_progress_option
 @_fail_cleanly
 def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool | None) -> None:
     """Compare two checkpoints (of any formats): tensor names, roles, dtypes, shapes and values
@@ -205,7 +317,8 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     from ..convert.files import load_any
     from .compare import compare
 
-    state_a, state_b = load_any(a), load_any(b)
+    with sources.checkpoint(a) as found_a, sources.checkpoint(b) as found_b:
+        state_a, state_b = load_any(found_a.path), load_any(found_b.path)
     if _show_progress(progress):
         from ..progress import bar
 
@@ -239,8 +352,8 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 
 
 @main.command(epilog=EXIT_CODES, short_help="Convert between checkpoint, safetensors, ONNX and torch files.")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
 @click.option("--to", "dst_format", type=FORMAT_CHOICE, help="DST's format (default: from its extension).")
 @click.option(
@@ -251,7 +364,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 )
 @click.option("--no-optimizer", is_flag=True, help="Leave the optimizer state out.")
 @click.option(
-    "--model", type=click.Path(), help="For an ONNX destination: the eval model (or any model) that takes the weights."
+    "--model", type=NAME, help="For an ONNX destination: the eval model (or any model) that takes the weights."
 )
 @click.option(
     "--output",
@@ -260,7 +373,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     metavar="NAME",
     help="For an ONNX destination: an output to keep (repeatable); see `ortckpt export`.",
 )
-@click.option("--progress/--no-progress", default=None, help="A progress bar (default: when stderr is a terminal).")
+@_progress_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def convert(
@@ -276,28 +389,54 @@ def convert(
     as_json: bool,
 ) -> None:
     """Convert a checkpoint between formats, e.g. `ortckpt convert model.safetensors checkpoint`
-    or `ortckpt convert checkpoint model.onnx --model eval_model.onnx --output y`."""
+    or `ortckpt convert checkpoint model.onnx --model eval_model.onnx --output y`. SRC may be a
+    CheckpointManager's step folder; SRC and DST may be s3:// checkpoints."""
     from ..convert.files import convert as run_convert
 
-    formats = run_convert(
-        src,
-        dst,
-        src_format=src_format,
-        dst_format=dst_format,
-        frozen=frozen,
-        include_optimizer_state=not no_optimizer,
-        model=model,
-        output_names=list(outputs) or None,
-        progress=_show_progress(progress),
-    )
+    _local(model, "--model")
+    to = _format(dst, dst_format, "--to", must_exist=False)
+    if to == "onnx" and model is None:
+        raise click.UsageError("writing an ONNX model needs the model whose inputs take the weights: --model MODEL")
+    with sources.checkpoint(src) as found:
+        source_format = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
+        _check_frozen(src, found.path, source_format, frozen)
+        formats = run_convert(
+            found.path,
+            dst,
+            src_format=source_format,
+            dst_format=to,
+            frozen=frozen,
+            include_optimizer_state=not no_optimizer,
+            model=model,
+            output_names=list(outputs) or None,
+            progress=_show_progress(progress),
+        )
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from": formats[0], "to": formats[1]})
     click.echo(f"{src} ({formats[0]}) -> {dst} ({formats[1]})")
 
 
+def _check_frozen(src: str, path: str, fmt: str, frozen: tuple[str, ...]) -> None:
+    """Bad usage when --frozen is given for a checkpoint (its parameters say if they are frozen)
+    or names a parameter that the source does not have (one read of its names, before the
+    conversion)."""
+    if not frozen:
+        return
+    if fmt == "ortckpt":
+        raise click.BadParameter(
+            f"{src} is a checkpoint, whose parameters say if they are frozen (for safetensors, ONNX and torch)",
+            param_hint="--frozen",
+        )
+    from ..convert.files import load_any
+
+    unknown = sorted(set(frozen) - set(load_any(path, fmt).parameters.names()))
+    if unknown:
+        raise click.BadParameter(f"{src} has no parameter named {', '.join(unknown)}", param_hint="--frozen")
+
+
 @main.command(epilog=EXIT_CODES, short_help="Write a checkpoint's nominal twin (names and types only).")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--from", "src_format", type=FORMAT_CHOICE, help="SRC's format (default: detected).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
@@ -307,16 +446,19 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
     small and load the weights later."""
     from ..convert.files import to_nominal
 
-    count = to_nominal(src, dst, src_format=src_format)
+    _local(dst, "DST")
+    with sources.checkpoint(src) as found:
+        fmt = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
+        count = to_nominal(found.path, dst, src_format=fmt)
     if as_json:
         return _emit_json({"src": src, "dst": dst, "parameters": count})
     click.echo(f"{dst}: nominal checkpoint of {count} parameters")
 
 
 @main.command(epilog=EXIT_CODES, short_help="Export an inference ONNX model from a checkpoint and its eval model.")
-@click.argument("checkpoint", type=click.Path())
-@click.argument("eval_model", type=click.Path())
-@click.argument("out", type=click.Path())
+@click.argument("checkpoint", type=NAME)
+@click.argument("eval_model", type=NAME)
+@click.argument("out", type=NAME)
 @_inference_outputs
 @click.option(
     "--external-data/--no-external-data",
@@ -334,15 +476,18 @@ def export(
     is needed."""
     from ..convert.onnx_model import export_model
 
-    export_model(checkpoint, eval_model, out, output_names=list(outputs) or None, external_data=external_data)
+    _local(eval_model, "EVAL_MODEL")
+    _local(out, "OUT")
+    with sources.checkpoint(checkpoint) as found:
+        export_model(found.path, eval_model, out, output_names=list(outputs) or None, external_data=external_data)
     if as_json:
         return _emit_json({"checkpoint": checkpoint, "eval_model": eval_model, "out": out, "outputs": list(outputs)})
     click.echo(f"{out}: inference model" + (f" with outputs {', '.join(outputs)}" if outputs else ""))
 
 
 @main.command(epilog=EXIT_CODES, short_help="Rewrite an ONNX Runtime 1.16 checkpoint (version 1) as version 2.")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def upgrade(src: str, dst: str, as_json: bool) -> None:
@@ -350,41 +495,48 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
     or version 2) to DST as version 2 with the same parameters, optimizer state and properties."""
     from ..versions import upgrade as run_upgrade
 
-    version = run_upgrade(src, dst)
+    with sources.checkpoint(src) as found:
+        version = run_upgrade(found.path, dst)
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from_version": version, "to_version": 2})
     click.echo(f"{src} (version {version}) -> {dst} (version 2)")
 
 
 @main.command(epilog=EXIT_CODES, short_help="Compress a checkpoint kept for the long term (zstd).")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--level", type=click.IntRange(1, 22), default=3, show_default=True, help="The zstd level.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def compress(src: str, dst: str, level: int, as_json: bool) -> None:
+def compress(src: str, dst: str, level: int, as_json: bool, progress: bool | None) -> None:
     """Write the checkpoint SRC (and SRC.data) as one compressed archive DST: zstd over the
     files with each floating-point tensor's bytes grouped. ONNX Runtime cannot read it:
     `ortckpt decompress` gives the checkpoint back, byte for byte."""
     from ..compression import compress as run_compress
 
-    done = run_compress(src, dst, level=level)
+    _local(dst, "DST")
+    with sources.checkpoint(src, local=True) as found:
+        done = run_compress(found.path, dst, level=level, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst, "bytes": done.size, "compressed_bytes": done.compressed_size})
     click.echo(f"{src} ({done.size:,} bytes) -> {dst} ({done.compressed_size:,} bytes, {done.ratio:.2f}x)")
 
 
 @main.command(epilog=EXIT_CODES, short_help="Write a compressed checkpoint back as the checkpoint it was.")
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path())
+@click.argument("src", type=NAME)
+@click.argument("dst", type=NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def decompress(src: str, dst: str, as_json: bool) -> None:
+def decompress(src: str, dst: str, as_json: bool, progress: bool | None) -> None:
     """Write the checkpoint in the archive SRC to DST (and DST.data), checking every file's
     size and SHA-256 against the archive before it replaces anything."""
     from ..compression import decompress as run_decompress
 
-    run_decompress(src, dst)
+    _local(dst, "DST")
+    with sources.archive(src) as archive:
+        run_decompress(archive, dst, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst})
     click.echo(f"{src} -> {dst}")
@@ -393,9 +545,9 @@ def decompress(src: str, dst: str, as_json: bool) -> None:
 @main.command(
     "register-best", epilog=EXIT_CODES, short_help="Register a run's best checkpoint in MLflow's model registry."
 )
-@click.argument("directory", type=click.Path())
+@click.argument("directory", type=NAME)
 @click.argument("name")
-@click.argument("eval_model", type=click.Path())
+@click.argument("eval_model", type=NAME)
 @_inference_outputs
 @click.option("--metric", help="The metric to rank by (default: the one the run's checkpoints have, if only one).")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True, help="Best is min or max.")
@@ -421,15 +573,10 @@ def register_best(
     from ..manager import CheckpointManager
     from ..manager.tracking import TAG_STEP, MlflowTracker
 
+    _local(eval_model, "EVAL_MODEL")
+    metric = _ranking_metric(directory, metric, mode)  # (before MLflow is asked anything)
     tracker = MlflowTracker(tracking_uri, experiment=experiment)
     manager = CheckpointManager(directory, read_only=True, track=tracker)
-    if not manager.all():
-        raise FileNotFoundError(f"{directory}: no checkpoint")
-    if metric is None:
-        names = sorted({key for info in manager.all() for key in info.metrics})
-        if len(names) != 1:
-            raise ValueError(f"{directory}: say which metric ranks the checkpoints (--metric): they have {names}")
-        metric = names[0]
     version = manager.register_best(
         name, eval_model, output_names=list(outputs) or None, metric=metric, mode="max" if mode == "max" else "min"
     )
@@ -447,69 +594,127 @@ def register_best(
     click.echo(f"{name} version {version.version}: step {version.tags[TAG_STEP]} of {directory} ({version.source})")
 
 
+def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
+    """The metric that ranks the run's checkpoints: ``metric``, which one of them must have, or
+    the only one they have; anything else is bad usage."""
+    from ..manager import CheckpointManager
+
+    with CheckpointManager(directory, read_only=True) as run:
+        checkpoints = run.all()
+        if not checkpoints:
+            try:
+                step = sources.step_folder(directory)
+            except (OSError, ValueError, RuntimeError):
+                step = None
+            if step is not None:
+                raise click.BadParameter(
+                    f"{directory} is one step: name the run's directory, which holds its steps",
+                    param_hint="DIRECTORY",
+                )
+            raise FileNotFoundError(2, "no checkpoint (not a CheckpointManager's directory?)", directory)
+        names = sorted({key for info in checkpoints for key in info.metrics})
+        if metric is None:
+            if len(names) != 1:
+                raise click.UsageError(
+                    f"{directory}: say which metric ranks the checkpoints (--metric): they have "
+                    f"{', '.join(names) or 'none'}"
+                )
+            metric = names[0]
+        if run.best(metric, "max" if mode == "max" else "min") is None:
+            raise click.BadParameter(
+                f"no checkpoint of {directory} has a value of {metric!r} (their metrics: {', '.join(names) or 'none'})",
+                param_hint="--metric",
+            )
+    return metric
+
+
 @main.command(epilog=EXIT_CODES, short_help="Weighted mean of checkpoints (federated averaging).")
-@click.argument("out", type=click.Path())
-@click.argument("sources", nargs=-1, required=True, type=click.Path())
-@click.option("--weights", metavar="W1,W2,...", help="One weight per source (default: num_samples, else equal).")
+@click.argument("out", type=NAME)
+@click.argument("checkpoints", nargs=-1, required=True, type=NAME, metavar="SOURCES...")
+@click.option(
+    "--weights",
+    type=Weights(),
+    metavar="W1,W2,...",
+    help="One weight per source, finite and >= 0, not all 0 (default: num_samples, else equal).",
+)
 @click.option("--optimizer", "include_optimizer_state", is_flag=True, help="Average the optimizer momentums too.")
 @click.option(
     "--frozen-from-first", is_flag=True, help="Take frozen parameters from the first source even if they differ."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
 def average(
     out: str,
-    sources: tuple[str, ...],
-    weights: str | None,
+    checkpoints: tuple[str, ...],
+    weights: list[float] | None,
     include_optimizer_state: bool,
     frozen_from_first: bool,
     as_json: bool,
+    progress: bool | None,
 ) -> None:
     """Write to OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
     sources are read a chunk at a time, whatever their size. Integer, bool and string tensors and
-    frozen parameters must be equal in every source, and are copied."""
+    frozen parameters must be equal in every source, and are copied. A source may be a
+    CheckpointManager's step folder; any may be on s3://."""
     from ..arithmetic import average as run_average
 
-    try:
-        parsed = [float(w) for w in weights.split(",")] if weights else None
-    except ValueError:
-        raise click.BadParameter(f"not a comma-separated list of numbers: {weights}", param_hint="--weights") from None
-    run_average(
-        list(sources),
-        parsed,
-        include_optimizer_state=include_optimizer_state,
-        frozen="first" if frozen_from_first else "equal",
-        out=out,
-    )
+    if weights is not None and len(weights) != len(checkpoints):
+        raise click.BadParameter(
+            f"{len(weights)} weights for {len(checkpoints)} checkpoints: give one per source", param_hint="--weights"
+        )
+    with sources.checkpoints(checkpoints) as paths:
+        run_average(
+            paths,
+            weights,
+            include_optimizer_state=include_optimizer_state,
+            frozen="first" if frozen_from_first else "equal",
+            out=out,
+            progress=_show_progress(progress),
+        )
     if as_json:
-        return _emit_json({"out": out, "sources": list(sources), "weights": parsed})
-    click.echo(f"{out}: average of {len(sources)} checkpoints")
+        return _emit_json({"out": out, "sources": list(checkpoints), "weights": weights})
+    click.echo(f"{out}: average of {len(checkpoints)} checkpoints")
 
 
 @main.command("delta", epilog=EXIT_CODES, short_help="Write A - B (what changed).")
-@click.argument("a", type=click.Path())
-@click.argument("b", type=click.Path())
-@click.argument("out", type=click.Path())
+@click.argument("a", type=NAME)
+@click.argument("b", type=NAME)
+@click.argument("out", type=NAME)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def delta_command(a: str, b: str, out: str) -> None:
-    """Write to OUT the difference A - B of the trainable float parameters (other tensors as in A)."""
+def delta_command(a: str, b: str, out: str, as_json: bool, progress: bool | None) -> None:
+    """Write to OUT the difference A - B of the trainable float parameters (other tensors as in A).
+    A and B may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import delta as run_delta
 
-    run_delta(a, b, out=out)
+    with sources.checkpoints([a, b]) as (path_a, path_b):
+        run_delta(path_a, path_b, out=out, progress=_show_progress(progress))
+    if as_json:
+        return _emit_json({"a": a, "b": b, "out": out})
     click.echo(f"{out}: {a} - {b}")
 
 
 @main.command("apply", epilog=EXIT_CODES, short_help="Write BASE + scale * DELTA.")
-@click.argument("base", type=click.Path())
-@click.argument("delta", type=click.Path())
-@click.argument("out", type=click.Path())
-@click.option("--scale", type=float, default=1.0, show_default=True, help="The factor DELTA is multiplied by.")
+@click.argument("base", type=NAME)
+@click.argument("delta", type=NAME)
+@click.argument("out", type=NAME)
+@click.option(
+    "--scale", type=Number(), default=1.0, show_default=True, help="The (finite) factor DELTA is multiplied by."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_progress_option
 @_fail_cleanly
-def apply_command(base: str, delta: str, out: str, scale: float) -> None:
-    """Write to OUT the checkpoint BASE + scale * DELTA (a delta written by `ortckpt delta`)."""
+def apply_command(base: str, delta: str, out: str, scale: float, as_json: bool, progress: bool | None) -> None:
+    """Write to OUT the checkpoint BASE + scale * DELTA (a delta written by `ortckpt delta`).
+    BASE and DELTA may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import apply as run_apply
 
-    run_apply(base, delta, scale, out=out)
+    with sources.checkpoints([base, delta]) as (path_base, path_delta):
+        run_apply(path_base, path_delta, scale, out=out, progress=_show_progress(progress))
+    if as_json:
+        return _emit_json({"base": base, "delta": delta, "out": out, "scale": scale})
     click.echo(f"{out}: {base} + {scale:g} * {delta}")
 
 

@@ -635,6 +635,7 @@ def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> An
 def encode_index(index: Mapping[str, Any], where: str) -> bytes:
     """The index as written, checked to read back: a save never commits an index that load
     would refuse."""
-    data = (json.dumps(index, indent=1, sort_keys=True) + "\n").encode()
+    index = documents.encode_non_finite(index, ("properties", "optimizer_groups"))  # (JSON has no NaN)
+    data = (json.dumps(index, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
     documents.parse(documents.SHARDED_INDEX, data, where)
     return data

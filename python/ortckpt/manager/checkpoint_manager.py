@@ -38,16 +38,23 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, safe_io, steps, targets
+from .. import _boundary, arguments, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    InvalidArgumentError,
+    InvalidArgumentTypeError,
+    name_file,
+)
 from ..stepstore import Attempt, Step, StepStore, open_store
+from . import arguments as options
 from . import child
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
@@ -57,7 +64,7 @@ from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
 
 # What only a run in a local directory can do (each needs the step's files on this machine).
-_LOCAL_ONLY = ("validate", "compress_kept", "track", "progress")
+_LOCAL_ONLY = ("validate", "compress_kept", "track")
 
 
 @dataclass(frozen=True)
@@ -186,8 +193,8 @@ class CheckpointManager:
             (a resumed run keeps its id), else a new random id.
         config: The run's hyperparameters or configuration (JSON-able), recorded in every
             checkpoint's metadata.
-        progress: Progress bars (tqdm) while a checkpoint is written and hashed, for saves
-            that take more than half a second. Directories only.
+        progress: Progress bars (tqdm) while a checkpoint is written (or uploaded) and hashed,
+            for saves that take more than half a second. A bar never holds up or fails a save.
         external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
             bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
@@ -226,6 +233,38 @@ class CheckpointManager:
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        # Every argument is checked first, naming it, before anything is opened or written
+        # (manager.arguments: a float or a bool is no count, a string no flag).
+        if not isinstance(directory, (str, os.PathLike)):
+            raise InvalidArgumentTypeError(
+                f"directory is a path or an {targets.SCHEME} URL, got {type(directory).__name__}", "directory"
+            )
+        save_every = options.save_every(save_every)
+        async_save, durable, compress_kept, progress, read_only = (
+            arguments.flag(name, value)
+            for name, value in (
+                ("async_save", async_save),
+                ("durable", durable),
+                ("compress_kept", compress_kept),
+                ("progress", progress),
+                ("read_only", read_only),
+            )
+        )
+        verify_after_save = options.verify_after_save(verify_after_save)
+        verify_timeout = child.check_timeout("verify_timeout", verify_timeout)
+        if verify_timeout is not None and verify_after_save != "process":
+            raise InvalidArgumentError(
+                'verify_timeout is for verify_after_save="process": a check in this process cannot be cut',
+                "verify_timeout",
+            )
+        run_id = None if run_id is None else arguments.text("run_id", run_id)
+        external_data_threshold = arguments.count(
+            "external_data_threshold", external_data_threshold, 0, arguments.MAX_BYTES
+        )
+        track = options.track(track)
+        policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
+        config = _metadata.check_config(config, os.fspath(directory))
+        storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
         remote = targets.is_object_url(directory)
         if storage_options is not None and not remote:
             raise ValueError(
@@ -236,31 +275,24 @@ class CheckpointManager:
         if comm is not None and compress_kept:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
         if validate is not None and not isinstance(validate, Forward):
-            raise TypeError(f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}")
-        if isinstance(save_every, int) and save_every < 1:
-            raise ValueError(f"save_every must be at least 1, got {save_every}")
-        if verify_after_save not in (False, True, "process"):
-            raise ValueError(f"verify_after_save is False, True or 'process', got {verify_after_save!r}")
-        child.check_timeout("verify_timeout", verify_timeout)
-        if verify_timeout is not None and verify_after_save != "process":
-            raise ValueError('verify_timeout is for verify_after_save="process": a check in this process cannot be cut')
-        if run_id is not None and not isinstance(run_id, str):
-            raise TypeError(f"run_id is a str, got {type(run_id).__name__}")
+            raise InvalidArgumentTypeError(
+                f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}", "validate"
+            )
         if remote:
-            asked = {"validate": validate, "compress_kept": compress_kept, "track": track, "progress": progress}
+            asked = {"validate": validate, "compress_kept": compress_kept, "track": track}
             refused = [name for name in _LOCAL_ONLY if asked[name] not in (None, False)]
             if verify_after_save == "process":
                 refused.append('verify_after_save="process"')
             if refused:
                 raise ValueError(f"{directory}: not available for a manager on object storage: {', '.join(refused)}")
-        self.policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
+        self.policy = policy
         self.save_every = save_every
         self.async_save = async_save
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save
         self.verify_timeout = verify_timeout
-        self.config = dict(config or {})
+        self.config = config
         self.external_data_threshold = external_data_threshold
         self.validate = validate
         self.compress_kept = compress_kept
@@ -399,8 +431,11 @@ class CheckpointManager:
 
         ``step`` (and ``epoch``, when given) also go into the checkpoint's properties, where
         ONNX Runtime sees them; both are ints (NumPy integers too). ``metrics`` (numbers; NaN
-        and infinities round-trip) rank checkpoints for ``keep_best``; ``metadata`` is any
-        JSON-able data of yours; ``rng_state`` comes from :func:`ortckpt.capture_rng_state`.
+        and infinities round-trip) rank checkpoints for ``keep_best``; ``metadata`` is a mapping
+        of JSON-able data of yours (keys str or int, two never the same once written as JSON's
+        strings; floats come back as floats, NaN and infinities too); ``rng_state`` comes from
+        :func:`ortckpt.capture_rng_state`. What metadata.json cannot hold is refused here,
+        naming its key (:class:`~ortckpt.InvalidArgumentError`).
         With ``async_save``, returns once the state is copied; otherwise once it is committed.
         With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
         :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
@@ -447,6 +482,9 @@ class CheckpointManager:
             raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
         step = as_step(step)
         epoch = None if epoch is None else as_integer("epoch", epoch)
+        arguments.flag("include_optimizer_state", include_optimizer_state)
+        for name, value in (("metrics", metrics), ("metadata", metadata), ("rng_state", rng_state)):
+            arguments.mapping(name, value)
         self.wait()  # one save at a time; raises the previous async save's error
         latest = self.latest_step()
         if step in self.all_steps():
@@ -470,13 +508,16 @@ class CheckpointManager:
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
         )
-        _metadata.check_serializable(meta)
+        _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
         # Every value is checked (and strings encoded) here, in the caller's thread.
-        snapshot = state._snapshot(
-            copy_value=self._staging.copy if self.async_save else None,
-            include_optimizer_state=include_optimizer_state,
-            properties=properties,
-        )
+        with self._naming_step(step):
+            snapshot = state._snapshot(
+                copy_value=self._staging.copy if self.async_save else None,
+                include_optimizer_state=include_optimizer_state,
+                properties=properties,
+            )
+            if self.async_save:  # (its values are copies by now: views only) refused here, not in the background
+                snapshot.core_state(include_optimizer_state)
         self._last_save = time.monotonic()
         return step, meta, snapshot
 
@@ -485,12 +526,14 @@ class CheckpointManager:
     ) -> None:
         """The step transaction of one save: stage, write, verify, metadata, commit; then
         retention and the tracker's report."""
+        with self._naming_step(step):
+            core = state.core_state(include_optimizer_state)
         attempt = self.store.begin(step)
         try:
             self.store.write_checkpoint(
                 attempt,
                 steps.CHECKPOINT_NAME,
-                state.core_state(include_optimizer_state),
+                core,
                 external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
                 progress=self.progress,
@@ -500,6 +543,20 @@ class CheckpointManager:
             self.store.abandon(attempt)
             raise
         self._committed(committed)
+
+    @contextlib.contextmanager
+    def _naming_step(self, step: int) -> Iterator[None]:
+        """A value or name no file can hold, refused as the state is copied or handed to the
+        core, is named with the step's folder."""
+        try:
+            yield
+        except CheckpointError as e:
+            name_file(e, self._step_folder(step))
+            raise
+
+    def _step_folder(self, step: int) -> str:
+        """The step's folder, as messages name it (a path, or on object storage its URL)."""
+        return f"{self._where.rstrip('/')}/{steps.step_directory_name(step)}"
 
     def _commit(self, attempt: Attempt, meta: dict[str, Any]) -> CheckpointInfo:
         """Records the written files (sizes, SHA-256s) in the metadata, verifies and validates
@@ -632,7 +689,7 @@ class CheckpointManager:
         directory = Path(info.directory)
         if not info.compressed:
             archive = directory / steps.COMPRESSED_NAME
-            compress(info.path, archive, durable=self.durable)
+            compress(info.path, archive, durable=self.durable, progress=self.progress)
             size, digest = safe_io.sha256_of(archive)
             meta = {
                 **info.metadata,

@@ -35,8 +35,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from .. import documents, safe_io
-from ..errors import CheckpointFormatError, CheckpointIntegrityError, ValidationTimeoutError
+from .. import arguments, documents, safe_io
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    InvalidArgumentError,
+    ValidationTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +104,15 @@ def default_timeout(checkpoint_bytes: int) -> float:
     return BASE_TIMEOUT + checkpoint_bytes / BYTES_PER_SECOND
 
 
-def check_timeout(name: str, timeout: Any) -> None:
-    """Refuses a deadline that is not a positive number of seconds (None: the default)."""
+def check_timeout(argument: str, timeout: Any) -> float | None:
+    """A deadline given as ``argument``: a positive, finite number of seconds, or None (the
+    default); anything else is refused naming the argument."""
     if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{name} is a number of seconds, got {type(timeout).__name__}")
-    if not 0 < timeout < float("inf"):
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout}")
+        return None
+    seconds = arguments.finite(argument, timeout)
+    if seconds <= 0:
+        raise InvalidArgumentError(f"{argument} is a positive number of seconds, got {timeout!r}", argument)
+    return seconds
 
 
 def run(

@@ -97,7 +97,8 @@ def _verify_object(store: ObjectStore) -> Verified:
         raise CheckpointIntegrityError(store.name, [_problem(f"{store.name}/{steps.METADATA_NAME}", e)]) from None
     if step is not None:
         return verify_step(store, step)
-    target = targets.ObjectFile(store.prefix)
+    target = targets.checkpoint(store.name)  # (a bucket is refused: its listing is no checkpoint)
+    assert isinstance(target, targets.ObjectFile)
     with safe_io.scratch_directory() as scratch:
         local = scratch / steps.CHECKPOINT_NAME
         try:
@@ -105,8 +106,9 @@ def _verify_object(store: ObjectStore) -> Verified:
             count, nbytes, _ = read_everything(open_checkpoint(local, follow_symlinks=False), read_bytes=True)
         except FileNotFoundError:
             raise
-        except (CheckpointError, OSError) as e:
-            raise CheckpointIntegrityError(store.name, [_problem(store.name, e)]) from None
+        except (CheckpointError, OSError) as e:  # (the local copy named as the object)
+            problem = _problem(store.name, e).replace(f"{local}: ", "").replace(str(local), store.name)
+            raise CheckpointIntegrityError(store.name, [problem]) from None
     return Verified(store.name, None, count, nbytes)
 
 

@@ -20,6 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from .. import arguments
+from . import arguments as options
+
 
 @dataclass(frozen=True)
 class RetentionPolicy:
@@ -28,16 +31,10 @@ class RetentionPolicy:
     keep_every: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_to_keep is not None and self.max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be at least 1, got {self.max_to_keep}")
-        if self.keep_every is not None and self.keep_every < 1:
-            raise ValueError(f"keep_every must be at least 1, got {self.keep_every}")
-        if self.keep_best is not None:
-            if len(self.keep_best) != 3:
-                raise ValueError(f"keep_best is (metric name, 'min' or 'max', count), got {self.keep_best!r}")
-            metric, mode, count = self.keep_best
-            if not isinstance(metric, str) or mode not in ("min", "max") or not isinstance(count, int) or count < 1:
-                raise ValueError(f"keep_best is (metric name, 'min' or 'max', count >= 1), got {self.keep_best!r}")
+        # Checked (naming the argument: a float or a bool is no count) and kept as plain ints.
+        object.__setattr__(self, "max_to_keep", arguments.optional_count("max_to_keep", self.max_to_keep))
+        object.__setattr__(self, "keep_best", options.keep_best(self.keep_best))
+        object.__setattr__(self, "keep_every", arguments.optional_count("keep_every", self.keep_every))
 
     @property
     def deletes_anything(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint_state import open_checkpoint
-from ..errors import CheckpointIntegrityError
+from ..errors import CheckpointIntegrityError, InvalidArgumentError
 from . import child
 
 # ONNX Runtime's input types -> the NumPy dtype of a dummy input (what an inference session takes).
@@ -82,9 +82,11 @@ class Forward:
             raise TypeError(f"metric is (output name, metric name), got {self.metric!r}")
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be at least 0, got {self.tolerance}")
-        child.check_timeout("Forward's timeout", self.timeout)
+        child.check_timeout("timeout", self.timeout)
         if self.timeout is not None and not self.process:
-            raise ValueError("Forward(timeout=...) needs process=True: a check in this process cannot be interrupted")
+            raise InvalidArgumentError(
+                "Forward(timeout=...) needs process=True: a check in this process cannot be interrupted", "timeout"
+            )
         if self.process:
             if _check_module(self.check) == "__main__":
                 raise TypeError(

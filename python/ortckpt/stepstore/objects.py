@@ -141,7 +141,7 @@ class ObjectStore(StepStore):
         progress: bool = False,
     ) -> dict[str, dict[str, Any]]:
         target = self.file(attempt.folder, name)
-        written = target.upload(state, external_data_threshold=external_data_threshold)
+        written = target.upload(state, external_data_threshold=external_data_threshold, progress=progress)
         attempt.written.update(written)
         return written
 
