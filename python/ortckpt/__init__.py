@@ -30,6 +30,7 @@ from .errors import (
     SpecialFileError,
     UnsupportedDataTypeError,
     UnsupportedPlatformError,
+    ValidationTimeoutError,
     ValueOverflowError,
 )
 
@@ -125,6 +126,7 @@ __all__ = [
     "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
+    "ValidationTimeoutError",
     "ValueOverflowError",
     "Verified",
     "__version__",

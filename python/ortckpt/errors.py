@@ -76,6 +76,17 @@ class CheckpointIntegrityError(CheckpointError):
         super().__init__(f"{path} failed verification:\n" + "\n".join(f"  {p}" for p in problems))
 
 
+class ValidationTimeoutError(CheckpointIntegrityError, TimeoutError):
+    """A check of a new checkpoint in a fresh process (``verify_after_save="process"``,
+    ``validate=Forward(..., process=True)``) ran past its deadline: the process and every process
+    it started were killed, and the step was not committed. ``filename`` names the checkpoint;
+    ``timeout`` is the deadline in seconds."""
+
+    def __init__(self, path: object, problem: str, timeout: float) -> None:
+        self.timeout = timeout
+        super().__init__(path, [problem])
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A :class:`~ortckpt.CheckpointManager` already holds a checkpoint for this step."""
 
@@ -136,5 +147,6 @@ __all__ = [
     "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
+    "ValidationTimeoutError",
     "ValueOverflowError",
 ]

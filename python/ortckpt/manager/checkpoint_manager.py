@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -51,12 +49,13 @@ from ..checkpoint_state import CheckpointState
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointIntegrityError,
+    InvalidArgumentError,
     InvalidArgumentTypeError,
     name_file,
 )
 from ..stepstore import Attempt, Step, StepStore, open_store
 from . import arguments as options
+from . import child
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
 from .integrity import Verified, verify_step
@@ -169,8 +168,11 @@ class CheckpointManager:
         durable: fsync each checkpoint's files and directories before it counts as saved (on
             object storage an object is durable once its PUT returns: nothing changes).
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
-            True in this process, ``"process"`` in a fresh Python process (directories only).
-            A checkpoint that fails is not committed.
+            True in this process, ``"process"`` in a fresh Python process (directories only; it
+            imports the same ortckpt as this one). A checkpoint that fails is not committed.
+        verify_timeout: For ``verify_after_save="process"``: seconds the fresh process may take
+            (default: 120 s plus 1 s per 64 MiB of checkpoint); past it, it is killed and the
+            step refused (:class:`~ortckpt.ValidationTimeoutError`).
         compress_kept: Compress the steps kept only by ``keep_every`` or ``keep_best`` (never the
             latest, nor the newest ``max_to_keep``) into ``checkpoint.zst`` (:mod:`ortckpt.compression`):
             ONNX Runtime cannot read them, :meth:`restore` and ``load()`` decompress them, and
@@ -219,6 +221,7 @@ class CheckpointManager:
         async_save: bool = False,
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
+        verify_timeout: float | None = None,
         validate: Forward | None = None,
         compress_kept: bool = False,
         track: str | Tracker | None = None,
@@ -248,6 +251,12 @@ class CheckpointManager:
             )
         )
         verify_after_save = options.verify_after_save(verify_after_save)
+        verify_timeout = child.check_timeout("verify_timeout", verify_timeout)
+        if verify_timeout is not None and verify_after_save != "process":
+            raise InvalidArgumentError(
+                'verify_timeout is for verify_after_save="process": a check in this process cannot be cut',
+                "verify_timeout",
+            )
         run_id = None if run_id is None else arguments.text("run_id", run_id)
         external_data_threshold = arguments.count(
             "external_data_threshold", external_data_threshold, 0, arguments.MAX_BYTES
@@ -282,6 +291,7 @@ class CheckpointManager:
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save
+        self.verify_timeout = verify_timeout
         self.config = config
         self.external_data_threshold = external_data_threshold
         self.validate = validate
@@ -567,7 +577,7 @@ class CheckpointManager:
         if not self.store.local:
             meta["attempt"] = attempt.where
         if self.verify_after_save == "process":
-            _verify_in_new_process(Path(attempt.folder), meta)
+            _verify_in_new_process(Path(attempt.folder), meta, self.verify_timeout)
         elif self.verify_after_save:
             verify_step(self.store, Step(attempt.step, meta, attempt.folder))
         if self.validate is not None:
@@ -844,23 +854,12 @@ class CheckpointManager:
 ObjectStoreCheckpointManager = CheckpointManager
 
 
-def _verify_in_new_process(directory: Path, meta: dict[str, Any]) -> None:
+def _verify_in_new_process(directory: Path, meta: dict[str, Any], timeout: float | None) -> None:
     """Verifies the staged step in a fresh Python process that imports what this one did."""
-    code = "import sys, ortckpt; ortckpt.verify(sys.argv[1])"
+    if timeout is None:
+        timeout = child.default_timeout(sum(int(f.get("bytes", 0)) for f in meta["files"].values()))
     _metadata.write(directory, meta, False)  # what verify checks the files against
     try:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        done = subprocess.run(
-            [sys.executable, "-c", code, str(directory)], capture_output=True, text=True, check=False, env=env
-        )
+        child.run(child.verify, (str(directory),), subject=directory, what="verification process", timeout=timeout)
     finally:
         os.unlink(directory / steps.METADATA_NAME)
-    if done.returncode != 0:
-        raise CheckpointIntegrityError(
-            directory,
-            [
-                done.stderr.strip().splitlines()[-1]
-                if done.stderr
-                else f"verification process exited with {done.returncode}"
-            ],
-        )

@@ -10,10 +10,7 @@ agrees and, when asked, a loss output matches the metric being logged.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint_state import open_checkpoint
-from ..errors import CheckpointIntegrityError
+from ..errors import CheckpointIntegrityError, InvalidArgumentError
+from . import child
 
 # ONNX Runtime's input types -> the NumPy dtype of a dummy input (what an inference session takes).
 _DUMMY_DTYPES = {
@@ -57,8 +55,17 @@ class Forward:
             metric passed to ``save`` within ``tolerance`` (relative), so the metric logged is
             the checkpoint's.
         tolerance: For ``metric``: ``|output - metric| <= tolerance * max(1, |metric|)``.
-        process: Run in a fresh Python process (``check`` must then pickle: a module-level
-            function), so a crash in the model's kernels cannot take the training down.
+        process: Run in a fresh Python process, so a crash in the model's kernels cannot take the
+            training down. ``check`` must then pickle: a function of a module (not of the
+            script being run, ``__main__``); the child imports the same ortckpt and ``check``
+            module as this process did (its ``sys.path`` too). The verdict comes back on a
+            channel of its own: what the child prints is logged (logger
+            ``ortckpt.manager.child``, INFO), never taken for a problem. A child killed by a
+            signal, or one that exits without a verdict, refuses the checkpoint.
+        timeout: With ``process``: seconds the fresh process may take (default: 120 s plus 1 s
+            per 64 MiB of checkpoint); past it, it is killed with every process it started and
+            the checkpoint is refused (:class:`~ortckpt.ValidationTimeoutError`). A check in
+            this process cannot be interrupted: without ``process`` no timeout can be given.
     """
 
     eval_model: Any
@@ -68,13 +75,24 @@ class Forward:
     metric: tuple[str, str] | None = None
     tolerance: float = 1e-4
     process: bool = False
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.metric is not None and (len(self.metric) != 2 or not all(isinstance(m, str) for m in self.metric)):
             raise TypeError(f"metric is (output name, metric name), got {self.metric!r}")
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be at least 0, got {self.tolerance}")
+        child.check_timeout("timeout", self.timeout)
+        if self.timeout is not None and not self.process:
+            raise InvalidArgumentError(
+                "Forward(timeout=...) needs process=True: a check in this process cannot be interrupted", "timeout"
+            )
         if self.process:
+            if _check_module(self.check) == "__main__":
+                raise TypeError(
+                    "Forward(process=True) sends check to a fresh process, which cannot import it from the "
+                    "script being run (__main__): define check in a module of its own and import it from there"
+                )
             try:
                 pickle.dumps(self)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -87,7 +105,16 @@ class Forward:
         """Refuses ``checkpoint`` (:class:`~ortckpt.CheckpointIntegrityError` naming it and why)
         unless the forward pass succeeds; see the class."""
         if self.process:
-            _validate_in_new_process(self, checkpoint, metrics)
+            in_child = dataclasses.replace(self, process=False, timeout=None)
+            module = _check_module(self.check)
+            child.run(
+                in_child.problems,
+                (checkpoint, dict(metrics or {})),
+                subject=checkpoint,
+                what="validation process",
+                timeout=self.timeout if self.timeout is not None else child.default_timeout(_size_of(checkpoint)),
+                modules=[module] if module else [],
+            )
         else:
             problems = self.problems(checkpoint, metrics)
             if problems:
@@ -173,35 +200,19 @@ def _count_non_finite(value: Any) -> int:
     return int(array.size - np.count_nonzero(np.isfinite(array)))
 
 
+def _size_of(checkpoint: Path) -> int:
+    """The bytes of a checkpoint and its external data file."""
+    return sum(p.stat().st_size for p in (checkpoint, checkpoint.with_name(checkpoint.name + ".data")) if p.exists())
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
 
 
-_CHILD = """
-import pickle, sys
-forward, checkpoint, metrics = pickle.load(sys.stdin.buffer)
-for problem in forward.problems(checkpoint, metrics):
-    print(problem)
-"""
-
-
-def _validate_in_new_process(forward: Forward, checkpoint: Path, metrics: Mapping[str, Any] | None) -> None:
-    payload = pickle.dumps((dataclasses.replace(forward, process=False), checkpoint, dict(metrics or {})))
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        input=payload,
-        capture_output=True,
-        check=False,
-        # This process's import path, so the child imports check's module as this one did.
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-    )
-    problems = done.stdout.decode(errors="replace").splitlines()
-    if done.returncode != 0:
-        stderr = done.stderr.decode(errors="replace").strip().splitlines()
-        problems.append(f"the validation process exited with {done.returncode}" + (f": {stderr[-1]}" if stderr else ""))
-    if problems:
-        raise CheckpointIntegrityError(checkpoint, problems)
+def _check_module(check: Any) -> str | None:
+    """The module a fresh process imports to unpickle ``check`` (a ``functools.partial``'s function's)."""
+    return getattr(getattr(check, "func", check), "__module__", None)
 
 
 __all__ = ["Forward", "dummy_inputs"]
