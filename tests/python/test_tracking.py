@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 import uuid
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +27,12 @@ import ortckpt
 import ortckpt.manager.tracking
 import pytest
 from goldens import ARTIFACTS, EVAL_MODEL, INPUTS, LOSS
+from http_proxy import Proxy
 from mlflow import MlflowClient
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.cli import OK, run
 from ortckpt.manager.tracking import (
+    DEFAULT_TIMEOUT,
     TAG_CHECKPOINT,
     TAG_DIRECTORY,
     TAG_RUN_ID,
@@ -135,27 +142,97 @@ def test_log_artifacts_uploads_each_checkpoints_files(tmp_path, mlflow_uri, expe
     assert (CheckpointState.load_checkpoint(downloaded / "checkpoint").parameters["w"].data == 7).all()
 
 
-def test_a_tracker_that_is_down_never_fails_a_save_and_what_it_missed_is_reported_later(
-    tmp_path, mlflow_uri, experiment, monkeypatch
-):
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    with socket.socket() as s:  # a port where nothing listens
+@contextmanager
+def dead_server(kind: str) -> Iterator[str]:
+    """The URL of a server that refuses connections (a port where nothing listens) or of one
+    that accepts them and never answers (a socket that listens and never reads)."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        nowhere = f"http://127.0.0.1:{s.getsockname()[1]}"
-        with pytest.warns(RuntimeWarning, match=r"the tracker \(MlflowTracker\) could not start"):
-            manager = CheckpointManager(tmp_path, track=MlflowTracker(nowhere, experiment=experiment))
-        with pytest.warns(RuntimeWarning, match=r"could not start"):
-            manager.save(small(1), 1, metrics={"loss": 0.9})
-            manager.save(small(2), 2, metrics={"loss": 0.7})
-        manager.close()
-    assert manager.all_steps() == [1, 2]  # saved regardless
+        if kind == "never answers":
+            s.listen(64)  # the kernel accepts the connections; nothing reads the requests
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def timed(call: Any) -> float:
+    began = time.monotonic()
+    call()
+    return time.monotonic() - began
+
+
+def mlflow_environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith("MLFLOW_")}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("kind", ["refuses connections", "never answers"])
+def test_a_server_that_is_down_costs_seconds_at_start_save_and_close_and_what_it_missed_is_reported_later(
+    tmp_path, mlflow_uri, experiment, monkeypatch, kind, async_save
+):
+    # MLflow's own retries as they come: before, 249 s to start and 246 s per save.
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    environment = mlflow_environment()
+    with dead_server(kind) as url:
+        tracker = MlflowTracker(url, experiment=experiment, timeout=1)
+        manager: Any = None
+
+        def start() -> None:
+            nonlocal manager
+            manager = CheckpointManager(tmp_path, track=tracker, async_save=async_save, config={"lr": 0.1})
+
+        with pytest.warns(RuntimeWarning, match=r"did not start within its deadline of 1 s \(its timeout\)"):
+            starting = timed(start)
+        saves = [timed(lambda s=step: manager.save(small(s), s, metrics={"loss": 1 / s})) for step in (1, 2, 3)]
+        with pytest.warns(RuntimeWarning, match=r"did not close within its deadline of 1 s.*when the run resumes"):
+            closing = timed(manager.close)
+    assert starting < 15 and max(saves) < 15 and closing < 15, (starting, saves, closing)
+    assert manager.all_steps() == [1, 2, 3]  # committed regardless
+    assert mlflow_environment() == environment  # MLflow's configuration is the user's: left as it was
     # The same run, the server reachable: the steps it missed are reported when it starts.
     tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        CheckpointManager(tmp_path, track=tracker).close()
+    assert history(MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+
+
+@pytest.fixture
+def proxy(mlflow_uri: str) -> Iterator[Proxy]:
+    """The test server behind a proxy that refuses bodies over 1 MiB (nginx's default)."""
+    proxy = Proxy(mlflow_uri)
+    yield proxy
+    proxy.close()
+
+
+def test_a_report_past_its_deadline_reaches_the_server_once_it_answers(tmp_path, mlflow_uri, proxy, experiment):
+    tracker = MlflowTracker(proxy.url, experiment=experiment, timeout=1)
+    manager = CheckpointManager(tmp_path, track=tracker)
+    proxy.hold()  # the server accepts and does not answer
+    with pytest.warns(RuntimeWarning, match=r"did not report step 1 within its deadline of 1 s"):
+        manager.save(small(1), 1, metrics={"loss": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the deadline is spent once, not at every save
+        manager.save(small(2), 2, metrics={"loss": 0.5})
+    client = MlflowClient(mlflow_uri)
+    assert history(client, tracker.mlflow_run_id, "loss") == []
+    proxy.release()  # it answers: what waited is sent, in order, without another save
+    deadline = time.monotonic() + 60
+    while history(client, tracker.mlflow_run_id, "loss") != [(1, 1.0), (2, 0.5)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        manager.save(small(3), 3, metrics={"loss": 0.25})
+        manager.close()
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    assert client.get_run(tracker.mlflow_run_id).info.status == "FINISHED"
+
+
+def test_a_report_that_fails_midway_is_sent_again_at_the_next_save(tmp_path, mlflow_uri, experiment, monkeypatch):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
     with CheckpointManager(tmp_path, track=tracker) as manager:
-        client = MlflowClient(mlflow_uri)
-        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7)]
-        # Mid-run, one report fails (the server briefly gone): the next save reports both.
+        manager.save(small(1), 1, metrics={"loss": 0.9})
+        # One report fails (the server briefly gone): the next save reports both.
         real = tracker.client.log_batch
         failures = iter([ConnectionError("server gone")])
 
@@ -165,28 +242,132 @@ def test_a_tracker_that_is_down_never_fails_a_save_and_what_it_missed_is_reporte
             return real(*args, **kwargs)
 
         monkeypatch.setattr(tracker.client, "log_batch", flaky)
-        with pytest.warns(RuntimeWarning, match=r"could not report step 3.*ConnectionError: server gone"):
-            manager.save(small(3), 3, metrics={"loss": 0.5})
-        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7)]
-        manager.save(small(4), 4, metrics={"loss": 0.4})
-        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7), (3, 0.5), (4, 0.4)]
-        assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "4"
+        with pytest.warns(
+            RuntimeWarning, match=r"could not report step 2, to be retried.*ConnectionError: server gone"
+        ):
+            manager.save(small(2), 2, metrics={"loss": 0.7})
+        client = MlflowClient(mlflow_uri)
+        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9)]
+        manager.save(small(3), 3, metrics={"loss": 0.5})
+        assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7), (3, 0.5)]
+        assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "3"
 
 
-def test_a_report_mlflow_refuses_is_dropped_and_does_not_hold_back_the_next(tmp_path, mlflow_uri, experiment):
+def big(value: float) -> CheckpointState:
+    return CheckpointState.from_arrays({"w": np.full((640, 640), value, np.float32)})  # 1.6 MB: over 1 MiB
+
+
+def test_an_upload_the_proxy_refuses_is_given_up_its_metrics_logged_and_later_steps_flow(
+    tmp_path, mlflow_uri, proxy, experiment
+):
+    tracker = MlflowTracker(proxy.url, experiment=experiment, log_artifacts=True)
+    with CheckpointManager(tmp_path, track=tracker) as manager:
+        manager.save(small(1), 1, metrics={"loss": 1.0})
+        expected = (
+            r"step_00000002: step 2's files are not uploaded \(given up; its metrics are logged\): "
+            r"the server answered HTTP 413 Request Entity Too Large .*client_max_body_size.* to PUT http"
+        )
+        with pytest.warns(RuntimeWarning, match=expected):
+            manager.save(big(2), 2, metrics={"loss": 0.5})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # given up: not tried again, nothing held back
+            manager.save(small(3), 3, metrics={"loss": 0.25})
+            manager.save(small(4), 4, metrics={"loss": 0.125})
+    client = MlflowClient(mlflow_uri)
+    run_id = tracker.mlflow_run_id
+    assert history(client, run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 0.25), (4, 0.125)]
+    assert client.get_run(run_id).data.tags[TAG_STEP] == "4"
+    for step in (1, 3, 4):
+        uploaded = sorted(Path(e.path).name for e in client.list_artifacts(run_id, f"checkpoints/step_{step:08d}"))
+        assert uploaded == ["checkpoint", "metadata.json"]
+    assert "checkpoint" not in [Path(e.path).name for e in client.list_artifacts(run_id, "checkpoints/step_00000002")]
+    [(method, path, status)] = proxy.answered  # refused once: given up, not sent again
+    assert (method, status) == ("PUT", 413) and "step_00000002/checkpoint" in path
+
+
+def test_an_upload_that_fails_for_now_is_sent_again_and_holds_back_the_steps_after_it(
+    tmp_path, mlflow_uri, proxy, experiment, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries of a 503: minutes
+    tracker = MlflowTracker(proxy.url, experiment=experiment, log_artifacts=True)
+    with CheckpointManager(tmp_path, track=tracker) as manager:
+        proxy.outage["PUT"] = 503  # the artifact store unavailable, the rest answering
+        with pytest.warns(RuntimeWarning, match=r"could not report step 1, to be retried at the next save: .*503"):
+            manager.save(small(1), 1, metrics={"loss": 1.0})
+        # (step 2's report fails on step 1's upload: it goes first)
+        with pytest.warns(RuntimeWarning, match=r"could not report step 2, to be retried.*step_00000001.*503"):
+            manager.save(small(2), 2, metrics={"loss": 0.5})
+        client = MlflowClient(mlflow_uri)
+        assert history(client, tracker.mlflow_run_id, "loss") == []  # in order: step 2 waits behind step 1
+        del proxy.outage["PUT"]
+        manager.save(small(3), 3, metrics={"loss": 0.25})
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    for step in (1, 2, 3):
+        uploaded = client.list_artifacts(tracker.mlflow_run_id, f"checkpoints/step_{step:08d}")
+        assert sorted(Path(e.path).name for e in uploaded) == ["checkpoint", "metadata.json"]
+
+
+def test_a_name_mlflow_refuses_drops_only_that_item(tmp_path, mlflow_uri, experiment):
     tracker = MlflowTracker(mlflow_uri, experiment=experiment)
     with pytest.warns(RuntimeWarning, match=r"config 'bad key %' is not logged as an MLflow param: INVALID_PARAM"):
         manager = CheckpointManager(tmp_path, track=tracker, config={"bad key %": 1, "lr": 0.1})
     with manager:
-        with pytest.warns(RuntimeWarning, match=r"MLflow refused the report of step 1 \(not sent again\)"):
-            manager.save(small(1), 1, metrics={"loss%": 1.0})  # '%': not a metric name MLflow takes
+        with pytest.warns(RuntimeWarning) as warned:
+            manager.save(small(1), 1, metrics={"val/../loss": 1.0, "loss": 0.9, "loss%": 2.0, "accuracy": 0.5})
+        named = [re.search(r"step 1's metric '(.*)' is not logged \(MLflow refused it", str(w.message)) for w in warned]
+        assert sorted(m.group(1) for m in named if m) == ["loss%", "val/../loss"] and len(warned) == 2
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             manager.save(small(2), 2, metrics={"loss": 0.5})
     client = MlflowClient(mlflow_uri)
-    assert history(client, tracker.mlflow_run_id, "loss") == [(2, 0.5)]
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.5)]
+    assert history(client, tracker.mlflow_run_id, "accuracy") == [(1, 0.5)]
     assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
     assert client.get_run(tracker.mlflow_run_id).data.params == {"lr": "0.1"}  # the good ones logged
+
+
+def test_a_step_sent_again_after_a_refused_item_logs_each_metric_once(tmp_path, mlflow_uri, experiment, monkeypatch):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    with CheckpointManager(tmp_path, track=tracker) as manager:
+        real = tracker.client.log_batch
+        failures = iter([ConnectionError("server gone")])
+
+        def flaky(run_id: str, metrics: Any = (), params: Any = (), tags: Any = ()) -> Any:
+            if tags and not metrics:  # the step's tags alone, after its metrics one by one
+                for error in failures:
+                    raise error
+            return real(run_id, metrics=metrics, params=params, tags=tags)
+
+        monkeypatch.setattr(tracker.client, "log_batch", flaky)
+        with pytest.warns(RuntimeWarning, match=r"could not report step 1.*server gone"):
+            manager.save(small(1), 1, metrics={"loss": 0.9, "loss%": 1.0})
+        with pytest.warns(RuntimeWarning, match=r"step 1's metric 'loss%' is not logged"):
+            manager.save(small(2), 2, metrics={"loss": 0.5})
+    assert history(MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.5)]
+
+
+@pytest.mark.parametrize(
+    ("config", "name", "kept", "dropped"),
+    [
+        ({"a": {"b": 1}, "a.b": 2}, "a.b", ("['a']['b']", "1"), ("['a.b']", "2")),
+        ({"a.b": 2, "a": {"b": 1}}, "a.b", ("['a.b']", "2"), ("['a']['b']", "1")),
+        ({1: "x", "1": "y"}, "1", ("[1]", "x"), ("['1']", "y")),
+    ],
+)
+def test_two_config_keys_that_flatten_to_one_param_are_reported(config, name, kept, dropped):
+    expected = (
+        f"config{kept[0]} and config{dropped[0]} are both the MLflow param {name!r}: the first is logged "
+        f"('{kept[1]}'), the second is not ('{dropped[1]}'; metadata.json has both)"
+    )
+    with pytest.warns(RuntimeWarning, match=re.escape(expected)):
+        assert flatten(config) == {name: kept[1]}
+
+
+def test_a_flattening_collision_logs_the_first_key_as_the_param(tmp_path, mlflow_uri, experiment):
+    tracker = MlflowTracker(mlflow_uri, experiment=experiment)
+    with pytest.warns(RuntimeWarning, match=re.escape("config['a']['b'] and config['a.b'] are both the MLflow param")):
+        CheckpointManager(tmp_path, track=tracker, config={"a": {"b": 1}, "a.b": 2, "c": 3}).close()
+    assert MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id).data.params == {"a.b": "1", "c": "3"}
 
 
 def test_any_run_id_finds_its_mlflow_run_again(tmp_path, mlflow_uri, experiment):
@@ -214,7 +395,8 @@ def test_a_file_planted_in_a_step_is_not_uploaded_and_its_metrics_still_are(tmp_
     else:
         os.mkfifo(step / "checkpoint")  # an upload that opened it would wait forever
     tracker = MlflowTracker(mlflow_uri, experiment=experiment, log_artifacts=True)
-    expected = r"step 1's files are not uploaded: .*(Too many levels of symbolic links|a FIFO, not a regular file)"
+    expected = r"step 1's files are not uploaded \(given up; its metrics are logged\): .*"
+    expected += r"(Too many levels of symbolic links|a FIFO, not a regular file)"
     with pytest.warns(RuntimeWarning, match=expected):
         CheckpointManager(tmp_path / "run", track=tracker).close()
     client = MlflowClient(mlflow_uri)
@@ -392,6 +574,112 @@ def test_a_failing_tracker_is_a_warning_and_the_step_is_committed(tmp_path):
         ):
             manager.save(small(1), 1)
         assert manager.all_steps() == [1]
+
+
+class Stalling(Recording):
+    """A tracker whose every call waits until released: a server that never answers, as any
+    tracker may meet one."""
+
+    timeout = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def start(self, run: TrackedRun, committed: Any) -> None:
+        self.released.wait()
+        super().start(run, committed)
+
+    def log_checkpoint(self, checkpoint: Any) -> None:
+        self.released.wait()
+        super().log_checkpoint(checkpoint)
+
+    def close(self) -> None:
+        self.released.wait()
+        super().close()
+
+
+def test_a_tracker_of_ones_own_that_stalls_costs_at_most_its_deadline_and_reports_in_order_later(tmp_path):
+    tracker = Stalling()
+    with pytest.warns(RuntimeWarning, match=r"the tracker \(Stalling\) did not start within its deadline of 0.5 s"):
+        manager = CheckpointManager(tmp_path, track=tracker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        saves = [timed(lambda s=step: manager.save(small(s), s, metrics={"loss": float(s)})) for step in (1, 2)]
+    assert max(saves) < 15
+    tracker.released.set()
+    manager.save(small(3), 3, metrics={"loss": 3.0})  # caught up meanwhile, or waited for (its deadline)
+    manager.close()
+    assert tracker.calls[0] == ("start", manager.run_id, True, [])
+    assert tracker.calls[1:] == [
+        ("log", 1, {"loss": 1.0}),
+        ("log", 2, {"loss": 2.0}),
+        ("log", 3, {"loss": 3.0}),
+        ("close",),
+    ]
+
+
+def test_a_tracker_that_stalls_at_close_costs_its_deadline_and_the_rest_is_reported_at_resume(tmp_path):
+    tracker = Stalling()
+    tracker.released.set()
+    manager = CheckpointManager(tmp_path, track=tracker)
+    manager.save(small(1), 1)
+    tracker.released.clear()
+    with pytest.warns(RuntimeWarning, match=r"did not report step 2 within its deadline"):
+        manager.save(small(2), 2)
+    manager.save(small(3), 3)  # behind: queued
+    with pytest.warns(
+        RuntimeWarning, match=r"did not close within its deadline of 0.5 s \(its timeout\): the calls it has not begun"
+    ):
+        assert timed(manager.close) < 15
+    tracker.released.set()
+    time.sleep(0.5)  # the call that was running ends; those that had not begun are dropped
+    assert tracker.calls == [("start", manager.run_id, True, []), ("log", 1, {}), ("log", 2, {})]
+    resumed = Recording()
+    CheckpointManager(tmp_path, track=resumed).close()
+    assert resumed.calls[0] == ("start", manager.run_id, True, [1, 2, 3])  # it reports what it lacks
+
+
+def test_a_tracker_that_fails_at_start_or_close_is_a_warning(tmp_path):
+    class Failing(Recording):
+        def __init__(self) -> None:
+            super().__init__()
+            self.starts = 0
+
+        def start(self, run: TrackedRun, committed: Any) -> None:
+            self.starts += 1
+            if self.starts == 1:
+                raise RuntimeError("no server")
+            super().start(run, committed)
+
+        def close(self) -> None:
+            raise RuntimeError("gone at close")
+
+    tracker = Failing()
+    with pytest.warns(
+        RuntimeWarning, match=r"could not start, to be retried at the next save: RuntimeError: no server"
+    ):
+        manager = CheckpointManager(tmp_path, track=tracker)
+    manager.save(small(1), 1)
+    with pytest.warns(RuntimeWarning, match=r"the tracker \(Failing\) could not close: RuntimeError: gone at close"):
+        manager.close()
+    assert tracker.calls == [("start", manager.run_id, True, [1])]  # started again at the save: it reported step 1
+
+
+def test_a_trackers_timeout_is_checked(tmp_path):
+    assert MlflowTracker("http://127.0.0.1:1").timeout == DEFAULT_TIMEOUT == 5.0
+    with pytest.raises(ValueError, match=r"timeout is a number of seconds above 0, got 0"):
+        MlflowTracker("http://127.0.0.1:1", timeout=0)
+    with pytest.raises(ValueError, match=r"got inf"):
+        MlflowTracker("http://127.0.0.1:1", timeout=float("inf"))
+    with pytest.raises(TypeError, match=r"timeout is a number of seconds, got str"):
+        MlflowTracker("http://127.0.0.1:1", timeout="5")  # type: ignore[arg-type]
+
+    class Negative(Recording):
+        timeout = -1
+
+    with pytest.raises(ValueError, match=r"Negative.timeout is a number of seconds above 0, got -1"):
+        CheckpointManager(tmp_path, track=Negative())
 
 
 def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):

@@ -4,10 +4,13 @@ The manager knows one small interface, :class:`Tracker`; :class:`MlflowTracker` 
 built in (``CheckpointManager(..., track="mlflow")``). Another tracker is a class with the same
 four methods, passed as ``track=``: the manager does not change.
 
-A tracker is told of a checkpoint once it is committed. Reporting is never part of the save: a
-tracker that fails (the server down) is a warning, the checkpoint stays saved, and what was not
-reported is reported later: at the next save, or when the run is resumed (the tracker compares
-the committed steps with the last one it recorded).
+A tracker is told of a checkpoint once it is committed. Reporting is never part of the save: the
+tracker's calls run on a thread of their own, and the manager waits for each at most the
+tracker's deadline (its ``timeout``, :data:`DEFAULT_TIMEOUT` seconds unless it says otherwise), so
+a server that is down or does not answer costs a save seconds, not MLflow's minutes of retries.
+A tracker that fails is a warning, the checkpoint stays saved, and what was not reported is
+reported later: by the call that goes on past its deadline, at the next save, or when the run is
+resumed (the tracker compares the committed steps with the last one it recorded).
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ import json
 import math
 import os
 import secrets
+import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -57,13 +64,28 @@ class TrackedRun:
     writer: bool  # False for a read-only manager: it registers models, it reports no saves
 
 
+# How long the manager waits for a tracker's call (start, each report, close) unless the tracker
+# says otherwise (its ``timeout``): a report to a server nearby takes a tenth of a second.
+DEFAULT_TIMEOUT = 5.0
+
+
 @runtime_checkable
 class Tracker(Protocol):
     """What the manager calls. ``start`` comes first, with the checkpoints already committed
     (a tracker reports those it has not recorded yet); ``log_checkpoint`` after each commit;
     ``register_model`` from :meth:`CheckpointManager.register_best`; ``close`` from the
     manager's ``close``. Errors are the tracker's to raise: the manager turns them into
-    warnings (a failed report never fails a save)."""
+    warnings (a failed report never fails a save).
+
+    The calls run in order on a thread of the manager's own, one at a time. The manager waits
+    for ``start``, each ``log_checkpoint`` and ``close`` at most the tracker's ``timeout``
+    attribute in seconds, when it has one (:data:`DEFAULT_TIMEOUT` otherwise): past it, a
+    warning, and the call goes on in the background while training goes on (the calls after it
+    wait their turn; the manager does not wait for them again until it has caught up). At
+    ``close``, calls that have not begun within the deadline are dropped: a tracker reports
+    what it missed when the run resumes. ``register_model`` is waited for, however long.
+    A tracker with a method ``prepare(run)`` has it called first, in the manager's thread, for
+    what is that thread's (MLflow's active run)."""
 
     def start(self, run: TrackedRun, committed: Sequence[CommittedCheckpoint]) -> None: ...
 
@@ -75,14 +97,25 @@ class Tracker(Protocol):
 
 
 def tracker_for(track: str | Tracker) -> Tracker:
-    """The tracker ``track=`` names: ``"mlflow"``, or a :class:`Tracker` object as it is."""
+    """The tracker ``track=`` names: ``"mlflow"``, or a :class:`Tracker` object as it is (its
+    ``timeout``, if it has one, checked)."""
     if isinstance(track, str):
         if track == "mlflow":
             return MlflowTracker()
         raise ValueError(f"track is 'mlflow' or a Tracker object, got {track!r}")
     if not isinstance(track, Tracker):
         raise TypeError(f"track is 'mlflow' or a Tracker object, got {type(track).__name__}")
+    checked_timeout(getattr(track, "timeout", DEFAULT_TIMEOUT), f"{type(track).__name__}.timeout")
     return track
+
+
+def checked_timeout(timeout: Any, name: str = "timeout") -> float:
+    """A deadline in seconds: a number above 0 and finite."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} is a number of seconds, got {type(timeout).__name__}")
+    if not (0 < timeout < math.inf):
+        raise ValueError(f"{name} is a number of seconds above 0, got {timeout!r}")
+    return float(timeout)
 
 
 # Tag names, one place: tests and users query them.
@@ -112,15 +145,30 @@ class MlflowTracker:
         log_artifacts: Upload each checkpoint's files as artifacts under ``checkpoints/step_N``
             (off by default: checkpoints are large). ``metadata.json`` (metrics, config,
             SHA-256s) is uploaded there either way: the lineage of every step.
+        timeout: How long, in seconds, the manager waits for this tracker when it starts, at
+            each save and at close (default :data:`DEFAULT_TIMEOUT`, 5 s). A server that is down
+            or does not answer costs a save this much, once per outage (see :class:`Tracker`).
+            With ``log_artifacts``, give it the time an upload takes if each save should wait
+            for its upload (a step that retention deletes before its upload began is reported
+            without its files).
 
     The MLflow run: the active run of ``mlflow.start_run()`` when there is one on this tracker's
     server (``tracking_uri`` None or the fluent API's); else the run
     tagged with the manager's run id (a resumed training run continues its MLflow run); else a
     new one, so tagged. Each save logs the step's metrics at that step, the tags ``ortckpt.step``,
     ``ortckpt.checkpoint`` and ``ortckpt.sha256`` (the newest step), and, once, the config as
-    params (nested keys joined by dots). MLflow's client retries a server that does not answer
-    (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``): with a synchronous
-    manager the save waits for it, with ``async_save`` its thread does.
+    params (nested keys joined by dots: :func:`flatten`).
+
+    What the server refuses (HTTP 4xx but 408 and 429: it would refuse it again) is given up
+    with a warning naming it, and only that: a metric or param name MLflow does not take drops
+    that metric or param; an upload refused (a proxy's 413 Request Entity Too Large) drops that
+    step's files, its metrics and tags are logged. Anything else (the server down, 5xx, a
+    timeout) is tried again, in order: no later step is reported before it.
+
+    MLflow's client retries a server that does not answer (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
+    default 7, about 4 minutes of backoff; ``MLFLOW_HTTP_REQUEST_TIMEOUT``, default 120 s per
+    request). That happens on the tracker's thread, past the deadline, and says how soon the
+    reports resume once the server is back; this tracker leaves those variables as they are.
     """
 
     def __init__(
@@ -130,25 +178,31 @@ class MlflowTracker:
         experiment: str | None = None,
         run_name: str | None = None,
         log_artifacts: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
         self.log_artifacts = log_artifacts
+        self.timeout = checked_timeout(timeout)
         self.mlflow_run_id: str | None = None  # known once started
+        self._active_run_id: str | None = None  # the fluent API's active run, when the manager started
         self._run: TrackedRun | None = None
         self._client: Any = None
-        self._unreported: dict[int, CommittedCheckpoint] = {}  # committed, not yet reported
+        self._unreported: dict[int, _Report] = {}  # committed, not yet reported
+        # MLflow is imported now, in the caller's thread: its import takes seconds, which are not
+        # the server's to be timed by the deadline (and a missing MLflow is said at once).
+        try:
+            from mlflow import MlflowClient
+        except ImportError as e:
+            raise ImportError("track='mlflow' needs MLflow: pip install 'ortckpt[mlflow]'") from e
+        self._client_class = MlflowClient
 
     @property
     def client(self) -> Any:
-        """The ``mlflow.MlflowClient`` (mlflow is imported here, on first use)."""
+        """The ``mlflow.MlflowClient``, made on first use."""
         if self._client is None:
-            try:
-                from mlflow import MlflowClient
-            except ImportError as e:
-                raise ImportError("track='mlflow' needs MLflow: pip install 'ortckpt[mlflow]'") from e
-            self._client = MlflowClient(self.tracking_uri)
+            self._client = self._client_class(self.tracking_uri)
         return self._client
 
     def start(self, run: TrackedRun, committed: Sequence[CommittedCheckpoint]) -> None:
@@ -159,11 +213,14 @@ class MlflowTracker:
             client.update_run(self.mlflow_run_id, status="RUNNING")
             self._log_params(run.config)
             done = self._reported_step()
-            self._unreported = {c.step: c for c in committed if done is None or c.step > done}
+            # (a start tried again keeps what an earlier try did: files already uploaded are not sent again)
+            self._unreported = {
+                c.step: self._unreported.get(c.step) or _Report(c) for c in committed if done is None or c.step > done
+            }
             self._report()
 
     def log_checkpoint(self, checkpoint: CommittedCheckpoint) -> None:
-        self._unreported[checkpoint.step] = checkpoint
+        self._unreported.setdefault(checkpoint.step, _Report(checkpoint))
         self._report()
 
     def close(self) -> None:
@@ -209,16 +266,21 @@ class MlflowTracker:
             name, source=source, run_id=self.mlflow_run_id, tags=tags, description=description
         )
 
-    def _find_or_create_run(self, run: TrackedRun) -> str:
+    def prepare(self, run: TrackedRun) -> None:
+        """In the manager's thread: MLflow's active run (``mlflow.start_run()``) is its thread's."""
         import mlflow
 
-        client = self.client
         active = mlflow.active_run()
         # The active run lives on the fluent API's server: this tracker's only when it has no
         # URI of its own or the same one (a run id on another server would be unknown here).
         if active is not None and self.tracking_uri in (None, mlflow.get_tracking_uri()):
-            self._tag_run(active.info.run_id, run)
-            return str(active.info.run_id)
+            self._active_run_id = str(active.info.run_id)
+
+    def _find_or_create_run(self, run: TrackedRun) -> str:
+        client = self.client
+        if self._active_run_id is not None:
+            self._tag_run(self._active_run_id, run)
+            return self._active_run_id
         experiment_id = self._experiment_id()
         key = run_key(run.run_id)  # hex: nothing to escape in the search string
         found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_KEY}` = '{key}'", max_results=1)
@@ -283,16 +345,29 @@ class MlflowTracker:
                 )
         for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
             batch = params[i : i + _MAX_PARAMS_PER_BATCH]
-            if not refused(lambda: self.client.log_batch(self.mlflow_run_id, params=batch)):  # noqa: B023 - called now
-                continue
-            for param in batch:  # one refused (a key MLflow does not take): the others one by one
-                problem = refused(lambda: self.client.log_batch(self.mlflow_run_id, params=[param]))  # noqa: B023
+            for param, problem in self._each_logged(params=batch):
+                warnings.warn(
+                    f"config {param.key!r} is not logged as an MLflow param: {problem} (metadata.json has it)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _each_logged(
+        self, *, params: Sequence[Any] = (), metrics: Sequence[Any] = (), tags: Sequence[Any] = ()
+    ) -> Iterator[tuple[Any, str]]:
+        """Logs the params, metrics and tags in one request (all or nothing on the server); when
+        the server refuses it, each one alone, in that order, so that one it refuses (a name
+        MLflow does not take) drops only itself: yields those, with the server's reason. A
+        failure worth trying again (the server down) is raised: logged again later, a metric
+        already logged is not logged twice (the server keeps one of identical points)."""
+        client, run_id = self.client, self.mlflow_run_id
+        if refused(lambda: client.log_batch(run_id, metrics=metrics, params=params, tags=tags)) is None:
+            return
+        for kind, items in (("params", params), ("metrics", metrics), ("tags", tags)):
+            for item in items:
+                problem = refused(lambda: client.log_batch(run_id, **{kind: [item]}))  # noqa: B023
                 if problem:
-                    warnings.warn(
-                        f"config {param.key!r} is not logged as an MLflow param: {problem} (metadata.json has it)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                    yield item, problem
 
     def _reported_step(self) -> int | None:
         assert self.mlflow_run_id is not None
@@ -303,31 +378,38 @@ class MlflowTracker:
             return None
 
     def _report(self) -> None:
-        """Reports every unreported checkpoint, oldest first; each one's metrics and tags in one
-        request (all or nothing on the server), so a failure midway leaves the rest for later.
-        A report the server refuses as invalid (a metric name MLflow does not take) is dropped
-        with a warning: sent again, it would be refused again, and hold back every later step."""
+        """Reports every unreported checkpoint, oldest first: its files, then its metrics and
+        tags. A failure worth trying again (the server down) is raised and leaves the step and
+        those after it for later (files already uploaded are not uploaded again); what the
+        server refuses is given up with a warning naming it, and the rest goes on."""
         from mlflow.entities import Metric, RunTag
 
         assert self.mlflow_run_id is not None
         for step in sorted(self._unreported):
-            checkpoint = self._unreported[step]
+            report = self._unreported[step]
+            checkpoint = report.checkpoint
+            if not report.uploaded:
+                self._upload(checkpoint)
+                report.uploaded = True
             timestamp = _milliseconds(checkpoint.metadata.get("timestamp"))
             metrics = [Metric(key, float(value), timestamp, step) for key, value in sorted(checkpoint.metrics.items())]
             lineage = self._lineage(checkpoint)
-            tags = [RunTag(TAG_STEP, lineage[TAG_STEP]), RunTag(TAG_CHECKPOINT, lineage[TAG_CHECKPOINT])]
-            tags.append(RunTag(TAG_SHA256, lineage[TAG_SHA256]))
-            self._upload(checkpoint)
-            problem = refused(lambda: self.client.log_batch(self.mlflow_run_id, metrics=metrics, tags=tags))  # noqa: B023
-            if problem:
+            # ortckpt.step last: it says that every step up to it is reported (a resumed run reports those after it).
+            tags = [RunTag(key, lineage[key]) for key in (TAG_CHECKPOINT, TAG_SHA256, TAG_STEP)]
+            for item, problem in self._each_logged(metrics=metrics, tags=tags):
+                kind = "metric" if isinstance(item, Metric) else "tag"
                 warnings.warn(
-                    f"{checkpoint.directory}: MLflow refused the report of step {step} (not sent again): {problem}",
+                    f"{checkpoint.directory}: step {step}'s {kind} {item.key!r} is not logged "
+                    f"(MLflow refused it; not sent again): {problem}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
             del self._unreported[step]
 
     def _upload(self, checkpoint: CommittedCheckpoint) -> None:
+        """The step's metadata.json (its files too, with log_artifacts). Refused by the server
+        (a proxy's 413 for a body over its limit), they are given up with a warning: sent again,
+        they would be refused again, and every later step would wait behind them."""
         assert self.mlflow_run_id is not None
         destination = f"checkpoints/{steps.step_directory_name(checkpoint.step)}"
         names = [steps.METADATA_NAME]
@@ -340,13 +422,16 @@ class MlflowTracker:
             try:
                 pinned = stack.enter_context(safe_io.pinned_files(checkpoint.directory, names))
             except OSError as e:
-                warnings.warn(
-                    f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded: {e}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return
-            self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination)
+                problem: str | None = str(e)
+            else:
+                problem = refused(lambda: self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination))
+        if problem:
+            warnings.warn(
+                f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded (given up; its "
+                f"metrics are logged): {problem}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @staticmethod
     def _lineage(checkpoint: CommittedCheckpoint) -> dict[str, str]:
@@ -365,36 +450,94 @@ class MlflowTracker:
         }
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def flatten(config: Mapping[str, Any]) -> dict[str, str]:
     """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": "0.1"}``: nested keys joined by dots, the
-    values as text (lists and other JSON as JSON)."""
+    values as text (lists and other JSON as JSON). Two keys that join to one name
+    (``{"a": {"b": 1}, "a.b": 2}``): the first in the config's order is that param, the other
+    is not logged, with a warning naming both (each checkpoint's metadata.json has both)."""
     flat: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
-        elif isinstance(value, str):
-            flat[name] = value
-        else:
-            flat[name] = json.dumps(value, sort_keys=True, default=str)
+    paths: dict[str, tuple[Any, ...]] = {}
+    for path, value in _leaves(config, ()):
+        name = ".".join(str(key) for key in path)
+        text = _text(value)
+        if name in flat:
+            warnings.warn(
+                f"config{_spelled(paths[name])} and config{_spelled(path)} are both the MLflow param {name!r}: "
+                f"the first is logged ({flat[name]!r}), the second is not ({text!r}; metadata.json has both)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        flat[name] = text
+        paths[name] = path
     return flat
+
+
+def _leaves(config: Mapping[Any, Any], path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    for key, value in config.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, (*path, key))
+        else:
+            yield (*path, key), value
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except (TypeError, ValueError):  # keys json cannot sort (1 and "a"), a cycle: as Python shows it
+        return repr(value)
+
+
+def _spelled(path: tuple[Any, ...]) -> str:
+    """A config key as the user wrote it: ``['a']['b']``."""
+    return "".join(f"[{key!r}]" for key in path)
 
 
 def run_key(run_id: str) -> str:
     return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def refused(call: Any) -> str | None:
-    """Runs an MLflow call; returns the server's reason when it refuses the request as invalid
-    (HTTP 4xx), raises anything else (the server down: worth trying again later)."""
-    from mlflow.exceptions import MlflowException
-
+def refused(call: Callable[[], Any]) -> str | None:
+    """Runs a call to the server; returns why when the server refused the request for good
+    (:func:`refusal`), raises anything else: worth trying again later."""
     try:
         call()
-    except MlflowException as e:
-        if 400 <= e.get_http_status_code() < 500:
-            return f"{e.error_code}: {e.message}"
-        raise
+    except Exception as e:
+        problem = refusal(e)
+        if problem is None:
+            raise
+        return problem
+    return None
+
+
+# Request Timeout and Too Many Requests: about the server's state, not the request: may pass later.
+_TRANSIENT_CLIENT_ERRORS = frozenset({408, 429})
+
+
+def refusal(error: BaseException) -> str | None:
+    """Why the server refused a request for good: an HTTP 4xx but 408 and 429 (the request
+    itself is wrong or too large: sent again, it is refused again); None for anything else
+    (the server down, a timeout, 5xx: may pass later). MLflow raises an ``MlflowException``
+    for its REST calls and a ``requests.HTTPError`` for an artifact upload."""
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):  # requests.HTTPError: the HTTP answer itself (a proxy's, perhaps)
+        reason = f"HTTP {status} {getattr(response, 'reason', '')}".rstrip()
+        request = getattr(response, "request", None)
+        where = f" to {request.method} {request.url}" if request is not None else ""
+        if status == 413:
+            reason += " (a proxy in front of MLflow limits request bodies: nginx's client_max_body_size)"
+        cause = f"the server answered {reason}{where}"
+    elif callable(http_status := getattr(error, "get_http_status_code", None)):  # MlflowException
+        status = http_status()
+        code, message = str(getattr(error, "error_code", "")), str(getattr(error, "message", error))
+        cause = message if message.startswith(code) else f"{code}: {message}"  # (a RestException's has it)
+    else:
+        return None
+    if 400 <= status < 500 and status not in _TRANSIENT_CLIENT_ERRORS:
+        return cause
     return None
 
 
@@ -407,48 +550,172 @@ def _milliseconds(timestamp: Any) -> int:
     return int(value) if math.isfinite(value) else int(time.time() * 1000)
 
 
-class Reporter:
-    """The manager's side of a tracker: starts it (again at the next commit, if starting failed)
-    and turns its failures into warnings; a save is never failed by its report."""
+@dataclass
+class _Report:
+    """A committed checkpoint not reported yet, and what is done of it."""
 
-    def __init__(self, tracker: Tracker, run: TrackedRun, committed: Any) -> None:
+    checkpoint: CommittedCheckpoint
+    uploaded: bool = False
+
+
+class Lane:
+    """One thread that runs calls in order, for callers that wait for them only so long: a
+    call past its caller's deadline goes on here while the caller moves on. The thread is
+    a daemon, started when a call comes and gone when none is left: a call stuck on a server
+    that does not answer holds neither the caller nor the interpreter's exit (the threads of a
+    ThreadPoolExecutor are joined at exit)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._running = False
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            self._calls.append((call, future))
+            if not self._running:
+                threading.Thread(target=self._run, name=self.name, daemon=True).start()
+                self._running = True
+        return future
+
+    def drop_waiting(self) -> None:
+        """Cancels the calls that have not begun (the one running, if any, runs to its end)."""
+        with self._lock:
+            waiting, self._calls = self._calls, deque()
+        for _, future in waiting:
+            future.cancel()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    self._running = False
+                    return
+                call, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call()
+            except BaseException as e:  # the caller's to see, through its future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+
+class Reporter:
+    """The manager's side of a tracker: runs its calls on a :class:`Lane`, waits for each at
+    most the tracker's deadline, starts it again at the next commit if starting failed, and
+    turns its failures into warnings (a save is never failed by its report). Its methods are
+    called by one thread at a time (the manager's saves are one after another)."""
+
+    def __init__(self, tracker: Tracker, run: TrackedRun, committed: Callable[[], Sequence[CommittedCheckpoint]]):
         self.tracker = tracker
         self.run = run
-        self._committed = committed  # () -> the manager's committed checkpoints, oldest first
-        self._started = False
+        self.timeout = checked_timeout(getattr(tracker, "timeout", DEFAULT_TIMEOUT))
+        self._committed = committed  # the manager's committed checkpoints, oldest first
+        self._started = False  # set on the lane
+        self._lane = Lane(f"ortckpt-tracker-{type(tracker).__name__}")
+        self._late: list[tuple[str, Future[Any]]] = []  # calls that ran past their deadline
         self.start()
 
-    def start(self) -> bool:
-        if not self._started:
-            self._started = self._quietly("start", lambda: self.tracker.start(self.run, self._committed()))
-        return self._started
+    def start(self) -> None:
+        prepare = getattr(self.tracker, "prepare", None)
+        if callable(prepare):
+            try:
+                prepare(self.run)
+            except Exception as e:  # what it prepares is a nicety: the tracker starts regardless
+                self._warn_failed("prepare", e)
+        committed = list(self._committed())
+        self._call("start", lambda: self._start(committed))
 
     def committed(self, checkpoint: CommittedCheckpoint) -> None:
-        if self._started:
-            self._quietly(f"report step {checkpoint.step}", lambda: self.tracker.log_checkpoint(checkpoint))
-        else:
-            self.start()  # reports every committed step, this one included
+        # The committed checkpoints are listed here, in the manager's thread, for a start tried again.
+        committed = [] if self._started else list(self._committed())
+        what = f"report step {checkpoint.step}" if self._started else "start"
+        self._call(what, lambda: self._report(checkpoint, committed))
 
     def register(self, name: str, model: Any, checkpoint: CommittedCheckpoint) -> Any:
-        """Registering is what the caller asked for: its errors are raised, not warned."""
-        if not self._started:
-            self.tracker.start(self.run, self._committed())
-            self._started = True
-        return self.tracker.register_model(name, model, checkpoint)
+        """Registering is what the caller asked for: waited for, however long; its errors raised."""
+        committed = list(self._committed())
+
+        def register() -> Any:
+            self._start(committed)
+            return self.tracker.register_model(name, model, checkpoint)
+
+        return self._lane.submit(register).result()
 
     def close(self) -> None:
-        if self._started:
-            self._quietly("close", self.tracker.close)
+        """Waits for the tracker's calls and its close at most the deadline; past it, those
+        that have not begun are dropped (the tracker reports what it missed when the run resumes)."""
+        self._warn_late()
+        future = self._lane.submit(self._close)
+        if not self._wait("close", future):
+            self._lane.drop_waiting()
 
-    def _quietly(self, what: str, call: Any) -> bool:
-        try:
-            call()
-        except Exception as e:  # any tracker failure: the checkpoint is saved regardless
+    def _close(self) -> None:
+        if self._started:
+            self.tracker.close()
+
+    def _start(self, committed: Sequence[CommittedCheckpoint]) -> None:
+        if not self._started:
+            self.tracker.start(self.run, committed)
+            self._started = True
+
+    def _report(self, checkpoint: CommittedCheckpoint, committed: Sequence[CommittedCheckpoint]) -> None:
+        if self._started:
+            self.tracker.log_checkpoint(checkpoint)
+        else:
+            self._start(committed)  # reports every committed step, this one included
+
+    def _call(self, what: str, call: Callable[[], None]) -> None:
+        """Runs ``call`` on the lane and waits for it at most the deadline; while an earlier
+        call is past its deadline, not at all (a dead server costs the deadline once, not at
+        every save)."""
+        behind = self._warn_late()
+        future = self._lane.submit(call)
+        if behind:
+            self._late.append((what, future))
+        else:
+            self._wait(what, future)
+
+    def _wait(self, what: str, future: Future[Any]) -> bool:
+        wait_for([future], timeout=self.timeout)
+        if not future.done():
+            self._late.append((what, future))
+            then = (
+                "the calls it has not begun are dropped: what it missed is reported when the run resumes"
+                if what == "close"
+                else "it goes on in the background, and what it misses is reported later, or when the run resumes"
+            )
             warnings.warn(
-                f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) could not {what}, "
-                f"to be retried at the next save: {type(e).__name__}: {e}",
+                f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) did not {what} within its "
+                f"deadline of {self.timeout:g} s (its timeout): {then}",
                 RuntimeWarning,
                 stacklevel=4,
             )
             return False
-        return True
+        error = future.exception()
+        if error is not None:
+            self._warn_failed(what, error)
+        return error is None
+
+    def _warn_late(self) -> bool:
+        """Warns of the late calls that have failed since; whether one is still running."""
+        done = [(what, future) for what, future in self._late if future.done()]
+        self._late = [(what, future) for what, future in self._late if not future.done()]
+        for what, future in done:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                self._warn_failed(what, error)
+        return bool(self._late)
+
+    def _warn_failed(self, what: str, error: BaseException) -> None:
+        then = ", to be retried at the next save" if what == "start" or what.startswith("report") else ""
+        warnings.warn(
+            f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) could not {what}{then}: "
+            f"{type(error).__name__}: {error}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
