@@ -339,11 +339,34 @@ def test_a_step_sent_again_after_a_refused_item_logs_each_metric_once(tmp_path, 
             return real(run_id, metrics=metrics, params=params, tags=tags)
 
         monkeypatch.setattr(tracker.client, "log_batch", flaky)
-        with pytest.warns(RuntimeWarning, match=r"could not report step 1.*server gone"):
+        with pytest.warns(RuntimeWarning) as warned:
             manager.save(small(1), 1, metrics={"loss": 0.9, "loss%": 1.0})
-        with pytest.warns(RuntimeWarning, match=r"step 1's metric 'loss%' is not logged"):
+        messages = sorted(str(w.message) for w in warned)
+        assert len(messages) == 2 and "step 1's metric 'loss%' is not logged" in messages[0]
+        assert "could not report step 1, to be retried at the next save: ConnectionError" in messages[1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # what was refused is not sent again
             manager.save(small(2), 2, metrics={"loss": 0.5})
-    assert history(MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.5)]
+    client = MlflowClient(mlflow_uri)
+    # Step 1's loss was logged alone, then again with its batch: the server keeps one of identical points.
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.5)]
+    assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
+
+
+def test_a_large_config_reaches_the_server_through_a_proxy_that_refuses_bodies_over_1_mib(
+    tmp_path, mlflow_uri, proxy, experiment
+):
+    config = {f"p{i:03}": "\u00e9" * 5000 for i in range(100)}  # 3 MB of JSON: each é escaped as \u00e9
+    tracker = MlflowTracker(proxy.url, experiment=experiment)
+    # Its metadata.json holds the config: that upload is refused, the params are sent in parts.
+    expected = r"step 1's files are not uploaded \(given up.*HTTP 413"
+    with CheckpointManager(tmp_path, track=tracker, config=config) as manager, pytest.warns(match=expected):
+        manager.save(small(1), 1, metrics={"loss": 0.5})
+    client = MlflowClient(mlflow_uri)
+    assert client.get_run(tracker.mlflow_run_id).data.params == config
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.5)]
+    [(method, path, status)] = proxy.answered
+    assert (method, status) == ("PUT", 413) and path.endswith("step_00000001/metadata.json")
 
 
 @pytest.mark.parametrize(

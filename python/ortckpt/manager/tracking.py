@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -132,6 +132,9 @@ TAG_SHA256 = "ortckpt.sha256"  # its files' SHA-256s, a JSON object {file name: 
 _MAX_PARAM_LENGTH = 6000
 _MAX_TAG_LENGTH = 8000
 _MAX_PARAMS_PER_BATCH = 100
+# And a proxy's: nginx refuses request bodies over 1 MiB by default. 100 params of 6000
+# characters, each escaped in JSON as \uXXXX, would be 3.6 MB.
+_MAX_BATCH_BYTES = 256 * 1024
 
 
 class MlflowTracker:
@@ -343,8 +346,7 @@ class MlflowTracker:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
-            batch = params[i : i + _MAX_PARAMS_PER_BATCH]
+        for batch in _batches(params):
             for param, problem in self._each_logged(params=batch):
                 warnings.warn(
                     f"config {param.key!r} is not logged as an MLflow param: {problem} (metadata.json has it)",
@@ -392,12 +394,18 @@ class MlflowTracker:
                 self._upload(checkpoint)
                 report.uploaded = True
             timestamp = _milliseconds(checkpoint.metadata.get("timestamp"))
-            metrics = [Metric(key, float(value), timestamp, step) for key, value in sorted(checkpoint.metrics.items())]
+            metrics = [
+                Metric(key, float(value), timestamp, step)
+                for key, value in sorted(checkpoint.metrics.items())
+                if ("metric", key) not in report.refused
+            ]
             lineage = self._lineage(checkpoint)
             # ortckpt.step last: it says that every step up to it is reported (a resumed run reports those after it).
-            tags = [RunTag(key, lineage[key]) for key in (TAG_CHECKPOINT, TAG_SHA256, TAG_STEP)]
+            names = [key for key in (TAG_CHECKPOINT, TAG_SHA256, TAG_STEP) if ("tag", key) not in report.refused]
+            tags = [RunTag(key, lineage[key]) for key in names]
             for item, problem in self._each_logged(metrics=metrics, tags=tags):
                 kind = "metric" if isinstance(item, Metric) else "tag"
+                report.refused.add((kind, item.key))
                 warnings.warn(
                     f"{checkpoint.directory}: step {step}'s {kind} {item.key!r} is not logged "
                     f"(MLflow refused it; not sent again): {problem}",
@@ -495,6 +503,21 @@ def _spelled(path: tuple[Any, ...]) -> str:
     return "".join(f"[{key!r}]" for key in path)
 
 
+def _batches(params: Sequence[Any]) -> Iterator[list[Any]]:
+    """Params in requests that MLflow takes (100 at most) and a proxy in front of it too."""
+    batch: list[Any] = []
+    size = 0
+    for param in params:
+        cost = len(json.dumps(param.key)) + len(json.dumps(param.value))  # as escaped in the request
+        if batch and (len(batch) == _MAX_PARAMS_PER_BATCH or size + cost > _MAX_BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(param)
+        size += cost
+    if batch:
+        yield batch
+
+
 def run_key(run_id: str) -> str:
     return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -556,6 +579,7 @@ class _Report:
 
     checkpoint: CommittedCheckpoint
     uploaded: bool = False
+    refused: set[tuple[str, str]] = field(default_factory=set)  # ("metric" or "tag", key): given up
 
 
 class Lane:
