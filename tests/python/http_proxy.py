@@ -1,12 +1,15 @@
 """A small HTTP reverse proxy in front of the tests' MLflow server, where a deployment puts nginx:
 it answers 413 Request Entity Too Large to a request body over its limit (nginx's
-``client_max_body_size``, 1 MiB by default) and forwards every other request. A test can make
+``client_max_body_size``, 1 MiB by default), or resets its connection, and forwards every other
+request. A test can make
 it hold every request until released (a server that accepts and has not answered yet), or
 answer the requests of one method with a status of its choice (an outage: 503)."""
 
 from __future__ import annotations
 
 import http.client
+import socket
+import struct
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +23,7 @@ class Proxy:
         parsed = urllib.parse.urlsplit(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.limit = limit
+        self.reset_over_limit = False  # True: a body over the limit gets its connection reset, no answer
         self.outage: dict[str, int] = {}  # method -> the status every such request is answered with
         self.answered: list[tuple[str, str, int]] = []  # (method, path, status): what it answered itself
         self.released = threading.Event()
@@ -55,12 +59,19 @@ class _Handler(BaseHTTPRequestHandler):
     def do_any(self) -> None:
         proxy = self.owner
         length = int(self.headers.get("Content-Length") or 0)
+        if length > proxy.limit and proxy.reset_over_limit:
+            proxy.answered.append((self.command, self.path, 0))
+            # Closed with a reset (SO_LINGER 0), the body unread: what a proxy that stops
+            # reading (nginx past its lingering_time) leaves the client.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
         if length > proxy.limit:
-            # As nginx: refused on the declared length; the body read and dropped (its lingering
-            # close), so that the client reads the answer rather than a reset connection.
+            # As nginx: refused on the declared length, at once; then the body read and dropped
+            # (its lingering close), so that the client reads the answer, not a reset.
+            self._answer(413, "Request Entity Too Large")
             while length > 0 and (chunk := self.rfile.read(min(2**16, length))):
                 length -= len(chunk)
-            self._answer(413, "Request Entity Too Large")
             return
         body = self.rfile.read(length)
         proxy.released.wait()

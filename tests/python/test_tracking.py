@@ -307,6 +307,29 @@ def test_an_upload_that_fails_for_now_is_sent_again_and_holds_back_the_steps_aft
         assert sorted(Path(e.path).name for e in uploaded) == ["checkpoint", "metadata.json"]
 
 
+def test_an_upload_whose_connection_is_reset_is_given_up_after_3_tries_while_the_server_answers(
+    tmp_path, mlflow_uri, proxy, experiment, monkeypatch
+):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries of a reset: minutes
+    proxy.reset_over_limit = True  # no answer to tell it from an outage: it may pass, so it is tried again
+    tracker = MlflowTracker(proxy.url, experiment=experiment, log_artifacts=True)
+    with CheckpointManager(tmp_path, track=tracker) as manager:
+        with pytest.warns(RuntimeWarning, match=r"could not report step 1, to be retried at the next save"):
+            manager.save(big(1), 1, metrics={"loss": 1.0})
+        with pytest.warns(RuntimeWarning, match=r"could not report step 2, to be retried at the next save"):
+            manager.save(small(2), 2, metrics={"loss": 0.5})
+        client = MlflowClient(mlflow_uri)
+        assert history(client, tracker.mlflow_run_id, "loss") == []  # in order: step 2 waits behind step 1
+        expected = r"step 1's files are not uploaded \(given up.*3 tries failed, the server answering otherwise"
+        with pytest.warns(RuntimeWarning, match=expected):
+            manager.save(small(3), 3, metrics={"loss": 0.25})
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    assert [status for _, path, status in proxy.answered if "step_00000001/checkpoint" in path] == [0, 0, 0]
+    for step in (2, 3):
+        uploaded = client.list_artifacts(tracker.mlflow_run_id, f"checkpoints/step_{step:08d}")
+        assert sorted(Path(e.path).name for e in uploaded) == ["checkpoint", "metadata.json"]
+
+
 def test_a_name_mlflow_refuses_drops_only_that_item(tmp_path, mlflow_uri, experiment):
     tracker = MlflowTracker(mlflow_uri, experiment=experiment)
     with pytest.warns(RuntimeWarning, match=r"config 'bad key %' is not logged as an MLflow param: INVALID_PARAM"):

@@ -135,6 +135,9 @@ _MAX_PARAMS_PER_BATCH = 100
 # And a proxy's: nginx refuses request bodies over 1 MiB by default. 100 params of 6000
 # characters, each escaped in JSON as \uXXXX, would be 3.6 MB.
 _MAX_BATCH_BYTES = 256 * 1024
+# How often a step's upload may fail for a reason that may pass, the server answering the rest,
+# before its files are given up.
+_UPLOAD_TRIES = 3
 
 
 class MlflowTracker:
@@ -166,7 +169,8 @@ class MlflowTracker:
     with a warning naming it, and only that: a metric or param name MLflow does not take drops
     that metric or param; an upload refused (a proxy's 413 Request Entity Too Large) drops that
     step's files, its metrics and tags are logged. Anything else (the server down, 5xx, a
-    timeout) is tried again, in order: no later step is reported before it.
+    timeout, a connection reset) is tried again, in order: no later step is reported before it;
+    an upload that fails so 3 times while the server answers the rest is given up too.
 
     MLflow's client retries a server that does not answer (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
     default 7, about 4 minutes of backoff; ``MLFLOW_HTTP_REQUEST_TIMEOUT``, default 120 s per
@@ -391,7 +395,7 @@ class MlflowTracker:
             report = self._unreported[step]
             checkpoint = report.checkpoint
             if not report.uploaded:
-                self._upload(checkpoint)
+                self._upload(report)
                 report.uploaded = True
             timestamp = _milliseconds(checkpoint.metadata.get("timestamp"))
             metrics = [
@@ -414,11 +418,15 @@ class MlflowTracker:
                 )
             del self._unreported[step]
 
-    def _upload(self, checkpoint: CommittedCheckpoint) -> None:
+    def _upload(self, report: _Report) -> None:
         """The step's metadata.json (its files too, with log_artifacts). Refused by the server
         (a proxy's 413 for a body over its limit), they are given up with a warning: sent again,
-        they would be refused again, and every later step would wait behind them."""
+        they would be refused again, and every later step would wait behind them. So are they
+        after failing 3 times for a reason that may pass while the server answers the rest (a
+        proxy that resets the connection of a body too large for it, an artifact store that is
+        down): only a server that is down holds the later steps back for longer."""
         assert self.mlflow_run_id is not None
+        checkpoint = report.checkpoint
         destination = f"checkpoints/{steps.step_directory_name(checkpoint.step)}"
         names = [steps.METADATA_NAME]
         if self.log_artifacts:
@@ -432,7 +440,13 @@ class MlflowTracker:
             except OSError as e:
                 problem: str | None = str(e)
             else:
-                problem = refused(lambda: self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination))
+                try:
+                    problem = refused(lambda: self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination))
+                except Exception as e:
+                    report.upload_failures += 1
+                    if report.upload_failures < _UPLOAD_TRIES or not self._answers():
+                        raise
+                    problem = f"{report.upload_failures} tries failed, the server answering otherwise: {e}"
         if problem:
             warnings.warn(
                 f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded (given up; its "
@@ -440,6 +454,14 @@ class MlflowTracker:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _answers(self) -> bool:
+        """Whether the server answers a request other than an upload."""
+        try:
+            self.client.get_run(self.mlflow_run_id)
+        except Exception:
+            return False
+        return True
 
     @staticmethod
     def _lineage(checkpoint: CommittedCheckpoint) -> dict[str, str]:
@@ -579,6 +601,7 @@ class _Report:
 
     checkpoint: CommittedCheckpoint
     uploaded: bool = False
+    upload_failures: int = 0  # for reasons that may pass
     refused: set[tuple[str, str]] = field(default_factory=set)  # ("metric" or "tag", key): given up
 
 
