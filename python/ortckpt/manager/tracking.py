@@ -449,8 +449,8 @@ class MlflowTracker:
                     problem = f"{report.upload_failures} tries failed, the server answering otherwise: {e}"
         if problem:
             warnings.warn(
-                f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded (given up; its "
-                f"metrics are logged): {problem}",
+                f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded: {problem} "
+                "(given up: its metrics are logged)",
                 RuntimeWarning,
                 stacklevel=2,
             )
