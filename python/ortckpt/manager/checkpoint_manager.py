@@ -187,7 +187,9 @@ class CheckpointManager:
             variables), a configured ``MlflowTracker(...)``, or any
             :class:`~ortckpt.manager.tracking.Tracker`. Metrics at their step, the config as
             params, the step's directory and SHA-256s as tags; a resumed run continues its
-            tracker run. A tracker that fails is a warning; what it missed is reported later.
+            tracker run. A tracker that fails is a warning, and one that does not answer costs
+            a save at most its deadline (``MlflowTracker(timeout=5.0)``, a tracker's ``timeout``);
+            what it missed is reported later.
             :meth:`register_best` hands the best checkpoint to its model registry. Directories only.
         run_id: Recorded in every checkpoint's metadata; default: the latest checkpoint's
             (a resumed run keeps its id), else a new random id.
