@@ -81,9 +81,10 @@ class Tracker(Protocol):
     for ``start``, each ``log_checkpoint`` and ``close`` at most the tracker's ``timeout``
     attribute in seconds, when it has one (:data:`DEFAULT_TIMEOUT` otherwise): past it, a
     warning, and the call goes on in the background while training goes on (the calls after it
-    wait their turn; the manager does not wait for them again until it has caught up). At
-    ``close``, calls that have not begun within the deadline are dropped: a tracker reports
-    what it missed when the run resumes. ``register_model`` is waited for, however long.
+    wait their turn; the manager does not wait for them again until it has caught up).
+    ``close`` waits for the calls before it and its own while each ends within the deadline;
+    past it, they go on while the process lives (a tracker reports what it missed when the run
+    resumes). ``register_model`` is waited for, however long.
     A tracker with a method ``prepare(run)`` has it called first, in the manager's thread, for
     what is that thread's (MLflow's active run)."""
 
@@ -617,6 +618,7 @@ class Lane:
         self._lock = threading.Lock()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._running = False
+        self.completed = 0  # calls run to their end, for a caller to see whether they get on
 
     def submit(self, call: Callable[[], Any]) -> Future[Any]:
         future: Future[Any] = Future()
@@ -626,13 +628,6 @@ class Lane:
                 threading.Thread(target=self._run, name=self.name, daemon=True).start()
                 self._running = True
         return future
-
-    def drop_waiting(self) -> None:
-        """Cancels the calls that have not begun (the one running, if any, runs to its end)."""
-        with self._lock:
-            waiting, self._calls = self._calls, deque()
-        for _, future in waiting:
-            future.cancel()
 
     def _run(self) -> None:
         while True:
@@ -649,6 +644,8 @@ class Lane:
                 future.set_exception(e)
             else:
                 future.set_result(result)
+            finally:
+                self.completed += 1
 
 
 class Reporter:
@@ -694,12 +691,13 @@ class Reporter:
         return self._lane.submit(register).result()
 
     def close(self) -> None:
-        """Waits for the tracker's calls and its close at most the deadline; past it, those
-        that have not begun are dropped (the tracker reports what it missed when the run resumes)."""
+        """Waits for the tracker's calls and its close while they get on: until one of them
+        takes longer than the deadline (a server that is down, a call that stalls). Past it,
+        they go on in the background while the process lives; what they have not reported when
+        it exits is reported when the run resumes."""
         self._warn_late()
         future = self._lane.submit(self._close)
-        if not self._wait("close", future):
-            self._lane.drop_waiting()
+        self._wait("close", future, while_progressing=True)
 
     def _close(self) -> None:
         if self._started:
@@ -727,12 +725,19 @@ class Reporter:
         else:
             self._wait(what, future)
 
-    def _wait(self, what: str, future: Future[Any]) -> bool:
-        wait_for([future], timeout=self.timeout)
+    def _wait(self, what: str, future: Future[Any], while_progressing: bool = False) -> bool:
+        """Waits for ``future`` at most the deadline (with ``while_progressing``, as long as
+        the lane completes a call within each deadline); warns of a failure or of the wait's end."""
+        while True:
+            completed = self._lane.completed
+            wait_for([future], timeout=self.timeout)
+            if future.done() or not while_progressing or self._lane.completed == completed:
+                break
         if not future.done():
             self._late.append((what, future))
             then = (
-                "the calls it has not begun are dropped: what it missed is reported when the run resumes"
+                "it goes on in the background while the process lives; what it has not reported when the "
+                "process exits is reported when the run resumes"
                 if what == "close"
                 else "it goes on in the background, and what it misses is reported later, or when the run resumes"
             )
