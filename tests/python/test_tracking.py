@@ -16,6 +16,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +398,38 @@ def test_a_large_config_reaches_the_server_through_a_proxy_that_refuses_bodies_o
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.5)]
     [(method, path, status)] = proxy.answered
     assert (method, status) == ("PUT", 413) and path.endswith("step_00000001/metadata.json")
+
+
+@dataclass
+class Gone:
+    """A committed checkpoint of many shards whose step retention deleted before its report."""
+
+    step: int
+    directory: Path
+    metadata: dict[str, Any]
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return self.metadata["metrics"]
+
+    def load(self) -> Any:
+        raise FileNotFoundError(self.directory)
+
+
+def test_a_step_deleted_before_its_report_is_reported_without_its_files(tmp_path, mlflow_uri, experiment):
+    tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
+    tracker.start(TrackedRun("deleted", tmp_path, {}, writer=True), [])
+    files = {f"shard_{i:04}": {"sha256": "0" * 64} for i in range(200)}  # their digests: more than a tag holds
+    with pytest.warns(RuntimeWarning, match=r"step 1's files are not uploaded: .*No such file or directory"):
+        tracker.log_checkpoint(Gone(1, tmp_path / "step_00000001", {"metrics": {"loss": 1.0}, "files": files}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with CheckpointManager(tmp_path / "next") as manager:  # the next step, whole, flows
+            manager.save(small(2), 2, metrics={"loss": 0.5})
+            tracker.log_checkpoint(manager.latest())
+    client = MlflowClient(mlflow_uri)
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5)]
+    assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
 
 
 @pytest.mark.parametrize(

@@ -469,9 +469,11 @@ class MlflowTracker:
         files = checkpoint.metadata.get("files", {})
         digests = json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True)
         if len(digests) > _MAX_TAG_LENGTH:  # many shards: metadata.json's own digest, which lists theirs
-            digests = json.dumps(
-                {steps.METADATA_NAME: safe_io.sha256_of(checkpoint.directory / steps.METADATA_NAME)[1]}
-            )
+            try:
+                digest: str | None = safe_io.sha256_of(checkpoint.directory / steps.METADATA_NAME)[1]
+            except OSError:  # the step deleted (by retention) before its report: a tag without it, not none
+                digest = None
+            digests = json.dumps({steps.METADATA_NAME: digest})
         return {
             TAG_RUN_ID: str(checkpoint.metadata.get("run_id"))[:_MAX_TAG_LENGTH],
             TAG_STEP: str(checkpoint.step),
