@@ -638,8 +638,6 @@ class Lane:
                     self._running = False
                     return
                 call, future = self._calls.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
                 result = call()
             except BaseException as e:  # the caller's to see, through its future
@@ -727,7 +725,7 @@ class Reporter:
         else:
             self._wait(what, future)
 
-    def _wait(self, what: str, future: Future[Any], while_progressing: bool = False) -> bool:
+    def _wait(self, what: str, future: Future[Any], while_progressing: bool = False) -> None:
         """Waits for ``future`` at most the deadline (with ``while_progressing``, as long as
         the lane completes a call within each deadline); warns of a failure or of the wait's end."""
         while True:
@@ -749,11 +747,8 @@ class Reporter:
                 RuntimeWarning,
                 stacklevel=4,
             )
-            return False
-        error = future.exception()
-        if error is not None:
+        elif (error := future.exception()) is not None:
             self._warn_failed(what, error)
-        return error is None
 
     def _warn_late(self) -> bool:
         """Warns of the late calls that have failed since; whether one is still running."""
