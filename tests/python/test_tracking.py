@@ -32,6 +32,7 @@ from http_proxy import Proxy
 from mlflow import MlflowClient
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.cli import OK, run
+from ortckpt.errors import InvalidArgumentError
 from ortckpt.manager.tracking import (
     DEFAULT_TIMEOUT,
     TAG_CHECKPOINT,
@@ -803,8 +804,9 @@ def test_a_trackers_timeout_is_checked(tmp_path):
     class Negative(Recording):
         timeout = -1
 
-    with pytest.raises(ValueError, match=r"Negative.timeout is a number of seconds above 0, got -1"):
-        CheckpointManager(tmp_path, track=Negative())
+    with pytest.raises(InvalidArgumentError, match=r"Negative.timeout is a number of seconds above 0, got -1") as e:
+        CheckpointManager(tmp_path / "run", track=Negative())
+    assert e.value.argument == "track" and not (tmp_path / "run").exists()  # refused before anything is made
 
 
 def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):

@@ -53,10 +53,13 @@ def verify_after_save(value: Any) -> bool | Literal["process"]:
 
 
 def track(value: Any) -> Any:
-    """``"mlflow"``, a :class:`~ortckpt.manager.tracking.Tracker`, or None."""
-    from .tracking import Tracker
+    """``"mlflow"``, a :class:`~ortckpt.manager.tracking.Tracker` (its ``timeout`` checked), or None."""
+    from .tracking import Tracker, tracker_timeout
 
-    if value is None or (isinstance(value, str) and value == "mlflow") or isinstance(value, Tracker):
+    if isinstance(value, Tracker):
+        tracker_timeout(value)
+        return value
+    if value is None or (isinstance(value, str) and value == "mlflow"):
         return value
     if isinstance(value, str):
         raise InvalidArgumentError(f"track is 'mlflow' or a Tracker object, got {value!r}", "track")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .. import __version__, safe_io, steps
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError
 
 
 class CommittedCheckpoint(Protocol):
@@ -98,25 +99,28 @@ class Tracker(Protocol):
 
 
 def tracker_for(track: str | Tracker) -> Tracker:
-    """The tracker ``track=`` names: ``"mlflow"``, or a :class:`Tracker` object as it is (its
-    ``timeout``, if it has one, checked)."""
+    """The tracker ``track=`` names: ``"mlflow"``, or a :class:`Tracker` object as it is."""
     if isinstance(track, str):
         if track == "mlflow":
             return MlflowTracker()
         raise ValueError(f"track is 'mlflow' or a Tracker object, got {track!r}")
     if not isinstance(track, Tracker):
         raise TypeError(f"track is 'mlflow' or a Tracker object, got {type(track).__name__}")
-    checked_timeout(getattr(track, "timeout", DEFAULT_TIMEOUT), f"{type(track).__name__}.timeout")
     return track
 
 
-def checked_timeout(timeout: Any, name: str = "timeout") -> float:
+def checked_timeout(timeout: Any, name: str = "timeout", argument: str = "timeout") -> float:
     """A deadline in seconds: a number above 0 and finite."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{name} is a number of seconds, got {type(timeout).__name__}")
+        raise InvalidArgumentTypeError(f"{name} is a number of seconds, got {type(timeout).__name__}", argument)
     if not (0 < timeout < math.inf):
-        raise ValueError(f"{name} is a number of seconds above 0, got {timeout!r}")
+        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {timeout!r}", argument)
     return float(timeout)
+
+
+def tracker_timeout(tracker: Any) -> float:
+    """A tracker's deadline: its ``timeout`` attribute, checked, else :data:`DEFAULT_TIMEOUT`."""
+    return checked_timeout(getattr(tracker, "timeout", DEFAULT_TIMEOUT), f"{type(tracker).__name__}.timeout", "track")
 
 
 # Tag names, one place: tests and users query them.
@@ -657,7 +661,7 @@ class Reporter:
     def __init__(self, tracker: Tracker, run: TrackedRun, committed: Callable[[], Sequence[CommittedCheckpoint]]):
         self.tracker = tracker
         self.run = run
-        self.timeout = checked_timeout(getattr(tracker, "timeout", DEFAULT_TIMEOUT))
+        self.timeout = tracker_timeout(tracker)
         self._committed = committed  # the manager's committed checkpoints, oldest first
         self._started = False  # set on the lane
         self._lane = Lane(f"ortckpt-tracker-{type(tracker).__name__}")
