@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -33,14 +34,37 @@ EXIT_CODES = (
 FORMAT_CHOICE = click.Choice(list(FORMATS))
 
 
+# The names the running command was given, by the forms the library writes them in: a path as
+# pathlib makes it (no "./", "//" nor trailing "/"), a URL without its trailing "/".
+_given: dict[str, str] = {}
+
+
+def _remember(arguments: list[Any]) -> None:
+    """Records the command's arguments (str, or tuples of them) to be named as given."""
+    names = [n for v in arguments for n in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(n, str) and n]
+    for name in names:
+        written = name.rstrip("/") if targets.is_object_url(name) else os.fspath(Path(name))
+        if written != name and written not in names:  # (a name given as it is written stays as it is)
+            _given.setdefault(written, name)
+
+
+def _as_given(text: str) -> str:
+    """``text`` (a message or a file name) with the file it starts with named as the user gave it."""
+    for written, name in _given.items():
+        if text == written or text.startswith((f"{written}:", f"{written} ")):
+            return name + text[len(written) :]
+    return text
+
+
 def _message(e: BaseException) -> str:
     """One line for an error: ``file: problem`` for an OS error that names its file, the
-    exception's type for an unexpected kind; temporary copies named as the user named them."""
+    exception's type for an unexpected kind; files named as the user named them (temporary
+    copies too)."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         names = [str(e.filename)] + ([str(e.filename2)] if e.filename2 is not None else [])
-        text = f"{' -> '.join(names)}: {e.strerror}"
+        text = f"{' -> '.join(map(_as_given, names))}: {e.strerror}"
     elif isinstance(e, (OSError, ValueError, RuntimeError, TypeError, ImportError)):
-        text = str(e)
+        text = _as_given(str(e))
     else:
         text = f"{type(e).__name__}: {e}"
     return sources.shown(" ".join(text.split()))
@@ -54,6 +78,7 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
+        _remember([*args, *kwargs.values()])
         try:
             return command(*args, **kwargs)
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
@@ -281,11 +306,11 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
         result = run_verify(path, progress=_show_progress(progress))
     except CheckpointIntegrityError as e:
         if as_json:
-            _emit_json({"path": path, "ok": False, "problems": e.problems})
+            _emit_json({"path": path, "ok": False, "problems": [_as_given(p) for p in e.problems]})
         else:
             click.echo(f"{path}: FAILED", err=True)
             for problem in e.problems:
-                click.echo(f"  {' '.join(problem.split())}", err=True)
+                click.echo(f"  {_as_given(' '.join(problem.split()))}", err=True)
         raise SystemExit(DIFFERENT) from None
     if as_json:
         return _emit_json(
