@@ -241,6 +241,10 @@ class CheckpointManager:
             raise InvalidArgumentTypeError(
                 f"directory is a path or an {targets.SCHEME} URL, got {type(directory).__name__}", "directory"
             )
+        if isinstance(directory, str) and not directory:  # (Path("") is the working directory)
+            raise InvalidArgumentError(
+                f"directory is a path or an {targets.SCHEME} URL, got '' (an empty name)", "directory"
+            )
         save_every = options.save_every(save_every)
         async_save, durable, compress_kept, progress, read_only = (
             arguments.flag(name, value)
