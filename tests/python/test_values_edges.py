@@ -89,3 +89,14 @@ def test_a_manager_of_an_empty_directory_name_is_refused(tmp_path, monkeypatch):
             CheckpointManager("", read_only=read_only)
         assert refused.value.argument == "directory"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_register_best_of_a_metric_that_is_nan_everywhere_says_so(tmp_path):
+    with CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(state(), step, metrics={"loss": float("nan")})
+    (tmp_path / "eval.onnx").write_text("not used: refused before\n")
+    done = ortckpt(
+        "register-best", tmp_path / "run", "name", tmp_path / "eval.onnx", "--tracking-uri", "http://127.0.0.1:9"
+    )
+    assert done.returncode == 2 and "NaN" in done.stderr and "no checkpoint" not in done.stderr, done.stderr

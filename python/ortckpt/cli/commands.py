@@ -646,6 +646,10 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
                 )
             metric = names[0]
         if run.best(metric, "max" if mode == "max" else "min") is None:
+            if metric in names:  # (NaN ranks no checkpoint)
+                raise click.BadParameter(
+                    f"every checkpoint of {directory} has {metric!r} NaN: none ranks best", param_hint="--metric"
+                )
             raise click.BadParameter(
                 f"no checkpoint of {directory} has a value of {metric!r} (their metrics: {', '.join(names) or 'none'})",
                 param_hint="--metric",
