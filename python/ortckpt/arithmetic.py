@@ -233,6 +233,7 @@ def _check_arguments(
         raise InvalidArgumentTypeError(
             f"{what}: out is a path or an {targets.SCHEME} URL, got {type(out).__name__}", "out"
         )
+    targets.output(out, "out")
     allowed = _FILE_OPTIONS if out is not None and not targets.is_object_url(out) else _OBJECT_OPTIONS
     unknown = sorted(set(save_options) - allowed) if out is not None else sorted(save_options)
     if unknown:

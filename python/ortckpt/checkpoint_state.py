@@ -491,6 +491,7 @@ class CheckpointState:
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
         from . import targets  # (on first use: `import ortckpt` stays small)
 
+        targets.output(checkpoint_uri, "checkpoint_uri")
         target = targets.checkpoint(checkpoint_uri, storage_options)
         try:
             core = state.core_state(include_optimizer_state)

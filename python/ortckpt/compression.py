@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from . import _boundary, documents, safe_io
+from . import _boundary, documents, safe_io, targets
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, open_checkpoint
 from .errors import CheckpointFormatError, CheckpointIntegrityError
@@ -95,6 +95,7 @@ def compress(
     ``dst`` (atomically: a temporary file renamed over it). ``src`` is verified first, so an
     archive never holds a checkpoint that does not load. ``progress``: a bar (tqdm) over the
     bytes compressed."""
+    targets.output(dst, "dst")
     zstandard = _zstd()
     loaded = _boundary.load(src)  # verified, mapped
     roles = zip(documents.COMPRESSED_ROLES, loaded.mappings, strict=True)
@@ -217,6 +218,7 @@ def decompress(
     replaced. Returns ``dst``.
     Without ``follow_symlinks``, a symlink at ``src`` is refused (for an archive a step names).
     ``progress``: a bar (tqdm) over the bytes restored."""
+    targets.output(dst, "dst")
     dst = Path(dst)
     with safe_io.open_regular(src, follow_symlinks=follow_symlinks) as archive:
         footer = read_footer(archive, os.fspath(src))

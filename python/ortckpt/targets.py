@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _boundary
-from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError
+from .errors import CheckpointError, CheckpointFormatError, CheckpointStateError, InvalidArgumentError
 
 # What a checkpoint without external data can be (one flatbuffer: at most 2 GiB, bytes 4..8 its
 # file identifier): past that a stream or an object is refused unread. One definition, the byte
@@ -375,6 +375,20 @@ def checkpoint(where: Any, storage_options: Mapping[str, Any] | None = None) -> 
     return LocalFile(Path(where))  # (storage_options configure object stores only)
 
 
+def output(where: Any, argument: str) -> None:
+    """Refuses an output name that ends with a slash: it names a directory (or an object
+    store's folder), and a path made of it would quietly drop the slash and write a file
+    under the directory's name."""
+    if isinstance(where, (str, os.PathLike)):
+        name = os.fspath(where)
+        if isinstance(name, str) and name.endswith(("/", os.sep)):
+            raise InvalidArgumentError(
+                f"{name}: names a directory (it ends with '/'); a checkpoint or model is written as a file: "
+                "give its file name",
+                argument,
+            )
+
+
 def run(where: Any, storage_options: Mapping[str, Any] | None = None) -> Path | Location:
     """Where a run of steps lives: a local directory, or an object store prefix."""
     if is_object_url(where):
@@ -392,5 +406,6 @@ __all__ = [
     "is_object_url",
     "is_stream",
     "object_location",
+    "output",
     "run",
 ]

@@ -50,7 +50,7 @@ def state() -> CheckpointState:
         (("nominal", "./missing", "out.ckpt"), "./missing"),
         (("average", "./nodir//mean.ckpt", "run/step_00000001"), "./nodir//mean.ckpt"),
         (("delta", "run/step_00000001", "./missing", "out.ckpt"), "./missing"),
-        (("convert", "run/step_00000001", "sub/"), "sub/"),
+        (("convert", "run/step_00000001", "sub"), "sub"),
     ],
 )
 def test_an_error_names_the_file_as_the_user_typed_it(tmp_path, args, named):
@@ -100,3 +100,41 @@ def test_register_best_of_a_metric_that_is_nan_everywhere_says_so(tmp_path):
         "register-best", tmp_path / "run", "name", tmp_path / "eval.onnx", "--tracking-uri", "http://127.0.0.1:9"
     )
     assert done.returncode == 2 and "NaN" in done.stderr and "no checkpoint" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("write", ["save", "average", "convert", "compress", "export"])
+def test_an_output_name_ending_with_a_slash_is_refused_not_written_as_a_file(tmp_path, monkeypatch, write):
+    """`newdir/` names a directory: a path made of it drops the slash, and the checkpoint used to
+    be written as a file named `newdir`. Refused, naming the argument, and nothing written."""
+    import ortckpt
+    from goldens import EVAL_MODEL
+    from ortckpt import compression
+    from ortckpt.convert.files import save_any
+
+    monkeypatch.chdir(tmp_path)
+    state = CheckpointState.from_arrays({"w": np.ones(4, np.float32)})
+    CheckpointState.save_checkpoint(state, "source")
+    calls = {
+        "save": lambda: CheckpointState.save_checkpoint(state, "newdir/"),
+        "average": lambda: ortckpt.average(["source", "source"], out="newdir/"),
+        "convert": lambda: save_any(state, "newdir/", "safetensors"),
+        "compress": lambda: compression.compress("source", "newdir/"),
+        "export": lambda: ortckpt.export_model(state, EVAL_MODEL, "newdir/"),
+    }
+    with pytest.raises(InvalidArgumentError, match="newdir/: names a directory"):
+        calls[write]()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_the_command_line_calls_an_output_ending_with_a_slash_bad_usage(tmp_path):
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), tmp_path / "src")
+    for args in (["average", "newdir/", "src", "src"], ["convert", "src", "newdir/"], ["compress", "src", "newdir/"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "ortckpt", *args], cwd=tmp_path, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.strip().splitlines() == [
+            "ortckpt: error: newdir/: names a directory (it ends with '/'); a checkpoint or model is written as a "
+            "file: give its file name"
+        ], args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

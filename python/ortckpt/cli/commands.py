@@ -23,6 +23,7 @@ import click
 
 from .. import __version__, targets
 from ..convert.files import FORMATS
+from ..errors import InvalidArgumentError
 from . import sources
 
 # Exit codes, as documented in --help.
@@ -74,7 +75,8 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
     """Any failure to read or write becomes one line on stderr (the error names the file) and
     exit code 3; never a traceback. Inputs are not checked by click (a missing one is exit 3,
     as documented, not a usage error): the readers refuse what they cannot read. Bad usage is a
-    click.UsageError (exit 2), raised before any work."""
+    click.UsageError, or an argument the library refuses before any work (InvalidArgumentError,
+    e.g. an output named with a trailing slash): exit 2."""
 
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -83,6 +85,9 @@ def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
             return command(*args, **kwargs)
         except (click.exceptions.Exit, click.ClickException, SystemExit, KeyboardInterrupt):
             raise
+        except InvalidArgumentError as e:  # an argument the library refused before any work
+            click.echo(f"ortckpt: error: {_message(e)}", err=True)
+            raise SystemExit(USAGE) from None
         except BrokenPipeError:  # the reader went away (`ortckpt inspect x | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(OK) from None

@@ -97,6 +97,7 @@ def save_any(
     """Writes ``state`` in any supported format; an ONNX model needs ``model``, the eval model
     (or any model) whose parameter inputs or initializers take the checkpoint's values, and
     ``output_names`` keeps only those outputs (see :func:`~ortckpt.export_model`)."""
+    targets.output(path, "path")
     fmt = fmt or format_of(path)
     if fmt == "ortckpt":
         CheckpointState.save_checkpoint(state, path, include_optimizer_state, progress=progress)

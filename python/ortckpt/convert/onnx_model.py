@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _boundary, safe_io
+from .. import _boundary, safe_io, targets
 from .. import dtypes as _dt
 from .._boundary import as_bytes
 from .._onnx_tensors import copy_proto, load_model, require_onnx, tensor_value
@@ -300,6 +300,7 @@ def export_model(
     ``True``/``False`` force it; initializers under ``size_threshold`` bytes stay in the model.
     Returns the path written.
     """
+    targets.output(path, "path")
     onnx = require_onnx()
     proto = inference_model(state, model, output_names=output_names)
     path = Path(path)
