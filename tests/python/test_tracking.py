@@ -809,6 +809,24 @@ def test_a_trackers_timeout_is_checked(tmp_path):
     assert e.value.argument == "track" and not (tmp_path / "run").exists()  # refused before anything is made
 
 
+@pytest.mark.parametrize("timeout", [1e10, 1e300])
+def test_a_trackers_deadline_past_what_threading_can_wait_is_waited_not_an_overflow(tmp_path, timeout):
+    """A patient tracker (a deadline of centuries, past threading.TIMEOUT_MAX) used to fail the
+    manager's start with OverflowError: timestamp out of range."""
+
+    class Patient(Recording):
+        pass
+
+    Patient.timeout = timeout  # type: ignore[attr-defined]
+    tracker = Patient()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with CheckpointManager(tmp_path, track=tracker, async_save=True) as manager:
+            manager.save(small(1), 1)
+    assert tracker.calls == [("start", manager.run_id, True, []), ("log", 1, {}), ("close",)]
+    assert MlflowTracker("http://127.0.0.1:1", timeout=timeout).timeout == timeout
+
+
 def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):
     with pytest.raises(ValueError, match=r"track is 'mlflow' or a Tracker object, got 'wandb'"):
         CheckpointManager(tmp_path / "a", track="wandb")

@@ -734,7 +734,8 @@ class Reporter:
         the lane completes a call within each deadline); warns of a failure or of the wait's end."""
         while True:
             completed = self._lane.completed
-            wait_for([future], timeout=self.timeout)
+            # (threading waits at most TIMEOUT_MAX, some 292 years: a longer deadline is that)
+            wait_for([future], timeout=min(self.timeout, threading.TIMEOUT_MAX))
             if future.done() or not while_progressing or self._lane.completed == completed:
                 break
         if not future.done():
