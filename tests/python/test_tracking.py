@@ -237,6 +237,27 @@ def test_a_report_past_its_deadline_reaches_the_server_once_it_answers(tmp_path,
     assert client.get_run(tracker.mlflow_run_id).info.status == "FINISHED"
 
 
+def test_close_waits_for_a_large_config_while_the_server_answers_its_requests(tmp_path, mlflow_uri, proxy, experiment):
+    """A config of thousands of keys is one start of many requests (100 params each): a server
+    that answers each in time is waited for at close, though the whole takes longer than the
+    deadline. It used to be left behind (the lane completes no call meanwhile), and a script
+    that then exited reported no metric at all, its run never FINISHED."""
+    config = {f"layer{i}": {"width": i, "act": "gelu"} for i in range(1500)}  # 3000 params: 30 requests
+    proxy.delay = 0.2  # each request a fifth of a second: the start takes 6 s at least
+    tracker = MlflowTracker(proxy.url, experiment=experiment, timeout=3)
+    with pytest.warns(RuntimeWarning, match=r"did not start within its deadline of 3 s"):
+        manager = CheckpointManager(tmp_path, track=tracker, config=config)
+    manager.save(small(1), 1, metrics={"loss": 1.0})  # behind the start: not waited for
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "did not close within its deadline"
+        manager.close()
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(tracker.mlflow_run_id)
+    assert len(run.data.params) == 3000
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0)]
+    assert run.info.status == "FINISHED"
+
+
 def test_a_report_that_fails_midway_is_sent_again_at_the_next_save(tmp_path, mlflow_uri, experiment, monkeypatch):
     tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
     with CheckpointManager(tmp_path, track=tracker) as manager:
