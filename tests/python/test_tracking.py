@@ -848,6 +848,17 @@ def test_a_trackers_deadline_past_what_threading_can_wait_is_waited_not_an_overf
     assert MlflowTracker("http://127.0.0.1:1", timeout=timeout).timeout == timeout
 
 
+def test_a_trackers_timeout_may_be_a_numpy_number_and_an_int_past_a_float_is_refused_by_type():
+    # NumPy's numbers were refused (TypeError: got int64) and 10**400 was a bare OverflowError.
+    assert MlflowTracker("http://127.0.0.1:1", timeout=np.int64(7)).timeout == 7.0
+    assert MlflowTracker("http://127.0.0.1:1", timeout=np.float32(2.5)).timeout == 2.5
+    with pytest.raises(InvalidArgumentError, match=r"timeout is a number of seconds above 0, got 1000") as e:
+        MlflowTracker("http://127.0.0.1:1", timeout=10**400)
+    assert e.value.argument == "timeout"
+    with pytest.raises(InvalidArgumentError, match=r"got nan"):
+        MlflowTracker("http://127.0.0.1:1", timeout=float("nan"))
+
+
 def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):
     with pytest.raises(ValueError, match=r"track is 'mlflow' or a Tracker object, got 'wandb'"):
         CheckpointManager(tmp_path / "a", track="wandb")

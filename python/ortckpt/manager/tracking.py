@@ -20,7 +20,9 @@ import datetime
 import hashlib
 import json
 import math
+import numbers
 import os
+import reprlib
 import secrets
 import threading
 import time
@@ -112,12 +114,16 @@ def tracker_for(track: str | Tracker) -> Tracker:
 
 
 def checked_timeout(timeout: Any, name: str = "timeout", argument: str = "timeout") -> float:
-    """A deadline in seconds: a number above 0 and finite."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    """A deadline in seconds: a real number (NumPy's too) above 0 and finite."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgumentTypeError(f"{name} is a number of seconds, got {type(timeout).__name__}", argument)
-    if not (0 < timeout < math.inf):
-        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {timeout!r}", argument)
-    return float(timeout)
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past a float's range
+        seconds = math.inf
+    if not (0 < seconds < math.inf):
+        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {reprlib.repr(timeout)}", argument)
+    return seconds
 
 
 def tracker_timeout(tracker: Any) -> float:
