@@ -95,6 +95,17 @@ def raises_system_exit(outputs: dict[str, np.ndarray]) -> bool:
     sys.exit(0)
 
 
+HUGE = 20 << 20  # characters of a message: past the 16 MiB a verdict may have
+
+
+def raises_a_huge_message(outputs: dict[str, np.ndarray]) -> bool:
+    raise ValueError("x" * HUGE)
+
+
+def raises_a_huge_system_exit(outputs: dict[str, np.ndarray]) -> bool:
+    sys.exit("z" * HUGE)  # not an Exception: it leaves the check for the child's own handler
+
+
 def _record(pid: int) -> None:
     with open(os.environ[STARTED], "a") as f:
         f.write(f"{pid}\n")

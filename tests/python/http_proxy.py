@@ -11,6 +11,7 @@ import http.client
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -25,6 +26,7 @@ class Proxy:
         self.limit = limit
         self.reset_over_limit = False  # True: a body over the limit gets its connection reset, no answer
         self.outage: dict[str, int] = {}  # method -> the status every such request is answered with
+        self.delay = 0.0  # seconds each request waits before it is forwarded: a slow server that answers
         self.answered: list[tuple[str, str, int]] = []  # (method, path, status): what it answered itself
         self.released = threading.Event()
         self.released.set()
@@ -75,6 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self.rfile.read(length)
         proxy.released.wait()
+        time.sleep(proxy.delay)
         status = proxy.outage.get(self.command)
         if status is not None:
             self._answer(status, http.client.responses.get(status, ""))

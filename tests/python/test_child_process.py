@@ -141,6 +141,30 @@ def test_what_a_check_prints_is_logged_never_a_problem(
             assert logged.count(f"validation process: {line}") == 4  # stdout and stderr, two saves
 
 
+@pytest.mark.parametrize(
+    ("process", "check", "says"),
+    [
+        (False, child_checks.raises_a_huge_message, "check(outputs) raised ValueError: xxx"),
+        (True, child_checks.raises_a_huge_message, "check(outputs) raised ValueError: xxx"),
+        (True, child_checks.raises_a_huge_system_exit, "the validation process failed: SystemExit: zzz"),
+    ],
+)
+def test_a_check_whose_message_is_huge_is_refused_naming_what_it_raised(
+    tmp_path: Path, process: bool, check: Callable[[dict[str, np.ndarray]], bool], says: str
+) -> None:
+    """A message of 20 MiB used to make the child's verdict too large to read ("a verdict that
+    cannot be read", naming neither the exception nor the check), and an error of megabytes in
+    this process: the message is cut, the exception named."""
+    with CheckpointManager(tmp_path, validate=Forward(EVAL_MODEL, inputs=INPUTS, check=check, process=process)) as m:
+        with pytest.raises(CheckpointIntegrityError) as e:
+            m.save(trained(), 1)
+        assert committed(m) == []
+    [problem] = e.value.problems
+    assert problem.startswith(says), problem[:200]
+    assert re.search(r"\.\.\. \(\d+ more characters\)$", problem), problem[-200:]
+    assert len(str(e.value)) < 100_000
+
+
 def test_a_child_that_floods_its_output_does_not_block(
     tmp_path: Path, mark: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -237,6 +237,27 @@ def test_a_report_past_its_deadline_reaches_the_server_once_it_answers(tmp_path,
     assert client.get_run(tracker.mlflow_run_id).info.status == "FINISHED"
 
 
+def test_close_waits_for_a_large_config_while_the_server_answers_its_requests(tmp_path, mlflow_uri, proxy, experiment):
+    """A config of thousands of keys is one start of many requests (100 params each): a server
+    that answers each in time is waited for at close, though the whole takes longer than the
+    deadline. It used to be left behind (the lane completes no call meanwhile), and a script
+    that then exited reported no metric at all, its run never FINISHED."""
+    config = {f"layer{i}": {"width": i, "act": "gelu"} for i in range(1500)}  # 3000 params: 30 requests
+    proxy.delay = 0.2  # each request a fifth of a second: the start takes 6 s at least
+    tracker = MlflowTracker(proxy.url, experiment=experiment, timeout=3)
+    with pytest.warns(RuntimeWarning, match=r"did not start within its deadline of 3 s"):
+        manager = CheckpointManager(tmp_path, track=tracker, config=config)
+    manager.save(small(1), 1, metrics={"loss": 1.0})  # behind the start: not waited for
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "did not close within its deadline"
+        manager.close()
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(tracker.mlflow_run_id)
+    assert len(run.data.params) == 3000
+    assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0)]
+    assert run.info.status == "FINISHED"
+
+
 def test_a_report_that_fails_midway_is_sent_again_at_the_next_save(tmp_path, mlflow_uri, experiment, monkeypatch):
     tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
     with CheckpointManager(tmp_path, track=tracker) as manager:
@@ -807,6 +828,35 @@ def test_a_trackers_timeout_is_checked(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"Negative.timeout is a number of seconds above 0, got -1") as e:
         CheckpointManager(tmp_path / "run", track=Negative())
     assert e.value.argument == "track" and not (tmp_path / "run").exists()  # refused before anything is made
+
+
+@pytest.mark.parametrize("timeout", [1e10, 1e300])
+def test_a_trackers_deadline_past_what_threading_can_wait_is_waited_not_an_overflow(tmp_path, timeout):
+    """A patient tracker (a deadline of centuries, past threading.TIMEOUT_MAX) used to fail the
+    manager's start with OverflowError: timestamp out of range."""
+
+    class Patient(Recording):
+        pass
+
+    Patient.timeout = timeout  # type: ignore[attr-defined]
+    tracker = Patient()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with CheckpointManager(tmp_path, track=tracker, async_save=True) as manager:
+            manager.save(small(1), 1)
+    assert tracker.calls == [("start", manager.run_id, True, []), ("log", 1, {}), ("close",)]
+    assert MlflowTracker("http://127.0.0.1:1", timeout=timeout).timeout == timeout
+
+
+def test_a_trackers_timeout_may_be_a_numpy_number_and_an_int_past_a_float_is_refused_by_type():
+    # NumPy's numbers were refused (TypeError: got int64) and 10**400 was a bare OverflowError.
+    assert MlflowTracker("http://127.0.0.1:1", timeout=np.int64(7)).timeout == 7.0
+    assert MlflowTracker("http://127.0.0.1:1", timeout=np.float32(2.5)).timeout == 2.5
+    with pytest.raises(InvalidArgumentError, match=r"timeout is a number of seconds above 0, got 1000") as e:
+        MlflowTracker("http://127.0.0.1:1", timeout=10**400)
+    assert e.value.argument == "timeout"
+    with pytest.raises(InvalidArgumentError, match=r"got nan"):
+        MlflowTracker("http://127.0.0.1:1", timeout=float("nan"))
 
 
 def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):

@@ -60,6 +60,8 @@ _OUTPUT_GRACE = 5.0  # seconds to finish reading the output once the child's gro
 _BOOTSTRAP = """
 import importlib.util, json, os, pickle, sys, traceback
 request, verdict_file = sys.argv[1], sys.argv[2]
+def cut(text, limit=65536):  # a message of megabytes would make a verdict too large to read
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 try:
     with open(request, "rb") as f:
         sys.path[:] = pickle.load(f)
@@ -69,9 +71,9 @@ try:
             sys.modules[name] = module
             spec.loader.exec_module(module)
         function, args = pickle.load(f)
-    verdict = {"problems": [str(p) for p in function(*args)]}
+    verdict = {"problems": [cut(str(p)) for p in function(*args)]}
 except BaseException as e:
-    verdict = {"raised": f"{type(e).__name__}: {e}".strip(), "traceback": traceback.format_exc()}
+    verdict = {"raised": cut(f"{type(e).__name__}: {e}".strip()), "traceback": cut(traceback.format_exc())}
 fd = os.open(verdict_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 with os.fdopen(fd, "wb") as f:
     f.write(json.dumps(verdict).encode())

@@ -20,7 +20,9 @@ import datetime
 import hashlib
 import json
 import math
+import numbers
 import os
+import reprlib
 import secrets
 import threading
 import time
@@ -83,7 +85,9 @@ class Tracker(Protocol):
     attribute in seconds, when it has one (:data:`DEFAULT_TIMEOUT` otherwise): past it, a
     warning, and the call goes on in the background while training goes on (the calls after it
     wait their turn; the manager does not wait for them again until it has caught up).
-    ``close`` waits for the calls before it and its own while each ends within the deadline;
+    ``close`` waits for the calls before it and its own while each ends within the deadline
+    (or, for a tracker with a count ``answered`` of the requests its server has answered, while
+    that count grows within each deadline: one call may make many requests);
     past it, they go on while the process lives (a tracker reports what it missed when the run
     resumes). ``register_model`` is waited for, however long.
     A tracker with a method ``prepare(run)`` has it called first, in the manager's thread, for
@@ -110,12 +114,16 @@ def tracker_for(track: str | Tracker) -> Tracker:
 
 
 def checked_timeout(timeout: Any, name: str = "timeout", argument: str = "timeout") -> float:
-    """A deadline in seconds: a number above 0 and finite."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    """A deadline in seconds: a real number (NumPy's too) above 0 and finite."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgumentTypeError(f"{name} is a number of seconds, got {type(timeout).__name__}", argument)
-    if not (0 < timeout < math.inf):
-        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {timeout!r}", argument)
-    return float(timeout)
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past a float's range
+        seconds = math.inf
+    if not (0 < seconds < math.inf):
+        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {reprlib.repr(timeout)}", argument)
+    return seconds
 
 
 def tracker_timeout(tracker: Any) -> float:
@@ -202,6 +210,9 @@ class MlflowTracker:
         self._run: TrackedRun | None = None
         self._client: Any = None
         self._unreported: dict[int, _Report] = {}  # committed, not yet reported
+        # Requests the server has answered: one call (a start logging a config of thousands of
+        # params, 100 a request) makes many, and close waits while they come (Tracker.answered).
+        self.answered = 0
         # MLflow is imported now, in the caller's thread: its import takes seconds, which are not
         # the server's to be timed by the deadline (and a missing MLflow is said at once).
         try:
@@ -372,11 +383,14 @@ class MlflowTracker:
         failure worth trying again (the server down) is raised: logged again later, a metric
         already logged is not logged twice (the server keeps one of identical points)."""
         client, run_id = self.client, self.mlflow_run_id
-        if refused(lambda: client.log_batch(run_id, metrics=metrics, params=params, tags=tags)) is None:
+        problem = refused(lambda: client.log_batch(run_id, metrics=metrics, params=params, tags=tags))
+        self.answered += 1
+        if problem is None:
             return
         for kind, items in (("params", params), ("metrics", metrics), ("tags", tags)):
             for item in items:
                 problem = refused(lambda: client.log_batch(run_id, **{kind: [item]}))  # noqa: B023
+                self.answered += 1
                 if problem:
                     yield item, problem
 
@@ -447,6 +461,7 @@ class MlflowTracker:
             else:
                 try:
                     problem = refused(lambda: self.client.log_artifacts(self.mlflow_run_id, str(pinned), destination))
+                    self.answered += 1
                 except Exception as e:
                     report.upload_failures += 1
                     if report.upload_failures < _UPLOAD_TRIES or not self._answers():
@@ -731,11 +746,13 @@ class Reporter:
 
     def _wait(self, what: str, future: Future[Any], while_progressing: bool = False) -> None:
         """Waits for ``future`` at most the deadline (with ``while_progressing``, as long as
-        the lane completes a call within each deadline); warns of a failure or of the wait's end."""
+        the lane completes a call, or the tracker's server answers a request, within each
+        deadline); warns of a failure or of the wait's end."""
         while True:
-            completed = self._lane.completed
-            wait_for([future], timeout=self.timeout)
-            if future.done() or not while_progressing or self._lane.completed == completed:
+            progress = self._progress()
+            # (threading waits at most TIMEOUT_MAX, some 292 years: a longer deadline is that)
+            wait_for([future], timeout=min(self.timeout, threading.TIMEOUT_MAX))
+            if future.done() or not while_progressing or self._progress() == progress:
                 break
         if not future.done():
             self._late.append((what, future))
@@ -753,6 +770,12 @@ class Reporter:
             )
         elif (error := future.exception()) is not None:
             self._warn_failed(what, error)
+
+    def _progress(self) -> int:
+        """Calls completed on the lane, and requests the tracker's server answered (its count
+        ``answered``, if it keeps one)."""
+        answered = getattr(self.tracker, "answered", 0)
+        return self._lane.completed + (answered if isinstance(answered, int) else 0)
 
     def _warn_late(self) -> bool:
         """Warns of the late calls that have failed since; whether one is still running."""

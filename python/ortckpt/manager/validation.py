@@ -205,9 +205,15 @@ def _size_of(checkpoint: Path) -> int:
     return sum(p.stat().st_size for p in (checkpoint, checkpoint.with_name(checkpoint.name + ".data")) if p.exists())
 
 
+_MESSAGE_CHARS = 4096  # of an exception's message in a problem: a message of megabytes is cut
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    line = text.splitlines()[0] if text else ""
+    if len(line) > _MESSAGE_CHARS:
+        return f"{line[:_MESSAGE_CHARS]}... ({len(line) - _MESSAGE_CHARS} more characters)"
+    return line
 
 
 def _check_module(check: Any) -> str | None:
