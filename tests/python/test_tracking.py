@@ -876,6 +876,38 @@ def test_track_is_mlflow_or_a_tracker_and_register_best_needs_one(tmp_path):
                 manager.register_best("m", EVAL_MODEL)
 
 
+def test_warnings_made_errors_do_not_fail_the_trackers_work(tmp_path, mlflow_uri, experiment, caplog):
+    """Under a warning filter of "error", what the tracker warns of while it works (a flattening
+    collision here) is logged instead: its start is not failed for it, so the params, the
+    metrics and the step's tags reach MLflow."""
+    tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with CheckpointManager(tmp_path, track=tracker, config={"a": {"b": 1}, "a.b": 2}) as manager:
+            manager.save(scaled(1.0), 1, metrics={"loss": 0.5})
+    assert "are both the MLflow param 'a.b'" in caplog.text
+    run = MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id)
+    assert run.data.params == {"a.b": "1"}
+    assert run.data.metrics == {"loss": 0.5}
+    assert run.data.tags[TAG_STEP] == "1"
+
+
+def test_warnings_made_errors_do_not_fail_a_save(tmp_path, caplog):
+    """A tracker that fails, under a warning filter of "error": the save commits and returns,
+    the failure is logged (a report never fails a save)."""
+
+    class Failing(Recording):
+        def log_checkpoint(self, checkpoint):
+            raise ConnectionError("the tracker's server is down")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with CheckpointManager(tmp_path, track=Failing()) as manager:
+            manager.save(scaled(1.0), 1)
+    assert "could not report step 1" in caplog.text and "server is down" in caplog.text
+    assert CheckpointManager(tmp_path, read_only=True).latest_step() == 1
+
+
 def test_config_flattens_to_params():
     assert flatten({"a": 1, "b": {"c": "x", "d": {"e": [1, 2]}}, "f": {}, "g": None}) == {
         "a": "1",

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import logging
 import math
 import numbers
 import os
@@ -351,28 +352,20 @@ class MlflowTracker:
         params: list[Any] = []
         for key, value in flatten(config).items():
             if len(value) > _MAX_PARAM_LENGTH:
-                warnings.warn(
+                warn_of_work(
                     f"config {key!r} is not logged as an MLflow param: {len(value)} characters, "
-                    f"MLflow takes {_MAX_PARAM_LENGTH} (metadata.json has it)",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    f"MLflow takes {_MAX_PARAM_LENGTH} (metadata.json has it)"
                 )
             elif key not in logged:
                 params.append(Param(key, value))
             elif logged[key] != value:
-                warnings.warn(
+                warn_of_work(
                     f"config {key!r} is {value!r}, but the MLflow run logged {logged[key]!r} and params "
-                    "do not change (metadata.json has the new value)",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    "do not change (metadata.json has the new value)"
                 )
         for batch in _batches(params):
             for param, problem in self._each_logged(params=batch):
-                warnings.warn(
-                    f"config {param.key!r} is not logged as an MLflow param: {problem} (metadata.json has it)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                warn_of_work(f"config {param.key!r} is not logged as an MLflow param: {problem} (metadata.json has it)")
 
     def _each_logged(
         self, *, params: Sequence[Any] = (), metrics: Sequence[Any] = (), tags: Sequence[Any] = ()
@@ -429,11 +422,9 @@ class MlflowTracker:
             for item, problem in self._each_logged(metrics=metrics, tags=tags):
                 kind = "metric" if isinstance(item, Metric) else "tag"
                 report.refused.add((kind, item.key))
-                warnings.warn(
+                warn_of_work(
                     f"{checkpoint.directory}: step {step}'s {kind} {item.key!r} is not logged "
-                    f"(MLflow refused it; not sent again): {problem}",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    f"(MLflow refused it; not sent again): {problem}"
                 )
             del self._unreported[step]
 
@@ -468,11 +459,9 @@ class MlflowTracker:
                         raise
                     problem = f"{report.upload_failures} tries failed, the server answering otherwise: {e}"
         if problem:
-            warnings.warn(
+            warn_of_work(
                 f"{checkpoint.directory}: step {checkpoint.step}'s files are not uploaded: {problem} "
-                "(given up: its metrics are logged)",
-                RuntimeWarning,
-                stacklevel=2,
+                "(given up: its metrics are logged)"
             )
 
     def _answers(self) -> bool:
@@ -513,11 +502,9 @@ def flatten(config: Mapping[str, Any]) -> dict[str, str]:
         name = ".".join(str(key) for key in path)
         text = _text(value)
         if name in flat:
-            warnings.warn(
+            warn_of_work(
                 f"config{_spelled(paths[name])} and config{_spelled(path)} are both the MLflow param {name!r}: "
-                f"the first is logged ({flat[name]!r}), the second is not ({text!r}; metadata.json has both)",
-                RuntimeWarning,
-                stacklevel=2,
+                f"the first is logged ({flat[name]!r}), the second is not ({text!r}; metadata.json has both)"
             )
             continue
         flat[name] = text
@@ -560,6 +547,17 @@ def _batches(params: Sequence[Any]) -> Iterator[list[Any]]:
         size += cost
     if batch:
         yield batch
+
+
+def warn_of_work(message: str, stacklevel: int = 2) -> None:
+    """A warning about reporting (a param or metric refused, an upload given up, a tracker late
+    or failing). Under a warning filter of "error" it is logged instead: a report is never a
+    reason to fail a save, nor one to fail the report it belongs to (which would then be tried
+    again, and warned of again, at every save)."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    except Warning:
+        logging.getLogger(__name__).warning(message)
 
 
 def run_key(run_id: str) -> str:
@@ -762,10 +760,9 @@ class Reporter:
                 if what == "close"
                 else "it goes on in the background, and what it misses is reported later, or when the run resumes"
             )
-            warnings.warn(
+            warn_of_work(
                 f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) did not {what} within its "
                 f"deadline of {self.timeout:g} s (its timeout): {then}",
-                RuntimeWarning,
                 stacklevel=4,
             )
         elif (error := future.exception()) is not None:
@@ -789,9 +786,8 @@ class Reporter:
 
     def _warn_failed(self, what: str, error: BaseException) -> None:
         then = ", to be retried at the next save" if what == "start" or what.startswith("report") else ""
-        warnings.warn(
+        warn_of_work(
             f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) could not {what}{then}: "
             f"{type(error).__name__}: {error}",
-            RuntimeWarning,
             stacklevel=5,
         )
