@@ -92,7 +92,8 @@ def test_a_mean_of_float64_values_whose_sum_overflows_is_computed_from_shares(tm
 
 @settings(max_examples=200, deadline=None)
 @given(
-    values=st.lists(st.floats(-1e6, 1e6, allow_subnormal=False), min_size=2, max_size=4),
+    # (values far from the subnormals: a product that underflows is rounded where it lands)
+    values=st.lists(st.floats(-1e6, 1e6).filter(lambda v: v == 0 or abs(v) > 1e-250), min_size=2, max_size=4),
     weights=st.lists(st.floats(1e-6, 1e6), min_size=4, max_size=4),
     power=st.integers(-1000, 1000),
 )
