@@ -17,6 +17,10 @@ from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, object_s
 from ortckpt.cli import FAILED, OK, USAGE
 from ortckpt.distributed import SingleProcess, save_sharded
 
+# About a minute of subprocesses, each a `python -m ortckpt` run whose behaviour is the package's, not the
+# interpreter's (test_cli.py runs the command on every interpreter): on the first interpreter only.
+pytestmark = pytest.mark.once
+
 WEIGHT = np.arange(12, dtype=np.float32).reshape(3, 4)
 
 
