@@ -92,3 +92,19 @@ def finite(name: str, value: Any, argument: str | None = None) -> float:
     if not math.isfinite(number):
         raise InvalidArgumentError(f"{name} must be a finite number, got {reprlib.repr(value)}", argument)
     return number
+
+
+def seconds(name: str, value: Any, argument: str | None = None) -> float:
+    """A deadline: a real number of seconds (NumPy's too, not a bool), above 0 and finite."""
+    argument = argument or name
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentTypeError(f"{name} is a number of seconds, got {type(value).__name__}", argument)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidArgumentError(f"{name} must be a finite number of seconds, got {reprlib.repr(value)}", argument)
+    if number <= 0:
+        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {reprlib.repr(value)}", argument)
+    return number

@@ -492,7 +492,7 @@ class CheckpointState:
         from . import targets  # (on first use: `import ortckpt` stays small)
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
-        targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bucket, "s3://b/", is refused as one)
+        targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bare bucket URL is refused as one)
         try:
             core = state.core_state(include_optimizer_state)
         except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)

@@ -261,10 +261,10 @@ def test_timeouts_are_checked_when_configured(tmp_path: Path) -> None:
         Forward(EVAL_MODEL, timeout=5)
     assert e.value.argument == "timeout"
     for bad, message in (
-        (0, "positive number"),
-        (-1, "positive number"),
-        (float("inf"), "finite"),
-        (math.nan, "finite"),
+        (0, "number of seconds above 0"),
+        (-1, "number of seconds above 0"),
+        (float("inf"), "finite number"),
+        (math.nan, "finite number"),
     ):
         with pytest.raises(InvalidArgumentError, match=message) as e:
             Forward(EVAL_MODEL, process=True, timeout=bad)

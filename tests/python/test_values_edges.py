@@ -13,17 +13,7 @@ import numpy as np
 import pytest
 from ortckpt import CheckpointManager, CheckpointState, InvalidArgumentError
 from ortckpt.cli import FAILED
-
-
-def ortckpt(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ortckpt", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        check=False,
-    )
+from test_cli_arguments import ortckpt  # the command in a process of its own
 
 
 def error_line(done: subprocess.CompletedProcess) -> str:

@@ -39,7 +39,6 @@ from .. import arguments, documents, safe_io
 from ..errors import (
     CheckpointFormatError,
     CheckpointIntegrityError,
-    InvalidArgumentError,
     ValidationTimeoutError,
 )
 
@@ -107,14 +106,8 @@ def default_timeout(checkpoint_bytes: int) -> float:
 
 
 def check_timeout(argument: str, timeout: Any) -> float | None:
-    """A deadline given as ``argument``: a positive, finite number of seconds, or None (the
-    default); anything else is refused naming the argument."""
-    if timeout is None:
-        return None
-    seconds = arguments.finite(argument, timeout)
-    if seconds <= 0:
-        raise InvalidArgumentError(f"{argument} is a positive number of seconds, got {timeout!r}", argument)
-    return seconds
+    """A deadline given as ``argument`` (see :func:`ortckpt.arguments.seconds`), or None (the default)."""
+    return None if timeout is None else arguments.seconds(argument, timeout)
 
 
 def run(

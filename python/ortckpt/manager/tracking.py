@@ -21,9 +21,7 @@ import hashlib
 import json
 import logging
 import math
-import numbers
 import os
-import reprlib
 import secrets
 import threading
 import time
@@ -36,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .. import __version__, safe_io, steps
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError
+from .. import __version__, arguments, safe_io, steps
 
 
 class CommittedCheckpoint(Protocol):
@@ -114,22 +111,9 @@ def tracker_for(track: str | Tracker) -> Tracker:
     return track
 
 
-def checked_timeout(timeout: Any, name: str = "timeout", argument: str = "timeout") -> float:
-    """A deadline in seconds: a real number (NumPy's too) above 0 and finite."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise InvalidArgumentTypeError(f"{name} is a number of seconds, got {type(timeout).__name__}", argument)
-    try:
-        seconds = float(timeout)
-    except OverflowError:  # an int past a float's range
-        seconds = math.inf
-    if not (0 < seconds < math.inf):
-        raise InvalidArgumentError(f"{name} is a number of seconds above 0, got {reprlib.repr(timeout)}", argument)
-    return seconds
-
-
 def tracker_timeout(tracker: Any) -> float:
     """A tracker's deadline: its ``timeout`` attribute, checked, else :data:`DEFAULT_TIMEOUT`."""
-    return checked_timeout(getattr(tracker, "timeout", DEFAULT_TIMEOUT), f"{type(tracker).__name__}.timeout", "track")
+    return arguments.seconds(f"{type(tracker).__name__}.timeout", getattr(tracker, "timeout", DEFAULT_TIMEOUT), "track")
 
 
 # Tag names, one place: tests and users query them.
@@ -205,7 +189,7 @@ class MlflowTracker:
         self.experiment = experiment
         self.run_name = run_name
         self.log_artifacts = log_artifacts
-        self.timeout = checked_timeout(timeout)
+        self.timeout = arguments.seconds("timeout", timeout)
         self.mlflow_run_id: str | None = None  # known once started
         self._active_run_id: str | None = None  # the fluent API's active run, when the manager started
         self._run: TrackedRun | None = None
