@@ -4,7 +4,6 @@
 //! place: no copy, no second read. Files without a block (ONNX Runtime's, an older
 //! ortckpt's) are reported as such; their check is decoding.
 
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -128,16 +127,16 @@ fn metadata_sum(map: &[u8], ckpt: &Checkpoint<Stored>, block: &Block) -> Result<
     Ok(sum.finish())
 }
 
-/// The root checksum of the checkpoint file at `path`, read from its block (its last bytes
-/// only): what a manager records of a file it just wrote, without reading it back. None for
-/// a file without a block.
+/// The size and root checksum of the checkpoint file at `path`, read from its block (its last
+/// bytes only): what a manager records of a file it just wrote, without reading it back. The
+/// root is None for a file without a block.
 ///
 /// # Errors
-/// OS errors; [`crate::ErrorKind::Integrity`] for a damaged block; each naming the file.
-pub fn checksum_root_of_file(path: &Path) -> Result<Option<Sum>> {
+/// OS errors (a symlink, without `follow_symlinks`; anything but a regular file);
+/// [`crate::ErrorKind::Integrity`] for a damaged block; each naming the file.
+pub fn checksum_root_of_file(path: &Path, follow_symlinks: bool) -> Result<(u64, Option<Sum>)> {
     let in_file = |e: Error| e.in_file(path);
-    let file = File::open(path).map_err(|e| in_file(e.into()))?;
-    let len = file.metadata().map_err(|e| in_file(e.into()))?.len();
+    let (file, len, _) = io::open_regular(path, follow_symlinks)?;
     let read_tail = |n: usize| -> Result<Vec<u8>> {
         let n = n.min(len as usize);
         let mut tail = vec![0u8; n];
@@ -147,12 +146,12 @@ pub fn checksum_root_of_file(path: &Path) -> Result<Option<Sum>> {
     };
     let footer = read_tail(checksums::FOOTER_AND_TRAILER_LEN)?;
     let Some(count) = checksums::claimed_count(&footer) else {
-        return Ok(None);
+        return Ok((len, None));
     };
     // A damaged count may claim more than the file holds: find() then says so.
     let tail = read_tail(checksums::tail_len(count).min(len as usize))?;
     let found = checksums::find(&tail, len).map_err(|why| in_file(Error::integrity(why)))?;
-    Ok(found.map(|block| block.root))
+    Ok((len, found.map(|block| block.root)))
 }
 
 /// Writes the checksum block of a staged checkpoint again, from its files as they are now:

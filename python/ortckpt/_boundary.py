@@ -93,9 +93,10 @@ def verify_checksums(path: str | os.PathLike[str], *, follow_symlinks: bool = Tr
     return _core.verify_checksums(os.fspath(path), follow_symlinks=follow_symlinks)
 
 
-def checksum_root(path: str | os.PathLike[str]) -> int | None:
-    """The root checksum a checkpoint file carries (read from its last bytes), or None."""
-    return _core.checksum_root(os.fspath(path))
+def checksum_root(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> tuple[int, int | None]:
+    """(size, root checksum) of a checkpoint file, the root read from its last bytes (None when
+    it carries no checksums). Without ``follow_symlinks``, a symlink is refused (ELOOP)."""
+    return _core.checksum_root(os.fspath(path), follow_symlinks=follow_symlinks)
 
 
 def load_buffer(view: memoryview) -> Loaded:

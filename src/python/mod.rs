@@ -111,12 +111,17 @@ fn verify_checksums(
     })
 }
 
-/// The root checksum of the checkpoint file at `path` (its last bytes only), or None when it
-/// has no checksums.
+/// (size, root checksum) of the checkpoint file at `path` (its last bytes only), the root
+/// None when it has no checksums. Without `follow_symlinks`, a symlink is refused.
 #[pyfunction]
-fn checksum_root(py: Python<'_>, path: PathBuf) -> PyResult<Option<u64>> {
+#[pyo3(signature = (path, *, follow_symlinks = true))]
+fn checksum_root(
+    py: Python<'_>,
+    path: PathBuf,
+    follow_symlinks: bool,
+) -> PyResult<(u64, Option<u64>)> {
     guarded(py, || {
-        py.detach(|| crate::checksum_root_of_file(&path))
+        py.detach(|| crate::checksum_root_of_file(&path, follow_symlinks))
             .map_err(|e| to_py_err(py, e))
     })
 }

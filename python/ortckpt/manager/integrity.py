@@ -263,6 +263,9 @@ def _check_file(
     except FileNotFoundError:
         problems.append(f"{file}: missing")
         return
+    except CheckpointIntegrityError as e:  # a damaged checksum block: each problem names the file
+        problems += [p.replace(str(where), file) for p in e.problems]
+        return
     except (OSError, CheckpointError) as e:
         problems.append(_problem(file, e))
         return
