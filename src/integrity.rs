@@ -9,6 +9,8 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::format::checksums::{self, Block, Running, Sum};
+use crate::format::encode::PAYLOAD_ALIGNMENT;
+use crate::format::pairing::PAIR_MAGIC;
 use crate::format::{Checkpoint, Stored};
 use crate::{external_data_path, io, LoadedCheckpoint};
 
@@ -32,7 +34,12 @@ impl LoadedCheckpoint {
         let Some(block) = checksums::find(&self.map, self.map.len() as u64)
             .map_err(|why| in_file(Error::integrity(why)))?
         else {
-            return Ok(Checked::NoChecksums);
+            return match truncated_block(&self.map, self.checkpoint.tensors().count()) {
+                true => Err(in_file(Error::integrity(
+                    "the file ends inside its checksum block or trailer: it is truncated",
+                ))),
+                false => Ok(Checked::NoChecksums),
+            };
         };
         let data: &[u8] = self.data.as_deref().unwrap_or_default();
         let mut bytes = 0;
@@ -73,6 +80,22 @@ impl LoadedCheckpoint {
             root: block.root,
         })
     }
+}
+
+/// Whether a file without a block at its end (nor a whole pair trailer: an older ortckpt's
+/// file) still holds the start of a block or trailer in the last bytes they would take: an
+/// ortckpt file cut short. (Cut deeper, into the values, it no longer decodes; cut inside a
+/// long block's sums, past its magic, it is not caught here: the manager records every
+/// file's size.)
+fn truncated_block(map: &[u8], tensors: usize) -> bool {
+    if crate::format::pairing::pair_id(map).is_some() {
+        return false;
+    }
+    let tail = &map[map.len().saturating_sub(checksums::tail_len(tensors) + PAYLOAD_ALIGNMENT)..];
+    let prefix = 8;
+    [&checksums::BLOCK_MAGIC[..prefix], &PAIR_MAGIC[..prefix]]
+        .iter()
+        .any(|magic| tail.windows(prefix).any(|w| w == *magic))
 }
 
 /// The sum of each tensor's bytes, in file order.
