@@ -20,7 +20,11 @@ pub enum Checked {
     /// The file carries no checksums (ONNX Runtime wrote it, or an ortckpt before them).
     NoChecksums,
     /// Every tensor and the metadata match; `root` is the block's own checksum.
-    Verified { tensors: usize, bytes: u64, root: Sum },
+    Verified {
+        tensors: usize,
+        bytes: u64,
+        root: Sum,
+    },
 }
 
 impl LoadedCheckpoint {
@@ -91,7 +95,9 @@ fn truncated_block(map: &[u8], tensors: usize) -> bool {
     if crate::format::pairing::pair_id(map).is_some() {
         return false;
     }
-    let tail = &map[map.len().saturating_sub(checksums::tail_len(tensors) + PAYLOAD_ALIGNMENT)..];
+    let tail = &map[map
+        .len()
+        .saturating_sub(checksums::tail_len(tensors) + PAYLOAD_ALIGNMENT)..];
     let prefix = 8;
     [&checksums::BLOCK_MAGIC[..prefix], &PAIR_MAGIC[..prefix]]
         .iter()
@@ -99,7 +105,12 @@ fn truncated_block(map: &[u8], tensors: usize) -> bool {
 }
 
 /// The sum of each tensor's bytes, in file order.
-fn tensor_sums(map: &[u8], data: &[u8], ckpt: &Checkpoint<Stored>, block: &Block) -> Result<Vec<Sum>> {
+fn tensor_sums(
+    map: &[u8],
+    data: &[u8],
+    ckpt: &Checkpoint<Stored>,
+    block: &Block,
+) -> Result<Vec<Sum>> {
     let count = ckpt.tensors().count();
     if count != block.tensors.len() {
         return Err(Error::integrity(format!(
@@ -107,14 +118,15 @@ fn tensor_sums(map: &[u8], data: &[u8], ckpt: &Checkpoint<Stored>, block: &Block
             block.tensors.len()
         )));
     }
-    let outside = |name: &str| Error::integrity("the tensor's bytes lie outside the file").in_tensor(name);
+    let outside =
+        |name: &str| Error::integrity("the tensor's bytes lie outside the file").in_tensor(name);
     ckpt.tensors_named()
         .map(|(name, t)| {
             let bytes = match t.data {
                 Stored::Inline { offset, len } => map.get(offset..offset + len),
-                Stored::External { offset, len } => {
-                    usize::try_from(offset + len).ok().and_then(|end| data.get(offset as usize..end))
-                }
+                Stored::External { offset, len } => usize::try_from(offset + len)
+                    .ok()
+                    .and_then(|end| data.get(offset as usize..end)),
                 Stored::Strings(_) | Stored::Absent => Some(&[][..]),
             };
             bytes.map(checksums::sum).ok_or_else(|| outside(&name))
@@ -188,7 +200,9 @@ pub fn reseal(staged: &mut io::Staged) -> Result<()> {
     let data_path = staged.data().map(|d| d.temp().to_path_buf());
     let in_file = |e: Error| e.in_file(&main_path);
     let (map, _) = io::map_private(&main_path, false, 8, |len| {
-        Error::malformed(format!("file is too short to be a checkpoint ({len} bytes)"))
+        Error::malformed(format!(
+            "file is too short to be a checkpoint ({len} bytes)"
+        ))
     })?;
     let ckpt = crate::format::decode(&map).map_err(in_file)?;
     let data = match &data_path {
@@ -197,8 +211,13 @@ pub fn reseal(staged: &mut io::Staged) -> Result<()> {
     };
     let block = checksums::find(&map, map.len() as u64)
         .map_err(|why| in_file(Error::integrity(why)))?
-        .ok_or_else(|| in_file(Error::invalid_state("the staged checkpoint has no checksum block")))?;
-    let sums = tensor_sums(&map, data.as_deref().unwrap_or_default(), &ckpt, &block).map_err(in_file)?;
+        .ok_or_else(|| {
+            in_file(Error::invalid_state(
+                "the staged checkpoint has no checksum block",
+            ))
+        })?;
+    let sums =
+        tensor_sums(&map, data.as_deref().unwrap_or_default(), &ckpt, &block).map_err(in_file)?;
     let metadata = metadata_sum(&map, &ckpt, &block).map_err(in_file)?;
     let id = crate::format::pairing::pair_id(&map).expect("find() saw the trailer");
     let bytes = checksums::block(&sums, metadata, &id);

@@ -45,8 +45,8 @@ use std::path::{Path, PathBuf};
 use memmap2::MmapMut;
 
 pub use error::{Error, ErrorKind, Result};
-pub use integrity::{checksum_root_of_file, reseal, Checked};
 use format::{pairing, Checkpoint, Payload, Placement, Stored, Tensor};
+pub use integrity::{checksum_root_of_file, reseal, Checked};
 
 /// ONNX Runtime's default: above this many bytes of values, a checkpoint uses external data.
 pub const DEFAULT_EXTERNAL_DATA_THRESHOLD: u64 = 1800 << 20;
@@ -501,7 +501,8 @@ pub fn write_staged(
     }
     let in_main = |e: std::io::Error| Error::from(e).in_file(path);
     let (body, value_of): (Vec<&[u8]>, Vec<Option<usize>>) = encoded.body().into_iter().unzip();
-    let mut inline_sums = vec![format::checksums::Running::default(); encoded.payload_ranges().count()];
+    let mut inline_sums =
+        vec![format::checksums::Running::default(); encoded.payload_ranges().count()];
     let mut sum_values = |segment: usize, piece: &[u8]| {
         if let Some(i) = value_of[segment] {
             inline_sums[i].update(piece);
@@ -510,7 +511,13 @@ pub fn write_staged(
     io::write_segments(staged.main().file(), &body, &mut sum_values, &after).map_err(in_main)?;
     let inline_sums: Vec<_> = inline_sums.iter().map(|s| s.finish()).collect();
     encoded.seal(&inline_sums, &external_sums);
-    io::write_segments(staged.main().file(), &encoded.tail(), &mut |_, _| {}, &after).map_err(in_main)?;
+    io::write_segments(
+        staged.main().file(),
+        &encoded.tail(),
+        &mut |_, _| {},
+        &after,
+    )
+    .map_err(in_main)?;
     let external = encoded.has_external_data().then(|| encoded.external_data());
     let mut placed: PlacedValues = encoded
         .payload_ranges()

@@ -402,8 +402,7 @@ class CheckpointState:
         target = targets.checkpoint(checkpoint_uri, storage_options)
         if verify and not isinstance(target, targets.LocalFile):
             raise InvalidArgumentError(
-                "verify=True checks a checkpoint file at a path; check a step on object storage "
-                "with ortckpt.verify",
+                "verify=True checks a checkpoint file at a path; check a step on object storage with ortckpt.verify",
                 "verify",
             )
         if isinstance(target, targets.StreamFile):

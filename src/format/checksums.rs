@@ -195,7 +195,10 @@ mod tests {
     fn a_block_reads_back_with_its_root_and_start() {
         let (file, _) = file_with_block(&[1, 2, 3]);
         let found = find(&file, file.len() as u64).unwrap().unwrap();
-        assert_eq!((found.tensors, found.metadata, found.start), (vec![1, 2, 3], 77, 100));
+        assert_eq!(
+            (found.tensors, found.metadata, found.start),
+            (vec![1, 2, 3], 77, 100)
+        );
         // Only the end of the file is needed.
         let tail = &file[file.len() - tail_len(3)..];
         assert_eq!(claimed_count(tail), Some(3));

@@ -477,7 +477,10 @@ mod tests {
             let sums =
                 write_at_parallel(&file, expected.len() as u64, &values, threads, &after).unwrap();
             assert!(fs::read(&path).unwrap() == expected, "{threads} threads");
-            let want: Vec<Sum> = segments.iter().map(|s| crate::format::checksums::sum(s)).collect();
+            let want: Vec<Sum> = segments
+                .iter()
+                .map(|s| crate::format::checksums::sum(s))
+                .collect();
             assert_eq!(sums, want, "{threads} threads");
             let value_bytes: usize = segments.iter().map(Vec::len).sum();
             assert_eq!(progress.written(), value_bytes as u64);

@@ -28,7 +28,9 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
         ErrorKind::Integrity(_) => {
             // CheckpointIntegrityError lists problems, each naming its file.
             let build = || -> PyResult<PyErr> {
-                let class = py.import("ortckpt.errors")?.getattr("CheckpointIntegrityError")?;
+                let class = py
+                    .import("ortckpt.errors")?
+                    .getattr("CheckpointIntegrityError")?;
                 let path = filename.clone().unwrap_or_default();
                 let problem = e.to_string();
                 let instance = class.call1((path, vec![problem]))?;

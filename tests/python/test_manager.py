@@ -4,7 +4,6 @@ metadata, integrity checks, crash leftovers and SIGKILL during saves."""
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import random
@@ -24,12 +23,12 @@ from ortckpt import (
     CheckpointManager,
     CheckpointState,
     OptimizerGroup,
+    _boundary,
     capture_rng_state,
     restore_rng_state,
     targets,
     verify,
 )
-from ortckpt import _boundary
 from ortckpt.manager.metadata import git_commit_of
 from ortckpt.steps import WRITER_LOCK_NAME
 from ortckpt.stepstore import DirectoryStore
