@@ -10,7 +10,7 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::format::checksums::{self, Block, Running, Sum};
 use crate::format::encode::PAYLOAD_ALIGNMENT;
-use crate::format::pairing::PAIR_MAGIC;
+use crate::format::pairing::{self, PAIR_MAGIC};
 use crate::format::{Checkpoint, Stored};
 use crate::{external_data_path, io, LoadedCheckpoint};
 
@@ -92,7 +92,7 @@ impl LoadedCheckpoint {
 /// long block's sums, past its magic, it is not caught here: the manager records every
 /// file's size.)
 fn truncated_block(map: &[u8], tensors: usize) -> bool {
-    if crate::format::pairing::pair_id(map).is_some() {
+    if pairing::pair_id(map).is_some() {
         return false;
     }
     let tail = &map[map
@@ -219,8 +219,12 @@ pub fn reseal(staged: &mut io::Staged) -> Result<()> {
     let sums =
         tensor_sums(&map, data.as_deref().unwrap_or_default(), &ckpt, &block).map_err(in_file)?;
     let metadata = metadata_sum(&map, &ckpt, &block).map_err(in_file)?;
-    let id = crate::format::pairing::pair_id(&map).expect("find() saw the trailer");
-    let bytes = checksums::block(&sums, metadata, &id);
+    let id = match data_path {
+        Some(_) => pairing::pair_id(&map).expect("find() saw the trailer"),
+        None => checksums::content_id(&sums, metadata),
+    };
+    let mut bytes = checksums::block(&sums, metadata, &id);
+    bytes.extend_from_slice(&pairing::trailer(&id));
     staged
         .main()
         .file()

@@ -73,6 +73,23 @@ pub fn marked(mut id: PairId) -> PairId {
     id
 }
 
+/// The pair id of a file without external data: derived from its checksums, so that saving
+/// the same checkpoint twice writes the same bytes (a pair id only has to tell the saves of
+/// an external pair apart; those draw theirs at random).
+pub fn content_id(tensor_sums: &[Sum], metadata: Sum) -> PairId {
+    let mut running = Running::default();
+    for s in tensor_sums.iter().chain([&metadata]) {
+        running.update(&s.to_le_bytes());
+    }
+    let low = running.finish();
+    running.update(b"id");
+    let high = running.finish();
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&low.to_le_bytes());
+    id[8..].copy_from_slice(&high.to_le_bytes());
+    marked(id)
+}
+
 /// The block's bytes.
 ///
 /// # Panics

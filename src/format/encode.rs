@@ -173,7 +173,13 @@ impl<'a> Encoded<'a> {
                 metadata.update(bytes);
             }
         }
-        let block = checksums::block(&sums, metadata.finish(), &self.pair_id);
+        let metadata = metadata.finish();
+        if !self.has_external_data {
+            self.pair_id = checksums::content_id(&sums, metadata);
+            let at = self.region_tail.len() - PAIR_TRAILER_LEN;
+            self.region_tail[at..].copy_from_slice(&pairing::trailer(&self.pair_id));
+        }
+        let block = checksums::block(&sums, metadata, &self.pair_id);
         self.region_tail[self.block_at..self.block_at + block.len()].copy_from_slice(&block);
     }
 
