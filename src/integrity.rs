@@ -1,10 +1,13 @@
 //! Checking a checkpoint against the checksum block it carries ([`crate::format::checksums`]).
 //!
 //! The check reads every value once, from the mappings [`crate::load`] made, and sums it in
-//! place: no copy, no second read. Files without a block (ONNX Runtime's, an older
-//! ortckpt's) are reported as such; their check is decoding.
+//! place: no copy, no second read; the pages summed are dropped behind it (the memory used
+//! stays a few chunks, whatever the file's size). Files without a block (ONNX Runtime's, an
+//! older ortckpt's) are reported as such; their check is decoding.
 
 use std::os::unix::fs::FileExt;
+
+use memmap2::{MmapMut, UncheckedAdvice};
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -45,9 +48,9 @@ impl LoadedCheckpoint {
                 false => Ok(Checked::NoChecksums),
             };
         };
-        let data: &[u8] = self.data.as_deref().unwrap_or_default();
         let mut bytes = 0;
-        let sums = tensor_sums(&self.map, data, &self.checkpoint, &block).map_err(in_file)?;
+        let sums = tensor_sums(&self.map, self.data.as_ref(), &self.checkpoint, &block)
+            .map_err(in_file)?;
         for ((name, t), (found, expected)) in self
             .checkpoint
             .tensors_named()
@@ -104,10 +107,44 @@ fn truncated_block(map: &[u8], tensors: usize) -> bool {
         .any(|magic| tail.windows(prefix).any(|w| w == *magic))
 }
 
+/// Bytes summed between two drops of the pages behind.
+const CHUNK: usize = 8 << 20;
+
+/// The sum of `map[start..end]`, chunk by chunk, dropping each chunk's pages once summed.
+/// Only for mappings nobody wrote through (MADV_DONTNEED also drops copy-on-write changes):
+/// a load's, before any view of it exists.
+fn sum_dropping(map: &MmapMut, start: usize, end: usize) -> Sum {
+    if end - start <= CHUNK {
+        return checksums::sum(&map[start..end]);
+    }
+    let page = page_size();
+    let mut running = Running::default();
+    let mut at = start;
+    while at < end {
+        let next = (at + CHUNK).min(end);
+        running.update(&map[at..next]);
+        let (from, to) = (at.div_ceil(page) * page, next / page * page);
+        if to > from {
+            // SAFETY: the range lies inside the mapping, private and not written through:
+            // later reads fault the file's bytes in again.
+            let _ =
+                unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, from, to - from) };
+        }
+        at = next;
+    }
+    running.finish()
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096).max(1)
+}
+
 /// The sum of each tensor's bytes, in file order.
 fn tensor_sums(
-    map: &[u8],
-    data: &[u8],
+    map: &MmapMut,
+    data: Option<&MmapMut>,
     ckpt: &Checkpoint<Stored>,
     block: &Block,
 ) -> Result<Vec<Sum>> {
@@ -122,14 +159,25 @@ fn tensor_sums(
         |name: &str| Error::integrity("the tensor's bytes lie outside the file").in_tensor(name);
     ckpt.tensors_named()
         .map(|(name, t)| {
-            let bytes = match t.data {
-                Stored::Inline { offset, len } => map.get(offset..offset + len),
-                Stored::External { offset, len } => usize::try_from(offset + len)
-                    .ok()
-                    .and_then(|end| data.get(offset as usize..end)),
-                Stored::Strings(_) | Stored::Absent => Some(&[][..]),
+            let (file, start, end) = match t.data {
+                Stored::Inline { offset, len } => (Some(map), offset, offset.checked_add(len)),
+                Stored::External { offset, len } => (
+                    data,
+                    usize::try_from(offset).unwrap_or(usize::MAX),
+                    offset
+                        .checked_add(len)
+                        .and_then(|e| usize::try_from(e).ok()),
+                ),
+                Stored::Strings(_) | Stored::Absent => return Ok(checksums::sum(&[])),
             };
-            bytes.map(checksums::sum).ok_or_else(|| outside(&name))
+            match (file, end) {
+                (Some(file), Some(end)) if start <= end && end <= file.len() => {
+                    Ok(sum_dropping(file, start, end))
+                }
+                // An empty external tensor of an empty data file (which is not mapped).
+                (None, Some(0)) if start == 0 => Ok(checksums::sum(&[])),
+                _ => Err(outside(&name)),
+            }
         })
         .collect()
 }
@@ -216,8 +264,7 @@ pub fn reseal(staged: &mut io::Staged) -> Result<()> {
                 "the staged checkpoint has no checksum block",
             ))
         })?;
-    let sums =
-        tensor_sums(&map, data.as_deref().unwrap_or_default(), &ckpt, &block).map_err(in_file)?;
+    let sums = tensor_sums(&map, data.as_ref(), &ckpt, &block).map_err(in_file)?;
     let metadata = metadata_sum(&map, &ckpt, &block).map_err(in_file)?;
     let id = match data_path {
         Some(_) => pairing::pair_id(&map).expect("find() saw the trailer"),
