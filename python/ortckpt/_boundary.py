@@ -204,6 +204,20 @@ def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None
     _core.save(os.fspath(path), *state.arguments(), nominal=state.nominal, keep_order=state.keep_order, **options)
 
 
+def save_sharing(
+    path: str | os.PathLike[str], previous: str | os.PathLike[str], state: CoreState, **options: Any
+) -> int | None:
+    """Writes the new checkpoint ``path`` sharing, with the checkpoint ``previous``, its data
+    file for the values that are byte-identical there (hard-linked as ``path``'s own; the rest
+    inline): the bytes shared, or None when too little is unchanged and nothing was written
+    (the caller saves whole). ``options``: durable, progress, lock_timeout."""
+    if state.nominal:
+        return None
+    return _core.save_sharing(
+        os.fspath(path), os.fspath(previous), *state.arguments(), keep_order=state.keep_order, **options
+    )
+
+
 def save_staged(
     path: str | os.PathLike[str], state: CoreState, **options: Any
 ) -> tuple[Staging, dict[int, tuple[int, bool]]]:

@@ -106,6 +106,21 @@ def save(
     commit: bool = True,
     lock_timeout: float | None = None,
 ) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
+def save_sharing(
+    path: str,
+    previous: str,
+    trainable: Sequence[_TensorIn],
+    frozen: Sequence[_TensorIn],
+    optimizer_groups: Sequence[_GroupIn],
+    ints: Sequence[tuple[str, int]],
+    floats: Sequence[tuple[str, float]],
+    strings: Sequence[tuple[str, str]],
+    *,
+    durable: bool = False,
+    progress: SaveProgress | None = None,
+    keep_order: bool = False,
+    lock_timeout: float | None = None,
+) -> int | None: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],

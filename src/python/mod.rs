@@ -211,6 +211,57 @@ fn save(
     })
 }
 
+/// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
+/// file whose bytes it still holds unchanged (see `crate::sharing`): the bytes shared, or None
+/// when nothing was written (too little unchanged: the caller saves the checkpoint whole).
+#[pyfunction]
+#[pyo3(signature = (
+    path, previous, trainable, frozen, optimizer_groups, ints, floats, strings, *,
+    durable = false, progress = None, keep_order = false, lock_timeout = None,
+))]
+#[allow(clippy::too_many_arguments)]
+fn save_sharing(
+    py: Python<'_>,
+    path: PathBuf,
+    previous: PathBuf,
+    trainable: Vec<TensorIn<'_>>,
+    frozen: Vec<TensorIn<'_>>,
+    optimizer_groups: Vec<GroupIn<'_>>,
+    ints: Vec<(String, i64)>,
+    floats: Vec<(String, f32)>,
+    strings: Vec<(String, String)>,
+    durable: bool,
+    progress: Option<PyRef<'_, SaveProgress>>,
+    keep_order: bool,
+    lock_timeout: Option<f64>,
+) -> PyResult<Option<u64>> {
+    guarded(py, || {
+        let mut buffers = Vec::new();
+        let payloads = payloads_in(
+            py,
+            &path,
+            (trainable, frozen, optimizer_groups),
+            (ints, floats, strings),
+            (false, keep_order),
+            &mut buffers,
+        )?;
+        let options = SaveOptions {
+            durable,
+            progress: progress.map(|p| Arc::clone(&p.0)),
+            keep_order: true,
+            lock_timeout: wait_or_default(py, lock_timeout)?,
+            ..SaveOptions::default()
+        };
+        let shared = py
+            .detach(|| crate::sharing::save_sharing(&path, &payloads, &previous, &options))
+            .map_err(|e| to_py_err(py, e))?;
+        Ok(match shared {
+            crate::sharing::Shared::Bytes(n) => Some(n),
+            crate::sharing::Shared::NotWorth => None,
+        })
+    })
+}
+
 /// Files being written that replace `target` (and `<target>.data` with `with_data`) only
 /// when committed: the one commit of the core (`io::commit`), for files Python writes.
 #[pyfunction]
@@ -679,6 +730,7 @@ fn _panic_for_test(py: Python<'_>, message: String, release_gil: bool) -> PyResu
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(encode_segments, m)?)?;

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import warnings
 import weakref
@@ -35,7 +36,7 @@ from .. import _boundary, documents, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
-from .base import Attempt, Scan, Step, StepStore
+from .base import Attempt, Scan, Step, StepStore, shared_file_entry
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -132,14 +133,40 @@ class DirectoryStore(StepStore):
         external_data_threshold: int,
         durable: bool,
         progress: bool = False,
+        share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
         path = safe_io.member(Path(attempt.folder), name)
-        targets.LocalFile(path).save(
-            state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
-        )
+        if share_with is None or not self._save_sharing(attempt, path, state, share_with, durable=durable):
+            targets.LocalFile(path).save(
+                state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
+            )
         written = {p.name: {"bytes": p.stat().st_size} for p in (path, Path(f"{path}.data")) if p.exists()}
         attempt.written.update(written)
         return written
+
+    def _save_sharing(self, attempt: Attempt, path: Path, state: CoreState, previous: Step, *, durable: bool) -> bool:
+        """Saves the checkpoint sharing the previous step's data file for the values that are
+        byte-identical there (see :func:`ortckpt._boundary.save_sharing`): False when it wrote
+        nothing (too little unchanged, or nothing to share from), and the step is saved whole.
+        Shared only from a step of this directory's, under its own name and no symlink, whose
+        data file its metadata records; the link lands in the attempt's private directory,
+        published with the step by its one rename."""
+        folder = Path(previous.folder)
+        data_name = f"{path.name}.data"
+        files = previous.document.get("files", {})
+        if (
+            folder.parent != self.directory
+            or folder.name != steps.step_directory_name(previous.number)
+            or not _is_directory(folder)
+            or path.name not in files
+            or data_name not in files
+        ):
+            return False
+        shared = _boundary.save_sharing(path, folder / path.name, state, durable=durable)
+        if shared is None:
+            return False
+        attempt.shared[data_name] = shared_file_entry(previous, data_name)
+        return True
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
@@ -152,6 +179,9 @@ class DirectoryStore(StepStore):
         not hash as it writes)."""
         described = {}
         for name in sorted(attempt.written):
+            if name in attempt.shared:
+                described[name] = attempt.shared[name]
+                continue
             size, digest = safe_io.sha256_of(Path(attempt.folder) / name, on_bytes)
             described[name] = {"bytes": size, "sha256": digest}
         return described
@@ -208,6 +238,14 @@ def step_directories(directory: Path) -> dict[int, Path]:
         if step is not None and entry.is_dir(follow_symlinks=False):
             found[step] = Path(entry.path)
     return found
+
+
+def _is_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory itself (not a symlink to one), and still there."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def acquire_lock(path: Path, record: str) -> _boundary.Lock | None:
