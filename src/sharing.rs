@@ -21,18 +21,21 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::format::encode::{encode_sharing, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN};
-use crate::format::{pairing, Checkpoint, DataType, Payload, Stored, Tensor};
+use crate::format::{pairing, Checkpoint, Payload, Stored, Tensor};
 use crate::{external_data_path, io, SaveOptions};
 
-/// What a sharing save did.
+/// What a sharing save found and did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Shared {
-    /// The checkpoint is written and committed, sharing this many bytes of values with the
-    /// previous one's data file (linked as its own).
-    Bytes(u64),
-    /// Nothing was written: too little is unchanged to be worth sharing (or there is nothing to
-    /// share from, or the filesystem cannot hard-link); save the checkpoint whole instead.
-    NotWorth,
+pub struct Sharing {
+    /// Whether the checkpoint was written and committed sharing the previous data file (linked
+    /// as its own). When not, nothing was written: save the checkpoint whole instead.
+    pub shared: bool,
+    /// Bytes of values (tensors of [`EXTERNAL_MIN_BYTES`] or more) byte-identical to the
+    /// previous checkpoint's, wherever it keeps them (inline too): how much a whole save with
+    /// external data would let the next save share.
+    pub unchanged: u64,
+    /// Bytes of values in all.
+    pub values: u64,
 }
 
 /// Which tensor of a checkpoint: a parameter by name, or a momentum by group, parameter and name.
@@ -47,7 +50,12 @@ fn keyed<D>(ckpt: &Checkpoint<D>) -> impl Iterator<Item = (Key<'_>, &Tensor<D>)>
     let momentums = ckpt.optimizer_groups.iter().flat_map(|g| {
         g.states.iter().flat_map(move |s| {
             s.momentums.iter().map(move |m| {
-                let key = (true, g.name.as_str(), s.param_name.as_str(), m.name.as_str());
+                let key = (
+                    true,
+                    g.name.as_str(),
+                    s.param_name.as_str(),
+                    m.name.as_str(),
+                );
                 (key, m)
             })
         })
@@ -57,9 +65,10 @@ fn keyed<D>(ckpt: &Checkpoint<D>) -> impl Iterator<Item = (Key<'_>, &Tensor<D>)>
 
 /// Saves `ckpt` at `path` (which must not exist yet: a step's fresh directory), sharing what is
 /// unchanged with the checkpoint at `previous` (its data file, `<previous>.data`, hard-linked
-/// as `<path>.data`), or writes nothing and says [`Shared::NotWorth`].
+/// as `<path>.data`), or writes nothing and says so. With `compare_only`, nothing is written:
+/// it only says how much is unchanged.
 ///
-/// Shared only when the values that are unchanged fill at least half of the previous data file
+/// Shared only when the unchanged values in the previous data file fill at least half of it
 /// (so a file that is mostly stale bytes is not kept alive step after step) and the changed ones
 /// fit inline (ONNX Runtime's 2 GiB). Sorted like [`crate::save`] unless `options.keep_order`;
 /// written and committed through the same staged files and commit; with `options.durable` the
@@ -68,13 +77,14 @@ fn keyed<D>(ckpt: &Checkpoint<D>) -> impl Iterator<Item = (Key<'_>, &Tensor<D>)>
 /// # Errors
 /// As [`crate::save`]; [`crate::ErrorKind::InvalidState`] when `path` or `<path>.data` exists.
 /// Whatever is wrong with the previous checkpoint (missing, damaged, symlinked, from ONNX
-/// Runtime without a pair trailer) is no error: it is [`Shared::NotWorth`].
+/// Runtime without a pair trailer) is no error: nothing is shared from it.
 pub fn save_sharing(
     path: &Path,
     ckpt: &Checkpoint<Payload<'_>>,
     previous: &Path,
+    compare_only: bool,
     options: &SaveOptions,
-) -> Result<Shared> {
+) -> Result<Sharing> {
     crate::format::endian::ensure_host_little_endian()?;
     let data_path = external_data_path(path);
     if fs::symlink_metadata(path).is_ok() || fs::symlink_metadata(&data_path).is_ok() {
@@ -90,40 +100,42 @@ pub fn save_sharing(
         sorted = ckpt.sorted_like_ort_state_path();
         &sorted
     };
+    let values: u64 = ckpt
+        .tensors()
+        .filter_map(bytes_of)
+        .map(|b| b.len() as u64)
+        .sum();
+    let mut sharing = Sharing {
+        shared: false,
+        unchanged: 0,
+        values,
+    };
     if ckpt.is_nominal {
-        return Ok(Shared::NotWorth);
+        return Ok(sharing);
     }
-    let previous_data = external_data_path(previous);
-    // The data file as it is now: these bytes are compared, and this inode is linked.
-    let Ok((Some(data), data_id)) = io::map_private_any(&previous_data, false) else {
-        return Ok(Shared::NotWorth);
+    let Some(before) = Previous::open(previous) else {
+        return Ok(sharing);
     };
-    let Some(pair_id) = pairing::pair_id(&data) else {
-        return Ok(Shared::NotWorth); // not ours (ONNX Runtime's): no id to tie a new checkpoint to
+    let offsets = before.unchanged(ckpt, &mut sharing.unchanged);
+    let Some((data, data_id, pair_id)) = before.data.as_ref().filter(|_| !compare_only) else {
+        return Ok(sharing); // nothing external to share (an inline checkpoint), or not asked to
     };
-    let values_end = (data.len() - pairing::PAIR_TRAILER_LEN) as u64;
-    let Some(offsets) = unchanged(ckpt, previous, &data[..values_end as usize], &pair_id) else {
-        return Ok(Shared::NotWorth);
-    };
-    let shared_len: u64 = ckpt
-        .tensors()
-        .zip(&offsets)
-        .filter(|(_, o)| o.is_some())
-        .map(|(t, _)| bytes_of(t).map_or(0, |b| b.len() as u64))
-        .sum();
-    let inline_len: u64 = ckpt
-        .tensors()
-        .zip(&offsets)
-        .filter(|(_, o)| o.is_none())
-        .map(|(t, _)| bytes_of(t).map_or(0, |b| b.len() as u64))
-        .sum();
+    let (mut shared_len, mut inline_len) = (0u64, 0u64);
+    for (t, offset) in ckpt.tensors().zip(&offsets) {
+        let len = bytes_of(t).map_or(0, |b| b.len() as u64);
+        *(if offset.is_some() {
+            &mut shared_len
+        } else {
+            &mut inline_len
+        }) += len;
+    }
     if shared_len == 0 || 2 * shared_len < data.len() as u64 || inline_len > MAX_INLINE_LEN {
-        return Ok(Shared::NotWorth);
+        return Ok(sharing);
     }
-    let encoded = match encode_sharing(ckpt, &pair_id, &offsets) {
+    let encoded = match encode_sharing(ckpt, pair_id, &offsets) {
         Ok(encoded) => encoded,
         // Past the inline limit once the tables are counted too: saved whole instead.
-        Err(_) if inline_len + (64 << 20) > MAX_INLINE_LEN => return Ok(Shared::NotWorth),
+        Err(_) if inline_len + (64 << 20) > MAX_INLINE_LEN => return Ok(sharing),
         Err(e) => return Err(e.in_file(path)),
     };
     let segments = encoded.segments();
@@ -136,22 +148,23 @@ pub fn save_sharing(
     };
 
     let mut staged = io::Staged::new(path, false)?;
-    match fs::hard_link(&previous_data, &data_path) {
+    match fs::hard_link(external_data_path(previous), &data_path) {
         Ok(()) => {}
         // A filesystem without hard links (or across devices): saved whole instead.
-        Err(e) if matches!(e.kind(), IoKind::Unsupported | IoKind::CrossesDevices)
-            || e.raw_os_error() == Some(libc::EPERM) =>
+        Err(e)
+            if matches!(e.kind(), IoKind::Unsupported | IoKind::CrossesDevices)
+                || e.raw_os_error() == Some(libc::EPERM) =>
         {
-            return Ok(Shared::NotWorth)
+            return Ok(sharing)
         }
         Err(e) => return Err(Error::from(e).in_file(&data_path)),
     }
     // From here on, the link is ours to remove should the save not commit.
     let linked = Linked(&data_path);
-    if io::FileId::of_name(&data_path) != Some(data_id) {
+    if io::FileId::of_name(&data_path) != Some(*data_id) {
         // The previous data file was replaced between the comparison and the link: what is
         // linked is not what was compared.
-        return Ok(Shared::NotWorth);
+        return Ok(sharing);
     }
     if options.durable {
         OpenOptions::new()
@@ -169,7 +182,8 @@ pub fn save_sharing(
         unpaired: false,
     })?;
     linked.keep();
-    Ok(Shared::Bytes(shared_len))
+    sharing.shared = true;
+    Ok(sharing)
 }
 
 /// Removes the hard link it names when dropped, unless kept (the save committed).
@@ -194,47 +208,80 @@ fn bytes_of<'a>(t: &Tensor<Payload<'a>>) -> Option<&'a [u8]> {
     }
 }
 
-/// For each tensor of `ckpt` (in [`Checkpoint::tensors`] order), the offset in `data` (the
-/// previous data file's values) where the previous checkpoint kept the very same bytes, of the
-/// same type and dims; None where they differ. None in all when the previous checkpoint cannot
-/// be read or is not `data`'s pair.
-fn unchanged(
-    ckpt: &Checkpoint<Payload<'_>>,
-    previous: &Path,
-    data: &[u8],
-    pair_id: &pairing::PairId,
-) -> Option<Vec<Option<u64>>> {
-    let (map, _) = io::map_private(previous, false, 8, |_| Error::malformed("too short")).ok()?;
-    if pairing::pair_id(&map) != Some(*pair_id) {
-        return None;
+/// The previous checkpoint, mapped as it is now (never following a symlink): its file, its
+/// decoded tables, and its data file when it has one of ours (a pair trailer matching the
+/// checkpoint's): the mapping, its inode (the one to link) and its pair id.
+struct Previous {
+    map: memmap2::MmapMut,
+    checkpoint: Checkpoint<Stored>,
+    data: Option<(memmap2::MmapMut, io::FileId, pairing::PairId)>,
+}
+
+impl Previous {
+    fn open(path: &Path) -> Option<Previous> {
+        let (map, _) = io::map_private(path, false, 8, |_| Error::malformed("too short")).ok()?;
+        let checkpoint = crate::format::decode(&map).ok()?;
+        let mut data = None;
+        if checkpoint.has_external_data {
+            if let Ok((Some(mapped), id)) = io::map_private_any(&external_data_path(path), false) {
+                let pair = pairing::pair_id(&mapped).filter(|&p| pairing::pair_id(&map) == Some(p));
+                data = pair.map(|p| (mapped, id, p));
+            }
+        }
+        Some(Previous {
+            map,
+            checkpoint,
+            data,
+        })
     }
-    let before = crate::format::decode(&map).ok()?;
-    let external: HashMap<Key<'_>, (DataType, &[i64], &[u8])> = keyed(&before)
-        .filter_map(|(key, t)| match t.data {
+
+    /// A tensor's bytes as the previous checkpoint keeps them, and its offset in the data file
+    /// when external (values past the data file's end, or into its trailer, are none).
+    fn bytes(&self, t: &Tensor<Stored>) -> Option<(&[u8], Option<u64>)> {
+        match t.data {
+            Stored::Inline { offset, len } => {
+                Some((self.map.get(offset..offset.checked_add(len)?)?, None))
+            }
             Stored::External { offset, len } => {
-                let end = offset.checked_add(len).filter(|&end| end <= data.len() as u64)?;
-                let bytes = &data[offset as usize..end as usize];
-                Some((key, (t.data_type, t.dims.as_slice(), bytes)))
+                let (data, ..) = self.data.as_ref()?;
+                let values = &data[..data.len() - pairing::PAIR_TRAILER_LEN];
+                let end = usize::try_from(offset.checked_add(len)?).ok()?;
+                Some((
+                    values.get(usize::try_from(offset).ok()?..end)?,
+                    Some(offset),
+                ))
             }
             _ => None,
-        })
-        .collect();
-    let start = data.as_ptr() as usize;
-    Some(
+        }
+    }
+
+    /// For each tensor of `ckpt` (in [`Checkpoint::tensors`] order) whose bytes, type and dims
+    /// equal the previous checkpoint's, and which it keeps in its data file: that offset. The
+    /// bytes of all the equal ones (inline too) are added to `unchanged`.
+    fn unchanged(&self, ckpt: &Checkpoint<Payload<'_>>, unchanged: &mut u64) -> Vec<Option<u64>> {
+        let before: HashMap<Key<'_>, &Tensor<Stored>> = keyed(&self.checkpoint).collect();
         keyed(ckpt)
             .map(|(key, t)| {
                 let bytes = bytes_of(t).filter(|b| b.len() >= EXTERNAL_MIN_BYTES)?;
-                let &(data_type, dims, was) = external.get(&key)?;
-                let same = data_type == t.data_type && dims == t.dims.as_slice() && was == bytes;
-                same.then(|| (was.as_ptr() as usize - start) as u64)
+                let was = before.get(&key)?;
+                if was.data_type != t.data_type || was.dims != t.dims {
+                    return None;
+                }
+                let (was_bytes, offset) = self.bytes(was)?;
+                if was_bytes != bytes {
+                    return None;
+                }
+                *unchanged += bytes.len() as u64;
+                offset
             })
-            .collect(),
-    )
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::DataType;
     use std::os::unix::fs::MetadataExt;
 
     fn tensor<'a>(name: &str, bytes: &'a [u8]) -> Tensor<Payload<'a>> {
@@ -267,8 +314,19 @@ mod tests {
         let frozen = vec![7u8; 100_000];
         crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
         let changed = vec![2u8; 1000];
-        let shared = save_sharing(&second, &checkpoint(&frozen, &changed), &first, &external());
-        assert_eq!(shared.unwrap(), Shared::Bytes(100_000));
+        let sharing = save_sharing(
+            &second,
+            &checkpoint(&frozen, &changed),
+            &first,
+            false,
+            &external(),
+        );
+        let expected = Sharing {
+            shared: true,
+            unchanged: 100_000,
+            values: 101_000,
+        };
+        assert_eq!(sharing.unwrap(), expected);
         let (a, b) = (external_data_path(&first), external_data_path(&second));
         let (a, b) = (fs::metadata(a).unwrap(), fs::metadata(b).unwrap());
         assert_eq!((a.ino(), a.nlink()), (b.ino(), 2));
@@ -286,9 +344,16 @@ mod tests {
         let mut frozen = vec![7u8; 100_000];
         crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
         frozen[54_321] ^= 1;
-        let shared = save_sharing(&second, &checkpoint(&frozen, &[1; 1000]), &first, &external());
+        let sharing = save_sharing(
+            &second,
+            &checkpoint(&frozen, &[1; 1000]),
+            &first,
+            false,
+            &external(),
+        );
         // Only the 1000 trainable bytes are unchanged: not worth keeping 100 kB alive for.
-        assert_eq!(shared.unwrap(), Shared::NotWorth);
+        let sharing = sharing.unwrap();
+        assert!(!sharing.shared && sharing.unchanged == 1000);
         assert!(!second.exists() && !external_data_path(&second).exists());
     }
 
@@ -297,17 +362,34 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (first, second) = (dir.path().join("a"), dir.path().join("b"));
         let frozen = vec![7u8; 100_000];
-        crate::save(&first, &checkpoint(&frozen, &[1; 100]), &SaveOptions::default()).unwrap();
+        crate::save(
+            &first,
+            &checkpoint(&frozen, &[1; 100]),
+            &SaveOptions::default(),
+        )
+        .unwrap();
         let ckpt = checkpoint(&frozen, &[1; 100]);
-        let shared = save_sharing(&second, &ckpt, &first, &external()).unwrap();
-        assert_eq!(shared, Shared::NotWorth);
+        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        // Inline: all of it unchanged, nothing to share from.
+        assert!(!sharing.shared && sharing.unchanged == 100_100 && !second.exists());
         // The previous checkpoint's data file from another save (its pair id differs).
         let other = dir.path().join("o");
         crate::save(&other, &ckpt, &external()).unwrap();
         crate::save(&first, &ckpt, &external()).unwrap();
         fs::copy(external_data_path(&other), external_data_path(&first)).unwrap();
-        let shared = save_sharing(&second, &ckpt, &first, &external()).unwrap();
-        assert_eq!(shared, Shared::NotWorth);
+        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        assert!(!sharing.shared && !second.exists());
+    }
+
+    #[test]
+    fn compare_only_writes_nothing_and_counts_what_is_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, second) = (dir.path().join("a"), dir.path().join("b"));
+        let frozen = vec![7u8; 100_000];
+        let ckpt = checkpoint(&frozen, &[1; 1000]);
+        crate::save(&first, &ckpt, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, true, &external()).unwrap();
+        assert!(!sharing.shared && sharing.unchanged == 101_000 && !second.exists());
     }
 
     #[test]
@@ -317,6 +399,6 @@ mod tests {
         let frozen = vec![7u8; 1000];
         let ckpt = checkpoint(&frozen, &[1; 100]);
         crate::save(&first, &ckpt, &external()).unwrap();
-        assert!(save_sharing(&first, &ckpt, &first, &external()).is_err());
+        assert!(save_sharing(&first, &ckpt, &first, false, &external()).is_err());
     }
 }

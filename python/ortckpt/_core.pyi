@@ -116,11 +116,12 @@ def save_sharing(
     floats: Sequence[tuple[str, float]],
     strings: Sequence[tuple[str, str]],
     *,
+    compare_only: bool = False,
     durable: bool = False,
     progress: SaveProgress | None = None,
     keep_order: bool = False,
     lock_timeout: float | None = None,
-) -> int | None: ...
+) -> tuple[bool, int, int]: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],

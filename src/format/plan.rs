@@ -224,7 +224,13 @@ mod tests {
     #[test]
     fn shared_values_point_into_the_existing_data_file_and_the_rest_stay_inline() {
         let ckpt = checkpoint(&[100, 200, 70]);
-        let p = plan(&ckpt, Placement::External, &[9; 16], &[Some(4096), None, Some(0)]).unwrap();
+        let p = plan(
+            &ckpt,
+            Placement::External,
+            &[9; 16],
+            &[Some(4096), None, Some(0)],
+        )
+        .unwrap();
         assert_eq!(
             p.slots,
             vec![Slot::External(4096), Slot::Inline(64), Slot::External(0)]

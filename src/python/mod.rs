@@ -212,12 +212,13 @@ fn save(
 }
 
 /// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
-/// file whose bytes it still holds unchanged (see `crate::sharing`): the bytes shared, or None
-/// when nothing was written (too little unchanged: the caller saves the checkpoint whole).
+/// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
+/// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
+/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts.
 #[pyfunction]
 #[pyo3(signature = (
     path, previous, trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    durable = false, progress = None, keep_order = false, lock_timeout = None,
+    compare_only = false, durable = false, progress = None, keep_order = false, lock_timeout = None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn save_sharing(
@@ -230,11 +231,12 @@ fn save_sharing(
     ints: Vec<(String, i64)>,
     floats: Vec<(String, f32)>,
     strings: Vec<(String, String)>,
+    compare_only: bool,
     durable: bool,
     progress: Option<PyRef<'_, SaveProgress>>,
     keep_order: bool,
     lock_timeout: Option<f64>,
-) -> PyResult<Option<u64>> {
+) -> PyResult<(bool, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
         let payloads = payloads_in(
@@ -252,13 +254,12 @@ fn save_sharing(
             lock_timeout: wait_or_default(py, lock_timeout)?,
             ..SaveOptions::default()
         };
-        let shared = py
-            .detach(|| crate::sharing::save_sharing(&path, &payloads, &previous, &options))
+        let sharing = py
+            .detach(|| {
+                crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
+            })
             .map_err(|e| to_py_err(py, e))?;
-        Ok(match shared {
-            crate::sharing::Shared::Bytes(n) => Some(n),
-            crate::sharing::Shared::NotWorth => None,
-        })
+        Ok((sharing.shared, sharing.unchanged, sharing.values))
     })
 }
 

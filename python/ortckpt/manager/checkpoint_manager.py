@@ -204,12 +204,12 @@ class CheckpointManager:
             ``checkpoint.data`` as its own and writes only the changed tensors, inline in its
             ``checkpoint`` (each step still loads on its own, in ONNX Runtime too; deleting one
             leaves the other whole). Equality is decided by comparing the bytes. A step is
-            written whole when less than half of the previous data file would be shared or the
-            changed tensors pass ONNX Runtime's 2 GiB inline limit; whole steps keep every value
-            of 64 bytes or more in ``checkpoint.data`` (as ``external_data_threshold=0``), so
-            that the next step can share them. Directories only (on object storage, or with
-            ``comm``, every step is written whole); False: every step written whole as
-            ``external_data_threshold`` says.
+            written whole when less than half of the previous data file would be shared, or the
+            changed tensors would pass ONNX Runtime's 2 GiB inline limit, or the previous step
+            has no data file; a whole step with at least half of its values unchanged since the
+            previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``),
+            for the next step to share. Directories only (on object storage, or with ``comm``,
+            every step is written whole); False: every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
             Every rank creates the manager and calls save, restore and wait together; each
@@ -556,8 +556,7 @@ class CheckpointManager:
                 attempt,
                 steps.CHECKPOINT_NAME,
                 core,
-                # (whole steps keep their values in checkpoint.data, for the next step to share)
-                external_data_threshold=0 if self.share_unchanged else self.external_data_threshold,
+                external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
                 progress=self.progress,
                 share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),

@@ -136,7 +136,14 @@ class DirectoryStore(StepStore):
         share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
         path = safe_io.member(Path(attempt.folder), name)
-        if share_with is None or not self._save_sharing(attempt, path, state, share_with, durable=durable):
+        shared, unchanged, values = False, 0, 0
+        if share_with is not None:
+            shared, unchanged, values = self._save_sharing(attempt, path, state, share_with, durable=durable)
+        if not shared:
+            if unchanged and 2 * unchanged >= values:
+                # Mostly unchanged, yet nothing (or too little) to share from: saved whole with its
+                # values in checkpoint.data, which the next step can share.
+                external_data_threshold = 0
             targets.LocalFile(path).save(
                 state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
             )
@@ -144,13 +151,15 @@ class DirectoryStore(StepStore):
         attempt.written.update(written)
         return written
 
-    def _save_sharing(self, attempt: Attempt, path: Path, state: CoreState, previous: Step, *, durable: bool) -> bool:
+    def _save_sharing(
+        self, attempt: Attempt, path: Path, state: CoreState, previous: Step, *, durable: bool
+    ) -> tuple[bool, int, int]:
         """Saves the checkpoint sharing the previous step's data file for the values that are
-        byte-identical there (see :func:`ortckpt._boundary.save_sharing`): False when it wrote
-        nothing (too little unchanged, or nothing to share from), and the step is saved whole.
-        Shared only from a step of this directory's, under its own name and no symlink, whose
-        data file its metadata records; the link lands in the attempt's private directory,
-        published with the step by its one rename."""
+        byte-identical there (see :func:`ortckpt._boundary.save_sharing`, which says whether it
+        did and how much is unchanged). Compared only with a step of this directory's, under its
+        own name and no symlink, whose files its metadata records (not compressed, not sharded);
+        the link lands in the attempt's private directory, published with the step by its one
+        rename."""
         folder = Path(previous.folder)
         data_name = f"{path.name}.data"
         files = previous.document.get("files", {})
@@ -159,14 +168,16 @@ class DirectoryStore(StepStore):
             or folder.name != steps.step_directory_name(previous.number)
             or not _is_directory(folder)
             or path.name not in files
-            or data_name not in files
         ):
-            return False
-        shared = _boundary.save_sharing(path, folder / path.name, state, durable=durable)
-        if shared is None:
-            return False
-        attempt.shared[data_name] = shared_file_entry(previous, data_name)
-        return True
+            return False, 0, 0
+        # Only a data file its metadata records is shared (its entry is copied from there).
+        compare_only = data_name not in files
+        shared, unchanged, values = _boundary.save_sharing(
+            path, folder / path.name, state, compare_only=compare_only, durable=durable
+        )
+        if shared:
+            attempt.shared[data_name] = shared_file_entry(previous, data_name)
+        return shared, unchanged, values
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
