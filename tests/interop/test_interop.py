@@ -226,7 +226,10 @@ def test_manager_steps_that_share_unchanged_tensors_load_in_onnx_runtime_exactly
     frozen = {f"frozen{i}": rng.standard_normal(4096).astype(np.float32) for i in range(6)}
 
     def state_at(step: int) -> CheckpointState:
-        head = {"head.weight": rng.standard_normal((32, 8)).astype(np.float32), "head.bias": np.full(8, step, np.float32)}
+        head = {
+            "head.weight": rng.standard_normal((32, 8)).astype(np.float32),
+            "head.bias": np.full(8, step, np.float32),
+        }
         state = CheckpointState.from_arrays(head, frozen, {"run": "shared"})
         state.optimizer_groups["group0"] = OptimizerGroup(
             step=step,

@@ -86,7 +86,9 @@ def test_unchanged_tensors_are_shared_by_hard_link_and_every_step_restores_exact
         # The shared file's metadata entry is the step's that wrote it, copied, not recomputed.
         entries = [c.metadata["files"]["checkpoint.data"] for c in manager.all()[1:]]
         assert all(e == entries[0] for e in entries)
-        assert entries[0]["sha256"] == hashlib.sha256((step_dir(tmp_path, 2) / "checkpoint.data").read_bytes()).hexdigest()
+        assert (
+            entries[0]["sha256"] == hashlib.sha256((step_dir(tmp_path, 2) / "checkpoint.data").read_bytes()).hexdigest()
+        )
 
 
 def test_a_tensor_changed_by_one_byte_is_never_shared(tmp_path: Path) -> None:
@@ -179,7 +181,7 @@ def test_a_tampered_previous_step_shares_only_what_still_compares_equal(tmp_path
             byte = f.read(1)
             f.seek(offset + 99)
             f.write(bytes([byte[0] ^ 0xFF]))
-        with pytest.raises(CheckpointIntegrityError, match="checkpoint.data"):
+        with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
             manager.verify(2)
         manager.save(training_state(3, frozen), 3)
         # The tampered tensor no longer compares equal: written inline, with the caller's values.
@@ -187,7 +189,7 @@ def test_a_tampered_previous_step_shares_only_what_still_compares_equal(tmp_path
         assert placed["frozen5"] is False and placed["frozen4"] is True
         assert_same(manager.restore(3), training_state(3, frozen))
         # The shared file is damaged against the digest recorded when it was written: verify says so.
-        with pytest.raises(CheckpointIntegrityError, match="checkpoint.data"):
+        with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
             manager.verify(3)
 
 
