@@ -238,3 +238,24 @@ def test_a_failed_shared_save_leaves_the_previous_steps_and_no_link(tmp_path: Pa
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step")) == []
         manager.save(training_state(4), 4)
         assert_same(manager.restore(4), training_state(4))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "symlink", "fifo"])
+def test_a_previous_data_file_that_is_damaged_or_not_a_file_is_never_shared(tmp_path: Path, damage: str) -> None:
+    with CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        data = step_dir(tmp_path / "run", 2) / "checkpoint.data"
+        if damage == "truncated":  # its pair trailer gone
+            os.truncate(data, data.stat().st_size - 1)
+        elif damage == "symlink":  # the same bytes, but through a symlink
+            shutil.copy(data, tmp_path / "copy")
+            data.unlink()
+            data.symlink_to(tmp_path / "copy")
+        else:
+            data.unlink()
+            os.mkfifo(data)
+        manager.save(training_state(3), 3)  # never blocks on the FIFO, never follows the symlink
+        assert not (step_dir(tmp_path / "run", 3) / "checkpoint.data").exists()  # whole, inline
+        assert_same(manager.restore(3), training_state(3))
+        assert manager.verify(3).step == 3
