@@ -53,7 +53,7 @@ pub struct Encoded<'a> {
     /// Where the checksum block starts in `region_tail`.
     block_at: usize,
     /// Where each tensor's bytes are, in file order, for its checksum.
-    sources: Vec<Source>,
+    sources: Vec<Source<'a>>,
     pair_id: pairing::PairId,
     /// What precedes each value in the region (padding, then its length prefix),
     /// which the builder's buffer leaves unwritten: value `i`'s gap ends at
@@ -70,13 +70,15 @@ pub struct Encoded<'a> {
 
 /// Where a tensor's bytes are, for its checksum.
 #[derive(Clone, Copy)]
-enum Source {
+enum Source<'a> {
     /// No bytes of its own (strings, nominal or empty tensors).
     Nothing,
     /// The `i`th of the inline values ([`Encoded::payload_ranges`]).
     Inline(usize),
     /// The `i`th of the external values ([`Encoded::external_data`]).
     External(usize),
+    /// In a data file that is not written (shared): the caller's bytes, equal to it.
+    Memory(&'a [u8]),
 }
 
 impl<'a> Encoded<'a> {
@@ -165,6 +167,7 @@ impl<'a> Encoded<'a> {
                 Source::Nothing => empty,
                 Source::Inline(i) => inline_sums[i],
                 Source::External(i) => external_sums[i],
+                Source::Memory(bytes) => checksums::sum(bytes),
             })
             .collect();
         let mut metadata = Running::default();
@@ -208,20 +211,56 @@ impl<'a> Encoded<'a> {
 /// repeat, or the values exceed what an inline checkpoint holds;
 /// [`ErrorKind::UnsupportedDataType`] for UNDEFINED tensors.
 pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Result<Encoded<'a>> {
+    encode_planned(
+        ckpt,
+        placement,
+        &checksums::marked(pairing::new_pair_id()),
+        &[],
+    )
+}
+
+/// Lays out `ckpt` to share an existing data file (whose pair id is `pair_id`): the tensors
+/// with an offset in `shared` (by [`Checkpoint::tensors`] order) are external at that offset
+/// of it, every other value is inline, and no data file is to be written
+/// ([`Encoded::external_data`] is then only the trailer, which the data file already ends with).
+///
+/// # Errors
+/// As [`encode`].
+pub fn encode_sharing<'a>(
+    ckpt: &Checkpoint<Payload<'a>>,
+    pair_id: &pairing::PairId,
+    shared: &[Option<u64>],
+) -> Result<Encoded<'a>> {
+    encode_planned(ckpt, Placement::Inline, pair_id, shared)
+}
+
+fn encode_planned<'a>(
+    ckpt: &Checkpoint<Payload<'a>>,
+    placement: Placement,
+    pair_id: &pairing::PairId,
+    shared: &[Option<u64>],
+) -> Result<Encoded<'a>> {
     validate(ckpt)?;
-    let pair_id = checksums::marked(pairing::new_pair_id());
-    let plan = plan(ckpt, placement, &pair_id)?;
+    let plan = plan(ckpt, placement, pair_id, shared)?;
     let (mut inline_count, mut external_count) = (0, 0);
     let sources = plan
         .slots
         .iter()
-        .map(|slot| match slot {
-            Slot::Nothing => Source::Nothing,
-            Slot::Inline(_) => {
+        .zip(ckpt.tensors())
+        .enumerate()
+        .map(|(i, (slot, t))| match (slot, &t.data) {
+            (Slot::Nothing, _) => Source::Nothing,
+            (Slot::Inline(_), _) => {
                 inline_count += 1;
                 Source::Inline(inline_count - 1)
             }
-            Slot::External(_) => {
+            // In a data file that exists already: summed from the caller's (equal) bytes.
+            (Slot::External(_), Payload::Bytes(bytes))
+                if shared.get(i).copied().flatten().is_some() =>
+            {
+                Source::Memory(bytes)
+            }
+            (Slot::External(_), _) => {
                 external_count += 1;
                 Source::External(external_count - 1)
             }
@@ -324,7 +363,7 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         region_tail: plan.region_tail,
         block_at: plan.block_at,
         sources,
-        pair_id,
+        pair_id: *pair_id,
         gaps: plan.gaps,
         gap_ends: plan.gap_ends,
         external: plan.external,
