@@ -455,20 +455,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: a temporary dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
+    rows = ("average", "small", "manager", "memory", "steps")
+    parser.add_argument("--only", default=",".join(rows), help=f"the rows to run, of {','.join(rows)}")
     parser.add_argument("--only-steps", action="store_true", help="only the manager steps rows (both ways)")
     args = parser.parse_args()
+    only = {"steps"} if args.only_steps else set(args.only.split(","))
+    if not only <= set(rows):
+        parser.error(f"--only takes {','.join(rows)}")
 
     shm = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=args.dir))
     table = Table()
     memory: list[str] = []
     try:
-        if not args.only_steps:
+        steps: list[str] = []
+        if "average" in only:
             bench_average(args, table, shm)
+        if "small" in only:
             bench_small_tensors(args, table, shm)
+        if "manager" in only:
             bench_manager(args, table, disk)
+        if "memory" in only:
             memory = bench_average_memory(args, shm)
-        steps = bench_steps(args, disk, share_unchanged=False) + bench_steps(args, disk)
+        if "steps" in only:
+            steps = bench_steps(args, disk, share_unchanged=False) + bench_steps(args, disk)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)

@@ -13,6 +13,8 @@ pub enum ErrorKind {
     Io(io::Error),
     /// The bytes are not a valid ODTC version-2 checkpoint.
     Malformed(String),
+    /// The bytes differ from the checksums the file carries (a flipped bit, a truncation).
+    Integrity(String),
     /// A tensor data type code whose element size is unknown (or UNDEFINED).
     UnsupportedDataType(i32),
     /// The state handed to the writer cannot be saved as asked.
@@ -52,6 +54,10 @@ impl Error {
 
     pub fn malformed(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Malformed(message.into()))
+    }
+
+    pub fn integrity(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Integrity(message.into()))
     }
 
     pub fn invalid_state(message: impl Into<String>) -> Self {
@@ -100,7 +106,9 @@ impl Error {
     pub fn detail(&self) -> String {
         let what = match &self.0.kind {
             ErrorKind::Io(e) => e.to_string(),
-            ErrorKind::Malformed(m) | ErrorKind::InvalidState(m) => m.clone(),
+            ErrorKind::Malformed(m) | ErrorKind::InvalidState(m) | ErrorKind::Integrity(m) => {
+                m.clone()
+            }
             ErrorKind::UnsupportedDataType(code) => {
                 format!("unsupported tensor data type {code}")
             }

@@ -33,6 +33,7 @@ pub mod format;
 #[allow(clippy::all, unused_imports, dead_code, non_camel_case_types, unsafe_op_in_unsafe_fn)]
 #[rustfmt::skip]
 pub mod generated;
+mod integrity;
 pub mod io;
 #[cfg(feature = "python")]
 mod python;
@@ -46,6 +47,7 @@ use memmap2::MmapMut;
 
 pub use error::{Error, ErrorKind, Result};
 use format::{pairing, Checkpoint, Payload, Placement, Stored, Tensor};
+pub use integrity::{checksum_root_of_file, reseal, Checked};
 
 /// ONNX Runtime's default: above this many bytes of values, a checkpoint uses external data.
 pub const DEFAULT_EXTERNAL_DATA_THRESHOLD: u64 = 1800 << 20;
@@ -379,7 +381,9 @@ pub fn decode_buffer_paired(buf: &[u8], data: Option<(u64, &[u8])>) -> Result<Ch
 /// Encodes `ckpt` for writing as a stream, not to a path: placed as [`save`] places it
 /// (external data above `external_data_threshold` bytes of values), sorted like it unless
 /// `keep_order`. [`format::Encoded::segments`] are the checkpoint file in order and
-/// [`format::Encoded::external_data`] its data file; both borrow the tensor bytes.
+/// [`format::Encoded::external_data`] its data file; both borrow the tensor bytes. Its
+/// checksum block is left to seal ([`format::Encoded::seal`] as the values are written, or
+/// [`format::Encoded::seal_from_memory`]).
 ///
 /// # Errors
 /// As [`save`], less the OS errors.
@@ -422,7 +426,9 @@ pub fn encode_in_memory<'a>(
             format::encode::MAX_INLINE_LEN
         )));
     }
-    encode_for_stream(ckpt, keep_order, u64::MAX) // never past the threshold: inline
+    let mut encoded = encode_for_stream(ckpt, keep_order, u64::MAX)?; // never past the threshold: inline
+    encoded.seal_from_memory();
+    Ok(encoded)
 }
 
 /// Bytes of tensor values in `ckpt` (strings not counted).
@@ -470,13 +476,12 @@ pub fn write_staged(
     // Sorted in a copy (names, dims and string values are cloned, tensor bytes never): the
     // caller's order stays. Callers that built the checkpoint for this save can sort it in place
     // and set keep_order, as the Python layer does.
-    let encoded = encode_for_stream(ckpt, options.keep_order, options.external_data_threshold)
+    let mut encoded = encode_for_stream(ckpt, options.keep_order, options.external_data_threshold)
         .map_err(|e| e.in_file(path))?;
-    let segments = encoded.segments();
     let external = encoded.has_external_data().then(|| encoded.external_data());
     let unobserved = io::Progress::default();
     let progress = options.progress.as_deref().unwrap_or(&unobserved);
-    let main_len: usize = segments.iter().map(|s| s.len()).sum();
+    let main_len = encoded.len();
     let values_len: usize = external
         .iter()
         .flat_map(|(_, parts)| parts.iter().map(|(_, bytes)| bytes.len()))
@@ -487,12 +492,34 @@ pub fn write_staged(
         progress,
     };
     let mut staged = io::Staged::new(path, external.is_some())?;
+    // Every value is summed as it is written (no second pass over it); the block holding the
+    // sums is written last, after the values of both files.
+    let mut external_sums = Vec::new();
     if let (Some((len, values)), Some(data)) = (&external, staged.data()) {
-        io::write_at_parallel(data.file(), *len, values, options.threads, &after)
+        external_sums = io::write_at_parallel(data.file(), *len, values, options.threads, &after)
             .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?;
+        external_sums.pop(); // the pair trailer's
     }
-    io::write_segments(staged.main().file(), &segments, &after)
-        .map_err(|e| Error::from(e).in_file(path))?;
+    let in_main = |e: std::io::Error| Error::from(e).in_file(path);
+    let (body, value_of): (Vec<&[u8]>, Vec<Option<usize>>) = encoded.body().into_iter().unzip();
+    let mut inline_sums =
+        vec![format::checksums::Running::default(); encoded.payload_ranges().count()];
+    let mut sum_values = |segment: usize, piece: &[u8]| {
+        if let Some(i) = value_of[segment] {
+            inline_sums[i].update(piece);
+        }
+    };
+    io::write_segments(staged.main().file(), &body, &mut sum_values, &after).map_err(in_main)?;
+    let inline_sums: Vec<_> = inline_sums.iter().map(|s| s.finish()).collect();
+    encoded.seal(&inline_sums, &external_sums);
+    io::write_segments(
+        staged.main().file(),
+        &encoded.tail(),
+        &mut |_, _| {},
+        &after,
+    )
+    .map_err(in_main)?;
+    let external = encoded.has_external_data().then(|| encoded.external_data());
     let mut placed: PlacedValues = encoded
         .payload_ranges()
         .zip(encoded.payload_addresses())

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::format::encode::{encode_sharing, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN};
-use crate::format::{pairing, Checkpoint, Payload, Stored, Tensor};
+use crate::format::{checksums, pairing, Checkpoint, Payload, Stored, Tensor};
 use crate::{external_data_path, io, SaveOptions};
 
 /// What a sharing save found and did.
@@ -132,12 +132,15 @@ pub fn save_sharing(
     if shared_len == 0 || 2 * shared_len < data.len() as u64 || inline_len > MAX_INLINE_LEN {
         return Ok(sharing);
     }
-    let encoded = match encode_sharing(ckpt, pair_id, &offsets) {
+    let mut encoded = match encode_sharing(ckpt, pair_id, &offsets) {
         Ok(encoded) => encoded,
         // Past the inline limit once the tables are counted too: saved whole instead.
         Err(_) if inline_len + (64 << 20) > MAX_INLINE_LEN => return Ok(sharing),
         Err(e) => return Err(e.in_file(path)),
     };
+    // The checksums of the values, shared and inline, from the caller's bytes (the shared ones
+    // equal the data file's: compared above), before the checkpoint file is written.
+    encoded.seal_from_memory();
     let segments = encoded.segments();
     let unobserved = io::Progress::default();
     let progress = options.progress.as_deref().unwrap_or(&unobserved);
@@ -174,7 +177,7 @@ pub fn save_sharing(
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::from(e).in_file(&data_path))?;
     }
-    io::write_segments(staged.main().file(), &segments, &after)
+    io::write_segments(staged.main().file(), &segments, &mut |_, _| {}, &after)
         .map_err(|e| Error::from(e).in_file(path))?;
     staged.commit(&io::CommitOptions {
         durable: options.durable,
@@ -224,7 +227,10 @@ impl Previous {
         let mut data = None;
         if checkpoint.has_external_data {
             if let Ok((Some(mapped), id)) = io::map_private_any(&external_data_path(path), false) {
-                let pair = pairing::pair_id(&mapped).filter(|&p| pairing::pair_id(&map) == Some(p));
+                // Only a data file whose id marks it as carrying checksums (a checkpoint sharing it
+                // takes its id, and a block's id must say so: see format::checksums).
+                let pair = pairing::pair_id(&mapped)
+                    .filter(|&p| pairing::pair_id(&map) == Some(p) && checksums::marked(p) == p);
                 data = pair.map(|p| (mapped, id, p));
             }
         }

@@ -138,10 +138,9 @@ fn valid_checkpoint() -> Vec<u8> {
             strings: vec![("note".into(), "corpus".into())],
         },
     };
-    encode(&ckpt, Placement::Inline)
-        .unwrap()
-        .segments()
-        .concat()
+    let mut encoded = encode(&ckpt, Placement::Inline).unwrap();
+    encoded.seal_from_memory(); // (an inline file's pair id derives from its checksums: stable)
+    encoded.segments().concat()
 }
 
 /// Where each tensor's values lie in `buf` (a valid inline checkpoint), file order.

@@ -79,9 +79,24 @@ class Loaded:
         )
 
 
-def load(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> Loaded:
-    """Maps and verifies a checkpoint file (and its data file)."""
-    return Loaded._of(_core.load(os.fspath(path), follow_symlinks=follow_symlinks))
+def load(path: str | os.PathLike[str], *, follow_symlinks: bool = True, verify: bool = False) -> Loaded:
+    """Maps and verifies a checkpoint file (and its data file); with ``verify``, every byte
+    against the file's checksums first (CheckpointIntegrityError naming file and tensor)."""
+    return Loaded._of(_core.load(os.fspath(path), follow_symlinks=follow_symlinks, verify=verify))
+
+
+def verify_checksums(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> tuple[int, int, int] | None:
+    """Checks every byte of a checkpoint file (and its data file) against its checksums, with
+    the GIL released: (tensors, bytes of values, root checksum), or None when the file carries
+    none (ONNX Runtime's own, an older ortckpt's). CheckpointIntegrityError names the file and
+    tensor that differ."""
+    return _core.verify_checksums(os.fspath(path), follow_symlinks=follow_symlinks)
+
+
+def checksum_root(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> tuple[int, int | None]:
+    """(size, root checksum) of a checkpoint file, the root read from its last bytes (None when
+    it carries no checksums). Without ``follow_symlinks``, a symlink is refused (ELOOP)."""
+    return _core.checksum_root(os.fspath(path), follow_symlinks=follow_symlinks)
 
 
 def load_buffer(view: memoryview) -> Loaded:

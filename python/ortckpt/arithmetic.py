@@ -527,6 +527,7 @@ def _computed(
                     for start, part in chunks(key)
                 )
                 safe_io.pwrite_all(staging.fileno(data=external), writes, Path(f"{path}.data") if external else path)
+        staging.reseal()  # the values filled in place: their checksums taken again, once
         staging.commit(durable=durable)
     finally:
         staging.discard()

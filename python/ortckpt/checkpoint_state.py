@@ -26,6 +26,7 @@ from .errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointStateError,
+    InvalidArgumentError,
     UnsupportedDataTypeError,
     ValueOverflowError,
     name_file,
@@ -379,6 +380,7 @@ class CheckpointState:
         *,
         storage_options: Mapping[str, Any] | None = None,
         lazy: bool = True,
+        verify: bool = False,
     ) -> CheckpointState:
         """Loads the checkpoint state from the checkpoint file (complete or nominal).
 
@@ -388,15 +390,26 @@ class CheckpointState:
         (configured by ``storage_options``, the ``AWS_*`` variables and profile: see
         :mod:`ortckpt.object_store`); its external data file, if any, is read a tensor at a time
         by ranged GETs on first use, or downloaded whole when ``lazy`` is False.
+
+        With ``verify`` (a path only), every byte of the file and its data file is first checked
+        against the checksums ortckpt writes into every file (at about the speed of reading it;
+        :class:`~ortckpt.CheckpointIntegrityError` names the file and tensor that differ). A
+        file without checksums (ONNX Runtime's own, an older ortckpt's) loads as without
+        ``verify``. Without it, opening reads nothing but the metadata.
         """
         from . import targets  # (on first use: `import ortckpt` stays small)
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
+        if verify and not isinstance(target, targets.LocalFile):
+            raise InvalidArgumentError(
+                "verify=True checks a checkpoint file at a path; check a step on object storage with ortckpt.verify",
+                "verify",
+            )
         if isinstance(target, targets.StreamFile):
             return cls.from_bytes(target.read())
         if isinstance(target, targets.ObjectFile):
             return cls._over(target.load(lazy=lazy))
-        return open_checkpoint(target.path)
+        return open_checkpoint(target.path, verify=verify)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview | Any) -> CheckpointState:
@@ -699,12 +712,14 @@ class TensorSource(Protocol):
     def tensor_value(self, name: str) -> TensorValue: ...
 
 
-def open_checkpoint(checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True) -> CheckpointState:
+def open_checkpoint(
+    checkpoint_uri: str | os.PathLike[str], *, follow_symlinks: bool = True, verify: bool = False
+) -> CheckpointState:
     """:meth:`CheckpointState.load_checkpoint` of a path; without ``follow_symlinks``, a symlink
     at the path or its data file is refused (for files a document names, which stay in their
     directory)."""
     try:
-        loaded = _boundary.load(checkpoint_uri, follow_symlinks=follow_symlinks)
+        loaded = _boundary.load(checkpoint_uri, follow_symlinks=follow_symlinks, verify=verify)
     except IsADirectoryError:
         problem = legacy_layout_problem(checkpoint_uri)
         if problem is None:

@@ -287,15 +287,27 @@ def _attempt(document: dict[str, Any], where: str) -> None:
         raise _bad(where, "attempt", attempt, "32 hexadecimal digits")
 
 
+# A file entry's digests (ortckpt.stepstore.entries): the pattern each must match, as said.
+_DIGESTS = {
+    "sha256": (_SHA256, "64 hexadecimal digits"),
+    "xxh3": (re.compile(r"[0-9a-f]{16}"), "16 lowercase hexadecimal digits"),
+    "pair": (re.compile(r"[0-9a-f]{32}"), "32 lowercase hexadecimal digits"),
+}
+
+
 def _file_entries(value: Any, where: str, at: str) -> None:
-    """{plain file name: {"bytes": size, "sha256": hex digest}}."""
+    """{plain file name: {"bytes": size, and one or more of "sha256": hex digest, "xxh3": the
+    checkpoint's checksum root, "pair": its data file's pair id}}."""
     for name, raw_entry in _object(value, where, at).items():
         if not is_plain_name(name):
             raise DocumentError(f"{where}: {at} names {_name(name)!r}, which is not a file of the step directory")
         entry = _object(raw_entry, where, f"{at}.{name}")
         _int(entry.get("bytes"), where, f"{at}.{name}.bytes", 0, INT64_MAX)
-        if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+        if not any(kind in entry for kind in _DIGESTS):
             raise _bad(where, f"{at}.{name}.sha256", entry.get("sha256"), "64 hexadecimal digits")
+        for kind, (pattern, said) in _DIGESTS.items():
+            if kind in entry and not (isinstance(entry[kind], str) and pattern.fullmatch(entry[kind])):
+                raise _bad(where, f"{at}.{name}.{kind}", entry[kind], said)
 
 
 def encode_non_finite(document: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ use std::ptr::NonNull;
 use flatbuffers::{FlatBufferBuilder, Push, PushAlignment, Vector, WIPOffset};
 use memmap2::MmapMut;
 
+use super::checksums::{self, Running, Sum};
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, Payload, Tensor};
 use super::names::first_clash;
@@ -46,9 +47,14 @@ pub struct Encoded<'a> {
     /// everything before it), and its length.
     region_start: usize,
     region_len: usize,
-    /// The region's bytes after the last value: zero padding, then the pair
-    /// trailer when the checkpoint has external data.
+    /// The region's bytes after the last value: zero padding, the checksum block
+    /// (zeros until [`Encoded::seal`]), then the pair trailer.
     region_tail: Vec<u8>,
+    /// Where the checksum block starts in `region_tail`.
+    block_at: usize,
+    /// Where each tensor's bytes are, in file order, for its checksum.
+    sources: Vec<Source<'a>>,
+    pair_id: pairing::PairId,
     /// What precedes each value in the region (padding, then its length prefix),
     /// which the builder's buffer leaves unwritten: value `i`'s gap ends at
     /// `gap_ends[i]` and starts where value `i - 1`'s ends (or at 0).
@@ -58,8 +64,21 @@ pub struct Encoded<'a> {
     external: Vec<(u64, &'a [u8])>,
     external_len: u64,
     has_external_data: bool,
-    /// The end of both files of an external pair (see [`super::pairing`]).
+    /// The end of the external data file (see [`super::pairing`]).
     pair_trailer: Option<[u8; PAIR_TRAILER_LEN]>,
+}
+
+/// Where a tensor's bytes are, for its checksum.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// No bytes of its own (strings, nominal or empty tensors).
+    Nothing,
+    /// The `i`th of the inline values ([`Encoded::payload_ranges`]).
+    Inline(usize),
+    /// The `i`th of the external values ([`Encoded::external_data`]).
+    External(usize),
+    /// In a data file that is not written (shared): the caller's bytes, equal to it.
+    Memory(&'a [u8]),
 }
 
 impl<'a> Encoded<'a> {
@@ -103,21 +122,84 @@ impl<'a> Encoded<'a> {
     }
 
     /// The file's bytes as consecutive slices: metadata from the builder, values from the caller.
+    /// Its checksum block is as last sealed ([`Encoded::seal`], [`Encoded::seal_from_memory`]).
     pub fn segments(&self) -> Vec<&[u8]> {
-        let metadata = &self.buffer[self.start..];
-        let mut out = Vec::with_capacity(2 * self.payloads.len() + 3);
-        out.push(&metadata[..self.region_start]);
-        let mut gap_start = 0;
-        for (&(_, bytes), &gap_end) in self.payloads.iter().zip(&self.gap_ends) {
-            out.push(&self.gaps[gap_start..gap_end]);
-            out.push(bytes);
-            gap_start = gap_end;
-        }
-        out.push(&self.region_tail);
-        // The builder's alignment padding after the region, if any.
-        out.push(&metadata[(self.region_start + self.region_len).min(metadata.len())..]);
+        let mut out: Vec<&[u8]> = self.body().into_iter().map(|(bytes, _)| bytes).collect();
+        out.extend(self.tail());
         out.retain(|s| !s.is_empty());
         out
+    }
+
+    /// The file before its checksum block, as consecutive slices, each inline value marked
+    /// with its index in [`Encoded::payload_ranges`].
+    pub fn body(&self) -> Vec<(&[u8], Option<usize>)> {
+        let metadata = &self.buffer[self.start..];
+        let mut out = Vec::with_capacity(2 * self.payloads.len() + 2);
+        out.push((&metadata[..self.region_start], None));
+        let mut gap_start = 0;
+        for (i, (&(_, bytes), &gap_end)) in self.payloads.iter().zip(&self.gap_ends).enumerate() {
+            out.push((&self.gaps[gap_start..gap_end], None));
+            out.push((bytes, Some(i)));
+            gap_start = gap_end;
+        }
+        out.push((&self.region_tail[..self.block_at], None));
+        out
+    }
+
+    /// The file after [`Encoded::body`]: the checksum block and the pair trailer.
+    pub fn tail(&self) -> Vec<&[u8]> {
+        let metadata = &self.buffer[self.start..];
+        // Nothing follows the region: it is reserved first, at the buffer's end, in whole
+        // multiples of the alignment, so the trailer ends the file.
+        debug_assert_eq!(self.region_start + self.region_len, metadata.len());
+        vec![&self.region_tail[self.block_at..]]
+    }
+
+    /// Writes the checksum block from the sums of the inline values (in the order of
+    /// [`Encoded::payload_ranges`]) and of the external ones (of [`Encoded::external_data`],
+    /// its trailer excepted), taken as they were written.
+    pub fn seal(&mut self, inline_sums: &[Sum], external_sums: &[Sum]) {
+        let empty = checksums::sum(&[]);
+        let sums: Vec<Sum> = self
+            .sources
+            .iter()
+            .map(|source| match *source {
+                Source::Nothing => empty,
+                Source::Inline(i) => inline_sums[i],
+                Source::External(i) => external_sums[i],
+                Source::Memory(bytes) => checksums::sum(bytes),
+            })
+            .collect();
+        let mut metadata = Running::default();
+        for (bytes, value) in self.body() {
+            if value.is_none() {
+                metadata.update(bytes);
+            }
+        }
+        let metadata = metadata.finish();
+        if !self.has_external_data {
+            self.pair_id = checksums::content_id(&sums, metadata);
+            let at = self.region_tail.len() - PAIR_TRAILER_LEN;
+            self.region_tail[at..].copy_from_slice(&pairing::trailer(&self.pair_id));
+        }
+        let block = checksums::block(&sums, metadata, &self.pair_id);
+        self.region_tail[self.block_at..self.block_at + block.len()].copy_from_slice(&block);
+    }
+
+    /// [`Encoded::seal`], the values summed from the caller's memory: for writers that hand
+    /// the segments on (streams, buffers) rather than write them here.
+    pub fn seal_from_memory(&mut self) {
+        let inline: Vec<Sum> = self
+            .payloads
+            .iter()
+            .map(|(_, b)| checksums::sum(b))
+            .collect();
+        let external: Vec<Sum> = self
+            .external
+            .iter()
+            .map(|(_, b)| checksums::sum(b))
+            .collect();
+        self.seal(&inline, &external);
     }
 }
 
@@ -129,7 +211,12 @@ impl<'a> Encoded<'a> {
 /// repeat, or the values exceed what an inline checkpoint holds;
 /// [`ErrorKind::UnsupportedDataType`] for UNDEFINED tensors.
 pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Result<Encoded<'a>> {
-    encode_planned(ckpt, placement, &pairing::new_pair_id(), &[])
+    encode_planned(
+        ckpt,
+        placement,
+        &checksums::marked(pairing::new_pair_id()),
+        &[],
+    )
 }
 
 /// Lays out `ckpt` to share an existing data file (whose pair id is `pair_id`): the tensors
@@ -155,17 +242,39 @@ fn encode_planned<'a>(
 ) -> Result<Encoded<'a>> {
     validate(ckpt)?;
     let plan = plan(ckpt, placement, pair_id, shared)?;
+    let (mut inline_count, mut external_count) = (0, 0);
+    let sources = plan
+        .slots
+        .iter()
+        .zip(ckpt.tensors())
+        .enumerate()
+        .map(|(i, (slot, t))| match (slot, &t.data) {
+            (Slot::Nothing, _) => Source::Nothing,
+            (Slot::Inline(_), _) => {
+                inline_count += 1;
+                Source::Inline(inline_count - 1)
+            }
+            // In a data file that exists already: summed from the caller's (equal) bytes.
+            (Slot::External(_), Payload::Bytes(bytes))
+                if shared.get(i).copied().flatten().is_some() =>
+            {
+                Source::Memory(bytes)
+            }
+            (Slot::External(_), _) => {
+                external_count += 1;
+                Source::External(external_count - 1)
+            }
+        })
+        .collect();
     let inline_len = plan.inline.iter().map(|(_, b)| b.len()).sum();
     let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len))?);
 
     // The inline region is reserved first, so it lands at the end of the flatbuffer. It is
     // one vector to the builder (its own length prefix stays unreferenced); the tables refer
     // to the values' vectors inside it, whose prefixes the plan keeps in `gaps`.
-    let mut region_from_end = 0;
-    if plan.region_len > 0 {
-        // Offsets count from the buffer's end to a vector's length prefix.
-        region_from_end = reserve(&mut fbb, plan.region_len).value() as usize - 4;
-    }
+    // Offsets count from the buffer's end to a vector's length prefix (the region is never
+    // empty: the checksum block and the pair trailer end it).
+    let region_from_end = reserve(&mut fbb, plan.region_len).value() as usize - 4;
     let prefix_from_end = |start: usize| (region_from_end - start + 4) as u32;
     let slots = plan.slots.iter().map(|slot| match *slot {
         Slot::Nothing => Values::Nothing,
@@ -252,6 +361,9 @@ fn encode_planned<'a>(
         region_start: len - region_from_end,
         region_len: plan.region_len,
         region_tail: plan.region_tail,
+        block_at: plan.block_at,
+        sources,
+        pair_id: *pair_id,
         gaps: plan.gaps,
         gap_ends: plan.gap_ends,
         external: plan.external,
@@ -442,7 +554,9 @@ fn check_tensor(t: &Tensor<Payload<'_>>, nominal: bool) -> Result<()> {
 /// (growing would copy, and touch the reserved pages).
 fn capacity_bound(ckpt: &Checkpoint<Payload<'_>>, inline_values: usize) -> usize {
     let mut metadata = 4096usize;
-    let mut values = inline_values;
+    // The region's end: its padding, the checksum block and the pair trailer.
+    let tail = PAYLOAD_ALIGNMENT + checksums::tail_len(ckpt.tensors().count());
+    let mut values = inline_values + tail;
     for t in ckpt.tensors() {
         // Room for each tensor's table, name, dims, and its values' alignment and length prefix.
         metadata += 160 + 2 * t.name.len() + 8 * t.dims.len();

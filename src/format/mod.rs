@@ -1,5 +1,6 @@
 //! The ODTC format: bytes <-> [`Checkpoint`]. No filesystem, no Python.
 
+pub mod checksums;
 pub mod decode;
 pub mod dtype;
 pub mod encode;

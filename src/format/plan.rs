@@ -8,11 +8,14 @@
 //! prefix, then the bytes, 64-byte aligned. The padding and prefixes are kept in a small side
 //! buffer (`gaps`): written by the builder they would touch one page of its buffer per tensor.
 //! With [`Placement::External`], values of [`EXTERNAL_MIN_BYTES`] or more go to the external
-//! data file instead, at 64-byte-aligned offsets, and a pair trailer ends both files.
+//! data file instead, at 64-byte-aligned offsets, and a pair trailer ends both files. Every
+//! checkpoint file ends with room for its checksum block (see [`super::checksums`]) and its
+//! pair trailer, after the values.
 //! With `shared` offsets (a step that shares an existing data file, see [`crate::sharing`]),
 //! those tensors are external at the offsets given, nothing is planned for the data file (it is
 //! not written), every other value is inline, and the trailer carries that file's pair id.
 
+use super::checksums;
 use super::model::{Checkpoint, Payload};
 use super::pairing::{self, PairId, PAIR_TRAILER_LEN};
 use crate::error::{Error, Result};
@@ -53,20 +56,23 @@ pub struct Plan<'a> {
     pub slots: Vec<Slot>,
     /// (start in the region, bytes) of each inline value, ascending.
     pub inline: Vec<(usize, &'a [u8])>,
-    /// The region's length: the values, then (with external data) the pair trailer, padded
-    /// to the alignment so the builder pads nothing after it.
+    /// The region's length: the values, the checksum block and the pair trailer, padded to
+    /// the alignment so the builder pads nothing after it.
     pub region_len: usize,
     /// What precedes each inline value in the region (padding, then its length prefix): value
     /// `i`'s gap ends at `gap_ends[i]` and starts where value `i - 1`'s ends (or at 0).
     pub gaps: Vec<u8>,
     pub gap_ends: Vec<usize>,
-    /// The region's bytes after the last value: zero padding, then the pair trailer.
+    /// The region's bytes after the last value: zero padding, the checksum block (zeros
+    /// until sealed), then the pair trailer.
     pub region_tail: Vec<u8>,
+    /// Where the checksum block starts in `region_tail`.
+    pub block_at: usize,
     /// (offset in the external data file, bytes): ascending, non-overlapping.
     pub external: Vec<(u64, &'a [u8])>,
     pub external_len: u64,
     pub has_external_data: bool,
-    /// The end of both files of an external pair (see [`super::pairing`]).
+    /// The end of the external data file, when there is one (see [`super::pairing`]).
     pub pair_trailer: Option<[u8; PAIR_TRAILER_LEN]>,
 }
 
@@ -137,15 +143,13 @@ pub fn plan<'a>(
         inline.push((start, bytes));
         values_end = start + bytes.len();
     }
-    let pair_trailer = has_external_data.then(|| pairing::trailer(pair_id));
-    let region_len = match pair_trailer {
-        Some(_) => (values_end + PAIR_TRAILER_LEN).next_multiple_of(PAYLOAD_ALIGNMENT),
-        None => values_end,
-    };
+    let trailer = pairing::trailer(pair_id);
+    let pair_trailer = has_external_data.then_some(trailer);
+    let end = checksums::block_len(slots.len()) + PAIR_TRAILER_LEN;
+    let region_len = (values_end + end).next_multiple_of(PAYLOAD_ALIGNMENT);
     let mut region_tail = vec![0u8; region_len - values_end];
-    if let Some(trailer) = &pair_trailer {
-        region_tail[region_len - values_end - PAIR_TRAILER_LEN..].copy_from_slice(trailer);
-    }
+    let block_at = region_tail.len() - end;
+    region_tail[region_len - values_end - PAIR_TRAILER_LEN..].copy_from_slice(&trailer);
     Ok(Plan {
         slots,
         inline,
@@ -153,6 +157,7 @@ pub fn plan<'a>(
         gaps,
         gap_ends,
         region_tail,
+        block_at,
         external,
         external_len,
         has_external_data,
@@ -198,8 +203,13 @@ mod tests {
             p.slots,
             vec![Slot::Inline(64), Slot::Nothing, Slot::Inline(128)]
         );
-        assert_eq!(p.region_len, 128 + 70);
-        assert!(p.region_tail.is_empty() && p.pair_trailer.is_none() && p.external.is_empty());
+        // Then the checksum block (3 sums, the metadata's, a 32-byte footer) and the trailer.
+        let end = 128 + 70 + 8 * 4 + 32 + PAIR_TRAILER_LEN;
+        assert_eq!(p.region_len, end.next_multiple_of(PAYLOAD_ALIGNMENT));
+        let block_and_trailer = checksums::block_len(3) + PAIR_TRAILER_LEN;
+        assert_eq!(p.block_at + block_and_trailer, p.region_tail.len());
+        assert!(p.region_tail.ends_with(&pairing::trailer(&[0; 16])));
+        assert!(p.pair_trailer.is_none() && p.external.is_empty());
         // Each gap is zero padding, then the value's length, ending where the value starts.
         assert_eq!(p.gap_ends, vec![64, 128 - 3]);
         assert_eq!(&p.gaps[60..64], &3u32.to_le_bytes());
@@ -246,6 +256,6 @@ mod tests {
         ckpt.is_nominal = true;
         let p = plan(&ckpt, Placement::External, &[0; 16], &[]).unwrap();
         assert_eq!(p.slots, vec![Slot::Nothing, Slot::Nothing]);
-        assert_eq!((p.region_len, p.has_external_data), (0, false));
+        assert!(p.inline.is_empty() && p.external.is_empty() && !p.has_external_data);
     }
 }

@@ -105,7 +105,7 @@ pub fn map_private_any(path: &Path, follow_symlinks: bool) -> Result<(Option<Mma
 
 /// Opens a regular file for reading. O_NONBLOCK: opening a FIFO would otherwise wait
 /// for a writer forever; it has no effect on regular files, which are all we keep.
-fn open(path: &Path, follow_symlinks: bool) -> Result<(File, u64, FileId)> {
+pub fn open(path: &Path, follow_symlinks: bool) -> Result<(File, u64, FileId)> {
     let in_file = |e: io::Error| Error::from(e).in_file(path);
     let no_follow = if follow_symlinks { 0 } else { libc::O_NOFOLLOW };
     let file = OpenOptions::new()

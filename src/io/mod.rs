@@ -15,6 +15,6 @@ pub use atomic::{
 };
 pub use commit::{rename_directory, write_file, CommitOptions, Staged};
 pub use locks::{LockFile, PathLock};
-pub use mapped::{map_private, map_private_any, FileId};
+pub use mapped::{map_private, map_private_any, open as open_regular, FileId};
 pub use progress::Progress;
 pub use writeback::AfterEachPiece;

@@ -25,6 +25,20 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
                 None => PyOSError::new_err(format!("{e}")),
             };
         }
+        ErrorKind::Integrity(_) => {
+            // CheckpointIntegrityError lists problems, each naming its file.
+            let build = || -> PyResult<PyErr> {
+                let class = py
+                    .import("ortckpt.errors")?
+                    .getattr("CheckpointIntegrityError")?;
+                let path = filename.clone().unwrap_or_default();
+                let problem = e.to_string();
+                let instance = class.call1((path, vec![problem]))?;
+                instance.setattr("tensor", e.tensor())?;
+                Ok(PyErr::from_value(instance))
+            };
+            return build().unwrap_or_else(|import_failure| import_failure);
+        }
         ErrorKind::Malformed(_) => "CheckpointFormatError",
         ErrorKind::UnsupportedDataType(_) => "UnsupportedDataTypeError",
         ErrorKind::InvalidState(_) => "CheckpointStateError",

@@ -49,25 +49,80 @@ fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 
 /// Opens a checkpoint: returns a dict of its metadata and a `MappedFile` whose
 /// buffer holds the tensor bytes at the offsets given. Without `follow_symlinks`, a
-/// symlink at the path (or at its data file) is refused.
+/// symlink at the path (or at its data file) is refused. With `verify`, every byte is
+/// first checked against the file's checksums (CheckpointIntegrityError if one differs),
+/// and the dict's "checksums" says whether it had any.
 #[pyfunction]
-#[pyo3(signature = (path, *, follow_symlinks = true))]
+#[pyo3(signature = (path, *, follow_symlinks = true, verify = false))]
 fn load<'py>(
     py: Python<'py>,
     path: PathBuf,
     follow_symlinks: bool,
+    verify: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     guarded(py, || {
-        let loaded = py
-            .detach(|| crate::load_with(&path, follow_symlinks))
+        let (loaded, checked) = py
+            .detach(|| {
+                let loaded = crate::load_with(&path, follow_symlinks)?;
+                let checked = if verify {
+                    Some(loaded.verify_checksums()?)
+                } else {
+                    None
+                };
+                Ok((loaded, checked))
+            })
             .map_err(|e| to_py_err(py, e))?;
+        let checksums = checked.map(|c| matches!(c, crate::Checked::Verified { .. }));
         let (map, data, ckpt) = loaded.into_parts();
         let mapping = Py::new(py, MappedFile::new(map))?.into_any();
         let external = data
             .map(|d| Py::new(py, MappedFile::new(d)))
             .transpose()?
             .map(Py::into_any);
-        described(py, &ckpt, mapping, external)
+        let out = described(py, &ckpt, mapping, external)?;
+        out.set_item("checksums", checksums)?;
+        Ok(out)
+    })
+}
+
+/// Checks the checkpoint at `path` against its checksums, reading every value once with the
+/// GIL released: (tensors, bytes of values, root checksum), or None when the file has no
+/// checksums (ONNX Runtime's own, an older ortckpt's). CheckpointIntegrityError names the file
+/// and tensor that differ.
+#[pyfunction]
+#[pyo3(signature = (path, *, follow_symlinks = true))]
+fn verify_checksums(
+    py: Python<'_>,
+    path: PathBuf,
+    follow_symlinks: bool,
+) -> PyResult<Option<(usize, u64, u64)>> {
+    guarded(py, || {
+        let checked = py
+            .detach(|| crate::load_with(&path, follow_symlinks)?.verify_checksums())
+            .map_err(|e| to_py_err(py, e))?;
+        Ok(match checked {
+            crate::Checked::NoChecksums => None,
+            crate::Checked::Verified {
+                tensors,
+                bytes,
+                root,
+            } => Some((tensors, bytes, root)),
+        })
+    })
+}
+
+/// (size, root checksum) of the checkpoint file at `path` (its last bytes only), the root
+/// None when it has no checksums. Without `follow_symlinks`, a symlink is refused.
+#[pyfunction]
+#[pyo3(signature = (path, *, follow_symlinks = true))]
+fn checksum_root(
+    py: Python<'_>,
+    path: PathBuf,
+    follow_symlinks: bool,
+) -> PyResult<(u64, Option<u64>)> {
+    guarded(py, || {
+        py.detach(|| crate::checksum_root_of_file(&path, follow_symlinks))
+            .map_err(|e| to_py_err(py, e))
     })
 }
 
@@ -368,6 +423,17 @@ impl Staging {
         })
     }
 
+    /// Writes the staged checkpoint's checksum block again from the files as they are now
+    /// (after values were filled in place): reads every value once.
+    fn reseal(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            self.with(py, |staged| {
+                py.detach(|| crate::reseal(staged))
+                    .map_err(|e| to_py_err(py, e))
+            })
+        })
+    }
+
     /// Removes the staged files; the target stays as it was.
     fn discard(&self) {
         let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -521,8 +587,10 @@ fn encode_segments<'py>(
             (nominal, keep_order),
             &mut buffers,
         )?;
-        let encoded = crate::encode_for_stream(&payloads, true, external_data_threshold)
+        let mut encoded = crate::encode_for_stream(&payloads, true, external_data_threshold)
             .map_err(|e| to_py_err(py, e))?;
+        // The stream's consumer writes the values: they are summed here, from memory, first.
+        py.detach(|| encoded.seal_from_memory());
         // Which object each exported buffer came from, by its address and length.
         let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
             .iter()
@@ -730,6 +798,8 @@ fn _panic_for_test(py: Python<'_>, message: String, release_gil: bool) -> PyResu
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum_root, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;

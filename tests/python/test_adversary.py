@@ -470,8 +470,8 @@ def test_finding_s3_a_sweep_racing_a_zombie_commit_never_leaves_a_step_naming_go
             assert landed.wait(60)
         return real_remove(locations)
 
-    def restart_sweeps_meanwhile(store, attempt, *args):  # type: ignore[no-untyped-def]
-        described = real_describe(store, attempt, *args)  # the zombie's objects are up, uncommitted
+    def restart_sweeps_meanwhile(store, attempt, *args, **kwargs):  # type: ignore[no-untyped-def]
+        described = real_describe(store, attempt, *args, **kwargs)  # the zombie's objects are up, uncommitted
 
         def restart() -> None:
             with CheckpointManager(s3_url, storage_options=options) as restarted:

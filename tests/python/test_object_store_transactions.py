@@ -53,8 +53,8 @@ def test_a_zombie_writer_whose_upload_was_swept_commits_nothing(s3_server, s3_ur
     zombie.save(CheckpointState.from_arrays(arrays(1.0)), 1)
     real_describe = ObjectStore.describe
 
-    def swept_meanwhile(store, attempt, *args):  # the restart's sweep, between upload and commit
-        described = real_describe(store, attempt, *args)
+    def swept_meanwhile(store, attempt, *args, **kwargs):  # the restart's sweep, between upload and commit
+        described = real_describe(store, attempt, *args, **kwargs)
         with CheckpointManager(s3_url, storage_options=options) as restart:
             assert any("step_00000002" in url for url in restart.remove_leftovers())
         return described

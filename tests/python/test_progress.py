@@ -47,7 +47,7 @@ def test_bars_show_for_saves_and_hashing(tmp_path, monkeypatch, capfd):
     assert "saving plain" in capfd.readouterr().err
     CheckpointManager(tmp_path / "run", progress=True).save(state_of(8), 1)
     err = capfd.readouterr().err
-    assert "saving checkpoint" in err and "hashing step_00000001" in err
+    assert "saving checkpoint" in err and "describing step_00000001" in err
     assert CheckpointManager(tmp_path / "run").restore().parameters["w"].data.sum() == 8 << 18
 
 

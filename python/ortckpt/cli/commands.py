@@ -296,8 +296,10 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
 @_fail_cleanly
 def verify(path: str, as_json: bool, progress: bool | None) -> None:
     """Check that a checkpoint is whole: for a CheckpointManager step directory every file's size
-    and SHA-256 against its metadata.json, then (for any checkpoint) that every tensor, momentum
-    and property decodes and reads in full. PATH may be on s3://."""
+    and digest against its metadata.json, then (for any checkpoint) every tensor's bytes against
+    the checksums ortckpt writes into the file ("no checksums" for a file without them, such as
+    ONNX Runtime's: read in full instead), and that every tensor, momentum and property decodes.
+    PATH may be on s3://."""
     from ..errors import CheckpointError, CheckpointIntegrityError
     from ..manager.integrity import verify as run_verify
 
@@ -325,11 +327,14 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
                 "step": result.step,
                 "tensors": result.tensors,
                 "tensor_bytes": result.tensor_bytes,
-                "sha256": result.files,
+                "sha256": {name: digest for name, digest in result.files.items() if len(digest) == 64},
+                "files": result.files,
+                "checksums": result.checksums,
             }
         )
-    hashed = f", {len(result.files)} files match their SHA-256" if result.files else ""
-    click.echo(f"{path}: OK ({result.tensors} tensors, {_size(result.tensor_bytes)} read{hashed})")
+    hashed = f", {len(result.files)} files match their metadata" if result.files else ""
+    sums = "" if result.checksums else ", no checksums"
+    click.echo(f"{path}: OK ({result.tensors} tensors, {_size(result.tensor_bytes)} read{hashed}{sums})")
 
 
 @main.command(epilog=EXIT_CODES, short_help="Compare two checkpoints, with tolerances.")

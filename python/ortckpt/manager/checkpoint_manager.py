@@ -170,6 +170,11 @@ class CheckpointManager:
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
             True in this process, ``"process"`` in a fresh Python process (directories only; it
             imports the same ortckpt as this one). A checkpoint that fails is not committed.
+        digest: ``"sha256"`` records each file's SHA-256 in metadata.json too, for whoever
+            publishes cryptographic digests: each file is then read back after it is written.
+            Without it (the default) a checkpoint file is recorded by its size and the root of
+            the checksums the core writes into it as it writes it (XXH3-64, not cryptographic),
+            its data file by size and pair id: nothing is read back.
         verify_timeout: For ``verify_after_save="process"``: seconds the fresh process may take
             (default: 120 s plus 1 s per 64 MiB of checkpoint); past it, it is killed and the
             step refused (:class:`~ortckpt.ValidationTimeoutError`).
@@ -235,6 +240,7 @@ class CheckpointManager:
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
         verify_timeout: float | None = None,
+        digest: Literal["sha256"] | None = None,
         validate: Forward | None = None,
         compress_kept: bool = False,
         track: str | Tracker | None = None,
@@ -310,6 +316,9 @@ class CheckpointManager:
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save
+        if digest not in (None, "sha256"):
+            raise InvalidArgumentError(f'digest is None or "sha256", got {digest!r}', "digest")
+        self.digest = digest
         self.verify_timeout = verify_timeout
         self.config = config
         self.external_data_threshold = external_data_threshold
@@ -589,10 +598,10 @@ class CheckpointManager:
         if self.progress:
             from .. import progress as _progress
 
-            bar = _progress.bar(f"hashing {steps.step_directory_name(attempt.step)}")
+            bar = _progress.bar(f"describing {steps.step_directory_name(attempt.step)}")
             on_bytes = bar.update
         try:
-            files = self.store.describe(attempt, on_bytes)
+            files = self.store.describe(attempt, on_bytes, sha256=self.digest == "sha256")
         finally:
             if bar is not None:
                 bar.close()

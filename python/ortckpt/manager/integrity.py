@@ -1,8 +1,11 @@
 """``ortckpt.verify``: is this checkpoint whole, byte for byte, and does every tensor decode?
 
-One verification for every kind of step (:mod:`ortckpt.stepstore`): each file's size and
-SHA-256 against the step's metadata.json, a sharded step's index against its shards, then
-every value and property decoded. A step on object storage is first streamed into a private
+One verification for every kind of step (:mod:`ortckpt.stepstore`): each file against its
+entry in the step's metadata.json (:mod:`ortckpt.stepstore.entries`: its size, and the root of
+its checksums, its pair id or its SHA-256), a sharded step's index against its shards, then
+every checkpoint's bytes against the checksums it carries (in the core, at about the speed of
+reading them; a file without checksums is read in full instead), every value and property
+decoded. A step on object storage is first streamed into a private
 temporary directory (its SHA-256s taken as the bytes come), then checked there: one download,
 memory bounded as for a directory.
 """
@@ -19,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import documents, object_store, safe_io, steps, targets
+from .. import _boundary, documents, object_store, safe_io, steps, targets
 from .. import progress as _progress
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointIntegrityError
-from ..stepstore import DirectoryStore, ObjectStore, Step, StepStore
+from ..stepstore import DirectoryStore, ObjectStore, Step, StepStore, entries
 
 
 @dataclass
@@ -35,7 +38,10 @@ class Verified:
     step: int | None
     tensors: int
     tensor_bytes: int
-    files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256 checked (empty without metadata)
+    files: dict[str, str] = field(default_factory=dict)  # name -> digest checked (empty without metadata)
+    # Whether every checkpoint file carried checksums (False: one had none, as ONNX Runtime's
+    # files and older ortckpt's: it was decoded and read in full instead).
+    checksums: bool = True
 
 
 def verify(
@@ -184,18 +190,7 @@ def _verify_folder(
             if named is not None and named != meta["step"]:
                 later.append(f"{shown(steps.METADATA_NAME)}: step {meta['step']}, but the directory is of step {named}")
             for file, expected in sorted(meta["files"].items()):
-                where = directory / file
-                found = hashed.get(file)
-                _check_hash(
-                    file,
-                    shown(file),
-                    expected,
-                    (lambda found=found: _raise_or(found))
-                    if found is not None
-                    else (lambda where=where: safe_io.sha256_of(where, on_bytes)),
-                    problems,
-                    files,
-                )
+                _check_file(file, shown(file), expected, directory / file, hashed.get(file), problems, files, on_bytes)
             if "compressed" in meta and not problems:
                 directory = _decompressed(directory, meta["compressed"], cleanup, problems, files, on_bytes, shown)
             for checkpoint in checkpoints:
@@ -208,48 +203,76 @@ def _verify_folder(
             from ..distributed.sharded import check_shards
 
             problems += check_shards(DirectoryStore(directory, writer=False), directory, index)
+        no_checksums = []
         for checkpoint in checkpoints:
             try:
-                state = open_checkpoint(safe_io.member(directory, checkpoint), follow_symlinks=False)
-                # Hashed files were just read in full; others are read here instead.
-                count, nbytes, saved_step = read_everything(state, checkpoint not in files, on_bytes)
+                path = safe_io.member(directory, checkpoint)
+                checked = _boundary.verify_checksums(path, follow_symlinks=False)
+                if checked is not None and on_bytes is not None:
+                    on_bytes(checked[1])
+                state = open_checkpoint(path, follow_symlinks=False)
+                # Files with checksums were just checked in full, files whose SHA-256 matched read
+                # in full; others are read here instead.
+                sha_read = len(files.get(checkpoint, "")) == 64
+                count, nbytes, saved_step = read_everything(state, checked is None and not sha_read, on_bytes)
+            except CheckpointIntegrityError as e:
+                problems += [p.replace(str(directory), str(name)) for p in e.problems]
+                continue
             except (CheckpointError, OSError) as e:
                 problems.append(_problem(shown(checkpoint), e).replace(str(directory), str(name)))
                 continue
+            if checked is None:
+                no_checksums.append(checkpoint)
             tensors, tensor_bytes = tensors + count, tensor_bytes + nbytes
             if meta is not None and saved_step is not None and saved_step != meta["step"]:
                 problems.append(f"{shown(checkpoint)}: property step={saved_step}, metadata says step={meta['step']}")
     problems += later
     if problems:
         raise CheckpointIntegrityError(name, problems)
-    return Verified(name, step.number if meta is not None else None, tensors, tensor_bytes, files)
+    number = step.number if meta is not None else None
+    return Verified(name, number, tensors, tensor_bytes, files, checksums=not no_checksums)
 
 
-def _raise_or(found: tuple[int, str] | BaseException) -> tuple[int, str]:
-    if isinstance(found, BaseException):
-        raise found
-    return found
-
-
-def _check_hash(
-    name: str, file: str, expected: Mapping[str, Any], hashed: Any, problems: list[str], files: dict[str, str]
+def _check_file(
+    name: str,
+    file: str,
+    expected: Mapping[str, Any],
+    where: Path,
+    downloaded: tuple[int, str] | BaseException | None,
+    problems: list[str],
+    files: dict[str, str],
+    on_bytes: Any,
 ) -> None:
-    """Compares a file's size and SHA-256, as ``hashed()`` reads them, with its metadata entry:
-    a problem said, or its digest recorded under its name."""
+    """Compares a file with its metadata entry (:func:`entries.check`; for a download, the
+    size and SHA-256 taken as it came): a problem said, or what matched recorded under its name."""
     try:
-        size, digest = hashed()
+        if isinstance(downloaded, BaseException):
+            raise downloaded
+        if downloaded is not None and "sha256" in expected:
+            size, digest = downloaded
+            problem = (
+                f"{size} bytes, metadata says {expected['bytes']}"
+                if size != expected["bytes"]
+                else f"SHA-256 {digest} differs from metadata's {expected['sha256']}"
+                if digest != expected["sha256"]
+                else None
+            )
+            matched = digest
+        else:
+            problem, matched = entries.check(where, dict(expected), on_bytes)
     except FileNotFoundError:
         problems.append(f"{file}: missing")
+        return
+    except CheckpointIntegrityError as e:  # a damaged checksum block: each problem names the file
+        problems += [p.replace(str(where), file) for p in e.problems]
         return
     except (OSError, CheckpointError) as e:
         problems.append(_problem(file, e))
         return
-    if size != expected["bytes"]:
-        problems.append(f"{file}: {size} bytes, metadata says {expected['bytes']}")
-    elif digest != expected["sha256"]:
-        problems.append(f"{file}: SHA-256 {digest} differs from metadata's {expected['sha256']}")
+    if problem is not None:
+        problems.append(f"{file}: {problem}")
     else:
-        files[name] = digest
+        files[name] = matched
 
 
 def _problem(path: Path | str, error: BaseException) -> str:
@@ -298,27 +321,32 @@ def _decompressed(
         return scratch
     for name, entry in sorted(expected.items()):
         try:
-            size, digest = safe_io.sha256_of(scratch / name, on_bytes)
+            problem, matched = entries.check(scratch / name, entry, on_bytes)
         except FileNotFoundError:
             problems.append(f"{shown(steps.COMPRESSED_NAME)}: holds no {name}, which metadata.json lists")
             continue
-        if (size, digest) != (entry["bytes"], entry["sha256"]):
-            problems.append(
-                f"{shown(steps.COMPRESSED_NAME)}: its {name} is {size} bytes, SHA-256 {digest}; "
-                f"metadata says {entry['bytes']}, {entry['sha256']}"
-            )
+        except (OSError, CheckpointError) as e:
+            problems.append(f"{shown(steps.COMPRESSED_NAME)}: its {name}: {e}")
+            continue
+        if problem is not None:
+            problems.append(f"{shown(steps.COMPRESSED_NAME)}: its {name}: {problem}")
         else:
-            files[name] = digest
+            files[name] = matched
     return scratch
 
 
 def _verify_file(path: Path, on_bytes: Any) -> Verified:
-    """A bare checkpoint file: no hashes, so decoding (and reading every byte) is the check."""
+    """A bare checkpoint file: its checksums, and decoding (reading every byte when it has none)."""
     try:
-        count, nbytes, _ = read_everything(open_checkpoint(path), True, on_bytes)
+        checked = _boundary.verify_checksums(path)
+        if checked is not None and on_bytes is not None:
+            on_bytes(checked[1])
+        count, nbytes, _ = read_everything(open_checkpoint(path), checked is None, on_bytes)
+    except CheckpointIntegrityError:
+        raise
     except (CheckpointError, OSError) as e:
         raise CheckpointIntegrityError(path, [_problem(path, e)]) from None
-    return Verified(path, None, count, nbytes)
+    return Verified(path, None, count, nbytes, checksums=checked is not None)
 
 
 def read_everything(state: CheckpointState, read_bytes: bool, on_bytes: Any = None) -> tuple[int, int, Any]:

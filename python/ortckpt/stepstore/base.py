@@ -168,8 +168,9 @@ class StepStore(abc.ABC):
         writer); nothing where nothing can prove it (an object store)."""
 
     @abc.abstractmethod
-    def describe(self, attempt: Attempt, on_bytes: Any = None) -> dict[str, dict[str, Any]]:
-        """Size and SHA-256 of every file written into the attempt."""
+    def describe(self, attempt: Attempt, on_bytes: Any = None, *, sha256: bool = False) -> dict[str, dict[str, Any]]:
+        """The metadata entry of every file written into the attempt (see :mod:`.entries`);
+        with ``sha256``, each with its SHA-256."""
 
     @abc.abstractmethod
     def remove_leftovers(self) -> list[str]:

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import socket
@@ -36,6 +35,7 @@ from .. import _boundary, documents, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
+from . import entries
 from .base import Attempt, Scan, Step, StepStore, shared_file_entry
 
 # The documents a step may be committed by, with their caps and schemas.
@@ -181,20 +181,22 @@ class DirectoryStore(StepStore):
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
-        entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        entry = entries.of_document(data)
         attempt.written[name] = entry
         return entry
 
-    def describe(self, attempt: Attempt, on_bytes: Any = None) -> dict[str, dict[str, Any]]:
-        """Size and SHA-256 of every file written into the attempt (read back: the core does
-        not hash as it writes)."""
+    def describe(self, attempt: Attempt, on_bytes: Any = None, *, sha256: bool = False) -> dict[str, dict[str, Any]]:
+        """The entry of every file written into the attempt (:mod:`.entries`): checkpoint files
+        by the checksums the core took as it wrote them (nothing is read back), documents by the
+        SHA-256 taken as they were written; with ``sha256``, every file's SHA-256 too (read back)."""
         described = {}
         for name in sorted(attempt.written):
-            if name in attempt.shared:
+            if name in attempt.shared:  # hard-linked from the previous step: its entry, copied
                 described[name] = attempt.shared[name]
-                continue
-            size, digest = safe_io.sha256_of(Path(attempt.folder) / name, on_bytes)
-            described[name] = {"bytes": size, "sha256": digest}
+            elif "sha256" in attempt.written[name]:  # a document
+                described[name] = attempt.written[name]
+            else:
+                described[name] = entries.of_written(Path(attempt.folder) / name, sha256=sha256, on_bytes=on_bytes)
         return described
 
     def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:

@@ -1,0 +1,83 @@
+"""What a step's metadata.json records of each file it holds, and how a file is checked
+against it: the one place that knows the entries' kinds.
+
+- A checkpoint file: ``{"bytes", "xxh3"}``, the root checksum of the checksum block the core
+  wrote into it (which covers every tensor, the metadata and the file's pair id: a file
+  swapped for another differs). Read from the file's last bytes, never by reading it back.
+- Its external data file: ``{"bytes", "pair"}``, the pair id both files end with. Its tensors
+  are checked through the checkpoint's block, tensor by tensor (so a data file holding bytes
+  this checkpoint does not reference, or shared by hard link with the previous step, checks
+  the same); the entry of a data file that is the same inode as the previous step's can be
+  copied from that step's metadata.
+- Documents, older steps' files, files on object storage, and with ``digest="sha256"`` every
+  file: ``{"bytes", "sha256"}`` (a cryptographic digest; for a file the core wrote it costs
+  a read of the file after writing it).
+
+Files are opened without following symlinks, and must be regular files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from .. import _boundary, safe_io
+
+# The core's pair trailer: 16 bytes of magic, then the 16-byte id.
+_PAIR_MAGIC = b"ortckpt pair id\0"
+_TRAILER = 32
+DATA_SUFFIX = ".data"
+
+
+def of_written(path: Path, *, sha256: bool, on_bytes: Any = None) -> dict[str, Any]:
+    """The entry of a file a save just wrote (read back only for ``sha256``)."""
+    if path.name.endswith(DATA_SUFFIX):
+        size, pair = _pair_of(path)
+        entry: dict[str, Any] = {"bytes": size} if pair is None else {"bytes": size, "pair": pair}
+    else:
+        size, root = _boundary.checksum_root(path, follow_symlinks=False)
+        entry = {"bytes": size} if root is None else {"bytes": size, "xxh3": f"{root:016x}"}
+    if sha256 or len(entry) == 1:  # nothing cheaper to record: a digest it is
+        entry["bytes"], entry["sha256"] = safe_io.sha256_of(path, on_bytes)
+    return entry
+
+
+def of_document(data: bytes) -> dict[str, Any]:
+    """The entry of a small document the step writes from memory."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _pair_of(path: Path) -> tuple[int, str | None]:
+    """(size, the pair id the file ends with in hex, or None without a pair trailer)."""
+    with safe_io.open_regular(path, follow_symlinks=False) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _TRAILER:
+            return size, None
+        tail = os.pread(f.fileno(), _TRAILER, size - _TRAILER)
+    return size, (tail[16:].hex() if tail[:16] == _PAIR_MAGIC else None)
+
+
+def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[str | None, str]:
+    """(problem or None, what matched) of the file at ``path`` against its entry: its size and
+    the digest the entry records (SHA-256 by reading the file; a checksum root or pair id from
+    its last bytes). Raises OSError (FileNotFoundError: missing) and CheckpointError (a
+    damaged checksum block) as reading does."""
+    if "sha256" in expected:
+        size, found = safe_io.sha256_of(path, on_bytes)
+        what, recorded = "SHA-256", expected["sha256"]
+    elif "xxh3" in expected:
+        size, root = _boundary.checksum_root(path, follow_symlinks=False)
+        found, what, recorded = ("none" if root is None else f"{root:016x}"), "checksum root", expected["xxh3"]
+    else:
+        size, pair = _pair_of(path)
+        found, what, recorded = (pair or "none"), "pair id", expected["pair"]
+    if size != expected["bytes"]:
+        return f"{size} bytes, metadata says {expected['bytes']}", ""
+    if found != recorded:
+        return f"{what} {found} differs from metadata's {recorded}", ""
+    return None, found
+
+
+__all__ = ["check", "of_document", "of_written"]

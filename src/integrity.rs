@@ -1,0 +1,280 @@
+//! Checking a checkpoint against the checksum block it carries ([`crate::format::checksums`]).
+//!
+//! The check reads every value once, from the mappings [`crate::load`] made, and sums it in
+//! place: no copy, no second read; the pages summed are dropped behind it (the memory used
+//! stays a few chunks, whatever the file's size). Files without a block (ONNX Runtime's, an
+//! older ortckpt's) are reported as such; their check is decoding.
+
+use std::os::unix::fs::FileExt;
+
+use memmap2::{MmapMut, UncheckedAdvice};
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::format::checksums::{self, Block, Running, Sum};
+use crate::format::encode::PAYLOAD_ALIGNMENT;
+use crate::format::pairing::{self, PAIR_MAGIC};
+use crate::format::{Checkpoint, Stored};
+use crate::{external_data_path, io, LoadedCheckpoint};
+
+/// What [`LoadedCheckpoint::verify_checksums`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checked {
+    /// The file carries no checksums (ONNX Runtime wrote it, or an ortckpt before them).
+    NoChecksums,
+    /// Every tensor and the metadata match; `root` is the block's own checksum.
+    Verified {
+        tensors: usize,
+        bytes: u64,
+        root: Sum,
+    },
+}
+
+impl LoadedCheckpoint {
+    /// Sums every tensor's bytes and the metadata around them and compares them with the
+    /// file's checksum block.
+    ///
+    /// # Errors
+    /// [`crate::ErrorKind::Integrity`] naming the file and, for a tensor's bytes, the tensor.
+    pub fn verify_checksums(&self) -> Result<Checked> {
+        let in_file = |e: Error| e.in_file(&self.path);
+        let Some(block) = checksums::find(&self.map, self.map.len() as u64)
+            .map_err(|why| in_file(Error::integrity(why)))?
+        else {
+            return match truncated_block(&self.map, self.checkpoint.tensors().count()) {
+                true => Err(in_file(Error::integrity(
+                    "the file ends inside its checksum block or trailer: it is truncated",
+                ))),
+                false => Ok(Checked::NoChecksums),
+            };
+        };
+        let mut bytes = 0;
+        let sums = tensor_sums(&self.map, self.data.as_ref(), &self.checkpoint, &block)
+            .map_err(in_file)?;
+        for ((name, t), (found, expected)) in self
+            .checkpoint
+            .tensors_named()
+            .zip(sums.iter().zip(&block.tensors))
+        {
+            if found != expected {
+                let file = match t.data {
+                    Stored::External { .. } => external_data_path(&self.path),
+                    _ => self.path.clone(),
+                };
+                return Err(Error::integrity(format!(
+                    "the tensor's bytes differ from their checksum ({found:016x}, the file \
+                     recorded {expected:016x})"
+                ))
+                .in_tensor(&name)
+                .in_file(&file));
+            }
+            bytes += match t.data {
+                Stored::Inline { len, .. } => len as u64,
+                Stored::External { len, .. } => len,
+                _ => 0,
+            };
+        }
+        let metadata = metadata_sum(&self.map, &self.checkpoint, &block).map_err(in_file)?;
+        if metadata != block.metadata {
+            return Err(in_file(Error::integrity(
+                "the checkpoint's metadata (names, shapes, strings, properties, layout) differs \
+                 from its checksum",
+            )));
+        }
+        Ok(Checked::Verified {
+            tensors: sums.len(),
+            bytes,
+            root: block.root,
+        })
+    }
+}
+
+/// Whether a file without a block at its end (nor a whole pair trailer: an older ortckpt's
+/// file) still holds the start of a block or trailer in the last bytes they would take: an
+/// ortckpt file cut short. (Cut deeper, into the values, it no longer decodes; cut inside a
+/// long block's sums, past its magic, it is not caught here: the manager records every
+/// file's size.)
+fn truncated_block(map: &[u8], tensors: usize) -> bool {
+    if pairing::pair_id(map).is_some() {
+        return false;
+    }
+    let tail = &map[map
+        .len()
+        .saturating_sub(checksums::tail_len(tensors) + PAYLOAD_ALIGNMENT)..];
+    let prefix = 8;
+    [&checksums::BLOCK_MAGIC[..prefix], &PAIR_MAGIC[..prefix]]
+        .iter()
+        .any(|magic| tail.windows(prefix).any(|w| w == *magic))
+}
+
+/// Bytes summed between two drops of the pages behind.
+const CHUNK: usize = 8 << 20;
+
+/// The sum of `map[start..end]`, chunk by chunk, dropping each chunk's pages once summed.
+/// Only for mappings nobody wrote through (MADV_DONTNEED also drops copy-on-write changes):
+/// a load's, before any view of it exists.
+fn sum_dropping(map: &MmapMut, start: usize, end: usize) -> Sum {
+    if end - start <= CHUNK {
+        return checksums::sum(&map[start..end]);
+    }
+    let page = page_size();
+    let mut running = Running::default();
+    let mut at = start;
+    while at < end {
+        let next = (at + CHUNK).min(end);
+        running.update(&map[at..next]);
+        let (from, to) = (at.div_ceil(page) * page, next / page * page);
+        if to > from {
+            // SAFETY: the range lies inside the mapping, private and not written through:
+            // later reads fault the file's bytes in again.
+            let _ =
+                unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, from, to - from) };
+        }
+        at = next;
+    }
+    running.finish()
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).unwrap_or(4096).max(1)
+}
+
+/// The sum of each tensor's bytes, in file order.
+fn tensor_sums(
+    map: &MmapMut,
+    data: Option<&MmapMut>,
+    ckpt: &Checkpoint<Stored>,
+    block: &Block,
+) -> Result<Vec<Sum>> {
+    let count = ckpt.tensors().count();
+    if count != block.tensors.len() {
+        return Err(Error::integrity(format!(
+            "the checkpoint lists {count} tensors, its checksum block {}",
+            block.tensors.len()
+        )));
+    }
+    let outside =
+        |name: &str| Error::integrity("the tensor's bytes lie outside the file").in_tensor(name);
+    ckpt.tensors_named()
+        .map(|(name, t)| {
+            let (file, start, end) = match t.data {
+                Stored::Inline { offset, len } => (Some(map), offset, offset.checked_add(len)),
+                Stored::External { offset, len } => (
+                    data,
+                    usize::try_from(offset).unwrap_or(usize::MAX),
+                    offset
+                        .checked_add(len)
+                        .and_then(|e| usize::try_from(e).ok()),
+                ),
+                Stored::Strings(_) | Stored::Absent => return Ok(checksums::sum(&[])),
+            };
+            match (file, end) {
+                (Some(file), Some(end)) if start <= end && end <= file.len() => {
+                    Ok(sum_dropping(file, start, end))
+                }
+                // An empty external tensor of an empty data file (which is not mapped).
+                (None, Some(0)) if start == 0 => Ok(checksums::sum(&[])),
+                _ => Err(outside(&name)),
+            }
+        })
+        .collect()
+}
+
+/// The sum of every byte before the block but the inline values.
+fn metadata_sum(map: &[u8], ckpt: &Checkpoint<Stored>, block: &Block) -> Result<Sum> {
+    let mut values: Vec<(usize, usize)> = ckpt
+        .tensors()
+        .filter_map(|t| match t.data {
+            Stored::Inline { offset, len } if len > 0 => Some((offset, offset + len)),
+            _ => None,
+        })
+        .collect();
+    values.sort_unstable();
+    let mut sum = Running::default();
+    let mut at = 0;
+    for (start, end) in values {
+        if start < at || end > block.start {
+            return Err(Error::integrity(
+                "the checkpoint's values overlap or run into its checksum block",
+            ));
+        }
+        sum.update(&map[at..start]);
+        at = end;
+    }
+    let before_block = map
+        .get(at..block.start)
+        .ok_or_else(|| Error::integrity("the checksum block lies outside the file"))?;
+    sum.update(before_block);
+    Ok(sum.finish())
+}
+
+/// The size and root checksum of the checkpoint file at `path`, read from its block (its last
+/// bytes only): what a manager records of a file it just wrote, without reading it back. The
+/// root is None for a file without a block.
+///
+/// # Errors
+/// OS errors (a symlink, without `follow_symlinks`; anything but a regular file);
+/// [`crate::ErrorKind::Integrity`] for a damaged block; each naming the file.
+pub fn checksum_root_of_file(path: &Path, follow_symlinks: bool) -> Result<(u64, Option<Sum>)> {
+    let in_file = |e: Error| e.in_file(path);
+    let (file, len, _) = io::open_regular(path, follow_symlinks)?;
+    let read_tail = |n: usize| -> Result<Vec<u8>> {
+        let n = n.min(len as usize);
+        let mut tail = vec![0u8; n];
+        file.read_exact_at(&mut tail, len - n as u64)
+            .map_err(|e| in_file(e.into()))?;
+        Ok(tail)
+    };
+    let footer = read_tail(checksums::FOOTER_AND_TRAILER_LEN)?;
+    let Some(count) = checksums::claimed_count(&footer) else {
+        return Ok((len, None));
+    };
+    // A damaged count may claim more than the file holds: find() then says so.
+    let tail = read_tail(checksums::tail_len(count).min(len as usize))?;
+    let found = checksums::find(&tail, len).map_err(|why| in_file(Error::integrity(why)))?;
+    Ok((len, found.map(|block| block.root)))
+}
+
+/// Writes the checksum block of a staged checkpoint again, from its files as they are now:
+/// for writers that fill values in place after [`crate::write_staged`] (the block written
+/// then summed what the values were). Reads every value once.
+///
+/// # Errors
+/// OS errors; a staged file that is no ortckpt checkpoint with a block.
+pub fn reseal(staged: &mut io::Staged) -> Result<()> {
+    let main_path = staged.main().temp().to_path_buf();
+    let data_path = staged.data().map(|d| d.temp().to_path_buf());
+    let in_file = |e: Error| e.in_file(&main_path);
+    let (map, _) = io::map_private(&main_path, false, 8, |len| {
+        Error::malformed(format!(
+            "file is too short to be a checkpoint ({len} bytes)"
+        ))
+    })?;
+    let ckpt = crate::format::decode(&map).map_err(in_file)?;
+    let data = match &data_path {
+        Some(p) => io::map_private_any(p, false)?.0,
+        None => None,
+    };
+    let block = checksums::find(&map, map.len() as u64)
+        .map_err(|why| in_file(Error::integrity(why)))?
+        .ok_or_else(|| {
+            in_file(Error::invalid_state(
+                "the staged checkpoint has no checksum block",
+            ))
+        })?;
+    let sums = tensor_sums(&map, data.as_ref(), &ckpt, &block).map_err(in_file)?;
+    let metadata = metadata_sum(&map, &ckpt, &block).map_err(in_file)?;
+    let id = match data_path {
+        Some(_) => pairing::pair_id(&map).expect("find() saw the trailer"),
+        None => checksums::content_id(&sums, metadata),
+    };
+    let mut bytes = checksums::block(&sums, metadata, &id);
+    bytes.extend_from_slice(&pairing::trailer(&id));
+    staged
+        .main()
+        .file()
+        .write_all_at(&bytes, block.start as u64)
+        .map_err(|e| in_file(e.into()))
+}
