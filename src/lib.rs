@@ -28,6 +28,7 @@
 //! touching the filesystem; [`io`] maps and atomically writes files; the
 //! `python` feature adds the PyO3 extension module.
 
+pub mod compute;
 pub mod error;
 pub mod format;
 #[allow(clippy::all, unused_imports, dead_code, non_camel_case_types, unsafe_op_in_unsafe_fn)]
@@ -65,6 +66,10 @@ pub struct SaveOptions {
     pub keep_order: bool,
     /// How long the commit waits for another save of the same path to finish its renames.
     pub lock_timeout: std::time::Duration,
+    /// For [`write_staged`]: values (by the address of their first byte) left unwritten, as
+    /// holes that read back as zeros, for the caller to fill in place before the commit:
+    /// their bytes then go out once, not zeros first.
+    pub holes: std::collections::HashSet<usize>,
 }
 
 impl Default for SaveOptions {
@@ -76,6 +81,7 @@ impl Default for SaveOptions {
             progress: None,
             keep_order: false,
             lock_timeout: io::locks::DEFAULT_LOCK_TIMEOUT,
+            holes: std::collections::HashSet::new(),
         }
     }
 }
@@ -486,11 +492,14 @@ pub fn write_staged(
         progress,
     };
     let mut staged = io::Staged::new(path, external.is_some())?;
+    let hole = |bytes: &[u8]| options.holes.contains(&(bytes.as_ptr() as usize));
     if let (Some((len, values)), Some(data)) = (&external, staged.data()) {
-        io::write_at_parallel(data.file(), *len, values, options.threads, &after)
+        let written: Vec<(u64, &[u8])> = values.iter().copied().filter(|(_, b)| !hole(b)).collect();
+        progress.add(values_len as u64 - written.iter().map(|(_, b)| b.len() as u64).sum::<u64>());
+        io::write_at_parallel(data.file(), *len, &written, options.threads, &after)
             .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?;
     }
-    io::write_segments(staged.main().file(), &segments, &after)
+    io::write_segments(staged.main().file(), &segments, &hole, &after)
         .map_err(|e| Error::from(e).in_file(path))?;
     let mut placed: PlacedValues = encoded
         .payload_ranges()

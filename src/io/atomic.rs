@@ -7,7 +7,7 @@
 //! into place.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, IoSlice, Write};
+use std::io::{self, IoSlice, Seek, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -289,35 +289,66 @@ pub fn sync_parent_dir(path: &Path) -> Result<()> {
 
 /// Writes consecutive slices to a fresh file with few system calls (writev of
 /// up to 1024 slices and [`PIECE`] bytes at a time) and no copy on our side;
-/// `after` runs on each piece as soon as it is written.
+/// `after` runs on each piece as soon as it is written. Segments for which `hole`
+/// is true are skipped, not written: they read back as zeros until the caller
+/// fills them in place (the file is sized to cover them).
 pub fn write_segments(
     file: &mut File,
     segments: &[&[u8]],
+    hole: &dyn Fn(&[u8]) -> bool,
     after: &AfterEachPiece<'_>,
 ) -> io::Result<()> {
     const MAX_IOV: usize = 1024;
-    let mut pieces = segments.iter().flat_map(|s| s.chunks(PIECE)).peekable();
-    let mut position = 0u64;
-    let mut batch: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
-    loop {
-        let mut bytes = 0;
-        while batch.len() < MAX_IOV {
-            match pieces.peek() {
-                Some(next) if batch.is_empty() || bytes + next.len() <= PIECE => {
-                    bytes += next.len();
-                    batch.push(IoSlice::new(next));
-                    pieces.next();
-                }
-                _ => break,
-            }
+    let mut batch = Batch {
+        slices: Vec::with_capacity(MAX_IOV),
+        bytes: 0,
+        position: 0,
+    };
+    let mut skipped = false;
+    for segment in segments {
+        if !segment.is_empty() && hole(segment) {
+            batch.flush(file, after)?;
+            batch.position += segment.len() as u64;
+            file.seek(io::SeekFrom::Start(batch.position))?;
+            after.progress.add(segment.len() as u64);
+            skipped = true;
+            continue;
         }
-        if batch.is_empty() {
+        for piece in segment.chunks(PIECE) {
+            if !batch.slices.is_empty()
+                && (batch.slices.len() == MAX_IOV || batch.bytes + piece.len() > PIECE)
+            {
+                batch.flush(file, after)?;
+            }
+            batch.bytes += piece.len();
+            batch.slices.push(IoSlice::new(piece));
+        }
+    }
+    batch.flush(file, after)?;
+    if skipped {
+        file.set_len(batch.position)?; // a hole at the end still counts in the length
+    }
+    Ok(())
+}
+
+/// The slices of one writev, and where in the file it goes.
+struct Batch<'a> {
+    slices: Vec<IoSlice<'a>>,
+    bytes: usize,
+    position: u64,
+}
+
+impl Batch<'_> {
+    fn flush(&mut self, file: &mut File, after: &AfterEachPiece<'_>) -> io::Result<()> {
+        if self.slices.is_empty() {
             return Ok(());
         }
-        write_all_vectored(file, &mut batch)?;
-        after.written(file, position, bytes as u64);
-        position += bytes as u64;
-        batch.clear();
+        write_all_vectored(file, &mut self.slices)?;
+        after.written(file, self.position, self.bytes as u64);
+        self.position += self.bytes as u64;
+        self.slices.clear();
+        self.bytes = 0;
+        Ok(())
     }
 }
 
@@ -423,7 +454,7 @@ mod tests {
                 writeback,
                 progress: &progress,
             };
-            write_segments(&mut file, &slices, &after).unwrap();
+            write_segments(&mut file, &slices, &|_| false, &after).unwrap();
             assert!(
                 fs::read(&path).unwrap() == expected,
                 "writeback {writeback}"
