@@ -103,7 +103,7 @@ fn a_result_that_does_not_fit_is_reported_at_its_first_element_but_non_finite_in
     let (out, overflow) = run_memory(&Operation::Delta, DataType::Float, &[a, b]);
     assert_eq!(overflow.unwrap().element, 2);
     assert!(out.iter().all(|&b| b == 0xAA), "nothing of a refused chunk is written");
-    let b = f32_bytes(&[1.0, 1.0, f32::NAN, 3e38]);
+    let b = f32_bytes(&[1.0, 1.0, f32::NAN, -3e38]);
     let a = f32_bytes(&[1.0, f32::INFINITY, 3e38, -3e38]);
     let (out, overflow) = run_memory(&Operation::Delta, DataType::Float, &[a, b]);
     assert_eq!(overflow, None); // inf - 1 and 3e38 - NaN: the user's, as the arithmetic makes them
