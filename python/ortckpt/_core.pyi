@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension module ortckpt._core (checked by mypy's stubtest in `make test-wheel`).
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
@@ -105,7 +105,14 @@ def save(
     keep_order: bool = False,
     commit: bool = True,
     lock_timeout: float | None = None,
+    holes: Sequence[int] = ...,
 ) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
+def combine(
+    operation: str,
+    coefficients: Sequence[float],
+    jobs: Sequence[tuple[int, Sequence[Any], Sequence[bool], Any]],
+    progress: Callable[[int], object] | None = None,
+) -> tuple[int, int, float] | None: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],
