@@ -438,6 +438,10 @@ def bench_steps(args: argparse.Namespace, disk: Path) -> list[str]:
     ]
 
 
+# The workloads --only picks from, in the order they run.
+WORKLOADS = ("average", "small", "manager", "average-memory", "steps")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -453,17 +457,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: a temporary dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
+    parser.add_argument(
+        "--only",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated workloads to run, of {', '.join(WORKLOADS)} (default: all)",
+    )
     args = parser.parse_args()
+    only = set(args.only.split(","))
+    if only - set(WORKLOADS):
+        parser.error(f"--only: unknown workloads {', '.join(sorted(only - set(WORKLOADS)))}")
 
     shm = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=args.dir))
     table = Table()
+    memory: list[str] = []
+    steps: list[str] = []
     try:
-        bench_average(args, table, shm)
-        bench_small_tensors(args, table, shm)
-        bench_manager(args, table, disk)
-        memory = bench_average_memory(args, shm)
-        steps = bench_steps(args, disk)
+        if "average" in only:
+            bench_average(args, table, shm)
+        if "small" in only:
+            bench_small_tensors(args, table, shm)
+        if "manager" in only:
+            bench_manager(args, table, disk)
+        if "average-memory" in only:
+            memory = bench_average_memory(args, shm)
+        if "steps" in only:
+            steps = bench_steps(args, disk)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
