@@ -9,7 +9,7 @@ holds them to it), so the boundary can change in one place.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -253,9 +253,21 @@ def _mapped_base(array: Any) -> Any:
     return base
 
 
-def is_mapped(value: Any) -> bool:
-    """Whether ``value`` is a view over a file the core mapped."""
-    return isinstance(_mapped_base(value.packed if isinstance(value, PackedBits) else value), MappedFile)
+def mapping_of(value: Any) -> tuple[int, int] | None:
+    """(address, length) of the map of a file the core mapped that ``value`` is a view over,
+    else None."""
+    base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
+    if not isinstance(base, MappedFile) or len(base) == 0:
+        return None
+    return np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
+
+
+def release_maps(values: Iterable[Any]) -> None:
+    """Drops every page of the maps that ``values`` are views over (see :func:`release_pages`)."""
+    bases = {id(b): b for b in (_mapped_base(v.packed if isinstance(v, PackedBits) else v) for v in values)}
+    for base in bases.values():
+        if isinstance(base, MappedFile) and len(base):
+            base._release(0, len(base))
 
 
 def combine(

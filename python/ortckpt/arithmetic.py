@@ -332,15 +332,23 @@ class _Opened:
             self.label, self.owned = f"checkpoint #{index} ({self.path})", True
         if self.state.is_nominal:
             raise CheckpointStateError(f"{self.label} is nominal: it holds no values")
+        self.release_all()
 
     @property
     def properties(self) -> Any:
         return self.state.properties
 
-    def releasable(self, value: Any) -> bool:
-        """Whether the pages of ``value`` may be dropped once used: a view over one of our own
-        maps (nobody else holds this state, so nobody wrote through it)."""
-        return self.owned and _boundary.is_mapped(value)
+    def mapping(self, value: Any) -> tuple[int, int] | None:
+        """The map ``value`` is a view over when its pages may be dropped once used: one of our
+        own (nobody else holds this state, so nobody wrote through it)."""
+        return _boundary.mapping_of(value) if self.owned else None
+
+    def release_all(self) -> None:
+        """Drops every page of our own maps: what loading and checking touched, and the pages
+        the kernel maps around those (a source's pages, not its values, would otherwise stay
+        counted in the process's memory while the others are read)."""
+        if self.owned:
+            _boundary.release_maps(value for _, value, _ in _tensors(self, True))
 
     def done_with(self, value: Any) -> None:
         """Drops the pages of ``value`` (a view over one of our own maps) from memory."""
@@ -435,7 +443,9 @@ def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, wh
         # delta and apply keep the first checkpoint's (the second is a difference, not a peer)
         if not (is_frozen and frozen == "first") and what not in ("delta", "apply"):
             for other, v in zip(sources[1:], values[1:], strict=True):
-                if not _equal(v, value):
+                equal = _equal(v, value)
+                other.done_with(v)
+                if not equal:
                     kind = "frozen parameter" if is_frozen else f"{_dt.name_of(_signature(value)[0])} tensor"
                     hint = " (frozen='first' takes the first checkpoint's)" if is_frozen else ""
                     raise CheckpointStateError(
@@ -474,6 +484,7 @@ def _combine(
     progress: bool,
 ) -> CheckpointState:
     plan = _plan(sources, include_optimizer_state, frozen, what)
+    sources[0].release_all()
     computed = sum(dtype.itemsize * math.prod(shape) for dtype, shape, _ in plan.combined.values())
     with maybe_bar(progress, what, computed) as bar:
         return _computed(sources, plan, operation, properties, include_optimizer_state, out, what, save_options, bar)
@@ -504,9 +515,11 @@ def _computed(
         for key, sink in zip(kernel, sinks, strict=True):
             dtype, _, values = plan.combined[key]
             flats = [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
-            jobs.append((_KERNEL_CODES[dtype], flats, [s.releasable(v) for s, v in zip(sources, values)], sink))
+            jobs.append((_KERNEL_CODES[dtype], flats, [s.mapping(v) for s, v in zip(sources, values)], sink))
         callback = None if isinstance(bar, Hidden) else bar.update
         overflow = _boundary.combine(operation.name, operation.coefficients, jobs, callback)
+        for source in sources:
+            source.release_all()
         if overflow is not None:
             index, element, exact = overflow
             key = kernel[index]

@@ -53,11 +53,13 @@ impl Operation {
 pub struct Input<'a> {
     /// Little-endian elements of the tensor's type.
     pub bytes: &'a [u8],
-    /// Drop the pages of each chunk once it is used.
+    /// The addresses of the mapping `bytes` lie in, when its pages may be dropped once a
+    /// chunk is used (with the neighbouring pages the kernel mapped along: it maps pages
+    /// around each fault, up to 64 KiB by default, see `fault_around_bytes`).
     ///
-    /// Only for a private file mapping nobody wrote through: [`release_pages`] then makes a
-    /// later read fault the file's bytes in again; on anything else it would lose data.
-    pub release: bool,
+    /// Only for a private file mapping nobody wrote through: dropped pages are faulted in
+    /// again from the file if read again; on anything else their data would be lost.
+    pub release: Option<std::ops::Range<usize>>,
 }
 
 /// Where a tensor's result goes.
@@ -338,8 +340,8 @@ fn tensor<E: Element>(
                         fold::<E>(acc, bytes, |s, x| s + x * w(*b))
                     }
                 }
-                if input.release {
-                    release_pages(bytes);
+                if let Some(mapping) = &input.release {
+                    release_around(bytes, mapping);
                 }
             }
             let out = &mut out[..len * E::SIZE];
@@ -418,21 +420,26 @@ fn put(sink: &mut Sink<'_>, at: usize, bytes: &[u8]) -> Result<()> {
     }
 }
 
-/// Drops the whole pages inside `bytes` from this process's memory (MADV_DONTNEED).
-///
-/// Only for bytes of a private file mapping nobody wrote through (see [`Input::release`]).
-fn release_pages(bytes: &[u8]) {
+/// How far around a fault the kernel maps pages in (its default `fault_around_bytes`; the
+/// window is aligned to it).
+const FAULT_AROUND: usize = 64 << 10;
+
+/// Drops the pages of `bytes`, and those within [`FAULT_AROUND`] of them, from this
+/// process's memory (MADV_DONTNEED), staying inside `mapping` (see [`Input::release`]).
+fn release_around(bytes: &[u8], mapping: &std::ops::Range<usize>) {
     // SAFETY: sysconf has no preconditions.
     let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
         .unwrap_or(4096)
         .max(1);
     let address = bytes.as_ptr() as usize;
-    let start = address.div_ceil(page) * page;
-    let end = (address + bytes.len()) / page * page;
+    let start = (address / FAULT_AROUND * FAULT_AROUND).max(mapping.start.div_ceil(page) * page);
+    let end = (address + bytes.len())
+        .next_multiple_of(FAULT_AROUND)
+        .min(mapping.end / page * page);
     if end > start {
-        // SAFETY: the range lies inside `bytes`, whose owner promised (Input::release) a
-        // private file mapping nobody wrote: later reads fault the same bytes in again. A
-        // failure only leaves the pages in memory.
+        // SAFETY: the range lies inside `mapping`, which the caller promised (Input::release)
+        // is a private file mapping nobody wrote: later reads fault the same bytes in again.
+        // A failure only leaves the pages in memory.
         unsafe {
             libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
         }

@@ -17,7 +17,7 @@ fn run_memory(
             .iter()
             .map(|s| Input {
                 bytes: s,
-                release: false,
+                release: None,
             })
             .collect(),
         sink: Sink::Memory(&mut out),
@@ -132,7 +132,7 @@ fn a_job_that_does_not_match_its_operation_is_refused() {
         data_type: DataType::Float,
         inputs: vec![Input {
             bytes: &a,
-            release: false,
+            release: None,
         }],
         sink: Sink::Memory(&mut out),
     }];

@@ -15,16 +15,21 @@ use crate::compute::{self, Input, Job, Operation, Sink};
 use crate::format::DataType;
 
 /// A combined tensor as Python hands it over: its ONNX type code, each source's values
-/// (contiguous byte buffers, in source order), whether each source's pages may be dropped
-/// once used (views over a mapping the core made for this call's caller, nobody wrote
-/// through), and where the result goes: a writable buffer of the result's length, or
-/// `(fd, offset, path)` of a staged file.
-type JobIn<'py> = (i32, Vec<Bound<'py, PyAny>>, Vec<bool>, Bound<'py, PyAny>);
+/// (contiguous byte buffers, in source order), for each source None or `(address, length)`
+/// of the mapping its values lie in when its pages may be dropped once used (a mapping the
+/// core made for this call's caller, nobody wrote through), and where the result goes: a
+/// writable buffer of the result's length, or `(fd, offset, path)` of a staged file.
+type JobIn<'py> = (
+    i32,
+    Vec<Bound<'py, PyAny>>,
+    Vec<Option<(usize, usize)>>,
+    Bound<'py, PyAny>,
+);
 
 /// A job's buffers, exported (and so kept alive and unresizable) for the whole pass.
 struct Held {
     data_type: DataType,
-    inputs: Vec<(PyBuffer<u8>, bool)>,
+    inputs: Vec<(PyBuffer<u8>, Option<std::ops::Range<usize>>)>,
     sink: HeldSink,
 }
 
@@ -98,13 +103,18 @@ fn held(py: Python<'_>, (code, sources, release, sink): JobIn<'_>) -> PyResult<H
     let data_type = DataType::from_code(code).map_err(|e| to_py_err(py, e))?;
     let invalid = |what: &str| to_py_err(py, crate::Error::invalid_state(what.to_owned()));
     if release.len() != sources.len() {
-        return Err(invalid("arithmetic: one release flag a source"));
+        return Err(invalid("arithmetic: one mapping (or None) a source"));
     }
     let mut inputs = Vec::with_capacity(sources.len());
     for (source, release) in sources.iter().zip(release) {
         let buffer = PyBuffer::<u8>::get(source)?;
         if !buffer.is_c_contiguous() {
             return Err(invalid("arithmetic: a source's values are not contiguous"));
+        }
+        let release = release.map(|(address, len)| address..address.saturating_add(len));
+        let (start, len) = (buffer.buf_ptr() as usize, buffer.len_bytes());
+        if release.as_ref().is_some_and(|r| start < r.start || start + len > r.end) {
+            return Err(invalid("arithmetic: a source's values lie outside its mapping"));
         }
         inputs.push((buffer, release));
     }
@@ -155,7 +165,7 @@ fn job_of(held: &Held) -> Job<'_> {
             .iter()
             .map(|(buffer, release)| Input {
                 bytes: buffer_bytes(buffer),
-                release: *release,
+                release: release.clone(),
             })
             .collect(),
         sink,
