@@ -319,39 +319,22 @@ fn tensor<E: Element>(
             let acc = &mut acc[..len];
             for (i, input) in job.inputs.iter().enumerate() {
                 let bytes = &input.bytes[start * E::SIZE..(start + len) * E::SIZE];
-                match (operation, i) {
-                    (Operation::Average { weights, .. }, 0) => {
-                        fold::<E>(acc, bytes, |_, x| x * w(weights[0]))
-                    }
-                    (Operation::Average { weights, .. }, _) => {
-                        fold::<E>(acc, bytes, |a, x| a + x * w(weights[i]))
-                    }
-                    (Operation::Delta | Operation::Apply { .. }, 0) => {
-                        fold::<E>(acc, bytes, |_, x| x)
-                    }
-                    (Operation::Delta, _) => fold::<E>(acc, bytes, |a, x| a - x),
-                    (Operation::Apply { scale }, _) => {
-                        fold::<E>(acc, bytes, |a, x| a + x * w(*scale))
-                    }
-                    (Operation::Interpolate { a, .. }, 0) => {
-                        fold::<E>(acc, bytes, |_, x| x * w(*a))
-                    }
-                    (Operation::Interpolate { b, .. }, _) => {
-                        fold::<E>(acc, bytes, |s, x| s + x * w(*b))
-                    }
-                }
                 if let Some(mapping) = &input.release {
+                    populate(bytes);
+                    accumulate::<E>(operation, i, acc, bytes);
                     release_around(bytes, mapping);
+                } else {
+                    accumulate::<E>(operation, i, acc, bytes);
                 }
+            }
+            if let Operation::Average { total, .. } = operation {
+                let total = w(*total);
+                acc.iter_mut().for_each(|a| *a = *a / total);
             }
             let out = &mut out[..len * E::SIZE];
             let mut finite = true;
             for (a, o) in acc.iter().zip(out.chunks_exact_mut(E::SIZE)) {
-                let exact = match operation {
-                    Operation::Average { total, .. } => *a / w(*total),
-                    _ => *a,
-                };
-                finite &= E::store(exact, o);
+                finite &= E::store(*a, o);
             }
             if !finite {
                 if let Some(bad) = not_finite::<E>(operation, &job.inputs, acc, out, start) {
@@ -368,6 +351,36 @@ fn tensor<E: Element>(
     found
 }
 
+/// Source `i`'s chunk `bytes` into the accumulator: the operation's step for that source,
+/// its coefficient rounded to the work type once.
+fn accumulate<E: Element>(operation: &Operation, i: usize, acc: &mut [E::Work], bytes: &[u8]) {
+    let w = E::Work::of;
+    match (operation, i) {
+        (Operation::Average { weights, .. }, 0) => {
+            let c = w(weights[0]);
+            fold::<E>(acc, bytes, |_, x| x * c)
+        }
+        (Operation::Average { weights, .. }, _) => {
+            let c = w(weights[i]);
+            fold::<E>(acc, bytes, |a, x| a + x * c)
+        }
+        (Operation::Delta | Operation::Apply { .. }, 0) => fold::<E>(acc, bytes, |_, x| x),
+        (Operation::Delta, _) => fold::<E>(acc, bytes, |a, x| a - x),
+        (Operation::Apply { scale }, _) => {
+            let c = w(*scale);
+            fold::<E>(acc, bytes, |a, x| a + x * c)
+        }
+        (Operation::Interpolate { a, .. }, 0) => {
+            let c = w(*a);
+            fold::<E>(acc, bytes, |_, x| x * c)
+        }
+        (Operation::Interpolate { b, .. }, _) => {
+            let c = w(*b);
+            fold::<E>(acc, bytes, |s, x| s + x * c)
+        }
+    }
+}
+
 /// The chunk's results that are not finite, looked at one by one: an average whose sum
 /// overflowed is computed again from each weight's share; a result still not finite where
 /// every input is finite is the overflow reported (inputs that are not finite are the
@@ -380,23 +393,20 @@ fn not_finite<E: Element>(
     start: usize,
 ) -> Option<(u64, f64)> {
     for (j, (a, o)) in acc.iter().zip(out.chunks_exact_mut(E::SIZE)).enumerate() {
-        let mut exact = match operation {
-            Operation::Average { total, .. } => *a / E::Work::of(*total),
-            _ => *a,
-        };
+        let mut exact = *a;
         if E::store(exact, o) {
             continue;
         }
         let at = start + j;
-        if let (Operation::Average { weights, total }, true) = (operation, a.is_infinite()) {
-            exact = weights
-                .iter()
-                .zip(inputs)
-                .fold(E::Work::default(), |sum, (weight, input)| {
-                    sum + E::Work::of(weight / total) * element::<E>(input, at)
+        if let Operation::Average { weights, total } = operation {
+            // Where the sum itself overflowed (not only the mean), each weight's share.
+            if sum_overflowed::<E>(weights, inputs, at) {
+                exact = weights.iter().zip(inputs).fold(E::Work::default(), |sum, (c, i)| {
+                    sum + E::Work::of(c / total) * element::<E>(i, at)
                 });
-            if E::store(exact, o) {
-                continue;
+                if E::store(exact, o) {
+                    continue;
+                }
             }
         }
         if inputs.iter().all(|i| element::<E>(i, at).is_finite()) {
@@ -404,6 +414,19 @@ fn not_finite<E: Element>(
         }
     }
     None
+}
+
+/// Whether an average's sum (before its division by the total) is infinite at element `at`:
+/// the same sum as the pass made, computed again for this one element.
+fn sum_overflowed<E: Element>(weights: &[f64], inputs: &[Input<'_>], at: usize) -> bool {
+    let w = E::Work::of;
+    let mut terms = weights.iter().zip(inputs);
+    let first = terms
+        .next()
+        .map_or(E::Work::default(), |(c, i)| element::<E>(i, at) * w(*c));
+    terms
+        .fold(first, |sum, (c, i)| sum + element::<E>(i, at) * w(*c))
+        .is_infinite()
 }
 
 fn put(sink: &mut Sink<'_>, at: usize, bytes: &[u8]) -> Result<()> {
@@ -416,6 +439,24 @@ fn put(sink: &mut Sink<'_>, at: usize, bytes: &[u8]) -> Result<()> {
             use std::os::unix::fs::FileExt;
             file.write_all_at(bytes, *offset + at as u64)
                 .map_err(|e| Error::from(e).in_file(path))
+        }
+    }
+}
+
+/// Maps `bytes` (of a file mapping) in with one call (MADV_POPULATE_READ, Linux 5.14+)
+/// instead of a page fault every few pages; where the kernel refuses, reads fault as usual.
+fn populate(bytes: &[u8]) {
+    const MADV_POPULATE_READ: libc::c_int = 22;
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .unwrap_or(4096)
+        .max(1);
+    let start = bytes.as_ptr() as usize / page * page;
+    let end = bytes.as_ptr() as usize + bytes.len();
+    if end > start {
+        // SAFETY: populating only reads pages of our own mapping in (no data changes).
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_READ);
         }
     }
 }
