@@ -3,6 +3,7 @@
 //! A NaN stays a NaN of the same sign (its payload is not promised).
 
 /// A float16's value as a float32 (exact).
+#[inline(always)]
 pub fn f16_bits_to_f32(h: u16) -> f32 {
     let sign = u32::from(h & 0x8000) << 16;
     let exponent = u32::from(h >> 10) & 0x1f;
@@ -19,6 +20,7 @@ pub fn f16_bits_to_f32(h: u16) -> f32 {
 
 /// `q` (a value in units of the result's last place, `rem` beyond it out of `2 * half`)
 /// rounded to nearest, ties to even.
+#[inline(always)]
 fn nearest_even(q: u32, rem: u32, half: u32) -> u32 {
     if rem > half || (rem == half && q & 1 == 1) {
         q + 1
@@ -28,6 +30,7 @@ fn nearest_even(q: u32, rem: u32, half: u32) -> u32 {
 }
 
 /// A float32 rounded to the nearest float16, ties to even; too large: infinity.
+#[inline(always)]
 pub fn f32_to_f16_bits(x: f32) -> u16 {
     let f = x.to_bits();
     let sign = ((f >> 16) & 0x8000) as u16;
@@ -57,11 +60,13 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
 }
 
 /// A bfloat16's value as a float32 (exact: its upper half).
+#[inline(always)]
 pub fn bf16_bits_to_f32(b: u16) -> f32 {
     f32::from_bits(u32::from(b) << 16)
 }
 
 /// A float32 rounded to the nearest bfloat16, ties to even; NaN: ml_dtypes' quiet NaN.
+#[inline(always)]
 pub fn f32_to_bf16_bits(x: f32) -> u16 {
     let f = x.to_bits();
     if x.is_nan() {

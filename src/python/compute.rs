@@ -71,7 +71,8 @@ pub fn combine(
                     crate::Error::invalid_state("progress callback failed")
                 })
             };
-            compute::run(&operation, &mut jobs, &mut report)
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+            compute::run(&operation, &mut jobs, threads, &mut report)
         });
         if let Some(e) = raised {
             return Err(e);
