@@ -515,7 +515,8 @@ def _computed(
         for key, sink in zip(kernel, sinks, strict=True):
             dtype, _, values = plan.combined[key]
             flats = [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
-            jobs.append((_KERNEL_CODES[dtype], flats, [s.mapping(v) for s, v in zip(sources, values)], sink))
+            maps = [s.mapping(v) for s, v in zip(sources, values, strict=True)]
+            jobs.append((_KERNEL_CODES[dtype], flats, maps, sink))
         callback = None if isinstance(bar, Hidden) else bar.update
         overflow = _boundary.combine(operation.name, operation.coefficients, jobs, callback)
         for source in sources:

@@ -131,7 +131,11 @@ pub fn run(
     if let Some(e) = work.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
-    Ok(work.first.into_inner().unwrap_or_else(|p| p.into_inner()).map(|(_, o)| o))
+    Ok(work
+        .first
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .map(|(_, o)| o))
 }
 
 /// One chunk of one job's result: what a thread takes from the queue.
@@ -230,7 +234,14 @@ impl<'j, 'a> Pass<'j, 'a> {
                     let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
                     if first.as_ref().is_none_or(|(i, _)| index < *i) {
                         let job = piece.job;
-                        *first = Some((index, Overflow { job, element, exact }));
+                        *first = Some((
+                            index,
+                            Overflow {
+                                job,
+                                element,
+                                exact,
+                            },
+                        ));
                     }
                     self.stop_after.fetch_min(index, Ordering::AcqRel);
                 }
@@ -266,7 +277,7 @@ fn check(operation: &Operation, job: &Job<'_>) -> Result<()> {
     };
     if job.inputs.len() != operation.sources()
         || size == 0
-        || len % size != 0
+        || !len.is_multiple_of(size)
         || sink_len != len
         || job.inputs.iter().any(|i| i.bytes.len() != len)
     {
@@ -291,12 +302,7 @@ struct Scratch {
 
 /// The type arithmetic runs in: float64 or float32.
 trait Work:
-    Copy
-    + Default
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
+    Copy + Default + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self>
 {
     /// `value` rounded to this type (NumPy's `astype`).
     fn of(value: f64) -> Self;
@@ -589,9 +595,12 @@ fn not_finite<E: Element>(
         if let Operation::Average { weights, total } = operation {
             // Where the sum itself overflowed (not only the mean), each weight's share.
             if sum_overflowed::<E>(weights, inputs, at) {
-                exact = weights.iter().zip(inputs).fold(E::Work::default(), |sum, (c, i)| {
-                    sum + E::Work::of(c / total) * element::<E>(i, at)
-                });
+                exact = weights
+                    .iter()
+                    .zip(inputs)
+                    .fold(E::Work::default(), |sum, (c, i)| {
+                        sum + E::Work::of(c / total) * element::<E>(i, at)
+                    });
                 if E::store(exact, o) {
                     continue;
                 }

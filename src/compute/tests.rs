@@ -70,7 +70,13 @@ fn bfloat16_widening_and_rounding_agree_on_every_value() {
 fn average_of_many_sources_crosses_chunks_in_source_order() {
     let n = CHUNK * 2 + 7;
     let sources: Vec<Vec<u8>> = (0..5)
-        .map(|s| f32_bytes(&(0..n).map(|i| (i * 7 + s * 13) as f32 * 0.37).collect::<Vec<_>>()))
+        .map(|s| {
+            f32_bytes(
+                &(0..n)
+                    .map(|i| (i * 7 + s * 13) as f32 * 0.37)
+                    .collect::<Vec<_>>(),
+            )
+        })
         .collect();
     let weights = vec![0.5, 0.25, 0.75, 0.125, 0.625];
     let total: f64 = weights.iter().sum();
@@ -81,13 +87,21 @@ fn average_of_many_sources_crosses_chunks_in_source_order() {
     let (out, overflow) = run_memory(&operation, DataType::Float, &sources);
     assert_eq!(overflow, None);
     for i in [0, 1, CHUNK - 1, CHUNK, 2 * CHUNK + 6] {
-        let x = |s: usize| f64::from(f32::from_le_bytes(sources[s][i * 4..i * 4 + 4].try_into().unwrap()));
+        let x = |s: usize| {
+            f64::from(f32::from_le_bytes(
+                sources[s][i * 4..i * 4 + 4].try_into().unwrap(),
+            ))
+        };
         let mut acc = x(0) * weights[0];
-        for s in 1..5 {
-            acc += x(s) * weights[s];
+        for (s, weight) in weights.iter().enumerate().skip(1) {
+            acc += x(s) * weight;
         }
         let expected = (acc / total) as f32;
-        assert_eq!(&out[i * 4..i * 4 + 4], &expected.to_le_bytes(), "element {i}");
+        assert_eq!(
+            &out[i * 4..i * 4 + 4],
+            &expected.to_le_bytes(),
+            "element {i}"
+        );
     }
 }
 
@@ -95,7 +109,11 @@ fn average_of_many_sources_crosses_chunks_in_source_order() {
 fn a_result_that_does_not_fit_is_reported_at_its_first_element_but_non_finite_inputs_pass() {
     let a = f32_bytes(&[1.0, f32::INFINITY, 3e38, 3e38]);
     let b = f32_bytes(&[1.0, 1.0, 3e38, -3e38]);
-    let (_, overflow) = run_memory(&Operation::Apply { scale: 1.0 }, DataType::Float, &[a.clone(), b]);
+    let (_, overflow) = run_memory(
+        &Operation::Apply { scale: 1.0 },
+        DataType::Float,
+        &[a.clone(), b],
+    );
     let overflow = overflow.unwrap();
     assert_eq!((overflow.job, overflow.element), (0, 2));
     assert_eq!(overflow.exact, 3e38f32 as f64 * 2.0);

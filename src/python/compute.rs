@@ -114,8 +114,13 @@ fn held(py: Python<'_>, (code, sources, release, sink): JobIn<'_>) -> PyResult<H
         }
         let release = release.map(|(address, len)| address..address.saturating_add(len));
         let (start, len) = (buffer.buf_ptr() as usize, buffer.len_bytes());
-        if release.as_ref().is_some_and(|r| start < r.start || start + len > r.end) {
-            return Err(invalid("arithmetic: a source's values lie outside its mapping"));
+        if release
+            .as_ref()
+            .is_some_and(|r| start < r.start || start + len > r.end)
+        {
+            return Err(invalid(
+                "arithmetic: a source's values lie outside its mapping",
+            ));
         }
         inputs.push((buffer, release));
     }
