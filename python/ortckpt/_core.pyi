@@ -14,6 +14,7 @@ __all__ = [
     "SaveProgress",
     "Staging",
     "acquire_lock",
+    "combine",
     "encode_segments",
     "load",
     "load_buffer",
