@@ -255,17 +255,28 @@ fn holes_are_left_for_the_caller_to_fill_in_place() {
             }
         };
         let f = file(&mut staged);
-        let at = |v: &[u8]| placed.iter().find(|p| p.0 == v.as_ptr() as usize).unwrap().1;
+        let at = |v: &[u8]| {
+            placed
+                .iter()
+                .find(|p| p.0 == v.as_ptr() as usize)
+                .unwrap()
+                .1
+        };
         let mut read = vec![0u8; 5000];
         f.read_exact_at(&mut read[..4000], at(&a)).unwrap();
-        assert!(read[..4000].iter().all(|&x| x == 0), "a hole reads as zeros");
+        assert!(
+            read[..4000].iter().all(|&x| x == 0),
+            "a hole reads as zeros"
+        );
         f.read_exact_at(&mut read[..4096], at(&b)).unwrap();
         assert_eq!(&read[..4096], &b[..], "a value not named is written");
         f.read_exact_at(&mut read, at(&c)).unwrap();
         assert!(read.iter().all(|&x| x == 0));
         f.write_all_at(&a, at(&a)).unwrap();
         f.write_all_at(&c, at(&c)).unwrap();
-        staged.commit(&ortckpt::io::CommitOptions::default()).unwrap();
+        staged
+            .commit(&ortckpt::io::CommitOptions::default())
+            .unwrap();
         let loaded = load(&path).unwrap();
         let values: Vec<&[u8]> = loaded
             .checkpoint()
