@@ -25,9 +25,16 @@ Rules, the same for every function:
   has it (each a finite number of 0 or more, the sum within what a property holds), and has
   none otherwise. Optimizer state is left out unless asked for.
 
+Kernels: float16, bfloat16, float32 and float64 tensors are computed by the core
+(``_core.combine``, src/compute) in one pass with the GIL released: for each chunk of a
+result, the sources are added one after the other into one accumulator, the result is rounded
+once and its bytes go out once. The float8 types, and arrays not stored little-endian, are
+combined here by NumPy a chunk at a time, with the same arithmetic.
+
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
-chunk at a time (pages dropped once used) and the result is written into the new file chunk
-by chunk, so the memory used is a few chunks, not N checkpoints nor even one.
+chunk at a time (pages dropped once used, and after loading) and the result is written into
+the new file's places for it (left as holes until then) chunk by chunk, so the memory used is a
+few chunks, not N checkpoints nor even one, whatever the number of sources.
 
 Object storage: sources and ``out`` may be ``s3://`` URLs (configured by the ``AWS_*``
 variables, or ``storage_options=`` among the save options for ``out``). A source is then
