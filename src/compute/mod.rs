@@ -56,7 +56,7 @@ pub struct Input<'a> {
     /// Little-endian elements of the tensor's type.
     pub bytes: &'a [u8],
     /// The addresses of the mapping `bytes` lie in, when its pages may be dropped once a
-    /// chunk is used (with the neighbouring pages the kernel mapped along: it maps pages
+    /// chunk is used (with the neighbouring pages Linux mapped along: it maps pages
     /// around each fault, up to 64 KiB by default, see `fault_around_bytes`).
     ///
     /// Only for a private file mapping nobody wrote through: dropped pages are faulted in
