@@ -21,6 +21,7 @@ __all__ = [
     "rename_directory",
     "save",
     "save_bytes",
+    "save_sharing",
     "stage",
 ]
 
@@ -114,6 +115,22 @@ def combine(
     jobs: Sequence[tuple[int, Sequence[Any], Sequence[bool], Any]],
     progress: Callable[[int], object] | None = None,
 ) -> tuple[int, int, float] | None: ...
+def save_sharing(
+    path: str,
+    previous: str,
+    trainable: Sequence[_TensorIn],
+    frozen: Sequence[_TensorIn],
+    optimizer_groups: Sequence[_GroupIn],
+    ints: Sequence[tuple[str, int]],
+    floats: Sequence[tuple[str, float]],
+    strings: Sequence[tuple[str, str]],
+    *,
+    compare_only: bool = False,
+    durable: bool = False,
+    progress: SaveProgress | None = None,
+    keep_order: bool = False,
+    lock_timeout: float | None = None,
+) -> tuple[bool, int, int]: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],
