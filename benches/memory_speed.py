@@ -440,6 +440,10 @@ def bench_steps(args: argparse.Namespace, disk: Path, *, share_unchanged: bool =
     ]
 
 
+# The workloads --only picks from, in the order they run.
+WORKLOADS = ("average", "small", "manager", "average-memory", "steps")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -455,29 +459,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: a temporary dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
-    rows = ("average", "small", "manager", "memory", "steps")
-    parser.add_argument("--only", default=",".join(rows), help=f"the rows to run, of {','.join(rows)}")
-    parser.add_argument("--only-steps", action="store_true", help="only the manager steps rows (both ways)")
+    parser.add_argument(
+        "--only",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated workloads to run, of {', '.join(WORKLOADS)} (default: all)",
+    )
+    parser.add_argument("--only-steps", action="store_true", help="only the manager steps rows (--only steps)")
     args = parser.parse_args()
     only = {"steps"} if args.only_steps else set(args.only.split(","))
-    if not only <= set(rows):
-        parser.error(f"--only takes {','.join(rows)}")
+    if only - set(WORKLOADS):
+        parser.error(f"--only: unknown workloads {', '.join(sorted(only - set(WORKLOADS)))}")
 
     shm = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=args.dir))
     table = Table()
     memory: list[str] = []
+    steps: list[str] = []
     try:
-        steps: list[str] = []
         if "average" in only:
             bench_average(args, table, shm)
         if "small" in only:
             bench_small_tensors(args, table, shm)
         if "manager" in only:
             bench_manager(args, table, disk)
-        if "memory" in only:
+        if "average-memory" in only:
             memory = bench_average_memory(args, shm)
-        if "steps" in only:
+        if "steps" in only:  # both ways: every step written whole, then unchanged tensors shared
             steps = bench_steps(args, disk, share_unchanged=False) + bench_steps(args, disk)
     finally:
         shutil.rmtree(shm, ignore_errors=True)

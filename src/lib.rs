@@ -28,6 +28,7 @@
 //! touching the filesystem; [`io`] maps and atomically writes files; the
 //! `python` feature adds the PyO3 extension module.
 
+pub mod compute;
 pub mod error;
 pub mod format;
 #[allow(clippy::all, unused_imports, dead_code, non_camel_case_types, unsafe_op_in_unsafe_fn)]
@@ -68,6 +69,10 @@ pub struct SaveOptions {
     pub keep_order: bool,
     /// How long the commit waits for another save of the same path to finish its renames.
     pub lock_timeout: std::time::Duration,
+    /// For [`write_staged`]: values (by the address of their first byte) left unwritten, as
+    /// holes that read back as zeros, for the caller to fill in place before the commit:
+    /// their bytes then go out once, not zeros first.
+    pub holes: std::collections::HashSet<usize>,
 }
 
 impl Default for SaveOptions {
@@ -79,6 +84,7 @@ impl Default for SaveOptions {
             progress: None,
             keep_order: false,
             lock_timeout: io::locks::DEFAULT_LOCK_TIMEOUT,
+            holes: std::collections::HashSet::new(),
         }
     }
 }
@@ -493,11 +499,20 @@ pub fn write_staged(
     };
     let mut staged = io::Staged::new(path, external.is_some())?;
     // Every value is summed as it is written (no second pass over it); the block holding the
-    // sums is written last, after the values of both files.
+    // sums is written last, after the values of both files. Holes are left unwritten: their
+    // sums are taken when the caller, having filled them, reseals (`integrity::reseal`).
+    let hole = |bytes: &[u8]| options.holes.contains(&(bytes.as_ptr() as usize));
     let mut external_sums = Vec::new();
     if let (Some((len, values)), Some(data)) = (&external, staged.data()) {
-        external_sums = io::write_at_parallel(data.file(), *len, values, options.threads, &after)
-            .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?;
+        let written: Vec<(u64, &[u8])> = values.iter().copied().filter(|(_, b)| !hole(b)).collect();
+        progress.add(values_len as u64 - written.iter().map(|(_, b)| b.len() as u64).sum::<u64>());
+        let mut sums = io::write_at_parallel(data.file(), *len, &written, options.threads, &after)
+            .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?
+            .into_iter();
+        external_sums = values
+            .iter()
+            .map(|(_, b)| if hole(b) { 0 } else { sums.next().unwrap_or(0) })
+            .collect();
         external_sums.pop(); // the pair trailer's
     }
     let in_main = |e: std::io::Error| Error::from(e).in_file(path);
@@ -509,12 +524,13 @@ pub fn write_staged(
             inline_sums[i].update(piece);
         }
     };
-    io::write_segments(staged.main().file(), &body, &mut sum_values, &after).map_err(in_main)?;
+    io::write_segments(staged.main().file(), &body, &hole, &mut sum_values, &after).map_err(in_main)?;
     let inline_sums: Vec<_> = inline_sums.iter().map(|s| s.finish()).collect();
     encoded.seal(&inline_sums, &external_sums);
     io::write_segments(
         staged.main().file(),
         &encoded.tail(),
+        &|_| false,
         &mut |_, _| {},
         &after,
     )

@@ -177,7 +177,7 @@ pub fn save_sharing(
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::from(e).in_file(&data_path))?;
     }
-    io::write_segments(staged.main().file(), &segments, &mut |_, _| {}, &after)
+    io::write_segments(staged.main().file(), &segments, &|_| false, &mut |_, _| {}, &after)
         .map_err(|e| Error::from(e).in_file(path))?;
     staged.commit(&io::CommitOptions {
         durable: options.durable,

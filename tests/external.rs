@@ -224,3 +224,66 @@ fn a_momentum_beyond_the_data_file_is_named_within_its_group_and_parameter() {
     let e = load(&path).unwrap_err();
     assert_eq!(e.tensor(), Some("group0/w/momentum0"), "{e}");
 }
+
+/// Values named in `holes` are left unwritten by `write_staged` (zeros until filled in
+/// place), inline and in the data file (the last tensor included);
+/// the rest are written as usual, and the file's length covers the holes.
+#[test]
+fn holes_are_left_for_the_caller_to_fill_in_place() {
+    use std::os::unix::fs::FileExt;
+    let (a, b, c) = (bytes(4000, 1), bytes(4096, 2), bytes(5000, 3));
+    for threshold in [0, u64::MAX] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.ckpt");
+        let ckpt = Checkpoint {
+            trainable: vec![float("a", &a), float("b", &b), float("c", &c)],
+            ..Default::default()
+        };
+        let options = SaveOptions {
+            external_data_threshold: threshold,
+            keep_order: true,
+            holes: [a.as_ptr() as usize, c.as_ptr() as usize].into(),
+            ..SaveOptions::default()
+        };
+        let (mut staged, placed) = ortckpt::write_staged(&path, &ckpt, &options).unwrap();
+        let external = threshold == 0;
+        let file = |staged: &mut ortckpt::io::Staged| {
+            if external {
+                staged.data().unwrap().file().try_clone().unwrap()
+            } else {
+                staged.main().file().try_clone().unwrap()
+            }
+        };
+        let f = file(&mut staged);
+        let at = |v: &[u8]| {
+            placed
+                .iter()
+                .find(|p| p.0 == v.as_ptr() as usize)
+                .unwrap()
+                .1
+        };
+        let mut read = vec![0u8; 5000];
+        f.read_exact_at(&mut read[..4000], at(&a)).unwrap();
+        assert!(
+            read[..4000].iter().all(|&x| x == 0),
+            "a hole reads as zeros"
+        );
+        f.read_exact_at(&mut read[..4096], at(&b)).unwrap();
+        assert_eq!(&read[..4096], &b[..], "a value not named is written");
+        f.read_exact_at(&mut read, at(&c)).unwrap();
+        assert!(read.iter().all(|&x| x == 0));
+        f.write_all_at(&a, at(&a)).unwrap();
+        f.write_all_at(&c, at(&c)).unwrap();
+        staged
+            .commit(&ortckpt::io::CommitOptions::default())
+            .unwrap();
+        let loaded = load(&path).unwrap();
+        let values: Vec<&[u8]> = loaded
+            .checkpoint()
+            .trainable
+            .iter()
+            .map(|t| loaded.bytes(t).unwrap())
+            .collect();
+        assert_eq!(values, [&a[..], &b[..], &c[..]], "threshold {threshold}");
+    }
+}

@@ -9,7 +9,7 @@ holds them to it), so the boundary can change in one place.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -273,15 +273,46 @@ def encode_segments(
     return main, external
 
 
-def release_pages(value: Any) -> None:
-    """Drops the pages of ``value`` from memory when it is a view over a file the core mapped
-    (MADV_DONTNEED on a private map: they are read again from the file if used again)."""
-    array = value.packed if isinstance(value, PackedBits) else value
+def _mapped_base(array: Any) -> Any:
+    """The object at the bottom of an array's chain of bases."""
     base = array
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
     if isinstance(base, memoryview):  # np.frombuffer holds the exporter through a memoryview
         base = base.obj
+    return base
+
+
+def mapping_of(value: Any) -> tuple[int, int] | None:
+    """(address, length) of the map of a file the core mapped that ``value`` is a view over,
+    else None."""
+    base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
+    if not isinstance(base, MappedFile) or len(base) == 0:
+        return None
+    return np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
+
+
+def release_maps(values: Iterable[Any]) -> None:
+    """Drops every page of the maps that ``values`` are views over (see :func:`release_pages`)."""
+    bases = {id(b): b for b in (_mapped_base(v.packed if isinstance(v, PackedBits) else v) for v in values)}
+    for base in bases.values():
+        if isinstance(base, MappedFile) and len(base):
+            base._release(0, len(base))
+
+
+def combine(
+    operation: str, coefficients: list[float], jobs: list[Any], progress: Callable[[int], object] | None
+) -> tuple[int, int, float] | None:
+    """The core's arithmetic kernels over ``jobs`` (see ``_core.combine``): None, or the first
+    result element that does not fit its type, as (job, element, exact value)."""
+    return _core.combine(operation, coefficients, jobs, progress)
+
+
+def release_pages(value: Any) -> None:
+    """Drops the pages of ``value`` from memory when it is a view over a file the core mapped
+    (MADV_DONTNEED on a private map: they are read again from the file if used again)."""
+    array = value.packed if isinstance(value, PackedBits) else value
+    base = _mapped_base(array)
     if isinstance(base, MappedFile) and array.nbytes:
         start = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0]
         base._release(array.__array_interface__["data"][0] - start, array.nbytes)

@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension module ortckpt._core (checked by mypy's stubtest in `make test-wheel`).
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
@@ -14,12 +14,14 @@ __all__ = [
     "SaveProgress",
     "Staging",
     "acquire_lock",
+    "combine",
     "encode_segments",
     "load",
     "load_buffer",
     "rename_directory",
     "save",
     "save_bytes",
+    "save_sharing",
     "stage",
 ]
 
@@ -108,7 +110,14 @@ def save(
     keep_order: bool = False,
     commit: bool = True,
     lock_timeout: float | None = None,
+    holes: Sequence[int] = ...,
 ) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
+def combine(
+    operation: str,
+    coefficients: Sequence[float],
+    jobs: Sequence[tuple[int, Sequence[Any], Sequence[bool], Any]],
+    progress: Callable[[int], object] | None = None,
+) -> tuple[int, int, float] | None: ...
 def save_sharing(
     path: str,
     previous: str,

@@ -25,9 +25,16 @@ Rules, the same for every function:
   has it (each a finite number of 0 or more, the sum within what a property holds), and has
   none otherwise. Optimizer state is left out unless asked for.
 
+Kernels: float16, bfloat16, float32 and float64 tensors are computed by the core
+(``_core.combine``, src/compute) in one pass with the GIL released: for each chunk of a
+result, the sources are added one after the other into one accumulator, the result is rounded
+once and its bytes go out once. The float8 types, and arrays not stored little-endian, are
+combined here by NumPy a chunk at a time, with the same arithmetic.
+
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
-chunk at a time (pages dropped once used) and the result is written into the new file chunk
-by chunk, so the memory used is a few chunks, not N checkpoints nor even one.
+chunk at a time (pages dropped once used, and after loading) and the result is written into
+the new file's places for it (left as holes until then) chunk by chunk, so the memory used is a
+few chunks, not N checkpoints nor even one, whatever the number of sources.
 
 Object storage: sources and ``out`` may be ``s3://`` URLs (configured by the ``AWS_*``
 variables, or ``storage_options=`` among the save options for ``out``). A source is then
@@ -73,6 +80,23 @@ _NARROW_FLOATS = {
 
 # How one output chunk is made from the sources' chunks (each a float array).
 Combine = Callable[[list[np.ndarray]], np.ndarray]
+
+# The tensor types the core's kernels compute (ONNX codes), little-endian as stored; the others
+# (the float8 types, arrays of another byte order) are combined here by NumPy, chunk by chunk.
+_KERNEL_CODES = {
+    np.dtype("<f4"): 1,
+    np.dtype("<f8"): 11,
+    np.dtype("<f2"): 10,
+    np.dtype(ml_dtypes.bfloat16): 16,
+}
+
+
+class _Operation:
+    """An operation twice: as the core's kernel computes it (its name and coefficients, see
+    ``_core.combine``) and as NumPy does (``combine``), the same arithmetic step by step."""
+
+    def __init__(self, name: str, coefficients: list[float], combine: Combine) -> None:
+        self.name, self.coefficients, self.combine = name, coefficients, combine
 
 
 def average(
@@ -131,7 +155,10 @@ def average(
     properties.pop("num_samples", None)
     if samples is not None:
         properties["num_samples"] = _sum_of_samples(samples, states)
-    return _combine(states, mean, properties, include_optimizer_state, frozen, out, "average", save_options, progress)
+    operation = _Operation("average", [*map(float, w), float(total)], mean)
+    return _combine(
+        states, operation, properties, include_optimizer_state, frozen, out, "average", save_options, progress
+    )
 
 
 def delta(
@@ -140,9 +167,8 @@ def delta(
     """``a - b``: a checkpoint of the differences of the trainable float parameters (frozen
     and other tensors as they are in ``a``, and ``a``'s properties): what a device uploads."""
     _check_arguments([a, b], False, "first", out, save_options, "delta", progress)
-    return _combine(
-        _open_all([a, b]), lambda c: c[0] - c[1], None, False, "first", out, "delta", save_options, progress
-    )
+    operation = _Operation("delta", [], lambda c: c[0] - c[1])
+    return _combine(_open_all([a, b]), operation, None, False, "first", out, "delta", save_options, progress)
 
 
 def apply(
@@ -161,7 +187,7 @@ def apply(
     _check_arguments([base, delta], False, "first", out, save_options, "apply", progress)
     return _combine(
         _open_all([base, delta]),
-        lambda c: c[0] + c[1] * np.asarray(s, c[1].dtype),
+        _Operation("apply", [s], lambda c: c[0] + c[1] * np.asarray(s, c[1].dtype)),
         None,
         False,
         "first",
@@ -187,7 +213,11 @@ def interpolate(
     _check_arguments([a, b], False, "equal", out, save_options, "interpolate", progress)
     return _combine(
         _open_all([a, b]),
-        lambda c: c[0] * np.asarray(1 - tt, c[0].dtype) + c[1] * np.asarray(tt, c[1].dtype),
+        _Operation(
+            "interpolate",
+            [1 - tt, tt],
+            lambda c: c[0] * np.asarray(1 - tt, c[0].dtype) + c[1] * np.asarray(tt, c[1].dtype),
+        ),
         None,
         False,
         "equal",
@@ -309,10 +339,23 @@ class _Opened:
             self.label, self.owned = f"checkpoint #{index} ({self.path})", True
         if self.state.is_nominal:
             raise CheckpointStateError(f"{self.label} is nominal: it holds no values")
+        self.release_all()
 
     @property
     def properties(self) -> Any:
         return self.state.properties
+
+    def mapping(self, value: Any) -> tuple[int, int] | None:
+        """The map ``value`` is a view over when its pages may be dropped once used: one of our
+        own (nobody else holds this state, so nobody wrote through it)."""
+        return _boundary.mapping_of(value) if self.owned else None
+
+    def release_all(self) -> None:
+        """Drops every page of our own maps: what loading and checking touched, and the pages
+        the kernel maps around those (a source's pages, not its values, would otherwise stay
+        counted in the process's memory while the others are read)."""
+        if self.owned:
+            _boundary.release_maps(value for _, value, _ in _tensors(self, True))
 
     def done_with(self, value: Any) -> None:
         """Drops the pages of ``value`` (a view over one of our own maps) from memory."""
@@ -407,7 +450,9 @@ def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, wh
         # delta and apply keep the first checkpoint's (the second is a difference, not a peer)
         if not (is_frozen and frozen == "first") and what not in ("delta", "apply"):
             for other, v in zip(sources[1:], values[1:], strict=True):
-                if not _equal(v, value):
+                equal = _equal(v, value)
+                other.done_with(v)
+                if not equal:
                     kind = "frozen parameter" if is_frozen else f"{_dt.name_of(_signature(value)[0])} tensor"
                     hint = " (frozen='first' takes the first checkpoint's)" if is_frozen else ""
                     raise CheckpointStateError(
@@ -436,7 +481,7 @@ def _groups(sources: list[_Opened], what: str) -> dict[str, tuple[int, float]]:
 
 def _combine(
     sources: list[_Opened],
-    combine: Combine,
+    operation: _Operation,
     properties: dict[str, Any] | None,
     include_optimizer_state: bool,
     frozen: str,
@@ -446,15 +491,16 @@ def _combine(
     progress: bool,
 ) -> CheckpointState:
     plan = _plan(sources, include_optimizer_state, frozen, what)
+    sources[0].release_all()
     computed = sum(dtype.itemsize * math.prod(shape) for dtype, shape, _ in plan.combined.values())
     with maybe_bar(progress, what, computed) as bar:
-        return _computed(sources, plan, combine, properties, include_optimizer_state, out, what, save_options, bar)
+        return _computed(sources, plan, operation, properties, include_optimizer_state, out, what, save_options, bar)
 
 
 def _computed(
     sources: list[_Opened],
     plan: _Plan,
-    combine: Combine,
+    operation: _Operation,
     properties: dict[str, Any] | None,
     include_optimizer_state: bool,
     out: str | os.PathLike[str] | None,
@@ -465,13 +511,34 @@ def _computed(
     groups = _groups(sources, what) if include_optimizer_state else {}
     if properties is None:
         properties = dict(sources[0].properties)
+    # The core's kernels compute the tensors of the types they cover, in one pass with the GIL
+    # released; NumPy, below, the others.
+    kernel = [key for key, (dtype, _, _) in plan.combined.items() if dtype in _KERNEL_CODES]
+    by_numpy = [key for key in plan.combined if key not in set(kernel)]
+
+    def run_kernel(sinks: list[Any]) -> None:
+        """The kernel's tensors into their sinks (writable memory or (fd, offset, path))."""
+        jobs = []
+        for key, sink in zip(kernel, sinks, strict=True):
+            dtype, _, values = plan.combined[key]
+            flats = [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
+            maps = [s.mapping(v) for s, v in zip(sources, values, strict=True)]
+            jobs.append((_KERNEL_CODES[dtype], flats, maps, sink))
+        callback = None if isinstance(bar, Hidden) else bar.update
+        overflow = _boundary.combine(operation.name, operation.coefficients, jobs, callback)
+        for source in sources:
+            source.release_all()
+        if overflow is not None:
+            index, element, exact = overflow
+            key = kernel[index]
+            raise _overflow_error(key, plan.combined[key][0], element, exact, sources, out, what)
 
     def chunk(key: tuple[str, ...], raw: list[np.ndarray], start: int) -> np.ndarray:
         """One chunk of a combined tensor's result (its work arrays freed on return)."""
         dtype = plan.combined[key][0]
         parts = [r.astype(_work_dtype(dtype)) for r in raw]
         with np.errstate(over="ignore", invalid="ignore"):  # (what overflows is refused just below)
-            exact = combine(parts)
+            exact = operation.combine(parts)
             result = exact.astype(dtype)
         if not np.isfinite(result).all():
             _refuse_overflow(key, dtype, exact, result, parts, start, sources, out, what)
@@ -491,35 +558,45 @@ def _computed(
     if out is None or targets.is_object_url(out):
         arrays: dict[tuple[str, ...], Any] = dict(plan.copied)
         for key, (dtype, shape, _) in plan.combined.items():
-            result = np.empty(shape, dtype)
-            flat = result.reshape(-1)
+            arrays[key] = np.empty(shape, dtype)
+        run_kernel([arrays[key].reshape(-1).view(np.uint8) for key in kernel])
+        for key in by_numpy:
+            flat = arrays[key].reshape(-1)
             for start, part in chunks(key):
                 flat[start : start + part.size] = part
-            arrays[key] = result
         state = _state_of(sources[0].state, arrays, properties, groups)
         if out is not None:  # an object has no place to fill in: the result, in memory, streams up
             CheckpointState.save_checkpoint(state, out, include_optimizer_state=bool(groups), **save_options)
         return state
 
-    # Streaming: the result's files staged by the core with zeros where combined values go
-    # (zeros from calloc cost no memory), filled in place chunk by chunk, then put in place by
-    # the core's one commit (the same as every save's).
+    # Streaming: the result's files staged by the core with holes where combined values go
+    # (their placeholders, zeros from calloc, cost no memory and are never written), filled in
+    # place once each, then put in place by the core's one commit (the same as every save's).
     durable = bool(save_options.get("durable", False))
     threshold = save_options.get("external_data_threshold", _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD)
     template = dict(plan.copied)
     for key, (dtype, shape, _) in plan.combined.items():
         template[key] = np.zeros(shape, dtype)
+    holes = [template[key].__array_interface__["data"][0] for key in plan.combined if template[key].nbytes]
     path = Path(out)
     core = _state_of(sources[0].state, template, properties, groups).core_state(bool(groups))
-    staging, placed = _boundary.save_staged(path, core, external_data_threshold=threshold)
+    staging, placed = _boundary.save_staged(path, core, external_data_threshold=threshold, holes=holes)
     try:
-        # Where each combined tensor's zeros went: found by the address of its template array.
+        # Where each combined tensor's values go: found by the address of its placeholder.
         where = {
             key: placed[template[key].__array_interface__["data"][0]] for key in plan.combined if template[key].nbytes
         }
         del core, template
+
+        def file_of(key: tuple[str, ...]) -> tuple[int, Path]:
+            external = where[key][1]
+            return staging.fileno(data=external), Path(f"{path}.data") if external else path
+
+        run_kernel(
+            [(file_of(key)[0], where[key][0], os.fspath(file_of(key)[1])) if key in where else _EMPTY for key in kernel]
+        )
         for external in (False, True):
-            keys = [key for key in where if where[key][1] == external]
+            keys = [key for key in by_numpy if key in where and where[key][1] == external]
             if keys:  # every chunk of the file's tensors written in turn
                 writes = (
                     (where[key][0] + start * plan.combined[key][0].itemsize, part.view(np.uint8))
@@ -532,6 +609,10 @@ def _computed(
     finally:
         staging.discard()
     return CheckpointState.load_checkpoint(path)
+
+
+# The sink of an empty tensor (it has no place in the file): nothing goes there.
+_EMPTY = np.empty(0, np.uint8)
 
 
 def _refuse_overflow(
@@ -553,15 +634,28 @@ def _refuse_overflow(
     if not bad.any():
         return
     i = int(np.flatnonzero(bad)[0])
+    raise _overflow_error(key, dtype, start + i, float(exact[i]), sources, out, what)
+
+
+def _overflow_error(
+    key: tuple[str, ...],
+    dtype: np.dtype,
+    element: int,
+    exact: float,
+    sources: list[_Opened],
+    out: str | os.PathLike[str] | None,
+    what: str,
+) -> ValueOverflowError:
+    """The error for element ``element`` of a result, ``exact`` before rounding to ``dtype``."""
     names = " and ".join(s.label for s in sources)
     error = ValueOverflowError(
-        f"{what}: {_describe(key)}: element {start + i} of the result ({float(exact[i]):g}) does not fit {dtype} "
+        f"{what}: {_describe(key)}: element {element} of the result ({exact:g}) does not fit {dtype} "
         f"(at most {float(ml_dtypes.finfo(dtype).max):g}), from the finite values of {names}"
         + (f"; nothing was written to {os.fspath(out)}" if out is not None else "")
     )
     error.tensor = key[1] if key[0] == "parameter" else "/".join(key[1:])
     error.filename = os.fspath(out) if out is not None else sources[0].path
-    raise error
+    return error
 
 
 def _state_of(

@@ -7,7 +7,7 @@
 //! into place.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, IoSlice, Write};
+use std::io::{self, IoSlice, Seek, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -292,40 +292,67 @@ pub fn sync_parent_dir(path: &Path) -> Result<()> {
 /// up to 1024 slices and [`PIECE`] bytes at a time) and no copy on our side;
 /// `before` sees each piece (with its segment's index) just before it is written, while
 /// it is in cache (the writer's checksums), and `after` runs on each batch once written.
+/// Segments for which `hole` is true are skipped, not written: they read back as zeros
+/// until the caller fills them in place (the file is sized to cover them) and reseals.
 pub fn write_segments(
     file: &mut File,
     segments: &[&[u8]],
+    hole: &dyn Fn(&[u8]) -> bool,
     before: &mut dyn FnMut(usize, &[u8]),
     after: &AfterEachPiece<'_>,
 ) -> io::Result<()> {
     const MAX_IOV: usize = 1024;
-    let mut pieces = segments
-        .iter()
-        .enumerate()
-        .flat_map(|(i, s)| s.chunks(PIECE).map(move |piece| (i, piece)))
-        .peekable();
-    let mut position = 0u64;
-    let mut batch: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOV);
-    loop {
-        let mut bytes = 0;
-        while batch.len() < MAX_IOV {
-            match pieces.peek() {
-                Some(&(segment, next)) if batch.is_empty() || bytes + next.len() <= PIECE => {
-                    before(segment, next);
-                    bytes += next.len();
-                    batch.push(IoSlice::new(next));
-                    pieces.next();
-                }
-                _ => break,
-            }
+    let mut batch = Batch {
+        slices: Vec::with_capacity(MAX_IOV),
+        bytes: 0,
+        position: 0,
+    };
+    let mut skipped = false;
+    for (index, segment) in segments.iter().enumerate() {
+        if !segment.is_empty() && hole(segment) {
+            batch.flush(file, after)?;
+            batch.position += segment.len() as u64;
+            file.seek(io::SeekFrom::Start(batch.position))?;
+            after.progress.add(segment.len() as u64);
+            skipped = true;
+            continue;
         }
-        if batch.is_empty() {
+        for piece in segment.chunks(PIECE) {
+            if !batch.slices.is_empty()
+                && (batch.slices.len() == MAX_IOV || batch.bytes + piece.len() > PIECE)
+            {
+                batch.flush(file, after)?;
+            }
+            before(index, piece);
+            batch.bytes += piece.len();
+            batch.slices.push(IoSlice::new(piece));
+        }
+    }
+    batch.flush(file, after)?;
+    if skipped {
+        file.set_len(batch.position)?; // a hole at the end still counts in the length
+    }
+    Ok(())
+}
+
+/// The slices of one writev, and where in the file it goes.
+struct Batch<'a> {
+    slices: Vec<IoSlice<'a>>,
+    bytes: usize,
+    position: u64,
+}
+
+impl Batch<'_> {
+    fn flush(&mut self, file: &mut File, after: &AfterEachPiece<'_>) -> io::Result<()> {
+        if self.slices.is_empty() {
             return Ok(());
         }
-        write_all_vectored(file, &mut batch)?;
-        after.written(file, position, bytes as u64);
-        position += bytes as u64;
-        batch.clear();
+        write_all_vectored(file, &mut self.slices)?;
+        after.written(file, self.position, self.bytes as u64);
+        self.position += self.bytes as u64;
+        self.slices.clear();
+        self.bytes = 0;
+        Ok(())
     }
 }
 
@@ -444,7 +471,7 @@ mod tests {
             };
             let mut seen = vec![Vec::new(); slices.len()];
             let mut before = |i: usize, piece: &[u8]| seen[i].extend_from_slice(piece);
-            write_segments(&mut file, &slices, &mut before, &after).unwrap();
+            write_segments(&mut file, &slices, &|_| false, &mut before, &after).unwrap();
             assert!(
                 fs::read(&path).unwrap() == expected,
                 "writeback {writeback}"

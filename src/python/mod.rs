@@ -4,6 +4,7 @@
 //! array's buffer (held while the GIL is released for the write), loading hands
 //! out one buffer over the private mapping that NumPy views slice.
 
+mod compute;
 mod errors;
 mod mapped;
 
@@ -213,7 +214,7 @@ fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bou
 #[pyo3(signature = (
     path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
     nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
-    progress = None, keep_order = false, commit = true, lock_timeout = None,
+    progress = None, keep_order = false, commit = true, lock_timeout = None, holes = Vec::new(),
 ))]
 #[allow(clippy::too_many_arguments)]
 fn save(
@@ -232,6 +233,7 @@ fn save(
     keep_order: bool,
     commit: bool,
     lock_timeout: Option<f64>,
+    holes: Vec<usize>,
 ) -> PyResult<Option<(Staging, crate::PlacedValues)>> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
@@ -251,6 +253,7 @@ fn save(
             progress: progress.map(|p| Arc::clone(&p.0)),
             keep_order: true,
             lock_timeout: wait_or_default(py, lock_timeout)?,
+            holes: holes.into_iter().collect(),
             ..SaveOptions::default()
         };
         if commit {
@@ -808,6 +811,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stage, m)?)?;
     m.add_function(wrap_pyfunction!(rename_directory, m)?)?;
     m.add_function(wrap_pyfunction!(acquire_lock, m)?)?;
+    m.add_function(wrap_pyfunction!(compute::combine, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;

@@ -139,12 +139,15 @@ KILLED_AVERAGE = textwrap.dedent(
     """
     import sys, time
     import ortckpt
-    from ortckpt import arithmetic, safe_io
-    real = safe_io.pwrite_all
-    def slow(fd, writes, path):
-        print("writing", flush=True)
-        time.sleep(60)
-    safe_io.pwrite_all = slow
+    from ortckpt import _boundary, arithmetic
+    real = _boundary.combine
+    def slow(operation, coefficients, jobs, progress):
+        # killed once the first chunk of the result is in the staged file
+        def stop(n):
+            print("writing", flush=True)
+            time.sleep(60)
+        return real(operation, coefficients, jobs, stop)
+    _boundary.combine = slow
     arithmetic.average(sys.argv[1:3], out=sys.argv[3], external_data_threshold=0)
     """
 )

@@ -1,0 +1,674 @@
+//! Checkpoint arithmetic (average, delta, apply, interpolate) in one pass over memory.
+//!
+//! Each combined tensor is made a chunk at a time: the sources are accumulated one after
+//! the other into one accumulator chunk (so memory does not grow with the number of
+//! sources), the result is rounded once to the tensor's type and its bytes are written once
+//! to the output (a file at the tensor's offset, or memory). The arithmetic is exactly the
+//! Python layer's NumPy expressions, operation by operation and in the same order (no fused
+//! multiply-add): float64 for float32/float64 tensors, float32 for float16/bfloat16, then one
+//! rounding to nearest even.
+//!
+//! A result that does not fit its type where every input is finite is not written: the pass
+//! stops and reports the first such element; the caller builds its error.
+
+mod floats;
+
+use std::fs::File;
+use std::ops::{Add, Div, Mul, Sub};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::format::DataType;
+use crate::{Error, Result};
+use floats::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
+
+/// Elements made at a time: the accumulator chunk (float64: 512 KiB) stays in the cache
+/// while every source passes through it.
+pub const CHUNK: usize = 1 << 16;
+
+/// How the sources combine into one result element (`x_i`: the sources' elements, in the
+/// work type; the coefficients are rounded to the work type first, as NumPy's `astype` does).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Operation {
+    /// `(x_0*w_0 + x_1*w_1 + ...) / total`, summed in source order; where that sum
+    /// overflows, `0 + (w_0/total)*x_0 + (w_1/total)*x_1 + ...` instead (each weight's share).
+    Average { weights: Vec<f64>, total: f64 },
+    /// `x_0 - x_1`.
+    Delta,
+    /// `x_0 + x_1*scale`.
+    Apply { scale: f64 },
+    /// `x_0*a + x_1*b` (interpolation: `a = 1 - t`, `b = t`).
+    Interpolate { a: f64, b: f64 },
+}
+
+impl Operation {
+    fn sources(&self) -> usize {
+        match self {
+            Operation::Average { weights, .. } => weights.len(),
+            _ => 2,
+        }
+    }
+}
+
+/// One source's values of a tensor.
+pub struct Input<'a> {
+    /// Little-endian elements of the tensor's type.
+    pub bytes: &'a [u8],
+    /// The addresses of the mapping `bytes` lie in, when its pages may be dropped once a
+    /// chunk is used (with the neighbouring pages Linux mapped along: it maps pages
+    /// around each fault, up to 64 KiB by default, see `fault_around_bytes`).
+    ///
+    /// Only for a private file mapping nobody wrote through: dropped pages are faulted in
+    /// again from the file if read again; on anything else their data would be lost.
+    pub release: Option<std::ops::Range<usize>>,
+}
+
+/// Where a tensor's result goes.
+pub enum Sink<'a> {
+    /// At `offset` in `file` (a staged file with a hole there); `path` names it in errors.
+    File {
+        file: &'a File,
+        offset: u64,
+        path: &'a Path,
+    },
+    /// Into this memory, exactly the result's length.
+    Memory(&'a mut [u8]),
+}
+
+/// One combined tensor: its type, its sources in order, and where its result goes.
+pub struct Job<'a> {
+    pub data_type: DataType,
+    pub inputs: Vec<Input<'a>>,
+    pub sink: Sink<'a>,
+}
+
+/// A result that does not fit its type although every input is finite.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Overflow {
+    /// Which job (index into the jobs given).
+    pub job: usize,
+    /// The element, counted from the tensor's first.
+    pub element: u64,
+    /// The value computed in the work type, before rounding to the tensor's type.
+    pub exact: f64,
+}
+
+/// Whether [`run`] computes tensors of this type (the float8 types are left to the caller).
+pub fn covers(data_type: DataType) -> bool {
+    matches!(
+        data_type,
+        DataType::Float | DataType::Double | DataType::Float16 | DataType::Bfloat16
+    )
+}
+
+/// Computes every job, stopping at the first overflow in job and element order (that job's
+/// result, and those after, are then incomplete). The chunks are shared out among up to
+/// `threads` threads. `progress` is told the bytes of each result chunk written (from any of
+/// them, one at a time); an error from it stops the pass.
+///
+/// # Errors
+/// A job that does not match `operation` (number of sources, lengths, type), a failed
+/// write, or `progress`'s own error.
+pub fn run(
+    operation: &Operation,
+    jobs: &mut [Job<'_>],
+    threads: usize,
+    progress: &mut (dyn FnMut(u64) -> Result<()> + Send),
+) -> Result<Option<Overflow>> {
+    for job in jobs.iter() {
+        check(operation, job)?;
+    }
+    let work = Pass::of(jobs);
+    let progress = Mutex::new(progress);
+    let threads = threads.clamp(1, work.len.max(1));
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(|| work.drain(operation, &progress));
+        }
+        work.drain(operation, &progress);
+    });
+    if let Some(e) = work.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(work
+        .first
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .map(|(_, o)| o))
+}
+
+/// One chunk of one job's result: what a thread takes from the queue.
+struct Piece<'j, 'a> {
+    job: usize,
+    data_type: DataType,
+    inputs: &'j [Input<'a>],
+    start: usize,
+    len: usize,
+    out: Out<'j>,
+}
+
+/// Where a piece's bytes go: its own part of the result's memory, or a place in a file.
+enum Out<'j> {
+    Memory(&'j mut [u8]),
+    File {
+        file: &'j File,
+        offset: u64,
+        path: &'j Path,
+    },
+}
+
+/// The pieces of a pass, handed out in order, and what the pass found.
+struct Pass<'j, 'a> {
+    queue: Mutex<std::iter::Enumerate<std::vec::IntoIter<Piece<'j, 'a>>>>,
+    len: usize,
+    /// The first overflow, by piece (pieces are in job and element order).
+    first: Mutex<Option<(usize, Overflow)>>,
+    /// Pieces after this one are not computed: an overflow (or error) came before them.
+    stop_after: AtomicUsize,
+    error: Mutex<Option<Error>>,
+}
+
+impl<'j, 'a> Pass<'j, 'a> {
+    fn of(jobs: &'j mut [Job<'a>]) -> Self {
+        let mut pieces = Vec::new();
+        for (index, job) in jobs.iter_mut().enumerate() {
+            let size = element_size(job.data_type);
+            let n = job.inputs[0].bytes.len() / size;
+            let starts = (0..n).step_by(CHUNK);
+            let piece = |start: usize, out| Piece {
+                job: index,
+                data_type: job.data_type,
+                inputs: &job.inputs,
+                start,
+                len: CHUNK.min(n - start),
+                out,
+            };
+            match &mut job.sink {
+                Sink::Memory(memory) => {
+                    for (start, part) in starts.zip(memory.chunks_mut(CHUNK * size)) {
+                        pieces.push(piece(start, Out::Memory(part)));
+                    }
+                }
+                Sink::File { file, offset, path } => {
+                    for start in starts {
+                        let offset = *offset + (start * size) as u64;
+                        pieces.push(piece(start, Out::File { file, offset, path }));
+                    }
+                }
+            }
+        }
+        Pass {
+            len: pieces.len(),
+            queue: Mutex::new(pieces.into_iter().enumerate()),
+            first: Mutex::new(None),
+            stop_after: AtomicUsize::new(usize::MAX),
+            error: Mutex::new(None),
+        }
+    }
+
+    /// Computes pieces until none is left (or none that counts).
+    fn drain(
+        &self,
+        operation: &Operation,
+        progress: &Mutex<&mut (dyn FnMut(u64) -> Result<()> + Send)>,
+    ) {
+        let mut scratch = Scratch::default();
+        loop {
+            let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+            let Some((index, mut piece)) = next else {
+                return;
+            };
+            if index > self.stop_after.load(Ordering::Acquire) {
+                return;
+            }
+            let done = piece_of(operation, &mut piece, &mut scratch).and_then(|found| {
+                if found.is_none() {
+                    (progress.lock().unwrap_or_else(|p| p.into_inner()))(piece.bytes())?;
+                }
+                Ok(found)
+            });
+            match done {
+                Ok(None) => {}
+                Ok(Some((element, exact))) => {
+                    let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+                    if first.as_ref().is_none_or(|(i, _)| index < *i) {
+                        let job = piece.job;
+                        *first = Some((
+                            index,
+                            Overflow {
+                                job,
+                                element,
+                                exact,
+                            },
+                        ));
+                    }
+                    self.stop_after.fetch_min(index, Ordering::AcqRel);
+                }
+                Err(e) => {
+                    self.error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(e);
+                    self.stop_after.store(0, Ordering::Release);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Piece<'_, '_> {
+    fn bytes(&self) -> u64 {
+        (self.len * element_size(self.data_type)) as u64
+    }
+}
+
+fn element_size(data_type: DataType) -> usize {
+    data_type.bits().map_or(0, |b| (b / 8) as usize)
+}
+
+fn check(operation: &Operation, job: &Job<'_>) -> Result<()> {
+    let size = element_size(job.data_type);
+    let len = job.inputs.first().map_or(0, |i| i.bytes.len());
+    let sink_len = match &job.sink {
+        Sink::Memory(m) => m.len(),
+        Sink::File { .. } => len,
+    };
+    if job.inputs.len() != operation.sources()
+        || size == 0
+        || !len.is_multiple_of(size)
+        || sink_len != len
+        || job.inputs.iter().any(|i| i.bytes.len() != len)
+    {
+        return Err(Error::invalid_state(format!(
+            "arithmetic: a {:?} job with {} inputs for {} sources, lengths {:?}, result {sink_len}",
+            job.data_type,
+            job.inputs.len(),
+            operation.sources(),
+            job.inputs.iter().map(|i| i.bytes.len()).collect::<Vec<_>>(),
+        )));
+    }
+    Ok(())
+}
+
+/// The buffers one pass reuses for every chunk of every tensor.
+#[derive(Default)]
+struct Scratch {
+    acc64: Vec<f64>,
+    acc32: Vec<f32>,
+    out: Vec<u8>,
+}
+
+/// The type arithmetic runs in: float64 or float32.
+trait Work:
+    Copy + Default + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self>
+{
+    /// `value` rounded to this type (NumPy's `astype`).
+    fn of(value: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn is_finite(self) -> bool;
+    fn is_infinite(self) -> bool;
+    fn accumulator(scratch: &mut Scratch) -> &mut Vec<Self>;
+}
+
+impl Work for f64 {
+    #[inline(always)]
+    fn of(value: f64) -> Self {
+        value
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn is_finite(self) -> bool {
+        f64::is_finite(self)
+    }
+    fn is_infinite(self) -> bool {
+        f64::is_infinite(self)
+    }
+    fn accumulator(scratch: &mut Scratch) -> &mut Vec<Self> {
+        &mut scratch.acc64
+    }
+}
+
+impl Work for f32 {
+    #[inline(always)]
+    fn of(value: f64) -> Self {
+        value as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn is_finite(self) -> bool {
+        f32::is_finite(self)
+    }
+    fn is_infinite(self) -> bool {
+        f32::is_infinite(self)
+    }
+    fn accumulator(scratch: &mut Scratch) -> &mut Vec<Self> {
+        &mut scratch.acc32
+    }
+}
+
+/// A tensor's element type: its bytes, the type it is computed in, and the one rounding.
+trait Element {
+    type Work: Work;
+    const SIZE: usize;
+    /// The element in `bytes` (exactly SIZE long), widened exactly to the work type.
+    fn load(bytes: &[u8]) -> Self::Work;
+    /// `value` rounded to nearest even into `out` (SIZE long); whether the result is finite.
+    fn store(value: Self::Work, out: &mut [u8]) -> bool;
+}
+
+struct F32;
+struct F64;
+struct F16;
+struct Bf16;
+
+impl Element for F32 {
+    type Work = f64;
+    const SIZE: usize = 4;
+    #[inline(always)]
+    fn load(bytes: &[u8]) -> f64 {
+        f64::from(f32::from_le_bytes(bytes.try_into().unwrap_or_default()))
+    }
+    #[inline(always)]
+    fn store(value: f64, out: &mut [u8]) -> bool {
+        let v = value as f32;
+        out.copy_from_slice(&v.to_le_bytes());
+        v.is_finite()
+    }
+}
+
+impl Element for F64 {
+    type Work = f64;
+    const SIZE: usize = 8;
+    #[inline(always)]
+    fn load(bytes: &[u8]) -> f64 {
+        f64::from_le_bytes(bytes.try_into().unwrap_or_default())
+    }
+    #[inline(always)]
+    fn store(value: f64, out: &mut [u8]) -> bool {
+        out.copy_from_slice(&value.to_le_bytes());
+        value.is_finite()
+    }
+}
+
+impl Element for F16 {
+    type Work = f32;
+    const SIZE: usize = 2;
+    #[inline(always)]
+    fn load(bytes: &[u8]) -> f32 {
+        f16_bits_to_f32(u16::from_le_bytes(bytes.try_into().unwrap_or_default()))
+    }
+    #[inline(always)]
+    fn store(value: f32, out: &mut [u8]) -> bool {
+        let bits = f32_to_f16_bits(value);
+        out.copy_from_slice(&bits.to_le_bytes());
+        bits & 0x7c00 != 0x7c00
+    }
+}
+
+impl Element for Bf16 {
+    type Work = f32;
+    const SIZE: usize = 2;
+    #[inline(always)]
+    fn load(bytes: &[u8]) -> f32 {
+        bf16_bits_to_f32(u16::from_le_bytes(bytes.try_into().unwrap_or_default()))
+    }
+    #[inline(always)]
+    fn store(value: f32, out: &mut [u8]) -> bool {
+        let bits = f32_to_bf16_bits(value);
+        out.copy_from_slice(&bits.to_le_bytes());
+        bits & 0x7f80 != 0x7f80
+    }
+}
+
+/// The element `at` of `input`.
+fn element<E: Element>(input: &Input<'_>, at: usize) -> E::Work {
+    E::load(&input.bytes[at * E::SIZE..(at + 1) * E::SIZE])
+}
+
+/// `acc[j] = f(acc[j], x[j])` over one source's chunk.
+#[inline(always)]
+fn fold<E: Element>(acc: &mut [E::Work], bytes: &[u8], f: impl Fn(E::Work, E::Work) -> E::Work) {
+    for (a, x) in acc.iter_mut().zip(bytes.chunks_exact(E::SIZE)) {
+        *a = f(*a, E::load(x));
+    }
+}
+
+/// One piece, computed and written: Some((element, exact value)) at its first overflow (and
+/// nothing written).
+fn piece_of(
+    operation: &Operation,
+    piece: &mut Piece<'_, '_>,
+    scratch: &mut Scratch,
+) -> Result<Option<(u64, f64)>> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { piece_avx2(operation, piece, scratch) };
+    }
+    piece_by_type(operation, piece, scratch)
+}
+
+/// [`piece_by_type`] compiled for AVX2: twice the lanes of the baseline's SSE2, the same
+/// IEEE operations one by one (no fused multiply-add), so the same results.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn piece_avx2(
+    operation: &Operation,
+    piece: &mut Piece<'_, '_>,
+    scratch: &mut Scratch,
+) -> Result<Option<(u64, f64)>> {
+    piece_by_type(operation, piece, scratch)
+}
+
+#[inline(always)]
+fn piece_by_type(
+    operation: &Operation,
+    piece: &mut Piece<'_, '_>,
+    scratch: &mut Scratch,
+) -> Result<Option<(u64, f64)>> {
+    match piece.data_type {
+        DataType::Float => chunk::<F32>(operation, piece, scratch),
+        DataType::Double => chunk::<F64>(operation, piece, scratch),
+        DataType::Float16 => chunk::<F16>(operation, piece, scratch),
+        DataType::Bfloat16 => chunk::<Bf16>(operation, piece, scratch),
+        other => Err(Error::invalid_state(format!(
+            "arithmetic does not compute {} tensors here",
+            other.name()
+        ))),
+    }
+}
+
+/// One chunk: every source accumulated in turn, the result rounded once and written once.
+#[inline(always)]
+fn chunk<E: Element>(
+    operation: &Operation,
+    piece: &mut Piece<'_, '_>,
+    scratch: &mut Scratch,
+) -> Result<Option<(u64, f64)>> {
+    let len = piece.len;
+    let mut acc = std::mem::take(E::Work::accumulator(scratch));
+    acc.resize(len, E::Work::default());
+    let found = finished::<E>(operation, piece, &mut acc[..len], &mut scratch.out);
+    *E::Work::accumulator(scratch) = acc;
+    found
+}
+
+/// [`chunk`] with its accumulator: the sources into it, then the result out.
+#[inline(always)]
+fn finished<E: Element>(
+    operation: &Operation,
+    piece: &mut Piece<'_, '_>,
+    acc: &mut [E::Work],
+    staging: &mut Vec<u8>,
+) -> Result<Option<(u64, f64)>> {
+    let (start, len) = (piece.start, piece.len);
+    for (i, input) in piece.inputs.iter().enumerate() {
+        let bytes = &input.bytes[start * E::SIZE..(start + len) * E::SIZE];
+        if let Some(mapping) = &input.release {
+            populate(bytes);
+            accumulate::<E>(operation, i, acc, bytes);
+            release_around(bytes, mapping);
+        } else {
+            accumulate::<E>(operation, i, acc, bytes);
+        }
+    }
+    if let Operation::Average { total, .. } = operation {
+        let total = E::Work::of(*total);
+        acc.iter_mut().for_each(|a| *a = *a / total);
+    }
+    let (out, file): (&mut [u8], _) = match &mut piece.out {
+        Out::Memory(memory) => (memory, None),
+        Out::File { file, offset, path } => {
+            staging.resize(len * E::SIZE, 0);
+            (&mut staging[..len * E::SIZE], Some((*file, *offset, *path)))
+        }
+    };
+    let mut finite = true;
+    for (a, o) in acc.iter().zip(out.chunks_exact_mut(E::SIZE)) {
+        finite &= E::store(*a, o);
+    }
+    if !finite {
+        if let Some(bad) = not_finite::<E>(operation, piece.inputs, acc, out, start) {
+            return Ok(Some(bad));
+        }
+    }
+    if let Some((file, offset, path)) = file {
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(out, offset)
+            .map_err(|e| Error::from(e).in_file(path))?;
+    }
+    Ok(None)
+}
+
+/// Source `i`'s chunk `bytes` into the accumulator: the operation's step for that source,
+/// its coefficient rounded to the work type once.
+#[inline(always)]
+fn accumulate<E: Element>(operation: &Operation, i: usize, acc: &mut [E::Work], bytes: &[u8]) {
+    let w = E::Work::of;
+    match (operation, i) {
+        (Operation::Average { weights, .. }, 0) => {
+            let c = w(weights[0]);
+            fold::<E>(acc, bytes, |_, x| x * c)
+        }
+        (Operation::Average { weights, .. }, _) => {
+            let c = w(weights[i]);
+            fold::<E>(acc, bytes, |a, x| a + x * c)
+        }
+        (Operation::Delta | Operation::Apply { .. }, 0) => fold::<E>(acc, bytes, |_, x| x),
+        (Operation::Delta, _) => fold::<E>(acc, bytes, |a, x| a - x),
+        (Operation::Apply { scale }, _) => {
+            let c = w(*scale);
+            fold::<E>(acc, bytes, |a, x| a + x * c)
+        }
+        (Operation::Interpolate { a, .. }, 0) => {
+            let c = w(*a);
+            fold::<E>(acc, bytes, |_, x| x * c)
+        }
+        (Operation::Interpolate { b, .. }, _) => {
+            let c = w(*b);
+            fold::<E>(acc, bytes, |s, x| s + x * c)
+        }
+    }
+}
+
+/// The chunk's results that are not finite, looked at one by one: an average whose sum
+/// overflowed is computed again from each weight's share; a result still not finite where
+/// every input is finite is the overflow reported (inputs that are not finite are the
+/// user's, and pass as the arithmetic makes them).
+fn not_finite<E: Element>(
+    operation: &Operation,
+    inputs: &[Input<'_>],
+    acc: &[E::Work],
+    out: &mut [u8],
+    start: usize,
+) -> Option<(u64, f64)> {
+    for (j, (a, o)) in acc.iter().zip(out.chunks_exact_mut(E::SIZE)).enumerate() {
+        let mut exact = *a;
+        if E::store(exact, o) {
+            continue;
+        }
+        let at = start + j;
+        if let Operation::Average { weights, total } = operation {
+            // Where the sum itself overflowed (not only the mean), each weight's share.
+            if sum_overflowed::<E>(weights, inputs, at) {
+                exact = weights
+                    .iter()
+                    .zip(inputs)
+                    .fold(E::Work::default(), |sum, (c, i)| {
+                        sum + E::Work::of(c / total) * element::<E>(i, at)
+                    });
+                if E::store(exact, o) {
+                    continue;
+                }
+            }
+        }
+        if inputs.iter().all(|i| element::<E>(i, at).is_finite()) {
+            return Some((at as u64, exact.to_f64()));
+        }
+    }
+    None
+}
+
+/// Whether an average's sum (before its division by the total) is infinite at element `at`:
+/// the same sum as the pass made, computed again for this one element.
+fn sum_overflowed<E: Element>(weights: &[f64], inputs: &[Input<'_>], at: usize) -> bool {
+    let w = E::Work::of;
+    let mut terms = weights.iter().zip(inputs);
+    let first = terms
+        .next()
+        .map_or(E::Work::default(), |(c, i)| element::<E>(i, at) * w(*c));
+    terms
+        .fold(first, |sum, (c, i)| sum + element::<E>(i, at) * w(*c))
+        .is_infinite()
+}
+
+/// Maps `bytes` (of a file mapping) in with one call (MADV_POPULATE_READ, Linux 5.14+)
+/// instead of a page fault every few pages; where the kernel refuses, reads fault as usual.
+fn populate(bytes: &[u8]) {
+    const MADV_POPULATE_READ: libc::c_int = 22;
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .unwrap_or(4096)
+        .max(1);
+    let start = bytes.as_ptr() as usize / page * page;
+    let end = bytes.as_ptr() as usize + bytes.len();
+    if end > start {
+        // SAFETY: populating only reads pages of our own mapping in (no data changes).
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_READ);
+        }
+    }
+}
+
+/// How far around a fault the kernel maps pages in (its default `fault_around_bytes`; the
+/// window is aligned to it).
+const FAULT_AROUND: usize = 64 << 10;
+
+/// Drops the pages of `bytes`, and those within [`FAULT_AROUND`] of them, from this
+/// process's memory (MADV_DONTNEED), staying inside `mapping` (see [`Input::release`]).
+fn release_around(bytes: &[u8], mapping: &std::ops::Range<usize>) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .unwrap_or(4096)
+        .max(1);
+    let address = bytes.as_ptr() as usize;
+    let start = (address / FAULT_AROUND * FAULT_AROUND).max(mapping.start.div_ceil(page) * page);
+    let end = (address + bytes.len())
+        .next_multiple_of(FAULT_AROUND)
+        .min(mapping.end / page * page);
+    if end > start {
+        // SAFETY: the range lies inside `mapping`, which the caller promised (Input::release)
+        // is a private file mapping nobody wrote: later reads fault the same bytes in again.
+        // A failure only leaves the pages in memory.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,157 @@
+use super::floats::*;
+use super::*;
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn run_memory(
+    operation: &Operation,
+    data_type: DataType,
+    sources: &[Vec<u8>],
+) -> (Vec<u8>, Option<Overflow>) {
+    let mut out = vec![0xAAu8; sources[0].len()];
+    let mut jobs = [Job {
+        data_type,
+        inputs: sources
+            .iter()
+            .map(|s| Input {
+                bytes: s,
+                release: None,
+            })
+            .collect(),
+        sink: Sink::Memory(&mut out),
+    }];
+    let mut chunks = 0;
+    let overflow = run(operation, &mut jobs, 2, &mut |_| {
+        chunks += 1;
+        Ok(())
+    })
+    .unwrap();
+    (out, overflow)
+}
+
+#[test]
+fn float16_widening_and_rounding_agree_on_every_value() {
+    for h in 0..=u16::MAX {
+        let x = f16_bits_to_f32(h);
+        if x.is_nan() {
+            assert!(f32_to_f16_bits(x) & 0x7c00 == 0x7c00 && f32_to_f16_bits(x) & 0x3ff != 0);
+        } else {
+            assert_eq!(f32_to_f16_bits(x), h, "{h:#06x}");
+        }
+    }
+    // Ties to even, at a normal, a subnormal and the overflow threshold.
+    assert_eq!(f32_to_f16_bits(1.0 + 2f32.powi(-11)), 0x3c00);
+    assert_eq!(f32_to_f16_bits(1.0 + 3.0 * 2f32.powi(-11)), 0x3c02);
+    assert_eq!(f32_to_f16_bits(2f32.powi(-25)), 0);
+    assert_eq!(f32_to_f16_bits(2f32.powi(-25) * 1.0001), 1);
+    assert_eq!(f32_to_f16_bits(3.0 * 2f32.powi(-25)), 2);
+    assert_eq!(f32_to_f16_bits(65519.0), 0x7bff);
+    assert_eq!(f32_to_f16_bits(65520.0), 0x7c00);
+    assert_eq!(f32_to_f16_bits(-1e9), 0xfc00);
+}
+
+#[test]
+fn bfloat16_widening_and_rounding_agree_on_every_value() {
+    for b in 0..=u16::MAX {
+        let x = bf16_bits_to_f32(b);
+        if !x.is_nan() {
+            assert_eq!(f32_to_bf16_bits(x), b);
+        }
+    }
+    assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f80_8000)), 0x3f80); // tie, even
+    assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f81_8000)), 0x3f82); // tie, odd
+    assert_eq!(f32_to_bf16_bits(f32::MAX), 0x7f80);
+    assert_eq!(f32_to_bf16_bits(-f32::NAN), 0xffc0);
+}
+
+#[test]
+fn average_of_many_sources_crosses_chunks_in_source_order() {
+    let n = CHUNK * 2 + 7;
+    let sources: Vec<Vec<u8>> = (0..5)
+        .map(|s| {
+            f32_bytes(
+                &(0..n)
+                    .map(|i| (i * 7 + s * 13) as f32 * 0.37)
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .collect();
+    let weights = vec![0.5, 0.25, 0.75, 0.125, 0.625];
+    let total: f64 = weights.iter().sum();
+    let operation = Operation::Average {
+        weights: weights.clone(),
+        total,
+    };
+    let (out, overflow) = run_memory(&operation, DataType::Float, &sources);
+    assert_eq!(overflow, None);
+    for i in [0, 1, CHUNK - 1, CHUNK, 2 * CHUNK + 6] {
+        let x = |s: usize| {
+            f64::from(f32::from_le_bytes(
+                sources[s][i * 4..i * 4 + 4].try_into().unwrap(),
+            ))
+        };
+        let mut acc = x(0) * weights[0];
+        for (s, weight) in weights.iter().enumerate().skip(1) {
+            acc += x(s) * weight;
+        }
+        let expected = (acc / total) as f32;
+        assert_eq!(
+            &out[i * 4..i * 4 + 4],
+            &expected.to_le_bytes(),
+            "element {i}"
+        );
+    }
+}
+
+#[test]
+fn a_result_that_does_not_fit_is_reported_at_its_first_element_but_non_finite_inputs_pass() {
+    let a = f32_bytes(&[1.0, f32::INFINITY, 3e38, 3e38]);
+    let b = f32_bytes(&[1.0, 1.0, 3e38, -3e38]);
+    let (_, overflow) = run_memory(
+        &Operation::Apply { scale: 1.0 },
+        DataType::Float,
+        &[a.clone(), b],
+    );
+    let overflow = overflow.unwrap();
+    assert_eq!((overflow.job, overflow.element), (0, 2));
+    assert_eq!(overflow.exact, 3e38f32 as f64 * 2.0);
+    let b = f32_bytes(&[1.0, 1.0, -3e38, 3e38]);
+    let (_, overflow) = run_memory(&Operation::Delta, DataType::Float, &[a, b]);
+    assert_eq!(overflow.unwrap().element, 2);
+    let b = f32_bytes(&[1.0, 1.0, f32::NAN, -3e38]);
+    let a = f32_bytes(&[1.0, f32::INFINITY, 3e38, -3e38]);
+    let (out, overflow) = run_memory(&Operation::Delta, DataType::Float, &[a, b]);
+    assert_eq!(overflow, None); // inf - 1 and 3e38 - NaN: the user's, as the arithmetic makes them
+    assert_eq!(&out[4..8], &f32::INFINITY.to_le_bytes());
+    assert!(f32::from_le_bytes(out[8..12].try_into().unwrap()).is_nan());
+}
+
+#[test]
+fn an_average_whose_sum_overflows_is_computed_from_the_shares() {
+    let big = f64::MAX;
+    let bytes = |v: f64| v.to_le_bytes().to_vec();
+    let operation = Operation::Average {
+        weights: vec![0.5, 0.5],
+        total: 1.0,
+    };
+    let (out, overflow) = run_memory(&operation, DataType::Double, &[bytes(big), bytes(big)]);
+    assert_eq!(overflow, None);
+    assert_eq!(out, bytes(big));
+}
+
+#[test]
+fn a_job_that_does_not_match_its_operation_is_refused() {
+    let a = f32_bytes(&[1.0]);
+    let mut out = vec![0u8; 4];
+    let mut jobs = [Job {
+        data_type: DataType::Float,
+        inputs: vec![Input {
+            bytes: &a,
+            release: None,
+        }],
+        sink: Sink::Memory(&mut out),
+    }];
+    assert!(run(&Operation::Delta, &mut jobs, 1, &mut |_| Ok(())).is_err());
+}
