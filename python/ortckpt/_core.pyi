@@ -21,6 +21,7 @@ __all__ = [
     "save",
     "save_bytes",
     "stage",
+    "views",
 ]
 
 CHECKPOINT_VERSION: int
@@ -77,6 +78,11 @@ def load(path: str, *, follow_symlinks: bool = True) -> dict[str, Any]: ...
 def load_buffer(
     data: Any, *, external: Any | None = None, external_len: int = 0, external_tail: bytes | None = None
 ) -> dict[str, Any]: ...
+def views(
+    entries: list[tuple[str, int, tuple[int, ...], Any]],
+    mappings: tuple[memoryview | None, memoryview | None],
+    dtypes: list[tuple[Any, int] | None],
+) -> list[Any]: ...
 def encode_segments(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],
