@@ -197,8 +197,7 @@ class Parameter:
         """The data of the parameter: a NumPy view of the checkpoint's bytes (writable,
         copy-on-write), or a :class:`PackedBits` for the sub-byte types (UINT4, INT4, FLOAT4E2M1,
         UINT2, INT2)."""
-        view = self._state._views.get(self._name)  # (inlined _value: a pass over 16k tensors comes here)
-        return view if view is not None else self._state._tensor(self._name).value()
+        return self._state._value(self._name)
 
     @data.setter
     def data(self, value: Any) -> None:
@@ -377,8 +376,8 @@ class CheckpointState:
         self._nominal = False
         # Views of loaded tensors still held as raw entries in _tensors, made all at once by
         # _make_views (plain arrays and strs: nothing the garbage collector walks); None where
-        # the view is made on first use. A name leaves it when its entry becomes a _Tensor,
-        # which takes the view along.
+        # the view is made on first use. Read only while the name's entry is raw: once it is a
+        # _Tensor (which takes the view along), the _Tensor's value is the one.
         self._views: dict[str, np.ndarray | None] = {}
         self._views_made = False
         self._names: list[str] | None = None  # sorted, as iteration yields them
@@ -390,17 +389,22 @@ class CheckpointState:
     def _tensor(self, name: str) -> _Tensor:
         entry = self._tensors[name]
         if isinstance(entry, tuple):
-            entry = self._tensors[name] = _Tensor.from_file(*entry, self._mappings)
-            view = self._views.pop(name, None)
+            tensor = _Tensor.from_file(*entry, self._mappings)
+            view = self._views.get(name)
             if view is not None:
-                entry._value = view
+                tensor._value = view
+            self._tensors[name] = entry = tensor  # (published whole)
+            self._views.pop(name, None)
         return entry
 
     def _value(self, name: str) -> TensorValue:
-        """A parameter's values (as ``_tensor(name).value()``, without making the _Tensor when
-        the view is at hand)."""
-        view = self._views.get(name)
-        return view if view is not None else self._tensor(name).value()
+        """A parameter's values: ``_tensor(name).value()``, without making the _Tensor while
+        the entry is raw and its view at hand (a pass over 16k tensors comes through here)."""
+        if type(self._tensors[name]) is tuple:
+            view = self._views.get(name)
+            if view is not None:
+                return view
+        return self._tensor(name).value()
 
     def _sorted_names(self) -> list[str]:
         if self._names is None:

@@ -143,4 +143,16 @@ mod tests {
         let c = first_clash(&ckpt).unwrap();
         assert_eq!((c.what, c.name.as_str(), c.scope), ("parameter", "w", None));
     }
+
+    #[test]
+    fn the_first_repeat_in_order_is_named_whatever_the_sort_finds_first() {
+        let names = ["z", "b", "a", "b", "z", "a"];
+        assert_eq!(first_duplicate(names.into_iter()), Some("b"));
+        assert_eq!(first_duplicate(["a", "c", "b"].into_iter()), None);
+        assert_eq!(first_duplicate(std::iter::empty()), None);
+        let many: Vec<String> = (0..20_000).map(|i| format!("block{i}.weight")).collect();
+        assert_eq!(first_duplicate(many.iter().map(String::as_str)), None);
+        let again = many.iter().chain(&many[7..8]).map(String::as_str);
+        assert_eq!(first_duplicate(again), Some("block7.weight"));
+    }
 }

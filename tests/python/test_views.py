@@ -270,3 +270,14 @@ def test_a_hostile_dims_product_cannot_make_a_view_past_its_bytes(tmp_path):
     data = memoryview(bytearray(64))
     wraps = ("w", dt.UINT8, (2**32, 2**32 + 16), (0, 16, False))
     assert _core.views([wraps], (data, None), _boundary._VIEW_DTYPES) == [None]
+
+
+def test_release_pages_finds_the_mapping_under_a_bulk_view(tmp_path):
+    values = np.arange(3 * 4096, dtype=np.float32)  # several pages
+    path = tmp_path / "pages.ckpt"
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": values}), path)
+    state = CheckpointState.load_checkpoint(path)
+    (view,) = (p.data for _, p in state.parameters)
+    assert isinstance(_mapped_file(view), _core.MappedFile)
+    _boundary.release_pages(view)  # (MADV_DONTNEED: the pages come back from the file)
+    assert view.tobytes() == values.tobytes()
