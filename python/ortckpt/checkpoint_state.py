@@ -197,7 +197,12 @@ class Parameter:
         """The data of the parameter: a NumPy view of the checkpoint's bytes (writable,
         copy-on-write), or a :class:`PackedBits` for the sub-byte types (UINT4, INT4, FLOAT4E2M1,
         UINT2, INT2)."""
-        return self._state._value(self._name)
+        state, name = self._state, self._name
+        if type(state._tensors[name]) is tuple:  # (state._value inlined: a pass over 16k tensors comes here)
+            view = state._views.get(name)
+            if view is not None:
+                return view
+        return state._tensor(name).value()
 
     @data.setter
     def data(self, value: Any) -> None:
