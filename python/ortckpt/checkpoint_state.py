@@ -171,10 +171,10 @@ def _dtype_text(value: TensorValue) -> str:
 class Parameter:
     """A model parameter: its name, data, gradient and whether it is trained.
 
-    Returned by :class:`CheckpointState`; not meant to be built directly. It reads its
-    state by name on each use: a pass over 16k parameters makes 16k of these and drops
-    them, so they hold nothing (nothing per tensor outlives the pass for the garbage
-    collector to walk).
+    Returned by :class:`CheckpointState`; not meant to be built directly. It holds its
+    state and name only, and reads the state on each use (so it stays current when values
+    are set): a pass over 16k parameters makes 16k of these and drops them, leaving
+    nothing per tensor for the garbage collector to walk.
     """
 
     __slots__ = ("_name", "_state")
