@@ -24,7 +24,8 @@ The rows:
     allocated, and its time to completion against a synchronous save;
   - --steps manager steps of --frozen-mib frozen + --trainable-mib trainable (AdamW moments too),
     ``max_to_keep=4``: the disk used against one copy of the frozen bytes, and each later step's
-    time against the first step's.
+    time against the first step's; every step written whole (``share_unchanged=False``, the
+    baseline) and then sharing what is unchanged (the default). ``--only-steps``: these rows alone.
 """
 
 from __future__ import annotations
@@ -400,7 +401,7 @@ def disk_used(folder: Path) -> int:
     return total
 
 
-def bench_steps(args: argparse.Namespace, disk: Path) -> list[str]:
+def bench_steps(args: argparse.Namespace, disk: Path, *, share_unchanged: bool = True) -> list[str]:
     frozen = float32_arrays(args.frozen_mib * MiB, 16, 2)
     trainable = {f"head{k}": a for k, a in enumerate(float32_arrays(args.trainable_mib * MiB, 4, 3).values())}
     momentums = {n: {"momentum0": np.zeros_like(a), "momentum1": np.zeros_like(a)} for n, a in trainable.items()}
@@ -409,7 +410,7 @@ def bench_steps(args: argparse.Namespace, disk: Path) -> list[str]:
     frozen_bytes = sum(a.nbytes for a in frozen.values())
     changing = 3 * sum(a.nbytes for a in trainable.values())
     folder = disk / "steps"
-    manager = CheckpointManager(folder, max_to_keep=4)
+    manager = CheckpointManager(folder, max_to_keep=4, share_unchanged=share_unchanged)
     seconds = []
     for step in range(1, args.steps + 1):
         for n, a in trainable.items():  # a training step: the trainable part and its moments change
@@ -426,7 +427,8 @@ def bench_steps(args: argparse.Namespace, disk: Path) -> list[str]:
     return [
         "",
         f"{args.steps} manager steps of {args.frozen_mib} MiB frozen + {args.trainable_mib} MiB trainable + AdamW "
-        f"moments ({changing / MiB:.0f} MiB changing a step), `max_to_keep=4`, durable, on disk (one run):",
+        f"moments ({changing / MiB:.0f} MiB changing a step), `max_to_keep=4`, durable, on disk (one run), "
+        f"`share_unchanged={share_unchanged}`{'' if share_unchanged else ' (every step written whole: the baseline)'}:",
         "",
         "| measure | value | issue's goal |",
         "|---|---:|---|",
@@ -453,17 +455,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dir", type=Path, default=None, help="where the disk rows write (default: a temporary dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
+    parser.add_argument("--only-steps", action="store_true", help="only the manager steps rows (both ways)")
     args = parser.parse_args()
 
     shm = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="ortckpt-memspeed-", dir=args.dir))
     table = Table()
+    memory: list[str] = []
     try:
-        bench_average(args, table, shm)
-        bench_small_tensors(args, table, shm)
-        bench_manager(args, table, disk)
-        memory = bench_average_memory(args, shm)
-        steps = bench_steps(args, disk)
+        if not args.only_steps:
+            bench_average(args, table, shm)
+            bench_small_tensors(args, table, shm)
+            bench_manager(args, table, disk)
+            memory = bench_average_memory(args, shm)
+        steps = bench_steps(args, disk, share_unchanged=False) + bench_steps(args, disk)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)

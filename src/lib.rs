@@ -37,6 +37,7 @@ pub mod io;
 #[cfg(feature = "python")]
 mod python;
 mod random;
+pub mod sharing;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -224,6 +224,21 @@ def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None
     _core.save(os.fspath(path), *state.arguments(), nominal=state.nominal, keep_order=state.keep_order, **options)
 
 
+def save_sharing(
+    path: str | os.PathLike[str], previous: str | os.PathLike[str], state: CoreState, **options: Any
+) -> tuple[bool, int, int]:
+    """Writes the new checkpoint ``path`` sharing, with the checkpoint ``previous``, its data
+    file for the values that are byte-identical there (hard-linked as ``path``'s own; the rest
+    inline): (whether it did, else nothing was written and the caller saves whole; bytes of
+    values unchanged since ``previous``, wherever it keeps them; bytes of values in all).
+    ``options``: compare_only (write nothing, only count), durable, progress, lock_timeout."""
+    if state.nominal:
+        return False, 0, 0
+    return _core.save_sharing(
+        os.fspath(path), os.fspath(previous), *state.arguments(), keep_order=state.keep_order, **options
+    )
+
+
 def save_staged(
     path: str | os.PathLike[str], state: CoreState, **options: Any
 ) -> tuple[Staging, dict[int, tuple[int, bool]]]:

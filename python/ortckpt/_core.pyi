@@ -112,6 +112,22 @@ def save(
     commit: bool = True,
     lock_timeout: float | None = None,
 ) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
+def save_sharing(
+    path: str,
+    previous: str,
+    trainable: Sequence[_TensorIn],
+    frozen: Sequence[_TensorIn],
+    optimizer_groups: Sequence[_GroupIn],
+    ints: Sequence[tuple[str, int]],
+    floats: Sequence[tuple[str, float]],
+    strings: Sequence[tuple[str, str]],
+    *,
+    compare_only: bool = False,
+    durable: bool = False,
+    progress: SaveProgress | None = None,
+    keep_order: bool = False,
+    lock_timeout: float | None = None,
+) -> tuple[bool, int, int]: ...
 def save_bytes(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],

@@ -129,8 +129,32 @@ impl<'a> Encoded<'a> {
 /// repeat, or the values exceed what an inline checkpoint holds;
 /// [`ErrorKind::UnsupportedDataType`] for UNDEFINED tensors.
 pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Result<Encoded<'a>> {
+    encode_planned(ckpt, placement, &pairing::new_pair_id(), &[])
+}
+
+/// Lays out `ckpt` to share an existing data file (whose pair id is `pair_id`): the tensors
+/// with an offset in `shared` (by [`Checkpoint::tensors`] order) are external at that offset
+/// of it, every other value is inline, and no data file is to be written
+/// ([`Encoded::external_data`] is then only the trailer, which the data file already ends with).
+///
+/// # Errors
+/// As [`encode`].
+pub fn encode_sharing<'a>(
+    ckpt: &Checkpoint<Payload<'a>>,
+    pair_id: &pairing::PairId,
+    shared: &[Option<u64>],
+) -> Result<Encoded<'a>> {
+    encode_planned(ckpt, Placement::Inline, pair_id, shared)
+}
+
+fn encode_planned<'a>(
+    ckpt: &Checkpoint<Payload<'a>>,
+    placement: Placement,
+    pair_id: &pairing::PairId,
+    shared: &[Option<u64>],
+) -> Result<Encoded<'a>> {
     validate(ckpt)?;
-    let plan = plan(ckpt, placement, &pairing::new_pair_id())?;
+    let plan = plan(ckpt, placement, pair_id, shared)?;
     let inline_len = plan.inline.iter().map(|(_, b)| b.len()).sum();
     let mut fbb = FlatBufferBuilder::new_in(AnonBuffer::new(capacity_bound(ckpt, inline_len))?);
 

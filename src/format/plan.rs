@@ -9,6 +9,9 @@
 //! buffer (`gaps`): written by the builder they would touch one page of its buffer per tensor.
 //! With [`Placement::External`], values of [`EXTERNAL_MIN_BYTES`] or more go to the external
 //! data file instead, at 64-byte-aligned offsets, and a pair trailer ends both files.
+//! With `shared` offsets (a step that shares an existing data file, see [`crate::sharing`]),
+//! those tensors are external at the offsets given, nothing is planned for the data file (it is
+//! not written), every other value is inline, and the trailer carries that file's pair id.
 
 use super::model::{Checkpoint, Payload};
 use super::pairing::{self, PairId, PAIR_TRAILER_LEN};
@@ -68,7 +71,9 @@ pub struct Plan<'a> {
 }
 
 /// Plans where `ckpt`'s tensor bytes go (the tensors must already be validated: bytes
-/// matching dims). `pair_id` ties an external pair's two files together.
+/// matching dims). `pair_id` ties an external pair's two files together. `shared`, by
+/// [`Checkpoint::tensors`] order (empty: none), gives the tensors whose values are already at
+/// an offset of the existing data file whose pair id is `pair_id`.
 ///
 /// # Errors
 /// [`crate::ErrorKind::InvalidState`] when the inline values exceed what ONNX Runtime reads.
@@ -76,8 +81,11 @@ pub fn plan<'a>(
     ckpt: &Checkpoint<Payload<'a>>,
     placement: Placement,
     pair_id: &PairId,
+    shared: &[Option<u64>],
 ) -> Result<Plan<'a>> {
-    let has_external_data = placement == Placement::External && !ckpt.is_nominal;
+    let sharing = shared.iter().any(Option::is_some);
+    let writes_external = placement == Placement::External && !sharing;
+    let has_external_data = (writes_external || sharing) && !ckpt.is_nominal;
     let values = |d: &Payload<'a>| match *d {
         Payload::Bytes(bytes) if !ckpt.is_nominal => Some(bytes),
         _ => None,
@@ -88,10 +96,12 @@ pub fn plan<'a>(
     let mut external = Vec::new();
     let mut external_len = 0u64;
     let mut inline_len = 0u64;
-    for t in ckpt.tensors() {
+    for (i, t) in ckpt.tensors().enumerate() {
         let mut slot = Slot::Nothing;
         if let Some(bytes) = values(&t.data) {
-            if has_external_data && bytes.len() >= EXTERNAL_MIN_BYTES {
+            if let Some(offset) = shared.get(i).copied().flatten() {
+                slot = Slot::External(offset);
+            } else if has_external_data && writes_external && bytes.len() >= EXTERNAL_MIN_BYTES {
                 let offset = external_len.next_multiple_of(PAYLOAD_ALIGNMENT as u64);
                 slot = Slot::External(offset);
                 external.push((offset, bytes));
@@ -183,7 +193,7 @@ mod tests {
     #[test]
     fn inline_values_are_aligned_vectors_in_tensor_order() {
         let ckpt = checkpoint(&[3, 0, 70]);
-        let p = plan(&ckpt, Placement::Inline, &[0; 16]).unwrap();
+        let p = plan(&ckpt, Placement::Inline, &[0; 16], &[]).unwrap();
         assert_eq!(
             p.slots,
             vec![Slot::Inline(64), Slot::Nothing, Slot::Inline(128)]
@@ -200,7 +210,7 @@ mod tests {
     #[test]
     fn external_values_leave_small_ones_inline_and_end_with_the_trailer() {
         let ckpt = checkpoint(&[100, 10, 64]);
-        let p = plan(&ckpt, Placement::External, &[7; 16]).unwrap();
+        let p = plan(&ckpt, Placement::External, &[7; 16], &[]).unwrap();
         assert_eq!(
             p.slots,
             vec![Slot::External(0), Slot::Inline(64), Slot::External(128)]
@@ -212,10 +222,29 @@ mod tests {
     }
 
     #[test]
+    fn shared_values_point_into_the_existing_data_file_and_the_rest_stay_inline() {
+        let ckpt = checkpoint(&[100, 200, 70]);
+        let p = plan(
+            &ckpt,
+            Placement::External,
+            &[9; 16],
+            &[Some(4096), None, Some(0)],
+        )
+        .unwrap();
+        assert_eq!(
+            p.slots,
+            vec![Slot::External(4096), Slot::Inline(64), Slot::External(0)]
+        );
+        // Nothing for the data file (it exists already), which the trailer names.
+        assert!(p.external.is_empty() && p.external_len == 0 && p.has_external_data);
+        assert!(p.region_tail.ends_with(&pairing::trailer(&[9; 16])));
+    }
+
+    #[test]
     fn a_nominal_checkpoint_places_nothing() {
         let mut ckpt = checkpoint(&[100, 10]);
         ckpt.is_nominal = true;
-        let p = plan(&ckpt, Placement::External, &[0; 16]).unwrap();
+        let p = plan(&ckpt, Placement::External, &[0; 16], &[]).unwrap();
         assert_eq!(p.slots, vec![Slot::Nothing, Slot::Nothing]);
         assert_eq!((p.region_len, p.has_external_data), (0, false));
     }

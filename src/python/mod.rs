@@ -230,6 +230,58 @@ fn save(
     })
 }
 
+/// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
+/// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
+/// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
+/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts.
+#[pyfunction]
+#[pyo3(signature = (
+    path, previous, trainable, frozen, optimizer_groups, ints, floats, strings, *,
+    compare_only = false, durable = false, progress = None, keep_order = false, lock_timeout = None,
+))]
+#[allow(clippy::too_many_arguments)]
+fn save_sharing(
+    py: Python<'_>,
+    path: PathBuf,
+    previous: PathBuf,
+    trainable: Vec<TensorIn<'_>>,
+    frozen: Vec<TensorIn<'_>>,
+    optimizer_groups: Vec<GroupIn<'_>>,
+    ints: Vec<(String, i64)>,
+    floats: Vec<(String, f32)>,
+    strings: Vec<(String, String)>,
+    compare_only: bool,
+    durable: bool,
+    progress: Option<PyRef<'_, SaveProgress>>,
+    keep_order: bool,
+    lock_timeout: Option<f64>,
+) -> PyResult<(bool, u64, u64)> {
+    guarded(py, || {
+        let mut buffers = Vec::new();
+        let payloads = payloads_in(
+            py,
+            &path,
+            (trainable, frozen, optimizer_groups),
+            (ints, floats, strings),
+            (false, keep_order),
+            &mut buffers,
+        )?;
+        let options = SaveOptions {
+            durable,
+            progress: progress.map(|p| Arc::clone(&p.0)),
+            keep_order: true,
+            lock_timeout: wait_or_default(py, lock_timeout)?,
+            ..SaveOptions::default()
+        };
+        let sharing = py
+            .detach(|| {
+                crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
+            })
+            .map_err(|e| to_py_err(py, e))?;
+        Ok((sharing.shared, sharing.unchanged, sharing.values))
+    })
+}
+
 /// Files being written that replace `target` (and `<target>.data` with `with_data`) only
 /// when committed: the one commit of the core (`io::commit`), for files Python writes.
 #[pyfunction]
@@ -698,6 +750,7 @@ fn _panic_for_test(py: Python<'_>, message: String, release_gil: bool) -> PyResu
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;

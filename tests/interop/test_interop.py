@@ -6,6 +6,7 @@ ONNX Runtime runs in its own virtualenv (tests/interop/ort_helper.py, through th
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -212,3 +213,51 @@ def test_a_checkpoint_manager_step_loads_and_trains_in_onnx_runtime(ort, tmp_pat
     trained = ort("train", path, GOLDEN / "artifacts", tmp_path / "after.ckpt")
     reference = ort("train", GOLDEN / "trained_with_optimizer.ckpt", GOLDEN / "artifacts", tmp_path / "ref.ckpt")
     assert trained["loss"] == reference["loss"]
+
+
+def test_manager_steps_that_share_unchanged_tensors_load_in_onnx_runtime_exactly(ort, tmp_path):
+    """share_unchanged: steps whose frozen tensors are in the previous step's data file (a hard
+    link) and whose changed ones are inline each load in ONNX Runtime on their own, with exact
+    values (parameters by SHA-256; momentums through ONNX Runtime's own re-save), also once the
+    step that wrote the shared file is deleted."""
+    from ortckpt import CheckpointManager
+
+    rng = np.random.default_rng(5)
+    frozen = {f"frozen{i}": rng.standard_normal(4096).astype(np.float32) for i in range(6)}
+
+    def state_at(step: int) -> CheckpointState:
+        head = {
+            "head.weight": rng.standard_normal((32, 8)).astype(np.float32),
+            "head.bias": np.full(8, step, np.float32),
+        }
+        state = CheckpointState.from_arrays(head, frozen, {"run": "shared"})
+        state.optimizer_groups["group0"] = OptimizerGroup(
+            step=step,
+            initial_learning_rate=1e-3,
+            momentums={n: {"momentum0": a * 0.5, "momentum1": a * a} for n, a in head.items()},
+        )
+        return state
+
+    states = {}
+    with CheckpointManager(tmp_path / "run", max_to_keep=3) as manager:
+        for step in range(1, 6):
+            states[step] = state_at(step)
+            manager.save(states[step], step)
+        assert manager.all_steps() == [3, 4, 5]
+        infos = manager.all()
+    data = [os.stat(info.directory / "checkpoint.data") for info in infos]
+    assert len({d.st_ino for d in data}) == 1 and data[0].st_nlink == 3  # step 2 wrote it and is gone
+    for info in infos:
+        state = states[info.step]
+        seen = ort("describe", info.path)
+        assert seen["parameters"] == expected_view(state)["parameters"]
+        assert seen["properties"]["step"] == info.step
+        again = tmp_path / f"resaved{info.step}.ckpt"
+        ort("resave", info.path, again)
+        resaved = CheckpointState.load_checkpoint(again)
+        assert expected_view(resaved)["parameters"] == expected_view(state)["parameters"]
+        group, expected = resaved.optimizer_groups["group0"], state.optimizer_groups["group0"]
+        assert group.step == info.step
+        for param, moms in expected.momentums.items():
+            for m, value in moms.items():
+                assert sha256(group.momentums[param][m]) == sha256(value), (info.step, param, m)

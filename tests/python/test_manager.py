@@ -382,7 +382,9 @@ from ortckpt import CheckpointManager, CheckpointState
 directory, start, async_save = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "async"
 rng = np.random.default_rng(start)
 arrays = {f"t{i}": rng.standard_normal(50_000 + i).astype(np.float32) for i in range(8)}
-state = CheckpointState.from_arrays(arrays)
+# "frozen": a larger part that never changes, so that steps share it (share_unchanged)
+frozen = {f"f{i}": np.full(100_000 + i, i, np.float32) for i in range(8)} if sys.argv[3] == "frozen" else {}
+state = CheckpointState.from_arrays(arrays, frozen)
 manager = CheckpointManager(directory, max_to_keep=2, durable=False, async_save=async_save)
 step = start
 print("ready", flush=True)
@@ -414,16 +416,17 @@ def test_no_process_is_forked_while_the_writer_lock_is_held(tmp_path, monkeypatc
 
 
 @pytest.mark.once
-@pytest.mark.parametrize("mode, trials", [("sync", 100), ("async", 60)])
+@pytest.mark.parametrize("mode, trials", [("sync", 100), ("async", 60), ("frozen", 80)])
 def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mode, trials):
     """Kills a process that saves in a loop (retention deleting behind it; with async saves, in
-    the background thread) at random moments; each time, a fresh manager must find a latest
-    checkpoint that verifies, and no leftovers."""
+    the background thread; with a frozen part, each step sharing the previous step's data file)
+    at random moments; each time, a fresh manager must find a latest checkpoint that verifies,
+    and no leftovers; with a frozen part, every step kept restores its frozen values exactly."""
     rng = random.Random(20261122)
     script = tmp_path / "saver.py"
     script.write_text(SAVER)
     directory = tmp_path / "ckpts"
-    latest_steps, mid_save = [], 0
+    latest_steps, mid_save, shared_steps = [], 0, 0
     for trial in range(trials):
         start = latest_steps[-1] if latest_steps else 0
         child = subprocess.Popen(
@@ -441,9 +444,20 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
             if latest is None:
                 continue
             checked = manager.verify()
-            assert checked.step == latest.step and checked.tensors == 8
+            assert checked.step == latest.step and checked.tensors == (16 if mode == "frozen" else 8)
+            if mode == "frozen":
+                for step in manager.all_steps():
+                    restored = manager.restore(step)
+                    for i in range(8):
+                        assert np.array_equal(restored.parameters[f"f{i}"].data, np.full(100_000 + i, i, np.float32))
+                    manager.verify(step)
+                shared_steps += (latest.directory / "checkpoint.data").exists() and os.stat(
+                    latest.directory / "checkpoint.data"
+                ).st_nlink > 1
             assert len(manager.all_steps()) <= 3  # max_to_keep=2, plus one if killed between commit and retention
             latest_steps.append(latest.step)
     print(f"{mode}: {trials} kills, {mid_save} inside a save or deletion, latest steps reached {latest_steps[-1]}")
     assert len(latest_steps) > trials // 2, "the kills came too early to test anything"
     assert mid_save > trials // 10, "too few kills landed inside a save to test anything"
+    if mode == "frozen":
+        assert shared_steps > trials // 4, "too few latest steps shared their data file to test anything"

@@ -199,6 +199,17 @@ class CheckpointManager:
             for saves that take more than half a second. A bar never holds up or fails a save.
         external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
             bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
+        share_unchanged: A step does not write or store again the tensors whose bytes are equal
+            to the previous step's (frozen layers): it hard-links the previous step's
+            ``checkpoint.data`` as its own and writes only the changed tensors, inline in its
+            ``checkpoint`` (each step still loads on its own, in ONNX Runtime too; deleting one
+            leaves the other whole). Equality is decided by comparing the bytes. A step is
+            written whole when less than half of the previous data file would be shared, or the
+            changed tensors would pass ONNX Runtime's 2 GiB inline limit, or the previous step
+            has no data file; a whole step with at least half of its values unchanged since the
+            previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``),
+            for the next step to share. Directories only (on object storage, or with ``comm``,
+            every step is written whole); False: every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
             Every rank creates the manager and calls save, restore and wait together; each
@@ -231,6 +242,7 @@ class CheckpointManager:
         config: Mapping[str, Any] | None = None,
         progress: bool = False,
         external_data_threshold: int = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD,
+        share_unchanged: bool = True,
         comm: Any = None,
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
@@ -246,7 +258,7 @@ class CheckpointManager:
                 f"directory is a path or an {targets.SCHEME} URL, got '' (an empty name)", "directory"
             )
         save_every = options.save_every(save_every)
-        async_save, durable, compress_kept, progress, read_only = (
+        async_save, durable, compress_kept, progress, read_only, share_unchanged = (
             arguments.flag(name, value)
             for name, value in (
                 ("async_save", async_save),
@@ -254,6 +266,7 @@ class CheckpointManager:
                 ("compress_kept", compress_kept),
                 ("progress", progress),
                 ("read_only", read_only),
+                ("share_unchanged", share_unchanged),
             )
         )
         verify_after_save = options.verify_after_save(verify_after_save)
@@ -319,6 +332,8 @@ class CheckpointManager:
         if writer:
             self.store.remove_proven_leftovers()
         self.directory: Any = Path(directory) if self.store.local else self.store.name
+        # Steps share what is unchanged only in a directory of this machine, and not sharded.
+        self.share_unchanged = share_unchanged and self.store.local and self.comm is None
         self.url = self.store.name
         self._where = self.store.name
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
@@ -535,6 +550,7 @@ class CheckpointManager:
         with self._naming_step(step):
             core = state.core_state(include_optimizer_state)
         attempt = self.store.begin(step)
+        previous = self.latest() if self.share_unchanged else None
         try:
             self.store.write_checkpoint(
                 attempt,
@@ -543,6 +559,7 @@ class CheckpointManager:
                 external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
                 progress=self.progress,
+                share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
             )
             committed = self._commit(attempt, meta)
         except BaseException:

@@ -48,6 +48,9 @@ class Attempt:
     folder: Any  # a Path in a directory, a Location on object storage
     where: str
     written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Files shared with the previous step (hard links), by name: their metadata entries, copied
+    # from that step's (see shared_file_entry), never recomputed.
+    shared: dict[str, dict[str, Any]] = field(default_factory=dict)
     sent: bool = False  # its commit was sent: from then on it may have landed, whatever was heard
 
 
@@ -58,6 +61,13 @@ class Scan:
 
     steps: dict[int, Step]
     damaged: dict[int, str]
+
+
+def shared_file_entry(previous: Step, name: str) -> dict[str, Any]:
+    """The metadata entry of a file shared with the previous step (the same inode, hard-linked):
+    that step's recorded entry, copied, not computed again (the file is not read). Were the
+    file damaged since, both steps' entries disagree with it alike, and verify says so."""
+    return dict(previous.document["files"][name])
 
 
 class StepStore(abc.ABC):
@@ -124,9 +134,12 @@ class StepStore(abc.ABC):
         external_data_threshold: int,
         durable: bool,
         progress: bool = False,
+        share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Writes a checkpoint into the attempt; returns its files: {name: {"bytes": size,
-        "sha256": hex digest}} (also recorded in ``attempt.written``)."""
+        "sha256": hex digest}} (also recorded in ``attempt.written``). ``share_with``: the
+        previous step, whose data file a store may share for the values that are unchanged
+        (a directory does; an object store uploads every step whole)."""
 
     @abc.abstractmethod
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
@@ -167,4 +180,4 @@ class StepStore(abc.ABC):
         """Gives up the store (a directory's writer lock)."""
 
 
-__all__ = ["EMPTY_RESCANS", "SCAN_ATTEMPTS", "Attempt", "Scan", "Step", "StepStore", "missed"]
+__all__ = ["EMPTY_RESCANS", "SCAN_ATTEMPTS", "Attempt", "Scan", "Step", "StepStore", "missed", "shared_file_entry"]

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import warnings
 import weakref
@@ -35,7 +36,7 @@ from .. import _boundary, documents, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
-from .base import Attempt, Scan, Step, StepStore
+from .base import Attempt, Scan, Step, StepStore, shared_file_entry
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -132,14 +133,51 @@ class DirectoryStore(StepStore):
         external_data_threshold: int,
         durable: bool,
         progress: bool = False,
+        share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
         path = safe_io.member(Path(attempt.folder), name)
-        targets.LocalFile(path).save(
-            state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
-        )
+        shared, unchanged, values = False, 0, 0
+        if share_with is not None:
+            shared, unchanged, values = self._save_sharing(attempt, path, state, share_with, durable=durable)
+        if not shared:
+            if unchanged and 2 * unchanged >= values:
+                # Mostly unchanged, yet nothing (or too little) to share from: saved whole with its
+                # values in checkpoint.data, which the next step can share.
+                external_data_threshold = 0
+            targets.LocalFile(path).save(
+                state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
+            )
         written = {p.name: {"bytes": p.stat().st_size} for p in (path, Path(f"{path}.data")) if p.exists()}
         attempt.written.update(written)
         return written
+
+    def _save_sharing(
+        self, attempt: Attempt, path: Path, state: CoreState, previous: Step, *, durable: bool
+    ) -> tuple[bool, int, int]:
+        """Saves the checkpoint sharing the previous step's data file for the values that are
+        byte-identical there (see :func:`ortckpt._boundary.save_sharing`, which says whether it
+        did and how much is unchanged). Compared only with a step of this directory's, under its
+        own name and no symlink, whose files its metadata records (not compressed, not sharded);
+        the link lands in the attempt's private directory, published with the step by its one
+        rename."""
+        folder = Path(previous.folder)
+        data_name = f"{path.name}.data"
+        files = previous.document.get("files", {})
+        if (
+            folder.parent != self.directory
+            or folder.name != steps.step_directory_name(previous.number)
+            or not _is_directory(folder)
+            or path.name not in files
+        ):
+            return False, 0, 0
+        # Only a data file its metadata records is shared (its entry is copied from there).
+        compare_only = data_name not in files
+        shared, unchanged, values = _boundary.save_sharing(
+            path, folder / path.name, state, compare_only=compare_only, durable=durable
+        )
+        if shared:
+            attempt.shared[data_name] = shared_file_entry(previous, data_name)
+        return shared, unchanged, values
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
@@ -152,6 +190,9 @@ class DirectoryStore(StepStore):
         not hash as it writes)."""
         described = {}
         for name in sorted(attempt.written):
+            if name in attempt.shared:
+                described[name] = attempt.shared[name]
+                continue
             size, digest = safe_io.sha256_of(Path(attempt.folder) / name, on_bytes)
             described[name] = {"bytes": size, "sha256": digest}
         return described
@@ -208,6 +249,14 @@ def step_directories(directory: Path) -> dict[int, Path]:
         if step is not None and entry.is_dir(follow_symlinks=False):
             found[step] = Path(entry.path)
     return found
+
+
+def _is_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory itself (not a symlink to one), and still there."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def acquire_lock(path: Path, record: str) -> _boundary.Lock | None:

@@ -139,7 +139,10 @@ class ObjectStore(StepStore):
         external_data_threshold: int,
         durable: bool,
         progress: bool = False,
+        share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
+        # Objects cannot be hard-linked, and a server-side copy would still be a second copy
+        # stored: every step is uploaded whole (share_with is not used).
         target = self.file(attempt.folder, name)
         written = target.upload(state, external_data_threshold=external_data_threshold, progress=progress)
         attempt.written.update(written)

@@ -1,0 +1,404 @@
+//! Saves that share an unchanged data file with the previous save instead of writing it again.
+//!
+//! A training run that saves step after step rewrites mostly the same bytes (frozen layers do
+//! not change). When the previous checkpoint keeps its values in a data file, a new checkpoint
+//! can point at the very same bytes: the data file is hard-linked beside it (`<path>.data`, the
+//! only name ONNX Runtime reads external data from, at any offset), the tensors whose bytes are
+//! equal to the previous ones are external at their offsets there, and the rest are inline in
+//! the new checkpoint, whose pair trailer carries the data file's id (see
+//! [`crate::format::pairing`]). Each checkpoint stays whole on its own; deleting either
+//! leaves the other intact (a hard link).
+//!
+//! "Equal" is decided by comparing bytes against the data file that gets linked (the inode
+//! mapped is the inode linked, checked after linking): never by a checksum, never by trusting
+//! what the previous checkpoint says. Nothing is ever written to the shared file.
+
+use std::collections::HashMap;
+use std::fs::{self, OpenOptions};
+use std::io::ErrorKind as IoKind;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::format::encode::{encode_sharing, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN};
+use crate::format::{pairing, Checkpoint, Payload, Stored, Tensor};
+use crate::{external_data_path, io, SaveOptions};
+
+/// What a sharing save found and did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sharing {
+    /// Whether the checkpoint was written and committed sharing the previous data file (linked
+    /// as its own). When not, nothing was written: save the checkpoint whole instead.
+    pub shared: bool,
+    /// Bytes of values (tensors of [`EXTERNAL_MIN_BYTES`] or more) byte-identical to the
+    /// previous checkpoint's, wherever it keeps them (inline too): how much a whole save with
+    /// external data would let the next save share.
+    pub unchanged: u64,
+    /// Bytes of values in all.
+    pub values: u64,
+}
+
+/// Which tensor of a checkpoint: a parameter by name, or a momentum by group, parameter and name.
+type Key<'c> = (bool, &'c str, &'c str, &'c str);
+
+fn keyed<D>(ckpt: &Checkpoint<D>) -> impl Iterator<Item = (Key<'_>, &Tensor<D>)> {
+    let params = ckpt
+        .trainable
+        .iter()
+        .chain(&ckpt.frozen)
+        .map(|t| ((false, "", "", t.name.as_str()), t));
+    let momentums = ckpt.optimizer_groups.iter().flat_map(|g| {
+        g.states.iter().flat_map(move |s| {
+            s.momentums.iter().map(move |m| {
+                let key = (
+                    true,
+                    g.name.as_str(),
+                    s.param_name.as_str(),
+                    m.name.as_str(),
+                );
+                (key, m)
+            })
+        })
+    });
+    params.chain(momentums)
+}
+
+/// Saves `ckpt` at `path` (which must not exist yet: a step's fresh directory), sharing what is
+/// unchanged with the checkpoint at `previous` (its data file, `<previous>.data`, hard-linked
+/// as `<path>.data`), or writes nothing and says so. With `compare_only`, nothing is written:
+/// it only says how much is unchanged.
+///
+/// Shared only when the unchanged values in the previous data file fill at least half of it
+/// (so a file that is mostly stale bytes is not kept alive step after step) and the changed ones
+/// fit inline (ONNX Runtime's 2 GiB). Sorted like [`crate::save`] unless `options.keep_order`;
+/// written and committed through the same staged files and commit; with `options.durable` the
+/// linked data file is fsynced too (the previous save may not have been durable).
+///
+/// # Errors
+/// As [`crate::save`]; [`crate::ErrorKind::InvalidState`] when `path` or `<path>.data` exists.
+/// Whatever is wrong with the previous checkpoint (missing, damaged, symlinked, from ONNX
+/// Runtime without a pair trailer) is no error: nothing is shared from it.
+pub fn save_sharing(
+    path: &Path,
+    ckpt: &Checkpoint<Payload<'_>>,
+    previous: &Path,
+    compare_only: bool,
+    options: &SaveOptions,
+) -> Result<Sharing> {
+    crate::format::endian::ensure_host_little_endian()?;
+    let data_path = external_data_path(path);
+    if fs::symlink_metadata(path).is_ok() || fs::symlink_metadata(&data_path).is_ok() {
+        return Err(Error::invalid_state(
+            "a sharing save writes a new checkpoint: the path (or its data file) exists already",
+        )
+        .in_file(path));
+    }
+    let sorted;
+    let ckpt = if options.keep_order {
+        ckpt
+    } else {
+        sorted = ckpt.sorted_like_ort_state_path();
+        &sorted
+    };
+    let values: u64 = ckpt
+        .tensors()
+        .filter_map(bytes_of)
+        .map(|b| b.len() as u64)
+        .sum();
+    let mut sharing = Sharing {
+        shared: false,
+        unchanged: 0,
+        values,
+    };
+    if ckpt.is_nominal {
+        return Ok(sharing);
+    }
+    let Some(before) = Previous::open(previous) else {
+        return Ok(sharing);
+    };
+    let offsets = before.unchanged(ckpt, &mut sharing.unchanged);
+    let Some((data, data_id, pair_id)) = before.data.as_ref().filter(|_| !compare_only) else {
+        return Ok(sharing); // nothing external to share (an inline checkpoint), or not asked to
+    };
+    let (mut shared_len, mut inline_len) = (0u64, 0u64);
+    for (t, offset) in ckpt.tensors().zip(&offsets) {
+        let len = bytes_of(t).map_or(0, |b| b.len() as u64);
+        *(if offset.is_some() {
+            &mut shared_len
+        } else {
+            &mut inline_len
+        }) += len;
+    }
+    if shared_len == 0 || 2 * shared_len < data.len() as u64 || inline_len > MAX_INLINE_LEN {
+        return Ok(sharing);
+    }
+    let encoded = match encode_sharing(ckpt, pair_id, &offsets) {
+        Ok(encoded) => encoded,
+        // Past the inline limit once the tables are counted too: saved whole instead.
+        Err(_) if inline_len + (64 << 20) > MAX_INLINE_LEN => return Ok(sharing),
+        Err(e) => return Err(e.in_file(path)),
+    };
+    let segments = encoded.segments();
+    let unobserved = io::Progress::default();
+    let progress = options.progress.as_deref().unwrap_or(&unobserved);
+    progress.begin(segments.iter().map(|s| s.len() as u64).sum());
+    let after = io::AfterEachPiece {
+        writeback: options.durable,
+        progress,
+    };
+
+    let mut staged = io::Staged::new(path, false)?;
+    match fs::hard_link(external_data_path(previous), &data_path) {
+        Ok(()) => {}
+        // A filesystem without hard links (or across devices): saved whole instead.
+        Err(e)
+            if matches!(e.kind(), IoKind::Unsupported | IoKind::CrossesDevices)
+                || e.raw_os_error() == Some(libc::EPERM) =>
+        {
+            return Ok(sharing)
+        }
+        Err(e) => return Err(Error::from(e).in_file(&data_path)),
+    }
+    // From here on, the link is ours to remove should the save not commit.
+    let linked = Linked(&data_path);
+    if io::FileId::of_name(&data_path) != Some(*data_id) {
+        // The previous data file was replaced between the comparison and the link: what is
+        // linked is not what was compared.
+        return Ok(sharing);
+    }
+    if options.durable {
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&data_path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| Error::from(e).in_file(&data_path))?;
+    }
+    io::write_segments(staged.main().file(), &segments, &after)
+        .map_err(|e| Error::from(e).in_file(path))?;
+    staged.commit(&io::CommitOptions {
+        durable: options.durable,
+        lock_timeout: options.lock_timeout,
+        unpaired: false,
+    })?;
+    linked.keep();
+    sharing.shared = true;
+    Ok(sharing)
+}
+
+/// Removes the hard link it names when dropped, unless kept (the save committed).
+struct Linked<'p>(&'p Path);
+
+impl Linked<'_> {
+    fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Linked<'_> {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(self.0);
+    }
+}
+
+fn bytes_of<'a>(t: &Tensor<Payload<'a>>) -> Option<&'a [u8]> {
+    match t.data {
+        Payload::Bytes(bytes) => Some(bytes),
+        _ => None,
+    }
+}
+
+/// The previous checkpoint, mapped as it is now (never following a symlink): its file, its
+/// decoded tables, and its data file when it has one of ours (a pair trailer matching the
+/// checkpoint's): the mapping, its inode (the one to link) and its pair id.
+struct Previous {
+    map: memmap2::MmapMut,
+    checkpoint: Checkpoint<Stored>,
+    data: Option<(memmap2::MmapMut, io::FileId, pairing::PairId)>,
+}
+
+impl Previous {
+    fn open(path: &Path) -> Option<Previous> {
+        let (map, _) = io::map_private(path, false, 8, |_| Error::malformed("too short")).ok()?;
+        let checkpoint = crate::format::decode(&map).ok()?;
+        let mut data = None;
+        if checkpoint.has_external_data {
+            if let Ok((Some(mapped), id)) = io::map_private_any(&external_data_path(path), false) {
+                let pair = pairing::pair_id(&mapped).filter(|&p| pairing::pair_id(&map) == Some(p));
+                data = pair.map(|p| (mapped, id, p));
+            }
+        }
+        Some(Previous {
+            map,
+            checkpoint,
+            data,
+        })
+    }
+
+    /// A tensor's bytes as the previous checkpoint keeps them, and its offset in the data file
+    /// when external (values past the data file's end, or into its trailer, are none).
+    fn bytes(&self, t: &Tensor<Stored>) -> Option<(&[u8], Option<u64>)> {
+        match t.data {
+            Stored::Inline { offset, len } => {
+                Some((self.map.get(offset..offset.checked_add(len)?)?, None))
+            }
+            Stored::External { offset, len } => {
+                let (data, ..) = self.data.as_ref()?;
+                let values = &data[..data.len() - pairing::PAIR_TRAILER_LEN];
+                let end = usize::try_from(offset.checked_add(len)?).ok()?;
+                Some((
+                    values.get(usize::try_from(offset).ok()?..end)?,
+                    Some(offset),
+                ))
+            }
+            _ => None,
+        }
+    }
+
+    /// For each tensor of `ckpt` (in [`Checkpoint::tensors`] order) whose bytes, type and dims
+    /// equal the previous checkpoint's, and which it keeps in its data file: that offset. The
+    /// bytes of all the equal ones (inline too) are added to `unchanged`.
+    fn unchanged(&self, ckpt: &Checkpoint<Payload<'_>>, unchanged: &mut u64) -> Vec<Option<u64>> {
+        let before: HashMap<Key<'_>, &Tensor<Stored>> = keyed(&self.checkpoint).collect();
+        keyed(ckpt)
+            .map(|(key, t)| {
+                let bytes = bytes_of(t).filter(|b| b.len() >= EXTERNAL_MIN_BYTES)?;
+                let was = before.get(&key)?;
+                if was.data_type != t.data_type || was.dims != t.dims {
+                    return None;
+                }
+                let (was_bytes, offset) = self.bytes(was)?;
+                if was_bytes != bytes {
+                    return None;
+                }
+                *unchanged += bytes.len() as u64;
+                offset
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::DataType;
+    use std::os::unix::fs::MetadataExt;
+
+    fn tensor<'a>(name: &str, bytes: &'a [u8]) -> Tensor<Payload<'a>> {
+        Tensor {
+            name: name.to_owned(),
+            dims: vec![bytes.len() as i64],
+            data_type: DataType::Uint8,
+            data: Payload::Bytes(bytes),
+        }
+    }
+
+    fn checkpoint<'a>(frozen: &'a [u8], trainable: &'a [u8]) -> Checkpoint<Payload<'a>> {
+        let mut ckpt = Checkpoint::default();
+        ckpt.frozen.push(tensor("frozen", frozen));
+        ckpt.trainable.push(tensor("trainable", trainable));
+        ckpt
+    }
+
+    fn external() -> SaveOptions {
+        SaveOptions {
+            external_data_threshold: 0,
+            ..SaveOptions::default()
+        }
+    }
+
+    #[test]
+    fn unchanged_values_share_the_data_file_and_changed_ones_go_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, second) = (dir.path().join("a"), dir.path().join("b"));
+        let frozen = vec![7u8; 100_000];
+        crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
+        let changed = vec![2u8; 1000];
+        let sharing = save_sharing(
+            &second,
+            &checkpoint(&frozen, &changed),
+            &first,
+            false,
+            &external(),
+        );
+        let expected = Sharing {
+            shared: true,
+            unchanged: 100_000,
+            values: 101_000,
+        };
+        assert_eq!(sharing.unwrap(), expected);
+        let (a, b) = (external_data_path(&first), external_data_path(&second));
+        let (a, b) = (fs::metadata(a).unwrap(), fs::metadata(b).unwrap());
+        assert_eq!((a.ino(), a.nlink()), (b.ino(), 2));
+        let loaded = crate::load(&second).unwrap();
+        let c = loaded.checkpoint();
+        assert_eq!(loaded.bytes(&c.frozen[0]).unwrap(), &frozen[..]);
+        assert_eq!(loaded.bytes(&c.trainable[0]).unwrap(), &changed[..]);
+        assert!(matches!(c.trainable[0].data, Stored::Inline { .. }));
+    }
+
+    #[test]
+    fn one_changed_byte_is_never_shared_and_too_little_shared_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, second) = (dir.path().join("a"), dir.path().join("b"));
+        let mut frozen = vec![7u8; 100_000];
+        crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
+        frozen[54_321] ^= 1;
+        let sharing = save_sharing(
+            &second,
+            &checkpoint(&frozen, &[1; 1000]),
+            &first,
+            false,
+            &external(),
+        );
+        // Only the 1000 trainable bytes are unchanged: not worth keeping 100 kB alive for.
+        let sharing = sharing.unwrap();
+        assert!(!sharing.shared && sharing.unchanged == 1000);
+        assert!(!second.exists() && !external_data_path(&second).exists());
+    }
+
+    #[test]
+    fn a_previous_checkpoint_without_data_file_or_pair_shares_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, second) = (dir.path().join("a"), dir.path().join("b"));
+        let frozen = vec![7u8; 100_000];
+        crate::save(
+            &first,
+            &checkpoint(&frozen, &[1; 100]),
+            &SaveOptions::default(),
+        )
+        .unwrap();
+        let ckpt = checkpoint(&frozen, &[1; 100]);
+        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        // Inline: all of it unchanged, nothing to share from.
+        assert!(!sharing.shared && sharing.unchanged == 100_100 && !second.exists());
+        // The previous checkpoint's data file from another save (its pair id differs).
+        let other = dir.path().join("o");
+        crate::save(&other, &ckpt, &external()).unwrap();
+        crate::save(&first, &ckpt, &external()).unwrap();
+        fs::copy(external_data_path(&other), external_data_path(&first)).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        assert!(!sharing.shared && !second.exists());
+    }
+
+    #[test]
+    fn compare_only_writes_nothing_and_counts_what_is_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let (first, second) = (dir.path().join("a"), dir.path().join("b"));
+        let frozen = vec![7u8; 100_000];
+        let ckpt = checkpoint(&frozen, &[1; 1000]);
+        crate::save(&first, &ckpt, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, true, &external()).unwrap();
+        assert!(!sharing.shared && sharing.unchanged == 101_000 && !second.exists());
+    }
+
+    #[test]
+    fn an_existing_target_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = dir.path().join("a");
+        let frozen = vec![7u8; 1000];
+        let ckpt = checkpoint(&frozen, &[1; 100]);
+        crate::save(&first, &ckpt, &external()).unwrap();
+        assert!(save_sharing(&first, &ckpt, &first, false, &external()).is_err());
+    }
+}

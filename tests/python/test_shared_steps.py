@@ -1,0 +1,261 @@
+"""CheckpointManager(share_unchanged=True): a step stores again only what changed since the previous
+step. Its unchanged tensors stay in the previous step's data file, hard-linked into the new step; the
+changed ones are inline in its checkpoint. Each step stays a whole checkpoint on its own."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import ortckpt
+import pytest
+from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, OptimizerGroup, _boundary, verify
+
+FROZEN = 8  # frozen tensors of 64 KiB each: most of the state, as on a device that trains the last layers
+
+
+def frozen_arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {f"frozen{i}": rng.standard_normal(16384).astype(np.float32) for i in range(FROZEN)}
+
+
+def training_state(step: int, frozen: dict[str, np.ndarray] | None = None) -> CheckpointState:
+    """The state at ``step``: the frozen part as given (the same every step by default), the head
+    and its AdamW moments different at every step."""
+    rng = np.random.default_rng(1000 + step)
+    head = {"head.weight": rng.standard_normal((64, 16)).astype(np.float32), "head.bias": np.full(16, step, np.float32)}
+    state = CheckpointState.from_arrays(head, frozen if frozen is not None else frozen_arrays(), {"lr": 0.5})
+    state.optimizer_groups["group0"] = OptimizerGroup(
+        step=step,
+        initial_learning_rate=1e-3,
+        momentums={n: {"momentum0": a * 0.5, "momentum1": a * a} for n, a in head.items()},
+    )
+    return state
+
+
+def assert_same(a: CheckpointState, b: CheckpointState) -> None:
+    assert a.parameters.names() == b.parameters.names()
+    for name in a.parameters.names():
+        x, y = a.parameters[name].data, b.parameters[name].data
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+    ga, gb = a.optimizer_groups["group0"], b.optimizer_groups["group0"]
+    assert ga.step == gb.step
+    for param, moms in ga.momentums.items():
+        for m, value in moms.items():
+            assert value.tobytes() == gb.momentums[param][m].tobytes(), (param, m)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def data_of(root: Path, step: int) -> os.stat_result:
+    return os.stat(step_dir(root, step) / "checkpoint.data")
+
+
+def where(path: Path) -> dict[str, bool]:
+    """Whether each parameter's values are in the data file (True) or inline (False)."""
+    loaded = _boundary.load(path)
+    return {name: stored[2] for name, _code, _dims, stored in [*loaded.trainable, *loaded.frozen]}
+
+
+def test_unchanged_tensors_are_shared_by_hard_link_and_every_step_restores_exactly(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        for step in range(1, 6):
+            manager.save(training_state(step), step)
+        # Step 1 has nothing to compare with: whole, as the threshold says (inline). Step 2 finds
+        # most of it unchanged but nothing to share from: whole, with its values in checkpoint.data.
+        assert not (step_dir(tmp_path, 1) / "checkpoint.data").exists()
+        shared = data_of(tmp_path, 2)
+        # Steps 3-5 link step 2's data file: one inode, four names.
+        for step in (3, 4, 5):
+            assert data_of(tmp_path, step).st_ino == shared.st_ino
+        assert data_of(tmp_path, 5).st_nlink == 4
+        # Only the changed head (and its moments) is written by a shared step: inline.
+        placed = where(step_dir(tmp_path, 5) / "checkpoint")
+        assert placed == {"head.bias": False, "head.weight": False, **{n: True for n in frozen_arrays()}}
+        head_bytes = 3 * (64 * 16 + 16) * 4
+        assert os.stat(step_dir(tmp_path, 5) / "checkpoint").st_size < head_bytes + 16384
+        for step in range(1, 6):
+            assert_same(manager.restore(step), training_state(step))
+            assert manager.verify(step).step == step
+            assert verify(step_dir(tmp_path, step)).tensors == 2 + FROZEN + 4
+        # The shared file's metadata entry is the step's that wrote it, copied, not recomputed.
+        entries = [c.metadata["files"]["checkpoint.data"] for c in manager.all()[1:]]
+        assert all(e == entries[0] for e in entries)
+        assert (
+            entries[0]["sha256"] == hashlib.sha256((step_dir(tmp_path, 2) / "checkpoint.data").read_bytes()).hexdigest()
+        )
+
+
+def test_a_tensor_changed_by_one_byte_is_never_shared(tmp_path: Path) -> None:
+    frozen = frozen_arrays()
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(training_state(1, frozen), 1)
+        manager.save(training_state(2, frozen), 2)
+        frozen["frozen3"].view(np.uint8)[40_001] ^= 0x01  # one bit of one frozen tensor
+        manager.save(training_state(3, frozen), 3)
+        placed = where(step_dir(tmp_path, 3) / "checkpoint")
+        assert placed["frozen3"] is False and placed["frozen2"] is True
+        assert data_of(tmp_path, 3).st_ino == data_of(tmp_path, 2).st_ino
+        assert_same(manager.restore(3), training_state(3, frozen))
+        assert manager.restore(2).parameters["frozen3"].data.tobytes() != frozen["frozen3"].tobytes()
+        # Every frozen tensor changed: nothing to share, the step is written whole as the
+        # threshold says (inline), and step 3's link is left as it was.
+        for array in frozen.values():
+            array.view(np.uint8)[0] ^= 0x80
+        manager.save(training_state(4, frozen), 4)
+        assert not (step_dir(tmp_path, 4) / "checkpoint.data").exists()
+        assert set(where(step_dir(tmp_path, 4) / "checkpoint").values()) == {False}
+        assert data_of(tmp_path, 3).st_nlink == 2
+        assert_same(manager.restore(4), training_state(4, frozen))
+
+
+def test_a_tensor_of_the_same_bytes_under_other_dims_or_type_is_not_shared(tmp_path: Path) -> None:
+    frozen = frozen_arrays()
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(training_state(1, frozen), 1)
+        manager.save(training_state(2, frozen), 2)
+        frozen["frozen1"] = frozen["frozen1"].reshape(128, 128)
+        frozen["frozen2"] = frozen["frozen2"].view(np.int32)
+        manager.save(training_state(3, frozen), 3)
+        placed = where(step_dir(tmp_path, 3) / "checkpoint")
+        assert placed["frozen1"] is False and placed["frozen2"] is False and placed["frozen0"] is True
+        restored = manager.restore(3)
+        assert restored.parameters["frozen1"].data.shape == (128, 128)
+        assert restored.parameters["frozen2"].data.dtype == np.int32
+        assert_same(restored, training_state(3, frozen))
+
+
+def test_retention_deletes_older_steps_and_the_newer_ones_stay_whole(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, max_to_keep=2) as manager:
+        for step in range(1, 8):
+            manager.save(training_state(step), step)
+        assert manager.all_steps() == [6, 7]
+        # Step 2 wrote the shared file and is gone; its inode lives on in 6 and 7 alone.
+        assert data_of(tmp_path, 7).st_nlink == 2
+        manager.delete(6)
+        assert data_of(tmp_path, 7).st_nlink == 1
+        assert_same(manager.restore(7), training_state(7))
+        assert manager.verify(7).step == 7
+        manager.save(training_state(8), 8)  # still shares the surviving link
+        assert data_of(tmp_path, 8).st_ino == data_of(tmp_path, 7).st_ino
+    reader = CheckpointManager(tmp_path, read_only=True)
+    for step in reader.all_steps():
+        assert_same(reader.restore(step), training_state(step))
+
+
+def test_an_async_save_verified_in_a_fresh_process_shares_too(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, async_save=True, verify_after_save="process") as manager:
+        for step in range(1, 4):
+            manager.save(training_state(step), step)
+        manager.wait()
+        assert data_of(tmp_path, 3).st_ino == data_of(tmp_path, 2).st_ino
+        assert_same(manager.restore(3), training_state(3))
+
+
+def test_share_unchanged_false_writes_every_step_whole(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, share_unchanged=False, external_data_threshold=0) as manager:
+        for step in range(1, 4):
+            manager.save(training_state(step), step)
+    assert {data_of(tmp_path, s).st_nlink for s in (1, 2, 3)} == {1}
+    assert len({data_of(tmp_path, s).st_ino for s in (1, 2, 3)}) == 3
+    with pytest.raises(ortckpt.InvalidArgumentTypeError, match="share_unchanged"):
+        CheckpointManager(tmp_path / "x", share_unchanged="yes")  # type: ignore[arg-type]
+
+
+def test_a_tampered_previous_step_shares_only_what_still_compares_equal(tmp_path: Path) -> None:
+    frozen = frozen_arrays()
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step, frozen), step)
+        # Another process changes one byte of a frozen tensor in step 2's data file, in place.
+        data = step_dir(tmp_path, 2) / "checkpoint.data"
+        loaded = _boundary.load(step_dir(tmp_path, 2) / "checkpoint")
+        offset = next(stored[0] for name, _c, _d, stored in loaded.frozen if name == "frozen5")
+        with open(data, "r+b") as f:
+            f.seek(offset + 99)
+            byte = f.read(1)
+            f.seek(offset + 99)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
+            manager.verify(2)
+        manager.save(training_state(3, frozen), 3)
+        # The tampered tensor no longer compares equal: written inline, with the caller's values.
+        placed = where(step_dir(tmp_path, 3) / "checkpoint")
+        assert placed["frozen5"] is False and placed["frozen4"] is True
+        assert_same(manager.restore(3), training_state(3, frozen))
+        # The shared file is damaged against the digest recorded when it was written: verify says so.
+        with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
+            manager.verify(3)
+
+
+def test_a_previous_step_that_became_a_symlink_is_not_shared_from(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        real = tmp_path / "elsewhere"
+        shutil.move(step_dir(tmp_path / "run", 2), real)
+        os.symlink(real, step_dir(tmp_path / "run", 2))
+        manager.save(training_state(3), 3)
+        # Not even compared with: written whole, as the threshold says.
+        assert not (step_dir(tmp_path / "run", 3) / "checkpoint.data").exists()
+        assert os.stat(real / "checkpoint.data").st_nlink == 1
+        assert_same(manager.restore(3), training_state(3))
+
+
+def test_compress_kept_never_changes_a_shared_file(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, max_to_keep=1, keep_every=3, compress_kept=True) as manager:
+        for step in range(1, 5):
+            manager.save(training_state(step), step)
+        # Step 3 was shared into step 4, then compressed: its link removed, the inode left as it was.
+        assert [c.compressed for c in manager.all()] == [True, False]
+        assert data_of(tmp_path, 4).st_nlink == 1
+        assert manager.verify(4).step == 4 and manager.verify(3).step == 3
+        assert_same(manager.restore(3), training_state(3))
+        assert_same(manager.restore(4), training_state(4))
+        manager.save(training_state(5), 5)  # a compressed previous step: nothing to share from it
+        assert_same(manager.restore(5), training_state(5))
+
+
+def test_a_failed_shared_save_leaves_the_previous_steps_and_no_link(tmp_path: Path, monkeypatch) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(training_state(step), step)
+        before = data_of(tmp_path, 3).st_nlink
+
+        def failing(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(_boundary._core, "save_sharing", failing)
+        with pytest.raises(OSError, match="No space left"):
+            manager.save(training_state(4), 4)
+        monkeypatch.undo()
+        assert manager.all_steps() == [1, 2, 3] and data_of(tmp_path, 3).st_nlink == before
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".step")) == []
+        manager.save(training_state(4), 4)
+        assert_same(manager.restore(4), training_state(4))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "symlink", "fifo"])
+def test_a_previous_data_file_that_is_damaged_or_not_a_file_is_never_shared(tmp_path: Path, damage: str) -> None:
+    with CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        data = step_dir(tmp_path / "run", 2) / "checkpoint.data"
+        if damage == "truncated":  # its pair trailer gone
+            os.truncate(data, data.stat().st_size - 1)
+        elif damage == "symlink":  # the same bytes, but through a symlink
+            shutil.copy(data, tmp_path / "copy")
+            data.unlink()
+            data.symlink_to(tmp_path / "copy")
+        else:
+            data.unlink()
+            os.mkfifo(data)
+        manager.save(training_state(3), 3)  # never blocks on the FIFO, never follows the symlink
+        assert not (step_dir(tmp_path / "run", 3) / "checkpoint.data").exists()  # whole, inline
+        assert_same(manager.restore(3), training_state(3))
+        assert manager.verify(3).step == 3
