@@ -327,14 +327,15 @@ fn data_of_interrupted_save(
 
 /// Every external tensor must lie inside the data file, before any view exists.
 fn check_external_ranges(ckpt: &Checkpoint<Stored>, data_len: u64) -> Result<()> {
-    for (name, t) in ckpt.tensors_named() {
+    for (i, t) in ckpt.tensors_named_lazily().enumerate() {
         if let Stored::External { offset, len } = t.data {
             if offset.checked_add(len).is_none_or(|end| end > data_len) {
+                let name = ckpt.tensors_named().nth(i).map(|(n, _)| n);
                 return Err(Error::malformed(format!(
                     "external data at offset {offset}, {len} bytes long, lies beyond the end of the \
                      data file ({data_len} bytes)"
                 ))
-                .in_tensor(&name));
+                .in_tensor(&name.unwrap_or_default()));
             }
         }
     }

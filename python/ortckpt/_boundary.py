@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _core
-from .dtypes import PackedBits
+from .dtypes import PackedBits, fixed_size_dtypes
 from .errors import CheckpointStateError, InvalidArgumentTypeError
 
 MappedFile = _core.MappedFile
@@ -97,6 +97,26 @@ def checksum_root(path: str | os.PathLike[str], *, follow_symlinks: bool = True)
     """(size, root checksum) of a checkpoint file, the root read from its last bytes (None when
     it carries no checksums). Without ``follow_symlinks``, a symlink is refused (ELOOP)."""
     return _core.checksum_root(os.fspath(path), follow_symlinks=follow_symlinks)
+
+
+# (dtype, itemsize) by ONNX type code, for the types `views` cuts (None: the others).
+_VIEW_DTYPES = [None if dtype is None else (dtype, dtype.itemsize) for dtype in fixed_size_dtypes()]
+
+
+def views(entries: list[Any], mappings: tuple[Any, Any]) -> list[np.ndarray | None]:
+    """The NumPy views of loaded tensors (``entries`` as a load gives them) over their
+    ``mappings``, made in one core call: each a view of the mapping through a memoryview
+    (which keeps it alive), writable exactly when the mapping is, as ``np.frombuffer``
+    makes them. None where the caller makes the value itself: strings, packed sub-byte
+    types, empty or nominal tensors, and a mapping that is no buffer (an object store's
+    data file, read a tensor at a time on first use)."""
+    return _core.views(entries, (_buffer_of(mappings[0]), _buffer_of(mappings[1])), _VIEW_DTYPES)
+
+
+def _buffer_of(mapping: Any) -> memoryview | None:
+    if mapping is None or hasattr(mapping, "read_range"):
+        return None
+    return memoryview(mapping)
 
 
 def load_buffer(view: memoryview) -> Loaded:

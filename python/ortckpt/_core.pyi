@@ -23,6 +23,7 @@ __all__ = [
     "save_bytes",
     "save_sharing",
     "stage",
+    "views",
 ]
 
 CHECKPOINT_VERSION: int
@@ -82,6 +83,11 @@ def checksum_root(path: str, *, follow_symlinks: bool = True) -> tuple[int, int 
 def load_buffer(
     data: Any, *, external: Any | None = None, external_len: int = 0, external_tail: bytes | None = None
 ) -> dict[str, Any]: ...
+def views(
+    entries: list[tuple[str, int, tuple[int, ...], Any]],
+    mappings: tuple[memoryview | None, memoryview | None],
+    dtypes: list[tuple[Any, int] | None],
+) -> list[Any]: ...
 def encode_segments(
     trainable: Sequence[_TensorIn],
     frozen: Sequence[_TensorIn],

@@ -172,24 +172,38 @@ def _dtype_text(value: TensorValue) -> str:
 class Parameter:
     """A model parameter: its name, data, gradient and whether it is trained.
 
-    Returned by :class:`CheckpointState`; not meant to be built directly.
+    Returned by :class:`CheckpointState`; not meant to be built directly. It holds its
+    state and name only, and reads the state on each use (so it stays current when values
+    are set): a pass over 16k parameters makes 16k of these and drops them, leaving
+    nothing per tensor for the garbage collector to walk.
     """
 
-    def __init__(self, tensor: _Tensor, requires_grad: bool) -> None:
-        self._tensor = tensor
-        self._requires_grad = requires_grad
+    __slots__ = ("_name", "_state")
+
+    def __init__(self, state: CheckpointState, name: str) -> None:
+        self._state = state
+        self._name = name
+
+    @property
+    def _tensor(self) -> _Tensor:
+        return self._state._tensor(self._name)
 
     @property
     def name(self) -> str:
         """The name of the parameter"""
-        return self._tensor.name
+        return self._name
 
     @property
     def data(self) -> TensorValue:
         """The data of the parameter: a NumPy view of the checkpoint's bytes (writable,
         copy-on-write), or a :class:`PackedBits` for the sub-byte types (UINT4, INT4, FLOAT4E2M1,
         UINT2, INT2)."""
-        return self._tensor.value()
+        state, name = self._state, self._name
+        if type(state._tensors[name]) is tuple:  # (state._value inlined: a pass over 16k tensors comes here)
+            view = state._views.get(name)
+            if view is not None:
+                return view
+        return state._tensor(name).value()
 
     @data.setter
     def data(self, value: Any) -> None:
@@ -204,7 +218,7 @@ class Parameter:
     @property
     def requires_grad(self) -> bool:
         """Whether or not the parameter requires its gradient to be computed"""
-        return self._requires_grad
+        return self._name not in self._state._frozen
 
     @property
     def data_type(self) -> str:
@@ -231,13 +245,14 @@ class Parameters:
         self._state = state
 
     def __getitem__(self, name: str) -> Parameter:
-        if name not in self:
+        state = self._state
+        if name not in state._tensors:
             raise KeyError(f"Parameter {name} not found.")
-        if self._state.is_nominal:
+        if state._nominal:
             raise CheckpointError(
                 f"Cannot get parameter {name} from a nominal state. Please load the parameter states first."
             )
-        return self._state._parameter(name)
+        return Parameter(state, name)
 
     def __setitem__(self, name: str, value: Any) -> None:
         if name not in self:
@@ -256,8 +271,14 @@ class Parameters:
         return name in self._state._tensors
 
     def __iter__(self) -> Iterator[tuple[str, Parameter]]:
-        for name in sorted(self._state._tensors):
-            yield name, self[name]
+        state = self._state
+        if state.is_nominal:
+            for name in state._sorted_names():
+                yield name, self[name]  # (raises, as in ONNX Runtime)
+            return
+        state._make_views()  # (all at once, before the first is used)
+        for name in state._sorted_names():
+            yield name, Parameter(state, name)
 
     def __len__(self) -> int:
         return len(self._state._tensors)
@@ -359,6 +380,13 @@ class CheckpointState:
         # The loaded file's mappings (checkpoint, external data), which views keep alive.
         self._mappings: tuple[Any, Any] = (None, None)
         self._nominal = False
+        # Views of loaded tensors still held as raw entries in _tensors, made all at once by
+        # _make_views (plain arrays and strs: nothing the garbage collector walks); None where
+        # the view is made on first use. Read only while the name's entry is raw: once it is a
+        # _Tensor (which takes the view along), the _Tensor's value is the one.
+        self._views: dict[str, np.ndarray | None] = {}
+        self._views_made = False
+        self._names: list[str] | None = None  # sorted, as iteration yields them
         # The format version read (1: ONNX Runtime 1.16's); saves always write version 2.
         self._version = _boundary.CHECKPOINT_VERSION
         self._parameters = Parameters(self)
@@ -367,11 +395,39 @@ class CheckpointState:
     def _tensor(self, name: str) -> _Tensor:
         entry = self._tensors[name]
         if isinstance(entry, tuple):
-            entry = self._tensors[name] = _Tensor.from_file(*entry, self._mappings)
+            tensor = _Tensor.from_file(*entry, self._mappings)
+            view = self._views.get(name)
+            if view is not None:
+                tensor._value = view
+            self._tensors[name] = entry = tensor  # (published whole)
+            self._views.pop(name, None)
         return entry
 
-    def _parameter(self, name: str) -> Parameter:
-        return Parameter(self._tensor(name), name not in self._frozen)
+    def _value(self, name: str) -> TensorValue:
+        """A parameter's values: ``_tensor(name).value()``, without making the _Tensor while
+        the entry is raw and its view at hand (a pass over 16k tensors comes through here)."""
+        if type(self._tensors[name]) is tuple:
+            view = self._views.get(name)
+            if view is not None:
+                return view
+        return self._tensor(name).value()
+
+    def _sorted_names(self) -> list[str]:
+        if self._names is None:
+            self._names = sorted(self._tensors)
+        return self._names
+
+    def _make_views(self) -> None:
+        """The views of every loaded tensor not used yet, made in one core call (which reads
+        none of their bytes; an object store's data file is still read a tensor at a time, on
+        first use). Once: a tensor used since has its own view."""
+        if self._views_made:
+            return
+        self._views_made = True
+        if not self._nominal:
+            # (_Tensor entries, the tensors used already, come back None: as all the core leaves to Python)
+            views = _boundary.views(list(self._tensors.values()), self._mappings)
+            self._views = dict(zip(self._tensors, views, strict=True))
 
     @classmethod
     def load_checkpoint(
@@ -436,6 +492,7 @@ class CheckpointState:
         """The state as the core writes it: every value handed over as the array's own
         memory (never copied), for the writers (files, objects, streams) to save."""
         nominal = self.is_nominal
+        self._make_views()
         trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
         frozen = [self._tensor(n).to_core(nominal) for n in self._frozen]
         groups = self._groups_to_core() if include_optimizer_state else []
@@ -585,13 +642,12 @@ class CheckpointState:
         """Optimizer state by group name; edit it, or assign a new dict."""
         if self._pending_groups is not None:
             pending, self._pending_groups = self._pending_groups, None
+            # Every momentum's view in one core call, then handed out in the same order.
+            entries = [m for _group, _step, _lr, states in pending for _param, moms in states for m in moms]
+            views = iter(_boundary.views(entries, self._mappings))
             for group_name, step, lr, states in pending:
                 momentums = {
-                    param: {
-                        m: None if stored is None else _Tensor.from_file(m, code, dims, stored, self._mappings).value()
-                        for m, code, dims, stored in moms
-                    }
-                    for param, moms in states
+                    param: {entry[0]: self._momentum(entry, next(views)) for entry in moms} for param, moms in states
                 }
                 self._groups[group_name] = OptimizerGroup(step, lr, momentums)
         return self._groups
@@ -600,6 +656,11 @@ class CheckpointState:
     def optimizer_groups(self, groups: Mapping[str, OptimizerGroup]) -> None:
         self._pending_groups = None
         self._groups = dict(groups)
+
+    def _momentum(self, entry: _boundary.CoreTensor, view: np.ndarray | None) -> TensorValue | None:
+        if entry[3] is None:  # nominal: no values
+            return None
+        return view if view is not None else _Tensor.from_file(*entry, self._mappings).value()
 
     @property
     def is_nominal(self) -> bool:
@@ -626,6 +687,7 @@ class CheckpointState:
         other = CheckpointState()
         other._nominal = self._nominal
         other._frozen = set(self._frozen)
+        self._make_views()
         for name in self._tensors:
             tensor = self._tensor(name)
             if tensor.code == _dt.STRING and not self._nominal:
@@ -665,7 +727,7 @@ class CheckpointState:
     def tensor_value(self, name: str) -> TensorValue:
         """A parameter's values (a view over the file for a loaded state), without the
         nominal-state check of ``parameters[name].data``; ``KeyError`` for an unknown name."""
-        return self._tensor(name).value()
+        return self._value(name)
 
     def _groups_to_core(self) -> list[Any]:
         out = []

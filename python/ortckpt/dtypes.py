@@ -103,6 +103,12 @@ def numpy_dtype(code: int) -> np.dtype:
         raise UnsupportedDataTypeError(f"ONNX data type {name_of(code)} has no NumPy dtype") from None
 
 
+def fixed_size_dtypes() -> list[np.dtype | None]:
+    """The NumPy dtype of every fixed-size ONNX type, indexed by type code; None for the
+    others (STRING, the packed sub-byte types, unknown codes)."""
+    return [_DTYPE_BY_CODE.get(code) for code in range(len(NAMES))]
+
+
 @dataclass(frozen=True)
 class PackedBits:
     """A sub-byte tensor (UINT4, INT4, FLOAT4E2M1, UINT2, INT2) as the format stores it:

@@ -115,15 +115,17 @@ pub(crate) fn decode_checked(buf: &[u8]) -> Result<Checkpoint<Stored>> {
 /// one parameter would silently change another. ONNX Runtime never writes such a
 /// file (it copies every tensor on load), so one is malformed or hostile.
 fn reject_shared_values(ckpt: &Checkpoint<Stored>) -> Result<()> {
-    // (in the data file?, start, end, name)
-    let mut ranges: Vec<(bool, u64, u64, String)> = ckpt
-        .tensors_named()
-        .filter_map(|(name, t)| match t.data {
+    // (in the data file?, start, end, which tensor): names are looked up only for the
+    // error (making one per tensor cost more than the check, for 16k small tensors).
+    let mut ranges: Vec<(bool, u64, u64, usize)> = ckpt
+        .tensors_named_lazily()
+        .enumerate()
+        .filter_map(|(i, t)| match t.data {
             Stored::Inline { offset, len } if len > 0 => {
-                Some((false, offset as u64, (offset + len) as u64, name))
+                Some((false, offset as u64, (offset + len) as u64, i))
             }
             Stored::External { offset, len } if len > 0 => {
-                Some((true, offset, offset.saturating_add(len), name))
+                Some((true, offset, offset.saturating_add(len), i))
             }
             _ => None,
         })
@@ -132,17 +134,24 @@ fn reject_shared_values(ckpt: &Checkpoint<Stored>) -> Result<()> {
     for pair in ranges.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         if a.0 == b.0 && b.1 < a.2 {
+            let name = |i: usize| {
+                ckpt.tensors_named()
+                    .nth(i)
+                    .map(|(n, _)| n)
+                    .unwrap_or_default()
+            };
+            let (a_name, b_name) = (name(a.3), name(b.3));
             return Err(Error::malformed(format!(
                 "the values of {} and {} overlap ({} bytes {}..{} and {}..{})",
-                a.3,
-                b.3,
+                a_name,
+                b_name,
                 if a.0 { "external data" } else { "file" },
                 a.1,
                 a.2,
                 b.1,
                 b.2
             ))
-            .in_tensor(&b.3));
+            .in_tensor(&b_name));
         }
     }
     Ok(())

@@ -112,6 +112,16 @@ impl<D> Checkpoint<D> {
 
     /// Every tensor with the name errors should give it: a parameter's own name, a
     /// momentum's `group/param/momentum` (momentum names repeat across parameters).
+    /// Every tensor in [`tensors_named`](Self::tensors_named)'s order, without the names.
+    pub fn tensors_named_lazily(&self) -> impl Iterator<Item = &Tensor<D>> {
+        let params = self.trainable.iter().chain(&self.frozen);
+        let momentums = self
+            .optimizer_groups
+            .iter()
+            .flat_map(|g| g.states.iter().flat_map(|s| s.momentums.iter()));
+        params.chain(momentums)
+    }
+
     pub fn tensors_named(&self) -> impl Iterator<Item = (String, &Tensor<D>)> {
         let params = self
             .trainable
