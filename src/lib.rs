@@ -525,7 +525,8 @@ pub fn write_staged(
             inline_sums[i].update(piece);
         }
     };
-    io::write_segments(staged.main().file(), &body, &hole, &mut sum_values, &after).map_err(in_main)?;
+    io::write_segments(staged.main().file(), &body, &hole, &mut sum_values, &after)
+        .map_err(in_main)?;
     let inline_sums: Vec<_> = inline_sums.iter().map(|s| s.finish()).collect();
     encoded.seal(&inline_sums, &external_sums);
     io::write_segments(

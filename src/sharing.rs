@@ -177,8 +177,14 @@ pub fn save_sharing(
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::from(e).in_file(&data_path))?;
     }
-    io::write_segments(staged.main().file(), &segments, &|_| false, &mut |_, _| {}, &after)
-        .map_err(|e| Error::from(e).in_file(path))?;
+    io::write_segments(
+        staged.main().file(),
+        &segments,
+        &|_| false,
+        &mut |_, _| {},
+        &after,
+    )
+    .map_err(|e| Error::from(e).in_file(path))?;
     staged.commit(&io::CommitOptions {
         durable: options.durable,
         lock_timeout: options.lock_timeout,
