@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import ortckpt
 import pytest
-from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, OptimizerGroup, _boundary, verify
+from ortckpt import (
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointState,
+    OptimizerGroup,
+    _boundary,
+    safe_io,
+    verify,
+)
 
 FROZEN = 8  # frozen tensors of 64 KiB each: most of the state, as on a device that trains the last layers
 
@@ -167,30 +175,155 @@ def test_share_unchanged_false_writes_every_step_whole(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "x", share_unchanged="yes")  # type: ignore[arg-type]
 
 
-def test_a_tampered_previous_step_shares_only_what_still_compares_equal(tmp_path: Path) -> None:
+def flip_byte(path: Path, offset: int) -> None:
+    """Changes one byte of ``path`` in place, as another process would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def offset_of(checkpoint: Path, name: str) -> int:
+    """Where ``name``'s values start in ``checkpoint``'s data file."""
+    loaded = _boundary.load(checkpoint)
+    return next(stored[0] for n, _c, _d, stored in [*loaded.trainable, *loaded.frozen] if n == name and stored[2])
+
+
+def test_a_tampered_previous_step_is_not_shared_and_the_new_step_verifies(tmp_path: Path) -> None:
     frozen = frozen_arrays()
     with CheckpointManager(tmp_path) as manager:
         for step in (1, 2):
             manager.save(training_state(step, frozen), step)
         # Another process changes one byte of a frozen tensor in step 2's data file, in place.
-        data = step_dir(tmp_path, 2) / "checkpoint.data"
-        loaded = _boundary.load(step_dir(tmp_path, 2) / "checkpoint")
-        offset = next(stored[0] for name, _c, _d, stored in loaded.frozen if name == "frozen5")
-        with open(data, "r+b") as f:
-            f.seek(offset + 99)
-            byte = f.read(1)
-            f.seek(offset + 99)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(
+            step_dir(tmp_path, 2) / "checkpoint.data", offset_of(step_dir(tmp_path, 2) / "checkpoint", "frozen5") + 99
+        )
         with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
             manager.verify(2)
         manager.save(training_state(3, frozen), 3)
-        # The tampered tensor no longer compares equal: written inline, with the caller's values.
-        placed = where(step_dir(tmp_path, 3) / "checkpoint")
-        assert placed["frozen5"] is False and placed["frozen4"] is True
+        # The file no longer has the digest its step recorded: step 3 is whole, with its own data
+        # file (the caller's values, all external for the next step to share), and verifies.
+        assert data_of(tmp_path, 3).st_ino != data_of(tmp_path, 2).st_ino
+        assert set(where(step_dir(tmp_path, 3) / "checkpoint").values()) == {True}
         assert_same(manager.restore(3), training_state(3, frozen))
-        # The shared file is damaged against the digest recorded when it was written: verify says so.
-        with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
-            manager.verify(3)
+        assert manager.verify(3).step == 3
+        manager.save(training_state(4, frozen), 4)
+        assert data_of(tmp_path, 4).st_ino == data_of(tmp_path, 3).st_ino
+        assert manager.verify(4).step == 4
+
+
+def _another_runs_step(root: Path) -> None:
+    """Step 2 replaced by a step 2 of another run: the same frozen values, other files and digests."""
+    with CheckpointManager(root.parent / "other") as other:
+        for step in (1, 2):
+            other.save(training_state(step), step)
+    shutil.rmtree(step_dir(root, 2))
+    shutil.copytree(step_dir(root.parent / "other", 2), step_dir(root, 2))
+
+
+def _stale_byte(root: Path) -> None:
+    """A byte no later step compares: the head's values in step 2's data file (the next step
+    writes its own head inline)."""
+    flip_byte(step_dir(root, 2) / "checkpoint.data", offset_of(step_dir(root, 2) / "checkpoint", "head.weight"))
+
+
+def _replaced(root: Path) -> None:
+    """A new file in its place, one stale byte different, pair trailer and all."""
+    data = step_dir(root, 2) / "checkpoint.data"
+    values = bytearray(data.read_bytes())
+    values[offset_of(step_dir(root, 2) / "checkpoint", "head.weight")] ^= 1
+    data.unlink()
+    data.write_bytes(bytes(values))
+
+
+def _extended(root: Path) -> None:
+    """Bytes inserted before the pair trailer (kept at the end): every tensor still where it was."""
+    data = step_dir(root, 2) / "checkpoint.data"
+    values = data.read_bytes()
+    data.write_bytes(values[:-64] + bytes(4096) + values[-64:])
+
+
+@pytest.mark.parametrize("damage", [_stale_byte, _replaced, _extended, _another_runs_step])
+@pytest.mark.parametrize("verify_after_save", [False, True])
+def test_a_previous_data_file_unlike_its_record_is_never_shared(tmp_path: Path, damage, verify_after_save) -> None:
+    """Sharing copies the previous step's record of the file (no hashing): were the file not what
+    that record says, every later step would inherit a digest wrong from birth (and with
+    verify_after_save every later save would fail), though all the values it uses compare equal."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, verify_after_save=verify_after_save) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        damage(root)
+        for step in (3, 4):
+            manager.save(training_state(step), step)
+            assert manager.verify(step).step == step
+            assert_same(manager.restore(step), training_state(step))
+        # Step 3 whole (its own data file), step 4 shares it.
+        assert data_of(root, 3).st_ino != data_of(root, 2).st_ino
+        assert data_of(root, 4).st_ino == data_of(root, 3).st_ino
+
+
+@pytest.mark.parametrize("change", ["world-writable", "read-only", "another user's"])
+def test_a_previous_data_file_of_other_permissions_or_owner_is_not_shared(tmp_path: Path, monkeypatch, change) -> None:
+    """A linked file keeps its owner and mode in every step that shares it: one another user owns
+    or may write could change every later step; one of odd permissions would make them read
+    unlike a whole step."""
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        data = step_dir(tmp_path, 2) / "checkpoint.data"
+        if change == "world-writable":
+            os.chmod(data, 0o666)
+        elif change == "read-only":
+            os.chmod(data, 0o444)
+        else:  # (seen from another uid: chown would need root)
+            uid = os.geteuid()
+            monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+        manager.save(training_state(3), 3)
+        monkeypatch.undo()
+        assert data_of(tmp_path, 3).st_ino != data_of(tmp_path, 2).st_ino
+        assert data_of(tmp_path, 3).st_mode & 0o777 == 0o644 & ~safe_io.current_umask()
+        assert_same(manager.restore(3), training_state(3))
+        assert manager.verify(3).step == 3
+
+
+def test_a_resumed_run_hashes_the_file_once_and_shares_it(tmp_path: Path, monkeypatch) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+    hashed = []
+    real = safe_io.sha256_of
+
+    def counting(path, *args):
+        hashed.append(Path(path).name)
+        return real(path, *args)
+
+    monkeypatch.setattr(safe_io, "sha256_of", counting)
+    with CheckpointManager(tmp_path) as manager:  # a new process would know nothing of step 2's file
+        for step in (3, 4, 5):
+            manager.save(training_state(step), step)
+    # Step 2's data file hashed once (at step 3), never again; every step shares it.
+    assert hashed.count("checkpoint.data") == 1
+    assert {data_of(tmp_path, s).st_ino for s in (2, 3, 4, 5)} == {data_of(tmp_path, 2).st_ino}
+
+
+def test_a_shared_file_changed_through_an_outside_link_damages_its_steps_and_the_next_is_whole(
+    tmp_path: Path,
+) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(training_state(step), step)
+        os.link(step_dir(tmp_path, 3) / "checkpoint.data", tmp_path / "outside")
+        flip_byte(tmp_path / "outside", offset_of(step_dir(tmp_path, 3) / "checkpoint", "frozen0"))
+        # One inode: both steps that share it are damaged, and verify says so of each.
+        for step in (2, 3):
+            with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
+                manager.verify(step)
+        manager.save(training_state(4), 4)
+        assert data_of(tmp_path, 4).st_ino != data_of(tmp_path, 3).st_ino
+        assert manager.verify(4).step == 4
+        assert_same(manager.restore(4), training_state(4))
 
 
 def test_a_previous_step_that_became_a_symlink_is_not_shared_from(tmp_path: Path) -> None:
