@@ -4,6 +4,7 @@ changed ones are inline in its checkpoint. Each step stays a whole checkpoint on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -392,3 +393,27 @@ def test_a_previous_data_file_that_is_damaged_or_not_a_file_is_never_shared(tmp_
         assert not (step_dir(tmp_path / "run", 3) / "checkpoint.data").exists()  # whole, inline
         assert_same(manager.restore(3), training_state(3))
         assert manager.verify(3).step == 3
+
+
+def test_a_data_file_with_as_many_links_as_the_filesystem_allows_is_not_shared_but_saved_whole(tmp_path: Path) -> None:
+    """A run that keeps every step links one data file into each (ext4 allows 65,000 links): once
+    no more links can be made, a step is written whole (and the next ones share its file), not
+    failed, nor every save after it. The links are made outside the run here, to get there fast."""
+    with CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        shared = step_dir(tmp_path / "run", 2) / "checkpoint.data"
+        links = tmp_path / "links"
+        links.mkdir()
+        made = 0
+        with contextlib.suppress(OSError):  # EMLINK on ext4 and xfs; a filesystem without a limit stops at 70,000
+            while made < 70_000:
+                os.link(shared, links / str(made))
+                made += 1
+        for step in (3, 4):
+            manager.save(training_state(step), step)
+            assert_same(manager.restore(step), training_state(step))
+            assert manager.verify(step).step == step
+        assert (data_of(tmp_path / "run", 3).st_ino == data_of(tmp_path / "run", 2).st_ino) is (made == 70_000)
+        assert data_of(tmp_path / "run", 4).st_ino == data_of(tmp_path / "run", 3).st_ino
+    shutil.rmtree(links)
