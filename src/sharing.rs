@@ -153,10 +153,15 @@ pub fn save_sharing(
     let mut staged = io::Staged::new(path, false)?;
     match fs::hard_link(external_data_path(previous), &data_path) {
         Ok(()) => {}
-        // A filesystem without hard links (or across devices): saved whole instead.
+        // A filesystem without hard links (or across devices), a file with as many links as
+        // the filesystem allows (ext4: 65,000, reached by a long run that keeps every step),
+        // or a previous step deleted meanwhile: saved whole instead (the next steps share the
+        // new file).
         Err(e)
-            if matches!(e.kind(), IoKind::Unsupported | IoKind::CrossesDevices)
-                || e.raw_os_error() == Some(libc::EPERM) =>
+            if matches!(
+                e.kind(),
+                IoKind::Unsupported | IoKind::CrossesDevices | IoKind::NotFound
+            ) || matches!(e.raw_os_error(), Some(libc::EPERM | libc::EMLINK)) =>
         {
             return Ok(sharing)
         }

@@ -4,6 +4,7 @@ changed ones are inline in its checkpoint. Each step stays a whole checkpoint on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -11,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import ortckpt
 import pytest
-from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, OptimizerGroup, _boundary, verify
+from ortckpt import (
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointState,
+    OptimizerGroup,
+    _boundary,
+    safe_io,
+    verify,
+)
 
 FROZEN = 8  # frozen tensors of 64 KiB each: most of the state, as on a device that trains the last layers
 
@@ -59,6 +68,21 @@ def where(path: Path) -> dict[str, bool]:
     """Whether each parameter's values are in the data file (True) or inline (False)."""
     loaded = _boundary.load(path)
     return {name: stored[2] for name, _code, _dims, stored in [*loaded.trainable, *loaded.frozen]}
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Changes one byte of ``path`` in place, as another process would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def offset_of(checkpoint: Path, name: str) -> int:
+    """Where ``name``'s values start in ``checkpoint``'s data file."""
+    loaded = _boundary.load(checkpoint)
+    return next(stored[0] for n, _c, _d, stored in [*loaded.trainable, *loaded.frozen] if n == name and stored[2])
 
 
 def test_unchanged_tensors_are_shared_by_hard_link_and_every_step_restores_exactly(tmp_path: Path) -> None:
@@ -301,3 +325,151 @@ def test_a_data_file_without_checksums_is_not_shared_from(tmp_path: Path) -> Non
     assert verify(step_dir(tmp_path, 3)).checksums
     with CheckpointManager(tmp_path, read_only=True) as reader:
         assert_same(reader.restore(3), training_state(3, frozen))
+
+
+def _another_runs_step(root: Path) -> None:
+    """Step 2 replaced by a step 2 of another run: the same frozen values, other files and digests."""
+    with CheckpointManager(root.parent / "other") as other:
+        for step in (1, 2):
+            other.save(training_state(step), step)
+    shutil.rmtree(step_dir(root, 2))
+    shutil.copytree(step_dir(root.parent / "other", 2), step_dir(root, 2))
+
+
+def _stale_byte(root: Path) -> None:
+    """A byte no later step compares: the head's values in step 2's data file (the next step
+    writes its own head inline)."""
+    flip_byte(step_dir(root, 2) / "checkpoint.data", offset_of(step_dir(root, 2) / "checkpoint", "head.weight"))
+
+
+def _replaced(root: Path) -> None:
+    """A new file in its place, one stale byte different, pair trailer and all."""
+    data = step_dir(root, 2) / "checkpoint.data"
+    values = bytearray(data.read_bytes())
+    values[offset_of(step_dir(root, 2) / "checkpoint", "head.weight")] ^= 1
+    data.unlink()
+    data.write_bytes(bytes(values))
+
+
+def _extended(root: Path) -> None:
+    """Bytes inserted before the pair trailer (kept at the end): every tensor still where it was."""
+    data = step_dir(root, 2) / "checkpoint.data"
+    values = data.read_bytes()
+    data.write_bytes(values[:-64] + bytes(4096) + values[-64:])
+
+
+@pytest.mark.parametrize(
+    ("damage", "shared"), [(_stale_byte, True), (_replaced, True), (_extended, False), (_another_runs_step, False)]
+)
+@pytest.mark.parametrize("verify_after_save", [False, True])
+def test_a_previous_data_file_unlike_its_record_never_gives_a_later_step_a_wrong_record(
+    tmp_path: Path, damage, shared: bool, verify_after_save: bool
+) -> None:
+    """Sharing copies the previous step's record of the file (its size and pair id): a file that
+    is not what that record says (extended, another run's) is not shared, else every later step
+    would inherit a record wrong from birth (and with verify_after_save every later save would
+    fail). A stale byte no later step reads (or the file replaced by such a copy) changes neither:
+    it is shared, and each later step verifies through its own checksums of what it reads."""
+    root = tmp_path / "run"
+    with CheckpointManager(root, verify_after_save=verify_after_save) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        damage(root)
+        for step in (3, 4):
+            manager.save(training_state(step), step)
+            assert manager.verify(step).step == step
+            assert_same(manager.restore(step), training_state(step))
+        assert (data_of(root, 3).st_ino == data_of(root, 2).st_ino) is shared
+        assert data_of(root, 4).st_ino == data_of(root, 3).st_ino
+
+
+@pytest.mark.parametrize("change", ["world-writable", "read-only", "another user's"])
+def test_a_previous_data_file_of_other_permissions_or_owner_is_not_shared(tmp_path: Path, monkeypatch, change) -> None:
+    """A linked file keeps its owner and mode in every step that shares it: one another user owns
+    or may write could change every later step; one of odd permissions would make them read
+    unlike a whole step."""
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        data = step_dir(tmp_path, 2) / "checkpoint.data"
+        if change == "world-writable":
+            os.chmod(data, 0o666)
+        elif change == "read-only":
+            os.chmod(data, 0o444)
+        else:  # (seen from another uid: chown would need root)
+            uid = os.geteuid()
+            monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+        manager.save(training_state(3), 3)
+        monkeypatch.undo()
+        assert data_of(tmp_path, 3).st_ino != data_of(tmp_path, 2).st_ino
+        assert data_of(tmp_path, 3).st_mode & 0o777 == 0o644 & ~safe_io.current_umask()
+        assert_same(manager.restore(3), training_state(3))
+        assert manager.verify(3).step == 3
+
+
+@pytest.mark.parametrize("digest", [None, "sha256"])
+def test_a_resumed_run_shares_the_previous_file_hashing_it_at_most_once(tmp_path: Path, monkeypatch, digest) -> None:
+    """Checksummed entries are proven from the file's last bytes (never hashed); a SHA-256 entry
+    (``digest="sha256"``) is hashed once by a resumed run, at its first shared save."""
+    with CheckpointManager(tmp_path, digest=digest) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+    hashed = []
+    real = safe_io.sha256_of
+
+    def counting(path, *args):
+        hashed.append(Path(path).name)
+        return real(path, *args)
+
+    monkeypatch.setattr(safe_io, "sha256_of", counting)
+    with CheckpointManager(tmp_path, digest=digest) as manager:  # a new process knows nothing of step 2's file
+        for step in (3, 4, 5):
+            manager.save(training_state(step), step)
+    assert hashed.count("checkpoint.data") == (0 if digest is None else 1)
+    assert {data_of(tmp_path, s).st_ino for s in (2, 3, 4, 5)} == {data_of(tmp_path, 2).st_ino}
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        for step in (3, 4, 5):
+            assert reader.verify(step).step == step
+
+
+def test_a_shared_file_changed_through_an_outside_link_damages_its_steps_and_the_next_does_not_read_it(
+    tmp_path: Path,
+) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(training_state(step), step)
+        os.link(step_dir(tmp_path, 3) / "checkpoint.data", tmp_path / "outside")
+        flip_byte(tmp_path / "outside", offset_of(step_dir(tmp_path, 3) / "checkpoint", "frozen0"))
+        # One inode: both steps that share it are damaged, and verify says so of each.
+        for step in (2, 3):
+            with pytest.raises(CheckpointIntegrityError, match=r"checkpoint\.data"):
+                manager.verify(step)
+        manager.save(training_state(4), 4)
+        # The changed tensor no longer compares equal: step 4 holds it inline, its own values.
+        assert where(step_dir(tmp_path, 4) / "checkpoint")["frozen0"] is False
+        assert manager.verify(4).step == 4
+        assert_same(manager.restore(4), training_state(4))
+
+
+def test_a_data_file_with_as_many_links_as_the_filesystem_allows_is_not_shared_but_saved_whole(tmp_path: Path) -> None:
+    """A run that keeps every step links one data file into each (ext4 allows 65,000 links): once
+    no more links can be made, a step is written whole (and the next ones share its file), not
+    failed, nor every save after it. The links are made outside the run here, to get there fast."""
+    with CheckpointManager(tmp_path / "run") as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+        shared = step_dir(tmp_path / "run", 2) / "checkpoint.data"
+        links = tmp_path / "links"
+        links.mkdir()
+        made = 0
+        with contextlib.suppress(OSError):  # EMLINK on ext4 and xfs; a filesystem without a limit stops at 70,000
+            while made < 70_000:
+                os.link(shared, links / str(made))
+                made += 1
+        for step in (3, 4):
+            manager.save(training_state(step), step)
+            assert_same(manager.restore(step), training_state(step))
+            assert manager.verify(step).step == step
+        assert (data_of(tmp_path / "run", 3).st_ino == data_of(tmp_path / "run", 2).st_ino) is (made == 70_000)
+        assert data_of(tmp_path / "run", 4).st_ino == data_of(tmp_path / "run", 3).st_ino
+    shutil.rmtree(links)

@@ -65,8 +65,10 @@ class Scan:
 
 def shared_file_entry(previous: Step, name: str) -> dict[str, Any]:
     """The metadata entry of a file shared with the previous step (the same inode, hard-linked):
-    that step's recorded entry, copied, not computed again (the file is not read). Were the
-    file damaged since, both steps' entries disagree with it alike, and verify says so."""
+    that step's recorded entry, copied, not computed again. A store copies it only for a file
+    proven to be what the entry says (a directory: see DirectoryStore._shares_proven_file), so
+    no step inherits a digest that is wrong from birth. Were the file damaged after, both
+    steps' entries disagree with it alike, and verify says so."""
     return dict(previous.document["files"][name])
 
 

@@ -51,6 +51,9 @@ class DirectoryStore(StepStore):
         self.directory = directory
         self.name = str(directory)
         self.writer: WriterLock | None = None
+        # The data file whose SHA-256 this store last computed (written or shared), by what tells
+        # its bytes unchanged since (see _shares_proven_file): {(dev, inode, size, mtime): digest}.
+        self._hashed: dict[tuple[int, int, int, int], str] = {}
         if writer:
             if create:
                 safe_io.make_directories(directory)
@@ -176,8 +179,40 @@ class DirectoryStore(StepStore):
             path, folder / path.name, state, compare_only=compare_only, durable=durable
         )
         if shared:
-            attempt.shared[data_name] = shared_file_entry(previous, data_name)
+            entry = shared_file_entry(previous, data_name)
+            if not self._shares_proven_file(Path(f"{path}.data"), entry):
+                # Not the file the entry describes, or one another user may change: unshared (the
+                # link and the checkpoint pointing into it removed), for a whole save instead.
+                for name in (path, Path(f"{path}.data")):
+                    name.unlink()
+                return False, unchanged, values
+            attempt.shared[data_name] = entry
         return shared, unchanged, values
+
+    def _shares_proven_file(self, link: Path, entry: dict[str, Any]) -> bool:
+        """Whether the data file just linked (``link``, in the attempt's private directory: the
+        very inode shared) may take ``entry``, the previous step's record of it, as its own: a
+        file of this user's with a new file's permissions (no other user can change what every
+        later step shares, and each step reads as a whole one would) that is what ``entry``
+        records. For a checksummed entry that is its size and pair id, read from its last bytes
+        (the values this step reads were compared byte for byte, and its checkpoint's checksums
+        cover them). A SHA-256 entry (``digest="sha256"``, or an older step) is proven by the
+        digest this store computed when it wrote (or last shared) that inode, the file unchanged
+        since (same size and mtime), else hashed once now: a copied digest is never a wrong one."""
+        before = os.lstat(link)
+        if before.st_uid != os.geteuid() or stat.S_IMODE(before.st_mode) != 0o644 & ~safe_io.current_umask():
+            return False
+        if "sha256" not in entry:
+            problem, _ = entries.check(link, entry)
+            return problem is None
+        identity = _identity(before)
+        digest = self._hashed.get(identity)
+        if digest is None:
+            size, digest = safe_io.sha256_of(link)
+            if size != before.st_size or _identity(os.lstat(link)) != identity:
+                return False  # written to while hashed
+            self._hashed = {identity: digest}
+        return entry.get("bytes") == before.st_size and entry.get("sha256") == digest
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
@@ -196,7 +231,11 @@ class DirectoryStore(StepStore):
             elif "sha256" in attempt.written[name]:  # a document
                 described[name] = attempt.written[name]
             else:
-                described[name] = entries.of_written(Path(attempt.folder) / name, sha256=sha256, on_bytes=on_bytes)
+                path = Path(attempt.folder) / name
+                described[name] = entries.of_written(path, sha256=sha256, on_bytes=on_bytes)
+                if name.endswith(entries.DATA_SUFFIX) and "sha256" in described[name]:
+                    # what the next step may share without hashing it again: see _shares_proven_file
+                    self._hashed = {_identity(os.lstat(path)): described[name]["sha256"]}
         return described
 
     def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
@@ -251,6 +290,13 @@ def step_directories(directory: Path) -> dict[int, Path]:
         if step is not None and entry.is_dir(follow_symlinks=False):
             found[step] = Path(entry.path)
     return found
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file's bytes unchanged since it was last looked at (short of reading them):
+    a write changes its mtime, a replacement its inode. (A byte rotting on disk, or an mtime set
+    back on purpose, is left to verify: no check short of hashing sees those.)"""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _is_directory(path: Path) -> bool:
