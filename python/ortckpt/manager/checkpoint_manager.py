@@ -209,11 +209,10 @@ class CheckpointManager:
             ``checkpoint.data`` as its own and writes only the changed tensors, inline in its
             ``checkpoint`` (each step still loads on its own, in ONNX Runtime too; deleting one
             leaves the other whole). Equality is decided by comparing the bytes. The previous
-            data file is shared only when it is still what its step's metadata records (hashed
-            when this manager wrote it, else once when first shared; a write or replacement since
-            is seen by its inode, size and mtime) and is the user's own with a new file's
-            permissions; else the step is written whole. A step is
-            written whole when less than half of the previous data file would be shared, or the
+            data file is shared only when it is still what its step's metadata records (its size
+            and pair id; a SHA-256 entry, with ``digest="sha256"``, hashed when this manager wrote
+            it, else once when first shared) and is the user's own with a new file's permissions;
+            else the step is written whole. A step is also written whole when less than half of the previous data file would be shared, or the
             changed tensors would pass ONNX Runtime's 2 GiB inline limit, or the previous step
             has no data file; a whole step with at least half of its values unchanged since the
             previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``),
