@@ -233,6 +233,7 @@ impl<'j, 'a> Pass<'j, 'a> {
         progress: &Mutex<&mut (dyn FnMut(u64) -> Result<()> + Send)>,
     ) {
         let mut scratch = Scratch::default();
+        let _waiters = StopOnPanic(&self.sums);
         loop {
             let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).next();
             let Some((index, mut piece)) = next else {
@@ -354,6 +355,18 @@ impl Sums {
                 job.and_then(|(chunks, next, running)| (next == chunks).then(|| running.finish()))
             })
             .collect()
+    }
+}
+
+/// Releases every chunk waiting for its turn if this thread panics before its own chunk is
+/// summed (the panic then reaches the caller; nobody waits for a chunk that never comes).
+struct StopOnPanic<'s>(&'s Sums);
+
+impl Drop for StopOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.stop();
+        }
     }
 }
 
