@@ -34,7 +34,9 @@ combined here by NumPy a chunk at a time, with the same arithmetic.
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
 chunk at a time (pages dropped once used, and after loading) and the result is written into
 the new file's places for it (left as holes until then) chunk by chunk, so the memory used is a
-few chunks, not N checkpoints nor even one, whatever the number of sources.
+few chunks, not N checkpoints nor even one, whatever the number of sources. The kernel sums
+(XXH3) each result as it writes it, and the file's checksum block is written from those sums:
+the output is not read back (the few tensors NumPy computes are).
 
 Object storage: sources and ``out`` may be ``s3://`` URLs (configured by the ``AWS_*``
 variables, or ``storage_options=`` among the save options for ``out``). A source is then
