@@ -5,6 +5,7 @@
 //! stays a few chunks, whatever the file's size). Files without a block (ONNX Runtime's, an
 //! older ortckpt's) are reported as such; their check is decoding.
 
+use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 
 use memmap2::{MmapMut, UncheckedAdvice};
@@ -49,8 +50,14 @@ impl LoadedCheckpoint {
             };
         };
         let mut bytes = 0;
-        let sums = tensor_sums(&self.map, self.data.as_ref(), &self.checkpoint, &block)
-            .map_err(in_file)?;
+        let sums = tensor_sums(
+            &self.map,
+            self.data.as_ref(),
+            &self.checkpoint,
+            &block,
+            |_, _| None,
+        )
+        .map_err(in_file)?;
         for ((name, t), (found, expected)) in self
             .checkpoint
             .tensors_named()
@@ -141,12 +148,14 @@ fn page_size() -> usize {
     usize::try_from(size).unwrap_or(4096).max(1)
 }
 
-/// The sum of each tensor's bytes, in file order.
+/// The sum of each tensor's bytes, in file order: `known(index, stored)` where it knows it,
+/// else read from the file.
 fn tensor_sums(
     map: &MmapMut,
     data: Option<&MmapMut>,
     ckpt: &Checkpoint<Stored>,
     block: &Block,
+    known: impl Fn(usize, &Stored) -> Option<Sum>,
 ) -> Result<Vec<Sum>> {
     let count = ckpt.tensors().count();
     if count != block.tensors.len() {
@@ -158,7 +167,11 @@ fn tensor_sums(
     let outside =
         |name: &str| Error::integrity("the tensor's bytes lie outside the file").in_tensor(name);
     ckpt.tensors_named()
-        .map(|(name, t)| {
+        .enumerate()
+        .map(|(index, (name, t))| {
+            if let Some(sum) = known(index, &t.data) {
+                return Ok(sum);
+            }
             let (file, start, end) = match t.data {
                 Stored::Inline { offset, len } => (Some(map), offset, offset.checked_add(len)),
                 Stored::External { offset, len } => (
@@ -237,13 +250,26 @@ pub fn checksum_root_of_file(path: &Path, follow_symlinks: bool) -> Result<(u64,
     Ok((len, found.map(|block| block.root)))
 }
 
-/// Writes the checksum block of a staged checkpoint again, from its files as they are now:
-/// for writers that fill values in place after [`crate::write_staged`] (the block written
-/// then summed what the values were). Reads every value once.
+/// A tensor's values filled in place after [`crate::write_staged`] (into its hole): where
+/// they lie (the data file, or the checkpoint itself; the offset in that file) and their sum,
+/// when the filler took it as it wrote them (in element order: [`checksums::Running`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Filled {
+    pub external: bool,
+    pub offset: u64,
+    pub sum: Option<Sum>,
+}
+
+/// Writes the checksum block of a staged checkpoint again, for writers that fill values in
+/// place after [`crate::write_staged`] (the block written then summed what the values were).
+/// `filled`: None, every value is read and summed again; else the tensors filled, each with
+/// the sum its filler took (a tensor without one is read and summed), the others keeping the
+/// sums the writer took. The metadata is summed again either way (it is small).
 ///
 /// # Errors
-/// OS errors; a staged file that is no ortckpt checkpoint with a block.
-pub fn reseal(staged: &mut io::Staged) -> Result<()> {
+/// OS errors; a staged file that is no ortckpt checkpoint with a block; a filled tensor that
+/// the checkpoint does not hold (or holds twice).
+pub fn reseal(staged: &mut io::Staged, filled: Option<&[Filled]>) -> Result<()> {
     let main_path = staged.main().temp().to_path_buf();
     let data_path = staged.data().map(|d| d.temp().to_path_buf());
     let in_file = |e: Error| e.in_file(&main_path);
@@ -264,7 +290,51 @@ pub fn reseal(staged: &mut io::Staged) -> Result<()> {
                 "the staged checkpoint has no checksum block",
             ))
         })?;
-    let sums = tensor_sums(&map, data.as_ref(), &ckpt, &block).map_err(in_file)?;
+    let sums = match filled {
+        None => tensor_sums(&map, data.as_ref(), &ckpt, &block, |_, _| None),
+        Some(filled) => {
+            let place = |stored: &Stored| match *stored {
+                Stored::Inline { offset, len } if len > 0 => Some((false, offset as u64)),
+                Stored::External { offset, len } if len > 0 => Some((true, offset)),
+                _ => None,
+            };
+            let mut held = HashMap::new();
+            for t in ckpt.tensors() {
+                if let Some(at) = place(&t.data) {
+                    *held.entry(at).or_insert(0) += 1;
+                }
+            }
+            let sums: HashMap<_, _> = filled
+                .iter()
+                .map(|f| ((f.external, f.offset), f.sum))
+                .collect();
+            let invalid = |why: String| in_file(Error::invalid_state(format!("reseal: {why}")));
+            if sums.len() != filled.len() {
+                return Err(invalid("a filled tensor is listed twice".to_owned()));
+            }
+            if let Some(f) = filled
+                .iter()
+                .find(|f| held.get(&(f.external, f.offset)) != Some(&1))
+            {
+                let file = if f.external {
+                    "data file"
+                } else {
+                    "checkpoint"
+                };
+                return Err(invalid(format!(
+                    "no one tensor's values lie at offset {} of the {file}",
+                    f.offset
+                )));
+            }
+            let known =
+                |index: usize, stored: &Stored| match place(stored).and_then(|at| sums.get(&at)) {
+                    Some(sum) => *sum,
+                    None => block.tensors.get(index).copied(),
+                };
+            tensor_sums(&map, data.as_ref(), &ckpt, &block, known)
+        }
+    }
+    .map_err(in_file)?;
     let metadata = metadata_sum(&map, &ckpt, &block).map_err(in_file)?;
     let id = match data_path {
         Some(_) => pairing::pair_id(&map).expect("find() saw the trailer"),

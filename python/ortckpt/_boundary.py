@@ -322,9 +322,10 @@ def release_maps(values: Iterable[Any]) -> None:
 
 def combine(
     operation: str, coefficients: list[float], jobs: list[Any], progress: Callable[[int], object] | None
-) -> tuple[int, int, float] | None:
-    """The core's arithmetic kernels over ``jobs`` (see ``_core.combine``): None, or the first
-    result element that does not fit its type, as (job, element, exact value)."""
+) -> tuple[tuple[int, int, float] | None, list[int | None]]:
+    """The core's arithmetic kernels over ``jobs`` (see ``_core.combine``): (None, the XXH3-64
+    sum of each job's values written to a file, None for one in memory), or (the first result
+    element that does not fit its type, as (job, element, exact value), [])."""
     return _core.combine(operation, coefficients, jobs, progress)
 
 

@@ -34,7 +34,9 @@ combined here by NumPy a chunk at a time, with the same arithmetic.
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
 chunk at a time (pages dropped once used, and after loading) and the result is written into
 the new file's places for it (left as holes until then) chunk by chunk, so the memory used is a
-few chunks, not N checkpoints nor even one, whatever the number of sources.
+few chunks, not N checkpoints nor even one, whatever the number of sources. The kernel sums
+(XXH3) each result as it writes it, and the file's checksum block is written from those sums:
+the output is not read back (the few tensors NumPy computes are).
 
 Object storage: sources and ``out`` may be ``s3://`` URLs (configured by the ``AWS_*``
 variables, or ``storage_options=`` among the save options for ``out``). A source is then
@@ -516,8 +518,9 @@ def _computed(
     kernel = [key for key, (dtype, _, _) in plan.combined.items() if dtype in _KERNEL_CODES]
     by_numpy = [key for key in plan.combined if key not in set(kernel)]
 
-    def run_kernel(sinks: list[Any]) -> None:
-        """The kernel's tensors into their sinks (writable memory or (fd, offset, path))."""
+    def run_kernel(sinks: list[Any]) -> list[int | None]:
+        """The kernel's tensors into their sinks (writable memory or (fd, offset, path)): the
+        checksum of each one's values written to a file (None for memory)."""
         jobs = []
         for key, sink in zip(kernel, sinks, strict=True):
             dtype, _, values = plan.combined[key]
@@ -525,13 +528,14 @@ def _computed(
             maps = [s.mapping(v) for s, v in zip(sources, values, strict=True)]
             jobs.append((_KERNEL_CODES[dtype], flats, maps, sink))
         callback = None if isinstance(bar, Hidden) else bar.update
-        overflow = _boundary.combine(operation.name, operation.coefficients, jobs, callback)
+        overflow, sums = _boundary.combine(operation.name, operation.coefficients, jobs, callback)
         for source in sources:
             source.release_all()
         if overflow is not None:
             index, element, exact = overflow
             key = kernel[index]
             raise _overflow_error(key, plan.combined[key][0], element, exact, sources, out, what)
+        return sums
 
     def chunk(key: tuple[str, ...], raw: list[np.ndarray], start: int) -> np.ndarray:
         """One chunk of a combined tensor's result (its work arrays freed on return)."""
@@ -592,9 +596,11 @@ def _computed(
             external = where[key][1]
             return staging.fileno(data=external), Path(f"{path}.data") if external else path
 
-        run_kernel(
+        sums = run_kernel(
             [(file_of(key)[0], where[key][0], os.fspath(file_of(key)[1])) if key in where else _EMPTY for key in kernel]
         )
+        # The kernel summed its values as it wrote them; NumPy's are read back to be summed.
+        summed = dict(zip(kernel, sums, strict=True))
         for external in (False, True):
             keys = [key for key in by_numpy if key in where and where[key][1] == external]
             if keys:  # every chunk of the file's tensors written in turn
@@ -604,7 +610,7 @@ def _computed(
                     for start, part in chunks(key)
                 )
                 safe_io.pwrite_all(staging.fileno(data=external), writes, Path(f"{path}.data") if external else path)
-        staging.reseal()  # the values filled in place: their checksums taken again, once
+        staging.reseal([(external, offset, summed.get(key)) for key, (offset, external) in where.items()])
         staging.commit(durable=durable)
     finally:
         staging.discard()

@@ -10,6 +10,10 @@
 //!
 //! A result that does not fit its type where every input is finite is not written: the pass
 //! stops and reports the first such element; the caller builds its error.
+//!
+//! A result written to a file is summed (XXH3-64, [`crate::format::checksums`]) as its chunks
+//! are written, in element order: the same sum the writer takes of a tensor's bytes, so the
+//! staged file is sealed without reading its values back.
 
 mod floats;
 
@@ -17,8 +21,9 @@ use std::fs::File;
 use std::ops::{Add, Div, Mul, Sub};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
 
+use crate::format::checksums::{Running, Sum};
 use crate::format::DataType;
 use crate::{Error, Result};
 use floats::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
@@ -94,6 +99,17 @@ pub struct Overflow {
     pub exact: f64,
 }
 
+/// How a pass ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// Every result is written; for each job, in order, the checksum of the bytes written to
+    /// its file (None for a result in memory).
+    Written(Vec<Option<Sum>>),
+    /// The first result that does not fit its type: that job's result, and those after, are
+    /// incomplete.
+    Overflow(Overflow),
+}
+
 /// Whether [`run`] computes tensors of this type (the float8 types are left to the caller).
 pub fn covers(data_type: DataType) -> bool {
     matches!(
@@ -104,7 +120,7 @@ pub fn covers(data_type: DataType) -> bool {
 
 /// Computes every job, stopping at the first overflow in job and element order (that job's
 /// result, and those after, are then incomplete). The chunks are shared out among up to
-/// `threads` threads. `progress` is told the bytes of each result chunk written (from any of
+/// `threads` threads; each result written to a file is summed as its chunks are written. `progress` is told the bytes of each result chunk written (from any of
 /// them, one at a time); an error from it stops the pass.
 ///
 /// # Errors
@@ -115,7 +131,7 @@ pub fn run(
     jobs: &mut [Job<'_>],
     threads: usize,
     progress: &mut (dyn FnMut(u64) -> Result<()> + Send),
-) -> Result<Option<Overflow>> {
+) -> Result<Outcome> {
     for job in jobs.iter() {
         check(operation, job)?;
     }
@@ -131,11 +147,10 @@ pub fn run(
     if let Some(e) = work.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(e);
     }
-    Ok(work
-        .first
-        .into_inner()
-        .unwrap_or_else(|p| p.into_inner())
-        .map(|(_, o)| o))
+    if let Some((_, o)) = work.first.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Ok(Outcome::Overflow(o));
+    }
+    Ok(Outcome::Written(work.sums.finish()))
 }
 
 /// One chunk of one job's result: what a thread takes from the queue.
@@ -167,14 +182,17 @@ struct Pass<'j, 'a> {
     /// Pieces after this one are not computed: an overflow (or error) came before them.
     stop_after: AtomicUsize,
     error: Mutex<Option<Error>>,
+    sums: Sums,
 }
 
 impl<'j, 'a> Pass<'j, 'a> {
     fn of(jobs: &'j mut [Job<'a>]) -> Self {
         let mut pieces = Vec::new();
+        let mut to_sum = Vec::new();
         for (index, job) in jobs.iter_mut().enumerate() {
             let size = element_size(job.data_type);
             let n = job.inputs[0].bytes.len() / size;
+            to_sum.push(matches!(job.sink, Sink::File { .. }).then_some(n.div_ceil(CHUNK)));
             let starts = (0..n).step_by(CHUNK);
             let piece = |start: usize, out| Piece {
                 job: index,
@@ -204,6 +222,7 @@ impl<'j, 'a> Pass<'j, 'a> {
             first: Mutex::new(None),
             stop_after: AtomicUsize::new(usize::MAX),
             error: Mutex::new(None),
+            sums: Sums::new(to_sum),
         }
     }
 
@@ -214,6 +233,7 @@ impl<'j, 'a> Pass<'j, 'a> {
         progress: &Mutex<&mut (dyn FnMut(u64) -> Result<()> + Send)>,
     ) {
         let mut scratch = Scratch::default();
+        let _waiters = StopOnPanic(&self.sums);
         loop {
             let next = self.queue.lock().unwrap_or_else(|p| p.into_inner()).next();
             let Some((index, mut piece)) = next else {
@@ -224,6 +244,11 @@ impl<'j, 'a> Pass<'j, 'a> {
             }
             let done = piece_of(operation, &mut piece, &mut scratch).and_then(|found| {
                 if found.is_none() {
+                    if let Out::File { .. } = piece.out {
+                        // What finished() just wrote is still in its staging buffer.
+                        let written = &scratch.out[..piece.bytes() as usize];
+                        self.sums.add(piece.job, piece.start / CHUNK, written);
+                    }
                     (progress.lock().unwrap_or_else(|p| p.into_inner()))(piece.bytes())?;
                 }
                 Ok(found)
@@ -243,6 +268,7 @@ impl<'j, 'a> Pass<'j, 'a> {
                             },
                         ));
                     }
+                    self.sums.stop();
                     self.stop_after.fetch_min(index, Ordering::AcqRel);
                 }
                 Err(e) => {
@@ -250,10 +276,96 @@ impl<'j, 'a> Pass<'j, 'a> {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .get_or_insert(e);
+                    self.sums.stop();
                     self.stop_after.store(0, Ordering::Release);
                     return;
                 }
             }
+        }
+    }
+}
+
+/// The checksums of the results written to files. XXH3 sums bytes in order only, and the
+/// chunks finish in any order across threads: a chunk waits for its turn (the chunks before
+/// it in its tensor summed), which is short, as the queue hands chunks out in order. Summing
+/// is fast next to computing a chunk, so one lock serves every tensor.
+struct Sums {
+    state: Mutex<Summing>,
+    turn: Condvar,
+}
+
+struct Summing {
+    /// For each job with a file sink: its chunks, the next one to sum, and the sum so far.
+    jobs: Vec<Option<(usize, usize, Running)>>,
+    /// An overflow or error ended the pass: chunks no longer wait (some never come).
+    stopped: bool,
+}
+
+impl Sums {
+    fn new(chunks: Vec<Option<usize>>) -> Self {
+        let jobs = chunks
+            .into_iter()
+            .map(|c| c.map(|c| (c, 0, Running::default())))
+            .collect();
+        Sums {
+            state: Mutex::new(Summing {
+                jobs,
+                stopped: false,
+            }),
+            turn: Condvar::new(),
+        }
+    }
+
+    /// Adds `bytes`, chunk `chunk` of job `job`'s result, to its sum once the chunks before
+    /// it are added.
+    fn add(&self, job: usize, chunk: usize, bytes: &[u8]) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if state.stopped {
+                return;
+            }
+            match &mut state.jobs[job] {
+                None => return,
+                Some((_, next, running)) if *next == chunk => {
+                    running.update(bytes);
+                    *next += 1;
+                    break;
+                }
+                Some(_) => {}
+            }
+            state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(state);
+        self.turn.notify_all();
+    }
+
+    fn stop(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).stopped = true;
+        self.turn.notify_all();
+    }
+
+    /// Each job's sum once every chunk of it is added (None for a result in memory, or
+    /// one not summed whole, which the caller then reads back).
+    fn finish(self) -> Vec<Option<Sum>> {
+        let state = self.state.into_inner().unwrap_or_else(|p| p.into_inner());
+        state
+            .jobs
+            .into_iter()
+            .map(|job| {
+                job.and_then(|(chunks, next, running)| (next == chunks).then(|| running.finish()))
+            })
+            .collect()
+    }
+}
+
+/// Releases every chunk waiting for its turn if this thread panics before its own chunk is
+/// summed (the panic then reaches the caller; nobody waits for a chunk that never comes).
+struct StopOnPanic<'s>(&'s Sums);
+
+impl Drop for StopOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.stop();
         }
     }
 }

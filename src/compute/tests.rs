@@ -23,11 +23,18 @@ fn run_memory(
         sink: Sink::Memory(&mut out),
     }];
     let mut chunks = 0;
-    let overflow = run(operation, &mut jobs, 2, &mut |_| {
+    let outcome = run(operation, &mut jobs, 2, &mut |_| {
         chunks += 1;
         Ok(())
     })
     .unwrap();
+    let overflow = match outcome {
+        Outcome::Written(sums) => {
+            assert_eq!(sums, [None], "a result in memory has no sum");
+            None
+        }
+        Outcome::Overflow(o) => Some(o),
+    };
     (out, overflow)
 }
 
@@ -154,4 +161,119 @@ fn a_job_that_does_not_match_its_operation_is_refused() {
         sink: Sink::Memory(&mut out),
     }];
     assert!(run(&Operation::Delta, &mut jobs, 1, &mut |_| Ok(())).is_err());
+}
+
+/// Results written to files come with the XXH3 sum of exactly the bytes written, in element
+/// order, whatever order the threads finish their chunks in (many chunks, more threads than
+/// cores, two tensors sharing a file at different offsets).
+#[test]
+fn results_in_files_carry_the_sums_of_the_bytes_written() {
+    use std::os::unix::fs::FileExt;
+    let n = 7 * CHUNK + 5;
+    let a: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let b: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 1e-3).collect();
+    let (a, b) = (f32_bytes(&a), f32_bytes(&b));
+    let dir = std::env::temp_dir().join(format!("ortckpt-compute-sums-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("out");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    let second = (a.len() + 64) as u64;
+    for threads in [1, 3, 8] {
+        let input = |bytes| Input {
+            bytes,
+            release: None,
+        };
+        let mut memory = vec![0u8; a.len()];
+        let mut jobs = [
+            Job {
+                data_type: DataType::Float,
+                inputs: vec![input(&a), input(&b)],
+                sink: Sink::File {
+                    file: &file,
+                    offset: 0,
+                    path: &path,
+                },
+            },
+            Job {
+                data_type: DataType::Float,
+                inputs: vec![input(&b), input(&a)],
+                sink: Sink::Memory(&mut memory),
+            },
+            Job {
+                data_type: DataType::Float,
+                inputs: vec![input(&b), input(&a)],
+                sink: Sink::File {
+                    file: &file,
+                    offset: second,
+                    path: &path,
+                },
+            },
+        ];
+        let operation = Operation::Interpolate { a: 0.75, b: 0.25 };
+        let outcome = run(&operation, &mut jobs, threads, &mut |_| Ok(())).unwrap();
+        let mut written = vec![0u8; a.len()];
+        file.read_exact_at(&mut written, 0).unwrap();
+        let first = crate::format::checksums::sum(&written);
+        file.read_exact_at(&mut written, second).unwrap();
+        assert_eq!(written, memory, "the same result in the file and in memory");
+        let last = crate::format::checksums::sum(&written);
+        assert_eq!(
+            outcome,
+            Outcome::Written(vec![Some(first), None, Some(last)]),
+            "{threads} threads"
+        );
+        assert_ne!(first, last);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An overflow ends the pass without a sum, and without a thread left waiting for a chunk
+/// that never comes (the pass returns).
+#[test]
+fn an_overflow_ends_the_pass_with_no_sums_and_no_thread_waiting() {
+    let n = 9 * CHUNK;
+    let mut big = vec![1.0f32; n];
+    big[3 * CHUNK + 7] = f32::MAX;
+    let (a, big) = (f32_bytes(&vec![1.0f32; n]), f32_bytes(&big));
+    let dir = std::env::temp_dir().join(format!("ortckpt-compute-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("out");
+    let file = std::fs::File::create(&path).unwrap();
+    for threads in [1, 2, 8] {
+        let input = |bytes| Input {
+            bytes,
+            release: None,
+        };
+        let mut jobs: Vec<Job<'_>> = [&a, &big, &a]
+            .iter()
+            .enumerate()
+            .map(|(i, x)| Job {
+                data_type: DataType::Float,
+                inputs: vec![input(x), input(x)],
+                sink: Sink::File {
+                    file: &file,
+                    offset: (i * a.len()) as u64,
+                    path: &path,
+                },
+            })
+            .collect();
+        let outcome = run(
+            &Operation::Apply { scale: 1.0 },
+            &mut jobs,
+            threads,
+            &mut |_| Ok(()),
+        )
+        .unwrap();
+        let Outcome::Overflow(o) = outcome else {
+            panic!("{threads} threads: {outcome:?}");
+        };
+        assert_eq!((o.job, o.element), (1, (3 * CHUNK + 7) as u64));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -26,6 +26,9 @@ type JobIn<'py> = (
     Bound<'py, PyAny>,
 );
 
+/// The first result that does not fit its type: `(job, element, exact value)`.
+type OverflowOut = (usize, u64, f64);
+
 /// A job's buffers, exported (and so kept alive and unresizable) for the whole pass.
 struct Held {
     data_type: DataType,
@@ -40,9 +43,11 @@ enum HeldSink {
 }
 
 /// Computes `operation` ("average": coefficients the weights then their total; "delta": none;
-/// "apply": the scale; "interpolate": `1 - t`, `t`) for every job, in order. Returns None, or
-/// at the first result that does not fit its type where every input is finite, `(job,
-/// element, exact value)`: that job's result, and those after, are then incomplete.
+/// "apply": the scale; "interpolate": `1 - t`, `t`) for every job, in order. Returns `(None,
+/// sums)`: for each job the XXH3-64 checksum of the values written to its file (None for a
+/// result in memory), or, at the first result that does not fit its type where every input is
+/// finite, `((job, element, exact value), [])`: that job's result, and those after, are then
+/// incomplete.
 /// `progress(nbytes)` is called (with the GIL) after each result chunk is written.
 #[pyfunction]
 #[pyo3(signature = (operation, coefficients, jobs, progress = None))]
@@ -52,7 +57,7 @@ pub fn combine(
     coefficients: Vec<f64>,
     jobs: Vec<JobIn<'_>>,
     progress: Option<Py<PyAny>>,
-) -> PyResult<Option<(usize, u64, f64)>> {
+) -> PyResult<(Option<OverflowOut>, Vec<Option<u64>>)> {
     guarded(py, || {
         let operation = operation_of(operation, coefficients).map_err(|e| to_py_err(py, e))?;
         let held = jobs
@@ -77,8 +82,10 @@ pub fn combine(
         if let Some(e) = raised {
             return Err(e);
         }
-        let overflow = result.map_err(|e| to_py_err(py, e))?;
-        Ok(overflow.map(|o| (o.job, o.element, o.exact)))
+        Ok(match result.map_err(|e| to_py_err(py, e))? {
+            compute::Outcome::Written(sums) => (None, sums),
+            compute::Outcome::Overflow(o) => (Some((o.job, o.element, o.exact)), Vec::new()),
+        })
     })
 }
 

@@ -445,12 +445,28 @@ impl Staging {
         })
     }
 
-    /// Writes the staged checkpoint's checksum block again from the files as they are now
-    /// (after values were filled in place): reads every value once.
-    fn reseal(&self, py: Python<'_>) -> PyResult<()> {
+    /// Writes the staged checkpoint's checksum block again after values were filled in place.
+    /// `filled` None: every value is read and summed again. Else `(external, offset, sum)` of
+    /// each tensor filled (in the data file or not, at that offset) with the XXH3-64 sum its
+    /// filler took as it wrote, or None to read it; the other tensors keep the writer's sums.
+    #[pyo3(signature = (filled = None))]
+    fn reseal(
+        &self,
+        py: Python<'_>,
+        filled: Option<Vec<(bool, u64, Option<u64>)>>,
+    ) -> PyResult<()> {
         guarded(py, || {
+            let filled: Option<Vec<crate::Filled>> = filled.map(|f| {
+                f.into_iter()
+                    .map(|(external, offset, sum)| crate::Filled {
+                        external,
+                        offset,
+                        sum,
+                    })
+                    .collect()
+            });
             self.with(py, |staged| {
-                py.detach(|| crate::reseal(staged))
+                py.detach(|| crate::reseal(staged, filled.as_deref()))
                     .map_err(|e| to_py_err(py, e))
             })
         })

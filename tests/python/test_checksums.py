@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ortckpt
@@ -230,3 +231,116 @@ def test_arithmetic_outputs_carry_checksums_of_their_values(tmp_path):
     ortckpt.average([a, b], out=out)
     assert _boundary.verify_checksums(out) is not None
     assert verify(out).checksums
+
+
+def checksum_block(path: Path) -> tuple[list[int], int, bytes]:
+    """(each tensor's sum, the metadata's sum, the root and pair id) of a file's checksum block
+    (src/format/checksums.rs: the sums, count, version, root, magic; the 32-byte pair trailer)."""
+    data = path.read_bytes()
+    footer = data[-32 - 32 : -32]
+    assert footer[16:] == b"ortckpt sums xx3"
+    count = int.from_bytes(footer[:4], "little")
+    body = data[-32 - 32 - 8 * (count + 1) : -32 - 32]
+    sums = [int.from_bytes(body[i : i + 8], "little") for i in range(0, len(body), 8)]
+    return sums[:-1], sums[-1], footer[8:16] + data[-16:]
+
+
+def mixed_sources(tmp_path: Path, *, external: bool) -> list[Path]:
+    """Sources with tensors the kernel computes (several chunks, inline or in the data file, a
+    float16 one, an empty one), one NumPy's path computes (float8) and ones copied."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(11)
+    paths = []
+    for i in range(3):
+        state = CheckpointState.from_arrays(
+            {
+                "w": rng.standard_normal(3 * (1 << 16) + 5).astype(np.float32),
+                "h": rng.standard_normal(1000).astype(np.float16),
+                "f8": rng.standard_normal(64).astype(ml_dtypes.float8_e4m3fn),
+                "d": rng.standard_normal(7),
+                "empty": np.zeros(0, np.float32),
+            },
+            {"frozen": np.arange(5, dtype=np.int64)},
+            {"step": 4},
+        )
+        paths.append(tmp_path / f"src{i}.ckpt")
+        threshold = 0 if external else _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
+        CheckpointState.save_checkpoint(state, paths[-1], external_data_threshold=threshold)
+    return paths
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external data"])
+def test_an_averages_checksums_are_what_a_save_of_its_result_writes(tmp_path, external):
+    """The kernel sums its values as it writes them and the output is sealed with those sums
+    (no read-back): the block is the one save_checkpoint writes of the same state, sum for sum
+    (and the file byte for byte inline, where the pair id is derived from the sums; a data
+    file's pair id is drawn at random, so there the root and the trailers differ)."""
+    threshold = 0 if external else _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    # The same name in two folders: a file's metadata holds its data file's name.
+    out, again = tmp_path / "a" / "avg.ckpt", tmp_path / "b" / "avg.ckpt"
+    result = ortckpt.average(
+        mixed_sources(tmp_path, external=external), [1.0, 2.0, 0.5], out=out, external_data_threshold=threshold
+    )
+    CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(out), again, external_data_threshold=threshold)
+    got, expected = checksum_block(out), checksum_block(again)
+    assert got[:2] == expected[:2]
+    assert len(got[0]) == 6 and len(set(got[0])) == 6
+    if external:
+        # The data files' values alike, their pair trailers (32 bytes) drawn apart.
+        assert Path(f"{out}.data").read_bytes()[:-32] == Path(f"{again}.data").read_bytes()[:-32]
+    else:
+        assert out.read_bytes() == again.read_bytes()
+    assert verify(out).checksums
+    assert np.array_equal(result.parameters["w"].data, CheckpointState.load_checkpoint(again).parameters["w"].data)
+
+
+def staged_with_a_hole(tmp_path: Path, external: bool) -> tuple[Any, int, Path, np.ndarray]:
+    """A staged save whose tensor "w" is a hole (as arithmetic stages its output), filled in
+    place: (staging, its offset, the checkpoint's path, the values)."""
+    import os
+
+    values = np.arange(5000, dtype=np.float32)
+    hole = np.zeros(5000, np.float32)
+    state = CheckpointState.from_arrays({"w": hole, "b": np.ones(3, np.float32)})
+    path = tmp_path / "staged.ckpt"
+    threshold = 0 if external else _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
+    staging, placed = _boundary.save_staged(
+        path, state.core_state(False), external_data_threshold=threshold, holes=[hole.ctypes.data]
+    )
+    offset, in_data = placed[hole.ctypes.data]
+    assert in_data == external
+    os.pwrite(staging.fileno(data=external), values.tobytes(), offset)
+    return staging, offset, path, values
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external data"])
+def test_reseal_takes_the_sums_given_and_reads_only_the_ones_not_given(tmp_path, external):
+    """A sum given is written as given, never checked against the file (so a wrong one is
+    caught by verify, naming the tensor); a tensor given without a sum is read and summed."""
+    staging, offset, path, values = staged_with_a_hole(tmp_path, external)
+    staging.reseal([(external, offset, None)])
+    staging.commit()
+    assert verify(path).checksums
+    assert np.array_equal(CheckpointState.load_checkpoint(path).parameters["w"].data, values)
+
+    staging, offset, path, _ = staged_with_a_hole(tmp_path, external)
+    staging.reseal([(external, offset, 12345)])
+    staging.commit()
+    with pytest.raises(CheckpointIntegrityError, match="differ from their checksum") as caught:
+        verify(path)
+    assert caught.value.tensor == "w"
+
+
+@pytest.mark.parametrize("filled", [[(False, 3, None)], [(True, 0, 1)]], ids=["no tensor there", "no data file"])
+def test_reseal_refuses_a_place_no_tensor_holds(tmp_path, filled):
+    staging, offset, _, _ = staged_with_a_hole(tmp_path, False)
+    try:
+        with pytest.raises(ortckpt.CheckpointStateError, match="reseal: no one tensor"):
+            staging.reseal(filled)
+        with pytest.raises(ortckpt.CheckpointStateError, match="listed twice"):
+            staging.reseal([(False, offset, None), (False, offset, 1)])
+    finally:
+        staging.discard()
