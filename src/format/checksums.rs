@@ -137,10 +137,10 @@ pub fn find(tail: &[u8], file_len: u64) -> Result<Option<Block>, String> {
         return Ok(None);
     };
     let room = tail.len() - PAIR_TRAILER_LEN;
-    if footer.len() > room {
+    if footer.block_len() > room {
         return Err(footer.too_many());
     }
-    footer.check(&tail[room - footer.len()..footer_at + 8])
+    footer.check(&tail[room - footer.block_len()..footer_at + 8])
 }
 
 /// A block's footer (its count and root) and the trailer after it, read from a file's last
@@ -189,20 +189,20 @@ impl Footer {
             start: 0,
         };
         found.start = file_len
-            .checked_sub((found.len() + PAIR_TRAILER_LEN) as u64)
+            .checked_sub((found.block_len() + PAIR_TRAILER_LEN) as u64)
             .ok_or_else(|| found.too_many())?;
         Ok(Some(found))
     }
 
     /// Bytes in the block.
-    pub fn len(&self) -> usize {
+    pub fn block_len(&self) -> usize {
         block_len(self.count)
     }
 
     /// Bytes of the block the root covers (the sums, the count and the version): from
     /// [`Footer::start`] on.
     pub fn body_len(&self) -> usize {
-        self.len() - 16 - 8
+        self.block_len() - 16 - 8
     }
 
     fn too_many(&self) -> String {
