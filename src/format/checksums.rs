@@ -297,6 +297,22 @@ mod tests {
     }
 
     #[test]
+    fn a_footer_is_read_and_bounded_from_the_last_bytes_alone() {
+        let (file, _) = file_with_block(&[1, 2]);
+        let last = &file[file.len() - FOOTER_AND_TRAILER_LEN..];
+        let footer = Footer::read(last, file.len() as u64).unwrap().unwrap();
+        assert_eq!((footer.count, footer.start), (2, 100));
+        // A count the file cannot hold is refused before anything more is read.
+        let mut bad = last.to_vec();
+        bad[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let why = Footer::read(&bad, file.len() as u64).unwrap_err();
+        assert!(
+            why.contains("claims 4294967295 tensors, more than the file holds"),
+            "{why}"
+        );
+    }
+
+    #[test]
     fn files_without_a_block_have_none() {
         assert_eq!(find(&[0u8; 10], 10), Ok(None));
         assert_eq!(find(&[5u8; 200], 200), Ok(None));
