@@ -246,14 +246,7 @@ pub fn tail_len(tensors: usize) -> usize {
     block_len(tensors) + PAIR_TRAILER_LEN
 }
 
-/// The count a file's footer claims, from its last bytes (at least the footer and trailer):
-/// how much of the file to read to [`find`] its block. None when there is no footer to read.
-pub fn claimed_count(tail: &[u8]) -> Option<usize> {
-    let at = tail.len().checked_sub(PAIR_TRAILER_LEN + FOOTER_LEN)?;
-    Some(u32::from_le_bytes(tail[at..at + 4].try_into().unwrap()) as usize)
-}
-
-/// Bytes of a file's end that hold the footer and trailer (enough for [`claimed_count`]).
+/// Bytes of a file's end that hold the footer and trailer (what [`Footer::read`] reads).
 pub const FOOTER_AND_TRAILER_LEN: usize = FOOTER_LEN + PAIR_TRAILER_LEN;
 
 #[cfg(test)]
@@ -279,7 +272,6 @@ mod tests {
         );
         // Only the end of the file is needed.
         let tail = &file[file.len() - tail_len(3)..];
-        assert_eq!(claimed_count(tail), Some(3));
         assert_eq!(find(tail, file.len() as u64).unwrap().unwrap().start, 100);
     }
 
