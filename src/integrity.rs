@@ -1,11 +1,15 @@
 //! Checking a checkpoint against the checksum block it carries ([`crate::format::checksums`]).
 //!
-//! The check reads every value once, from the mappings [`crate::load`] made, and sums it in
-//! place: no copy, no second read; the pages summed are dropped behind it (the memory used
-//! stays a few chunks, whatever the file's size). Files without a block (ONNX Runtime's, an
-//! older ortckpt's) are reported as such; their check is decoding.
+//! The check reads every value once, through the files [`crate::load`] mapped, with read(2)
+//! into one small buffer the sums stay in cache with, not through the mappings: another
+//! process truncating a file under a check must make it fail, not fault a read of a page
+//! past the new end (SIGBUS, which ends the process). Nothing is kept: the memory used is
+//! one buffer, whatever the file's size. Files without a block (ONNX Runtime's, an older
+//! ortckpt's) are reported as such; their check is decoding.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 
 use memmap2::{MmapMut, UncheckedAdvice};
@@ -39,25 +43,38 @@ impl LoadedCheckpoint {
     /// [`crate::ErrorKind::Integrity`] naming the file and, for a tensor's bytes, the tensor.
     pub fn verify_checksums(&self) -> Result<Checked> {
         let in_file = |e: Error| e.in_file(&self.path);
-        let Some(block) = checksums::find(&self.map, self.map.len() as u64)
-            .map_err(|why| in_file(Error::integrity(why)))?
-        else {
-            return match truncated_block(&self.map, self.checkpoint.tensors().count()) {
+        let main = Reader::new(&self.files.0, self.map.len(), &self.path);
+        let tensors = self.checkpoint.tensors().count();
+        let Some(footer) = footer_of(&main)? else {
+            // (A tail the decoded tensors bound: the file's bytes are no longer mapped.)
+            let tail = main.tail(checksums::tail_len(tensors) + PAYLOAD_ALIGNMENT)?;
+            return match truncated_block(&tail, tensors) {
                 true => Err(in_file(Error::integrity(
                     "the file ends inside its checksum block or trailer: it is truncated",
                 ))),
                 false => Ok(Checked::NoChecksums),
             };
         };
+        // The block is read only once its count is the checkpoint's: a damaged or hostile
+        // count never sizes what is read.
+        if footer.count != tensors {
+            return Err(in_file(Error::integrity(format!(
+                "the checkpoint lists {tensors} tensors, its checksum block {}",
+                footer.count
+            ))));
+        }
+        let start = footer.start as usize;
+        let body = main.bytes(start, start + footer.body_len())?;
+        let block = footer
+            .check(&body)
+            .map_err(|why| in_file(Error::integrity(why)))?
+            .expect("a checked block");
+        let data_path = external_data_path(&self.path);
+        let data = self.files.1.as_ref().zip(self.data.as_ref());
+        let data = data.map(|(file, map)| Reader::new(file, map.len(), &data_path));
         let mut bytes = 0;
-        let sums = tensor_sums(
-            &self.map,
-            self.data.as_ref(),
-            &self.checkpoint,
-            &block,
-            |_, _| None,
-        )
-        .map_err(in_file)?;
+        let sums = tensor_sums(&main, data.as_ref(), &self.checkpoint, &block, |_, _| None)
+            .map_err(in_file)?;
         for ((name, t), (found, expected)) in self
             .checkpoint
             .tensors_named()
@@ -81,7 +98,7 @@ impl LoadedCheckpoint {
                 _ => 0,
             };
         }
-        let metadata = metadata_sum(&self.map, &self.checkpoint, &block).map_err(in_file)?;
+        let metadata = metadata_sum(&main, &self.checkpoint, &block).map_err(in_file)?;
         if metadata != block.metadata {
             return Err(in_file(Error::integrity(
                 "the checkpoint's metadata (names, shapes, strings, properties, layout) differs \
@@ -114,18 +131,143 @@ fn truncated_block(map: &[u8], tensors: usize) -> bool {
         .any(|magic| tail.windows(prefix).any(|w| w == *magic))
 }
 
+/// Where a check reads the bytes it sums: a file as it was mapped ([`Reader`]), or a mapping
+/// nobody else writes (a staged file [`reseal`] sums).
+trait Source {
+    /// Bytes in the file when it was opened.
+    fn len(&self) -> usize;
+    /// Feeds `self[start..end]` (inside `len`) to `running`.
+    fn feed(&self, start: usize, end: usize, running: &mut Running) -> Result<()>;
+
+    fn sum(&self, start: usize, end: usize) -> Result<Sum> {
+        let mut running = Running::default();
+        self.feed(start, end, &mut running)?;
+        Ok(running.finish())
+    }
+}
+
+impl Source for MmapMut {
+    fn len(&self) -> usize {
+        self.as_ref().len()
+    }
+
+    fn feed(&self, start: usize, end: usize, running: &mut Running) -> Result<()> {
+        feed_dropping(self, start, end, running);
+        Ok(())
+    }
+}
+
+/// Reads an open file at offsets, through a window of [`WINDOW`] bytes: the small ranges of
+/// a checkpoint of many tensors (its values, the metadata between them) cost one read per
+/// window, not one each.
+struct Reader<'a> {
+    file: &'a File,
+    len: usize,
+    path: &'a Path,
+    /// (offset of the bytes in the buffer, the buffer).
+    window: RefCell<(usize, Vec<u8>)>,
+}
+
+/// Bytes read at once: summed while they are still in the CPU's cache.
+const WINDOW: usize = 1 << 20;
+
+impl<'a> Reader<'a> {
+    fn new(file: &'a File, len: usize, path: &'a Path) -> Self {
+        Reader {
+            file,
+            len,
+            path,
+            window: RefCell::new((0, Vec::new())),
+        }
+    }
+}
+
+impl Reader<'_> {
+    /// `self[start..end]`, copied (for small ranges: a block, a tail).
+    fn bytes(&self, start: usize, end: usize) -> Result<Vec<u8>> {
+        if end > self.len || start > end {
+            return Err(
+                Error::integrity("a range lies beyond the end of the file").in_file(self.path)
+            );
+        }
+        let mut out = vec![0u8; end - start];
+        self.file
+            .read_exact_at(&mut out, start as u64)
+            .map_err(|e| self.read_failed(e))?;
+        Ok(out)
+    }
+
+    /// The file's last `n` bytes (all of it, when shorter).
+    fn tail(&self, n: usize) -> Result<Vec<u8>> {
+        self.bytes(self.len - n.min(self.len), self.len)
+    }
+
+    fn read_failed(&self, e: std::io::Error) -> Error {
+        match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => Error::integrity(format!(
+                "the file is shorter than the {} bytes it had when it was opened: it was \
+                 truncated while being checked",
+                self.len
+            )),
+            _ => e.into(),
+        }
+        .in_file(self.path)
+    }
+}
+
+impl Source for Reader<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn feed(&self, start: usize, end: usize, running: &mut Running) -> Result<()> {
+        if end > self.len {
+            return Err(
+                Error::integrity("a range lies beyond the end of the file").in_file(self.path)
+            );
+        }
+        let mut window = self.window.borrow_mut();
+        let (at, buffer) = &mut *window;
+        let mut from = start;
+        while from < end {
+            if !(*at..*at + buffer.len()).contains(&from) {
+                let n = WINDOW.min(self.len - from);
+                buffer.resize(n, 0);
+                *at = from;
+                if let Err(e) = self.file.read_exact_at(buffer, from as u64) {
+                    buffer.clear();
+                    return Err(self.read_failed(e));
+                }
+            }
+            let to = end.min(*at + buffer.len());
+            running.update(&buffer[from - *at..to - *at]);
+            from = to;
+        }
+        Ok(())
+    }
+}
+
+/// The footer of the file `reader` reads, if it has a block.
+fn footer_of(reader: &Reader<'_>) -> Result<Option<checksums::Footer>> {
+    if reader.len < checksums::FOOTER_AND_TRAILER_LEN {
+        return Ok(None);
+    }
+    let last = reader.tail(checksums::FOOTER_AND_TRAILER_LEN)?;
+    checksums::Footer::read(&last, reader.len as u64)
+        .map_err(|why| Error::integrity(why).in_file(reader.path))
+}
+
 /// Bytes summed between two drops of the pages behind.
 const CHUNK: usize = 8 << 20;
 
-/// The sum of `map[start..end]`, chunk by chunk, dropping each chunk's pages once summed.
-/// Only for mappings nobody wrote through (MADV_DONTNEED also drops copy-on-write changes):
-/// a load's, before any view of it exists.
-fn sum_dropping(map: &MmapMut, start: usize, end: usize) -> Sum {
+/// Feeds `map[start..end]` to `running`, chunk by chunk, dropping each chunk's pages once
+/// summed. Only for mappings nobody wrote through (MADV_DONTNEED also drops copy-on-write
+/// changes), nor truncates.
+fn feed_dropping(map: &MmapMut, start: usize, end: usize, running: &mut Running) {
     if end - start <= CHUNK {
-        return checksums::sum(&map[start..end]);
+        return running.update(&map[start..end]);
     }
     let page = page_size();
-    let mut running = Running::default();
     let mut at = start;
     while at < end {
         let next = (at + CHUNK).min(end);
@@ -139,7 +281,6 @@ fn sum_dropping(map: &MmapMut, start: usize, end: usize) -> Sum {
         }
         at = next;
     }
-    running.finish()
 }
 
 fn page_size() -> usize {
@@ -150,9 +291,9 @@ fn page_size() -> usize {
 
 /// The sum of each tensor's bytes, in file order: `known(index, stored)` where it knows it,
 /// else read from the file.
-fn tensor_sums(
-    map: &MmapMut,
-    data: Option<&MmapMut>,
+fn tensor_sums<S: Source>(
+    map: &S,
+    data: Option<&S>,
     ckpt: &Checkpoint<Stored>,
     block: &Block,
     known: impl Fn(usize, &Stored) -> Option<Sum>,
@@ -185,7 +326,7 @@ fn tensor_sums(
             };
             match (file, end) {
                 (Some(file), Some(end)) if start <= end && end <= file.len() => {
-                    Ok(sum_dropping(file, start, end))
+                    file.sum(start, end)
                 }
                 // An empty external tensor of an empty data file (which is not mapped).
                 (None, Some(0)) if start == 0 => Ok(checksums::sum(&[])),
@@ -196,7 +337,7 @@ fn tensor_sums(
 }
 
 /// The sum of every byte before the block but the inline values.
-fn metadata_sum(map: &[u8], ckpt: &Checkpoint<Stored>, block: &Block) -> Result<Sum> {
+fn metadata_sum(map: &impl Source, ckpt: &Checkpoint<Stored>, block: &Block) -> Result<Sum> {
     let mut values: Vec<(usize, usize)> = ckpt
         .tensors()
         .filter_map(|t| match t.data {
@@ -213,13 +354,13 @@ fn metadata_sum(map: &[u8], ckpt: &Checkpoint<Stored>, block: &Block) -> Result<
                 "the checkpoint's values overlap or run into its checksum block",
             ));
         }
-        sum.update(&map[at..start]);
+        map.feed(at, start, &mut sum)?;
         at = end;
     }
-    let before_block = map
-        .get(at..block.start)
-        .ok_or_else(|| Error::integrity("the checksum block lies outside the file"))?;
-    sum.update(before_block);
+    if at > block.start || block.start > map.len() {
+        return Err(Error::integrity("the checksum block lies outside the file"));
+    }
+    map.feed(at, block.start, &mut sum)?;
     Ok(sum.finish())
 }
 
@@ -231,23 +372,24 @@ fn metadata_sum(map: &[u8], ckpt: &Checkpoint<Stored>, block: &Block) -> Result<
 /// OS errors (a symlink, without `follow_symlinks`; anything but a regular file);
 /// [`crate::ErrorKind::Integrity`] for a damaged block; each naming the file.
 pub fn checksum_root_of_file(path: &Path, follow_symlinks: bool) -> Result<(u64, Option<Sum>)> {
-    let in_file = |e: Error| e.in_file(path);
     let (file, len, _) = io::open_regular(path, follow_symlinks)?;
-    let read_tail = |n: usize| -> Result<Vec<u8>> {
-        let n = n.min(len as usize);
-        let mut tail = vec![0u8; n];
-        file.read_exact_at(&mut tail, len - n as u64)
-            .map_err(|e| in_file(e.into()))?;
-        Ok(tail)
-    };
-    let footer = read_tail(checksums::FOOTER_AND_TRAILER_LEN)?;
-    let Some(count) = checksums::claimed_count(&footer) else {
+    let too_large = || Error::integrity("the file is too large to address").in_file(path);
+    let reader = Reader::new(&file, usize::try_from(len).map_err(|_| too_large())?, path);
+    let Some(footer) = footer_of(&reader)? else {
         return Ok((len, None));
     };
-    // A damaged count may claim more than the file holds: find() then says so.
-    let tail = read_tail(checksums::tail_len(count).min(len as usize))?;
-    let found = checksums::find(&tail, len).map_err(|why| in_file(Error::integrity(why)))?;
-    Ok((len, found.map(|block| block.root)))
+    // The body streamed through the reader's window: a count that claims the whole file
+    // costs a read of it, never its size in memory.
+    let mut body = Running::default();
+    let start = footer.start as usize;
+    reader.feed(start, start + footer.body_len(), &mut body)?;
+    if !footer.covers(body) {
+        return Err(
+            Error::integrity("the checksum block is damaged (its own checksum differs)")
+                .in_file(path),
+        );
+    }
+    Ok((len, Some(footer.root)))
 }
 
 /// A tensor's values filled in place after [`crate::write_staged`] (into its hole): where
@@ -273,7 +415,7 @@ pub fn reseal(staged: &mut io::Staged, filled: Option<&[Filled]>) -> Result<()> 
     let main_path = staged.main().temp().to_path_buf();
     let data_path = staged.data().map(|d| d.temp().to_path_buf());
     let in_file = |e: Error| e.in_file(&main_path);
-    let (map, _) = io::map_private(&main_path, false, 8, |len| {
+    let (map, _, _) = io::map_private(&main_path, false, 8, |len| {
         Error::malformed(format!(
             "file is too short to be a checkpoint ({len} bytes)"
         ))

@@ -104,6 +104,9 @@ pub struct LoadedCheckpoint {
     /// The external data file's mapping (None when there is none, or it is empty).
     data: Option<MmapMut>,
     checkpoint: Checkpoint<Stored>,
+    /// The files mapped (checkpoint, external data), open for as long as this lives: what
+    /// [`LoadedCheckpoint::verify_checksums`] reads (see [`io::map_private`]).
+    files: (std::fs::File, Option<std::fs::File>),
 }
 
 impl std::fmt::Debug for LoadedCheckpoint {
@@ -223,9 +226,9 @@ impl From<Error> for Attempt {
 }
 
 fn load_once(path: &Path, follow_symlinks: bool) -> std::result::Result<LoadedCheckpoint, Attempt> {
-    let (mut map, main_id) = map_checkpoint(path, follow_symlinks)?;
+    let (mut map, main_id, mut main_file) = map_checkpoint(path, follow_symlinks)?;
     let mut checkpoint = format::decode(&map).map_err(|e| e.in_file(path))?;
-    let mut data = None;
+    let (mut data, mut data_file) = (None, None);
     if checkpoint.has_external_data {
         let data_path = external_data_path(path);
         // Replaced since we opened them? Then whatever went wrong may be a save's doing.
@@ -239,7 +242,7 @@ fn load_once(path: &Path, follow_symlinks: bool) -> std::result::Result<LoadedCh
             }
         };
         let main_pair = pairing::pair_id(&map);
-        let (mapped, data_id) = match io::map_private_any(&data_path, follow_symlinks) {
+        let (mapped, data_id, file) = match io::map_private_any(&data_path, follow_symlinks) {
             Ok(found) => found,
             // A save moves the previous data file out of sight before it renames its own into
             // place: killed between the two, it leaves the checkpoint's data file hidden.
@@ -251,16 +254,16 @@ fn load_once(path: &Path, follow_symlinks: bool) -> std::result::Result<LoadedCh
             }
             Err(e) => return Err(raced(None, e)),
         };
-        data = mapped;
+        (data, data_file) = (mapped, Some(file));
         let pair = data.as_deref().and_then(pairing::pair_id);
         if let (Some(main_pair), Some(data_pair)) = (main_pair, pair) {
             if main_pair != data_pair {
                 match checkpoint_of_interrupted_save(path, data_pair) {
-                    Ok(found) => (map, checkpoint) = found,
+                    Ok(found) => (map, checkpoint, main_file) = found,
                     // Or the previous data file, moved out of sight by a save that failed or was
                     // killed before its data file replaced it: the checkpoint in place is whole.
                     Err(e) => match data_of_interrupted_save(path, main_pair) {
-                        Some((found, _)) => data = found,
+                        Some((found, _, file)) => (data, data_file) = (found, Some(file)),
                         None => return Err(raced(Some(data_id), e)),
                     },
                 }
@@ -275,10 +278,14 @@ fn load_once(path: &Path, follow_symlinks: bool) -> std::result::Result<LoadedCh
         map,
         data,
         checkpoint,
+        files: (main_file, data_file),
     })
 }
 
-fn map_checkpoint(path: &Path, follow_symlinks: bool) -> Result<(MmapMut, io::FileId)> {
+fn map_checkpoint(
+    path: &Path,
+    follow_symlinks: bool,
+) -> Result<(MmapMut, io::FileId, std::fs::File)> {
     io::map_private(path, follow_symlinks, 8, |len| {
         Error::malformed(format!(
             "file is too short to be a checkpoint ({len} bytes)"
@@ -294,14 +301,14 @@ fn map_checkpoint(path: &Path, follow_symlinks: bool) -> Result<(MmapMut, io::Fi
 fn checkpoint_of_interrupted_save(
     path: &Path,
     data_id: pairing::PairId,
-) -> Result<(MmapMut, Checkpoint<Stored>)> {
+) -> Result<(MmapMut, Checkpoint<Stored>, std::fs::File)> {
     for temp in io::pending_temps(path) {
-        let Ok((map, _)) = map_checkpoint(&temp, false) else {
+        let Ok((map, _, file)) = map_checkpoint(&temp, false) else {
             continue;
         };
         if pairing::pair_id(&map) == Some(data_id) {
             let checkpoint = format::decode(&map).map_err(|e| e.in_file(&temp))?;
-            return Ok((map, checkpoint));
+            return Ok((map, checkpoint, file));
         }
     }
     Err(Error::malformed(format!(
@@ -318,11 +325,11 @@ fn checkpoint_of_interrupted_save(
 fn data_of_interrupted_save(
     path: &Path,
     id: pairing::PairId,
-) -> Option<(Option<MmapMut>, io::FileId)> {
+) -> Option<(Option<MmapMut>, io::FileId, std::fs::File)> {
     io::pending_temps(&external_data_path(path))
         .into_iter()
         .filter_map(|temp| io::map_private_any(&temp, false).ok())
-        .find(|(map, _)| map.as_deref().and_then(pairing::pair_id) == Some(id))
+        .find(|(map, _, _)| map.as_deref().and_then(pairing::pair_id) == Some(id))
 }
 
 /// Every external tensor must lie inside the data file, before any view exists.

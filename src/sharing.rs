@@ -233,11 +233,13 @@ struct Previous {
 
 impl Previous {
     fn open(path: &Path) -> Option<Previous> {
-        let (map, _) = io::map_private(path, false, 8, |_| Error::malformed("too short")).ok()?;
+        let (map, _, _) =
+            io::map_private(path, false, 8, |_| Error::malformed("too short")).ok()?;
         let checkpoint = crate::format::decode(&map).ok()?;
         let mut data = None;
         if checkpoint.has_external_data {
-            if let Ok((Some(mapped), id)) = io::map_private_any(&external_data_path(path), false) {
+            if let Ok((Some(mapped), id, _)) = io::map_private_any(&external_data_path(path), false)
+            {
                 // Only a data file whose id marks it as carrying checksums (a checkpoint sharing it
                 // takes its id, and a block's id must say so: see format::checksums).
                 let pair = pairing::pair_id(&mapped)

@@ -130,54 +130,115 @@ pub struct Block {
 /// The block of the file whose last bytes are `tail` (`file_len` bytes in all; `tail` may be
 /// the whole file), if it has one. `Err` says why a block that should be there is damaged.
 pub fn find(tail: &[u8], file_len: u64) -> Result<Option<Block>, String> {
-    let Some(footer_at) = tail.len().checked_sub(PAIR_TRAILER_LEN + FOOTER_LEN) else {
+    let Some(footer_at) = tail.len().checked_sub(FOOTER_AND_TRAILER_LEN) else {
         return Ok(None); // too short for a block (files of a few bytes are no checkpoints anyway)
     };
-    let trailer = &tail[tail.len() - PAIR_TRAILER_LEN..];
-    let footer = &tail[footer_at..tail.len() - PAIR_TRAILER_LEN];
-    let witnesses = [
-        trailer[..16] == PAIR_MAGIC[..],
-        trailer[PAIR_TRAILER_LEN - ID_MARK.len()..] == ID_MARK[..],
-        footer[FOOTER_LEN - 16..] == BLOCK_MAGIC[..],
-    ];
-    match witnesses.iter().filter(|&&w| w).count() {
-        0 | 1 => return Ok(None), // ONNX Runtime's file, or an older ortckpt's
-        2 => return Err("the checksum block or the trailer after it is damaged".to_owned()),
-        _ => {}
-    }
-    let word = |at: usize| u32::from_le_bytes(footer[at..at + 4].try_into().unwrap());
-    let (count, version) = (word(0) as usize, word(4));
-    if version != BLOCK_VERSION {
-        return Err(format!(
-            "checksum block version {version}: this ortckpt reads version {BLOCK_VERSION} (a newer \
-             ortckpt wrote it, or the block is damaged)"
-        ));
-    }
-    let len = block_len(count);
+    let Some(footer) = Footer::read(&tail[footer_at..], file_len)? else {
+        return Ok(None);
+    };
     let room = tail.len() - PAIR_TRAILER_LEN;
-    if len > room {
-        return Err(format!(
-            "the checksum block claims {count} tensors, more than the file holds"
-        ));
+    if footer.block_len() > room {
+        return Err(footer.too_many());
     }
-    let body = &tail[room - len..room - 16 - 8];
-    let root = u64::from_le_bytes(footer[8..16].try_into().unwrap());
-    let id: PairId = trailer[16..].try_into().unwrap();
-    if root_of(body, &id) != root {
-        return Err("the checksum block is damaged (its own checksum differs)".to_owned());
+    footer.check(&tail[room - footer.block_len()..footer_at + 8])
+}
+
+/// A block's footer (its count and root) and the trailer after it, read from a file's last
+/// [`FOOTER_AND_TRAILER_LEN`] bytes: what a reader needs to know how much more to read, checked
+/// as far as they allow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footer {
+    /// The tensors the block claims (no more than the file can hold).
+    pub count: usize,
+    pub root: Sum,
+    id: PairId,
+    /// Where the block starts in the file.
+    pub start: u64,
+}
+
+impl Footer {
+    /// The footer in `last` (a file's last [`FOOTER_AND_TRAILER_LEN`] bytes; `file_len` bytes
+    /// in all), if the file has a block. `Err` says why a block that should be there is damaged.
+    pub fn read(last: &[u8], file_len: u64) -> Result<Option<Footer>, String> {
+        let Ok(last) = <&[u8; FOOTER_AND_TRAILER_LEN]>::try_from(last) else {
+            return Ok(None);
+        };
+        let (footer, trailer) = last.split_at(FOOTER_LEN);
+        let witnesses = [
+            trailer[..16] == PAIR_MAGIC[..],
+            trailer[PAIR_TRAILER_LEN - ID_MARK.len()..] == ID_MARK[..],
+            footer[FOOTER_LEN - 16..] == BLOCK_MAGIC[..],
+        ];
+        match witnesses.iter().filter(|&&w| w).count() {
+            0 | 1 => return Ok(None), // ONNX Runtime's file, or an older ortckpt's
+            2 => return Err("the checksum block or the trailer after it is damaged".to_owned()),
+            _ => {}
+        }
+        let word = |at: usize| u32::from_le_bytes(footer[at..at + 4].try_into().unwrap());
+        let (count, version) = (word(0) as usize, word(4));
+        if version != BLOCK_VERSION {
+            return Err(format!(
+                "checksum block version {version}: this ortckpt reads version {BLOCK_VERSION} (a \
+                 newer ortckpt wrote it, or the block is damaged)"
+            ));
+        }
+        let mut found = Footer {
+            count,
+            root: u64::from_le_bytes(footer[8..16].try_into().unwrap()),
+            id: trailer[16..].try_into().unwrap(),
+            start: 0,
+        };
+        found.start = file_len
+            .checked_sub((found.block_len() + PAIR_TRAILER_LEN) as u64)
+            .ok_or_else(|| found.too_many())?;
+        Ok(Some(found))
     }
-    let mut sums: Vec<Sum> = body[..8 * (count + 1)]
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let metadata = sums.pop().unwrap();
-    let start = file_len - (PAIR_TRAILER_LEN + len) as u64;
-    Ok(Some(Block {
-        tensors: sums,
-        metadata,
-        root,
-        start: usize::try_from(start).map_err(|_| "the file is too large to address".to_owned())?,
-    }))
+
+    /// Bytes in the block.
+    pub fn block_len(&self) -> usize {
+        block_len(self.count)
+    }
+
+    /// Bytes of the block the root covers (the sums, the count and the version): from
+    /// [`Footer::start`] on.
+    pub fn body_len(&self) -> usize {
+        self.block_len() - 16 - 8
+    }
+
+    fn too_many(&self) -> String {
+        format!(
+            "the checksum block claims {} tensors, more than the file holds",
+            self.count
+        )
+    }
+
+    /// Whether `body` (the [`Footer::body_len`] bytes from [`Footer::start`], fed to a
+    /// [`Running`] sum, piece by piece as they are read) is the body this footer's root covers.
+    pub fn covers(&self, mut body: Running) -> bool {
+        body.update(&self.id);
+        body.finish() == self.root
+    }
+
+    /// The block whose body is `body` (as [`Footer::covers`]), checked against its root.
+    pub fn check(&self, body: &[u8]) -> Result<Option<Block>, String> {
+        let mut running = Running::default();
+        running.update(body);
+        if body.len() != self.body_len() || !self.covers(running) {
+            return Err("the checksum block is damaged (its own checksum differs)".to_owned());
+        }
+        let mut sums: Vec<Sum> = body[..8 * (self.count + 1)]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let metadata = sums.pop().unwrap();
+        Ok(Some(Block {
+            tensors: sums,
+            metadata,
+            root: self.root,
+            start: usize::try_from(self.start)
+                .map_err(|_| "the file is too large to address".to_owned())?,
+        }))
+    }
 }
 
 /// The most bytes [`find`] needs from the end of a file of `tensors` tensors.
@@ -185,14 +246,7 @@ pub fn tail_len(tensors: usize) -> usize {
     block_len(tensors) + PAIR_TRAILER_LEN
 }
 
-/// The count a file's footer claims, from its last bytes (at least the footer and trailer):
-/// how much of the file to read to [`find`] its block. None when there is no footer to read.
-pub fn claimed_count(tail: &[u8]) -> Option<usize> {
-    let at = tail.len().checked_sub(PAIR_TRAILER_LEN + FOOTER_LEN)?;
-    Some(u32::from_le_bytes(tail[at..at + 4].try_into().unwrap()) as usize)
-}
-
-/// Bytes of a file's end that hold the footer and trailer (enough for [`claimed_count`]).
+/// Bytes of a file's end that hold the footer and trailer (what [`Footer::read`] reads).
 pub const FOOTER_AND_TRAILER_LEN: usize = FOOTER_LEN + PAIR_TRAILER_LEN;
 
 #[cfg(test)]
@@ -218,7 +272,6 @@ mod tests {
         );
         // Only the end of the file is needed.
         let tail = &file[file.len() - tail_len(3)..];
-        assert_eq!(claimed_count(tail), Some(3));
         assert_eq!(find(tail, file.len() as u64).unwrap().unwrap().start, 100);
     }
 
@@ -233,6 +286,22 @@ mod tests {
                 assert!(found.is_err(), "byte {at} bit {bit}: {found:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_footer_is_read_and_bounded_from_the_last_bytes_alone() {
+        let (file, _) = file_with_block(&[1, 2]);
+        let last = &file[file.len() - FOOTER_AND_TRAILER_LEN..];
+        let footer = Footer::read(last, file.len() as u64).unwrap().unwrap();
+        assert_eq!((footer.count, footer.start), (2, 100));
+        // A count the file cannot hold is refused before anything more is read.
+        let mut bad = last.to_vec();
+        bad[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let why = Footer::read(&bad, file.len() as u64).unwrap_err();
+        assert!(
+            why.contains("claims 4294967295 tensors, more than the file holds"),
+            "{why}"
+        );
     }
 
     #[test]

@@ -77,17 +77,21 @@ pub(crate) fn ensure_regular(meta: &fs::Metadata, path: &Path) -> Result<()> {
 /// OS errors (missing file, permissions; a directory is EISDIR), anything but a regular
 /// file (refused before any read, so a FIFO never blocks), and the `too_short` error,
 /// with the path attached.
+///
+/// The open file comes back too: a check that reads every byte reads through it
+/// ([`crate::integrity`]), since another process truncating the file would fault a read
+/// of the mapping (SIGBUS, the end of the process) where a read(2) just comes up short.
 pub fn map_private(
     path: &Path,
     follow_symlinks: bool,
     min_len: u64,
     too_short: impl FnOnce(u64) -> Error,
-) -> Result<(MmapMut, FileId)> {
+) -> Result<(MmapMut, FileId, File)> {
     let (file, len, id) = open(path, follow_symlinks)?;
     if len < min_len.max(1) {
         return Err(too_short(len).in_file(path));
     }
-    Ok((map(&file, path)?, id))
+    Ok((map(&file, path)?, id, file))
 }
 
 /// Maps `path` privately whatever its size: `None` for an empty file, which
@@ -95,12 +99,15 @@ pub fn map_private(
 ///
 /// # Errors
 /// As [`map_private`].
-pub fn map_private_any(path: &Path, follow_symlinks: bool) -> Result<(Option<MmapMut>, FileId)> {
+pub fn map_private_any(
+    path: &Path,
+    follow_symlinks: bool,
+) -> Result<(Option<MmapMut>, FileId, File)> {
     let (file, len, id) = open(path, follow_symlinks)?;
     if len == 0 {
-        return Ok((None, id));
+        return Ok((None, id, file));
     }
-    Ok((Some(map(&file, path)?), id))
+    Ok((Some(map(&file, path)?), id, file))
 }
 
 /// Opens a regular file for reading. O_NONBLOCK: opening a FIFO would otherwise wait

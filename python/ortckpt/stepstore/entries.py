@@ -61,23 +61,26 @@ def _pair_of(path: Path) -> tuple[int, str | None]:
 
 def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[str | None, str]:
     """(problem or None, what matched) of the file at ``path`` against its entry: its size and
-    the digest the entry records (SHA-256 by reading the file; a checksum root or pair id from
-    its last bytes). Raises OSError (FileNotFoundError: missing) and CheckpointError (a
-    damaged checksum block) as reading does."""
+    every digest the entry records (SHA-256 by reading the file; a checksum root or pair id from
+    its last bytes), so that no digest an entry carries goes unchecked beside another. What
+    matched is the strongest (the SHA-256, when recorded). Raises OSError (FileNotFoundError:
+    missing) and CheckpointError (a damaged checksum block) as reading does."""
+    found: dict[str, tuple[int, str]] = {}  # kind -> (size, digest found)
     if "sha256" in expected:
-        size, found = safe_io.sha256_of(path, on_bytes)
-        what, recorded = "SHA-256", expected["sha256"]
-    elif "xxh3" in expected:
+        found["sha256"] = safe_io.sha256_of(path, on_bytes)
+    if "xxh3" in expected:
         size, root = _boundary.checksum_root(path, follow_symlinks=False)
-        found, what, recorded = ("none" if root is None else f"{root:016x}"), "checksum root", expected["xxh3"]
-    else:
+        found["xxh3"] = size, "none" if root is None else f"{root:016x}"
+    if "pair" in expected:
         size, pair = _pair_of(path)
-        found, what, recorded = (pair or "none"), "pair id", expected["pair"]
-    if size != expected["bytes"]:
-        return f"{size} bytes, metadata says {expected['bytes']}", ""
-    if found != recorded:
-        return f"{what} {found} differs from metadata's {recorded}", ""
-    return None, found
+        found["pair"] = size, pair or "none"
+    names = {"sha256": "SHA-256", "xxh3": "checksum root", "pair": "pair id"}
+    for kind, (size, digest) in found.items():
+        if size != expected["bytes"]:
+            return f"{size} bytes, metadata says {expected['bytes']}", ""
+        if digest != expected[kind]:
+            return f"{names[kind]} {digest} differs from metadata's {expected[kind]}", ""
+    return None, next(iter(found.values()))[1]
 
 
 __all__ = ["check", "of_document", "of_written"]
