@@ -231,8 +231,8 @@ class CheckpointManager:
             it, else once when first shared) and is the user's own with a new file's permissions;
             else the step is written whole. A step is also written whole when less than half of
             the previous data file would be shared, or the changed tensors would pass ONNX
-            Runtime's 2 GiB inline limit, or the previous step has no data file; a whole step with at least half of its values unchanged since the
-            previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``),
+            Runtime's 2 GiB inline limit, or the previous step has no data file; a whole step with
+            at least half of its values unchanged since the previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``),
             for the next step to share. Directories only (on object storage, or with ``comm``,
             every step is written whole); False: every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
