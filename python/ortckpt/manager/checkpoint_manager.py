@@ -232,8 +232,8 @@ class CheckpointManager:
             else the step is written whole. A step is also written whole when less than half of
             the previous data file would be shared, or the changed tensors would pass ONNX
             Runtime's 2 GiB inline limit, or the previous step has no data file; a whole step with
-            at least half of its values unchanged since the previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``),
-            for the next step to share. Directories only (on object storage, or with ``comm``,
+            at least half of its values unchanged since the previous step keeps them in
+            ``checkpoint.data`` (as ``external_data_threshold=0``), for the next step to share. Directories only (on object storage, or with ``comm``,
             every step is written whole); False: every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
