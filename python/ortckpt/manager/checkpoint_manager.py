@@ -221,20 +221,18 @@ class CheckpointManager:
             for saves that take more than half a second. A bar never holds up or fails a save.
         external_data_threshold: As for :meth:`CheckpointState.save_checkpoint`: past this many
             bytes of values, they go to ``checkpoint.data`` beside ``checkpoint``.
-        share_unchanged: A step does not write or store again the tensors whose bytes are equal
-            to the previous step's (frozen layers): it hard-links the previous step's
-            ``checkpoint.data`` as its own and writes only the changed tensors, inline in its
-            ``checkpoint`` (each step still loads on its own, in ONNX Runtime too; deleting one
-            leaves the other whole). Equality is decided by comparing the bytes. The previous
-            data file is shared only when it is still what its step's metadata records (its size
-            and pair id; a SHA-256 entry, with ``digest="sha256"``, hashed when this manager wrote
-            it, else once when first shared) and is the user's own with a new file's permissions;
-            else the step is written whole. A step is also written whole when less than half of
-            the previous data file would be shared, or the changed tensors would pass ONNX
-            Runtime's 2 GiB inline limit, or the previous step has no data file; a whole step with
-            at least half of its values unchanged since the previous step keeps them in
-            ``checkpoint.data`` (as ``external_data_threshold=0``), for the next step to share. Directories only (on object storage, or with ``comm``,
-            every step is written whole); False: every step written whole.
+        share_unchanged: A step does not write or store again the tensors whose bytes are equal to the previous step's
+            (frozen layers): it hard-links the previous step's ``checkpoint.data`` as its own and writes only the
+            changed tensors, inline in its ``checkpoint`` (each step still loads on its own, in ONNX Runtime too;
+            deleting one leaves the other whole). Equality is decided by comparing the bytes. The previous data file is
+            shared only when it is still what its step's metadata records (its size and pair id; a SHA-256 entry, with
+            ``digest="sha256"``, hashed when this manager wrote it, else once when first shared) and is the user's own
+            with a new file's permissions; else the step is written whole. A step is also written whole when less than
+            half of the previous data file would be shared, or the changed tensors would pass ONNX Runtime's 2 GiB
+            inline limit, or the previous step has no data file; a whole step with at least half of its values unchanged
+            since the previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``), for the next
+            step to share. Directories only (on object storage, or with ``comm``, every step is written whole); False:
+            every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
             Every rank creates the manager and calls save, restore and wait together; each
