@@ -14,6 +14,7 @@ __all__ = [
     "SaveProgress",
     "Staging",
     "acquire_lock",
+    "checksum_root",
     "combine",
     "encode_segments",
     "load",
@@ -23,6 +24,7 @@ __all__ = [
     "save_bytes",
     "save_sharing",
     "stage",
+    "verify_checksums",
     "views",
 ]
 
