@@ -24,10 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import _boundary, safe_io
+from ..targets import PAIR_MAGIC, PAIR_TRAILER_BYTES
 
-# The core's pair trailer: 16 bytes of magic, then the 16-byte id.
-_PAIR_MAGIC = b"ortckpt pair id\0"
-_TRAILER = 32
 DATA_SUFFIX = ".data"
 
 
@@ -53,10 +51,10 @@ def _pair_of(path: Path) -> tuple[int, str | None]:
     """(size, the pair id the file ends with in hex, or None without a pair trailer)."""
     with safe_io.open_regular(path, follow_symlinks=False) as f:
         size = os.fstat(f.fileno()).st_size
-        if size < _TRAILER:
+        if size < PAIR_TRAILER_BYTES:
             return size, None
-        tail = os.pread(f.fileno(), _TRAILER, size - _TRAILER)
-    return size, (tail[16:].hex() if tail[:16] == _PAIR_MAGIC else None)
+        tail = os.pread(f.fileno(), PAIR_TRAILER_BYTES, size - PAIR_TRAILER_BYTES)
+    return size, (tail[16:].hex() if tail[:16] == PAIR_MAGIC else None)
 
 
 def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[str | None, str]:
