@@ -8,6 +8,7 @@ session starts it as soon as it knows a test will use it, and only those tests w
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,12 +19,22 @@ import urllib.request
 from pathlib import Path
 
 STARTUP_SECONDS = 240  # on a busy machine; it is about 30 s on an idle one
+STARTS = 3  # a port taken by someone else while MLflow was starting costs one more start
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below Linux's ephemeral range (32768-60999): a port the kernel handed out
+    would be handed out again to the next outgoing connection, and MLflow takes half a minute to
+    bind (CI lost a run that way). Another suite can still take it: the servers retry."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767 on 127.0.0.1")
 
 
 def stop_process_group(process: subprocess.Popen[bytes]) -> None:
@@ -41,10 +52,18 @@ def stop_process_group(process: subprocess.Popen[bytes]) -> None:
 
 class MlflowServer:
     def __init__(self) -> None:
-        root = self.root = Path(tempfile.mkdtemp(prefix="ortckpt-mlflow-"))
+        self.root = Path(tempfile.mkdtemp(prefix="ortckpt-mlflow-"))
         executable = os.environ.get("ORTCKPT_MLFLOW")
         if not executable:
             raise RuntimeError("ORTCKPT_MLFLOW names the mlflow executable (make sets it: make .venv-mlflow/.ok)")
+        self.executable = executable
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        root = self.root
+        executable = self.executable
+        self.starts += 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / "mlflow-server.log"
@@ -64,6 +83,9 @@ class MlflowServer:
     def wait_until_up(self) -> str:
         while not self._up:
             if self.process.poll() is not None:
+                if "address already in use" in self._tail() and self.starts < STARTS:
+                    self._start()
+                    continue
                 raise RuntimeError(f"mlflow server exited with {self.process.returncode}:\n{self._tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
