@@ -73,6 +73,10 @@ class _Tensor:
         shape = value.shape if isinstance(value, PackedBits) else tuple(value.shape)
         return cls(name, _dt.code_of(value), shape, value)
 
+    def grad(self) -> np.ndarray | None:
+        """None: no training session computes one (see ``live.LiveTensor``, whose does)."""
+        return None
+
     def value(self) -> TensorValue:
         """The values; a loaded tensor becomes a view over the mapping on first use."""
         if self._value is None:
@@ -212,8 +216,10 @@ class Parameter:
 
     @property
     def grad(self) -> np.ndarray | None:
-        """The gradient of the parameter: always None, as no training session runs here."""
-        return None
+        """The gradient of the parameter: ONNX Runtime's, once a ``Module`` trains this state
+        (None before its first training step), else None: no training session runs here."""
+        entry = self._state._tensors[self._name]
+        return entry.grad() if isinstance(entry, _Tensor) else None
 
     @property
     def requires_grad(self) -> bool:
@@ -248,7 +254,7 @@ class Parameters:
         state = self._state
         if name not in state._tensors:
             raise KeyError(f"Parameter {name} not found.")
-        if state._nominal:
+        if state.is_nominal:
             raise CheckpointError(
                 f"Cannot get parameter {name} from a nominal state. Please load the parameter states first."
             )
@@ -391,6 +397,50 @@ class CheckpointState:
         self._version = _boundary.CHECKPOINT_VERSION
         self._parameters = Parameters(self)
         self._props_view = Properties(self)
+        # ONNX Runtime's own state (onnxruntime.capi's CheckpointState) once this one is handed to
+        # its Module, or adopted from it: then its values are ONNX Runtime's (see ortckpt.live).
+        self._ort: Any = None
+
+    @property
+    def _state(self) -> Any:
+        """ONNX Runtime's own state behind this one, as ONNX Runtime's ``Module`` and
+        ``Optimizer`` take it (``state._state``): on first use, this state (optimizer state and
+        properties included) is written into memory and loaded by ONNX Runtime; from then on
+        ``parameters`` and ``properties`` are ONNX Runtime's, the values it trains. Needs
+        onnxruntime-training."""
+        if self._ort is None:
+            from . import live
+
+            live.bind(self)
+        return self._ort
+
+    def _go_live(self, ort_state: Any) -> None:
+        """From now on, this state's parameters and properties are ``ort_state``'s."""
+        from . import live
+
+        nominal = self.is_nominal
+        if nominal:  # (ONNX Runtime has no values to show: the types and shapes are this state's)
+            records = self.tensor_records()
+            self._tensors = {r.name: live.LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
+        else:
+            self._tensors = dict(live.live_tensors(ort_state))
+        self._frozen = live.frozen_names(ort_state)
+        self._properties = live.LiveProperties(ort_state)  # type: ignore[assignment]
+        self._groups, self._pending_groups = {}, None
+        self._views, self._views_made, self._names = {}, True, None
+        self._mappings = (None, None)
+        self._ort = ort_state
+
+    @classmethod
+    def _over_ort(cls, ort_state: Any) -> CheckpointState:
+        """A state over ONNX Runtime's own (live); of a nominal one, a copy (it has no values to show)."""
+        from . import live
+
+        if live.is_nominal(ort_state):
+            return live.snapshot(ort_state, include_optimizer_state=True)
+        state = cls()
+        state._go_live(ort_state)
+        return state
 
     def _tensor(self, name: str) -> _Tensor:
         entry = self._tensors[name]
@@ -491,6 +541,10 @@ class CheckpointState:
     def core_state(self, include_optimizer_state: bool) -> _boundary.CoreState:
         """The state as the core writes it: every value handed over as the array's own
         memory (never copied), for the writers (files, objects, streams) to save."""
+        if self._ort is not None and include_optimizer_state:  # (the moments are ONNX Runtime's to save)
+            from . import live
+
+            return live.snapshot(self._ort, include_optimizer_state=True).core_state(True)
         nominal = self.is_nominal
         self._make_views()
         trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
@@ -557,9 +611,11 @@ class CheckpointState:
                 multipart upload; it appears when the upload completes (``durable`` does not
                 apply).
         """
+        from . import live, targets  # (on first use: `import ortckpt` stays small)
+
+        state = live.adopt(state)  # (ONNX Runtime's own state saves as well)
         if not isinstance(state, CheckpointState):
             raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
-        from . import targets  # (on first use: `import ortckpt` stays small)
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
         targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bare bucket URL is refused as one)
@@ -639,7 +695,12 @@ class CheckpointState:
 
     @property
     def optimizer_groups(self) -> dict[str, OptimizerGroup]:
-        """Optimizer state by group name; edit it, or assign a new dict."""
+        """Optimizer state by group name; edit it, or assign a new dict. Of a state ONNX Runtime
+        trains: a copy of its optimizer's state now (ONNX Runtime saves it into memory), read only."""
+        if self._ort is not None:
+            from . import live
+
+            return live.snapshot(self._ort, include_optimizer_state=True).optimizer_groups
         if self._pending_groups is not None:
             pending, self._pending_groups = self._pending_groups, None
             # Every momentum's view in one core call, then handed out in the same order.
@@ -654,6 +715,11 @@ class CheckpointState:
 
     @optimizer_groups.setter
     def optimizer_groups(self, groups: Mapping[str, OptimizerGroup]) -> None:
+        if self._ort is not None:
+            raise CheckpointStateError(
+                "the optimizer state of a state ONNX Runtime trains is its Optimizer's: set it before "
+                "the state is handed to a Module (or load a checkpoint that has it)"
+            )
         self._pending_groups = None
         self._groups = dict(groups)
 
@@ -668,6 +734,10 @@ class CheckpointState:
 
         As in ONNX Runtime, its parameters cannot be read or set; saving it writes a nominal checkpoint.
         """
+        if self._ort is not None and self._nominal:  # (until ONNX Runtime's Module gives it values)
+            from . import live
+
+            self._nominal = live.is_nominal(self._ort)
         return self._nominal
 
     def _snapshot(
@@ -684,18 +754,24 @@ class CheckpointState:
         what it returns, so that the caller may change its arrays while the copy is written
         (the manager's async saves; keys: ("parameter", name) or ("momentum", group, param, m)).
         """
+        if self._ort is not None and include_optimizer_state:
+            # The moments are ONNX Runtime's to save: a copy of everything, taken now, in memory.
+            from . import live
+
+            frozen = live.snapshot(self._ort, include_optimizer_state=True)
+            return frozen._snapshot(copy_value=None, include_optimizer_state=True, properties=properties)
         other = CheckpointState()
-        other._nominal = self._nominal
+        other._nominal = self.is_nominal
         other._frozen = set(self._frozen)
         self._make_views()
         for name in self._tensors:
             tensor = self._tensor(name)
-            if tensor.code == _dt.STRING and not self._nominal:
+            if tensor.code == _dt.STRING and not other._nominal:
                 # Checked and copied here, in the caller's thread: an async save's background
                 # thread then has nothing left to refuse.
                 strings = np.array(_strings_of(name, tensor.value()), dtype=object).reshape(tensor.dims)
                 tensor = _Tensor(name, tensor.code, tensor.dims, strings)
-            elif copy_value is not None and not self._nominal:
+            elif copy_value is not None and not other._nominal:
                 value = copy_value(("parameter", name), tensor.value())
                 tensor = _Tensor(name, tensor.code, tensor.dims, value)
             other._tensors[name] = tensor
@@ -749,6 +825,8 @@ class CheckpointState:
         return out
 
     def __repr__(self) -> str:
+        if self._ort is not None:  # (its optimizer groups cost a save to see)
+            return f"CheckpointState(parameters={len(self._tensors)}, properties={len(self._properties)}, onnxruntime)"
         return (
             f"CheckpointState(parameters={len(self._tensors)}, properties={len(self._properties)}, "
             f"optimizer_groups={sorted(self.optimizer_groups)})"

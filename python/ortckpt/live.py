@@ -1,0 +1,206 @@
+"""States that ONNX Runtime trains: the bridge between ortckpt's ``CheckpointState`` and ONNX
+Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below).
+
+ONNX Runtime's ``Module`` and ``Optimizer`` take ``state._state``, the ORT state behind its
+Python class, and train its tensors in place. So ortckpt's state hands over one on first use
+(:func:`bind`): its checkpoint is written into memory (memfds) and ONNX Runtime loads it, optimizer
+state and properties included. From then on the ortckpt state reads and writes the ORT state
+(:class:`LiveTensor`, :class:`LiveProperties`): ``parameters`` are zero-copy views of what the
+Module trains, ``properties`` are ONNX Runtime's.
+
+ONNX Runtime's own state objects (its Python ``CheckpointState`` or the ORT state itself) go
+through ortckpt's saves and the manager the same way (:func:`adopt`).
+
+The optimizer's moments are reachable from Python only through ONNX Runtime's
+``save_checkpoint(state, path, True)``: :func:`snapshot` has it write into memory and opens
+that with ortckpt's loader, a consistent copy of everything (the Module trains on meanwhile).
+
+ONNX Runtime is imported here only, and only for a state that meets it: ortckpt never depends
+on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import dtypes as _dt
+from .checkpoint_state import _Tensor
+from .errors import CheckpointStateError
+
+if TYPE_CHECKING:
+    from ._boundary import PropertyValue
+    from .checkpoint_state import CheckpointState
+
+
+def is_ort_state(value: Any) -> bool:
+    """ONNX Runtime's ``CheckpointState`` (its Python class or the ORT state behind it),
+    recognised without importing ONNX Runtime."""
+    module = type(value).__module__ or ""
+    return type(value).__name__ == "CheckpointState" and module.startswith("onnxruntime.")
+
+
+def ort_state_of(value: Any) -> Any:
+    """The ORT state of ONNX Runtime's Python ``CheckpointState`` or of the ORT state itself."""
+    inner = getattr(value, "_state", value)
+    return inner if is_ort_state(inner) else value
+
+
+def adopt(value: Any) -> Any:
+    """An ortckpt ``CheckpointState`` over ONNX Runtime's own state (live: its values are the
+    ones ONNX Runtime trains); anything else as it is."""
+    if not is_ort_state(value):
+        return value
+    from .checkpoint_state import CheckpointState
+
+    return CheckpointState._over_ort(ort_state_of(value))
+
+
+def bind(state: CheckpointState) -> Any:
+    """The ORT state for ``state``: its checkpoint (parameters, optimizer state, properties)
+    written into memory and loaded by ONNX Runtime. ``state`` is then live over it."""
+    from onnxruntime.capi import _pybind_state as C  # (only here: ortckpt never depends on it)
+
+    with _memory_checkpoint() as files:
+        files.write(state.core_state(include_optimizer_state=True))
+        ort_state = C.load_checkpoint(files.path)
+    state._go_live(ort_state)
+    return ort_state
+
+
+def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
+    """A copy of everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory),
+    opened by ortckpt: a state of its own that later training does not change."""
+    from onnxruntime.capi import _pybind_state as C
+
+    from .checkpoint_state import open_checkpoint
+
+    with _memory_checkpoint() as files:
+        C.save_checkpoint(ort_state, files.path, include_optimizer_state)
+        return open_checkpoint(files.path)  # (mapped: the memory stays while the state does)
+
+
+def live_tensors(ort_state: Any) -> dict[str, LiveTensor]:
+    """A :class:`LiveTensor` per parameter of ``ort_state``, in its order."""
+    out = {}
+    for name in ort_state.parameter_names():
+        value = ort_state.get_parameter(name).data.numpy()
+        out[name] = LiveTensor(ort_state, name, _dt.code_of(value), tuple(value.shape))
+    return out
+
+
+def is_nominal(ort_state: Any) -> bool:
+    """Whether ``ort_state`` has no values (a nominal checkpoint a Module has not filled yet)."""
+    names = ort_state.parameter_names()
+    if not names:
+        return False
+    try:
+        ort_state.get_parameter(names[0]).data.numpy()
+    except RuntimeError:
+        return True
+    return False
+
+
+def frozen_names(ort_state: Any) -> set[str]:
+    return {name for name in ort_state.parameter_names() if not ort_state.get_parameter(name).requires_grad}
+
+
+class LiveTensor(_Tensor):
+    """A parameter of an ORT state: its values are ONNX Runtime's buffer (a NumPy view, made
+    anew on each use, as ONNX Runtime's ``Parameter.data`` does); setting values copies into it."""
+
+    __slots__ = ("_ort_state",)
+
+    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
+        super().__init__(name, code, dims)
+        self._ort_state = ort_state
+
+    def value(self) -> np.ndarray:
+        values: np.ndarray = self._ort_state.get_parameter(self.name).data.numpy()
+        return values
+
+    def grad(self) -> np.ndarray | None:
+        grad = self._ort_state.get_parameter(self.name).grad
+        return grad.numpy() if grad.has_value() else None
+
+
+class LiveProperties(MutableMapping[str, "PropertyValue"]):
+    """The properties of an ORT state, as ortckpt's state keeps its own (values already
+    checked and rounded as a file holds them)."""
+
+    def __init__(self, ort_state: Any) -> None:
+        self._ort_state = ort_state
+
+    def __getitem__(self, name: str) -> PropertyValue:
+        if not self._ort_state.has_property(name):
+            raise KeyError(name)
+        value: PropertyValue = self._ort_state.get_property(name)
+        return value
+
+    def __setitem__(self, name: str, value: PropertyValue) -> None:
+        self._ort_state.add_property(name, value)
+
+    def __delitem__(self, name: str) -> None:
+        raise CheckpointStateError(f"property {name}: ONNX Runtime's state cannot remove a property")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and bool(self._ort_state.has_property(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._ort_state.property_names()))
+
+    def __len__(self) -> int:
+        return len(self._ort_state.property_names())
+
+
+class _MemoryFiles:
+    """A checkpoint and its external data file in memory (memfds), at a path ONNX Runtime can
+    open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
+    private temporary directory). Without memfds (not Linux): plain files in that directory."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="ortckpt-ort-")
+        self.path = os.path.join(self.directory, "checkpoint")
+        self._fds: list[int] = []
+        if hasattr(os, "memfd_create"):
+            for path in (self.path, self.path + ".data"):
+                fd = os.memfd_create("ortckpt-" + os.path.basename(path), os.MFD_CLOEXEC)
+                self._fds.append(fd)
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+
+    def write(self, core: Any) -> None:
+        """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
+        from . import _boundary
+
+        threshold = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
+        main, external = _boundary.encode_segments(core, external_data_threshold=threshold)
+        with open(self.path, "r+b" if self._fds else "wb") as out:
+            for segment in main:
+                out.write(segment)
+        if external is not None:
+            size, parts = external
+            with open(self.path + ".data", "r+b" if self._fds else "wb") as out:
+                out.truncate(size)
+                for offset, segment in parts:
+                    out.seek(offset)
+                    out.write(segment)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _memory_checkpoint() -> Iterator[_MemoryFiles]:
+    files = _MemoryFiles()
+    try:
+        yield files
+    finally:
+        files.close()
