@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -217,3 +220,127 @@ def test_a_sigkilled_run_resumes_through_restore_to_the_uninterrupted_runs_state
         name = f"run/step_{step:08d}/checkpoint"
         assert_same_checkpoint(killed / name, reference / name)
     print(f"{kills} kills, then a run to the end", file=sys.stderr)
+
+
+README = HERE.parents[1] / "README.md"
+ORT_TRAINING = re.compile(r"^\s*(from|import) onnxruntime\.training|artifacts/", re.M)
+
+
+def readme_ort_blocks() -> list[str]:
+    """The README's examples that run in ONNX Runtime's training loop, dedented (some sit in list items)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [textwrap.dedent(b) for b in blocks if ORT_TRAINING.search(b)]
+
+
+def test_the_readmes_training_loop_example_runs_and_resumes(ort_loop_python: str, tmp_path: Path) -> None:
+    loop, _torch_trap, _ir_trap = readme_ort_blocks()
+    shutil.copytree(ARTIFACTS, tmp_path / "artifacts")
+    # The example's `batch(step)` is the user's data: here, the artifacts' x[5, 8] and target[5, 4].
+    data = (
+        "import numpy as np\n"
+        "def batch(step):\n"
+        "    rng = np.random.default_rng(step)\n"
+        "    return rng.standard_normal((5, 8)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)\n"
+    )
+    script = tmp_path / "train.py"
+    script.write_text(data + loop + "print(sorted(manager.all_steps()), manager.latest_step())\n")
+    first = subprocess.run(
+        [ort_loop_python, str(script)],
+        cwd=tmp_path,
+        env=loop_environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.splitlines()[-1] == "[800, 900, 1000] 1000"
+    final = CheckpointState.load_checkpoint(tmp_path / "final.ckpt")
+    assert final.optimizer_groups["group0"].step == 1000 and verify(tmp_path / "final.ckpt").checksums
+    # Run again: it restores step 1000 and has nothing left to train.
+    again = subprocess.run(
+        [ort_loop_python, str(script)],
+        cwd=tmp_path,
+        env=loop_environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines()[-1] == "[800, 900, 1000] 1000"
+    assert_same_checkpoint(tmp_path / "final.ckpt", tmp_path / "runs/mlp/step_00001000/checkpoint")
+
+
+def test_the_readmes_torch_trap_workaround_imports_the_training_api_without_torch(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    _loop, torch_trap, _ir_trap = readme_ort_blocks()
+    script = tmp_path / "no_torch.py"
+    script.write_text(torch_trap + "print('torch' in sys.modules, Module.__module__, artifacts.__name__)\n")
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (no torch stand-in)
+    done = subprocess.run(
+        [ort_loop_python, "-c", "import torch"], env=environment, capture_output=True, text=True, check=False
+    )
+    assert done.returncode != 0 and "No module named 'torch'" in done.stderr, "this venv has no torch"
+    done = subprocess.run(
+        [ort_loop_python, "-c", "import onnxruntime.training.api"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "No module named 'torch'" in done.stderr, "the trap: importing the training API needs torch"
+    done = subprocess.run([ort_loop_python, str(script)], env=environment, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "onnxruntime.training.api.module", "onnxruntime.training.artifacts"]
+
+
+def test_the_readmes_ir_version_clamp_makes_current_onnx_artifacts_load(ort_loop_python: str, tmp_path: Path) -> None:
+    _loop, torch_trap, ir_trap = readme_ort_blocks()
+    make_model = textwrap.dedent(
+        """
+        import numpy as np
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+
+        w = numpy_helper.from_array(np.ones((3, 2), np.float32), "w")
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])], [w])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])  # the current onnx's IR
+        onnx.save(model, "model.onnx")
+        print(model.ir_version)
+        """
+    )
+    unclamped = textwrap.dedent(
+        """
+        try:
+            artifacts.generate_artifacts(onnx.load("model.onnx"), requires_grad=["w"],
+                loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW, artifact_directory="raw")
+            print("generated")
+        except Exception as e:
+            print("refused:", str(e).strip().splitlines()[-1][-80:])
+        """
+    )
+    try_module = textwrap.dedent(
+        """
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer
+        state = CheckpointState.load_checkpoint("artifacts/checkpoint")
+        model = Module("artifacts/training_model.onnx", state, "artifacts/eval_model.onnx")
+        Optimizer("artifacts/optimizer_model.onnx", model)
+        print("loads")
+        """
+    )
+    (tmp_path / "unclamped.py").write_text(torch_trap + make_model + unclamped)
+    (tmp_path / "clamped.py").write_text(torch_trap + ir_trap + try_module)
+    for script in ("unclamped.py", "clamped.py"):
+        done = subprocess.run(
+            [ort_loop_python, script], cwd=tmp_path, env=loop_environment(), capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        if script == "unclamped.py":
+            ir_version, refused = done.stdout.splitlines()[-2:]
+            assert int(ir_version) > 10, "a current onnx writes a newer IR than ONNX Runtime 1.19.2 reads"
+            assert refused.startswith("refused:") and "IR version" in refused, refused
+        else:
+            assert done.stdout.splitlines()[-1] == "loads"

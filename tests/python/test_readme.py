@@ -9,10 +9,15 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+# The examples that run inside ONNX Runtime's training loop (onnxruntime-training, its artifacts): run by
+# tests/interop/test_ort_loop.py in ONNX Runtime's interpreter.
+ORT_TRAINING = re.compile(r"^\s*(from|import) onnxruntime\.training|artifacts/", re.M)
+
+
 def python_blocks(with_torch: bool = False) -> list[str]:
     """The README's Python examples; those that import torch only when asked (`make test-torch` runs them)."""
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return [b for b in blocks if ("import torch" in b) == with_torch]
+    return [b for b in blocks if ("import torch" in b) == with_torch and not ORT_TRAINING.search(b)]
 
 
 def test_readme_examples_run(tmp_path, monkeypatch, capsys):
