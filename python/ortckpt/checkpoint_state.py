@@ -100,6 +100,18 @@ class _Tensor:
 
     def assign(self, value: Any) -> None:
         """Copies ``value`` in, as ONNX Runtime's ``copy_from``: same shape and dtype required."""
+        value = self.checked(value)
+        current = self.value()
+        target = current.packed if isinstance(current, PackedBits) else current
+        source = value.packed if isinstance(value, PackedBits) else value
+        if target.flags.writeable:
+            np.copyto(target, source)
+        else:  # e.g. a read-only array handed to from_arrays: keep our own copy instead
+            self._value = value.copy()
+
+    def checked(self, value: Any) -> TensorValue:
+        """``value`` as this tensor's values, if it has its dtype and shape (else a
+        ``CheckpointStateError`` naming the parameter)."""
         value = _intake(self.name, value)
         code = _dt.code_of(value)
         if code != self.code:
@@ -110,13 +122,7 @@ class _Tensor:
         shape = value.shape if isinstance(value, PackedBits) else tuple(value.shape)
         if shape != self.dims:
             raise CheckpointStateError(f"Parameter {self.name}: shape mismatch: expected {self.dims}, got {shape}")
-        current = self.value()
-        target = current.packed if isinstance(current, PackedBits) else current
-        source = value.packed if isinstance(value, PackedBits) else value
-        if target.flags.writeable:
-            np.copyto(target, source)
-        else:  # e.g. a read-only array handed to from_arrays: keep our own copy instead
-            self._value = value.copy()
+        return value
 
     def to_core(self, nominal: bool) -> tuple[str, int, tuple[int, ...], Any]:
         """(name, code, dims, values) as ``_boundary.save`` takes them."""

@@ -25,12 +25,14 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes as _dt
+from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from .checkpoint_state import _Tensor
 from .errors import CheckpointStateError
 
@@ -66,11 +68,22 @@ def bind(state: CheckpointState) -> Any:
     """The ORT state for ``state``: its checkpoint (parameters, optimizer state, properties)
     written into memory and loaded by ONNX Runtime. ``state`` is then live over it."""
     C = _training_api()
-    with _memory_checkpoint() as files:
-        files.write(state.core_state(include_optimizer_state=True))
-        ort_state = C.load_checkpoint(files.path)
-    state._go_live(ort_state)
+    with _binding:
+        if state._ort is not None:  # (bound meanwhile, by another thread)
+            return state._ort
+        with _memory_checkpoint() as files:
+            files.write(state.core_state(include_optimizer_state=True))
+            ort_state = C.load_checkpoint(files.path)
+        state._go_live(ort_state)
     return ort_state
+
+
+# One binding at a time: two threads handing one state to two Modules get the same ORT state.
+_binding = threading.Lock()
+
+# Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
+# do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
+EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
 
 
 def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
@@ -141,6 +154,18 @@ class LiveTensor(_Tensor):
         grad = self._ort_state.get_parameter(self.name).grad
         return grad.numpy() if grad.has_value() else None
 
+    def assign(self, value: Any) -> None:
+        """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
+        else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
+        values = np.ascontiguousarray(self.checked(value))
+        target = self.value()
+        if target.flags.writeable:
+            np.copyto(target, values)
+            return
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
+
+        self._ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
+
 
 class LiveProperties(MutableMapping[str, "PropertyValue"]):
     """The properties of an ORT state, as ortckpt's state keeps its own (values already
@@ -180,7 +205,7 @@ class _MemoryFiles:
         self.directory = tempfile.mkdtemp(prefix="ortckpt-ort-")
         self.path = os.path.join(self.directory, "checkpoint")
         self._fds: list[int] = []
-        if hasattr(os, "memfd_create"):
+        if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
             for path in (self.path, self.path + ".data"):
                 fd = os.memfd_create("ortckpt-" + os.path.basename(path), os.MFD_CLOEXEC)
                 self._fds.append(fd)
@@ -190,8 +215,7 @@ class _MemoryFiles:
         """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
         from . import _boundary
 
-        threshold = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
-        main, external = _boundary.encode_segments(core, external_data_threshold=threshold)
+        main, external = _boundary.encode_segments(core, external_data_threshold=EXTERNAL_DATA_THRESHOLD)
         with open(self.path, "r+b" if self._fds else "wb") as out:
             for segment in main:
                 out.write(segment)

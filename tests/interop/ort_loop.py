@@ -161,6 +161,19 @@ def live_api(artifacts: str, out: str) -> dict:
     except ortckpt.CheckpointStateError as e:
         report["set_groups"] = str(e)
     report["records"] = [list(r) for r in state.tensor_records()]
+    # A state bound with its values in an external data file (as one past 1800 MiB is): ONNX Runtime
+    # reads `<checkpoint>.data` from memory too.
+    ortckpt.live.EXTERNAL_DATA_THRESHOLD = 0
+    second = ortckpt.CheckpointState.load_checkpoint(os.path.join(out, "ort.ckpt"))
+    second_inner = second._state
+    report["external_bound"] = all(
+        _sha(second_inner.get_parameter(name).data.numpy()) == _sha(p.data) for name, p in state.parameters
+    ) and all(
+        _sha(m) == _sha(saved[g].momentums[p][k])
+        for g, group in second.optimizer_groups.items()
+        for p, ms in group.momentums.items()
+        for k, m in ms.items()
+    )
     report["to_bytes_loads"] = sorted(
         name for name, _ in ortckpt.CheckpointState.from_bytes(state.to_bytes(True)).parameters
     )

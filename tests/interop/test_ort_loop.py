@@ -126,6 +126,7 @@ def test_what_the_state_shows_and_takes_while_a_module_trains_it(ort_loop_python
     assert [r[0] for r in report["records"]] == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert [r[3] for r in report["records"]] == [True, True, False, True]
     assert report["to_bytes_loads"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert report["external_bound"]
 
 
 def test_onnx_runtimes_own_state_saves_through_ortckpt_and_the_manager(ort_loop_python: str, tmp_path: Path) -> None:
