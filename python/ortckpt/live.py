@@ -41,6 +41,14 @@ if TYPE_CHECKING:
     from .checkpoint_state import CheckpointState
 
 
+# One binding at a time: two threads handing one state to two Modules get the same ORT state.
+_binding = threading.Lock()
+
+# Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
+# do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
+EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
+
+
 def is_ort_state(value: Any) -> bool:
     """ONNX Runtime's ``CheckpointState`` (its Python class or the ORT state behind it),
     recognised without importing ONNX Runtime."""
@@ -76,14 +84,6 @@ def bind(state: CheckpointState) -> Any:
             ort_state = C.load_checkpoint(files.path)
         state._go_live(ort_state)
     return ort_state
-
-
-# One binding at a time: two threads handing one state to two Modules get the same ORT state.
-_binding = threading.Lock()
-
-# Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
-# do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
-EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
 
 
 def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
