@@ -27,6 +27,7 @@ from .errors import (
     CheckpointFormatError,
     CheckpointStateError,
     InvalidArgumentError,
+    NotACheckpointStateError,
     UnsupportedDataTypeError,
     ValueOverflowError,
     name_file,
@@ -305,7 +306,7 @@ class Properties:
         if not isinstance(name, str):
             raise TypeError(f"property names are str, got {type(name).__name__}")
         _boundary.check_text(name, "property name")
-        self._state._properties[name] = _property_value(name, value)
+        self._state._properties[str(name)] = _property_value(name, value)  # (a NumPy str_ name too)
 
     def __contains__(self, name: object) -> bool:
         return name in self._state._properties
@@ -343,7 +344,7 @@ def _property_value(name: str, value: Any) -> PropertyValue:
         return stored
     if isinstance(value, str):
         _boundary.check_text(value, f"property {name!r}: value")
-        return value
+        return str(value)  # a NumPy str_ as a plain str, as ONNX Runtime gives it back
     raise TypeError(f"Property {name}: properties hold int, float or str, got {type(value).__name__}")
 
 
@@ -558,7 +559,7 @@ class CheckpointState:
                 apply).
         """
         if not isinstance(state, CheckpointState):
-            raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
+            raise NotACheckpointStateError(f"Invalid argument for CheckpointState received {type(state)}", "state")
         from . import targets  # (on first use: `import ortckpt` stays small)
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
@@ -669,6 +670,12 @@ class CheckpointState:
         As in ONNX Runtime, its parameters cannot be read or set; saving it writes a nominal checkpoint.
         """
         return self._nominal
+
+    @property
+    def has_external_data(self) -> bool:
+        """True for a state loaded from a checkpoint with an external data file (``<uri>.data``):
+        as in ONNX Runtime, exporting it for inference writes the model's weights as external data."""
+        return self._mappings[1] is not None
 
     def _snapshot(
         self,

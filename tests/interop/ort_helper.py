@@ -17,6 +17,10 @@ command prints one JSON object on stdout.
   train_steps CKPT ARTIFACTS OUT SEED STEPS  STEPS training and optimizer steps on data drawn from SEED
                                 (a "device" of a federated run); saves OUT with the optimizer state
   export CKPT ARTIFACTS OUT NAME...  Module.export_model_for_inferencing(OUT, [NAME...])
+  properties PAIRS DST          a new state with the properties PAIRS (JSON [[name, value], ...], or
+                                [name, value, "float32"] for a NumPy scalar; [] for an empty state) saved to DST: each value's type and value as get_property gives
+                                it in memory and after reloading DST, and DST's size
+  read_properties PATH          each property's type and value as get_property gives it
   frozen_artifacts DIR          generate_artifacts for a model with two trainable and two frozen
                                 parameters (x[b,6] -> y[b,3], MSE, AdamW) into DIR, then one training
                                 step saved as DIR/trained.ckpt
@@ -169,7 +173,10 @@ def train_steps(ckpt: str, artifacts: str, out: str, seed: str, steps: str) -> d
 
 def export(ckpt: str, artifacts: str, out: str, *names: str) -> dict:
     _state, module, _optimizer = _session(ckpt, artifacts)
-    module.export_model_for_inferencing(out, list(names))
+    # ONNX Runtime 1.19.2 refuses an absolute path when the export writes external data (graph.cc:
+    # "external_file_path.is_relative() was false"), so it exports from the output's directory.
+    os.chdir(os.path.dirname(os.path.abspath(out)))
+    module.export_model_for_inferencing(os.path.basename(out), list(names))
     return {"saved": out}
 
 
@@ -236,6 +243,22 @@ def frozen_artifacts(directory: str) -> dict:
     return {"saved": directory, "loss": float(fetches[0].numpy())}
 
 
+def _typed_properties(state) -> dict:
+    return {name: [type(state.get_property(name)).__name__, state.get_property(name)] for name in state.property_names()}
+
+
+def properties(pairs: str, dst: str) -> dict:
+    state = C.CheckpointState()  # (no pairs: an empty state)
+    for name, value, *numpy_type in json.loads(pairs):  # [name, value, "float32"]: a NumPy scalar
+        state.add_property(name, getattr(np, numpy_type[0])(value) if numpy_type else value)
+    C.save_checkpoint(state, dst, False)
+    return {
+        "in_memory": _typed_properties(state),
+        "reloaded": _typed_properties(C.load_checkpoint(dst)),
+        "size": os.path.getsize(dst),
+    }
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "describe":
@@ -260,6 +283,10 @@ def main(argv: list[str]) -> None:
         result = export(*args)
     elif command == "frozen_artifacts":
         result = frozen_artifacts(*args)
+    elif command == "properties":
+        result = properties(*args)
+    elif command == "read_properties":
+        result = _typed_properties(C.load_checkpoint(args[0]))
     else:
         raise SystemExit(f"unknown command {command}")
     print(json.dumps(result))
