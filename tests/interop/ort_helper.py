@@ -18,8 +18,9 @@ command prints one JSON object on stdout.
                                 (a "device" of a federated run); saves OUT with the optimizer state
   export CKPT ARTIFACTS OUT NAME...  Module.export_model_for_inferencing(OUT, [NAME...])
   properties PAIRS DST          a new state with the properties PAIRS (JSON [[name, value], ...], or
-                                [name, value, "float32"] for a NumPy scalar; [] for an empty state) saved to DST: each value's type and value as get_property gives
-                                it in memory and after reloading DST, and DST's size
+                                [name, value, "float32"] for a NumPy scalar; [] for an empty state)
+                                saved to DST: each value's type and value as get_property gives it in
+                                memory and after reloading DST, and DST's size
   read_properties PATH          each property's type and value as get_property gives it
   frozen_artifacts DIR          generate_artifacts for a model with two trainable and two frozen
                                 parameters (x[b,6] -> y[b,3], MSE, AdamW) into DIR, then one training
@@ -244,7 +245,9 @@ def frozen_artifacts(directory: str) -> dict:
 
 
 def _typed_properties(state) -> dict:
-    return {name: [type(state.get_property(name)).__name__, state.get_property(name)] for name in state.property_names()}
+    return {
+        name: [type(state.get_property(name)).__name__, state.get_property(name)] for name in state.property_names()
+    }
 
 
 def properties(pairs: str, dst: str) -> dict:
