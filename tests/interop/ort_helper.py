@@ -21,6 +21,7 @@ command prints one JSON object on stdout.
                                 [name, value, "float32"] for a NumPy scalar; [] for an empty state)
                                 saved to DST: each value's type and value as get_property gives it in
                                 memory and after reloading DST, and DST's size
+  save_optimized MODEL OUT      ONNX Runtime's writer of external initializers (64 bytes or more) on MODEL
   read_properties PATH          each property's type and value as get_property gives it
   frozen_artifacts DIR          generate_artifacts for a model with two trainable and two frozen
                                 parameters (x[b,6] -> y[b,3], MSE, AdamW) into DIR, then one training
@@ -244,6 +245,25 @@ def frozen_artifacts(directory: str) -> dict:
     return {"saved": directory, "loss": float(fetches[0].numpy())}
 
 
+def save_optimized(model: str, out: str) -> dict:
+    """ONNX Runtime's own writer of models with external data (Graph::ToGraphProtoWithExternalInitializers,
+    what export_model_for_inferencing calls), through an InferenceSession's optimized-model output with
+    every optimization off and the export's 64-byte threshold."""
+    import onnxruntime as ort
+
+    model = os.path.abspath(model)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    os.chdir(os.path.dirname(os.path.abspath(out)))  # (a relative path, as for export)
+    options.optimized_model_filepath = os.path.basename(out)
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", os.path.basename(out) + ".data"
+    )
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return {"saved": out}
+
+
 def _typed_properties(state) -> dict:
     return {
         name: [type(state.get_property(name)).__name__, state.get_property(name)] for name in state.property_names()
@@ -288,6 +308,8 @@ def main(argv: list[str]) -> None:
         result = frozen_artifacts(*args)
     elif command == "properties":
         result = properties(*args)
+    elif command == "save_optimized":
+        result = save_optimized(*args)
     elif command == "read_properties":
         result = _typed_properties(C.load_checkpoint(args[0]))
     else:

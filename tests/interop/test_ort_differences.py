@@ -230,3 +230,57 @@ def test_export_declares_only_what_the_eval_model_declares(ort, tmp_path):
         assert written.items() <= their_written.items()
         added |= {(mine.op_type, name) for name in their_written.keys() - written.keys()}
     assert added == {("Gemm", "transA")}  # ONNX Runtime writes out the default transA=0
+
+
+def test_export_moves_initializers_as_onnx_runtimes_writer_does(ort, tmp_path):
+    """Typed-field initializers (float_data, int64_data) of 64 bytes or more go out as their raw
+    bytes, smaller ones stay; checked against ONNX Runtime's own writer. A string initializer
+    stays in the model (ONNX Runtime's writer fails on one: "Unsupported type: 8")."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((4, 5)).astype(np.float32)
+    initializers = [
+        numpy_helper.from_array(w, "w"),  # the parameter, from the checkpoint (raw_data)
+        helper.make_tensor("typed", TensorProto.FLOAT, [5], np.arange(5, dtype=np.float32).tolist()),  # 20 bytes
+        helper.make_tensor("wide", TensorProto.FLOAT, [5, 4], np.arange(20, dtype=np.float32).tolist()),  # 80
+        helper.make_tensor("shape", TensorProto.INT64, [8], [1] * 8),  # 64 bytes of int64_data
+        helper.make_tensor("i32", TensorProto.INT32, [16], list(range(16))),  # int32_data
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "typed"], ["a"]),
+        helper.make_node("MatMul", ["a", "wide"], ["m"]),
+        helper.make_node("Identity", ["shape"], ["s"]),
+        helper.make_node("Identity", ["i32"], ["i"]),
+    ]
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in (("m", 1), ("s", 7), ("i", 6))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [2, 4])], outputs, initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "model.onnx")
+    ort("save_optimized", tmp_path / "model.onnx", tmp_path / "theirs.onnx")
+
+    state = CheckpointState.from_arrays({"w": w})
+    CheckpointState.save_checkpoint(state, tmp_path / "ext.ckpt", external_data_threshold=0)
+    ortckpt.export_model(tmp_path / "ext.ckpt", tmp_path / "model.onnx", tmp_path / "ours.onnx")
+
+    theirs, ours = _external_entries(tmp_path / "theirs.onnx"), _external_entries(tmp_path / "ours.onnx")
+    for entries, name in ((theirs, "theirs.onnx.data"), (ours, "ours.onnx.data")):
+        for entry in entries.values():
+            if isinstance(entry, dict):
+                assert entry.pop("location") == name
+    assert sorted(n for n, e in ours.items() if isinstance(e, dict)) == ["i32", "shape", "w", "wide"]
+    assert ours == theirs
+    assert (tmp_path / "ours.onnx.data").read_bytes() == (tmp_path / "theirs.onnx.data").read_bytes()
+    kept = {i.name: i for i in onnx.load(str(tmp_path / "ours.onnx"), load_external_data=False).graph.initializer}
+    assert list(kept["typed"].float_data) == list(range(5))
+
+    model.graph.initializer.append(helper.make_tensor("tag", TensorProto.STRING, [1], [b"x" * 100]))
+    model.graph.node.append(helper.make_node("Identity", ["tag"], ["t"]))
+    model.graph.output.append(helper.make_tensor_value_info("t", TensorProto.STRING, None))
+    ortckpt.export_model(tmp_path / "ext.ckpt", model, tmp_path / "tagged.onnx")
+    loaded = onnx.load(str(tmp_path / "tagged.onnx"))
+    assert not uses_external_data(loaded.graph.initializer[-1])
+    for init, original in zip(loaded.graph.initializer, model.graph.initializer, strict=True):  # every value kept
+        assert np.array_equal(numpy_helper.to_array(init), numpy_helper.to_array(original))

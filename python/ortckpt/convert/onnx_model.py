@@ -331,19 +331,31 @@ def export_model(
 
 
 def _write_external_data(proto: onnx.ModelProto, size_threshold: int, fd: int, data_path: Path) -> None:
-    """Moves the raw bytes of every initializer of ``size_threshold`` bytes or more into the file
-    ``fd``, one after another with no padding (as ONNX Runtime's export lays them out), recording
-    each one's location, offset and length as onnx's own save does."""
-    from onnx.external_data_helper import set_external_data
-
+    """Moves the values of every initializer of ``size_threshold`` bytes or more into the file
+    ``fd``, one after another with no padding, as ONNX Runtime's export lays them out (values in
+    typed fields such as ``float_data`` too, as their raw bytes), recording each one's location,
+    offset and length as onnx's own save does. Strings stay in the model."""
+    external = require_onnx().TensorProto.EXTERNAL
     at = 0
     for tensor in _initializers(proto.graph):
-        if tensor.HasField("raw_data") and len(tensor.raw_data) >= size_threshold:
-            data = tensor.raw_data
-            safe_io.pwrite_all(fd, [(at, data)], data_path)
-            set_external_data(tensor, data_path.name, at, len(data))
-            tensor.ClearField("raw_data")
-            at += len(data)
+        if tensor.data_type == _dt.STRING:
+            continue
+        if tensor.HasField("raw_data"):
+            data: Any = tensor.raw_data
+        else:
+            value = tensor_value(tensor)
+            data = as_bytes(value.packed if isinstance(value, PackedBits) else value).reshape(-1)
+        if len(data) < size_threshold:
+            continue
+        safe_io.pwrite_all(fd, [(at, data)], data_path)
+        for typed in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            tensor.ClearField(typed)
+        tensor.ClearField("raw_data")
+        tensor.data_location = external
+        del tensor.external_data[:]
+        for key, entry in (("location", data_path.name), ("offset", str(at)), ("length", str(len(data)))):
+            tensor.external_data.add(key=key, value=entry)
+        at += len(data)
 
 
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
