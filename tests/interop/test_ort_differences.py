@@ -5,6 +5,7 @@ against ONNX Runtime 1.19.2 itself: matched where ortckpt matches, and pinned wh
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -79,11 +80,44 @@ def test_an_empty_state_is_36_bytes_in_onnx_runtime_and_loads_both_ways(ort, tmp
     # Documented difference: the same tables, then the checksum block and the pair trailer.
     data = (tmp_path / "ours.ckpt").read_bytes()
     assert data[4:8] == b"ODTC" and data.endswith(ortckpt.targets.PAIR_MAGIC + data[-16:])
+    assert len(data) == 192  # README's figure
     assert ortckpt.verify(tmp_path / "ours.ckpt").checksums
     assert ort("describe", tmp_path / "ours.ckpt") == {"parameter_names": [], "parameters": [], "properties": {}}
     # ONNX Runtime's resave of it is its own 36 bytes again.
     ort("resave", tmp_path / "ours.ckpt", tmp_path / "resaved.ckpt")
     assert (tmp_path / "resaved.ckpt").read_bytes() == (tmp_path / "theirs.ckpt").read_bytes()
+
+
+# --- external data -----------------------------------------------------------------------------
+
+# The 9 initializers of the model ONNX Runtime's checkpoint_test.cc saves with external data
+# (testdata/transform/computation_reduction/gathernd/e2e.onnx): names, types, shapes; 7 trainable.
+E2E_TRAINABLE = {
+    "bert.encoder.layer.2.output.LayerNorm.weight": (128,),
+    "bert.encoder.layer.2.output.LayerNorm.bias": (128,),
+    "add1_initializerr": (128,),
+    "cls.predictions.transform.LayerNorm.weight": (128,),
+    "cls.predictions.transform.LayerNorm.bias": (128,),
+    "bert.embeddings.word_embeddings.weight_transposed": (128, 256),
+    "cls.predictions.bias": (256,),
+}
+
+
+def test_an_external_data_checkpoint_of_small_tensors_carries_its_checksums(ort, tmp_path):
+    """ONNX Runtime's test asserts its checkpoint file is under 1,000 bytes here; ortckpt's is
+    1,152 (README): the checksum block (8 bytes a tensor and 40) and the pair trailer (32) on
+    tables and an inline int64 scalar at 64-byte-aligned offsets. It loads in ONNX Runtime."""
+    rng = np.random.default_rng(5)
+    trainable = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in E2E_TRAINABLE.items()}
+    frozen = {"matmul1_initializer": rng.standard_normal((128, 128)).astype(np.float32)}
+    frozen["gather_indice_initializer"] = np.array(3, np.int64)  # 8 bytes: stays inline, as in ONNX Runtime
+    state = CheckpointState.from_arrays(trainable, frozen)
+    CheckpointState.save_checkpoint(state, tmp_path / "e2e_ckpt_save_cpu", external_data_threshold=0)
+    assert (tmp_path / "e2e_ckpt_save_cpu").stat().st_size == 1152
+    assert (tmp_path / "e2e_ckpt_save_cpu.data").stat().st_size > 200000  # as ONNX Runtime's test asserts
+    seen = {p["name"]: p["sha256"] for p in ort("describe", tmp_path / "e2e_ckpt_save_cpu")["parameters"]}
+    expected = trainable | frozen
+    assert seen == {name: hashlib.sha256(value.tobytes()).hexdigest() for name, value in expected.items()}
 
 
 # --- nominal checkpoints ------------------------------------------------------------------------
@@ -94,6 +128,7 @@ def _protos() -> tuple[list, list]:
     trainable = [numpy_helper.from_array(rng.standard_normal((5, 4)).astype(np.float32), "fc1.weight")]
     trainable.append(numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "fc1.bias"))
     frozen = [numpy_helper.from_array(rng.integers(0, 9, (2, 5)).astype(np.int64), "fc2.weight")]
+    frozen.append(numpy_helper.from_array(rng.integers(0, 9, 2).astype(np.int64), "fc2.bias"))
     return trainable, frozen
 
 
@@ -107,6 +142,9 @@ def test_a_nominal_checkpoint_is_smaller_than_the_complete_one_and_loads_as_onnx
     save_checkpoint((trainable, frozen), tmp_path / "nominal_checkpoint", nominal_checkpoint=True)
     assert cli(["nominal", str(tmp_path / "checkpoint"), str(tmp_path / "twin")]) == 0  # the same, from the file
     assert (tmp_path / "checkpoint").stat().st_size > (tmp_path / "nominal_checkpoint").stat().st_size
+    # README's figures (the checksum block and the pair trailer, after aligned tables)
+    assert (tmp_path / "nominal_checkpoint").stat().st_size == 448
+    assert (tmp_path / "theirs_nominal").stat().st_size == 268
 
     theirs = CheckpointState.load_checkpoint(tmp_path / "theirs_nominal")
     seen_by_ort = ort("describe", tmp_path / "theirs_nominal")
