@@ -10,6 +10,7 @@ Runtime, without ever touching the file.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .errors import (
     CheckpointFormatError,
     CheckpointStateError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     NotACheckpointStateError,
     UnsupportedDataTypeError,
     ValueOverflowError,
@@ -560,6 +562,12 @@ class CheckpointState:
         """
         if not isinstance(state, CheckpointState):
             raise NotACheckpointStateError(f"Invalid argument for CheckpointState received {type(state)}", "state")
+        if not (include_optimizer_state is None or isinstance(include_optimizer_state, (numbers.Number, np.bool_))):
+            # ONNX Runtime's binding takes a number's truth (None is False) and refuses the rest: "False" is no flag.
+            raise InvalidArgumentTypeError(
+                f"include_optimizer_state must be a bool, got {type(include_optimizer_state).__name__}",
+                "include_optimizer_state",
+            )
         from . import targets  # (on first use: `import ortckpt` stays small)
 
         target = targets.checkpoint(checkpoint_uri, storage_options)

@@ -22,6 +22,7 @@ command prints one JSON object on stdout.
                                 saved to DST: each value's type and value as get_property gives it in
                                 memory and after reloading DST, and DST's size
   save_optimized MODEL OUT      ONNX Runtime's writer of external initializers (64 bytes or more) on MODEL
+  flags DST                     which include_optimizer_state values (FLAGS) save_checkpoint takes
   read_properties PATH          each property's type and value as get_property gives it
   frozen_artifacts DIR          generate_artifacts for a model with two trainable and two frozen
                                 parameters (x[b,6] -> y[b,3], MSE, AdamW) into DIR, then one training
@@ -264,6 +265,35 @@ def save_optimized(model: str, out: str) -> dict:
     return {"saved": out}
 
 
+# include_optimizer_state values by label (test_ort_differences.py builds the same ones)
+FLAGS = {
+    "True": True,
+    "None": None,
+    "1": 1,
+    "0.5": 0.5,
+    "2j": 2j,
+    "np.bool_": np.bool_(False),
+    "np.int64": np.int64(1),
+    "np.float32": np.float32(0),
+    "str": "False",
+    "bytes": b"",
+    "list": [],
+    "dict": {},
+    "object": object(),
+}
+
+
+def flags(dst: str) -> dict:
+    accepted = {}
+    for label, value in FLAGS.items():
+        try:
+            C.save_checkpoint(C.CheckpointState(), dst, value)
+            accepted[label] = True
+        except TypeError:
+            accepted[label] = False
+    return accepted
+
+
 def _typed_properties(state) -> dict:
     return {
         name: [type(state.get_property(name)).__name__, state.get_property(name)] for name in state.property_names()
@@ -310,6 +340,8 @@ def main(argv: list[str]) -> None:
         result = properties(*args)
     elif command == "save_optimized":
         result = save_optimized(*args)
+    elif command == "flags":
+        result = flags(*args)
     elif command == "read_properties":
         result = _typed_properties(C.load_checkpoint(args[0]))
     else:

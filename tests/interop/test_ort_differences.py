@@ -67,6 +67,41 @@ def test_numpy_float_properties_keep_their_value_where_onnx_runtime_truncates_th
     }
 
 
+# --- argument types --------------------------------------------------------------------------
+
+FLAGS = {
+    "True": True,
+    "None": None,
+    "1": 1,
+    "0.5": 0.5,
+    "2j": 2j,
+    "np.bool_": np.bool_(False),
+    "np.int64": np.int64(1),
+    "np.float32": np.float32(0),
+    "str": "False",
+    "bytes": b"",
+    "list": [],
+    "dict": {},
+    "object": object(),
+}
+
+
+def test_include_optimizer_state_takes_what_onnx_runtime_takes(ort, tmp_path):
+    # ONNX Runtime's binding takes a number's truth (None is False) and refuses the rest with TypeError.
+    theirs = ort("flags", tmp_path / "theirs.ckpt")
+    state = CheckpointState.from_arrays({"w": np.zeros(2, np.float32)})
+    ours = {}
+    for label, value in FLAGS.items():
+        try:
+            CheckpointState.save_checkpoint(state, tmp_path / "ours.ckpt", value)
+            ours[label] = True
+        except ortckpt.InvalidArgumentTypeError as e:
+            assert isinstance(e, TypeError) and e.argument == "include_optimizer_state"
+            ours[label] = False
+    assert ours == theirs
+    assert [label for label, taken in theirs.items() if not taken] == ["str", "bytes", "list", "dict", "object"]
+
+
 # --- an empty state ---------------------------------------------------------------------------
 
 
