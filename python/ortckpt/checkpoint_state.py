@@ -10,6 +10,7 @@ Runtime, without ever touching the file.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from .errors import (
     CheckpointFormatError,
     CheckpointStateError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
+    NotACheckpointStateError,
     UnsupportedDataTypeError,
     ValueOverflowError,
     name_file,
@@ -317,7 +320,7 @@ class Properties:
         if not isinstance(name, str):
             raise TypeError(f"property names are str, got {type(name).__name__}")
         _boundary.check_text(name, "property name")
-        self._state._properties[name] = _property_value(name, value)
+        self._state._properties[str(name)] = _property_value(name, value)  # (a NumPy str_ name too)
 
     def __contains__(self, name: object) -> bool:
         return name in self._state._properties
@@ -355,7 +358,7 @@ def _property_value(name: str, value: Any) -> PropertyValue:
         return stored
     if isinstance(value, str):
         _boundary.check_text(value, f"property {name!r}: value")
-        return value
+        return str(value)  # a NumPy str_ as a plain str, as ONNX Runtime gives it back
     raise TypeError(f"Property {name}: properties hold int, float or str, got {type(value).__name__}")
 
 
@@ -621,7 +624,13 @@ class CheckpointState:
 
         state = live.adopt(state)  # (ONNX Runtime's own state saves as well)
         if not isinstance(state, CheckpointState):
-            raise TypeError(f"Invalid argument for CheckpointState received {type(state)}")
+            raise NotACheckpointStateError(f"Invalid argument for CheckpointState received {type(state)}", "state")
+        if not (include_optimizer_state is None or isinstance(include_optimizer_state, (numbers.Number, np.bool_))):
+            # ONNX Runtime's binding takes a number's truth (None is False) and refuses the rest: "False" is no flag.
+            raise InvalidArgumentTypeError(
+                f"include_optimizer_state must be a bool, got {type(include_optimizer_state).__name__}",
+                "include_optimizer_state",
+            )
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
         targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bare bucket URL is refused as one)
@@ -745,6 +754,12 @@ class CheckpointState:
 
             self._nominal = live.is_nominal(self._ort)
         return self._nominal
+
+    @property
+    def has_external_data(self) -> bool:
+        """True for a state loaded from a checkpoint with an external data file (``<uri>.data``):
+        as in ONNX Runtime, exporting it for inference writes the model's weights as external data."""
+        return self._mappings[1] is not None
 
     def _snapshot(
         self,

@@ -55,6 +55,12 @@ class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
     number or a bool goes, a mapping key that is neither str nor int."""
 
 
+class NotACheckpointStateError(InvalidArgumentTypeError, AttributeError):
+    """``CheckpointState.save_checkpoint`` was given something that is not a state. Also an
+    ``AttributeError``, which ONNX Runtime raises there (reading the argument's ``_state``), so
+    an ``except AttributeError`` written for ONNX Runtime still catches it."""
+
+
 class ValueOverflowError(CheckpointStateError, OverflowError):
     """A value that does not fit the type that must hold it, from inputs that fit theirs: an
     arithmetic result past its tensor's data type (``tensor`` and ``filename`` name it), a

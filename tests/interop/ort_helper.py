@@ -17,6 +17,13 @@ command prints one JSON object on stdout.
   train_steps CKPT ARTIFACTS OUT SEED STEPS  STEPS training and optimizer steps on data drawn from SEED
                                 (a "device" of a federated run); saves OUT with the optimizer state
   export CKPT ARTIFACTS OUT NAME...  Module.export_model_for_inferencing(OUT, [NAME...])
+  properties PAIRS DST          a new state with the properties PAIRS (JSON [[name, value], ...], or
+                                [name, value, "float32"] for a NumPy scalar; [] for an empty state)
+                                saved to DST: each value's type and value as get_property gives it in
+                                memory and after reloading DST, and DST's size
+  save_optimized MODEL OUT      ONNX Runtime's writer of external initializers (64 bytes or more) on MODEL
+  flags DST                     which include_optimizer_state values (FLAGS) save_checkpoint takes
+  read_properties PATH          each property's type and value as get_property gives it
   frozen_artifacts DIR          generate_artifacts for a model with two trainable and two frozen
                                 parameters (x[b,6] -> y[b,3], MSE, AdamW) into DIR, then one training
                                 step saved as DIR/trained.ckpt
@@ -169,7 +176,10 @@ def train_steps(ckpt: str, artifacts: str, out: str, seed: str, steps: str) -> d
 
 def export(ckpt: str, artifacts: str, out: str, *names: str) -> dict:
     _state, module, _optimizer = _session(ckpt, artifacts)
-    module.export_model_for_inferencing(out, list(names))
+    # ONNX Runtime 1.19.2 refuses an absolute path when the export writes external data (graph.cc:
+    # "external_file_path.is_relative() was false"), so it exports from the output's directory.
+    os.chdir(os.path.dirname(os.path.abspath(out)))
+    module.export_model_for_inferencing(os.path.basename(out), list(names))
     return {"saved": out}
 
 
@@ -236,6 +246,72 @@ def frozen_artifacts(directory: str) -> dict:
     return {"saved": directory, "loss": float(fetches[0].numpy())}
 
 
+def save_optimized(model: str, out: str) -> dict:
+    """ONNX Runtime's own writer of models with external data (Graph::ToGraphProtoWithExternalInitializers,
+    what export_model_for_inferencing calls), through an InferenceSession's optimized-model output with
+    every optimization off and the export's 64-byte threshold."""
+    import onnxruntime as ort
+
+    model = os.path.abspath(model)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    os.chdir(os.path.dirname(os.path.abspath(out)))  # (a relative path, as for export)
+    options.optimized_model_filepath = os.path.basename(out)
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", os.path.basename(out) + ".data"
+    )
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return {"saved": out}
+
+
+# include_optimizer_state values by label (test_ort_differences.py builds the same ones)
+FLAGS = {
+    "True": True,
+    "None": None,
+    "1": 1,
+    "0.5": 0.5,
+    "2j": 2j,
+    "np.bool_": np.bool_(False),
+    "np.int64": np.int64(1),
+    "np.float32": np.float32(0),
+    "str": "False",
+    "bytes": b"",
+    "list": [],
+    "dict": {},
+    "object": object(),
+}
+
+
+def flags(dst: str) -> dict:
+    accepted = {}
+    for label, value in FLAGS.items():
+        try:
+            C.save_checkpoint(C.CheckpointState(), dst, value)
+            accepted[label] = True
+        except TypeError:
+            accepted[label] = False
+    return accepted
+
+
+def _typed_properties(state) -> dict:
+    return {
+        name: [type(state.get_property(name)).__name__, state.get_property(name)] for name in state.property_names()
+    }
+
+
+def properties(pairs: str, dst: str) -> dict:
+    state = C.CheckpointState()  # (no pairs: an empty state)
+    for name, value, *numpy_type in json.loads(pairs):  # [name, value, "float32"]: a NumPy scalar
+        state.add_property(name, getattr(np, numpy_type[0])(value) if numpy_type else value)
+    C.save_checkpoint(state, dst, False)
+    return {
+        "in_memory": _typed_properties(state),
+        "reloaded": _typed_properties(C.load_checkpoint(dst)),
+        "size": os.path.getsize(dst),
+    }
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     if command == "describe":
@@ -260,6 +336,14 @@ def main(argv: list[str]) -> None:
         result = export(*args)
     elif command == "frozen_artifacts":
         result = frozen_artifacts(*args)
+    elif command == "properties":
+        result = properties(*args)
+    elif command == "save_optimized":
+        result = save_optimized(*args)
+    elif command == "flags":
+        result = flags(*args)
+    elif command == "read_properties":
+        result = _typed_properties(C.load_checkpoint(args[0]))
     else:
         raise SystemExit(f"unknown command {command}")
     print(json.dumps(result))

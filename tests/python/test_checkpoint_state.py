@@ -18,6 +18,7 @@ from ortckpt import (
     CheckpointFormatError,
     CheckpointState,
     CheckpointStateError,
+    NotACheckpointStateError,
     OptimizerGroup,
     PackedInt4,
     Parameter,
@@ -146,6 +147,19 @@ def test_property_kinds_survive_a_save(tmp_path):
     assert dict(loaded.properties) == {"i": -(2**63), "f": 1.5, "s": ""}
 
 
+def test_numpy_scalar_properties_read_back_as_python_values():
+    # ONNX Runtime gives back Python int, float and str (tests/interop/test_ort_differences.py).
+    props = CheckpointState().properties
+    values = {"f32": np.float32(0.5), "f64": np.float64(0.25), "i32": np.int32(-3), "b": np.bool_(True)}
+    for name, value in values.items():
+        props[name] = value
+    props[np.str_("s")] = np.str_("text")
+    got = dict(props)
+    assert got == {"f32": 0.5, "f64": 0.25, "i32": -3, "b": 1, "s": "text"}
+    assert {name: type(v) for name, v in got.items()} == {"f32": float, "f64": float, "i32": int, "b": int, "s": str}
+    assert [type(name) for name, _ in props] == [str] * 5
+
+
 # --- saving ----------------------------------------------------------------------
 
 
@@ -202,9 +216,14 @@ def test_save_into_a_missing_directory_is_file_not_found(state_path, tmp_path):
     assert e.value.filename == str(tmp_path / "no" / "such" / "dir" / "c")
 
 
-def test_save_checkpoint_rejects_other_objects(tmp_path):
-    with pytest.raises(TypeError, match="Invalid argument for CheckpointState"):
-        CheckpointState.save_checkpoint(object(), tmp_path / "c")
+@pytest.mark.parametrize("caught", [TypeError, AttributeError, NotACheckpointStateError])
+@pytest.mark.parametrize("other", [object(), None, "state", {"w": np.zeros(2, np.float32)}])
+def test_save_checkpoint_rejects_other_objects(tmp_path, caught, other):
+    # ONNX Runtime raises AttributeError there (reading other._state); ortckpt's error is both.
+    with pytest.raises(caught, match="Invalid argument for CheckpointState") as e:
+        CheckpointState.save_checkpoint(other, tmp_path / "c")
+    assert type(e.value) is NotACheckpointStateError and e.value.argument == "state"
+    assert not (tmp_path / "c").exists()
 
 
 # --- building states from Python --------------------------------------------------

@@ -498,7 +498,8 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
 @click.option(
     "--external-data/--no-external-data",
     default=None,
-    help="Weights in OUT.data (default: only when the model would pass protobuf's 2 GiB).",
+    help="Weights in OUT.data (default: when the checkpoint has external data, as ONNX Runtime's export, "
+    "or the model would pass protobuf's 2 GiB).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly

@@ -6,8 +6,8 @@
 - :func:`state_from_onnx`: a checkpoint state from a model's initializers;
 - :func:`export_model` / :func:`inference_model`: the inference model of an eval model with
   the checkpoint's weights, as ``Module.export_model_for_inferencing`` writes it (parameter
-  inputs bound to initializers, pruned to the named outputs), in ONNX external data when it
-  would not fit in one 2 GiB protobuf.
+  inputs bound to initializers, pruned to the named outputs), in ONNX external data when the
+  checkpoint has it (as ONNX Runtime writes it) or the model would not fit in one 2 GiB protobuf.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ MiB = 2**20
 PROTO_PATH_EXTERNAL_DATA_THRESHOLD = 1800 * MiB
 # A protobuf message cannot pass 2 GiB; models near it are saved with external data.
 PROTOBUF_LIMIT = 2**31 - 1
+# ONNX Runtime's inference export moves initializers of 64 bytes or more to external data.
+EXPORT_EXTERNAL_MIN_BYTES = 64
 
 
 def _as_proto(value: Any) -> Any:
@@ -287,7 +289,7 @@ def export_model(
     *,
     output_names: Sequence[str] | None = None,
     external_data: bool | None = None,
-    size_threshold: int = 1024,
+    size_threshold: int = EXPORT_EXTERNAL_MIN_BYTES,
 ) -> Path:
     """Writes the inference model of ``model`` (an eval model from ONNX Runtime's
     ``generate_artifacts``, or any model whose initializers are named like the parameters)
@@ -296,19 +298,22 @@ def export_model(
     session or the training package.
 
     ``external_data=None`` (the default) stores the weights in ONNX external data
-    (``<path>.data``, one file) exactly when the model would pass protobuf's 2 GiB limit;
-    ``True``/``False`` force it; initializers under ``size_threshold`` bytes stay in the model.
-    Returns the path written.
+    (``<path>.data``, one file) when the checkpoint has external data, as ONNX Runtime's export
+    does, or when the model would pass protobuf's 2 GiB limit; ``True``/``False`` force it.
+    Initializers of ``size_threshold`` bytes or more (64, as in ONNX Runtime) go there, one
+    after another in the model's order; smaller ones stay in the model. Returns the path written.
     """
     targets.output(path, "path")
-    onnx = require_onnx()
+    require_onnx()
+    if not isinstance(state, CheckpointState):
+        state = CheckpointState.load_checkpoint(state)
     proto = inference_model(state, model, output_names=output_names)
     path = Path(path)
     if external_data is None:
         from google.protobuf.message import EncodeError
 
         try:
-            external_data = proto.ByteSize() > PROTOBUF_LIMIT
+            external_data = state.has_external_data or proto.ByteSize() > PROTOBUF_LIMIT
         except EncodeError:  # protobuf will not even size a message past its limit
             external_data = True
     # Both files are staged by the core and published by its one commit (the data file first,
@@ -317,10 +322,7 @@ def export_model(
     staged = _boundary.stage(os.fspath(path), with_data=external_data)
     try:
         if external_data:
-            onnx.external_data_helper.convert_model_to_external_data(
-                proto, all_tensors_to_one_file=True, location=f"{path.name}.data", size_threshold=size_threshold
-            )
-            _write_external_data(proto, staged.fileno(data=True), Path(f"{path}.data"))
+            _write_external_data(proto, size_threshold, staged.fileno(data=True), Path(f"{path}.data"))
         safe_io.pwrite_all(staged.fileno(), [(0, proto.SerializeToString())], path)
         staged.commit(unpaired=True)  # (no trailer ties an ONNX model to its data: see the core)
     finally:
@@ -328,19 +330,32 @@ def export_model(
     return path
 
 
-def _write_external_data(proto: onnx.ModelProto, fd: int, data_path: Path) -> None:
-    """Moves the raw bytes of every initializer marked for external data into the file ``fd``,
-    one after another, recording each one's offset and length as onnx's own save does."""
-    from onnx.external_data_helper import ExternalDataInfo, set_external_data, uses_external_data
-
+def _write_external_data(proto: onnx.ModelProto, size_threshold: int, fd: int, data_path: Path) -> None:
+    """Moves the values of every initializer of ``size_threshold`` bytes or more into the file
+    ``fd``, one after another with no padding, as ONNX Runtime's export lays them out (values in
+    typed fields such as ``float_data`` too, as their raw bytes), recording each one's location,
+    offset and length as onnx's own save does. Strings stay in the model."""
+    external = require_onnx().TensorProto.EXTERNAL
     at = 0
     for tensor in _initializers(proto.graph):
-        if uses_external_data(tensor) and tensor.HasField("raw_data"):
-            data = tensor.raw_data
-            safe_io.pwrite_all(fd, [(at, data)], data_path)
-            set_external_data(tensor, ExternalDataInfo(tensor).location, at, len(data))
-            tensor.ClearField("raw_data")
-            at += len(data)
+        if tensor.data_type == _dt.STRING:
+            continue
+        if tensor.HasField("raw_data"):
+            data: Any = tensor.raw_data
+        else:
+            value = tensor_value(tensor)
+            data = as_bytes(value.packed if isinstance(value, PackedBits) else value).reshape(-1)
+        if len(data) < size_threshold:
+            continue
+        safe_io.pwrite_all(fd, [(at, data)], data_path)
+        for typed in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            tensor.ClearField(typed)
+        tensor.ClearField("raw_data")
+        tensor.data_location = external
+        del tensor.external_data[:]
+        for key, entry in (("location", data_path.name), ("offset", str(at)), ("length", str(len(data)))):
+            tensor.external_data.add(key=key, value=entry)
+        at += len(data)
 
 
 def _initializers(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
