@@ -437,8 +437,7 @@ class CheckpointState:
         self._properties = live.LiveProperties(ort_state)  # type: ignore[assignment]
         self._groups, self._pending_groups = {}, None
         self._views, self._views_made, self._names = {}, True, None
-        self._mappings = (None, None)
-        self._ort = ort_state
+        self._ort = ort_state  # (the loaded file's mappings stay: has_external_data still tells of them)
 
     @classmethod
     def _over_ort(cls, ort_state: Any) -> CheckpointState:
