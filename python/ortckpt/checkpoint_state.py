@@ -77,7 +77,7 @@ class _Tensor:
         return cls(name, _dt.code_of(value), shape, value)
 
     def grad(self) -> np.ndarray | None:
-        """None: no training session computes one (see :class:`_LiveTensor`, whose does)."""
+        """None: no training session computes one (see ``live.LiveTensor``, whose does)."""
         return None
 
     def value(self) -> TensorValue:
@@ -136,32 +136,6 @@ class _Tensor:
             return self.name, self.code, self.dims, _strings_of(self.name, value)
         array = value.packed if isinstance(value, PackedBits) else value
         return self.name, self.code, self.dims, as_bytes(array)
-
-
-class _LiveTensor(_Tensor):
-    """A parameter of a state ONNX Runtime trains (see :mod:`ortckpt.live`): its values are ONNX
-    Runtime's buffer, its gradient ONNX Runtime's; setting values copies into that buffer."""
-
-    __slots__ = ("_ort_state",)
-
-    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
-        super().__init__(name, code, dims)
-        self._ort_state = ort_state
-
-    def value(self) -> np.ndarray:
-        from . import live
-
-        return live.parameter_data(self._ort_state, self.name)
-
-    def grad(self) -> np.ndarray | None:
-        from . import live
-
-        return live.parameter_grad(self._ort_state, self.name)
-
-    def assign(self, value: Any) -> None:
-        from . import live
-
-        live.assign_parameter(self._ort_state, self.name, np.asarray(self.checked(value)))
 
 
 def _intake(name: str, value: Any) -> TensorValue:
@@ -446,18 +420,19 @@ class CheckpointState:
         if self._ort is None:
             from . import live
 
-            with live.BINDING:
-                if self._ort is None:  # (not bound meanwhile, by another thread)
-                    self._go_live(live.load_into_ort(self.core_state(include_optimizer_state=True)))
+            live.bind(self)
         return self._ort
 
     def _go_live(self, ort_state: Any) -> None:
         """From now on, this state's parameters and properties are ``ort_state``'s."""
         from . import live
 
-        # A nominal state's types and shapes are its own (ONNX Runtime has no values to show them).
-        records = self.tensor_records() if self.is_nominal else live.parameter_records(ort_state)
-        self._tensors = {r.name: _LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
+        nominal = self.is_nominal
+        if nominal:  # (ONNX Runtime has no values to show: the types and shapes are this state's)
+            records = self.tensor_records()
+            self._tensors = {r.name: live.LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
+        else:
+            self._tensors = dict(live.live_tensors(ort_state))
         self._frozen = live.frozen_names(ort_state)
         self._properties = live.LiveProperties(ort_state)  # type: ignore[assignment]
         self._groups, self._pending_groups = {}, None
@@ -470,7 +445,7 @@ class CheckpointState:
         from . import live
 
         if live.is_nominal(ort_state):
-            return cls._over(live.saved(ort_state, include_optimizer_state=True))
+            return live.snapshot(ort_state, include_optimizer_state=True)
         state = cls()
         state._go_live(ort_state)
         return state
@@ -577,7 +552,7 @@ class CheckpointState:
         if self._ort is not None and include_optimizer_state:  # (the moments are ONNX Runtime's to save)
             from . import live
 
-            return CheckpointState._over(live.saved(self._ort, include_optimizer_state=True)).core_state(True)
+            return live.snapshot(self._ort, include_optimizer_state=True).core_state(True)
         nominal = self.is_nominal
         self._make_views()
         trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
@@ -644,9 +619,9 @@ class CheckpointState:
                 multipart upload; it appears when the upload completes (``durable`` does not
                 apply).
         """
-        from . import targets  # (on first use: `import ortckpt` stays small)
+        from . import live, targets  # (on first use: `import ortckpt` stays small)
 
-        state = adopt(state)  # (ONNX Runtime's own state saves as well)
+        state = live.adopt(state)  # (ONNX Runtime's own state saves as well)
         if not isinstance(state, CheckpointState):
             raise NotACheckpointStateError(f"Invalid argument for CheckpointState received {type(state)}", "state")
         if not (include_optimizer_state is None or isinstance(include_optimizer_state, (numbers.Number, np.bool_))):
@@ -739,7 +714,7 @@ class CheckpointState:
         if self._ort is not None:
             from . import live
 
-            return CheckpointState._over(live.saved(self._ort, include_optimizer_state=True)).optimizer_groups
+            return live.snapshot(self._ort, include_optimizer_state=True).optimizer_groups
         if self._pending_groups is not None:
             pending, self._pending_groups = self._pending_groups, None
             # Every momentum's view in one core call, then handed out in the same order.
@@ -803,7 +778,7 @@ class CheckpointState:
             # The moments are ONNX Runtime's to save: a copy of everything, taken now, in memory.
             from . import live
 
-            frozen = CheckpointState._over(live.saved(self._ort, include_optimizer_state=True))
+            frozen = live.snapshot(self._ort, include_optimizer_state=True)
             return frozen._snapshot(copy_value=None, include_optimizer_state=True, properties=properties)
         other = CheckpointState()
         other._nominal = self.is_nominal
@@ -895,16 +870,6 @@ class TensorSource(Protocol):
     def tensor_records(self) -> list[TensorRecord]: ...
 
     def tensor_value(self, name: str) -> TensorValue: ...
-
-
-def adopt(value: Any) -> Any:
-    """A :class:`CheckpointState` over ONNX Runtime's own (its Python ``CheckpointState`` or the
-    ``_state`` behind it: live, its values the ones ONNX Runtime trains); anything else as it is."""
-    from . import live
-
-    if not live.is_ort_state(value):
-        return value
-    return CheckpointState._over_ort(live.ort_state_of(value))
 
 
 def open_checkpoint(

@@ -1,40 +1,52 @@
-"""ONNX Runtime's own training state (``onnxruntime.capi._pybind_state.CheckpointState``, "the
-ORT state" below), as ortckpt's ``CheckpointState`` meets it in ONNX Runtime's training loop.
+"""States that ONNX Runtime trains: the bridge between ortckpt's ``CheckpointState`` and ONNX
+Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below).
 
 ONNX Runtime's ``Module`` and ``Optimizer`` take ``state._state``, the ORT state behind its
-Python class, and train its tensors in place. ortckpt's state hands over one on first use: its
-checkpoint is written into memory (memfds) and ONNX Runtime loads it (:func:`load_into_ort`),
-optimizer state and properties included; from then on the ortckpt state reads and writes the ORT
-state (:func:`parameter_data`, :func:`assign_parameter`, :class:`LiveProperties`). ONNX Runtime's
-own state objects go through ortckpt's saves and the manager the same way.
+Python class, and train its tensors in place. So ortckpt's state hands over one on first use
+(:func:`bind`): its checkpoint is written into memory (memfds) and ONNX Runtime loads it, optimizer
+state and properties included. From then on the ortckpt state reads and writes the ORT state
+(:class:`LiveTensor`, :class:`LiveProperties`): ``parameters`` are zero-copy views of what the
+Module trains, ``properties`` are ONNX Runtime's.
+
+ONNX Runtime's own state objects (its Python ``CheckpointState`` or the ORT state itself) go
+through ortckpt's saves and the manager the same way (:func:`adopt`).
 
 The optimizer's moments are reachable from Python only through ONNX Runtime's
-``save_checkpoint(state, path, True)``: :func:`saved` has it write into memory and opens that
-with ortckpt's loader, a consistent copy of everything (the Module trains on meanwhile).
+``save_checkpoint(state, path, True)``: :func:`snapshot` has it write into memory and opens
+that with ortckpt's loader, a consistent copy of everything (the Module trains on meanwhile).
 
-This module knows ONNX Runtime's objects and the memory files; ``checkpoint_state`` builds its
-states on it. ONNX Runtime is imported here only, and only for a state that meets it: ortckpt
-never depends on it.
+ONNX Runtime is imported here only, and only for a state that meets it: ortckpt never depends
+on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator, MutableMapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _boundary, safe_io
 from . import dtypes as _dt
+from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
+from .checkpoint_state import _Tensor
 from .errors import CheckpointStateError
 
-# One binding at a time: two threads handing one state to two Modules get the same ORT state.
-BINDING = threading.Lock()
+if TYPE_CHECKING:
+    from ._boundary import PropertyValue
+    from .checkpoint_state import CheckpointState
 
-# Past this many bytes of values, a checkpoint handed to ONNX Runtime in memory has an external data
-# file, as files do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path.
-EXTERNAL_DATA_THRESHOLD = _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
+
+# One binding at a time: two threads handing one state to two Modules get the same ORT state.
+_binding = threading.Lock()
+
+# Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
+# do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
+EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
 
 
 def is_ort_state(value: Any) -> bool:
@@ -45,9 +57,44 @@ def is_ort_state(value: Any) -> bool:
 
 
 def ort_state_of(value: Any) -> Any:
-    """The ORT state of ONNX Runtime's Python ``CheckpointState``, or the ORT state itself."""
+    """The ORT state of ONNX Runtime's Python ``CheckpointState`` or of the ORT state itself."""
     inner = getattr(value, "_state", value)
     return inner if is_ort_state(inner) else value
+
+
+def adopt(value: Any) -> Any:
+    """An ortckpt ``CheckpointState`` over ONNX Runtime's own state (live: its values are the
+    ones ONNX Runtime trains); anything else as it is."""
+    if not is_ort_state(value):
+        return value
+    from .checkpoint_state import CheckpointState
+
+    return CheckpointState._over_ort(ort_state_of(value))
+
+
+def bind(state: CheckpointState) -> Any:
+    """The ORT state for ``state``: its checkpoint (parameters, optimizer state, properties)
+    written into memory and loaded by ONNX Runtime. ``state`` is then live over it."""
+    C = _training_api()
+    with _binding:
+        if state._ort is not None:  # (bound meanwhile, by another thread)
+            return state._ort
+        with _memory_checkpoint() as files:
+            files.write(state.core_state(include_optimizer_state=True))
+            ort_state = C.load_checkpoint(files.path)
+        state._go_live(ort_state)
+    return ort_state
+
+
+def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
+    """A copy of everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory),
+    opened by ortckpt: a state of its own that later training does not change."""
+    from .checkpoint_state import open_checkpoint
+
+    C = _training_api()
+    with _memory_checkpoint() as files:
+        C.save_checkpoint(ort_state, files.path, include_optimizer_state)
+        return open_checkpoint(files.path)  # (mapped: the memory stays while the state does)
 
 
 def _training_api() -> Any:
@@ -64,41 +111,13 @@ def _training_api() -> Any:
     return C
 
 
-def load_into_ort(core: _boundary.CoreState) -> Any:
-    """An ORT state of ``core`` (what ``CheckpointState.core_state`` gives): written into memory as
-    ortckpt saves it, each tensor's bytes copied once, then loaded by ONNX Runtime."""
-    C = _training_api()
-    main, external = _boundary.encode_segments(core, external_data_threshold=EXTERNAL_DATA_THRESHOLD)
-    with safe_io.memory_checkpoint() as path:
-        safe_io.write_memory_checkpoint(path, main, external)
-        return C.load_checkpoint(str(path))
-
-
-def saved(ort_state: Any, include_optimizer_state: bool) -> _boundary.Loaded:
-    """Everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory), opened by
-    ortckpt's loader: a copy that later training does not change (mapped: the memory stays
-    while its views do)."""
-    C = _training_api()
-    with safe_io.memory_checkpoint() as path:
-        C.save_checkpoint(ort_state, str(path), include_optimizer_state)
-        return _boundary.load(path)
-
-
-class ParameterRecord(NamedTuple):
-    name: str
-    code: int
-    dims: tuple[int, ...]
-    requires_grad: bool
-
-
-def parameter_records(ort_state: Any) -> list[ParameterRecord]:
-    """Every parameter of ``ort_state`` (not nominal), in its order."""
-    records = []
+def live_tensors(ort_state: Any) -> dict[str, LiveTensor]:
+    """A :class:`LiveTensor` per parameter of ``ort_state``, in its order."""
+    out = {}
     for name in ort_state.parameter_names():
-        parameter = ort_state.get_parameter(name)
-        value = parameter.data.numpy()
-        records.append(ParameterRecord(name, _dt.code_of(value), tuple(value.shape), bool(parameter.requires_grad)))
-    return records
+        value = ort_state.get_parameter(name).data.numpy()
+        out[name] = LiveTensor(ort_state, name, _dt.code_of(value), tuple(value.shape))
+    return out
 
 
 def is_nominal(ort_state: Any) -> bool:
@@ -117,47 +136,51 @@ def frozen_names(ort_state: Any) -> set[str]:
     return {name for name in ort_state.parameter_names() if not ort_state.get_parameter(name).requires_grad}
 
 
-def parameter_data(ort_state: Any, name: str) -> np.ndarray:
-    """The parameter's values: ONNX Runtime's buffer (a NumPy view on the CPU, made anew on each
-    use, as ONNX Runtime's ``Parameter.data`` does)."""
-    values: np.ndarray = ort_state.get_parameter(name).data.numpy()
-    return values
+class LiveTensor(_Tensor):
+    """A parameter of an ORT state: its values are ONNX Runtime's buffer (a NumPy view, made
+    anew on each use, as ONNX Runtime's ``Parameter.data`` does); setting values copies into it."""
+
+    __slots__ = ("_ort_state",)
+
+    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
+        super().__init__(name, code, dims)
+        self._ort_state = ort_state
+
+    def value(self) -> np.ndarray:
+        values: np.ndarray = self._ort_state.get_parameter(self.name).data.numpy()
+        return values
+
+    def grad(self) -> np.ndarray | None:
+        grad = self._ort_state.get_parameter(self.name).grad
+        return grad.numpy() if grad.has_value() else None
+
+    def assign(self, value: Any) -> None:
+        """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
+        else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
+        values = np.ascontiguousarray(self.checked(value))
+        target = self.value()
+        if target.flags.writeable:
+            np.copyto(target, values)
+            return
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
+
+        self._ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
 
 
-def parameter_grad(ort_state: Any, name: str) -> np.ndarray | None:
-    """ONNX Runtime's gradient of the parameter (None before a training step computed one)."""
-    grad = ort_state.get_parameter(name).grad
-    return grad.numpy() if grad.has_value() else None
-
-
-def assign_parameter(ort_state: Any, name: str, values: np.ndarray) -> None:
-    """Copies ``values`` (checked: the parameter's dtype and shape) into ONNX Runtime's buffer:
-    through the view where it is one (the CPU), else as ONNX Runtime's own
-    ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
-    values = np.ascontiguousarray(values)
-    target = parameter_data(ort_state, name)
-    if target.flags.writeable:
-        np.copyto(target, values)
-        return
-    from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
-
-    ort_state.copy_parameter_from(name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
-
-
-class LiveProperties(MutableMapping[str, _boundary.PropertyValue]):
-    """The properties of an ORT state, as ortckpt's state keeps its own (values already checked
-    and rounded as a file holds them)."""
+class LiveProperties(MutableMapping[str, "PropertyValue"]):
+    """The properties of an ORT state, as ortckpt's state keeps its own (values already
+    checked and rounded as a file holds them)."""
 
     def __init__(self, ort_state: Any) -> None:
         self._ort_state = ort_state
 
-    def __getitem__(self, name: str) -> _boundary.PropertyValue:
+    def __getitem__(self, name: str) -> PropertyValue:
         if not self._ort_state.has_property(name):
             raise KeyError(name)
-        value: _boundary.PropertyValue = self._ort_state.get_property(name)
+        value: PropertyValue = self._ort_state.get_property(name)
         return value
 
-    def __setitem__(self, name: str, value: _boundary.PropertyValue) -> None:
+    def __setitem__(self, name: str, value: PropertyValue) -> None:
         self._ort_state.add_property(name, value)
 
     def __delitem__(self, name: str) -> None:
@@ -171,3 +194,49 @@ class LiveProperties(MutableMapping[str, _boundary.PropertyValue]):
 
     def __len__(self) -> int:
         return len(self._ort_state.property_names())
+
+
+class _MemoryFiles:
+    """A checkpoint and its external data file in memory (memfds), at a path ONNX Runtime can
+    open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
+    private temporary directory). Without memfds (not Linux): plain files in that directory."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="ortckpt-ort-")
+        self.path = os.path.join(self.directory, "checkpoint")
+        self._fds: list[int] = []
+        if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
+            for path in (self.path, self.path + ".data"):
+                fd = os.memfd_create("ortckpt-" + os.path.basename(path), os.MFD_CLOEXEC)
+                self._fds.append(fd)
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+
+    def write(self, core: Any) -> None:
+        """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
+        from . import _boundary
+
+        main, external = _boundary.encode_segments(core, external_data_threshold=EXTERNAL_DATA_THRESHOLD)
+        with open(self.path, "r+b" if self._fds else "wb") as out:
+            for segment in main:
+                out.write(segment)
+        if external is not None:
+            size, parts = external
+            with open(self.path + ".data", "r+b" if self._fds else "wb") as out:
+                out.truncate(size)
+                for offset, segment in parts:
+                    out.seek(offset)
+                    out.write(segment)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _memory_checkpoint() -> Iterator[_MemoryFiles]:
+    files = _MemoryFiles()
+    try:
+        yield files
+    finally:
+        files.close()

@@ -245,49 +245,6 @@ def scratch_directory() -> Iterator[Path]:
             lock.release()
 
 
-@contextmanager
-def memory_checkpoint() -> Iterator[Path]:
-    """A path where a checkpoint and its data file live in memory, for a library that reads or
-    writes them only by name (ONNX Runtime): ``<scratch>/checkpoint`` and ``checkpoint.data``,
-    symlinks to memfds of this process in a :func:`scratch_directory` (plain files there where
-    there are no memfds). The memory is freed when the block ends and nothing maps it."""
-    with scratch_directory() as directory:
-        fds = []
-        try:
-            if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
-                for name in (_MEMORY_CHECKPOINT, _MEMORY_CHECKPOINT + ".data"):
-                    fds.append(os.memfd_create(f"ortckpt-{name}", os.MFD_CLOEXEC))
-                    os.symlink(f"/proc/{os.getpid()}/fd/{fds[-1]}", directory / name)
-            yield directory / _MEMORY_CHECKPOINT
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-
-_MEMORY_CHECKPOINT = "checkpoint"
-
-
-def write_memory_checkpoint(
-    path: Path, main: Iterable[Any], external: tuple[int, list[tuple[int, Any]]] | None
-) -> None:
-    """Writes a checkpoint given as pieces (``_boundary.encode_segments``: the checkpoint's in
-    order; the data file's size and (offset, piece)s) into the files of :func:`memory_checkpoint`."""
-    offsets, offset = [], 0
-    for piece in main:
-        offsets.append((offset, piece))
-        offset += memoryview(piece).nbytes
-    files = [(path, offset, offsets)]
-    if external is not None:
-        files.append((path.with_name(path.name + ".data"), external[0], external[1]))
-    for name, size, writes in files:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)  # (the memfd its symlink names)
-        try:
-            os.ftruncate(fd, size)
-            pwrite_all(fd, writes, name)
-        finally:
-            os.close(fd)
-
-
 def remove_dead_scratch_directories() -> None:
     """Removes the scratch directories that killed processes left (their locks free)."""
     for entry in entries(Path(tempfile.gettempdir())):

@@ -22,7 +22,6 @@ import warnings
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
 import ortckpt  # noqa: E402
-import ortckpt.live  # noqa: E402
 from onnxruntime.capi import _pybind_state as C  # noqa: E402
 from onnxruntime.training import api as ort_api  # noqa: E402
 
