@@ -421,16 +421,19 @@ class CheckpointState:
         return self._ort
 
     def _go_live(self, ort_state: Any) -> None:
-        """From now on, this state's parameters and properties are ``ort_state``'s."""
+        """From now on, this state's parameters and properties are ``ort_state``'s, which ONNX
+        Runtime loaded from this state: the names, types, shapes and frozen set stay this state's
+        (ONNX Runtime's cannot tell them for a nominal state, nor the type of every tensor)."""
         from . import live
 
-        nominal = self.is_nominal
-        if nominal:  # (ONNX Runtime has no values to show: the types and shapes are this state's)
-            records = self.tensor_records()
-            self._tensors = {r.name: live.LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
-        else:
-            self._tensors = dict(live.live_tensors(ort_state))
-        self._frozen = live.frozen_names(ort_state)
+        records = self.tensor_records()
+        self._tensors = {r.name: live.LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
+        self._live_over(ort_state)
+
+    def _live_over(self, ort_state: Any) -> None:
+        """Properties and optimizer state: ``ort_state``'s from now on (its tensors are set by the caller)."""
+        from . import live
+
         self._properties = live.LiveProperties(ort_state)  # type: ignore[assignment]
         self._groups, self._pending_groups = {}, None
         self._views, self._views_made, self._names = {}, True, None
@@ -445,7 +448,9 @@ class CheckpointState:
         if live.is_nominal(ort_state):
             return live.snapshot(ort_state, include_optimizer_state=True)
         state = cls()
-        state._go_live(ort_state)
+        state._tensors = dict(live.live_tensors(ort_state))
+        state._frozen = live.frozen_names(ort_state)
+        state._live_over(ort_state)
         return state
 
     def _tensor(self, name: str) -> _Tensor:
@@ -740,10 +745,21 @@ class CheckpointState:
 
         As in ONNX Runtime, its parameters cannot be read or set; saving it writes a nominal checkpoint.
         """
-        if self._ort is not None and self._nominal:  # (until ONNX Runtime's Module gives it values)
+        return self._live_nominal()
+
+    def _live_nominal(self) -> bool:
+        """``is_nominal``; of a live nominal state, asked of ONNX Runtime until its Module has given
+        it values (and shapes, which a nominal checkpoint may not hold: taken then)."""
+        if self._ort is not None and self._nominal:
             from . import live
 
             self._nominal = live.is_nominal(self._ort)
+            if not self._nominal:
+                self._tensors = {
+                    name: live.LiveTensor(self._ort, name, t.code, tuple(t.value().shape))
+                    for name, t in self._tensors.items()
+                    if isinstance(t, live.LiveTensor)
+                }
         return self._nominal
 
     def _snapshot(
@@ -800,6 +816,7 @@ class CheckpointState:
         """Every parameter's name, ONNX type code, dims and ``requires_grad``, in the state's
         order (the file's, or as given), nominal states included: what other code reads of a
         state without its values."""
+        self._live_nominal()  # (a state ONNX Runtime has just filled takes its shapes)
         records = []
         for name in self._tensors:
             tensor = self._tensor(name)

@@ -22,7 +22,10 @@ on it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -34,7 +37,7 @@ import numpy as np
 from . import dtypes as _dt
 from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from .checkpoint_state import _Tensor
-from .errors import CheckpointStateError
+from .errors import CheckpointStateError, UnsupportedDataTypeError
 
 if TYPE_CHECKING:
     from ._boundary import PropertyValue
@@ -71,11 +74,36 @@ def bind(state: CheckpointState) -> Any:
     with _binding:
         if state._ort is not None:  # (bound meanwhile, by another thread)
             return state._ort
+        core = state.core_state(include_optimizer_state=True)
         with _memory_checkpoint() as files:
-            files.write(state.core_state(include_optimizer_state=True))
-            ort_state = C.load_checkpoint(files.path)
+            files.write(core)
+            try:
+                ort_state = C.load_checkpoint(files.path)
+            except RuntimeError as e:
+                refused = _refused_type(core, str(e))
+                if refused is None:
+                    raise
+                raise refused from None
         state._go_live(ort_state)
     return ort_state
+
+
+def _refused_type(core: Any, message: str) -> UnsupportedDataTypeError | None:
+    """ONNX Runtime's "Unsupported data type: N" (its loader takes fewer types than the format
+    holds: no FLOAT16, BFLOAT16, FLOAT8, 4-bit or STRING tensors in 1.19), naming the tensor."""
+    found = re.search(r"Unsupported data type: (\d+)", message)
+    if found is None:
+        return None
+    code = int(found.group(1))
+    tensors = [(name, c) for name, c, _dims, _values in [*core.trainable, *core.frozen]]
+    for group, _step, _lr, states in core.groups:
+        tensors += [(f"{param}/{m} (optimizer group {group})", c) for param, moms in states for m, c, *_ in moms]
+    names = [name for name, c in tensors if c == code] or ["?"]
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return UnsupportedDataTypeError(
+        f"tensor {names[0]}{more}: ONNX Runtime's Module cannot take {_dt.name_of(code)} tensors (its "
+        "checkpoint loader refuses them); convert them to a type it loads before handing the state to a Module"
+    )
 
 
 # One binding at a time: two threads handing one state to two Modules get the same ORT state.
@@ -158,10 +186,14 @@ class LiveTensor(_Tensor):
         """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
         else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
         values = np.ascontiguousarray(self.checked(value))
-        target = self.value()
-        if target.flags.writeable:
-            np.copyto(target, values)
-            return
+        data = self._ort_state.get_parameter(self.name).data
+        # Only the CPU's numpy() is a view ("Cpu" in 1.19): elsewhere it is a writable copy, and
+        # copying into that would change nothing.
+        if str(data.device_name()).lower() == "cpu":
+            target = data.numpy()
+            if target.flags.writeable:
+                np.copyto(target, values)
+                return
         from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
 
         self._ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
@@ -199,12 +231,21 @@ class LiveProperties(MutableMapping[str, "PropertyValue"]):
 class _MemoryFiles:
     """A checkpoint and its external data file in memory (memfds), at a path ONNX Runtime can
     open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
-    private temporary directory). Without memfds (not Linux): plain files in that directory."""
+    private temporary directory). Without memfds (not Linux): plain files in that directory.
+
+    The directory's lock file is locked while it is in use: one a killed process left behind
+    (its memfds went with it, the symlinks stay) is found by its free lock and removed by the
+    next process that makes one (:func:`_remove_left_behind`)."""
 
     def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="ortckpt-ort-")
+        _remove_left_behind()
+        self.directory = tempfile.mkdtemp(prefix=_DIRECTORY_PREFIX)
         self.path = os.path.join(self.directory, "checkpoint")
         self._fds: list[int] = []
+        lock = os.open(os.path.join(self.directory, _LOCK_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        self._lock = lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.write(lock, b"1")  # (written once locked: an empty lock file is one being set up)
         if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
             for path in (self.path, self.path + ".data"):
                 fd = os.memfd_create("ortckpt-" + os.path.basename(path), os.MFD_CLOEXEC)
@@ -231,6 +272,37 @@ class _MemoryFiles:
         for fd in self._fds:
             os.close(fd)
         shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(self._lock)  # (held until the directory is gone)
+
+
+_DIRECTORY_PREFIX = "ortckpt-ort-"
+_LOCK_NAME = "in-use.lock"
+
+
+@functools.cache  # (once per process)
+def _remove_left_behind() -> None:
+    """Removes this user's memory checkpoint directories that processes killed while ONNX Runtime
+    read or wrote them left in the temporary directory (their lock is free, and was taken: not
+    empty)."""
+    try:
+        entries = [e for e in os.scandir(tempfile.gettempdir()) if e.name.startswith(_DIRECTORY_PREFIX)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            lock = os.open(os.path.join(entry.path, _LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(lock).st_size > 0:
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            pass  # (in use)
+        finally:
+            os.close(lock)
 
 
 @contextlib.contextmanager

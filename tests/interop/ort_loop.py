@@ -9,6 +9,13 @@ Each command prints one JSON object on its last line of stdout.
   own_state ARTIFACTS OUT  ONNX Runtime's own CheckpointState trained two steps, then saved by
       ortckpt's save_checkpoint, by a manager (sync and async) and by ONNX Runtime, same moment
   live_api ARTIFACTS OUT  what ortckpt's state shows and takes while a Module trains it
+  nominal ARTIFACTS OUT CLASS  ONNX Runtime's on-device flow: a nominal checkpoint, a Module, its
+      parameters copied in from a buffer (copy_buffer_to_parameters), saved, trained, saved
+  refused_types  handing a Module a state of a type ONNX Runtime's loader refuses
+  off_cpu ARTIFACTS  setting a parameter whose ONNX Runtime buffer is not on the CPU
+  bind_forever  binds states (and saves them in full) until killed; prints "ready" first
+  bind_once  binds a state once; what the temporary directory holds of ortckpt's then
+  leaks ARTIFACTS OUT  file descriptors and temporary entries after many bindings and saves
 """
 
 from __future__ import annotations
@@ -180,9 +187,151 @@ def live_api(artifacts: str, out: str) -> dict:
     return report
 
 
+def nominal(artifacts: str, out: str, cls: str) -> dict:
+    from ortckpt.convert.files import to_nominal
+
+    to_nominal(os.path.join(artifacts, "checkpoint"), os.path.join(out, "nominal"))
+    full = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    buffer = _session(artifacts, full)[0].get_contiguous_parameters(False)  # (the values, as an app holds them)
+    state_class = ortckpt.CheckpointState if cls == "ortckpt" else ort_api.CheckpointState
+    state = state_class.load_checkpoint(os.path.join(out, "nominal"))
+    report: dict = {}
+    model, optimizer = _session(artifacts, state)
+    if cls == "ortckpt":
+        report["nominal_in_module"] = state.is_nominal
+        try:
+            state.parameters["0.weight"]
+            report["read_nominal"] = "accepted"
+        except ortckpt.CheckpointError as e:
+            report["read_nominal"] = str(e)
+    model.copy_buffer_to_parameters(buffer, False)
+    if cls == "ortckpt":
+        report["nominal_after_copy"] = state.is_nominal
+        report["records"] = [list(r) for r in state.tensor_records()]
+    report["weight_equal"] = _sha(state.parameters["0.weight"].data) == _sha(full.parameters["0.weight"].data)
+    ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "copied_params.ckpt"))
+    with ortckpt.CheckpointManager(os.path.join(out, "run")) as manager:
+        manager.save(state, 1, include_optimizer_state=False)
+    _train_step(model, optimizer, 0)
+    ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "trained.ckpt"), include_optimizer_state=True)
+    ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "trained_params.ckpt"))
+    return report
+
+
+def refused_types() -> dict:
+    import ml_dtypes
+
+    report = {}
+    for name, values in (
+        ("float16", np.ones((2, 2), np.float16)),
+        ("bfloat16", np.ones((2, 2), ml_dtypes.bfloat16)),
+        ("int4", np.ones((2, 2), ml_dtypes.int4)),
+        ("string", np.array(["a", "b"], dtype=object)),
+    ):
+        state = ortckpt.CheckpointState.from_arrays({"fine": np.ones(2, np.float32)}, {f"{name}_weight": values})
+        try:
+            assert state._state is not None  # (ONNX Runtime loads it)
+            report[name] = "bound"
+        except Exception as e:  # (any: the test checks which)
+            report[name] = [type(e).__name__, str(e), state.is_nominal, repr(state)]
+    return report
+
+
+class _OffCpuData:
+    """An ORT state's parameter as a GPU build shows it: numpy() a writable copy."""
+
+    def __init__(self, data: object) -> None:
+        self._data = data
+
+    def device_name(self) -> str:
+        return "Cuda"
+
+    def numpy(self) -> np.ndarray:
+        return self._data.numpy().copy()
+
+
+class _OffCpuParameter:
+    def __init__(self, parameter: object) -> None:
+        self.data = _OffCpuData(parameter.data)
+        self.requires_grad = parameter.requires_grad
+
+
+class _OffCpuState:
+    def __init__(self, ort_state: object) -> None:
+        self._ort_state = ort_state
+
+    def get_parameter(self, name: str) -> _OffCpuParameter:
+        return _OffCpuParameter(self._ort_state.get_parameter(name))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._ort_state, name)
+
+
+def off_cpu(artifacts: str) -> dict:
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    _model = _session(artifacts, state)  # (ONNX Runtime's copy_parameter_from needs a Module's: else it crashes)
+    inner = state._state
+    tensor = ortckpt.live.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
+    tensor.assign(np.full((16, 8), 3, np.float32))
+    return {"reached_ort": bool((inner.get_parameter("0.weight").data.numpy() == 3).all())}
+
+
+def _ortckpt_temporaries() -> list[str]:
+    import tempfile
+
+    return sorted(e for e in os.listdir(tempfile.gettempdir()) if e.startswith("ortckpt-"))
+
+
+def bind_forever() -> dict:
+    values = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(16)}
+    print("ready", flush=True)
+    while True:
+        state = ortckpt.CheckpointState.from_arrays(values)
+        assert state._state is not None
+        state.to_bytes(include_optimizer_state=True)  # (ONNX Runtime saves into memory)
+
+
+def bind_once() -> dict:
+    assert ortckpt.CheckpointState.from_arrays({"w": np.ones((2, 2), np.float32)})._state is not None
+    return {"temporaries": _ortckpt_temporaries()}
+
+
+def leaks(artifacts: str, out: str) -> dict:
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def cycle() -> None:
+        state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+        model, optimizer = _session(artifacts, state)
+        _train_step(model, optimizer, 0)
+        ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "a.ckpt"), include_optimizer_state=True)
+        ort_api.CheckpointState.save_checkpoint(state, os.path.join(out, "b.ckpt"), include_optimizer_state=True)
+        assert state.optimizer_groups
+        with ortckpt.CheckpointManager(os.path.join(out, "run"), async_save=True, max_to_keep=1) as manager:
+            manager.save(state, (manager.latest_step() or 0) + 1)
+        ortckpt.save_checkpoint(ortckpt.live.adopt(state._state), os.path.join(out, "c.ckpt"))
+
+    cycle()  # (what stays open for good: ONNX Runtime's and the manager's first use)
+    before = fds()
+    for _ in range(20):
+        cycle()
+    return {"fds_before": before, "fds_after": fds(), "temporaries": _ortckpt_temporaries()}
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
-    result = {"manager_run": manager_run, "own_state": own_state, "live_api": live_api}[command](*args)
+    commands = {
+        "manager_run": manager_run,
+        "own_state": own_state,
+        "live_api": live_api,
+        "nominal": nominal,
+        "refused_types": refused_types,
+        "off_cpu": off_cpu,
+        "bind_forever": bind_forever,
+        "bind_once": bind_once,
+        "leaks": leaks,
+    }
+    result = commands[command](*args)
     print(json.dumps(result))
 
 
