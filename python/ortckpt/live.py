@@ -233,6 +233,10 @@ class _MemoryFiles:
     open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
     private temporary directory). Without memfds (not Linux): plain files in that directory.
 
+    ONNX Runtime is given the directory through its descriptor (``/proc/self/fd/N``), not its
+    name: in a TMPDIR others may write, the directory renamed away and another put in its place
+    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead).
+
     The directory's lock file is locked while it is in use: one a killed process left behind
     (its memfds went with it, the symlinks stay) is found by its free lock and removed by the
     next process that makes one (:func:`_remove_left_behind`)."""
@@ -240,17 +244,27 @@ class _MemoryFiles:
     def __init__(self) -> None:
         _remove_left_behind()
         self.directory = tempfile.mkdtemp(prefix=_DIRECTORY_PREFIX)
-        self.path = os.path.join(self.directory, "checkpoint")
         self._fds: list[int] = []
-        lock = os.open(os.path.join(self.directory, _LOCK_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
-        self._lock = lock
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        os.write(lock, b"1")  # (written once locked: an empty lock file is one being set up)
-        if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
-            for path in (self.path, self.path + ".data"):
-                fd = os.memfd_create("ortckpt-" + os.path.basename(path), os.MFD_CLOEXEC)
+        self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._lock: int | None = None
+        try:
+            made = os.fstat(self._dir_fd)
+            if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one mkdtemp made)
+                raise CheckpointStateError(f"{self.directory}: replaced as it was made (TMPDIR is writable by others)")
+            self._lock = os.open(_LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            os.write(self._lock, b"1")  # (written once locked: an empty lock file is one being set up)
+            memory = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+            self.path = os.path.join(
+                f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else self.directory, "checkpoint"
+            )
+            for name in ("checkpoint", "checkpoint.data") if memory else ():
+                fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
                 self._fds.append(fd)
-                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", name, dir_fd=self._dir_fd)
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, core: Any) -> None:
         """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
@@ -271,8 +285,14 @@ class _MemoryFiles:
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
-        shutil.rmtree(self.directory, ignore_errors=True)
-        os.close(self._lock)  # (held until the directory is gone)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._dir_fd):
+                os.unlink(name, dir_fd=self._dir_fd)
+            if os.path.samestat(os.lstat(self.directory), os.fstat(self._dir_fd)):  # (still ours)
+                os.rmdir(self.directory)
+        os.close(self._dir_fd)
+        if self._lock is not None:
+            os.close(self._lock)  # (held until the directory is gone)
 
 
 _DIRECTORY_PREFIX = "ortckpt-ort-"

@@ -16,6 +16,8 @@ Each command prints one JSON object on its last line of stdout.
   bind_forever  binds states (and saves them in full) until killed; prints "ready" first
   bind_once  binds a state once; what the temporary directory holds of ortckpt's then
   leaks ARTIFACTS OUT  file descriptors and temporary entries after many bindings and saves
+  hostile_tmpdir OUT  a bind and a full save while someone else who may write TMPDIR swaps the
+      memory checkpoint directories
 """
 
 from __future__ import annotations
@@ -318,6 +320,55 @@ def leaks(artifacts: str, out: str) -> dict:
     return {"fds_before": before, "fds_after": fds(), "temporaries": _ortckpt_temporaries()}
 
 
+def hostile_tmpdir(out: str) -> dict:
+    """Someone else who may write TMPDIR (no sticky bit) renames each memory checkpoint directory
+    away just before ONNX Runtime uses it and puts one of theirs in its place, whose ``checkpoint``
+    is a symlink to a file of ours (which ONNX Runtime's save would overwrite) or to a checkpoint
+    of theirs (which its load would hand the Module)."""
+    import tempfile
+
+    victim = os.path.join(out, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("precious\n")
+    theirs = os.path.join(out, "theirs.ckpt")
+    ortckpt.save_checkpoint(ortckpt.CheckpointState.from_arrays({"w": np.full((2, 2), 666, np.float32)}), theirs)
+    api = ortckpt.live._training_api()
+    planted: set[str] = set()
+
+    def swap(target: str) -> None:
+        root = tempfile.gettempdir()
+        [name] = [e for e in os.listdir(root) if e.startswith("ortckpt-ort-") and e not in planted]
+        os.rename(os.path.join(root, name), os.path.join(out, "moved-" + name))
+        os.mkdir(os.path.join(root, name))
+        os.symlink(target, os.path.join(root, name, "checkpoint"))
+        planted.add(name)
+
+    class Attacker:
+        def __getattr__(self, name: str) -> object:
+            return getattr(api, name)
+
+        def load_checkpoint(self, path: str) -> object:
+            swap(theirs)
+            return api.load_checkpoint(path)
+
+        def save_checkpoint(self, state: object, path: str, include: bool) -> None:
+            swap(victim)
+            api.save_checkpoint(state, path, include)
+
+    ortckpt.live._training_api = Attacker
+    state = ortckpt.CheckpointState.from_arrays({"w": np.ones((2, 2), np.float32)})
+    inner = state._state
+    ortckpt.save_checkpoint(state, os.path.join(out, "saved.ckpt"), include_optimizer_state=True)
+    with open(victim, "rb") as f:
+        victim_text = f.read().decode("utf-8", "replace")
+    return {
+        "swaps": len(planted),
+        "bound": inner.get_parameter("w").data.numpy().tolist(),
+        "saved": ortckpt.load_checkpoint(os.path.join(out, "saved.ckpt")).parameters["w"].data.tolist(),
+        "victim": victim_text,
+    }
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     commands = {
@@ -330,6 +381,7 @@ def main(argv: list[str]) -> None:
         "bind_forever": bind_forever,
         "bind_once": bind_once,
         "leaks": leaks,
+        "hostile_tmpdir": hostile_tmpdir,
     }
     result = commands[command](*args)
     print(json.dumps(result))

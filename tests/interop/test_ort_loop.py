@@ -306,6 +306,17 @@ def test_bindings_and_saves_leave_no_descriptor_or_temporary_behind(ort_loop_pyt
     assert report["temporaries"] == []
 
 
+def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothing(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """ONNX Runtime opens the memory checkpoint through the directory's descriptor: the swapped-in
+    directory's symlinks (to a file of ours, to a checkpoint of theirs) are never followed."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "hostile_tmpdir", tmp_path, tmpdir=tmpdir)
+    assert report == {"swaps": 2, "bound": [[1, 1], [1, 1]], "saved": [[1, 1], [1, 1]], "victim": "precious\n"}
+
+
 README = HERE.parents[1] / "README.md"
 ORT_TRAINING = re.compile(r"^\s*(from|import) onnxruntime\.training|artifacts/", re.M)
 
