@@ -16,6 +16,8 @@ Each command prints one JSON object on its last line of stdout.
   bind_forever  binds states (and saves them in full) until killed; prints "ready" first
   bind_once  binds a state once; what the temporary directory holds of ortckpt's then
   leaks ARTIFACTS OUT  file descriptors and temporary entries after many bindings and saves
+  async_while_training ARTIFACTS OUT  async manager saves (with and without the optimizer state),
+      training on at once after each; ONNX Runtime's own save at each save() beside them
   hostile_tmpdir OUT  a bind and a full save while someone else who may write TMPDIR swaps the
       memory checkpoint directories
 """
@@ -320,6 +322,20 @@ def leaks(artifacts: str, out: str) -> dict:
     return {"fds_before": before, "fds_after": fds(), "temporaries": _ortckpt_temporaries()}
 
 
+def async_while_training(artifacts: str, out: str) -> dict:
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    for include in (True, False):
+        name = "full" if include else "params"
+        with ortckpt.CheckpointManager(os.path.join(out, name), async_save=True) as manager:
+            for step in range(1, 4):
+                _train_step(model, optimizer, step)
+                C.save_checkpoint(state._state, os.path.join(out, f"{name}_ort_{step}.ckpt"), include)
+                manager.save(state, step, include_optimizer_state=include)
+                _train_step(model, optimizer, 100 + step)  # (while the save writes)
+    return {"saved": out}
+
+
 def hostile_tmpdir(out: str) -> dict:
     """Someone else who may write TMPDIR (no sticky bit) renames each memory checkpoint directory
     away just before ONNX Runtime uses it and puts one of theirs in its place, whose ``checkpoint``
@@ -381,6 +397,7 @@ def main(argv: list[str]) -> None:
         "bind_forever": bind_forever,
         "bind_once": bind_once,
         "leaks": leaks,
+        "async_while_training": async_while_training,
         "hostile_tmpdir": hostile_tmpdir,
     }
     result = commands[command](*args)

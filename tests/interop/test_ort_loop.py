@@ -306,6 +306,17 @@ def test_bindings_and_saves_leave_no_descriptor_or_temporary_behind(ort_loop_pyt
     assert report["temporaries"] == []
 
 
+def test_async_manager_saves_while_the_module_trains_on_hold_the_state_of_each_save_call(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    run_loop(ort_loop_python, HERE / "ort_loop.py", "async_while_training", ARTIFACTS, tmp_path)
+    for name, optimizer in (("full", True), ("params", False)):
+        for step in (1, 2, 3):
+            saved = tmp_path / name / f"step_{step:08d}" / "checkpoint"
+            reference = tmp_path / f"{name}_ort_{step}.ckpt"
+            assert_same_checkpoint(saved, reference, optimizer=optimizer, properties_but=("step",))
+
+
 def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothing(
     ort_loop_python: str, tmp_path: Path
 ) -> None:
