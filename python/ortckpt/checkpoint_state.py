@@ -755,10 +755,9 @@ class CheckpointState:
 
             self._nominal = live.is_nominal(self._ort)
             if not self._nominal:
+                tensors = [self._tensor(name) for name in self._tensors]
                 self._tensors = {
-                    name: live.LiveTensor(self._ort, name, t.code, tuple(t.value().shape))
-                    for name, t in self._tensors.items()
-                    if isinstance(t, live.LiveTensor)
+                    t.name: live.LiveTensor(self._ort, t.name, t.code, tuple(t.value().shape)) for t in tensors
                 }
         return self._nominal
 

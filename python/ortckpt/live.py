@@ -22,19 +22,17 @@ on it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
 import os
 import re
-import shutil
-import tempfile
 import threading
 from collections.abc import Iterator, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import dtypes as _dt
+from . import safe_io
 from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from .checkpoint_state import _Tensor
 from .errors import CheckpointStateError, UnsupportedDataTypeError
@@ -231,33 +229,22 @@ class LiveProperties(MutableMapping[str, "PropertyValue"]):
 class _MemoryFiles:
     """A checkpoint and its external data file in memory (memfds), at a path ONNX Runtime can
     open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
-    private temporary directory). Without memfds (not Linux): plain files in that directory.
+    private scratch directory, which a killed process leaves to the next to remove). Without
+    memfds (not Linux): plain files in that directory.
 
-    ONNX Runtime is given the directory through its descriptor (``/proc/self/fd/N``), not its
+    ONNX Runtime is given the directory through its descriptor (``/proc/<pid>/fd/N``), not its
     name: in a TMPDIR others may write, the directory renamed away and another put in its place
-    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead).
+    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead)."""
 
-    The directory's lock file is locked while it is in use: one a killed process left behind
-    (its memfds went with it, the symlinks stay) is found by its free lock and removed by the
-    next process that makes one (:func:`_remove_left_behind`)."""
-
-    def __init__(self) -> None:
-        _remove_left_behind()
-        self.directory = tempfile.mkdtemp(prefix=_DIRECTORY_PREFIX)
+    def __init__(self, directory: Path) -> None:
         self._fds: list[int] = []
-        self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        self._lock: int | None = None
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             made = os.fstat(self._dir_fd)
-            if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one mkdtemp made)
-                raise CheckpointStateError(f"{self.directory}: replaced as it was made (TMPDIR is writable by others)")
-            self._lock = os.open(_LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, dir_fd=self._dir_fd)
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
-            os.write(self._lock, b"1")  # (written once locked: an empty lock file is one being set up)
+            if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one made for us)
+                raise CheckpointStateError(f"{directory}: replaced as it was made (TMPDIR is writable by others)")
             memory = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
-            self.path = os.path.join(
-                f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else self.directory, "checkpoint"
-            )
+            self.path = os.path.join(f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else directory, "checkpoint")
             for name in ("checkpoint", "checkpoint.data") if memory else ():
                 fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
                 self._fds.append(fd)
@@ -283,52 +270,15 @@ class _MemoryFiles:
                     out.write(segment)
 
     def close(self) -> None:
-        for fd in self._fds:
+        for fd in [*self._fds, self._dir_fd]:
             os.close(fd)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self._dir_fd):
-                os.unlink(name, dir_fd=self._dir_fd)
-            if os.path.samestat(os.lstat(self.directory), os.fstat(self._dir_fd)):  # (still ours)
-                os.rmdir(self.directory)
-        os.close(self._dir_fd)
-        if self._lock is not None:
-            os.close(self._lock)  # (held until the directory is gone)
-
-
-_DIRECTORY_PREFIX = "ortckpt-ort-"
-_LOCK_NAME = "in-use.lock"
-
-
-@functools.cache  # (once per process)
-def _remove_left_behind() -> None:
-    """Removes this user's memory checkpoint directories that processes killed while ONNX Runtime
-    read or wrote them left in the temporary directory (their lock is free, and was taken: not
-    empty)."""
-    try:
-        entries = [e for e in os.scandir(tempfile.gettempdir()) if e.name.startswith(_DIRECTORY_PREFIX)]
-    except OSError:
-        return
-    for entry in entries:
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            lock = os.open(os.path.join(entry.path, _LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(lock).st_size > 0:
-                shutil.rmtree(entry.path, ignore_errors=True)
-        except OSError:
-            pass  # (in use)
-        finally:
-            os.close(lock)
 
 
 @contextlib.contextmanager
 def _memory_checkpoint() -> Iterator[_MemoryFiles]:
-    files = _MemoryFiles()
-    try:
-        yield files
-    finally:
-        files.close()
+    with safe_io.scratch_directory() as directory:
+        files = _MemoryFiles(directory)
+        try:
+            yield files
+        finally:
+            files.close()

@@ -353,7 +353,7 @@ def hostile_tmpdir(out: str) -> dict:
 
     def swap(target: str) -> None:
         root = tempfile.gettempdir()
-        [name] = [e for e in os.listdir(root) if e.startswith("ortckpt-ort-") and e not in planted]
+        [name] = [e for e in os.listdir(root) if e.startswith("ortckpt-scratch-") and e not in planted]
         os.rename(os.path.join(root, name), os.path.join(out, "moved-" + name))
         os.mkdir(os.path.join(root, name))
         os.symlink(target, os.path.join(root, name, "checkpoint"))
