@@ -1,22 +1,23 @@
 """States that ONNX Runtime trains: the bridge between ortckpt's ``CheckpointState`` and ONNX
-Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below).
+Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below), on
+ONNX Runtime's side: what ONNX Runtime loads and saves, in memory.
 
 ONNX Runtime's ``Module`` and ``Optimizer`` take ``state._state``, the ORT state behind its
 Python class, and train its tensors in place. So ortckpt's state hands over one on first use
 (:func:`bind`): its checkpoint is written into memory (memfds) and ONNX Runtime loads it, optimizer
 state and properties included. From then on the ortckpt state reads and writes the ORT state
-(:class:`LiveTensor`, :class:`LiveProperties`): ``parameters`` are zero-copy views of what the
-Module trains, ``properties`` are ONNX Runtime's.
-
-ONNX Runtime's own state objects (its Python ``CheckpointState`` or the ORT state itself) go
-through ortckpt's saves and the manager the same way (:func:`adopt`).
+(``checkpoint_state.LiveTensor`` and ``LiveProperties``): ``parameters`` are zero-copy views of
+what the Module trains, ``properties`` are ONNX Runtime's. ONNX Runtime's own state objects go
+through ortckpt's saves and the manager the same way (``checkpoint_state.adopt``).
 
 The optimizer's moments are reachable from Python only through ONNX Runtime's
-``save_checkpoint(state, path, True)``: :func:`snapshot` has it write into memory and opens
-that with ortckpt's loader, a consistent copy of everything (the Module trains on meanwhile).
+``save_checkpoint(state, path, True)``: :func:`saved_by_ort` has it write into memory, which
+``checkpoint_state.ort_snapshot`` opens with ortckpt's loader, a consistent copy of everything
+(the Module trains on meanwhile).
 
-ONNX Runtime is imported here only, and only for a state that meets it: ortckpt never depends
-on it.
+This module never imports the checkpoint state (which imports it, on first use): it takes
+ortckpt's state as it comes. ONNX Runtime is imported here only, and only for a state that
+meets it: ortckpt never depends on it.
 """
 
 from __future__ import annotations
@@ -25,21 +26,14 @@ import contextlib
 import os
 import re
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from . import dtypes as _dt
 from . import safe_io
 from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
-from .checkpoint_state import _Tensor
 from .errors import CheckpointStateError, UnsupportedDataTypeError
-
-if TYPE_CHECKING:
-    from ._boundary import PropertyValue
-    from .checkpoint_state import CheckpointState
 
 
 def is_ort_state(value: Any) -> bool:
@@ -55,19 +49,10 @@ def ort_state_of(value: Any) -> Any:
     return inner if is_ort_state(inner) else value
 
 
-def adopt(value: Any) -> Any:
-    """An ortckpt ``CheckpointState`` over ONNX Runtime's own state (live: its values are the
-    ones ONNX Runtime trains); anything else as it is."""
-    if not is_ort_state(value):
-        return value
-    from .checkpoint_state import CheckpointState
-
-    return CheckpointState._over_ort(ort_state_of(value))
-
-
-def bind(state: CheckpointState) -> Any:
-    """The ORT state for ``state``: its checkpoint (parameters, optimizer state, properties)
-    written into memory and loaded by ONNX Runtime. ``state`` is then live over it."""
+def bind(state: Any) -> Any:
+    """The ORT state for ``state`` (ortckpt's ``CheckpointState``): its checkpoint (parameters,
+    optimizer state, properties) written into memory and loaded by ONNX Runtime. ``state`` is
+    then live over it."""
     C = _training_api()
     with _binding:
         if state._ort is not None:  # (bound meanwhile, by another thread)
@@ -112,15 +97,14 @@ _binding = threading.Lock()
 EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
 
 
-def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
-    """A copy of everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory),
-    opened by ortckpt: a state of its own that later training does not change."""
-    from .checkpoint_state import open_checkpoint
-
+@contextlib.contextmanager
+def saved_by_ort(ort_state: Any, include_optimizer_state: bool) -> Iterator[str]:
+    """The path of what ``ort_state`` holds now, as ONNX Runtime saves it (into memory), for the
+    block: open it there (a mapping of it stays valid after)."""
     C = _training_api()
     with _memory_checkpoint() as files:
         C.save_checkpoint(ort_state, files.path, include_optimizer_state)
-        return open_checkpoint(files.path)  # (mapped: the memory stays while the state does)
+        yield files.path
 
 
 def _training_api() -> Any:
@@ -137,15 +121,6 @@ def _training_api() -> Any:
     return C
 
 
-def live_tensors(ort_state: Any) -> dict[str, LiveTensor]:
-    """A :class:`LiveTensor` per parameter of ``ort_state``, in its order."""
-    out = {}
-    for name in ort_state.parameter_names():
-        value = ort_state.get_parameter(name).data.numpy()
-        out[name] = LiveTensor(ort_state, name, _dt.code_of(value), tuple(value.shape))
-    return out
-
-
 def is_nominal(ort_state: Any) -> bool:
     """Whether ``ort_state`` has no values (a nominal checkpoint a Module has not filled yet)."""
     names = ort_state.parameter_names()
@@ -160,70 +135,6 @@ def is_nominal(ort_state: Any) -> bool:
 
 def frozen_names(ort_state: Any) -> set[str]:
     return {name for name in ort_state.parameter_names() if not ort_state.get_parameter(name).requires_grad}
-
-
-class LiveTensor(_Tensor):
-    """A parameter of an ORT state: its values are ONNX Runtime's buffer (a NumPy view, made
-    anew on each use, as ONNX Runtime's ``Parameter.data`` does); setting values copies into it."""
-
-    __slots__ = ("_ort_state",)
-
-    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
-        super().__init__(name, code, dims)
-        self._ort_state = ort_state
-
-    def value(self) -> np.ndarray:
-        values: np.ndarray = self._ort_state.get_parameter(self.name).data.numpy()
-        return values
-
-    def grad(self) -> np.ndarray | None:
-        grad = self._ort_state.get_parameter(self.name).grad
-        return grad.numpy() if grad.has_value() else None
-
-    def assign(self, value: Any) -> None:
-        """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
-        else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
-        values = np.ascontiguousarray(self.checked(value))
-        data = self._ort_state.get_parameter(self.name).data
-        # Only the CPU's numpy() is a view ("Cpu" in 1.19): elsewhere it is a writable copy, and
-        # copying into that would change nothing.
-        if str(data.device_name()).lower() == "cpu":
-            target = data.numpy()
-            if target.flags.writeable:
-                np.copyto(target, values)
-                return
-        from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
-
-        self._ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
-
-
-class LiveProperties(MutableMapping[str, "PropertyValue"]):
-    """The properties of an ORT state, as ortckpt's state keeps its own (values already
-    checked and rounded as a file holds them)."""
-
-    def __init__(self, ort_state: Any) -> None:
-        self._ort_state = ort_state
-
-    def __getitem__(self, name: str) -> PropertyValue:
-        if not self._ort_state.has_property(name):
-            raise KeyError(name)
-        value: PropertyValue = self._ort_state.get_property(name)
-        return value
-
-    def __setitem__(self, name: str, value: PropertyValue) -> None:
-        self._ort_state.add_property(name, value)
-
-    def __delitem__(self, name: str) -> None:
-        raise CheckpointStateError(f"property {name}: ONNX Runtime's state cannot remove a property")
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and bool(self._ort_state.has_property(name))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._ort_state.property_names()))
-
-    def __len__(self) -> int:
-        return len(self._ort_state.property_names())
 
 
 class _MemoryFiles:

@@ -275,7 +275,7 @@ def off_cpu(artifacts: str) -> dict:
     state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
     _model = _session(artifacts, state)  # (ONNX Runtime's copy_parameter_from needs a Module's: else it crashes)
     inner = state._state
-    tensor = ortckpt.live.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
+    tensor = ortckpt.checkpoint_state.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
     tensor.assign(np.full((16, 8), 3, np.float32))
     return {"reached_ort": bool((inner.get_parameter("0.weight").data.numpy() == 3).all())}
 
@@ -313,7 +313,7 @@ def leaks(artifacts: str, out: str) -> dict:
         assert state.optimizer_groups
         with ortckpt.CheckpointManager(os.path.join(out, "run"), async_save=True, max_to_keep=1) as manager:
             manager.save(state, (manager.latest_step() or 0) + 1)
-        ortckpt.save_checkpoint(ortckpt.live.adopt(state._state), os.path.join(out, "c.ckpt"))
+        ortckpt.save_checkpoint(ortckpt.checkpoint_state.adopt(state._state), os.path.join(out, "c.ckpt"))
 
     cycle()  # (what stays open for good: ONNX Runtime's and the manager's first use)
     before = fds()
