@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -77,7 +77,7 @@ class _Tensor:
         return cls(name, _dt.code_of(value), shape, value)
 
     def grad(self) -> np.ndarray | None:
-        """None: no training session computes one (see ``live.LiveTensor``, whose does)."""
+        """None: no training session computes one (see ``LiveTensor``, whose does)."""
         return None
 
     def value(self) -> TensorValue:
@@ -424,17 +424,18 @@ class CheckpointState:
         return self._ort
 
     def _go_live(self, ort_state: Any) -> None:
-        """From now on, this state's parameters and properties are ``ort_state``'s."""
-        from . import live
+        """From now on, this state's parameters and properties are ``ort_state``'s, which ONNX
+        Runtime loaded from this state: the names, types, shapes and frozen set stay this state's
+        (ONNX Runtime's cannot tell them for a nominal state, nor the type of every tensor)."""
 
-        nominal = self.is_nominal
-        if nominal:  # (ONNX Runtime has no values to show: the types and shapes are this state's)
-            records = self.tensor_records()
-            self._tensors = {r.name: live.LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
-        else:
-            self._tensors = dict(live.live_tensors(ort_state))
-        self._frozen = live.frozen_names(ort_state)
-        self._properties = live.LiveProperties(ort_state)  # type: ignore[assignment]
+        records = self.tensor_records()
+        self._tensors = {r.name: LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
+        self._live_over(ort_state)
+
+    def _live_over(self, ort_state: Any) -> None:
+        """Properties and optimizer state: ``ort_state``'s from now on (its tensors are set by the caller)."""
+
+        self._properties = LiveProperties(ort_state)  # type: ignore[assignment]
         self._groups, self._pending_groups = {}, None
         self._views, self._views_made, self._names = {}, True, None
         self._ort = ort_state  # (the loaded file's mappings stay: has_external_data still tells of them)
@@ -445,9 +446,11 @@ class CheckpointState:
         from . import live
 
         if live.is_nominal(ort_state):
-            return live.snapshot(ort_state, include_optimizer_state=True)
+            return ort_snapshot(ort_state, include_optimizer_state=True)
         state = cls()
-        state._go_live(ort_state)
+        state._tensors = dict(live_tensors(ort_state))
+        state._frozen = live.frozen_names(ort_state)
+        state._live_over(ort_state)
         return state
 
     def _tensor(self, name: str) -> _Tensor:
@@ -550,9 +553,7 @@ class CheckpointState:
         """The state as the core writes it: every value handed over as the array's own
         memory (never copied), for the writers (files, objects, streams) to save."""
         if self._ort is not None and include_optimizer_state:  # (the moments are ONNX Runtime's to save)
-            from . import live
-
-            return live.snapshot(self._ort, include_optimizer_state=True).core_state(True)
+            return ort_snapshot(self._ort, include_optimizer_state=True).core_state(True)
         nominal = self.is_nominal
         self._make_views()
         trainable = [self._tensor(n).to_core(nominal) for n in self._tensors if n not in self._frozen]
@@ -619,9 +620,9 @@ class CheckpointState:
                 multipart upload; it appears when the upload completes (``durable`` does not
                 apply).
         """
-        from . import live, targets  # (on first use: `import ortckpt` stays small)
+        from . import targets  # (on first use: `import ortckpt` stays small)
 
-        state = live.adopt(state)  # (ONNX Runtime's own state saves as well)
+        state = adopt(state)  # (ONNX Runtime's own state saves as well)
         if not isinstance(state, CheckpointState):
             raise NotACheckpointStateError(f"Invalid argument for CheckpointState received {type(state)}", "state")
         if not (include_optimizer_state is None or isinstance(include_optimizer_state, (numbers.Number, np.bool_))):
@@ -712,9 +713,7 @@ class CheckpointState:
         """Optimizer state by group name; edit it, or assign a new dict. Of a state ONNX Runtime
         trains: a copy of its optimizer's state now (ONNX Runtime saves it into memory), read only."""
         if self._ort is not None:
-            from . import live
-
-            return live.snapshot(self._ort, include_optimizer_state=True).optimizer_groups
+            return ort_snapshot(self._ort, include_optimizer_state=True).optimizer_groups
         if self._pending_groups is not None:
             pending, self._pending_groups = self._pending_groups, None
             # Every momentum's view in one core call, then handed out in the same order.
@@ -748,10 +747,18 @@ class CheckpointState:
 
         As in ONNX Runtime, its parameters cannot be read or set; saving it writes a nominal checkpoint.
         """
-        if self._ort is not None and self._nominal:  # (until ONNX Runtime's Module gives it values)
+        return self._live_nominal()
+
+    def _live_nominal(self) -> bool:
+        """``is_nominal``; of a live nominal state, asked of ONNX Runtime until its Module has given
+        it values (and shapes, which a nominal checkpoint may not hold: taken then)."""
+        if self._ort is not None and self._nominal:
             from . import live
 
             self._nominal = live.is_nominal(self._ort)
+            if not self._nominal:
+                tensors = [self._tensor(name) for name in self._tensors]
+                self._tensors = {t.name: LiveTensor(self._ort, t.name, t.code, tuple(t.value().shape)) for t in tensors}
         return self._nominal
 
     @property
@@ -776,9 +783,8 @@ class CheckpointState:
         """
         if self._ort is not None and include_optimizer_state:
             # The moments are ONNX Runtime's to save: a copy of everything, taken now, in memory.
-            from . import live
 
-            frozen = live.snapshot(self._ort, include_optimizer_state=True)
+            frozen = ort_snapshot(self._ort, include_optimizer_state=True)
             return frozen._snapshot(copy_value=None, include_optimizer_state=True, properties=properties)
         other = CheckpointState()
         other._nominal = self.is_nominal
@@ -814,6 +820,7 @@ class CheckpointState:
         """Every parameter's name, ONNX type code, dims and ``requires_grad``, in the state's
         order (the file's, or as given), nominal states included: what other code reads of a
         state without its values."""
+        self._live_nominal()  # (a state ONNX Runtime has just filled takes its shapes)
         records = []
         for name in self._tensors:
             tensor = self._tensor(name)
@@ -851,6 +858,101 @@ class CheckpointState:
             f"CheckpointState(parameters={len(self._tensors)}, properties={len(self._properties)}, "
             f"optimizer_groups={sorted(self.optimizer_groups)})"
         )
+
+
+# --- States ONNX Runtime trains (see ortckpt.live): their tensors and properties are ONNX Runtime's.
+
+
+class LiveTensor(_Tensor):
+    """A parameter of an ORT state: its values are ONNX Runtime's buffer (a NumPy view, made
+    anew on each use, as ONNX Runtime's ``Parameter.data`` does); setting values copies into it."""
+
+    __slots__ = ("_ort_state",)
+
+    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
+        super().__init__(name, code, dims)
+        self._ort_state = ort_state
+
+    def value(self) -> np.ndarray:
+        values: np.ndarray = self._ort_state.get_parameter(self.name).data.numpy()
+        return values
+
+    def grad(self) -> np.ndarray | None:
+        grad = self._ort_state.get_parameter(self.name).grad
+        return grad.numpy() if grad.has_value() else None
+
+    def assign(self, value: Any) -> None:
+        """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
+        else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
+        values = np.ascontiguousarray(self.checked(value))
+        data = self._ort_state.get_parameter(self.name).data
+        # Only the CPU's numpy() is a view ("Cpu" in 1.19): elsewhere it is a writable copy, and
+        # copying into that would change nothing.
+        if str(data.device_name()).lower() == "cpu":
+            target = data.numpy()
+            if target.flags.writeable:
+                np.copyto(target, values)
+                return
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
+
+        self._ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
+
+
+class LiveProperties(MutableMapping[str, "PropertyValue"]):
+    """The properties of an ORT state, as ortckpt's state keeps its own (values already
+    checked and rounded as a file holds them)."""
+
+    def __init__(self, ort_state: Any) -> None:
+        self._ort_state = ort_state
+
+    def __getitem__(self, name: str) -> PropertyValue:
+        if not self._ort_state.has_property(name):
+            raise KeyError(name)
+        value: PropertyValue = self._ort_state.get_property(name)
+        return value
+
+    def __setitem__(self, name: str, value: PropertyValue) -> None:
+        self._ort_state.add_property(name, value)
+
+    def __delitem__(self, name: str) -> None:
+        raise CheckpointStateError(f"property {name}: ONNX Runtime's state cannot remove a property")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and bool(self._ort_state.has_property(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._ort_state.property_names()))
+
+    def __len__(self) -> int:
+        return len(self._ort_state.property_names())
+
+
+def live_tensors(ort_state: Any) -> dict[str, LiveTensor]:
+    """A :class:`LiveTensor` per parameter of ``ort_state``, in its order."""
+    out = {}
+    for name in ort_state.parameter_names():
+        value = ort_state.get_parameter(name).data.numpy()
+        out[name] = LiveTensor(ort_state, name, _dt.code_of(value), tuple(value.shape))
+    return out
+
+
+def adopt(value: Any) -> Any:
+    """An ortckpt ``CheckpointState`` over ONNX Runtime's own state (live: its values are the
+    ones ONNX Runtime trains); anything else as it is."""
+    from . import live
+
+    if not live.is_ort_state(value):
+        return value
+    return CheckpointState._over_ort(live.ort_state_of(value))
+
+
+def ort_snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
+    """A copy of everything ``ort_state`` (ONNX Runtime's) holds now, as ONNX Runtime saves it
+    (into memory), opened by ortckpt: a state of its own that later training does not change."""
+    from . import live
+
+    with live.saved_by_ort(ort_state, include_optimizer_state) as path:
+        return open_checkpoint(path)  # (mapped: the memory stays while the state does)
 
 
 class TensorSource(Protocol):

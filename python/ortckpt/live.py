@@ -1,52 +1,39 @@
 """States that ONNX Runtime trains: the bridge between ortckpt's ``CheckpointState`` and ONNX
-Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below).
+Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below), on
+ONNX Runtime's side: what ONNX Runtime loads and saves, in memory.
 
 ONNX Runtime's ``Module`` and ``Optimizer`` take ``state._state``, the ORT state behind its
 Python class, and train its tensors in place. So ortckpt's state hands over one on first use
 (:func:`bind`): its checkpoint is written into memory (memfds) and ONNX Runtime loads it, optimizer
 state and properties included. From then on the ortckpt state reads and writes the ORT state
-(:class:`LiveTensor`, :class:`LiveProperties`): ``parameters`` are zero-copy views of what the
-Module trains, ``properties`` are ONNX Runtime's.
-
-ONNX Runtime's own state objects (its Python ``CheckpointState`` or the ORT state itself) go
-through ortckpt's saves and the manager the same way (:func:`adopt`).
+(``checkpoint_state.LiveTensor`` and ``LiveProperties``): ``parameters`` are zero-copy views of
+what the Module trains, ``properties`` are ONNX Runtime's. ONNX Runtime's own state objects go
+through ortckpt's saves and the manager the same way (``checkpoint_state.adopt``).
 
 The optimizer's moments are reachable from Python only through ONNX Runtime's
-``save_checkpoint(state, path, True)``: :func:`snapshot` has it write into memory and opens
-that with ortckpt's loader, a consistent copy of everything (the Module trains on meanwhile).
+``save_checkpoint(state, path, True)``: :func:`saved_by_ort` has it write into memory, which
+``checkpoint_state.ort_snapshot`` opens with ortckpt's loader, a consistent copy of everything
+(the Module trains on meanwhile).
 
-ONNX Runtime is imported here only, and only for a state that meets it: ortckpt never depends
-on it.
+This module never imports the checkpoint state (which imports it, on first use): it takes
+ortckpt's state as it comes. ONNX Runtime is imported here only, and only for a state that
+meets it: ortckpt never depends on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
+import re
 import threading
-from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from . import dtypes as _dt
+from . import safe_io
 from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
-from .checkpoint_state import _Tensor
-from .errors import CheckpointStateError
-
-if TYPE_CHECKING:
-    from ._boundary import PropertyValue
-    from .checkpoint_state import CheckpointState
-
-
-# One binding at a time: two threads handing one state to two Modules get the same ORT state.
-_binding = threading.Lock()
-
-# Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
-# do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
-EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
+from .errors import CheckpointStateError, UnsupportedDataTypeError
 
 
 def is_ort_state(value: Any) -> bool:
@@ -62,39 +49,62 @@ def ort_state_of(value: Any) -> Any:
     return inner if is_ort_state(inner) else value
 
 
-def adopt(value: Any) -> Any:
-    """An ortckpt ``CheckpointState`` over ONNX Runtime's own state (live: its values are the
-    ones ONNX Runtime trains); anything else as it is."""
-    if not is_ort_state(value):
-        return value
-    from .checkpoint_state import CheckpointState
-
-    return CheckpointState._over_ort(ort_state_of(value))
-
-
-def bind(state: CheckpointState) -> Any:
-    """The ORT state for ``state``: its checkpoint (parameters, optimizer state, properties)
-    written into memory and loaded by ONNX Runtime. ``state`` is then live over it."""
+def bind(state: Any) -> Any:
+    """The ORT state for ``state`` (ortckpt's ``CheckpointState``): its checkpoint (parameters,
+    optimizer state, properties) written into memory and loaded by ONNX Runtime. ``state`` is
+    then live over it."""
     C = _training_api()
     with _binding:
         if state._ort is not None:  # (bound meanwhile, by another thread)
             return state._ort
+        core = state.core_state(include_optimizer_state=True)
         with _memory_checkpoint() as files:
-            files.write(state.core_state(include_optimizer_state=True))
-            ort_state = C.load_checkpoint(files.path)
+            files.write(core)
+            try:
+                ort_state = C.load_checkpoint(files.path)
+            except RuntimeError as e:
+                refused = _refused_type(core, str(e))
+                if refused is None:
+                    raise
+                raise refused from None
         state._go_live(ort_state)
     return ort_state
 
 
-def snapshot(ort_state: Any, include_optimizer_state: bool) -> CheckpointState:
-    """A copy of everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory),
-    opened by ortckpt: a state of its own that later training does not change."""
-    from .checkpoint_state import open_checkpoint
+def _refused_type(core: Any, message: str) -> UnsupportedDataTypeError | None:
+    """ONNX Runtime's "Unsupported data type: N" (its loader takes fewer types than the format
+    holds: no FLOAT16, BFLOAT16, FLOAT8, 4-bit or STRING tensors in 1.19), naming the tensor."""
+    found = re.search(r"Unsupported data type: (\d+)", message)
+    if found is None:
+        return None
+    code = int(found.group(1))
+    tensors = [(name, c) for name, c, _dims, _values in [*core.trainable, *core.frozen]]
+    for group, _step, _lr, states in core.groups:
+        tensors += [(f"{param}/{m} (optimizer group {group})", c) for param, moms in states for m, c, *_ in moms]
+    names = [name for name, c in tensors if c == code] or ["?"]
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return UnsupportedDataTypeError(
+        f"tensor {names[0]}{more}: ONNX Runtime's Module cannot take {_dt.name_of(code)} tensors (its "
+        "checkpoint loader refuses them); convert them to a type it loads before handing the state to a Module"
+    )
 
+
+# One binding at a time: two threads handing one state to two Modules get the same ORT state.
+_binding = threading.Lock()
+
+# Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
+# do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
+EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
+
+
+@contextlib.contextmanager
+def saved_by_ort(ort_state: Any, include_optimizer_state: bool) -> Iterator[str]:
+    """The path of what ``ort_state`` holds now, as ONNX Runtime saves it (into memory), for the
+    block: open it there (a mapping of it stays valid after)."""
     C = _training_api()
     with _memory_checkpoint() as files:
         C.save_checkpoint(ort_state, files.path, include_optimizer_state)
-        return open_checkpoint(files.path)  # (mapped: the memory stays while the state does)
+        yield files.path
 
 
 def _training_api() -> Any:
@@ -109,15 +119,6 @@ def _training_api() -> Any:
             "Module and Optimizer need onnxruntime-training (the last release: onnxruntime-training-cpu==1.19.2)"
         )
     return C
-
-
-def live_tensors(ort_state: Any) -> dict[str, LiveTensor]:
-    """A :class:`LiveTensor` per parameter of ``ort_state``, in its order."""
-    out = {}
-    for name in ort_state.parameter_names():
-        value = ort_state.get_parameter(name).data.numpy()
-        out[name] = LiveTensor(ort_state, name, _dt.code_of(value), tuple(value.shape))
-    return out
 
 
 def is_nominal(ort_state: Any) -> bool:
@@ -136,80 +137,32 @@ def frozen_names(ort_state: Any) -> set[str]:
     return {name for name in ort_state.parameter_names() if not ort_state.get_parameter(name).requires_grad}
 
 
-class LiveTensor(_Tensor):
-    """A parameter of an ORT state: its values are ONNX Runtime's buffer (a NumPy view, made
-    anew on each use, as ONNX Runtime's ``Parameter.data`` does); setting values copies into it."""
-
-    __slots__ = ("_ort_state",)
-
-    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
-        super().__init__(name, code, dims)
-        self._ort_state = ort_state
-
-    def value(self) -> np.ndarray:
-        values: np.ndarray = self._ort_state.get_parameter(self.name).data.numpy()
-        return values
-
-    def grad(self) -> np.ndarray | None:
-        grad = self._ort_state.get_parameter(self.name).grad
-        return grad.numpy() if grad.has_value() else None
-
-    def assign(self, value: Any) -> None:
-        """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
-        else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
-        values = np.ascontiguousarray(self.checked(value))
-        target = self.value()
-        if target.flags.writeable:
-            np.copyto(target, values)
-            return
-        from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
-
-        self._ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
-
-
-class LiveProperties(MutableMapping[str, "PropertyValue"]):
-    """The properties of an ORT state, as ortckpt's state keeps its own (values already
-    checked and rounded as a file holds them)."""
-
-    def __init__(self, ort_state: Any) -> None:
-        self._ort_state = ort_state
-
-    def __getitem__(self, name: str) -> PropertyValue:
-        if not self._ort_state.has_property(name):
-            raise KeyError(name)
-        value: PropertyValue = self._ort_state.get_property(name)
-        return value
-
-    def __setitem__(self, name: str, value: PropertyValue) -> None:
-        self._ort_state.add_property(name, value)
-
-    def __delitem__(self, name: str) -> None:
-        raise CheckpointStateError(f"property {name}: ONNX Runtime's state cannot remove a property")
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and bool(self._ort_state.has_property(name))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._ort_state.property_names()))
-
-    def __len__(self) -> int:
-        return len(self._ort_state.property_names())
-
-
 class _MemoryFiles:
     """A checkpoint and its external data file in memory (memfds), at a path ONNX Runtime can
     open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
-    private temporary directory). Without memfds (not Linux): plain files in that directory."""
+    private scratch directory, which a killed process leaves to the next to remove). Without
+    memfds (not Linux): plain files in that directory.
 
-    def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="ortckpt-ort-")
-        self.path = os.path.join(self.directory, "checkpoint")
+    ONNX Runtime is given the directory through its descriptor (``/proc/<pid>/fd/N``), not its
+    name: in a TMPDIR others may write, the directory renamed away and another put in its place
+    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead)."""
+
+    def __init__(self, directory: Path) -> None:
         self._fds: list[int] = []
-        if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
-            for path in (self.path, self.path + ".data"):
-                fd = os.memfd_create("ortckpt-" + os.path.basename(path), os.MFD_CLOEXEC)
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            made = os.fstat(self._dir_fd)
+            if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one made for us)
+                raise CheckpointStateError(f"{directory}: replaced as it was made (TMPDIR is writable by others)")
+            memory = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+            self.path = os.path.join(f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else directory, "checkpoint")
+            for name in ("checkpoint", "checkpoint.data") if memory else ():
+                fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
                 self._fds.append(fd)
-                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", name, dir_fd=self._dir_fd)
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, core: Any) -> None:
         """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
@@ -228,15 +181,15 @@ class _MemoryFiles:
                     out.write(segment)
 
     def close(self) -> None:
-        for fd in self._fds:
+        for fd in [*self._fds, self._dir_fd]:
             os.close(fd)
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def _memory_checkpoint() -> Iterator[_MemoryFiles]:
-    files = _MemoryFiles()
-    try:
-        yield files
-    finally:
-        files.close()
+    with safe_io.scratch_directory() as directory:
+        files = _MemoryFiles(directory)
+        try:
+            yield files
+        finally:
+            files.close()

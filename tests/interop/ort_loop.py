@@ -9,6 +9,17 @@ Each command prints one JSON object on its last line of stdout.
   own_state ARTIFACTS OUT  ONNX Runtime's own CheckpointState trained two steps, then saved by
       ortckpt's save_checkpoint, by a manager (sync and async) and by ONNX Runtime, same moment
   live_api ARTIFACTS OUT  what ortckpt's state shows and takes while a Module trains it
+  nominal ARTIFACTS OUT CLASS  ONNX Runtime's on-device flow: a nominal checkpoint, a Module, its
+      parameters copied in from a buffer (copy_buffer_to_parameters), saved, trained, saved
+  refused_types  handing a Module a state of a type ONNX Runtime's loader refuses
+  off_cpu ARTIFACTS  setting a parameter whose ONNX Runtime buffer is not on the CPU
+  bind_forever  binds states (and saves them in full) until killed; prints "ready" first
+  bind_once  binds a state once; what the temporary directory holds of ortckpt's then
+  leaks ARTIFACTS OUT  file descriptors and temporary entries after many bindings and saves
+  async_while_training ARTIFACTS OUT  async manager saves (with and without the optimizer state),
+      training on at once after each; ONNX Runtime's own save at each save() beside them
+  hostile_tmpdir OUT  a bind and a full save while someone else who may write TMPDIR swaps the
+      memory checkpoint directories
 """
 
 from __future__ import annotations
@@ -180,9 +191,216 @@ def live_api(artifacts: str, out: str) -> dict:
     return report
 
 
+def nominal(artifacts: str, out: str, cls: str) -> dict:
+    from ortckpt.convert.files import to_nominal
+
+    to_nominal(os.path.join(artifacts, "checkpoint"), os.path.join(out, "nominal"))
+    full = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    buffer = _session(artifacts, full)[0].get_contiguous_parameters(False)  # (the values, as an app holds them)
+    state_class = ortckpt.CheckpointState if cls == "ortckpt" else ort_api.CheckpointState
+    state = state_class.load_checkpoint(os.path.join(out, "nominal"))
+    report: dict = {}
+    model, optimizer = _session(artifacts, state)
+    if cls == "ortckpt":
+        report["nominal_in_module"] = state.is_nominal
+        try:
+            state.parameters["0.weight"]
+            report["read_nominal"] = "accepted"
+        except ortckpt.CheckpointError as e:
+            report["read_nominal"] = str(e)
+    model.copy_buffer_to_parameters(buffer, False)
+    if cls == "ortckpt":
+        report["nominal_after_copy"] = state.is_nominal
+        report["records"] = [list(r) for r in state.tensor_records()]
+    report["weight_equal"] = _sha(state.parameters["0.weight"].data) == _sha(full.parameters["0.weight"].data)
+    ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "copied_params.ckpt"))
+    with ortckpt.CheckpointManager(os.path.join(out, "run")) as manager:
+        manager.save(state, 1, include_optimizer_state=False)
+    _train_step(model, optimizer, 0)
+    ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "trained.ckpt"), include_optimizer_state=True)
+    ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "trained_params.ckpt"))
+    return report
+
+
+def refused_types() -> dict:
+    import ml_dtypes
+
+    report = {}
+    for name, values in (
+        ("float16", np.ones((2, 2), np.float16)),
+        ("bfloat16", np.ones((2, 2), ml_dtypes.bfloat16)),
+        ("int4", np.ones((2, 2), ml_dtypes.int4)),
+        ("string", np.array(["a", "b"], dtype=object)),
+    ):
+        state = ortckpt.CheckpointState.from_arrays({"fine": np.ones(2, np.float32)}, {f"{name}_weight": values})
+        try:
+            assert state._state is not None  # (ONNX Runtime loads it)
+            report[name] = "bound"
+        except Exception as e:  # (any: the test checks which)
+            report[name] = [type(e).__name__, str(e), state.is_nominal, repr(state)]
+    return report
+
+
+class _OffCpuData:
+    """An ORT state's parameter as a GPU build shows it: numpy() a writable copy."""
+
+    def __init__(self, data: object) -> None:
+        self._data = data
+
+    def device_name(self) -> str:
+        return "Cuda"
+
+    def numpy(self) -> np.ndarray:
+        return self._data.numpy().copy()
+
+
+class _OffCpuParameter:
+    def __init__(self, parameter: object) -> None:
+        self.data = _OffCpuData(parameter.data)
+        self.requires_grad = parameter.requires_grad
+
+
+class _OffCpuState:
+    def __init__(self, ort_state: object) -> None:
+        self._ort_state = ort_state
+
+    def get_parameter(self, name: str) -> _OffCpuParameter:
+        return _OffCpuParameter(self._ort_state.get_parameter(name))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._ort_state, name)
+
+
+def off_cpu(artifacts: str) -> dict:
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    _model = _session(artifacts, state)  # (ONNX Runtime's copy_parameter_from needs a Module's: else it crashes)
+    inner = state._state
+    tensor = ortckpt.checkpoint_state.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
+    tensor.assign(np.full((16, 8), 3, np.float32))
+    return {"reached_ort": bool((inner.get_parameter("0.weight").data.numpy() == 3).all())}
+
+
+def _ortckpt_temporaries() -> list[str]:
+    import tempfile
+
+    return sorted(e for e in os.listdir(tempfile.gettempdir()) if e.startswith("ortckpt-"))
+
+
+def bind_forever() -> dict:
+    values = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(16)}
+    print("ready", flush=True)
+    while True:
+        state = ortckpt.CheckpointState.from_arrays(values)
+        assert state._state is not None
+        state.to_bytes(include_optimizer_state=True)  # (ONNX Runtime saves into memory)
+
+
+def bind_once() -> dict:
+    assert ortckpt.CheckpointState.from_arrays({"w": np.ones((2, 2), np.float32)})._state is not None
+    return {"temporaries": _ortckpt_temporaries()}
+
+
+def leaks(artifacts: str, out: str) -> dict:
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def cycle() -> None:
+        state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+        model, optimizer = _session(artifacts, state)
+        _train_step(model, optimizer, 0)
+        ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, "a.ckpt"), include_optimizer_state=True)
+        ort_api.CheckpointState.save_checkpoint(state, os.path.join(out, "b.ckpt"), include_optimizer_state=True)
+        assert state.optimizer_groups
+        with ortckpt.CheckpointManager(os.path.join(out, "run"), async_save=True, max_to_keep=1) as manager:
+            manager.save(state, (manager.latest_step() or 0) + 1)
+        ortckpt.save_checkpoint(ortckpt.checkpoint_state.adopt(state._state), os.path.join(out, "c.ckpt"))
+
+    cycle()  # (what stays open for good: ONNX Runtime's and the manager's first use)
+    before = fds()
+    for _ in range(20):
+        cycle()
+    return {"fds_before": before, "fds_after": fds(), "temporaries": _ortckpt_temporaries()}
+
+
+def async_while_training(artifacts: str, out: str) -> dict:
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    for include in (True, False):
+        name = "full" if include else "params"
+        with ortckpt.CheckpointManager(os.path.join(out, name), async_save=True) as manager:
+            for step in range(1, 4):
+                _train_step(model, optimizer, step)
+                C.save_checkpoint(state._state, os.path.join(out, f"{name}_ort_{step}.ckpt"), include)
+                manager.save(state, step, include_optimizer_state=include)
+                _train_step(model, optimizer, 100 + step)  # (while the save writes)
+    return {"saved": out}
+
+
+def hostile_tmpdir(out: str) -> dict:
+    """Someone else who may write TMPDIR (no sticky bit) renames each memory checkpoint directory
+    away just before ONNX Runtime uses it and puts one of theirs in its place, whose ``checkpoint``
+    is a symlink to a file of ours (which ONNX Runtime's save would overwrite) or to a checkpoint
+    of theirs (which its load would hand the Module)."""
+    import tempfile
+
+    victim = os.path.join(out, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("precious\n")
+    theirs = os.path.join(out, "theirs.ckpt")
+    ortckpt.save_checkpoint(ortckpt.CheckpointState.from_arrays({"w": np.full((2, 2), 666, np.float32)}), theirs)
+    api = ortckpt.live._training_api()
+    planted: set[str] = set()
+
+    def swap(target: str) -> None:
+        root = tempfile.gettempdir()
+        [name] = [e for e in os.listdir(root) if e.startswith("ortckpt-scratch-") and e not in planted]
+        os.rename(os.path.join(root, name), os.path.join(out, "moved-" + name))
+        os.mkdir(os.path.join(root, name))
+        os.symlink(target, os.path.join(root, name, "checkpoint"))
+        planted.add(name)
+
+    class Attacker:
+        def __getattr__(self, name: str) -> object:
+            return getattr(api, name)
+
+        def load_checkpoint(self, path: str) -> object:
+            swap(theirs)
+            return api.load_checkpoint(path)
+
+        def save_checkpoint(self, state: object, path: str, include: bool) -> None:
+            swap(victim)
+            api.save_checkpoint(state, path, include)
+
+    ortckpt.live._training_api = Attacker
+    state = ortckpt.CheckpointState.from_arrays({"w": np.ones((2, 2), np.float32)})
+    inner = state._state
+    ortckpt.save_checkpoint(state, os.path.join(out, "saved.ckpt"), include_optimizer_state=True)
+    with open(victim, "rb") as f:
+        victim_text = f.read().decode("utf-8", "replace")
+    return {
+        "swaps": len(planted),
+        "bound": inner.get_parameter("w").data.numpy().tolist(),
+        "saved": ortckpt.load_checkpoint(os.path.join(out, "saved.ckpt")).parameters["w"].data.tolist(),
+        "victim": victim_text,
+    }
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
-    result = {"manager_run": manager_run, "own_state": own_state, "live_api": live_api}[command](*args)
+    commands = {
+        "manager_run": manager_run,
+        "own_state": own_state,
+        "live_api": live_api,
+        "nominal": nominal,
+        "refused_types": refused_types,
+        "off_cpu": off_cpu,
+        "bind_forever": bind_forever,
+        "bind_once": bind_once,
+        "leaks": leaks,
+        "async_while_training": async_while_training,
+        "hostile_tmpdir": hostile_tmpdir,
+    }
+    result = commands[command](*args)
     print(json.dumps(result))
 
 

@@ -39,13 +39,16 @@ def loop_environment() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(HERE / "torch_stub"), PYTHONWARNINGS="ignore")
 
 
-def run_loop(python: str, script: Path | str, *args: object, timeout: float = 300) -> dict:
+def run_loop(python: str, script: Path | str, *args: object, timeout: float = 300, tmpdir: Path | None = None) -> dict:
+    environment = loop_environment()
+    if tmpdir is not None:
+        environment["TMPDIR"] = str(tmpdir)
     done = subprocess.run(
         [python, str(script), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=loop_environment(),
+        env=environment,
         check=False,
     )
     assert done.returncode == 0, f"{script} {args} failed:\n{done.stderr[-4000:]}"
@@ -123,8 +126,9 @@ def test_what_the_state_shows_and_takes_while_a_module_trains_it(ort_loop_python
     assert report["groups_equal_ort"] == {"group0": {"step": True, "lr": True, "moments": True}}
     assert report["step"] == 2
     assert "is its Optimizer's" in report["set_groups"]
-    assert [r[0] for r in report["records"]] == ["0.bias", "0.weight", "2.bias", "2.weight"]
-    assert [r[3] for r in report["records"]] == [True, True, False, True]
+    # In the state's own order (the file's), as before ONNX Runtime had it.
+    assert [r[0] for r in report["records"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [r[3] for r in report["records"]] == [True, True, True, False]
     assert report["to_bytes_loads"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert report["external_bound"]
 
@@ -221,6 +225,110 @@ def test_a_sigkilled_run_resumes_through_restore_to_the_uninterrupted_runs_state
         name = f"run/step_{step:08d}/checkpoint"
         assert_same_checkpoint(killed / name, reference / name)
     print(f"{kills} kills, then a run to the end", file=sys.stderr)
+
+
+def test_a_nominal_checkpoint_goes_through_a_module_as_onnx_runtimes_on_device_flow_does(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """A nominal checkpoint (names and types only) handed to a Module, its values copied in with
+    ``Module.copy_buffer_to_parameters``, saved, trained, saved: as with ONNX Runtime's class."""
+    reports = {}
+    for kind in ("ortckpt", "onnxruntime"):
+        (tmp_path / kind).mkdir()
+        reports[kind] = run_loop(ort_loop_python, HERE / "ort_loop.py", "nominal", ARTIFACTS, tmp_path / kind, kind)
+        assert reports[kind]["weight_equal"]
+    report = reports["ortckpt"]
+    assert report["nominal_in_module"] and not report["nominal_after_copy"]
+    assert report["read_nominal"] == (
+        "Cannot get parameter 0.weight from a nominal state. Please load the parameter states first."
+    )
+    # The shapes are ONNX Runtime's once it has the values (the nominal file holds none).
+    assert report["records"] == [
+        ["0.weight", 1, [16, 8], True],
+        ["0.bias", 1, [16], True],
+        ["2.weight", 1, [4, 16], True],
+        ["2.bias", 1, [4], False],
+    ]
+    ours, theirs = tmp_path / "ortckpt", tmp_path / "onnxruntime"
+    assert_same_checkpoint(ours / "copied_params.ckpt", ARTIFACTS / "checkpoint", optimizer=False)
+    assert_same_checkpoint(
+        ours / "run/step_00000001/checkpoint", ARTIFACTS / "checkpoint", optimizer=False, properties_but=("step",)
+    )
+    for name, optimizer in (("copied_params.ckpt", False), ("trained.ckpt", True), ("trained_params.ckpt", False)):
+        assert_same_checkpoint(ours / name, theirs / name, optimizer=optimizer)
+
+
+def test_a_type_onnx_runtimes_loader_refuses_is_named_and_the_state_stays_as_it_was(ort_loop_python: str) -> None:
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "refused_types")
+    for name, onnx_type in (("float16", "FLOAT16"), ("bfloat16", "BFLOAT16"), ("int4", "INT4"), ("string", "STRING")):
+        kind, message, nominal, shown = report[name]
+        assert kind == "UnsupportedDataTypeError"
+        assert message.startswith(f"tensor {name}_weight: ONNX Runtime's Module cannot take {onnx_type} tensors")
+        assert not nominal and shown == "CheckpointState(parameters=2, properties=0, optimizer_groups=[])"
+
+
+def test_setting_a_parameter_whose_buffer_is_off_the_cpu_reaches_onnx_runtime(ort_loop_python: str) -> None:
+    # (numpy() of a GPU buffer is a writable copy: copying into it would change nothing)
+    assert run_loop(ort_loop_python, HERE / "ort_loop.py", "off_cpu", ARTIFACTS) == {"reached_ort": True}
+
+
+def test_what_a_process_killed_while_binding_or_saving_leaves_is_removed_by_the_next(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """A SIGKILL while ONNX Runtime reads or writes its memory checkpoint leaves that directory
+    (symlinks to memfds gone with the process) in TMPDIR: the next process to bind removes it."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    environment = dict(loop_environment(), TMPDIR=str(tmpdir))
+    rng = random.Random(31)
+    left: list[str] = []
+    for _kill in range(20):  # (until a kill lands inside a bind or a save: most of the loop's time)
+        child = subprocess.Popen(
+            [ort_loop_python, str(HERE / "ort_loop.py"), "bind_forever"],
+            stdout=subprocess.PIPE,
+            env=environment,
+        )
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        time.sleep(rng.uniform(0.3, 1.0))
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+        child.stdout.close()
+        left = [p.name for p in tmpdir.iterdir()]
+        if left:
+            break
+    assert left and all(name.startswith("ortckpt-scratch-") for name in left), left
+    assert run_loop(ort_loop_python, HERE / "ort_loop.py", "bind_once", tmpdir=tmpdir) == {"temporaries": []}
+    assert list(tmpdir.iterdir()) == []
+
+
+def test_bindings_and_saves_leave_no_descriptor_or_temporary_behind(ort_loop_python: str, tmp_path: Path) -> None:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "leaks", ARTIFACTS, tmp_path, tmpdir=tmpdir)
+    assert report["fds_after"] == report["fds_before"]
+    assert report["temporaries"] == []
+
+
+def test_async_manager_saves_while_the_module_trains_on_hold_the_state_of_each_save_call(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    run_loop(ort_loop_python, HERE / "ort_loop.py", "async_while_training", ARTIFACTS, tmp_path)
+    for name, optimizer in (("full", True), ("params", False)):
+        for step in (1, 2, 3):
+            saved = tmp_path / name / f"step_{step:08d}" / "checkpoint"
+            reference = tmp_path / f"{name}_ort_{step}.ckpt"
+            assert_same_checkpoint(saved, reference, optimizer=optimizer, properties_but=("step",))
+
+
+def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothing(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """ONNX Runtime opens the memory checkpoint through the directory's descriptor: the swapped-in
+    directory's symlinks (to a file of ours, to a checkpoint of theirs) are never followed."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "hostile_tmpdir", tmp_path, tmpdir=tmpdir)
+    assert report == {"swaps": 2, "bound": [[1, 1], [1, 1]], "saved": [[1, 1], [1, 1]], "victim": "precious\n"}
 
 
 README = HERE.parents[1] / "README.md"

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, arguments, live, safe_io, steps, targets
-from ..checkpoint_state import CheckpointState
+from .. import _boundary, arguments, safe_io, steps, targets
+from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -526,7 +526,7 @@ class CheckpointManager:
         """Checks a save's arguments and takes the snapshot to write (a copy, for an async
         save), all in the caller's thread: (step, metadata without its files, snapshot)."""
         self._check_writable("save")
-        state = live.adopt(state)  # (ONNX Runtime's own state, the one its Module trains, saves as well)
+        state = adopt(state)  # (ONNX Runtime's own state, the one its Module trains, saves as well)
         if not isinstance(state, CheckpointState):
             raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
         step = as_step(step)
