@@ -15,11 +15,14 @@ per round: above 1, faster):
     ``CheckpointState.save_checkpoint(state, path, True)`` (it builds the file in memory, then
     writes it in place) against ortckpt's (ONNX Runtime saves into a memfd, ortckpt's writer
     writes the file atomically); neither fsyncs;
-  - ONNX Runtime's serialisation alone (its save into a memfd), for the record;
+  - ONNX Runtime's serialisation into a memfd, and alone (its save to /dev/null: building the file
+    in memory, the floor of any full save through its public API), for the record;
   - a params-only save: ONNX Runtime's against ortckpt's (from the live views, no copy);
   - an async ``CheckpointManager.save(state, step)``: the time the trainer is blocked (the save
-    then completes in the background, waited for outside the timing), against ONNX Runtime's full save;
-  - the peak memory each full save adds (VmHWM over the resident memory before it).
+    then completes in the background, waited for outside the timing), against ONNX Runtime's full save.
+
+The memory each save takes: ``benches/ort_loop_memory.py`` (sampled from another process: ONNX
+Runtime's saver holds the GIL, and a memfd's pages are not in VmHWM).
 """
 
 from __future__ import annotations
@@ -92,21 +95,6 @@ def artifacts_for(directory: Path, layers: int, features: int) -> None:
         onnx.save(generated, str(path))
 
 
-def vm_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def peak_added_mib(save) -> float:
-    """The peak resident memory ``save()`` adds (VmHWM reset first: /proc/self/clear_refs)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    before = vm_kib("VmRSS")
-    save()
-    return (vm_kib("VmHWM") - before) / 1024
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -164,6 +152,9 @@ def main() -> None:
                 ortckpt.CheckpointState.save_checkpoint(state, out / "ortckpt.ckpt", include_optimizer_state=True)
             ),
             "ONNX Runtime save into a memfd (its serialisation)": memfd_save,
+            "ONNX Runtime save to /dev/null (building the file alone: the floor)": lambda: C.save_checkpoint(
+                inner, os.devnull, True
+            ),
             ort_params: lambda: C.save_checkpoint(inner, str(out / "ort_params.ckpt"), False),
             "ortckpt save_checkpoint(state, path) (params only)": lambda: ortckpt.CheckpointState.save_checkpoint(
                 state, out / "ortckpt_params.ckpt"
@@ -171,12 +162,6 @@ def main() -> None:
             "CheckpointManager(async_save=True).save(state, step): time blocked": manager_async,
         }
         times = time_rounds(contenders, args.rounds, "ort_loop")
-        memory = {
-            "ONNX Runtime full save": peak_added_mib(contenders[ort_full]),
-            "ortckpt full save": peak_added_mib(
-                contenders["ortckpt save_checkpoint(state, path, include_optimizer_state=True)"]
-            ),
-        }
         manager.close()
 
         lines = [
@@ -199,11 +184,7 @@ def main() -> None:
             "",
             f"Async manager save: the trainer is blocked {statistics.median(blocked):.2f}x ONNX Runtime's full "
             "save time (median of per-round ratios).",
-            "",
-            "| peak memory a full save adds | MiB | x the checkpoint |",
-            "|---|---:|---:|",
         ]
-        lines += [f"| {name} | {mib:.0f} | {mib * MiB / total:.2f} |" for name, mib in memory.items()]
         report(lines, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
