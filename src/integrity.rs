@@ -490,3 +490,52 @@ pub fn reseal(staged: &mut io::Staged, filled: Option<&[Filled]>) -> Result<()> 
         .write_all_at(&bytes, block.start as u64)
         .map_err(|e| in_file(e.into()))
 }
+
+/// Appends the checksum block and pair trailer to a staged checkpoint that another writer wrote
+/// whole into the staged temporary (ONNX Runtime's own saver, given the temporary's descriptor):
+/// every value and the metadata are summed from the file as written, as [`reseal`] sums them.
+/// The file then reads as one ortckpt wrote, and commits as any staged save.
+///
+/// # Errors
+/// OS errors; a staged file that is no checkpoint, already has a block, or has external data
+/// (or a staged data file: the writer wrote one file).
+pub fn seal_written(staged: &mut io::Staged) -> Result<()> {
+    let main_path = staged.main().temp().to_path_buf();
+    let in_file = |e: Error| e.in_file(&main_path);
+    if staged.data().is_some() {
+        return Err(in_file(Error::invalid_state(
+            "seal: the staged checkpoint has a data file",
+        )));
+    }
+    let (map, _, _) = io::map_private(&main_path, false, 8, |len| {
+        Error::malformed(format!(
+            "file is too short to be a checkpoint ({len} bytes)"
+        ))
+    })?;
+    let ckpt = crate::format::decode(&map).map_err(in_file)?;
+    if checksums::find(&map, map.len() as u64)
+        .map_err(|why| in_file(Error::integrity(why)))?
+        .is_some()
+    {
+        return Err(in_file(Error::invalid_state(
+            "seal: the staged checkpoint has a checksum block already",
+        )));
+    }
+    // The block goes at the end: everything before it is the file as written.
+    let block = Block {
+        tensors: vec![0; ckpt.tensors().count()],
+        metadata: 0,
+        root: 0,
+        start: map.len(),
+    };
+    let sums = tensor_sums(&map, None, &ckpt, &block, |_, _| None).map_err(in_file)?;
+    let metadata = metadata_sum(&map, &ckpt, &block).map_err(in_file)?;
+    let id = checksums::content_id(&sums, metadata);
+    let mut bytes = checksums::block(&sums, metadata, &id);
+    bytes.extend_from_slice(&pairing::trailer(&id));
+    staged
+        .main()
+        .file()
+        .write_all_at(&bytes, block.start as u64)
+        .map_err(|e| in_file(e.into()))
+}

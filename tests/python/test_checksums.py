@@ -344,3 +344,53 @@ def test_reseal_refuses_a_place_no_tensor_holds(tmp_path, filled):
             staging.reseal([(False, offset, None), (False, offset, 1)])
     finally:
         staging.discard()
+
+
+GOLDEN_ORT = Path(__file__).resolve().parents[1] / "data" / "ort-vectors" / "trained_with_optimizer.ckpt"
+
+
+def _written_by_another(path: Path, data: bytes) -> _boundary.Staging:
+    """A staged save of ``path`` whose temporary another writer filled (as ONNX Runtime's saver
+    does, given the temporary's descriptor)."""
+    staging = _boundary.stage(path)
+    with open(f"/proc/self/fd/{staging.fileno()}", "r+b") as out:
+        out.truncate(0)
+        out.write(data)
+    return staging
+
+
+def test_a_file_onnx_runtime_wrote_into_a_staged_save_is_sealed_with_checksums(tmp_path: Path) -> None:
+    target = tmp_path / "sealed.ckpt"
+    staging = _written_by_another(target, GOLDEN_ORT.read_bytes())
+    staging.seal()
+    staging.commit()
+    assert target.read_bytes().startswith(GOLDEN_ORT.read_bytes())  # ONNX Runtime's bytes, then the block
+    checked = verify(target)
+    assert checked.checksums
+    ours, theirs = CheckpointState.load_checkpoint(target), CheckpointState.load_checkpoint(GOLDEN_ORT)
+    for (name, p), (other, q) in zip(ours.parameters, theirs.parameters, strict=True):
+        assert name == other and p.data.tobytes() == q.data.tobytes()
+    assert dict(ours.properties) == dict(theirs.properties)
+    # A flipped bit in a value of the sealed file is caught, naming the tensor.
+    data = bytearray(target.read_bytes())
+    offset, nbytes, _external = CheckpointState.load_checkpoint(target)._tensors["0.weight"][3]
+    data[offset + nbytes // 2] ^= 1
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=r"0\.weight"):
+        verify(target)
+
+
+def test_sealing_refuses_a_file_that_has_a_block_or_is_no_checkpoint(tmp_path: Path) -> None:
+    ours = tmp_path / "ours.ckpt"
+    CheckpointState.from_arrays({"w": np.ones(4, np.float32)}).save_checkpoint(
+        CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), ours
+    )
+    staging = _written_by_another(tmp_path / "again.ckpt", ours.read_bytes())
+    with pytest.raises(ortckpt.CheckpointStateError, match="checksum block already"):
+        staging.seal()
+    staging.discard()
+    staging = _written_by_another(tmp_path / "junk.ckpt", b"\x00" * 64)
+    with pytest.raises(ortckpt.CheckpointError):
+        staging.seal()
+    staging.discard()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.ckpt"]
