@@ -561,22 +561,6 @@ class CheckpointState:
         groups = self._groups_to_core() if include_optimizer_state else []
         return _boundary.CoreState(trainable, frozen, groups, self._properties, nominal)
 
-    def _whole_by_ort(self, external_data_threshold: int) -> bool:
-        """Whether a full save of this state is best left to ONNX Runtime's own saver (then sealed
-        and committed by ortckpt): a state ONNX Runtime trains, whose values (the moments at most
-        twice the trainable ones, as AdamW's) stay in one file for both."""
-        from . import live
-
-        if self._ort is None or self.is_nominal or not hasattr(os, "memfd_create"):  # (Linux: /proc/self/fd)
-            return False
-        try:
-            records = self.tensor_records()
-            sizes = [(math.prod(r.dims) * _dt.numpy_dtype(r.code).itemsize, r.requires_grad) for r in records]
-        except (CheckpointError, TypeError, ValueError):  # (a type without a fixed size: the usual path)
-            return False
-        values = sum(size * (3 if trained else 1) for size, trained in sizes)
-        return values < min(external_data_threshold, live.ORT_EXTERNAL_DATA_THRESHOLD)
-
     @property
     def format_version(self) -> int:
         """The format version of the file this state was loaded from: 2, or 1 for a file of
@@ -650,15 +634,6 @@ class CheckpointState:
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
         targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bare bucket URL is refused as one)
-        if (
-            include_optimizer_state
-            and isinstance(target, targets.LocalFile)
-            and state._whole_by_ort(external_data_threshold)
-        ):
-            from . import live
-
-            live.save_written_by_ort(state._ort, target.path, durable=durable, lock_timeout=lock_timeout)
-            return
         try:
             core = state.core_state(include_optimizer_state)
         except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)

@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import _boundary, safe_io
 from . import dtypes as _dt
+from . import safe_io
 from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
 from .errors import CheckpointStateError, UnsupportedDataTypeError
 
@@ -105,27 +105,6 @@ def saved_by_ort(ort_state: Any, include_optimizer_state: bool) -> Iterator[str]
     with _memory_checkpoint() as files:
         C.save_checkpoint(ort_state, files.path, include_optimizer_state)
         yield files.path
-
-
-# ONNX Runtime's saver puts values in `<checkpoint>.data` past this many bytes (its kExternalDataThreshold).
-ORT_EXTERNAL_DATA_THRESHOLD = 1800 * 2**20
-
-
-def save_written_by_ort(ort_state: Any, path: Any, *, durable: bool, lock_timeout: float | None) -> None:
-    """Saves ``ort_state`` whole (optimizer state included) to ``path`` as ortckpt saves: ONNX
-    Runtime's own saver writes the checkpoint into a staged temporary of ``path`` (by its
-    descriptor, so no name is followed), then ortckpt appends its checksum block and pair trailer
-    and commits it as any save. One copy in memory: ONNX Runtime's own serialisation. For a state
-    ONNX Runtime writes in one file (under its 1800 MiB threshold)."""
-    C = _training_api()
-    staging = _boundary.stage(path)
-    try:
-        C.save_checkpoint(ort_state, f"/proc/self/fd/{staging.fileno()}", True)
-        staging.seal()
-        staging.commit(durable=durable, lock_timeout=lock_timeout)
-    except BaseException:
-        staging.discard()
-        raise
 
 
 def _training_api() -> Any:

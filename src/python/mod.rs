@@ -472,17 +472,6 @@ impl Staging {
         })
     }
 
-    /// Appends the checksum block and pair trailer to a staged checkpoint another writer wrote
-    /// whole into the staged temporary (ONNX Runtime's saver, by the temporary's descriptor).
-    fn seal(&self, py: Python<'_>) -> PyResult<()> {
-        guarded(py, || {
-            self.with(py, |staged| {
-                py.detach(|| crate::seal_written(staged))
-                    .map_err(|e| to_py_err(py, e))
-            })
-        })
-    }
-
     /// Removes the staged files; the target stays as it was.
     fn discard(&self) {
         let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();

@@ -374,10 +374,7 @@ def hostile_tmpdir(out: str) -> dict:
     ortckpt.live._training_api = Attacker
     state = ortckpt.CheckpointState.from_arrays({"w": np.ones((2, 2), np.float32)})
     inner = state._state
-    # A copy taken through a memory checkpoint (a full save to a path has ONNX Runtime write the
-    # staged temporary itself, by its descriptor: no directory there to swap).
-    with open(os.path.join(out, "saved.ckpt"), "wb") as f:
-        f.write(state.to_bytes(include_optimizer_state=True))
+    ortckpt.save_checkpoint(state, os.path.join(out, "saved.ckpt"), include_optimizer_state=True)
     with open(victim, "rb") as f:
         victim_text = f.read().decode("utf-8", "replace")
     return {
