@@ -33,7 +33,7 @@ with atheris.instrument_imports():
     from ortckpt.compression import decompress_to_memory, is_compressed, load_compressed
     from ortckpt.convert import load_safetensors
     from ortckpt.distributed import INDEX_NAME, SingleProcess, load_sharded, merge
-    from ortckpt.errors import CheckpointError
+    from ortckpt.errors import CheckpointError, CheckpointIntegrityError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import contextlib
@@ -84,7 +84,10 @@ def fuzz_metadata(data: bytes) -> None:
     reader = CheckpointManager(FIXTURE, read_only=True, keep_best=("loss", "min", 1))
     for info in reader.all():
         _ = (info.metrics, info.epoch, info.rng_state)
-        read_state(reader.restore(info.step))
+        # A step whose metadata records another checkpoint than the one there (its size or
+        # checksum root) is listed, and refused at restore, naming the file (issue 30).
+        with contextlib.suppress(CheckpointIntegrityError):
+            read_state(reader.restore(info.step))
     reader.best()
     with contextlib.suppress(CheckpointError, OSError):
         ortckpt.verify(step_dir)
