@@ -95,6 +95,26 @@ def artifacts_for(directory: Path, layers: int, features: int) -> None:
         onnx.save(generated, str(path))
 
 
+def trained_state(work: Path, layers: int, features: int) -> tuple[object, object, object]:
+    """(ortckpt's state, Module, Optimizer) on fresh artifacts in ``work``, one training step
+    taken (so every moment is set); the state is then the one ONNX Runtime trains."""
+    import ortckpt
+
+    art = work / "artifacts"
+    art.mkdir()
+    artifacts_for(art, layers, features)  # (first: it imports onnxruntime.training without torch)
+    from onnxruntime.training.api import Module, Optimizer
+
+    state = ortckpt.CheckpointState.load_checkpoint(art / "checkpoint")
+    model = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
+    optimizer = Optimizer(str(art / "optimizer_model.onnx"), model)
+    rng = np.random.default_rng(0)
+    model(*(rng.standard_normal((2, features)).astype(np.float32) for _ in range(2)))
+    optimizer.step()
+    model.lazy_reset_grad()
+    return state, model, optimizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -109,18 +129,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="ortckpt-ort-loop-", dir=args.dir))
     try:
-        art = work / "artifacts"
-        art.mkdir()
-        artifacts_for(art, args.layers, args.features)
-        from onnxruntime.training.api import Module, Optimizer
-
-        state = ortckpt.CheckpointState.load_checkpoint(art / "checkpoint")
-        model = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
-        optimizer = Optimizer(str(art / "optimizer_model.onnx"), model)
-        rng = np.random.default_rng(0)
-        model(*(rng.standard_normal((2, args.features)).astype(np.float32) for _ in range(2)))
-        optimizer.step()
-        model.lazy_reset_grad()
+        state, _model, _optimizer = trained_state(work, args.layers, args.features)  # (kept alive: they train it)
         inner = state._state  # ONNX Runtime's own state: the one its Module trains
         params = sum(p.data.nbytes for _, p in state.parameters)
         total = 3 * params  # (AdamW: two moments per parameter)

@@ -26,13 +26,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 warnings.filterwarnings("ignore")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from measure import report  # noqa: E402
-from ort_loop_bench import artifacts_for  # noqa: E402
+from ort_loop_bench import trained_state  # noqa: E402
 
 MiB = 2**20
 
@@ -111,18 +109,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ortckpt-bench-memory-"))
     sampler = PeakSampler(work)
     try:
-        art = work / "artifacts"
-        art.mkdir()
-        artifacts_for(art, args.layers, args.features)
-        from onnxruntime.training.api import Module, Optimizer
-
-        state = ortckpt.CheckpointState.load_checkpoint(art / "checkpoint")
-        model = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
-        optimizer = Optimizer(str(art / "optimizer_model.onnx"), model)
-        rng = np.random.default_rng(0)
-        model(*(rng.standard_normal((2, args.features)).astype(np.float32) for _ in range(2)))
-        optimizer.step()
-        model.lazy_reset_grad()
+        state, _model, _optimizer = trained_state(work, args.layers, args.features)  # (kept alive: they train it)
         inner = state._state
         total = 3 * sum(p.data.nbytes for _, p in state.parameters)  # (AdamW: two moments per parameter)
         out = work / "saves"

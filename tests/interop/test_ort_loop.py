@@ -353,27 +353,24 @@ def test_the_readmes_training_loop_example_runs_and_resumes(ort_loop_python: str
     )
     script = tmp_path / "train.py"
     script.write_text(data + loop + "print(sorted(manager.all_steps()), manager.latest_step())\n")
-    first = subprocess.run(
-        [ort_loop_python, str(script)],
-        cwd=tmp_path,
-        env=loop_environment(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [ort_loop_python, str(script)],
+            cwd=tmp_path,
+            env=loop_environment(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    first = run()
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.splitlines()[-1] == "[800, 900, 1000] 1000"
     final = CheckpointState.load_checkpoint(tmp_path / "final.ckpt")
     assert final.optimizer_groups["group0"].step == 1000 and verify(tmp_path / "final.ckpt").checksums
     # Run again: it restores step 1000 and has nothing left to train.
-    again = subprocess.run(
-        [ort_loop_python, str(script)],
-        cwd=tmp_path,
-        env=loop_environment(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    again = run()
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.splitlines()[-1] == "[800, 900, 1000] 1000"
     assert_same_checkpoint(tmp_path / "final.ckpt", tmp_path / "runs/mlp/step_00001000/checkpoint")
