@@ -51,6 +51,10 @@ _LAZY = {
     "capture_rng_state": ".manager",
     "restore_rng_state": ".manager",
     "upgrade": ".versions",
+    "TensorChange": ".statistics",
+    "TensorStats": ".statistics",
+    "tensor_changes": ".statistics",
+    "tensor_stats": ".statistics",
     "export_model": ".convert.onnx_model",
     "inference_model": ".convert.onnx_model",
 }
@@ -68,6 +72,7 @@ if TYPE_CHECKING:
         restore_rng_state,
         verify,
     )
+    from .statistics import TensorChange, TensorStats, tensor_changes, tensor_stats
     from .versions import upgrade
 
 
@@ -126,6 +131,8 @@ __all__ = [
     "Properties",
     "RetentionPolicy",
     "SpecialFileError",
+    "TensorChange",
+    "TensorStats",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",
     "ValidationTimeoutError",
@@ -142,6 +149,8 @@ __all__ = [
     "load_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
+    "tensor_changes",
+    "tensor_stats",
     "upgrade",
     "verify",
 ]
