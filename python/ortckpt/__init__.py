@@ -55,6 +55,8 @@ _LAZY = {
     "TensorStats": ".statistics",
     "tensor_changes": ".statistics",
     "tensor_stats": ".statistics",
+    "render_report": ".report",
+    "write_report": ".report",
     "export_model": ".convert.onnx_model",
     "inference_model": ".convert.onnx_model",
 }
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
         restore_rng_state,
         verify,
     )
+    from .report import render_report, write_report
     from .statistics import TensorChange, TensorStats, tensor_changes, tensor_stats
     from .versions import upgrade
 
@@ -147,10 +150,12 @@ __all__ = [
     "inference_model",
     "interpolate",
     "load_checkpoint",
+    "render_report",
     "restore_rng_state",
     "save_checkpoint",
     "tensor_changes",
     "tensor_stats",
     "upgrade",
     "verify",
+    "write_report",
 ]

@@ -8,6 +8,7 @@ folder, local or ``s3://``); every argument is checked before any work (bad usag
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -384,6 +385,65 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
             + (f" (rtol {rtol:g}, atol {atol:g})" if rtol or atol else "")
         )
     raise SystemExit(OK if result.identical else DIFFERENT)
+
+
+@main.command(epilog=EXIT_CODES, short_help="Write an HTML report: statistics, NaN/Inf, histograms, changes.")
+@click.argument("checkpoint", type=NAME)
+@click.option("--against", type=NAME, help="Another checkpoint: what changed from it, per tensor, largest first.")
+@click.option("-o", "--output", "out", type=NAME, required=True, help="The HTML file to write (replaced if it exists).")
+@click.option(
+    "--histograms",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="How many tensors (the largest; NaN/Inf ones first) get a histogram.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_fail_cleanly
+def report(checkpoint: str, against: str | None, out: str, histograms: int, as_json: bool) -> None:
+    """Write one self-contained HTML page about CHECKPOINT (no network needed to view it): files
+    and sizes, tensors by role and dtype, optimizer groups, properties, the tensors holding NaN
+    or Inf, every tensor's statistics and histograms; with --against, what changed per tensor.
+    CHECKPOINT and OTHER are checkpoints of any format, CheckpointManager step folders, or
+    s3:// checkpoints and steps."""
+    from ..convert.files import load_any
+    from ..report import write_report
+
+    _local(out, "--output")
+    names = [checkpoint] if against is None else [checkpoint, against]
+    with contextlib.ExitStack() as stack:
+        found = [stack.enter_context(sources.checkpoint(name)) for name in names]
+        states = [load_any(f.path) for f in found]
+        stats = write_report(
+            states[0],
+            out,
+            against=states[1] if against is not None else None,
+            histograms=histograms,
+            name=checkpoint,
+            against_name=against,
+            files=[_files_of(f, name) for f, name in zip(found, names, strict=True)],
+        )
+    flagged = sum(1 for s in stats.values() if s.flagged)
+    if as_json:
+        return _emit_json({"checkpoint": checkpoint, "against": against, "out": out, "flagged": flagged})
+    click.echo(f"{out}: report of {checkpoint}" + (f" against {against}" if against else "") + f" ({flagged} flagged)")
+
+
+def _files_of(found: sources.Resolved, given: str) -> dict[str, int | None]:
+    """The files the user named, with their sizes: a step's files as its document records them, a
+    local file's (and its .data) from the disk, an object's unknown."""
+    if found.step is not None:
+        return dict(found.step.files())
+    if targets.is_object_url(found.path):
+        return {given: None}
+    files: dict[str, int | None] = {}
+    for suffix in ("", ".data"):
+        try:
+            files[given + suffix] = os.stat(found.path + suffix).st_size
+        except FileNotFoundError:
+            if not suffix:
+                raise
+    return files
 
 
 @main.command(epilog=EXIT_CODES, short_help="Convert between checkpoint, safetensors, ONNX and torch files.")

@@ -125,6 +125,8 @@ TAG_STEP = "ortckpt.step"  # the newest step reported
 TAG_CHECKPOINT = "ortckpt.checkpoint"  # its step directory
 TAG_SHA256 = "ortckpt.sha256"  # its files' SHA-256s, a JSON object {file name: hex digest}
 
+REPORT_NAME = "report.html"  # a step's HTML report, beside its metadata.json in the run's artifacts
+
 # MLflow's own limits (mlflow.utils.validation): a longer param or tag is refused by the server,
 # a larger batch too.
 _MAX_PARAM_LENGTH = 6000
@@ -155,6 +157,12 @@ class MlflowTracker:
             With ``log_artifacts``, give it the time an upload takes if each save should wait
             for its upload (a step that retention deletes before its upload began is reported
             without its files).
+        report: Upload each step's HTML report (:func:`ortckpt.write_report`: statistics,
+            NaN/Inf, histograms, and what changed since the step reported before it, when that
+            one is still there) as ``checkpoints/step_N/report.html``. Reports are made on a
+            thread of their own once the step's metrics are logged: one takes about the time of
+            reading the checkpoint, and no save waits for it (close waits while they get on). A
+            report that cannot be made or uploaded is a warning, and not tried again.
 
     The MLflow run: the active run of ``mlflow.start_run()`` when there is one on this tracker's
     server (``tracking_uri`` None or the fluent API's); else the run
@@ -184,17 +192,23 @@ class MlflowTracker:
         run_name: str | None = None,
         log_artifacts: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
+        report: bool = False,
     ) -> None:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.run_name = run_name
         self.log_artifacts = log_artifacts
+        self.report = report
         self.timeout = arguments.seconds("timeout", timeout)
         self.mlflow_run_id: str | None = None  # known once started
         self._active_run_id: str | None = None  # the fluent API's active run, when the manager started
         self._run: TrackedRun | None = None
         self._client: Any = None
         self._unreported: dict[int, _Report] = {}  # committed, not yet reported
+        # HTML reports: made and uploaded in order on a lane of their own, each against the step before.
+        self._reports = Lane("ortckpt-mlflow-reports")
+        self._pending_reports: list[Future[Any]] = []
+        self._previous: CommittedCheckpoint | None = None
         # Requests the server has answered: one call (a start logging a config of thousands of
         # params, 100 a request) makes many, and close waits while they come (Tracker.answered).
         self.answered = 0
@@ -232,6 +246,9 @@ class MlflowTracker:
         self._report()
 
     def close(self) -> None:
+        for future in self._pending_reports:  # (each one done counts as answered: the manager waits while they come)
+            future.result()
+        self._pending_reports = []
         if self._run is not None and self._run.writer and self.mlflow_run_id is not None:
             self.client.set_terminated(self.mlflow_run_id, status="FINISHED")
 
@@ -411,6 +428,46 @@ class MlflowTracker:
                     f"(MLflow refused it; not sent again): {problem}"
                 )
             del self._unreported[step]
+            if self.report:
+                self._queue_report(checkpoint)
+
+    def _queue_report(self, checkpoint: CommittedCheckpoint) -> None:
+        previous, self._previous = self._previous, checkpoint
+        self._pending_reports = [f for f in self._pending_reports if not f.done()]
+        self._pending_reports.append(self._reports.submit(lambda: self._upload_report(checkpoint, previous)))
+
+    def _upload_report(self, checkpoint: CommittedCheckpoint, previous: CommittedCheckpoint | None) -> None:
+        """Makes the step's report (against ``previous`` if it still loads) and uploads it; any
+        failure is a warning: the report is a view of the step, whose files and metrics are
+        reported either way."""
+        from ..report import write_report
+
+        assert self.mlflow_run_id is not None
+        destination = f"checkpoints/{steps.step_directory_name(checkpoint.step)}"
+        try:
+            state = checkpoint.load()
+            against, sides = None, [checkpoint]
+            if previous is not None:
+                with contextlib.suppress(Exception):  # (deleted by retention meanwhile: a report of this step alone)
+                    against, sides = previous.load(), [checkpoint, previous]
+            with safe_io.scratch_directory() as scratch:
+                write_report(
+                    state,
+                    scratch / REPORT_NAME,
+                    against=against,
+                    name=str(checkpoint.directory),
+                    against_name=None if previous is None else str(previous.directory),
+                    files=[_files_of(side) for side in sides],
+                )
+                problem = refused(
+                    lambda: self.client.log_artifact(self.mlflow_run_id, str(scratch / REPORT_NAME), destination)
+                )
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+        finally:
+            self.answered += 1
+        if problem:
+            warn_of_work(f"{checkpoint.directory}: step {checkpoint.step}'s report is not uploaded: {problem}")
 
     def _upload(self, report: _Report) -> None:
         """The step's metadata.json (its files too, with log_artifacts). Refused by the server
@@ -473,6 +530,12 @@ class MlflowTracker:
             TAG_SHA256: digests,
             TAG_VERSION: __version__,
         }
+
+
+def _files_of(checkpoint: CommittedCheckpoint) -> dict[str, int | None]:
+    """A step's files as its metadata.json records them, named inside its directory."""
+    files = checkpoint.metadata.get("files", {})
+    return {f"{checkpoint.directory}/{name}": entry.get("bytes") for name, entry in sorted(files.items())}
 
 
 def flatten(config: Mapping[str, Any]) -> dict[str, str]:
