@@ -300,15 +300,18 @@ class _Page:
         rows = "".join(self._change_row(c, top) for c in changed)
         parts = [
             f"<section><h2>Changes from <code>{_e(self.other.name)}</code></h2>",
-            f"<p>{_count(len(changed))} of {_count(len(changes))} comparable tensors changed, largest first"
-            f" (L2 norm of the difference; relative: over the norm in <code>{_e(self.other.name)}</code>)"
-            + (f"; {_count(len(changes) - len(changed))} unchanged" if len(changes) > len(changed) else "")
-            + ".</p>",
+            (
+                f"<p>{_count(len(changed))} of {_count(len(changes))} tensors changed, largest first: the L2 norm "
+                f"of the difference, relative to the norm in <code>{_e(self.other.name)}</code>, and the largest "
+                "absolute difference, of the finite values (NaN/Inf changes first, counted apart).</p>"
+                if changed
+                else f"<p>No tensor changed ({_count(len(changes))} compared).</p>"
+            ),
         ]
         if changed:
             parts.append(
                 "<table class='grid' id='changes'><thead><tr><th>tensor</th><th>changed</th><th>L2 of change</th>"
-                "<th colspan='2'>relative</th><th>max |Δ|</th><th>NaN/Inf changed</th></tr></thead>"
+                "<th colspan='2'>relative</th><th>max |&Delta;|</th><th>NaN/Inf changed</th></tr></thead>"
                 f"<tbody>{rows}</tbody></table>"
             )
         for label, names in (
