@@ -46,7 +46,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
+.PHONY: chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -84,10 +84,21 @@ $(MLFLOW_VENV)/.ok: $(UV)
 	$(UV_INSTALL) $(MLFLOW_VENV)/bin/python "mlflow==3.17.2"
 	touch $@
 
+# The report's browser test (tests/python/test_report_browser.py) runs headless Chromium: found on
+# PATH (or ORTCKPT_CHROMIUM), else Debian's package installed when we are root with apt-get (~12 s).
+chromium:
+	@if [ -n "$$ORTCKPT_CHROMIUM" ] || command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	else \
+		echo "The report's browser test needs Chromium: apt-get install --no-install-recommends chromium" \
+			"(as root), or set ORTCKPT_CHROMIUM to a Chromium binary." >&2; exit 1; \
+	fi
+
 cargo-test: $(VENV)/.ok
 	cargo test --quiet
 
-pytest: build $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok ort-loop-venv
+pytest: build $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok ort-loop-venv chromium
 	$(PY) -m pytest -q tests/python tests/interop tests/distributed
 
 # ONNX Runtime's interpreter with onnxruntime-training and the wheel just built (made anew: the wheel changes).
@@ -151,7 +162,7 @@ WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxru
 # temporary files in memory (/dev/shm, where it has 8 GB free): on a shared disk, three suites'
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
-test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV)
+test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV) chromium
 	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist
 	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once
 

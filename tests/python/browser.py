@@ -11,11 +11,13 @@ Run as a script it saves a screenshot: ``python tests/python/browser.py page.htm
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -97,6 +99,7 @@ class Browser:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             pass_fds=(child_in, child_out),
+            start_new_session=True,  # its own process group: the renderers are killed with it
         )
         os.close(child_in)
         os.close(child_out)
@@ -128,7 +131,8 @@ class Browser:
         return self
 
     def __exit__(self, *_: Any) -> None:
-        self._process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
         try:
             self._process.wait(timeout=DEADLINE)
         finally:

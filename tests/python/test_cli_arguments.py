@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,11 @@ def every_command_reads(step: str, tmp: Path) -> None:
     ok("decompress", tmp / "kept.zst", tmp / "back.ckpt")
     for written in ("upgraded.ckpt", "back.ckpt"):
         assert ortckpt("diff", "--json", tmp / written, step).returncode == OK, written
+    ok("report", step, "--against", original, "-o", tmp / "report.html")
+    page = (tmp / "report.html").read_text()
+    assert f"<h1>{step}</h1>" in page and "<p>No tensor changed (4 compared).</p>" in page
+    listed = re.findall(r"<li><code>([^<]*)</code>", page)  # (the summary's files: no other list here)
+    assert listed and all(name.startswith(f"{step}/") for name in listed), listed  # the step's files, not a copy
     ok("average", tmp / "mean.ckpt", step, original, "--weights", "1,3")
     ok("delta", step, original, tmp / "delta.ckpt")
     ok("apply", original, step, tmp / "applied.ckpt", "--scale", "0.5")
@@ -215,6 +221,7 @@ def test_an_output_in_a_missing_folder_names_the_users_path(tmp_path):
         (("export", source, model), missing / "inference.onnx"),
         (("nominal", source), missing / "nominal.ckpt"),
         (("upgrade", source), missing / "upgraded.ckpt"),
+        (("report", source, "-o"), missing / "report.html"),
     ):
         argv = [out if a == "OUT" else a for a in args] + ([] if "OUT" in args else [out])
         done = ortckpt(*argv)

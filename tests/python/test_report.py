@@ -24,6 +24,8 @@ from ortckpt.errors import InvalidArgumentError
 from ortckpt.manager.tracking import MlflowTracker
 from ortckpt.statistics import histogram, tensor_changes, tensor_stats
 
+TIMES, MINUS = "\u00d7", "\u2212"  # as the page writes a shape and -Inf
+
 HOSTILE = [
     "<script>alert(1)</script>",
     '"><img src=x onerror=alert(1)>',
@@ -132,7 +134,7 @@ def test_the_page_shows_the_summary_every_tensors_statistics_and_flags_nan_and_i
     ]
     assert files == sizes
     assert [p.text() for p in cards["Tensors"].find("p")] == [f"{len(stats)}", "3 trainable, 1 frozen, 6 momentum"]
-    assert "float32 × 9, int64 × 1" in cards["Dtypes"].text()
+    assert f"float32 {TIMES} 9, int64 {TIMES} 1" in cards["Dtypes"].text()
     assert [cells(r) for r in cards["Optimizer"].find("tr")[1:]] == [["group0", "200", "0.001", "3"]]
     assert [cells(r) for r in cards["Properties"].find("tr")] == [["epoch", "200"], ["tag", "'<i>x'"]]
 
@@ -141,7 +143,7 @@ def test_the_page_shows_the_summary_every_tensors_statistics_and_flags_nan_and_i
     flagged = [name for name, s in stats.items() if s.flagged]
     assert flagged == ["fc2.weight", "group0/fc2.weight/momentum0", "group0/fc2.weight/momentum1"]
     assert [li.find("code")[0].text() for li in alert.find("li")] == flagged
-    assert "3 NaN" in alert.text() and "1 +Inf" in alert.text() and "1 −Inf" in alert.text()
+    assert "3 NaN" in alert.text() and "1 +Inf" in alert.text() and f"1 {MINUS}Inf" in alert.text()
     table = rows(doc, "tensors")
     assert [r.find("code")[0].text() for r in table] == list(stats)  # every tensor, in order
     assert [r.find("code")[0].text() for r in table if "flagged" in r.classes()] == flagged
@@ -151,7 +153,7 @@ def test_the_page_shows_the_summary_every_tensors_statistics_and_flags_nan_and_i
     for row, s in zip(table, stats.values(), strict=True):
         name, role, dtype, shape, *figures, _hist = cells(row)
         assert (role, dtype) == (s.role, s.dtype)
-        assert shape == ("×".join(map(str, s.shape)) or "scalar")
+        assert shape == (TIMES.join(map(str, s.shape)) or "scalar")
         expected = ["0" if x == 0 else f"{x:.4g}" for x in (s.min, s.max, s.mean, s.std, s.l2)]
         assert figures == expected, name
 
@@ -234,7 +236,7 @@ def test_hostile_names_and_properties_stay_text(tmp_path, hostile):
         "svg",
         "rect",
     }
-    assert not any("on" == k[:2] for n in _all(doc) for k in n.attrs)  # no event handler attribute
+    assert not any(k[:2] == "on" for n in _all(doc) for k in n.attrs)  # no event handler attribute
     assert doc.find("h1")[0].text() == hostile
     assert [r.find("code")[0].text() for r in rows(doc, "tensors")] == [hostile, "ok"]
     assert [r.find("code")[0].text() for r in rows(doc, "changes")] == [hostile]
@@ -418,7 +420,8 @@ def test_a_report_that_cannot_be_made_is_a_warning_and_the_step_is_reported(tmp_
             manager.save(model(1), step=1, metrics={"loss": 1.0})
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert messages == [
-        f"{tmp_path / 'run' / 'step_00000001'}: step 1's report is not uploaded: OSError: [Errno 28] No space left on device: 'report.html'"
+        f"{tmp_path / 'run' / 'step_00000001'}: step 1's report is not uploaded: "
+        "OSError: [Errno 28] No space left on device: 'report.html'"
     ]
     client = MlflowClient(mlflow_uri)
     assert [m.step for m in client.get_metric_history(tracker.mlflow_run_id, "loss")] == [1]
