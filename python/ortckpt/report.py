@@ -209,8 +209,8 @@ class _Page:
             f"<header><h1>{_e(self.side.name)}</h1>",
             f'<p class="sub">{("against " + _e(self.other.name) + " · ") if self.other else ""}'
             f"ortckpt {_e(__version__)} report</p></header>",
-            self._summary(),
             self._flagged(),
+            self._summary(),
             self._changes() if self.other else "",
             self._table(),
         ]
@@ -269,7 +269,10 @@ class _Page:
         cards.append(("Properties", f"<table class='mini'>{props}</table>" if props else "<p>none</p>"))
         return (
             '<section class="cards">'
-            + "".join(f'<div class="card"><h2>{title}</h2>{content}</div>' for title, content in cards)
+            + "".join(
+                f'<div class="card{" wide" if title in _WIDE else ""}"><h2>{title}</h2>{content}</div>'
+                for title, content in cards
+            )
             + "</section>"
         )
 
@@ -375,6 +378,7 @@ class _Page:
         )
 
 
+_WIDE = ("Optimizer", "Properties")  # cards holding a table: two columns of the grid
 _CSS = """
 :root{--fg:#1f2328;--muted:#656d76;--line:#d0d7de;--bg:#f6f8fa;--accent:#0969da;--bad:#cf222e;--badbg:#ffebe9}
 *{box-sizing:border-box}
@@ -385,16 +389,18 @@ header h1{font-size:22px;margin:0;word-break:break-all}
 .sub{margin:2px 0 18px}
 h2{font-size:16px;margin:0 0 8px}
 h3{font-size:14px;margin:14px 0 6px}
-section{margin:0 0 24px}
+section{margin:0 0 20px}
 code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;word-break:break-all}
 .cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(260px,1fr));gap:12px}
+.card.wide{grid-column:span 2}
+.card code{word-break:normal;overflow-wrap:anywhere}
 .card{border:1px solid var(--line);border-radius:8px;padding:12px 14px;background:#fff}
 .card h2{font-size:12px;text-transform:uppercase;letter-spacing:.06em;color:var(--muted)}
 .card p,.card ul{margin:4px 0}
 .card ul{padding-left:18px}
 .big{font-size:24px;font-weight:600}
 .mini{border-collapse:collapse;width:100%}
-.mini th,.mini td{text-align:left;padding:2px 6px 2px 0;border-bottom:1px solid var(--line);vertical-align:top}
+.mini th,.mini td{text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid var(--line);vertical-align:top}
 .mini th{font-weight:600;color:var(--muted);font-size:12px}
 .alert{border:1px solid var(--bad);background:var(--badbg);border-radius:8px;padding:12px 14px}
 .alert h2{color:var(--bad)}
