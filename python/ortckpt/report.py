@@ -196,6 +196,18 @@ def _histogram_svg(counts: np.ndarray, edges: np.ndarray) -> str:
     )
 
 
+def _histogram_of(value: Any, s: TensorStats) -> tuple[np.ndarray, np.ndarray] | None:
+    """The counts and edges of the tensor's finite values in equal bins from min to max; None
+    when float64 cannot hold that span (max - min overflows: values near both ends of float64)."""
+    assert s.min is not None and s.max is not None
+    if s.min == s.max:  # one value, one bar (NumPy's range around it has no width for values past 2**53)
+        return np.array([s.finite]), np.array([s.min, s.max])
+    try:
+        return histogram(value, bins=_BINS, range=(s.min, s.max))
+    except ValueError:
+        return None
+
+
 class _Page:
     def __init__(self, side: _Side, other: _Side | None, histograms: int) -> None:
         self.side, self.other, self.histograms = side, other, histograms
@@ -351,8 +363,8 @@ class _Page:
         for name, s in self.stats.items():
             hist = ""
             if name in drawn:
-                counts, edges = histogram(self.values[name][1], bins=_BINS)
-                hist = _histogram_svg(counts, edges)
+                bars = _histogram_of(self.values[name][1], s)
+                hist = _histogram_svg(*bars) if bars else "<span class='muted'>range too wide to bin</span>"
             flagged = " class='flagged'" if s.flagged else ""
             rows.append(
                 f"<tr id='{self.ids[name]}'{flagged}><td><code>{_e(name)}</code> {_flags(s)}</td>"

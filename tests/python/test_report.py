@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import ortckpt
 import ortckpt.report
 import pytest
 from mlflow import MlflowClient
-from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup
+from ortckpt import CheckpointInfo, CheckpointManager, CheckpointState, OptimizerGroup
 from ortckpt.cli import FAILED, OK, USAGE, run
 from ortckpt.errors import InvalidArgumentError
 from ortckpt.manager.tracking import MlflowTracker
@@ -428,3 +429,62 @@ def test_a_report_that_cannot_be_made_is_a_warning_and_the_step_is_reported(tmp_
     assert [
         a.path.rsplit("/", 1)[1] for a in client.list_artifacts(tracker.mlflow_run_id, "checkpoints/step_00000001")
     ] == ["metadata.json"]
+
+
+@pytest.mark.parametrize(
+    ("value", "bars"),
+    [
+        (np.array([-1.7e308, 1.7e308, 0.0]), None),  # max - min overflows float64: no bins, said so
+        (np.full(3, 3e38, np.float32), [28.0]),  # one value past 2**53: one bar (NumPy's range would have no width)
+        (np.array([0, 2**64 - 1], np.uint64), [28.0, 28.0]),
+        (np.array([1, 2, np.nan], dtype=ml_dtypes.bfloat16), [28.0, 28.0]),
+        (np.array([True, False, True]), [28.0, 14.0]),
+        (np.full(4, np.nan, np.float32), "no finite value"),
+        (np.zeros((0, 3), np.float32), "no finite value"),
+        (np.array(["a", "<b>"], dtype=object), "no finite value"),
+    ],
+)
+def test_odd_tensors_get_the_histogram_they_can_have(value, bars):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (NumPy's overflow in the statistics of 1.7e308)
+        state = CheckpointState.from_arrays({"w": value})
+        doc = parse(ortckpt.render_report(state, against=state))
+    [row] = rows(doc, "tensors")
+    svgs = row.find("svg")
+    if bars is None:
+        assert not svgs and "range too wide to bin" in row.text()
+    elif bars == "no finite value":
+        assert not svgs
+    else:
+        assert sorted(float(r.attrs["height"]) for r in svgs[0].find("rect")) == sorted(bars)
+
+
+def test_a_step_deleted_before_its_report_is_a_warning_and_the_next_report_stands_alone(
+    tmp_path, mlflow_uri, monkeypatch
+):
+    entered, release = threading.Event(), threading.Event()
+    load = CheckpointInfo.load
+
+    def held(info):
+        if not entered.is_set():  # (step 1's report waits until retention has deleted step 1)
+            entered.set()
+            assert release.wait(120)
+        return load(info)
+
+    monkeypatch.setattr(CheckpointInfo, "load", held)
+    tracker = MlflowTracker(mlflow_uri, experiment="ortckpt-report", timeout=120, report=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager = CheckpointManager(tmp_path / "run", track=tracker, max_to_keep=1)
+        manager.save(model(1), step=1, metrics={"loss": 1.0})
+        assert entered.wait(120)
+        manager.save(model(2), step=2, metrics={"loss": 0.5})  # retention deletes step 1
+        assert not (tmp_path / "run" / "step_00000001").exists()
+        release.set()
+        manager.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"{tmp_path / 'run' / 'step_00000001'}: step 1's report is not uploaded: ")
+    client = MlflowClient(mlflow_uri)
+    second = published(client, tracker.mlflow_run_id, 2, tmp_path / "2")
+    assert second.find("h1") and not second.find("table", id="changes")  # step 1 is gone: nothing to compare
