@@ -364,6 +364,7 @@ def test_every_command_takes_json_and_prints_json(tmp_path, mlflow_uri):
         "average": [tmp_path / "mean.ckpt", step, step],
         "delta": [step, step, delta],
         "apply": [step, delta, tmp_path / "applied.ckpt"],
+        "report": [step, "--against", step, "-o", tmp_path / "report.html"],
     }
     assert sorted(runs) == sorted(main.commands), "a command without a run here: add one"
     for name, args in runs.items():  # (in this order: decompress reads what compress wrote)
