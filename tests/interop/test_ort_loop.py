@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +29,9 @@ from ortckpt import CheckpointState, verify
 pytestmark = pytest.mark.once
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python"))  # the documentation's examples, by name
+from readme_blocks import block  # noqa: E402
+
 ARTIFACTS = HERE.parent / "data" / "ort-vectors" / "artifacts"
 SWAP_FROM = "from onnxruntime.training.api import CheckpointState\n"
 SWAP_TO = "from ortckpt import CheckpointState\n"
@@ -331,18 +333,8 @@ def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothi
     assert report == {"swaps": 2, "bound": [[1, 1], [1, 1]], "saved": [[1, 1], [1, 1]], "victim": "precious\n"}
 
 
-README = HERE.parents[1] / "README.md"
-ORT_TRAINING = re.compile(r"^\s*(from|import) onnxruntime\.training|artifacts/", re.M)
-
-
-def readme_ort_blocks() -> list[str]:
-    """The README's examples that run in ONNX Runtime's training loop, dedented (some sit in list items)."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return [textwrap.dedent(b) for b in blocks if ORT_TRAINING.search(b)]
-
-
 def test_the_readmes_training_loop_example_runs_and_resumes(ort_loop_python: str, tmp_path: Path) -> None:
-    loop, _torch_trap, _ir_trap = readme_ort_blocks()
+    loop = block("ort-loop")
     shutil.copytree(ARTIFACTS, tmp_path / "artifacts")
     # The example's `batch(step)` is the user's data: here, the artifacts' x[5, 8] and target[5, 4].
     data = (
@@ -379,7 +371,7 @@ def test_the_readmes_training_loop_example_runs_and_resumes(ort_loop_python: str
 def test_the_readmes_torch_trap_workaround_imports_the_training_api_without_torch(
     ort_loop_python: str, tmp_path: Path
 ) -> None:
-    _loop, torch_trap, _ir_trap = readme_ort_blocks()
+    torch_trap = block("ort-trap-torch")
     script = tmp_path / "no_torch.py"
     script.write_text(torch_trap + "print('torch' in sys.modules, Module.__module__, artifacts.__name__)\n")
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (no torch stand-in)
@@ -401,7 +393,7 @@ def test_the_readmes_torch_trap_workaround_imports_the_training_api_without_torc
 
 
 def test_the_readmes_ir_version_clamp_makes_current_onnx_artifacts_load(ort_loop_python: str, tmp_path: Path) -> None:
-    _loop, torch_trap, ir_trap = readme_ort_blocks()
+    torch_trap, ir_trap = block("ort-trap-torch"), block("ort-trap-ir")
     make_model = textwrap.dedent(
         """
         import numpy as np

@@ -1,90 +1,145 @@
-"""The README's Python examples run as written (the building example first, as it makes the file)."""
+"""The examples of README.md and docs/*.md run as written, each by name (readme_blocks.py's tags), and every
+one of them is run by some test."""
 
 from __future__ import annotations
 
+import ast
 import os
-import re
+import subprocess
+import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+import pytest
+from readme_blocks import ROOT, RUN_BY, all_blocks, block, blocks_of
 
 
-# The examples that run inside ONNX Runtime's training loop (onnxruntime-training, its artifacts): run by
-# tests/interop/test_ort_loop.py in ONNX Runtime's interpreter.
-ORT_TRAINING = re.compile(r"^\s*(from|import) onnxruntime\.training|artifacts/", re.M)
+def test_every_example_of_the_documentation_is_run_by_a_test():
+    """Every python block is tagged, every tag is claimed in RUN_BY, and the test RUN_BY names asks for
+    that block by name (a literal `block("NAME")` in its body): none can be added, renamed or left unrun."""
+    named = all_blocks()  # (an untagged block or a tag given twice fails here)
+    assert not set(named) - set(RUN_BY), f"examples no test claims in RUN_BY: {sorted(set(named) - set(RUN_BY))}"
+    assert not set(RUN_BY) - set(named), f"RUN_BY names examples that are gone: {sorted(set(RUN_BY) - set(named))}"
+    for name, where in RUN_BY.items():
+        path, function = where.split("::")
+        tree = ast.parse((ROOT / path).read_text())
+        (test,) = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == function] or [None]
+        assert test is not None, f"{where}: no such test (for the example {name!r})"
+        asked = {
+            call.args[0].value
+            for call in ast.walk(test)
+            if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id == "block"
+            and call.args
+            and isinstance(call.args[0], ast.Constant)
+        }
+        assert name in asked, f"{where} does not run the example {name!r} (no block({name!r}) in it)"
 
 
-def python_blocks(with_torch: bool = False) -> list[str]:
-    """The README's Python examples; those that import torch only when asked (`make test-torch` runs them)."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    return [b for b in blocks if ("import torch" in b) == with_torch and not ORT_TRAINING.search(b)]
+@pytest.mark.parametrize(
+    "document",
+    [
+        "Text.\n\n```python\nprint(1)\n```\n",  # no tag
+        "<!-- test: a -->\n\n```python\nprint(1)\n```\n",  # the tag not on the line before
+        "- item\n<!-- test: a -->\n  ```python\n  print(1)\n  ```\n",  # the tag not indented as its block
+        "<!-- test: a -->\n```python\nprint(1)\n",  # never closed
+        "```py\nprint(1)\n```\n",  # another spelling of a python block, untagged
+    ],
+)
+def test_an_example_the_registry_cannot_see_is_refused(tmp_path, document):
+    (tmp_path / "doc.md").write_text(document)
+    with pytest.raises(AssertionError):
+        blocks_of(tmp_path / "doc.md")
 
 
-def test_readme_examples_run(tmp_path, monkeypatch, capsys):
-    blocks = python_blocks()
-    assert len(blocks) == 12, (
-        "import line, quick start, building, CheckpointManager, validation, compression, tracking, sharded, ONNX, "
-        "safetensors, deployment, object storage"
+def test_tagged_examples_are_read_as_a_user_pastes_them(tmp_path):
+    (tmp_path / "doc.md").write_text(
+        "<!-- test: top -->\n```python\nx = 1\n```\n- item:\n  <!-- test: in-a-list -->\n  ```python\n"
+        "  if x:\n      y = 2\n  ```\n```sh\nnot python\n```\n"
     )
-    _import, quick_start, building, _manager, _validation, _compression, _tracking, *_rest = blocks
-    monkeypatch.chdir(tmp_path)
+    assert [(b.name, b.line, b.code) for b in blocks_of(tmp_path / "doc.md")] == [
+        ("top", 2, "x = 1\n"),
+        ("in-a-list", 7, "if x:\n    y = 2\n"),
+    ]
+
+
+def test_the_import_line_gives_ortckpts_class():
     namespace: dict = {}
-    exec(compile(building, "README building example", "exec"), namespace)
-    exec(compile(quick_start, "README quick start", "exec"), namespace)
-    assert (tmp_path / "checkpoint").exists() and (tmp_path / "checkpoint_with_optimizer").exists()
+    exec(compile(block("import-line"), "import line", "exec"), namespace)
+    assert namespace["CheckpointState"].__module__ == "ortckpt.checkpoint_state"
+
+
+def test_the_quick_start_runs_as_written_in_an_empty_directory(tmp_path):
+    """As a user runs it: pasted into a fresh interpreter in an empty directory (it makes what it loads)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", block("quick-start")],
+        cwd=empty,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == ("5\nfc.bias True (16,) float32\nfc.weight True (16, 8) float32\npos False (8,) int64\n")
+    assert sorted(p.name for p in empty.iterdir()) == ["checkpoint", "checkpoint_with_optimizer"]
+    import numpy as np
     from ortckpt import CheckpointState
 
-    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint_with_optimizer")
-    assert state.properties["epoch"] == 5
-    assert "group0" in state.optimizer_groups
-    assert (state.parameters["fc.bias"].data == 1).all()
-    assert "fc.weight True (16, 8) float32" in capsys.readouterr().out
+    for name, optimizer in (("checkpoint", False), ("checkpoint_with_optimizer", True)):
+        state = CheckpointState.load_checkpoint(empty / name)
+        assert state.properties["epoch"] == 5
+        assert ("group0" in state.optimizer_groups) == optimizer
+        assert (state.parameters["fc.weight"].data == 0.5).all() and (state.parameters["fc.bias"].data == 1).all()
+        assert not state.parameters["pos"].requires_grad
+        assert np.array_equal(state.parameters["pos"].data, np.arange(8))
 
 
 def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[3]
+    example = block("manager")
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README CheckpointManager example", "exec"), {})
+    exec(compile(example, "CheckpointManager example", "exec"), {})
     first = capsys.readouterr().out
     assert first.startswith("[800, 900, 1000] 1000\nVerified(") and "step=1000" in first
     from ortckpt import CheckpointManager
 
     weights = CheckpointManager(tmp_path / "checkpoints").restore().parameters["fc.weight"].data.copy()
     # Run again: it resumes at step 1000, with nothing left to do, and changes nothing.
-    exec(compile(example, "README CheckpointManager example", "exec"), {})
+    exec(compile(example, "CheckpointManager example", "exec"), {})
     assert capsys.readouterr().out == first
     again = CheckpointManager(tmp_path / "checkpoints").restore().parameters["fc.weight"].data
     assert (again == weights).all() and weights.any()
 
 
 def test_readme_validation_example_refuses_the_nan_step(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[4]
+    example = block("validation")
     assert "validate=Forward(" in example
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README validation example", "exec"), {})
+    exec(compile(example, "validation example", "exec"), {})
     assert capsys.readouterr().out == "['output loss is not finite (1 NaN or Inf values)']\n1\n"
     assert sorted(p.name for p in (tmp_path / "validated").iterdir()) == ["step_00000001"]
 
 
 def test_readme_compression_example_compresses_the_kept_steps(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[5]
+    example = block("compression")
     assert "compress_kept=True" in example
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README compression example", "exec"), {})
+    exec(compile(example, "compression example", "exec"), {})
     assert capsys.readouterr().out == "[(2, True), (4, True), (5, False)]\n(256, 256)\n"
     kept = tmp_path / "kept" / "step_00000002"
     assert sorted(p.name for p in kept.iterdir()) == ["checkpoint.zst", "metadata.json"]
 
 
 def test_readme_tracking_example_logs_to_mlflow_and_registers_the_best(tmp_path, monkeypatch, capsys, mlflow_uri):
-    validation, _compression, example = python_blocks()[4:7]
+    validation, example = block("validation"), block("tracking")
     assert 'track="mlflow"' in example
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
     monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # MLflow's own "View run at" line
-    exec(compile(validation, "README validation example", "exec"), {})  # writes eval_model.onnx
+    exec(compile(validation, "validation example", "exec"), {})  # writes eval_model.onnx
     capsys.readouterr()
-    exec(compile(example, "README tracking example", "exec"), {})
+    exec(compile(example, "tracking example", "exec"), {})
     assert capsys.readouterr().out == "tiny-regressor 1 2\n"
     from mlflow import MlflowClient
 
@@ -99,10 +154,10 @@ def test_readme_tracking_example_logs_to_mlflow_and_registers_the_best(tmp_path,
 
 
 def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
-    onnx_example, safetensors_example = python_blocks()[8:10]
+    onnx_example, safetensors_example = block("onnx"), block("safetensors")
     monkeypatch.chdir(tmp_path)
-    exec(compile(onnx_example, "README ONNX example", "exec"), {})
-    exec(compile(safetensors_example, "README safetensors example", "exec"), {})
+    exec(compile(onnx_example, "ONNX example", "exec"), {})
+    exec(compile(safetensors_example, "safetensors example", "exec"), {})
     import numpy as np
     import onnx
     from onnx import numpy_helper
@@ -118,13 +173,11 @@ def test_readme_onnx_and_safetensors_examples_run(tmp_path, monkeypatch):
 
 def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_size(tmp_path):
     import shutil
-    import subprocess
-    import sys
 
     from ortckpt import CheckpointState
     from ortckpt.distributed import Slice, committed_steps
 
-    (example,) = [b for b in python_blocks() if "save_sharded(" in b]
+    example = block("sharded")
     (tmp_path / "train.py").write_text(example)
     mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -149,10 +202,10 @@ def test_readme_sharded_example_runs_under_mpirun_and_resumes_on_another_world_s
 
 
 def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
-    example = python_blocks()[10]
+    example = block("deployment")
     assert "ortckpt.average" in example and "export_model" in example
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README deployment example", "exec"), {})
+    exec(compile(example, "deployment example", "exec"), {})
     assert capsys.readouterr().out == "['x'] (2, 4)\n"
     from ortckpt import CheckpointState
 
@@ -160,9 +213,9 @@ def test_readme_deployment_example_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_readme_object_storage_example_runs_against_s3(capsys, aws_environment):
-    example = python_blocks()[11]
+    example = block("object-storage")
     assert "s3://ckpt/runs/demo/checkpoint" in example
-    exec(compile(example, "README object storage example", "exec"), {})
+    exec(compile(example, "object storage example", "exec"), {})
     assert capsys.readouterr().out == "1 32.0\n[2, 3] 3 3\n"
     import ortckpt.object_store as object_store
     from ortckpt import targets

@@ -142,9 +142,9 @@ def test_a_converted_torch_model_loads_in_onnx_runtime(tmp_path):
 
 def test_the_readme_torch_example_runs(tmp_path, monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from test_readme import python_blocks
+    from readme_blocks import block
 
-    (example,) = python_blocks(with_torch=True)
+    example = block("torch")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(example, "README torch example", "exec"), namespace)
