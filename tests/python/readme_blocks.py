@@ -40,6 +40,8 @@ RUN_BY = {
     "torch": TORCH + "test_the_readme_torch_example_runs",
     "deployment": HERE + "test_readme_deployment_example_runs",
     "object-storage": HERE + "test_readme_object_storage_example_runs_against_s3",
+    "report-python": HERE + "test_the_reports_python_example_writes_the_page",
+    "report-mlflow": HERE + "test_the_reports_mlflow_example_uploads_each_steps_report",
 }
 
 FENCE = re.compile(r"^( *)```(?:python3?|py|pycon)$", re.M)  # what renders as Python

@@ -225,3 +225,51 @@ def test_readme_object_storage_example_runs_against_s3(capsys, aws_environment):
         listed[0] == "checkpoint"
         and [k.split("/")[0] for k in listed[1:]] == ["step_00000002"] * 2 + ["step_00000003"] * 2
     )  # each kept step: its metadata and the checkpoint in its attempt folder
+
+
+def _two_checkpoints(directory: Path) -> None:
+    """docs/report.md's inputs: ``previous_checkpoint``, then ``checkpoint`` with a NaN in fc.weight."""
+    import numpy as np
+    from ortckpt import CheckpointState
+
+    weights = {"fc.weight": np.ones((4, 8), np.float32), "fc.bias": np.zeros(4, np.float32)}
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays(weights), directory / "previous_checkpoint")
+    weights["fc.weight"][1, 2] = np.nan
+    weights["fc.bias"] += 0.5
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays(weights), directory / "checkpoint")
+
+
+def test_the_reports_python_example_writes_the_page(tmp_path, monkeypatch, capsys):
+    _two_checkpoints(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block("report-python"), "report example", "exec"), namespace)
+    assert capsys.readouterr().out == "['fc.weight']\n"
+    assert namespace["stats"]["fc.weight"].nan == 1 and namespace["stats"]["fc.bias"].mean == 0.5
+    page = (tmp_path / "report.html").read_text()
+    assert "previous_checkpoint" in page and "fc.weight" in page and "<svg" in page
+    assert "fc.bias" in namespace["html"] and "previous_checkpoint" not in namespace["html"]
+
+
+def test_the_reports_mlflow_example_uploads_each_steps_report(tmp_path, monkeypatch, mlflow_uri):
+    import numpy as np
+    from mlflow import MlflowClient
+    from ortckpt import CheckpointState
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"docs-report-{tmp_path.name}")
+    namespace: dict = {}
+    exec(compile(block("report-mlflow"), "report MLflow example", "exec"), namespace)
+    manager = namespace["manager"]
+    for step in (1, 2):
+        manager.save(CheckpointState.from_arrays({"w": np.full(8, step, np.float32)}), step, metrics={"loss": 1 / step})
+    manager.close()
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name(f"docs-report-{tmp_path.name}")
+    (run,) = client.search_runs([experiment.experiment_id])
+    for step in (1, 2):
+        listed = client.list_artifacts(run.info.run_id, f"checkpoints/step_{step:08d}")
+        assert sorted(a.path.rsplit("/", 1)[1] for a in listed) == ["metadata.json", "report.html"]
+    page = Path(client.download_artifacts(run.info.run_id, "checkpoints/step_00000002/report.html", str(tmp_path)))
+    assert "Changes from" in page.read_text()
