@@ -329,6 +329,31 @@ def combine(
     return _core.combine(operation, coefficients, jobs, progress)
 
 
+# (ONNX type code, contiguous little-endian bytes, the map they lie in when its pages may be
+# dropped once read, else None): a tensor as the statistics kernels take it.
+StatsTensor = tuple[int, np.ndarray, tuple[int, int] | None]
+# (nan, posinf, neginf, finite, min, max, mean, std, l2): the figures NaN without finite values.
+StatsFigures = tuple[int, int, int, int, float, float, float, float, float]
+
+
+def tensor_stats(tensors: list[StatsTensor], progress: Callable[[int], object] | None) -> list[StatsFigures]:
+    """The core's statistics of every tensor, in one pass over each (see ``_core.tensor_stats``)."""
+    return _core.tensor_stats(tensors, progress)
+
+
+def tensor_changes(
+    pairs: list[tuple[StatsTensor, StatsTensor]], progress: Callable[[int], object] | None
+) -> list[tuple[int, int, float, float, float]]:
+    """(changed, nonfinite, L2 of b - a, L2 of a, max abs difference) of every pair of
+    same-typed tensors (see ``_core.tensor_changes``)."""
+    return _core.tensor_changes(pairs, progress)
+
+
+def histogram(tensor: StatsTensor, edges: list[float]) -> list[int]:
+    """Counts of a tensor's finite values between ``edges``, as ``numpy.histogram`` counts."""
+    return _core.histogram(tensor, edges)
+
+
 def release_pages(value: Any) -> None:
     """Drops the pages of ``value`` from memory when it is a view over a file the core mapped
     (MADV_DONTNEED on a private map: they are read again from the file if used again)."""
