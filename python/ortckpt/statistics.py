@@ -40,6 +40,7 @@ import numpy as np
 from . import _boundary
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, PackedBits
+from .errors import UnsupportedDataTypeError
 
 # The ONNX types the core's kernels compute (the others go through NumPy here).
 _KERNEL_CODES = frozenset(
@@ -123,9 +124,12 @@ def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.Sta
     if isinstance(value, PackedBits):
         return None
     array = np.asarray(value)
-    if array.dtype == object or array.dtype.kind in "SUV":
+    if array.dtype == object or array.dtype.kind in "SU":
         return None
-    code = _dt.code_of(array)
+    try:
+        code = _dt.code_of(array)
+    except UnsupportedDataTypeError:
+        return None
     if code not in _KERNEL_CODES:
         return None
     data = _boundary.as_bytes(array)

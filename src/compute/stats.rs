@@ -6,17 +6,22 @@
 //! over the cache, one over memory). The pieces' figures are then combined in element order
 //! with Chan's formula, so a result does not depend on the number of threads.
 //!
+//! The values are first shifted by one of the tensor's own (its first finite value): the
+//! means and the differences between the pieces' means are then of the spread, not of the
+//! offset, so the std of 1e8 plus noise of 1e-3 keeps its digits. The L2 norm is
+//! `sqrt(n) * hypot(std, mean)` (the sum of squares is `n * (std² + mean²)`, two terms that
+//! cannot cancel).
+//!
 //! Figures are computed in float64 scaled by a power of two (exact) where a piece's values lie
-//! beyond 2^±480: a sum of squares of float64 values near the largest (or smallest) would
-//! overflow (or underflow) otherwise. A figure is infinite only where its true value is
-//! beyond float64.
+//! beyond 2^±480: squares of float64 values near the largest (or smallest) would overflow (or
+//! underflow) otherwise. A figure is infinite only where its true value is beyond float64.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use super::floats::{bf16_bits_to_f32, f16_bits_to_f32};
-use super::{element_size, populate, release_around, Input};
+use super::{element_size, populate, Input};
 use crate::format::DataType;
 use crate::{Error, Result};
 
@@ -112,12 +117,17 @@ pub fn statistics(
         check(t)?;
     }
     let lengths: Vec<_> = tensors.iter().map(Tensor::extent).collect();
+    let shifts: Vec<f64> = tensors.iter().map(shift_of).collect();
     let parts = by_piece(&lengths, threads, progress, |job, range, scratch| {
-        moments(scratch.widen(&tensors[job], range, 0))
+        moments(scratch.widen(&tensors[job], range, 0), shifts[job])
     })?;
     Ok(parts
         .into_iter()
-        .map(|pieces| pieces.into_iter().fold(Moments::EMPTY, Moments::merge).figures())
+        .zip(shifts)
+        .map(|(pieces, shift)| {
+            let total = pieces.into_iter().fold(Moments::EMPTY, Moments::merge);
+            total.figures(shift)
+        })
         .collect())
 }
 
@@ -213,6 +223,19 @@ pub fn histogram(tensor: &Tensor<'_>, edges: &[f64], threads: usize) -> Result<V
     Ok(counts)
 }
 
+/// What a tensor's values are shifted by: the first finite one among its first elements
+/// (0 if none, or if it is beyond 2^±SAFE, where the shift could overflow).
+fn shift_of(tensor: &Tensor<'_>) -> f64 {
+    let mut first = [0.0f64; 64];
+    let n = tensor.elements().min(first.len());
+    let size = element_size(tensor.data_type);
+    widen(tensor.data_type, &tensor.input.bytes[..n * size], &mut first[..n]);
+    let found = first[..n].iter().copied().find(|x| x.is_finite());
+    found
+        .filter(|x| (pow2(-SAFE)..=pow2(SAFE)).contains(&x.abs()))
+        .unwrap_or(0.0)
+}
+
 fn check(tensor: &Tensor<'_>) -> Result<()> {
     let size = element_size(tensor.data_type);
     if !covers(tensor.data_type) || size == 0 {
@@ -306,11 +329,44 @@ impl Scratch {
         if let Some(mapping) = &tensor.input.release {
             populate(bytes);
             widen(tensor.data_type, bytes, out);
-            release_around(bytes, mapping);
+            drop_behind(bytes, mapping);
         } else {
             widen(tensor.data_type, bytes, out);
         }
         out
+    }
+}
+
+/// How far behind a piece its pages are dropped: Linux (6.x, large folios) maps a file's
+/// pages in by whole folios of up to 2 MiB, far beyond the 64 KiB fault-around window; pages
+/// mapped ahead of a piece are dropped by the pieces after it (or by the caller at the end).
+/// Measured: dropping only the piece's 64 KiB windows left a quarter of a 512 MiB file
+/// resident by the end of the pass.
+const BEHIND: usize = 2 << 20;
+
+/// Drops the pages from the start of the [`BEHIND`] window `bytes` begin in (counted from
+/// the mapping's start, where the file's folios are aligned) to the end of `bytes`, from this
+/// process's memory (MADV_DONTNEED), staying inside `mapping` (see [`Input::release`]).
+fn drop_behind(bytes: &[u8], mapping: &Range<usize>) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .unwrap_or(4096)
+        .max(1);
+    let (address, base) = (bytes.as_ptr() as usize, mapping.start);
+    let Some(offset) = address.checked_sub(base) else {
+        return;
+    };
+    let start = (base + offset / BEHIND * BEHIND).max(base.div_ceil(page) * page);
+    let end = (address + bytes.len())
+        .next_multiple_of(page)
+        .min(mapping.end / page * page);
+    if end > start {
+        // SAFETY: the range lies inside `mapping`, which the caller promised (Input::release)
+        // is a private file mapping nobody wrote: later reads fault the same bytes in again.
+        // A failure only leaves the pages in memory.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+        }
     }
 }
 
@@ -368,7 +424,8 @@ fn scale_for(a: f64) -> i32 {
     exponent.clamp(-1022, 1023)
 }
 
-/// The moments of a run of finite values, in units of `2^scale`, and the run's counts.
+/// The moments of a run of finite values less the tensor's shift, in units of `2^scale`, and
+/// the run's counts, min and max (of the values themselves).
 #[derive(Clone, Copy, Debug)]
 struct Moments {
     n: u64,
@@ -381,8 +438,6 @@ struct Moments {
     mean: f64,
     /// Sum of squared deviations from `mean`.
     m2: f64,
-    /// Sum of squares.
-    ssq: f64,
 }
 
 impl Moments {
@@ -396,7 +451,6 @@ impl Moments {
         scale: i32::MIN,
         mean: 0.0,
         m2: 0.0,
-        ssq: 0.0,
     };
 
     /// The moments in units of `2^to` (`to` at least `scale`; what falls below float64's
@@ -406,12 +460,10 @@ impl Moments {
             return Moments { scale: to, ..self };
         }
         let shift = self.scale.saturating_sub(to).max(-4000);
-        let (s, s2) = (pow2(shift), pow2(2 * shift));
         Moments {
             scale: to,
-            mean: self.mean * s,
-            m2: self.m2 * s2,
-            ssq: self.ssq * s2,
+            mean: self.mean * pow2(shift),
+            m2: self.m2 * pow2(2 * shift),
             ..self
         }
     }
@@ -442,7 +494,6 @@ impl Moments {
             scale,
             mean: a.mean + delta * share,
             m2: a.m2 + b.m2 + delta * delta * (a.n as f64 * share),
-            ssq: a.ssq + b.ssq,
             ..counts
         }
     }
@@ -459,7 +510,7 @@ impl Moments {
         }
     }
 
-    fn figures(self) -> Figures {
+    fn figures(self, shift: f64) -> Figures {
         let (min, max, mean, std, l2) = if self.n == 0 {
             (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN)
         } else {
@@ -468,13 +519,9 @@ impl Moments {
                 let half = self.scale / 2;
                 x * pow2(half) * pow2(self.scale - half)
             };
-            (
-                self.min,
-                self.max,
-                unit(self.mean).clamp(self.min, self.max),
-                unit((self.m2 / self.n as f64).sqrt()),
-                unit(self.ssq.sqrt()),
-            )
+            let mean = (shift + unit(self.mean)).clamp(self.min, self.max);
+            let std = unit((self.m2 / self.n as f64).sqrt());
+            (self.min, self.max, mean, std, (self.n as f64).sqrt() * std.hypot(mean))
         };
         Figures {
             nan: self.nan,
@@ -490,9 +537,9 @@ impl Moments {
     }
 }
 
-/// The moments of one piece's values (the buffer is reused: its finite values are moved to
-/// its front and scaled there).
-fn moments(values: &mut [f64]) -> Moments {
+/// The moments of one piece's values less `shift` (the buffer is reused: its finite values
+/// are moved to its front, shifted and scaled there).
+fn moments(values: &mut [f64], shift: f64) -> Moments {
     let (mut nan, mut posinf, mut neginf, mut n) = (0u64, 0u64, 0u64, 0usize);
     let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
     for i in 0..values.len() {
@@ -502,7 +549,6 @@ fn moments(values: &mut [f64]) -> Moments {
         neginf += u64::from(x == f64::NEG_INFINITY);
         values[n] = x;
         n += usize::from(x.is_finite());
-        // (a NaN never wins min/max; the infinities are left out by the guard)
         if x.is_finite() {
             min = min.min(x);
             max = max.max(x);
@@ -521,15 +567,13 @@ fn moments(values: &mut [f64]) -> Moments {
     if n == 0 {
         return m;
     }
-    m.scale = scale_for(min.abs().max(max.abs()));
-    if m.scale != 0 {
-        let s = pow2(-m.scale);
-        finite.iter_mut().for_each(|x| *x *= s);
-    }
+    // (|shift| <= 2^SAFE: no difference overflows, and the largest is about the largest value)
+    m.scale = scale_for((min - shift).abs().max((max - shift).abs()));
+    let s = pow2(-m.scale);
+    finite.iter_mut().for_each(|x| *x = (*x - shift) * s);
     m.mean = lanes(finite, |x| x) / n as f64;
     let mean = m.mean;
     m.m2 = lanes(finite, |x| (x - mean) * (x - mean));
-    m.ssq = lanes(finite, |x| x * x);
     m
 }
 

@@ -77,7 +77,8 @@ fn every_type_widens_as_numpy() {
     let f = figures_of(DataType::Uint64, &u64::MAX.to_le_bytes(), 1);
     assert_eq!(f.max, u64::MAX as f64);
     let f = figures_of(DataType::Bool, &[0, 1, 2], 1);
-    assert_eq!((f.min, f.max, f.l2), (0.0, 1.0, 2f64.sqrt()));
+    assert_eq!((f.min, f.max), (0.0, 1.0));
+    assert!(close(f.l2, 2f64.sqrt(), 1e-15));
     // float16 1.0, -inf, NaN; bfloat16 -2.0
     let f = figures_of(DataType::Float16, &[0x00, 0x3c, 0x00, 0xfc, 0x00, 0x7e], 1);
     assert_eq!((f.finite, f.neginf, f.nan, f.max), (1, 1, 1, 1.0));
