@@ -129,6 +129,7 @@ def combine(
     jobs: Sequence[tuple[int, Sequence[Any], Sequence[bool], Any]],
     progress: Callable[[int], object] | None = None,
 ) -> tuple[tuple[int, int, float] | None, list[int | None]]: ...
+
 _StatsTensor = tuple[int, Any, tuple[int, int] | None]
 
 def tensor_stats(

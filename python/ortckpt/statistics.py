@@ -194,8 +194,10 @@ class _Opened:
     state loaded here from a path, which nobody else holds or wrote through)."""
 
     def __init__(self, checkpoint: CheckpointState | str | os.PathLike[str]) -> None:
-        self.owned = not isinstance(checkpoint, CheckpointState)
-        self.state = checkpoint if isinstance(checkpoint, CheckpointState) else CheckpointState.load_checkpoint(checkpoint)
+        if isinstance(checkpoint, CheckpointState):
+            self.state, self.owned = checkpoint, False
+        else:
+            self.state, self.owned = CheckpointState.load_checkpoint(checkpoint), True
         self.tensors = list(tensors(self.state))
         self.release()
 

@@ -163,7 +163,9 @@ pub fn changes(
     Ok(parts
         .into_iter()
         .map(|pieces| {
-            let total = pieces.into_iter().fold(PieceChange::EMPTY, PieceChange::merge);
+            let total = pieces
+                .into_iter()
+                .fold(PieceChange::EMPTY, PieceChange::merge);
             Change {
                 changed: total.changed,
                 nonfinite: total.nonfinite,
@@ -229,7 +231,11 @@ fn shift_of(tensor: &Tensor<'_>) -> f64 {
     let mut first = [0.0f64; 64];
     let n = tensor.elements().min(first.len());
     let size = element_size(tensor.data_type);
-    widen(tensor.data_type, &tensor.input.bytes[..n * size], &mut first[..n]);
+    widen(
+        tensor.data_type,
+        &tensor.input.bytes[..n * size],
+        &mut first[..n],
+    );
     let found = first[..n].iter().copied().find(|x| x.is_finite());
     found
         .filter(|x| (pow2(-SAFE)..=pow2(SAFE)).contains(&x.abs()))
@@ -244,7 +250,7 @@ fn check(tensor: &Tensor<'_>) -> Result<()> {
             tensor.data_type
         )));
     }
-    if tensor.input.bytes.len() % size != 0 {
+    if !tensor.input.bytes.len().is_multiple_of(size) {
         return Err(Error::invalid_state(format!(
             "statistics: {} bytes are not whole {:?} elements",
             tensor.input.bytes.len(),
@@ -266,7 +272,11 @@ fn by_piece<T: Send>(
     let pieces: Vec<(usize, Range<usize>)> = lengths
         .iter()
         .enumerate()
-        .flat_map(|(job, &(n, _))| (0..n).step_by(PIECE).map(move |s| (job, s..n.min(s + PIECE))))
+        .flat_map(|(job, &(n, _))| {
+            (0..n)
+                .step_by(PIECE)
+                .map(move |s| (job, s..n.min(s + PIECE)))
+        })
         .collect();
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
@@ -287,7 +297,10 @@ fn by_piece<T: Send>(
             let told = progress.lock().unwrap_or_else(|p| p.into_inner())(bytes);
             if let Err(e) = told {
                 stop.store(true, Ordering::Relaxed);
-                error.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
+                error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
                 break;
             }
         }
@@ -521,7 +534,13 @@ impl Moments {
             };
             let mean = (shift + unit(self.mean)).clamp(self.min, self.max);
             let std = unit((self.m2 / self.n as f64).sqrt());
-            (self.min, self.max, mean, std, (self.n as f64).sqrt() * std.hypot(mean))
+            (
+                self.min,
+                self.max,
+                mean,
+                std,
+                (self.n as f64).sqrt() * std.hypot(mean),
+            )
         };
         Figures {
             nan: self.nan,

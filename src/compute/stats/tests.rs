@@ -24,7 +24,15 @@ fn close(a: f64, b: f64, rtol: f64) -> bool {
 
 #[test]
 fn counts_min_max_and_moments_of_a_small_tensor() {
-    let values = [1.0, f64::NAN, 2.0, f64::INFINITY, 3.0, f64::NEG_INFINITY, 4.0];
+    let values = [
+        1.0,
+        f64::NAN,
+        2.0,
+        f64::INFINITY,
+        3.0,
+        f64::NEG_INFINITY,
+        4.0,
+    ];
     let f = figures_of(DataType::Double, &f64_bytes(&values), 1);
     assert_eq!((f.nan, f.posinf, f.neginf, f.finite), (1, 1, 1, 4));
     assert_eq!((f.min, f.max, f.mean), (1.0, 4.0, 2.5));
@@ -54,7 +62,12 @@ fn the_result_does_not_depend_on_threads_and_std_does_not_collapse() {
     let n = values.len() as f64;
     let mean = values.iter().map(|v| v - 1e8).sum::<f64>() / n;
     let var = values.iter().map(|v| (v - 1e8 - mean).powi(2)).sum::<f64>() / n;
-    assert!(close(one.std, var.sqrt(), 1e-6), "{} vs {}", one.std, var.sqrt());
+    assert!(
+        close(one.std, var.sqrt(), 1e-6),
+        "{} vs {}",
+        one.std,
+        var.sqrt()
+    );
 }
 
 #[test]
