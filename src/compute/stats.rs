@@ -8,9 +8,8 @@
 //!
 //! The values are first shifted by one of the tensor's own (its first finite value): the
 //! means and the differences between the pieces' means are then of the spread, not of the
-//! offset, so the std of 1e8 plus noise of 1e-3 keeps its digits. The L2 norm is
-//! `sqrt(n) * hypot(std, mean)` (the sum of squares is `n * (std² + mean²)`, two terms that
-//! cannot cancel).
+//! offset, so the std of 1e8 plus noise of 1e-3 keeps its digits. The L2 norm is of the
+//! values themselves (their sum of squares, with a scale of its own).
 //!
 //! Figures are computed in float64 scaled by a power of two (exact) where a piece's values lie
 //! beyond 2^±480: squares of float64 values near the largest (or smallest) would overflow (or
@@ -451,6 +450,8 @@ struct Moments {
     mean: f64,
     /// Sum of squared deviations from `mean`.
     m2: f64,
+    /// Sum of squares of the values themselves.
+    squares: Norm,
 }
 
 impl Moments {
@@ -464,6 +465,7 @@ impl Moments {
         scale: i32::MIN,
         mean: 0.0,
         m2: 0.0,
+        squares: Norm::ZERO,
     };
 
     /// The moments in units of `2^to` (`to` at least `scale`; what falls below float64's
@@ -507,6 +509,7 @@ impl Moments {
             scale,
             mean: a.mean + delta * share,
             m2: a.m2 + b.m2 + delta * delta * (a.n as f64 * share),
+            squares: a.squares.merge(b.squares),
             ..counts
         }
     }
@@ -534,13 +537,7 @@ impl Moments {
             };
             let mean = (shift + unit(self.mean)).clamp(self.min, self.max);
             let std = unit((self.m2 / self.n as f64).sqrt());
-            (
-                self.min,
-                self.max,
-                mean,
-                std,
-                (self.n as f64).sqrt() * std.hypot(mean),
-            )
+            (self.min, self.max, mean, std, self.squares.value())
         };
         Figures {
             nan: self.nan,
@@ -586,6 +583,7 @@ fn moments(values: &mut [f64], shift: f64) -> Moments {
     if n == 0 {
         return m;
     }
+    m.squares = Norm::of(finite, min.abs().max(max.abs()));
     // (|shift| <= 2^SAFE: no difference overflows, and the largest is about the largest value)
     m.scale = scale_for((min - shift).abs().max((max - shift).abs()));
     let s = pow2(-m.scale);

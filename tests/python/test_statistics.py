@@ -410,3 +410,14 @@ def test_diff_prints_change_figures_largest_first_and_lists_every_tensor_in_json
     }
     code, out = cli(capsys, "diff", flagged, flagged)
     assert code == OK and "changes" not in out
+
+
+def test_an_s3_checkpoint_object_and_the_cli_on_it(capsys, s3_url, aws_environment, flagged):
+    url = f"{s3_url}/a.ckpt"
+    state = CheckpointState.load_checkpoint(flagged)
+    CheckpointState.save_checkpoint(state, url, include_optimizer_state=True)
+    assert tensor_stats(url) == tensor_stats(flagged)
+    code, out = cli(capsys, "inspect", "--stats", "--json", url)
+    assert code == OK and json.loads(out)["totals"]["flagged"] == 1
+    code, out = cli(capsys, "diff", "--json", url, flagged)
+    assert code == OK and len(json.loads(out)["changes"]) == 4
