@@ -821,8 +821,7 @@ fn change_of(a: &mut [f64], b: &mut [f64]) -> PieceChange {
     let (mut changed, mut nonfinite) = ([0u64; 8], [0u64; 8]);
     let (mut max_abs, mut max_a) = ([0.0f64; 8], [0.0f64; 8]);
     let mut step = |j: usize, x: &mut f64, y: &mut f64| {
-        // (a NaN is the one value not equal to itself)
-        let same = *x == *y || (*x != *x && *y != *y);
+        let same = *x == *y || (x.is_nan() && y.is_nan());
         let (x_finite, y_finite) = (x.abs() < f64::INFINITY, y.abs() < f64::INFINITY);
         let both = x_finite && y_finite;
         changed[j] += u64::from(!same);
