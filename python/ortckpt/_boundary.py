@@ -303,13 +303,19 @@ def _mapped_base(array: Any) -> Any:
     return base
 
 
-def mapping_of(value: Any) -> tuple[int, int] | None:
+def mapping_of(value: Any, known: dict[int, tuple[int, int] | None] | None = None) -> tuple[int, int] | None:
     """(address, length) of the map of a file the core mapped that ``value`` is a view over,
-    else None."""
+    else None. ``known``: the maps found so far, by the id of their object (for many tensors
+    of a few maps)."""
     base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
-    if not isinstance(base, MappedFile) or len(base) == 0:
-        return None
-    return np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
+    if known is not None and id(base) in known:
+        return known[id(base)]
+    found = None
+    if isinstance(base, MappedFile) and len(base):
+        found = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
+    if known is not None:
+        known[id(base)] = found
+    return found
 
 
 def release_maps(values: Iterable[Any]) -> None:

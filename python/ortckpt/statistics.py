@@ -116,7 +116,18 @@ def _numeric(value: Any) -> np.ndarray | None:
 def _dtype_name(value: Any) -> str:
     if isinstance(value, PackedBits):
         return _dt.name_of(value.data_type)
-    return str(np.asarray(value).dtype)
+    dtype = np.asarray(value).dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
+    return name
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+# The dtypes the kernels take as they are (a view, no copy; little-endian): their ONNX codes.
+_NATIVE_CODES = {_dt.numpy_dtype(code).newbyteorder("<"): code for code in _KERNEL_CODES}
 
 
 def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.StatsTensor | None:
@@ -124,6 +135,9 @@ def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.Sta
     if isinstance(value, PackedBits):
         return None
     array = np.asarray(value)
+    code = _NATIVE_CODES.get(array.dtype)
+    if code is not None and array.flags.c_contiguous:  # the common case: a view of its bytes
+        return code, array.reshape(-1).view(np.uint8), mapping
     if array.dtype == object or array.dtype.kind in "SU":
         return None
     try:
@@ -132,10 +146,8 @@ def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.Sta
         return None
     if code not in _KERNEL_CODES:
         return None
-    data = _boundary.as_bytes(array)
     # A copy (not contiguous, big-endian) no longer lies in the map.
-    same = array.nbytes == 0 or data.__array_interface__["data"][0] == array.__array_interface__["data"][0]
-    return code, data, mapping if same else None
+    return code, _boundary.as_bytes(array), None
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -198,6 +210,7 @@ class _Opened:
             self.state, self.owned = checkpoint, False
         else:
             self.state, self.owned = CheckpointState.load_checkpoint(checkpoint), True
+        self._maps: dict[int, tuple[int, int] | None] = {}  # each map's (address, length), found once
         self.tensors = list(tensors(self.state))
         self.release()
 
@@ -207,7 +220,7 @@ class _Opened:
             _boundary.release_maps(value for _, _, value in self.tensors)
 
     def kernel(self, value: Any) -> _boundary.StatsTensor | None:
-        return _kernel_tensor(value, _boundary.mapping_of(value) if self.owned else None)
+        return _kernel_tensor(value, _boundary.mapping_of(value, self._maps) if self.owned else None)
 
 
 def tensor_stats(

@@ -320,10 +320,11 @@ MEMORY_CHILD = textwrap.dedent(
 
 
 def test_a_file_is_read_through_its_map_and_its_pages_dropped_behind(tmp_path):
-    """128 MiB of tensors: the peak grows by a few MiB, not by the file (nor by the quarter of
-    it that stayed mapped when only 64 KiB around each piece was dropped)."""
+    """256 MiB of tensors: the peak grows by a few windows of 2 MiB a thread, not by the file
+    (nor by the quarter of it that stayed mapped when only 64 KiB around each piece was
+    dropped: Linux maps a file's pages in by whole folios)."""
     path = tmp_path / "big.ckpt"
-    arrays = {f"w{i}": np.full(1 << 24, i + 0.5, np.float32) for i in range(2)}  # 2 x 64 MiB
+    arrays = {f"w{i}": np.full(1 << 25, i + 0.5, np.float32) for i in range(2)}  # 2 x 128 MiB
     CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path)
     del arrays
     done = subprocess.run(
@@ -331,7 +332,7 @@ def test_a_file_is_read_through_its_map_and_its_pages_dropped_behind(tmp_path):
     )
     found = json.loads(done.stdout)
     assert (found["mean"], found["max"]) == (1.5, 0.5)
-    assert found["grew"] < 12 << 20, found
+    assert found["grew"] < 40 << 20, found
 
 
 def cli(capsys, *args) -> tuple[int, str]:
