@@ -21,6 +21,10 @@ memory. The other types (float8, the packed sub-byte types) go through the NumPy
 implementation kept here (``_stats_numpy``, ``_change_numpy``), which the tests also use as
 the oracle.
 
+The figures are of the values as the file holds them: a statistic does not check the
+checksums ortckpt writes into a file (a flipped bit shows as the value it made);
+``ortckpt verify`` does.
+
 Float64 values near the type's limits: the core scales them by a power of two, so a figure
 is infinite only where its true value is beyond float64 (the L2 norm of two values of 1e308
 is 1.41e308, where NumPy's sum of squares overflows to inf; the std of values of 1e-300 is

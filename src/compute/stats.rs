@@ -6,9 +6,10 @@
 //! over the cache, one over memory). The pieces' figures are then combined in element order
 //! with Chan's formula, so a result does not depend on the number of threads.
 //!
-//! The values are first shifted by one of the tensor's own (its first finite value): the
-//! means and the differences between the pieces' means are then of the spread, not of the
-//! offset, so the std of 1e8 plus noise of 1e-3 keeps its digits. The L2 norm is of the
+//! Each piece's values are first shifted by one of its own (its first finite value): the
+//! means, and the differences between the pieces' means (the shifts' difference plus the
+//! means'), are then of the spread, not of the offset, so the std of 1e8 plus noise of 1e-3
+//! keeps its digits. The L2 norm is of the
 //! values themselves (their sum of squares, with a scale of its own).
 //!
 //! Figures are computed in float64 scaled by a power of two (exact) where a piece's values lie
@@ -116,16 +117,14 @@ pub fn statistics(
         check(t)?;
     }
     let lengths: Vec<_> = tensors.iter().map(Tensor::extent).collect();
-    let shifts: Vec<f64> = tensors.iter().map(shift_of).collect();
     let parts = by_piece(&lengths, threads, progress, |job, range, scratch| {
-        dispatch!(piece_moments(&tensors[job], range, shifts[job], scratch))
+        dispatch!(piece_moments(&tensors[job], range, scratch))
     })?;
     Ok(parts
         .into_iter()
-        .zip(shifts)
-        .map(|(pieces, shift)| {
+        .map(|pieces| {
             let total = pieces.into_iter().fold(Moments::EMPTY, Moments::merge);
-            total.figures(shift)
+            total.figures()
         })
         .collect())
 }
@@ -221,23 +220,6 @@ pub fn histogram(tensor: &Tensor<'_>, edges: &[f64], threads: usize) -> Result<V
     Ok(counts)
 }
 
-/// What a tensor's values are shifted by: the first finite one among its first elements
-/// (0 if none, or if it is beyond 2^±SAFE, where the shift could overflow).
-fn shift_of(tensor: &Tensor<'_>) -> f64 {
-    let mut first = [0.0f64; 64];
-    let n = tensor.elements().min(first.len());
-    let size = element_size(tensor.data_type);
-    widen(
-        tensor.data_type,
-        &tensor.input.bytes[..n * size],
-        &mut first[..n],
-    );
-    let found = first[..n].iter().copied().find(|x| x.is_finite());
-    found
-        .filter(|x| (pow2(-SAFE)..=pow2(SAFE)).contains(&x.abs()))
-        .unwrap_or(0.0)
-}
-
 fn check(tensor: &Tensor<'_>) -> Result<()> {
     let size = element_size(tensor.data_type);
     if !covers(tensor.data_type) || size == 0 {
@@ -287,10 +269,9 @@ mod avx2 {
     pub(super) fn piece_moments(
         tensor: &Tensor<'_>,
         range: Range<usize>,
-        shift: f64,
         scratch: &mut Scratch,
     ) -> Moments {
-        super::piece_moments(tensor, range, shift, scratch)
+        super::piece_moments(tensor, range, scratch)
     }
 
     #[target_feature(enable = "avx2")]
@@ -305,13 +286,8 @@ mod avx2 {
 }
 
 #[inline(always)]
-fn piece_moments(
-    tensor: &Tensor<'_>,
-    range: Range<usize>,
-    shift: f64,
-    scratch: &mut Scratch,
-) -> Moments {
-    moments(scratch.widen(tensor, range, 0), shift)
+fn piece_moments(tensor: &Tensor<'_>, range: Range<usize>, scratch: &mut Scratch) -> Moments {
+    moments(scratch.widen(tensor, range, 0))
 }
 
 #[inline(always)]
@@ -420,22 +396,21 @@ impl Scratch {
     }
 }
 
-/// How far behind a piece its pages are dropped: Linux (6.x, large folios) maps a file's
-/// pages in by whole folios of up to 2 MiB, far beyond the 64 KiB fault-around window; pages
-/// mapped ahead of a piece are dropped by the pieces after it (or by the caller at the end).
-/// Measured: dropping only the piece's 64 KiB windows left a quarter of a 512 MiB file
-/// resident by the end of the pass.
+/// How often pages are dropped: each time a piece ends a window of this size. Linux (6.x,
+/// large folios) maps a file's pages in by whole folios, far beyond the 64 KiB fault-around
+/// window (measured: dropping only the 64 KiB windows around each piece left a quarter of a
+/// 512 MiB file mapped; dropping the 2 MiB window behind, an eighth of a file warmed by
+/// `read()`), so everything behind the piece is dropped, from the mapping's start.
 const BEHIND: usize = 2 << 20;
 
 /// Pieces from this size are mapped in with one call (MADV_POPULATE_READ) rather than by a
 /// fault every folio; for smaller ones the call costs more than the faults it saves.
 const POPULATE_FROM: usize = 64 << 10;
 
-/// Where `bytes` end a [`BEHIND`] window (counted from the mapping's start, where the file's
-/// folios are aligned): drops the pages from the start of the window `bytes` begin in to
-/// their end from this process's memory (MADV_DONTNEED), staying inside `mapping` (see
-/// [`Input::release`]). Elsewhere nothing: the piece that ends the window drops it, one call
-/// a window rather than one a piece (16,000 small tensors make 16,000 pieces).
+/// Where `bytes` end a [`BEHIND`] window (counted from the mapping's start): drops the pages
+/// of `mapping` up to their end from this process's memory (MADV_DONTNEED; pages another
+/// thread is reading are faulted in again). Elsewhere nothing: one call a window rather than
+/// one a piece (16,000 small tensors make 16,000 pieces).
 fn drop_behind(bytes: &[u8], mapping: &Range<usize>) {
     let (address, base) = (bytes.as_ptr() as usize, mapping.start);
     let Some(offset) = address.checked_sub(base) else {
@@ -449,7 +424,7 @@ fn drop_behind(bytes: &[u8], mapping: &Range<usize>) {
     let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
         .unwrap_or(4096)
         .max(1);
-    let start = (base + offset / BEHIND * BEHIND).max(base.div_ceil(page) * page);
+    let start = base.div_ceil(page) * page;
     let end = (address + bytes.len())
         .next_multiple_of(page)
         .min(mapping.end / page * page);
@@ -518,8 +493,8 @@ fn scale_for(a: f64) -> i32 {
     exponent.clamp(-1022, 1023)
 }
 
-/// The moments of a run of finite values less the tensor's shift, in units of `2^scale`, and
-/// the run's counts, min and max (of the values themselves).
+/// The moments of a run of finite values less `shift`, in units of `2^scale`, and the run's
+/// counts, min and max (of the values themselves).
 #[derive(Clone, Copy, Debug)]
 struct Moments {
     n: u64,
@@ -528,6 +503,8 @@ struct Moments {
     neginf: u64,
     min: f64,
     max: f64,
+    /// What the values are less (one of them, within 2^±SAFE, or 0).
+    shift: f64,
     scale: i32,
     mean: f64,
     /// Sum of squared deviations from `mean`.
@@ -544,6 +521,7 @@ impl Moments {
         neginf: 0,
         min: f64::INFINITY,
         max: f64::NEG_INFINITY,
+        shift: 0.0,
         scale: i32::MIN,
         mean: 0.0,
         m2: 0.0,
@@ -581,10 +559,13 @@ impl Moments {
         if self.n == 0 {
             return other.merge_counts(counts);
         }
-        let scale = self.scale.max(other.scale);
+        // The merged run keeps `self`'s shift; the means differ by the shifts' difference
+        // (exact where the shifts are within a factor 2) plus the means' own.
+        let apart = other.shift - self.shift;
+        let scale = self.scale.max(other.scale).max(scale_for(apart.abs()));
         let (a, b) = (self.rescaled(scale), other.rescaled(scale));
         let n = a.n + b.n;
-        let delta = b.mean - a.mean;
+        let delta = apart * pow2(-scale) + (b.mean - a.mean);
         let share = b.n as f64 / n as f64;
         Moments {
             n,
@@ -608,7 +589,7 @@ impl Moments {
         }
     }
 
-    fn figures(self, shift: f64) -> Figures {
+    fn figures(self) -> Figures {
         let (min, max, mean, std, l2) = if self.n == 0 {
             (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN)
         } else {
@@ -617,7 +598,7 @@ impl Moments {
                 let half = self.scale / 2;
                 x * pow2(half) * pow2(self.scale - half)
             };
-            let mean = (shift + unit(self.mean)).clamp(self.min, self.max);
+            let mean = (self.shift + unit(self.mean)).clamp(self.min, self.max);
             let std = unit((self.m2 / self.n as f64).sqrt());
             (self.min, self.max, mean, std, self.squares.value())
         };
@@ -635,10 +616,10 @@ impl Moments {
     }
 }
 
-/// The moments of one piece's values less `shift` (the buffer is reused: its finite values
-/// are moved to its front, shifted and scaled there).
+/// The moments of one piece's values (the buffer is reused: its finite values are moved to
+/// its front, shifted and scaled there).
 #[inline(always)]
-fn moments(values: &mut [f64], shift: f64) -> Moments {
+fn moments(values: &mut [f64]) -> Moments {
     // Min and max in eight lanes, and a probe that turns NaN if any value is NaN or infinite
     // (x * 0 is 0 for every finite x): plain vector min, max, multiply and add.
     let (mut lo, mut hi, mut probe) = ([f64::INFINITY; 8], [f64::NEG_INFINITY; 8], [0.0f64; 8]);
@@ -699,8 +680,13 @@ fn moments(values: &mut [f64], shift: f64) -> Moments {
     if n == 0 {
         return m;
     }
+    // The shift: the first finite value, where no difference from it can overflow.
+    m.shift = Some(finite[0])
+        .filter(|x| (pow2(-SAFE)..=pow2(SAFE)).contains(&x.abs()))
+        .unwrap_or(0.0);
+    let shift = m.shift;
     // One pass: the values' squares (at a scale of their own), and the values less `shift`
-    // at theirs (|shift| <= 2^SAFE: no difference overflows), stored back, and summed.
+    // at theirs, stored back, and summed.
     let square_scale = scale_for(min.abs().max(max.abs()));
     m.scale = scale_for((min - shift).abs().max((max - shift).abs()));
     let (sx, s) = (pow2(-square_scale), pow2(-m.scale));

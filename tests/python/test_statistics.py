@@ -10,6 +10,7 @@ import statistics as exact
 import subprocess
 import sys
 import textwrap
+import threading
 from fractions import Fraction
 
 import ml_dtypes
@@ -302,6 +303,31 @@ def test_histogram_edges_exactly_and_edge_cases():
     for compute in (st.histogram, st._histogram_numpy):
         with pytest.raises(ValueError, match="finite-sized bins"), np.errstate(all="ignore"):
             compute(big, 2, None)
+
+
+def test_another_thread_runs_while_the_kernels_read(tmp_path):
+    """The GIL is released for the whole pass (a ticker thread keeps ticking)."""
+    state = CheckpointState.from_arrays({"w": np.ones(64 * 2**20, np.float32)})  # 256 MiB, one tensor
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(1)
+            stop.wait(0.0005)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        before = len(ticks)
+        found = tensor_stats(state)
+        during = len(ticks) - before
+    finally:
+        stop.set()
+        thread.join()
+    assert found["w"].l2 == 8192.0
+    # With the GIL held for the whole pass the ticker could not run at all.
+    assert during >= 3, during
 
 
 MEMORY_CHILD = textwrap.dedent(

@@ -152,3 +152,19 @@ fn progress_is_told_every_byte_and_can_stop_the_pass() {
     });
     assert!(stopped.is_err());
 }
+
+#[test]
+fn pieces_of_constant_values_combine_by_their_shifts() {
+    // Each piece is constant (no spread of its own): all of the std is between the pieces.
+    let mut values = vec![1.0; PIECE];
+    values.extend(vec![2.0; PIECE]);
+    values.extend(vec![1e8; 3]);
+    let f = figures_of(DataType::Double, &f64_bytes(&values), 2);
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    let std = (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt();
+    assert!(
+        close(f.mean, mean, 1e-14) && close(f.std, std, 1e-12),
+        "{f:?}"
+    );
+}
