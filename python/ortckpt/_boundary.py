@@ -303,19 +303,34 @@ def _mapped_base(array: Any) -> Any:
     return base
 
 
-def mapping_of(value: Any, known: dict[int, tuple[int, int] | None] | None = None) -> tuple[int, int] | None:
+def mapping_of(value: Any) -> tuple[int, int] | None:
     """(address, length) of the map of a file the core mapped that ``value`` is a view over,
-    else None. ``known``: the maps found so far, by the id of their object (for many tensors
-    of a few maps)."""
+    else None."""
     base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
-    if known is not None and id(base) in known:
-        return known[id(base)]
-    found = None
-    if isinstance(base, MappedFile) and len(base):
-        found = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
-    if known is not None:
-        known[id(base)] = found
-    return found
+    if not isinstance(base, MappedFile) or len(base) == 0:
+        return None
+    return np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
+
+
+def maps_of(values: Iterable[Any]) -> tuple[list[tuple[int, int] | None], list[Any]]:
+    """For many values over a few maps, each looked at once: :func:`mapping_of` of each value,
+    and the maps themselves (for :func:`release_all_of`)."""
+    found: dict[int, tuple[Any, tuple[int, int] | None]] = {}
+    mappings = []
+    for value in values:
+        base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
+        if id(base) not in found:
+            mapped = isinstance(base, MappedFile) and len(base) > 0
+            address = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0] if mapped else 0
+            found[id(base)] = (base, (address, len(base)) if mapped else None)
+        mappings.append(found[id(base)][1])
+    return mappings, [base for base, mapping in found.values() if mapping is not None]
+
+
+def release_all_of(maps: Iterable[Any]) -> None:
+    """Drops every page of these maps (from :func:`maps_of`) from memory."""
+    for base in maps:
+        base._release(0, len(base))
 
 
 def release_maps(values: Iterable[Any]) -> None:

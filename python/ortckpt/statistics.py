@@ -155,6 +155,8 @@ def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.Sta
 
 
 def _shape(value: Any) -> tuple[int, ...]:
+    if isinstance(value, np.ndarray):
+        return value.shape
     return tuple(int(d) for d in (value.shape if isinstance(value, PackedBits) else np.shape(value)))
 
 
@@ -214,17 +216,20 @@ class _Opened:
             self.state, self.owned = checkpoint, False
         else:
             self.state, self.owned = CheckpointState.load_checkpoint(checkpoint), True
-        self._maps: dict[int, tuple[int, int] | None] = {}  # each map's (address, length), found once
         self.tensors = list(tensors(self.state))
+        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.tensors
+        self._maps: list[Any] = []
+        if self.owned:
+            mappings, self._maps = _boundary.maps_of(value for _, _, value in self.tensors)
+            self._mapping = {id(value): m for (_, _, value), m in zip(self.tensors, mappings, strict=True)}
         self.release()
 
     def release(self) -> None:
         """Drops the pages loading touched (and those read since) from memory."""
-        if self.owned:
-            _boundary.release_maps(value for _, _, value in self.tensors)
+        _boundary.release_all_of(self._maps)
 
     def kernel(self, value: Any) -> _boundary.StatsTensor | None:
-        return _kernel_tensor(value, _boundary.mapping_of(value, self._maps) if self.owned else None)
+        return _kernel_tensor(value, self._mapping.get(id(value)))
 
 
 def tensor_stats(
