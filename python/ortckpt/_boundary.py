@@ -312,6 +312,27 @@ def mapping_of(value: Any) -> tuple[int, int] | None:
     return np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0], len(base)
 
 
+def maps_of(values: Iterable[Any]) -> tuple[list[tuple[int, int] | None], list[Any]]:
+    """For many values over a few maps, each looked at once: :func:`mapping_of` of each value,
+    and the maps themselves (for :func:`release_all_of`)."""
+    found: dict[int, tuple[Any, tuple[int, int] | None]] = {}
+    mappings = []
+    for value in values:
+        base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
+        if id(base) not in found:
+            mapped = isinstance(base, MappedFile) and len(base) > 0
+            address = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0] if mapped else 0
+            found[id(base)] = (base, (address, len(base)) if mapped else None)
+        mappings.append(found[id(base)][1])
+    return mappings, [base for base, mapping in found.values() if mapping is not None]
+
+
+def release_all_of(maps: Iterable[Any]) -> None:
+    """Drops every page of these maps (from :func:`maps_of`) from memory."""
+    for base in maps:
+        base._release(0, len(base))
+
+
 def release_maps(values: Iterable[Any]) -> None:
     """Drops every page of the maps that ``values`` are views over (see :func:`release_pages`)."""
     bases = {id(b): b for b in (_mapped_base(v.packed if isinstance(v, PackedBits) else v) for v in values)}
@@ -327,6 +348,31 @@ def combine(
     sum of each job's values written to a file, None for one in memory), or (the first result
     element that does not fit its type, as (job, element, exact value), [])."""
     return _core.combine(operation, coefficients, jobs, progress)
+
+
+# (ONNX type code, contiguous little-endian bytes, the map they lie in when its pages may be
+# dropped once read, else None): a tensor as the statistics kernels take it.
+StatsTensor = tuple[int, np.ndarray, tuple[int, int] | None]
+# (nan, posinf, neginf, finite, min, max, mean, std, l2): the figures NaN without finite values.
+StatsFigures = tuple[int, int, int, int, float, float, float, float, float]
+
+
+def tensor_stats(tensors: list[StatsTensor], progress: Callable[[int], object] | None) -> list[StatsFigures]:
+    """The core's statistics of every tensor, in one pass over each (see ``_core.tensor_stats``)."""
+    return _core.tensor_stats(tensors, progress)
+
+
+def tensor_changes(
+    pairs: list[tuple[StatsTensor, StatsTensor]], progress: Callable[[int], object] | None
+) -> list[tuple[int, int, float, float, float]]:
+    """(changed, nonfinite, L2 of b - a, L2 of a, max abs difference) of every pair of
+    same-typed tensors (see ``_core.tensor_changes``)."""
+    return _core.tensor_changes(pairs, progress)
+
+
+def histogram(tensor: StatsTensor, edges: list[float]) -> list[int]:
+    """Counts of a tensor's finite values between ``edges``, as ``numpy.histogram`` counts."""
+    return _core.histogram(tensor, edges)
 
 
 def release_pages(value: Any) -> None:

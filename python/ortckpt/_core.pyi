@@ -17,6 +17,7 @@ __all__ = [
     "checksum_root",
     "combine",
     "encode_segments",
+    "histogram",
     "load",
     "load_buffer",
     "rename_directory",
@@ -24,6 +25,8 @@ __all__ = [
     "save_bytes",
     "save_sharing",
     "stage",
+    "tensor_changes",
+    "tensor_stats",
     "verify_checksums",
     "views",
 ]
@@ -126,6 +129,18 @@ def combine(
     jobs: Sequence[tuple[int, Sequence[Any], Sequence[bool], Any]],
     progress: Callable[[int], object] | None = None,
 ) -> tuple[tuple[int, int, float] | None, list[int | None]]: ...
+
+_StatsTensor = tuple[int, Any, tuple[int, int] | None]
+
+def tensor_stats(
+    tensors: Sequence[_StatsTensor],
+    progress: Callable[[int], object] | None = None,
+) -> list[tuple[int, int, int, int, float, float, float, float, float]]: ...
+def tensor_changes(
+    pairs: Sequence[tuple[_StatsTensor, _StatsTensor]],
+    progress: Callable[[int], object] | None = None,
+) -> list[tuple[int, int, float, float, float]]: ...
+def histogram(tensor: _StatsTensor, edges: Sequence[float]) -> list[int]: ...
 def save_sharing(
     path: str,
     previous: str,

@@ -12,20 +12,47 @@ counts a tensor's finite values in equal bins.
 Tensors are named as ``ortckpt diff`` names them: parameters by name, momentums as
 ``group/parameter/momentum``. Figures are Python floats computed in double precision; a
 tensor with no finite values (or a string tensor) has ``None`` for them.
+
+The figures are computed by the Rust core (``src/compute/stats.rs``) in one pass over each
+tensor's bytes with the GIL released, many tensors per call: float16, bfloat16, float32,
+float64, every integer type and bool. A checkpoint loaded here from a file is read through
+its map and its pages are dropped behind the pass, so a large checkpoint does not stay in
+memory. The other types (float8, the packed sub-byte types) go through the NumPy reference
+implementation kept here (``_stats_numpy``, ``_change_numpy``), which the tests also use as
+the oracle.
+
+The figures are of the values as the file holds them: a statistic does not check the
+checksums ortckpt writes into a file (a flipped bit shows as the value it made);
+``ortckpt verify`` does.
+
+Float64 values near the type's limits: the core scales them by a power of two, so a figure
+is infinite only where its true value is beyond float64 (the L2 norm of two values of 1e308
+is 1.41e308, where NumPy's sum of squares overflows to inf; the std of values of 1e-300 is
+not 0 as NumPy's underflowed squares make it).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from . import _boundary
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, PackedBits
+from .errors import UnsupportedDataTypeError
+
+# The ONNX types the core's kernels compute (the others go through NumPy here).
+_KERNEL_CODES = frozenset(
+    {_dt.FLOAT, _dt.DOUBLE, _dt.FLOAT16, _dt.BFLOAT16, _dt.BOOL}
+    | {_dt.INT8, _dt.INT16, _dt.INT32, _dt.INT64, _dt.UINT8, _dt.UINT16, _dt.UINT32, _dt.UINT64}
+)
+
+Progress = Callable[[int], object]
 
 
 @dataclass(frozen=True)
@@ -93,11 +120,64 @@ def _numeric(value: Any) -> np.ndarray | None:
 def _dtype_name(value: Any) -> str:
     if isinstance(value, PackedBits):
         return _dt.name_of(value.data_type)
-    return str(np.asarray(value).dtype)
+    dtype = np.asarray(value).dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
+    return name
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+# The dtypes the kernels take as they are (a view, no copy; little-endian): their ONNX codes.
+_NATIVE_CODES = {_dt.numpy_dtype(code).newbyteorder("<"): code for code in _KERNEL_CODES}
+
+
+def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.StatsTensor | None:
+    """``value`` as the core's kernels take it, or None for a type they leave to NumPy."""
+    if isinstance(value, PackedBits):
+        return None
+    array = np.asarray(value)
+    code = _NATIVE_CODES.get(array.dtype)
+    if code is not None and array.flags.c_contiguous:  # the common case: a view of its bytes
+        return code, array.reshape(-1).view(np.uint8), mapping
+    if array.dtype == object or array.dtype.kind in "SU":
+        return None
+    try:
+        code = _dt.code_of(array)
+    except UnsupportedDataTypeError:
+        return None
+    if code not in _KERNEL_CODES:
+        return None
+    # A copy (not contiguous, big-endian) no longer lies in the map.
+    return code, _boundary.as_bytes(array), None
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if isinstance(value, np.ndarray):
+        return value.shape
+    return tuple(int(d) for d in (value.shape if isinstance(value, PackedBits) else np.shape(value)))
+
+
+def _figures(name: str, role: str, value: Any, figures: _boundary.StatsFigures) -> TensorStats:
+    nan, posinf, neginf, finite, *values = figures
+    shape = _shape(value)
+    numbers: list[float | None] = [float(v) for v in values] if finite else [None] * 5
+    return TensorStats(name, role, _dtype_name(value), shape, math.prod(shape), nan, posinf, neginf, *numbers)
 
 
 def stats_of(name: str, role: str, value: Any) -> TensorStats:
-    """The statistics of one tensor (NumPy reference implementation)."""
+    """The statistics of one tensor."""
+    kernel = _kernel_tensor(value, None)
+    if kernel is None:
+        return _stats_numpy(name, role, value)
+    return _figures(name, role, value, _boundary.tensor_stats([kernel], None)[0])
+
+
+def _stats_numpy(name: str, role: str, value: Any) -> TensorStats:
+    """The statistics of one tensor: the NumPy reference implementation (for the types the
+    kernels leave out, and the tests' oracle)."""
     array = _numeric(value)
     shape = tuple(int(d) for d in np.shape(value.unpack() if isinstance(value, PackedBits) else value))
     elements = math.prod(shape)
@@ -127,20 +207,70 @@ def stats_of(name: str, role: str, value: Any) -> TensorStats:
     )
 
 
-def _state(checkpoint: CheckpointState | str | os.PathLike[str]) -> CheckpointState:
-    if isinstance(checkpoint, CheckpointState):
-        return checkpoint
-    return CheckpointState.load_checkpoint(checkpoint)
+class _Opened:
+    """A checkpoint to read: its state, and whether its maps are ours to drop pages of (a
+    state loaded here from a path, which nobody else holds or wrote through)."""
+
+    def __init__(self, checkpoint: CheckpointState | str | os.PathLike[str]) -> None:
+        if isinstance(checkpoint, CheckpointState):
+            self.state, self.owned = checkpoint, False
+        else:
+            self.state, self.owned = CheckpointState.load_checkpoint(checkpoint), True
+        self.tensors = list(tensors(self.state))
+        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.tensors
+        self._maps: list[Any] = []
+        if self.owned:
+            mappings, self._maps = _boundary.maps_of(value for _, _, value in self.tensors)
+            self._mapping = {id(value): m for (_, _, value), m in zip(self.tensors, mappings, strict=True)}
+        self.release()
+
+    def release(self) -> None:
+        """Drops the pages loading touched (and those read since) from memory."""
+        _boundary.release_all_of(self._maps)
+
+    def kernel(self, value: Any) -> _boundary.StatsTensor | None:
+        return _kernel_tensor(value, self._mapping.get(id(value)))
 
 
-def tensor_stats(checkpoint: CheckpointState | str | os.PathLike[str]) -> dict[str, TensorStats]:
+def tensor_stats(
+    checkpoint: CheckpointState | str | os.PathLike[str], *, on_bytes: Progress | None = None
+) -> dict[str, TensorStats]:
     """Name -> :class:`TensorStats` of every tensor of ``checkpoint`` (a state, or a
-    checkpoint's path or ``s3://`` URL)."""
-    return {name: stats_of(name, role, value) for name, role, value in tensors(_state(checkpoint))}
+    checkpoint's path or ``s3://`` URL), in one pass over each tensor's values.
+    ``on_bytes(n)`` is called as ``n`` more bytes of values are read."""
+    opened = _Opened(checkpoint)
+    try:
+        jobs, by_kernel = [], []
+        for index, (_name, _role, value) in enumerate(opened.tensors):
+            kernel = opened.kernel(value)
+            if kernel is not None:
+                jobs.append(kernel)
+                by_kernel.append(index)
+        computed = dict(zip(by_kernel, _boundary.tensor_stats(jobs, on_bytes), strict=True))
+        found = {}
+        for index, (name, role, value) in enumerate(opened.tensors):
+            figures = computed.get(index)
+            found[name] = _stats_numpy(name, role, value) if figures is None else _figures(name, role, value, figures)
+        return found
+    finally:
+        opened.release()
+
+
+def _change(name: str, elements: int, figures: tuple[int, int, float, float, float]) -> TensorChange:
+    changed, nonfinite, l2, norm, max_abs = figures
+    return TensorChange(name, elements, changed, nonfinite, l2, (l2 / norm) if norm else None, max_abs)
 
 
 def change_of(name: str, a: Any, b: Any) -> TensorChange:
-    """The change from ``a`` to ``b`` (same shape; NumPy reference implementation)."""
+    """The change from ``a`` to ``b`` (same shape)."""
+    ka, kb = _kernel_tensor(a, None), _kernel_tensor(b, None)
+    if ka is None or kb is None or ka[0] != kb[0] or _shape(a) != _shape(b):
+        return _change_numpy(name, a, b)
+    return _change(name, math.prod(_shape(a)), _boundary.tensor_changes([(ka, kb)], None)[0])
+
+
+def _change_numpy(name: str, a: Any, b: Any) -> TensorChange:
+    """The change from ``a`` to ``b``: the NumPy reference implementation."""
     xa, xb = _numeric(a), _numeric(b)
     if xa is None or xb is None:
         raise TypeError(f"{name}: change figures need numeric tensors")
@@ -164,28 +294,62 @@ def change_of(name: str, a: Any, b: Any) -> TensorChange:
 
 
 def tensor_changes(
-    a: CheckpointState | str | os.PathLike[str], b: CheckpointState | str | os.PathLike[str]
+    a: CheckpointState | str | os.PathLike[str],
+    b: CheckpointState | str | os.PathLike[str],
+    *,
+    on_bytes: Progress | None = None,
 ) -> dict[str, TensorChange]:
     """Name -> :class:`TensorChange` of every tensor ``a`` and ``b`` share with the same dtype
     and shape (numeric ones): those with changed NaNs or infinities first, then largest L2
-    change first."""
-    ta = {name: value for name, _role, value in tensors(_state(a))}
-    found = []
-    for name, _role, vb in tensors(_state(b)):
-        va = ta.get(name)
-        if va is None:
-            continue
-        xa, xb = _numeric(va), _numeric(vb)
-        if xa is None or xb is None or xa.dtype != xb.dtype or xa.shape != xb.shape:
-            continue
-        found.append(change_of(name, va, vb))
+    change first. ``on_bytes(n)`` is called as ``n`` more bytes of values (of both) are read."""
+    opened_a = _Opened(a)
+    try:
+        opened_b = _Opened(b)
+        try:
+            found = _changes(opened_a, opened_b, on_bytes)
+        finally:
+            opened_b.release()
+    finally:
+        opened_a.release()
     found.sort(key=lambda c: (-c.nonfinite, -c.l2, c.name))
     return {c.name: c for c in found}
+
+
+def _changes(opened_a: _Opened, opened_b: _Opened, on_bytes: Progress | None) -> list[TensorChange]:
+    ta = {name: value for name, _role, value in opened_a.tensors}
+    found, pairs, paired = [], [], []
+    for name, _role, vb in opened_b.tensors:
+        va = ta.get(name)
+        if va is None or _dtype_name(va) != _dtype_name(vb) or _shape(va) != _shape(vb):
+            continue
+        ka, kb = opened_a.kernel(va), opened_b.kernel(vb)
+        if ka is not None and kb is not None:
+            pairs.append((ka, kb))
+            paired.append((name, math.prod(_shape(va))))
+        elif _numeric(va) is not None and _numeric(vb) is not None:
+            found.append(_change_numpy(name, va, vb))
+    figures = _boundary.tensor_changes(pairs, on_bytes)
+    found += [_change(name, n, f) for (name, n), f in zip(paired, figures, strict=True)]
+    return found
 
 
 def histogram(value: Any, bins: int = 32, range: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(counts, edges)`` of ``value``'s finite values in ``bins`` equal bins over ``range``
     (default: their min and max), as ``numpy.histogram``."""
+    kernel = _kernel_tensor(value, None)
+    if kernel is None or not isinstance(bins, (int, np.integer)):
+        return _histogram_numpy(value, bins, range)
+    if range is None:
+        _nan, _pos, _neg, finite, lo, hi, *_ = _boundary.tensor_stats([kernel], None)[0]
+        range = (lo, hi) if finite else (0.0, 1.0)
+    # NumPy's own edges (its checks, and the widening of an empty range by 0.5 each side).
+    edges = np.histogram_bin_edges(np.empty(0, np.float64), bins=int(bins), range=range)
+    if not np.isfinite(edges[-1] - edges[0]):
+        return _histogram_numpy(value, bins, range)
+    return np.array(_boundary.histogram(kernel, edges.tolist()), dtype=np.intp), edges
+
+
+def _histogram_numpy(value: Any, bins: Any, range: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:
     array = _numeric(value)
     if array is None:
         raise TypeError("a histogram needs a numeric tensor")

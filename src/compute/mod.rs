@@ -16,6 +16,7 @@
 //! staged file is sealed without reading its values back.
 
 mod floats;
+pub mod stats;
 
 use std::fs::File;
 use std::ops::{Add, Div, Mul, Sub};

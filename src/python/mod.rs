@@ -8,6 +8,7 @@
 mod compute;
 mod errors;
 mod mapped;
+mod stats;
 mod views;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -848,6 +849,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rename_directory, m)?)?;
     m.add_function(wrap_pyfunction!(acquire_lock, m)?)?;
     m.add_function(wrap_pyfunction!(compute::combine, m)?)?;
+    m.add_function(wrap_pyfunction!(stats::tensor_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(stats::tensor_changes, m)?)?;
+    m.add_function(wrap_pyfunction!(stats::histogram, m)?)?;
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;

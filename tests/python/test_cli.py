@@ -171,6 +171,7 @@ def test_progress_bars_on_every_long_command(capfd, ckpt, tmp_path, monkeypatch)
     for args, label in (
         (["verify", "--progress", ckpt], "verifying model.ckpt"),
         (["diff", "--progress", ckpt, ckpt], "comparing"),
+        (["inspect", "--stats", "--progress", ckpt], "statistics"),
         (["convert", "--progress", ckpt, tmp_path / "copy.ckpt"], "saving copy.ckpt"),
         (["compress", "--progress", ckpt, tmp_path / "c.zst"], "compressing model.ckpt"),
         (["decompress", "--progress", tmp_path / "c.zst", tmp_path / "back"], "decompressing c.zst"),

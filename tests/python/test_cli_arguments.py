@@ -121,6 +121,21 @@ def every_command_reads(step: str, tmp: Path) -> None:
     assert json.loads(ok("verify", "--json", step).stdout)["ok"]
     compared = json.loads(ortckpt("diff", "--json", step, original).stdout)
     assert (compared["tensors"], compared["only_in_a"], compared["only_in_b"]) == ([], [], [])
+    assert sorted(c["name"] for c in compared["changes"]) == [
+        "group0/layer.bias/momentum0",
+        "ids",
+        "layer.bias",
+        "layer.weight",
+    ]
+    assert not any(c["changed"] for c in compared["changes"])
+    figures = {t["name"]: t["stats"] for t in json.loads(ok("inspect", "--stats", "--json", step).stdout)["tensors"]}
+    assert (figures["layer.weight"]["max"], figures["layer.weight"]["mean"], figures["ids"]["l2"]) == (
+        11.0,
+        5.5,
+        30**0.5,
+    )
+    assert figures["layer.bias/momentum0"]["name"] == "group0/layer.bias/momentum0"
+    assert "no NaN or Inf in any tensor" in ok("inspect", "--stats", step).stdout
     ok("convert", step, tmp / "out.safetensors")
     from ortckpt.convert import load_safetensors
 

@@ -231,6 +231,38 @@ def main() -> None:
     """
 
 
+def _statistics(path: str, fmt: str, progress: bool) -> dict[str, Any]:
+    """Name -> TensorStats of the checkpoint at ``path`` (a file or s3:// URL of ``fmt``):
+    a checkpoint is read through its map, another format through its converter."""
+    from ..convert.files import load_any
+    from ..statistics import tensor_stats
+
+    source: Any = path if fmt == "ortckpt" else load_any(path, fmt)
+    if not progress:
+        return tensor_stats(source)
+    from ..progress import bar
+
+    with bar("statistics") as counter:
+        return tensor_stats(source, on_bytes=counter.update)
+
+
+def _stats_name(tensor: dict[str, Any]) -> str:
+    """The name ortckpt.tensor_stats gives an inspect entry (momentums: group/parameter/momentum)."""
+    if tensor["role"] == "momentum":
+        return f"{tensor['group']}/{tensor['parameter']}/{tensor['momentum']}"
+    return str(tensor["name"])
+
+
+def _flagged(tensor: dict[str, Any]) -> bool:
+    """Whether an inspect entry's statistics count a NaN or an infinity."""
+    st = tensor["stats"]
+    return bool(st["nan"] or st["posinf"] or st["neginf"])
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 @main.command(epilog=EXIT_CODES, short_help="List tensors, optimizer groups, properties and totals.")
 @click.argument("path", type=NAME)
 @click.option("--from", "fmt", type=FORMAT_CHOICE, help="The file's format (default: detected).")
@@ -242,15 +274,27 @@ def main() -> None:
     show_default=True,
     help="Tensors listed (0: all); totals count all.",
 )
+@click.option(
+    "--stats",
+    is_flag=True,
+    help="Also read every value: min, max, mean, std and L2 norm of the finite values, NaN and Inf counts.",
+)
+@_progress_option
 @_fail_cleanly
-def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
+def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, progress: bool | None) -> None:
     """List the tensors of a checkpoint (role, dtype, shape, size, where the bytes live), its
-    optimizer groups, properties and totals. Reads only the header of an ONNX Runtime checkpoint.
+    optimizer groups, properties and totals. Reads only the header of an ONNX Runtime checkpoint;
+    --stats reads every value too and adds each tensor's statistics, flagging NaN and Inf.
     PATH is a checkpoint (a file, or an s3:// object) or a CheckpointManager's step folder."""
     from .summary import describe
 
     with sources.checkpoint(path) as found:
         info = describe(found.path, None if found.step else fmt)
+        if stats:
+            figures = _statistics(found.path, info["format"], _show_progress(progress))
+            for t in info["tensors"]:
+                t["stats"] = figures[_stats_name(t)].to_json()
+            info["totals"]["flagged"] = sum(1 for t in info["tensors"] if _flagged(t))
     info["path"] = path
     if found.step is not None:
         info["step"] = found.step.step.number
@@ -268,9 +312,26 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int) -> None:
         [t["name"], t["role"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", _size(t["bytes"]), t["location"]]
         for t in shown
     ]
-    click.echo(_table(rows, ["tensor", "role", "dtype", "shape", "size", "bytes at"]))
+    header = ["tensor", "role", "dtype", "shape", "size", "bytes at"]
+    if stats:
+        header += ["min", "max", "mean", "std", "L2", "NaN", "Inf"]
+        for row, t in zip(rows, shown, strict=True):
+            st = t["stats"]
+            row += [_figure(st[k]) for k in ("min", "max", "mean", "std", "l2")]
+            row += [str(st["nan"]), str(st["posinf"] + st["neginf"])]
+            row[0] = ("! " if _flagged(t) else "  ") + row[0]
+        header[0] = "  tensor"
+    click.echo(_table(rows, header))
     if len(shown) < len(tensors):
         click.echo(f"... {len(tensors) - len(shown)} more (--limit 0 lists all)")
+    if stats:
+        flagged = [t["name"] for t in tensors if _flagged(t)]
+        if flagged:
+            more = f" and {len(flagged) - 10} more" if len(flagged) > 10 else ""
+            holds = "tensor holds" if len(flagged) == 1 else "tensors hold"
+            click.echo(f"! {len(flagged)} {holds} NaN or Inf: {', '.join(flagged[:10])}{more}")
+        else:
+            click.echo("no NaN or Inf in any tensor")
     if info["optimizer_groups"]:
         click.echo("\noptimizer groups:")
         for g in info["optimizer_groups"]:
@@ -351,6 +412,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     (within --rtol/--atol), optimizer steps and learning rates, properties. Exit code 1 when
     they differ."""
     from ..convert.files import load_any
+    from ..statistics import tensor_changes
     from .compare import compare
 
     with sources.checkpoint(a) as found_a, sources.checkpoint(b) as found_b:
@@ -360,10 +422,13 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 
         with bar("comparing") as counter:
             result = compare(state_a, state_b, rtol=rtol, atol=atol, on_bytes=counter.update)
+            changes = tensor_changes(state_a, state_b, on_bytes=counter.update)
     else:
         result = compare(state_a, state_b, rtol=rtol, atol=atol)
+        changes = tensor_changes(state_a, state_b)
     if as_json:
-        _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json()})
+        figures = {"changes": [c.to_json() for c in changes.values()]}
+        _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json(), **figures})
     else:
         for name in result.only_in_a:
             click.echo(f"only in {a}: {name}")
@@ -379,6 +444,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
             click.echo(f"{t.name}: {t.problem}: {detail}")
         for name, (va, vb) in {**result.optimizer, **result.properties}.items():
             click.echo(f"{name}: {va!r} vs {vb!r}")
+        _echo_changes(list(changes.values()))
         verdict = "identical" if result.identical else "differ"
         click.echo(
             f"{result.compared} tensors compared: {verdict}"
@@ -444,6 +510,27 @@ def _files_of(found: sources.Resolved, given: str) -> dict[str, int | None]:
             if not suffix:
                 raise
     return files
+
+
+# Changed tensors listed by diff's text output (--json lists every shared tensor).
+_CHANGES_SHOWN = 20
+
+
+def _echo_changes(changes: list[Any]) -> None:
+    """The changed tensors' figures, largest change first (NaN/Inf changes before all)."""
+    changed = [c for c in changes if c.changed]
+    if not changed:
+        return
+    click.echo(f"changes, largest first ({len(changed)} of {len(changes)} shared tensors changed):")
+    for c in changed[:_CHANGES_SHOWN]:
+        relative = "-" if c.relative is None else f"{c.relative:.3g}"
+        nonfinite = f", {c.nonfinite} to or from NaN/Inf" if c.nonfinite else ""
+        click.echo(
+            f"  {c.name}: {c.changed} of {c.elements} changed, L2 {c.l2:.4g} (relative {relative}), "
+            f"max abs {c.max_abs:.4g}{nonfinite}"
+        )
+    if len(changed) > _CHANGES_SHOWN:
+        click.echo(f"  ... {len(changed) - _CHANGES_SHOWN} more (--json lists all)")
 
 
 @main.command(epilog=EXIT_CODES, short_help="Convert between checkpoint, safetensors, ONNX and torch files.")

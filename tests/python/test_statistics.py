@@ -1,0 +1,450 @@
+"""Per-tensor statistics, change figures and histograms (ortckpt.statistics on the core's
+kernels), against the NumPy reference implementation kept as the oracle; the extremes against
+exact figures; files, hostile files, memory, and the CLI's inspect --stats and diff figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics as exact
+import subprocess
+import sys
+import textwrap
+import threading
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+from ortckpt import CheckpointState, OptimizerGroup, TensorChange, TensorStats, tensor_changes, tensor_stats
+from ortckpt import statistics as st
+from ortckpt.cli import DIFFERENT, OK, run
+from ortckpt.dtypes import PackedBits
+from ortckpt.errors import CheckpointFormatError
+
+KERNEL_DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+]
+# Sizes around the kernel's piece (16,384 elements): empty, one, a piece, a piece and a bit, many.
+SIZES = [0, 1, 7, 16384, 16385, 100_003]
+RTOL = 1e-12
+
+
+def values(dtype, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    if np.dtype(dtype) == np.bool_:
+        return rng.integers(0, 2, n).astype(np.bool_)
+    x = (rng.standard_normal(n) * 30 + 5).astype(dtype)
+    if n > 10:  # NaN and both infinities among them
+        x[3], x[n // 2], x[-2], x[-1] = np.nan, np.inf, -np.inf, np.nan
+    return x
+
+
+def assert_stats_equal(got: TensorStats, want: TensorStats) -> None:
+    """Counts, min and max exactly; mean, std and L2 within RTOL (the sums' order differs)."""
+    assert (got.name, got.role, got.dtype, got.shape, got.elements) == (
+        want.name,
+        want.role,
+        want.dtype,
+        want.shape,
+        want.elements,
+    )
+    counts = ("nan", "posinf", "neginf", "min", "max")
+    assert [getattr(got, k) for k in counts] == [getattr(want, k) for k in counts]
+    for field in ("mean", "std", "l2"):
+        g, w = getattr(got, field), getattr(want, field)
+        assert (g is None) == (w is None), field
+        if w is not None:
+            assert math.isclose(g, w, rel_tol=RTOL, abs_tol=1e-300), (field, g, w)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", SIZES)
+def test_every_kernel_type_matches_the_numpy_oracle(dtype, n):
+    x = values(dtype, n)
+    assert_stats_equal(st.stats_of("t", "frozen", x), st._stats_numpy("t", "frozen", x))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_scalars_strided_and_big_endian_arrays(dtype):
+    scalar = np.array(values(dtype, 5)[1])
+    got = st.stats_of("s", "frozen", scalar)
+    assert got.shape == () and got.elements == 1
+    assert_stats_equal(got, st._stats_numpy("s", "frozen", scalar))
+    strided = values(dtype, 1000).reshape(40, 25)[::3, ::2]
+    assert_stats_equal(st.stats_of("v", "frozen", strided), st._stats_numpy("v", "frozen", strided))
+    if np.dtype(dtype).itemsize > 1 and np.dtype(dtype).byteorder != "|" and dtype is not ml_dtypes.bfloat16:
+        big = values(dtype, 1000).astype(np.dtype(dtype).newbyteorder(">"))
+        assert_stats_equal(st.stats_of("b", "frozen", big), st._stats_numpy("b", "frozen", big))
+
+
+def test_all_nan_empty_and_infinite_tensors_have_counts_and_no_figures():
+    nan = st.stats_of("n", "trainable", np.full(5, np.nan, np.float32))
+    assert (nan.nan, nan.finite, nan.flagged, nan.min, nan.mean, nan.l2) == (5, 0, True, None, None, None)
+    inf = st.stats_of("i", "trainable", np.array([np.inf, -np.inf, np.inf], np.float64))
+    assert (inf.posinf, inf.neginf, inf.finite, inf.std) == (2, 1, 0, None)
+    empty = st.stats_of("e", "trainable", np.zeros((0, 3), np.float16))
+    assert (empty.elements, empty.shape, empty.flagged, empty.max) == (0, (0, 3), False, None)
+
+
+def test_std_of_a_large_offset_plus_small_noise_does_not_collapse():
+    rng = np.random.default_rng(1)
+    x = 1e8 + rng.standard_normal(300_001) * 1e-3
+    got = st.stats_of("x", "trainable", x)
+    # statistics.pstdev and fmean compute exactly (fractions), then round once.
+    assert math.isclose(got.std, exact.pstdev(x.tolist()), rel_tol=1e-13)  # NumPy's: 3e-11 off
+    assert math.isclose(got.mean, exact.fmean(x.tolist()), rel_tol=1e-15)
+    ones = st.stats_of("c", "trainable", np.full(100_000, 0.1, np.float32))
+    assert ones.std == 0.0 and ones.mean == ones.min == ones.max  # constant: no rounding spread
+
+
+def exact_sqrt(value: Fraction) -> float:
+    """The square root of an exact value, correctly rounded enough (inf beyond float64)."""
+    scale = 2**1200  # enough bits below the point for values down to 1e-308 squared
+    root = Fraction(math.isqrt(int(value * scale * scale)), scale)
+    try:
+        return float(root)
+    except OverflowError:
+        return math.inf
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        [1.7e308, 1.0e308, -1.5e308],
+        [1e300] * 3 + [-1e300],
+        [1e-300, -1e-300, 3e-300],
+        [5e-324, 1e-320, 0.0],
+        [1e308, 1e-308, 1.0],
+        [1e8 + 1e-7, 1e8 - 3e-7, 1e8],
+    ],
+    ids=["near max", "large", "tiny", "subnormal", "mixed", "offset"],
+)
+def test_float64_near_its_limits_is_scaled_not_overflowed(x):
+    """NumPy's sums overflow (inf) or underflow (0) here; the kernel scales by powers of two:
+    a figure is infinite only where its true value is beyond float64. Exact figures from
+    fractions."""
+    got = st.stats_of("x", "trainable", np.array(x, np.float64))
+    exact_mean = sum(Fraction(v) for v in x) / len(x)
+    variance = sum((Fraction(v) - exact_mean) ** 2 for v in x) / len(x)
+    assert math.isclose(got.mean, float(exact_mean), rel_tol=1e-15, abs_tol=1e-323)
+    assert math.isclose(got.std, exact_sqrt(variance), rel_tol=1e-14, abs_tol=1e-323), (got.std, exact_sqrt(variance))
+    l2 = exact_sqrt(sum(Fraction(v) ** 2 for v in x))
+    assert got.l2 == l2 if math.isinf(l2) else math.isclose(got.l2, l2, rel_tol=1e-14, abs_tol=1e-323)
+    beyond = st.stats_of("x", "trainable", np.full(4, 1.7e308))
+    assert beyond.mean == 1.7e308 and beyond.std == 0.0 and beyond.l2 == math.inf  # 3.4e308 is beyond float64
+
+
+def test_types_the_kernels_leave_out_go_through_numpy():
+    f8 = np.array([1.0, -2.0, np.nan, 448.0], ml_dtypes.float8_e4m3fn)
+    assert st.stats_of("f8", "trainable", f8) == st._stats_numpy("f8", "trainable", f8)
+    packed = PackedBits.pack(np.array([-8, 7, 3, 0, 1], ml_dtypes.int4))
+    got = st.stats_of("i4", "frozen", packed)
+    assert got == st._stats_numpy("i4", "frozen", packed) and (got.min, got.max, got.dtype) == (-8.0, 7.0, "INT4")
+    strings = st.stats_of("s", "frozen", np.array(["a", "bc"], dtype=object))
+    assert (strings.elements, strings.mean, strings.flagged) == (2, None, False)
+
+
+def state_with_everything() -> CheckpointState:
+    arrays = {np.dtype(d).name: values(d, 20_000, seed=i) for i, d in enumerate(KERNEL_DTYPES)}
+    frozen = {"f8": np.array([1, 2, 3], ml_dtypes.float8_e5m2), "words": np.array(["x", "yz"], dtype=object)}
+    state = CheckpointState.from_arrays(arrays, frozen, {"epoch": 1})
+    state.optimizer_groups["g"] = OptimizerGroup(
+        3, 0.1, {"float32": {"momentum0": values(np.float32, 20_000, 9), "momentum1": np.zeros(7, np.float32)}}
+    )
+    return state
+
+
+def test_a_checkpoint_file_matches_its_state_and_counts_every_byte(tmp_path):
+    state = state_with_everything()
+    path = tmp_path / "c.ckpt"
+    CheckpointState.save_checkpoint(state, path, include_optimizer_state=True, external_data_threshold=4096)
+    told: list[int] = []
+    from_file = tensor_stats(path, on_bytes=told.append)
+    loaded = CheckpointState.load_checkpoint(path)
+    oracle = {name: st._stats_numpy(name, role, value) for name, role, value in st.tensors(loaded)}
+    assert list(from_file) == list(oracle) and "g/float32/momentum0" in from_file
+    for name in oracle:
+        assert_stats_equal(from_file[name], oracle[name])
+    assert from_file == tensor_stats(state)  # the same figures from the state in memory
+    kernel_bytes = sum(np.asarray(v).nbytes for n, _, v in st.tensors(loaded) if n not in ("f8", "words"))
+    assert sum(told) == kernel_bytes
+    assert from_file["uint8"].to_json()["finite"] == 20_000
+
+
+def test_a_progress_callback_that_raises_stops_the_pass(tmp_path):
+    def boom(n: int) -> None:
+        raise KeyboardInterrupt("stop")
+
+    with pytest.raises(KeyboardInterrupt, match="stop"):
+        tensor_stats(CheckpointState.from_arrays({"w": np.zeros(1 << 23, np.float32)}), on_bytes=boom)
+
+
+def test_hostile_and_truncated_files_are_typed_errors_naming_the_file(tmp_path):
+    state = CheckpointState.from_arrays({"w": np.ones(100_000, np.float32), "b": np.ones(3, np.float32)})
+    CheckpointState.save_checkpoint(state, tmp_path / "e.ckpt", external_data_threshold=100)
+    data = tmp_path / "e.ckpt.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(CheckpointFormatError, match=r"e\.ckpt\.data: tensor 'w'.*beyond the end") as e:
+        tensor_stats(tmp_path / "e.ckpt")
+    assert e.value.filename is None or "e.ckpt" in str(e.value.filename)
+    CheckpointState.save_checkpoint(state, tmp_path / "t.ckpt")
+    raw = (tmp_path / "t.ckpt").read_bytes()
+    (tmp_path / "t.ckpt").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CheckpointFormatError, match=r"t\.ckpt"):
+        tensor_stats(tmp_path / "t.ckpt")
+    (tmp_path / "junk.ckpt").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointFormatError, match=r"junk\.ckpt"):
+        tensor_stats(tmp_path / "junk.ckpt")
+
+
+def test_the_kernels_refuse_a_buffer_outside_the_mapping_it_claims():
+    from ortckpt import _boundary
+    from ortckpt.errors import CheckpointError
+
+    x = np.zeros(16, np.float32)
+    address = x.__array_interface__["data"][0]
+    with pytest.raises(CheckpointError, match="outside its mapping"):
+        _boundary.tensor_stats([(1, x.view(np.uint8), (address + 4, 64))], None)
+    with pytest.raises(CheckpointError, match="not whole"):
+        _boundary.tensor_stats([(1, x.view(np.uint8)[:7], None)], None)
+    with pytest.raises(CheckpointError, match="no kernel"):
+        _boundary.tensor_stats([(8, x.view(np.uint8), None)], None)
+    with pytest.raises(CheckpointError, match="different types"):
+        _boundary.tensor_changes([((1, x.view(np.uint8), None), (11, x.view(np.uint8), None))], None)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_change_figures_match_the_numpy_oracle(dtype):
+    a = values(dtype, 40_000, seed=1)
+    b = a.copy()
+    b[::7] = values(dtype, len(b[::7]), seed=2)
+    if np.dtype(dtype).kind == "f" or dtype is ml_dtypes.bfloat16:
+        b[5], b[6], a[7], b[7] = np.nan, np.inf, np.inf, np.inf  # changes to NaN and Inf; an Inf kept
+    got, want = st.change_of("t", a, b), st._change_numpy("t", a, b)
+    assert (got.name, got.elements, got.changed, got.nonfinite, got.max_abs) == (
+        want.name,
+        want.elements,
+        want.changed,
+        want.nonfinite,
+        want.max_abs,
+    )
+    assert math.isclose(got.l2, want.l2, rel_tol=RTOL)
+    assert (got.relative is None) == (want.relative is None)
+    if want.relative is not None:
+        assert math.isclose(got.relative, want.relative, rel_tol=RTOL)
+
+
+def test_change_figures_of_two_checkpoints_largest_first_identical_ones_included(tmp_path):
+    a = CheckpointState.from_arrays(
+        {
+            "small": np.ones(10, np.float32),
+            "big": np.ones(10, np.float64),
+            "same": np.arange(5, dtype=np.int32),
+            "nan": np.array([1.0, 2.0]),
+        },
+        {"f8": np.array([1, 2], ml_dtypes.float8_e4m3fn), "words": np.array(["a"], dtype=object)},
+    )
+    b = CheckpointState.from_arrays(
+        {
+            "small": np.full(10, 1.5, np.float32),
+            "big": np.full(10, 4.0, np.float64),
+            "same": np.arange(5, dtype=np.int32),
+            "nan": np.array([1.0, np.nan]),
+        },
+        {"f8": np.array([1, 4], ml_dtypes.float8_e4m3fn), "words": np.array(["b"], dtype=object)},
+    )
+    b.parameters["nan"] = np.array([1.0, np.nan])
+    a.parameters["nan"] = np.array([1.0, 2.0])
+    CheckpointState.save_checkpoint(a, tmp_path / "a.ckpt")
+    found = tensor_changes(tmp_path / "a.ckpt", b)
+    assert list(found) == ["nan", "big", "f8", "small", "same"]  # NaN changes first, then by L2
+    assert found["big"] == TensorChange("big", 10, 10, 0, math.sqrt(90), 3.0, 3.0)
+    assert found["same"] == TensorChange("same", 5, 0, 0, 0.0, 0.0, 0.0)
+    assert (found["nan"].changed, found["nan"].nonfinite, found["nan"].l2) == (1, 1, 0.0)
+    assert found["f8"] == st._change_numpy("f8", a.parameters["f8"].data, b.parameters["f8"].data)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int16, np.uint8])
+@pytest.mark.parametrize("bins,range_", [(32, None), (1, None), (7, (-20.0, 20.0)), (5, (3.0, 3.0)), (10, (0, 255))])
+def test_histogram_counts_as_numpy_histogram(dtype, bins, range_):
+    x = values(dtype, 50_000, seed=3)
+    got_counts, got_edges = st.histogram(x, bins, range_)
+    want_counts, want_edges = st._histogram_numpy(x, bins, range_)
+    assert np.array_equal(got_edges, want_edges) and np.array_equal(got_counts, want_counts)
+    assert got_counts.dtype == want_counts.dtype
+
+
+def test_histogram_edges_exactly_and_edge_cases():
+    x = np.array([0.0, 0.1, 0.2, 0.3, 1.0, 1.0, np.nan, np.inf, -0.5, 2.0], np.float64)
+    counts, _ = st.histogram(x, 10, (0.0, 1.0))
+    assert np.array_equal(counts, np.histogram(x[np.isfinite(x)], 10, (0.0, 1.0))[0])
+    assert counts[-1] == 2  # values equal to the last edge are in the last bin
+    counts, _ = st.histogram(np.full(3, np.nan, np.float32))
+    assert counts.sum() == 0
+    with pytest.raises(ValueError):
+        st.histogram(x, 4, (1.0, 0.0))
+    big = np.array([-1.7e308, 1.7e308])  # the range's width is beyond float64: NumPy's own path and error
+    for compute in (st.histogram, st._histogram_numpy):
+        with pytest.raises(ValueError, match="finite-sized bins"), np.errstate(all="ignore"):
+            compute(big, 2, None)
+
+
+def test_another_thread_runs_while_the_kernels_read(tmp_path):
+    """The GIL is released for the whole pass (a ticker thread keeps ticking)."""
+    state = CheckpointState.from_arrays({"w": np.ones(64 * 2**20, np.float32)})  # 256 MiB, one tensor
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(1)
+            stop.wait(0.0005)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        before = len(ticks)
+        found = tensor_stats(state)
+        during = len(ticks) - before
+    finally:
+        stop.set()
+        thread.join()
+    assert found["w"].l2 == 8192.0
+    # With the GIL held for the whole pass the ticker could not run at all.
+    assert during >= 3, during
+
+
+MEMORY_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import ortckpt
+
+    def status(key):
+        return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+
+    before = status("VmRSS")
+    stats = ortckpt.tensor_stats(sys.argv[1])
+    print(json.dumps({"grew": status("VmHWM") - before, "mean": stats["w1"].mean, "max": stats["w0"].max}))
+    """
+)
+
+
+def test_a_file_is_read_through_its_map_and_its_pages_dropped_behind(tmp_path):
+    """256 MiB of tensors: the peak grows by a few windows of 2 MiB a thread, not by the file
+    (nor by the quarter of it that stayed mapped when only 64 KiB around each piece was
+    dropped: Linux maps a file's pages in by whole folios)."""
+    path = tmp_path / "big.ckpt"
+    arrays = {f"w{i}": np.full(1 << 25, i + 0.5, np.float32) for i in range(2)}  # 2 x 128 MiB
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path)
+    del arrays
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, str(path)], capture_output=True, text=True, timeout=300, check=True
+    )
+    found = json.loads(done.stdout)
+    assert (found["mean"], found["max"]) == (1.5, 0.5)
+    assert found["grew"] < 40 << 20, found
+
+
+def cli(capsys, *args) -> tuple[int, str]:
+    code = run([str(a) for a in args])
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def flagged(tmp_path):
+    state = CheckpointState.from_arrays(
+        {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "bad": np.array([1, np.nan, np.inf, 2], np.float32)},
+        {"ids": np.arange(10, dtype=np.int64)},
+    )
+    state.optimizer_groups["g"] = OptimizerGroup(2, 0.1, {"w": {"momentum0": np.full((3, 4), -0.25, np.float32)}})
+    path = tmp_path / "a.ckpt"
+    CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
+    return path
+
+
+def test_inspect_stats_table_flags_nan_and_inf_rows(capsys, flagged):
+    code, out = cli(capsys, "inspect", "--stats", flagged)
+    assert code == OK
+    rows = {line[2:].split()[0]: line for line in out.splitlines() if line[2:].startswith(("w", "bad", "ids"))}
+    assert rows["bad"].startswith("! ") and rows["w"].startswith("  ")
+    assert rows["w"].split()[-7:] == ["0", "11", "5.5", "3.452", "22.49", "0", "0"]
+    assert rows["bad"].split()[-7:] == ["1", "2", "1.5", "0.5", "2.236", "1", "1"]
+    assert rows["w/momentum0"].split()[-7:] == ["-0.25", "-0.25", "-0.25", "0", "0.866", "0", "0"]
+    assert "! 1 tensor holds NaN or Inf: bad" in out
+    code, out = cli(capsys, "inspect", flagged)
+    assert "NaN" not in out and "L2" not in out  # without --stats: the header alone, as before
+
+
+def test_inspect_stats_json_adds_a_stats_object_per_tensor(capsys, flagged):
+    code, out = cli(capsys, "inspect", "--stats", "--json", flagged)
+    info = json.loads(out)
+    assert code == OK and info["totals"]["flagged"] == 1
+    by_name = {t["name"]: t for t in info["tensors"]}
+    assert by_name["bad"]["stats"] == tensor_stats(flagged)["bad"].to_json()
+    assert by_name["w/momentum0"]["stats"]["name"] == "g/w/momentum0"
+    assert by_name["ids"]["stats"]["l2"] == math.sqrt(285) and by_name["ids"]["stats"]["finite"] == 10
+    code, out = cli(capsys, "inspect", "--json", flagged)
+    assert "stats" not in json.loads(out)["tensors"][0] and "flagged" not in json.loads(out)["totals"]
+
+
+def test_inspect_stats_reads_other_formats_through_their_converters(capsys, flagged, tmp_path):
+    assert cli(capsys, "convert", flagged, tmp_path / "m.safetensors")[0] == OK
+    code, out = cli(capsys, "inspect", "--stats", "--json", tmp_path / "m.safetensors")
+    by_name = {t["name"]: t["stats"] for t in json.loads(out)["tensors"]}
+    assert code == OK and by_name["bad"]["nan"] == 1 and by_name["w"]["max"] == 11.0
+
+
+def test_diff_prints_change_figures_largest_first_and_lists_every_tensor_in_json(capsys, flagged, tmp_path):
+    state = CheckpointState.load_checkpoint(flagged)
+    state.parameters["w"] = state.parameters["w"].data * 2
+    state.parameters["ids"] = np.arange(10, dtype=np.int64) + np.array([0] * 9 + [1])
+    CheckpointState.save_checkpoint(state, tmp_path / "b.ckpt", include_optimizer_state=True)
+    code, out = cli(capsys, "diff", flagged, tmp_path / "b.ckpt")
+    assert code == DIFFERENT
+    lines = out.splitlines()
+    at = lines.index("changes, largest first (2 of 4 shared tensors changed):")
+    assert lines[at + 1] == "  w: 11 of 12 changed, L2 22.49 (relative 1), max abs 11"
+    assert lines[at + 2] == "  ids: 1 of 10 changed, L2 1 (relative 0.0592), max abs 1"
+    assert lines[-1] == "4 tensors compared: differ"
+    code, out = cli(capsys, "diff", "--json", flagged, tmp_path / "b.ckpt")
+    report = json.loads(out)
+    assert code == DIFFERENT and report["tensors"] and report["only_in_a"] == []  # the keys it had
+    assert [c["name"] for c in report["changes"]] == ["w", "ids", "bad", "g/w/momentum0"]
+    assert report["changes"][2] == {
+        "name": "bad",
+        "elements": 4,
+        "changed": 0,
+        "nonfinite": 0,
+        "l2": 0.0,
+        "relative": 0.0,
+        "max_abs": 0.0,
+    }
+    code, out = cli(capsys, "diff", flagged, flagged)
+    assert code == OK and "changes" not in out
+
+
+def test_an_s3_checkpoint_object_and_the_cli_on_it(capsys, s3_url, aws_environment, flagged):
+    url = f"{s3_url}/a.ckpt"
+    state = CheckpointState.load_checkpoint(flagged)
+    CheckpointState.save_checkpoint(state, url, include_optimizer_state=True)
+    assert tensor_stats(url) == tensor_stats(flagged)
+    code, out = cli(capsys, "inspect", "--stats", "--json", url)
+    assert code == OK and json.loads(out)["totals"]["flagged"] == 1
+    code, out = cli(capsys, "diff", "--json", url, flagged)
+    assert code == OK and len(json.loads(out)["changes"]) == 4
