@@ -40,6 +40,7 @@ RUN_BY = {
     "torch": TORCH + "test_the_readme_torch_example_runs",
     "deployment": HERE + "test_readme_deployment_example_runs",
     "object-storage": HERE + "test_readme_object_storage_example_runs_against_s3",
+    "looking": HERE + "test_looking_at_checkpoints_runs_in_the_quick_starts_folder",
     "report-python": HERE + "test_the_reports_python_example_writes_the_page",
     "report-mlflow": HERE + "test_the_reports_mlflow_example_uploads_each_steps_report",
 }
@@ -99,3 +100,14 @@ def all_blocks() -> dict[str, Block]:
 def block(name: str) -> str:
     """The code of the example tagged NAME, dedented, as a user would paste it."""
     return all_blocks()[name].code
+
+
+def shell_block(name: str) -> list[str]:
+    """The commands of the ```sh block tagged NAME (comments dropped): run by the test that runs the
+    Python example beside it, so the command lines of the documentation cannot drift either."""
+    for document in documents():
+        found = re.search(rf"^<!-- test: {re.escape(name)} -->\n```sh\n(.*?)^```$", document.read_text(), re.M | re.S)
+        if found:
+            lines = (line.split("#", 1)[0].strip() for line in found.group(1).splitlines())
+            return [line for line in lines if line]
+    raise KeyError(f"no ```sh block tagged {name!r} in README.md or docs/")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from readme_blocks import ROOT, RUN_BY, all_blocks, block, blocks_of
+from readme_blocks import ROOT, RUN_BY, all_blocks, block, blocks_of, shell_block
 
 
 def test_every_example_of_the_documentation_is_run_by_a_test():
@@ -94,6 +94,48 @@ def test_the_quick_start_runs_as_written_in_an_empty_directory(tmp_path):
         assert (state.parameters["fc.weight"].data == 0.5).all() and (state.parameters["fc.bias"].data == 1).all()
         assert not state.parameters["pos"].requires_grad
         assert np.array_equal(state.parameters["pos"].data, np.arange(8))
+
+
+def test_looking_at_checkpoints_runs_in_the_quick_starts_folder(tmp_path):
+    """The statistics example, then its command lines, each as a user runs them after the Quick start."""
+    import json
+
+    def run(*command: str) -> subprocess.CompletedProcess:
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return subprocess.run(
+            command,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**os.environ, "PATH": path},
+        )
+
+    for example in (block("quick-start"), block("looking")):
+        done = run(sys.executable, "-c", example)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == (
+        "fc.weight 3 NaN, finite values from 0.5 to 0.5\n"
+        "fc.weight 3 changed (3 to or from NaN/Inf), L2 of the change 0.0\n"
+    )
+    inspect, diff, report = shell_block("looking-cli")
+    assert inspect.startswith("ortckpt inspect --stats") and report.startswith("ortckpt report")
+    (tmp_path / "report.html").unlink()
+    done = run("bash", "-c", inspect)
+    assert done.returncode == 0, done.stderr
+    assert "! 1 tensor holds NaN or Inf: fc.weight" in done.stdout
+    [row] = [line for line in done.stdout.splitlines() if line.startswith("! fc.weight")]
+    assert row.split()[-2:] == ["3", "0"]  # NaN, Inf
+    done = run("bash", "-c", diff)
+    assert done.returncode == 1, done.stderr  # they differ
+    changes = {c["name"]: c for c in json.loads(done.stdout)["changes"]}
+    assert changes["fc.weight"]["changed"] == 3 and changes["fc.weight"]["nonfinite"] == 3
+    assert all(c["changed"] == 0 for name, c in changes.items() if name != "fc.weight")
+    done = run("bash", "-c", report)
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert "fc.weight" in page and "checkpoint_with_optimizer" in page and "<svg" in page
 
 
 def test_readme_checkpoint_manager_example_runs_and_resumes(tmp_path, monkeypatch, capsys):
