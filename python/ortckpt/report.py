@@ -140,8 +140,24 @@ def _nbytes(value: Any) -> int:
 
 
 def _e(value: Any) -> str:
-    """Text from a file, as HTML text or attribute (quotes too)."""
-    return html.escape(str(value), quote=True)
+    """Text from a file, as HTML text or attribute (quotes too). Characters that do not print
+    are written out as Python's repr writes them: a right-to-left override would turn the name
+    and the text after it around, a zero-width space make two names look alike."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return html.escape(text, quote=True)
+
+
+# A property's value is shown up to this many characters: a string of megabytes stays in the
+# file, not in the page.
+_PROPERTY_SHOWN = 500
+
+
+def _clipped(text: str) -> str:
+    if len(text) <= _PROPERTY_SHOWN:
+        return text
+    return f"{text[:_PROPERTY_SHOWN]}\u2026 ({_count(len(text))} characters)"
 
 
 def _num(x: float | None) -> str:
@@ -276,7 +292,8 @@ class _Page:
             )
         )
         props = "".join(
-            f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(repr(v))}</code></td></tr>" for k, v in state.properties
+            f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(_clipped(repr(v)))}</code></td></tr>"
+            for k, v in state.properties
         )
         cards.append(("Properties", f"<table class='mini'>{props}</table>" if props else "<p>none</p>"))
         return (

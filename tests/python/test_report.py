@@ -245,6 +245,32 @@ def test_hostile_names_and_properties_stay_text(tmp_path, hostile):
     assert "</style>" not in style.text() and "<b>" not in page.split("</style>", 1)[0]
 
 
+def test_names_that_reorder_or_hide_text_show_those_characters_written_out():
+    """A right-to-left override in a name would show "\u202eevil.weight" as "thgiew.live" and turn
+    the text after it around too ("of 6" read "6 fo"); a zero-width space makes two names look
+    alike; a newline shows as a space. The page writes such characters out, as Python's repr."""
+    names = ["\u202eevil.weight", "zero\u200bwidth", "zerowidth", "new\nline", "isolate\u2067x"]
+    state = CheckpointState.from_arrays(
+        {n: np.array([np.nan, 1.0], np.float32) for n in names}, properties={"\u202ekey": "v\u202e"}
+    )
+    page = ortckpt.render_report(state, against=state, name="\u202estep")
+    doc = parse(page)
+    shown = ["\\u202eevil.weight", "zero\\u200bwidth", "zerowidth", "new\\nline", "isolate\\u2067x"]
+    assert sorted(r.find("code")[0].text() for r in rows(doc, "tensors")) == sorted(shown)
+    assert sorted(li.find("code")[0].text() for li in doc.find("section", id="flagged")[0].find("li")) == sorted(shown)
+    assert doc.find("h1")[0].text() == "\\u202estep"
+    assert "\\u202ekey" in doc.text()
+    assert not any(c in page for c in "\u202e\u200b\u2067")
+
+
+def test_a_long_property_is_shown_cut_and_the_page_stays_small():
+    state = CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, properties={"config": "y" * 2_000_000})
+    page = ortckpt.render_report(state)
+    assert len(page) < 20_000
+    [value] = [c for c in parse(page).find("code") if c.text().startswith("'yyy")]
+    assert value.text().endswith("\u2026 (2,000,002 characters)")
+
+
 def _all(node: Node) -> list[Node]:
     found = []
     for child in node.children:
