@@ -364,9 +364,9 @@ def tensor_stats(tensors: list[StatsTensor], progress: Callable[[int], object] |
 
 def tensor_changes(
     pairs: list[tuple[StatsTensor, StatsTensor]], progress: Callable[[int], object] | None
-) -> list[tuple[int, int, float, float, float]]:
-    """(changed, nonfinite, L2 of b - a, L2 of a, max abs difference) of every pair of
-    same-typed tensors (see ``_core.tensor_changes``)."""
+) -> list[tuple[int, int, float, float, float, float]]:
+    """(changed, nonfinite, L2 of b - a, L2 of a, max abs difference, the first L2 over the
+    second) of every pair of same-typed tensors (see ``_core.tensor_changes``)."""
     return _core.tensor_changes(pairs, progress)
 
 

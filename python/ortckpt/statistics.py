@@ -256,9 +256,10 @@ def tensor_stats(
         opened.release()
 
 
-def _change(name: str, elements: int, figures: tuple[int, int, float, float, float]) -> TensorChange:
-    changed, nonfinite, l2, norm, max_abs = figures
-    return TensorChange(name, elements, changed, nonfinite, l2, (l2 / norm) if norm else None, max_abs)
+def _change(name: str, elements: int, figures: tuple[int, int, float, float, float, float]) -> TensorChange:
+    # (relative comes from the core's scaled sums: both norms may be inf where it is not)
+    changed, nonfinite, l2, norm, max_abs, relative = figures
+    return TensorChange(name, elements, changed, nonfinite, l2, relative if norm else None, max_abs)
 
 
 def change_of(name: str, a: Any, b: Any) -> TensorChange:

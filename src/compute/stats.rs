@@ -100,6 +100,9 @@ pub struct Change {
     pub norm_a: f64,
     /// Largest `|b - a|` over the pairs where both are finite (0 when there are none).
     pub max_abs: f64,
+    /// `l2 / norm_a`, from the scaled sums: finite where its true value is, though both norms
+    /// may be beyond float64 (values near its largest); NaN when `norm_a` is 0.
+    pub relative: f64,
 }
 
 /// Statistics of every tensor, in order. `progress` is told the bytes of each piece done
@@ -167,6 +170,7 @@ pub fn changes(
                 l2: total.diff.value(),
                 norm_a: total.a.value(),
                 max_abs: total.max_abs,
+                relative: total.diff.over(total.a),
             }
         })
         .collect())
@@ -779,6 +783,17 @@ impl Norm {
     fn value(self) -> f64 {
         let half = self.scale / 2;
         self.ssq.sqrt() * pow2(half) * pow2(self.scale - half)
+    }
+
+    /// This norm over `other`'s (NaN when that is 0), without leaving the scaled units: the
+    /// norms themselves may be beyond float64 where their ratio is not.
+    fn over(self, other: Norm) -> f64 {
+        if other.ssq == 0.0 {
+            return f64::NAN;
+        }
+        let apart = (self.scale - other.scale).clamp(-4000, 4000);
+        let half = apart / 2;
+        self.ssq.sqrt() / other.ssq.sqrt() * pow2(half) * pow2(apart - half)
     }
 }
 

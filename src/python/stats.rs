@@ -18,8 +18,9 @@ type TensorIn<'py> = (i32, Bound<'py, PyAny>, Option<(usize, usize)>);
 /// values.
 type FiguresOut = (u64, u64, u64, u64, f64, f64, f64, f64, f64);
 
-/// `(changed, nonfinite, l2 of b - a, l2 of a, max abs difference)`.
-type ChangeOut = (u64, u64, f64, f64, f64);
+/// `(changed, nonfinite, l2 of b - a, l2 of a, max abs difference, relative)`: relative is
+/// the first l2 over the second, NaN when that is 0.
+type ChangeOut = (u64, u64, f64, f64, f64, f64);
 
 /// Bytes read between two calls of a progress callback: a checkpoint of 16,000 small
 /// tensors does not take the GIL 16,000 times.
@@ -160,7 +161,16 @@ pub fn tensor_changes(
         })?;
         Ok(changes
             .into_iter()
-            .map(|c: Change| (c.changed, c.nonfinite, c.l2, c.norm_a, c.max_abs))
+            .map(|c: Change| {
+                (
+                    c.changed,
+                    c.nonfinite,
+                    c.l2,
+                    c.norm_a,
+                    c.max_abs,
+                    c.relative,
+                )
+            })
             .collect())
     })
 }

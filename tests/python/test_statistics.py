@@ -150,6 +150,26 @@ def test_float64_near_its_limits_is_scaled_not_overflowed(x):
     assert beyond.mean == 1.7e308 and beyond.std == 0.0 and beyond.l2 == math.inf  # 3.4e308 is beyond float64
 
 
+def test_relative_change_near_float64s_limits_is_the_ratio_not_inf_over_inf():
+    """The L2 norms of the change and of ``a`` are beyond float64 here (inf) where their ratio
+    is not: the relative change comes from the scaled sums (it was NaN: inf / inf, or 0:
+    a finite L2 over an infinite norm). Exact from fractions."""
+
+    def exact_relative(a: list[float], b: list[float]) -> float:
+        squares = sum((Fraction(y) - Fraction(x)) ** 2 for x, y in zip(a, b, strict=True))
+        return exact_sqrt(squares / sum(Fraction(x) ** 2 for x in a))
+
+    cases = [([1e308] * 4, [0.0] * 4), ([1.7e308] * 2, [1e308] * 2), ([3e-320, 5e-324], [1e-320, 0.0])]
+    for a, b in cases:
+        change = st.change_of("x", np.array(a), np.array(b))
+        assert math.isclose(change.relative, exact_relative(a, b), rel_tol=1e-14), (a, b, change)
+    assert st.change_of("x", np.array([1e308] * 4), np.zeros(4)).l2 == math.inf  # 2e308: beyond float64
+    both = CheckpointState.from_arrays({"x": np.array([1e308] * 4)}), CheckpointState.from_arrays({"x": np.zeros(4)})
+    assert st.tensor_changes(*both)["x"].relative == 1.0
+    # A difference itself beyond float64 (1.7e308 to -1.7e308): inf, never NaN.
+    assert st.change_of("x", np.array([1.7e308]), np.array([-1.7e308])).relative == math.inf
+
+
 def test_types_the_kernels_leave_out_go_through_numpy():
     f8 = np.array([1.0, -2.0, np.nan, 448.0], ml_dtypes.float8_e4m3fn)
     assert st.stats_of("f8", "trainable", f8) == st._stats_numpy("f8", "trainable", f8)

@@ -120,6 +120,7 @@ fn change_figures() {
     assert_eq!((c.changed, c.nonfinite, c.max_abs), (4, 2, 3.0));
     assert!(close(c.l2, 13f64.sqrt(), 1e-15));
     assert!(close(c.norm_a, 30f64.sqrt(), 1e-15));
+    assert!(close(c.relative, (13.0f64 / 30.0).sqrt(), 1e-15));
     let d = changes(
         &[(tensor(DataType::Double, &a), tensor(DataType::Float, &a))],
         1,
@@ -167,4 +168,28 @@ fn pieces_of_constant_values_combine_by_their_shifts() {
         close(f.mean, mean, 1e-14) && close(f.std, std, 1e-12),
         "{f:?}"
     );
+}
+
+#[test]
+fn relative_change_where_both_norms_are_beyond_float64() {
+    // From 1e308 to 0 four times: both L2 norms are 2e308 (inf), their ratio 1.
+    let a = f64_bytes(&[1e308; 4]);
+    let b = f64_bytes(&[0.0; 4]);
+    let c = changes(
+        &[(tensor(DataType::Double, &a), tensor(DataType::Double, &b))],
+        1,
+        &mut |_| Ok(()),
+    )
+    .unwrap()[0];
+    assert_eq!(
+        (c.l2, c.norm_a, c.relative),
+        (f64::INFINITY, f64::INFINITY, 1.0)
+    );
+    let zero = changes(
+        &[(tensor(DataType::Double, &b), tensor(DataType::Double, &a))],
+        1,
+        &mut |_| Ok(()),
+    )
+    .unwrap()[0];
+    assert!(zero.relative.is_nan(), "a's norm is 0");
 }
