@@ -423,6 +423,27 @@ def test_inspect_stats_json_adds_a_stats_object_per_tensor(capsys, flagged):
     assert "stats" not in json.loads(out)["tensors"][0] and "flagged" not in json.loads(out)["totals"]
 
 
+def test_json_output_is_json_where_a_figure_is_beyond_float64(capsys, tmp_path):
+    """An L2 norm or a difference beyond float64 is inf: Python's json wrote it as a bare
+    Infinity, which is not JSON (jq and JSON.parse refuse the whole document). Written as the
+    string "inf" (as float() reads it back)."""
+
+    def strict(text: str):
+        def refuse(constant: str):
+            raise ValueError(f"not JSON: {constant}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.full(4, 1.7e308)}), a)
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.full(4, -1.7e308)}), b)
+    code, out = cli(capsys, "inspect", "--stats", "--json", str(a))
+    assert code == OK and strict(out)["tensors"][0]["stats"]["l2"] == "inf"
+    code, out = cli(capsys, "diff", "--json", str(a), str(b))
+    [change] = strict(out)["changes"]
+    assert code == DIFFERENT and (change["l2"], change["max_abs"]) == ("inf", "inf")
+
+
 def test_inspect_stats_reads_other_formats_through_their_converters(capsys, flagged, tmp_path):
     assert cli(capsys, "convert", flagged, tmp_path / "m.safetensors")[0] == OK
     code, out = cli(capsys, "inspect", "--stats", "--json", tmp_path / "m.safetensors")

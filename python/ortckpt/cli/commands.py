@@ -193,7 +193,20 @@ def _show_progress(asked: bool | None) -> bool:
 
 
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(_finite_json(data), indent=2, default=str, allow_nan=False))
+
+
+def _finite_json(data: Any) -> Any:
+    """``data`` with its infinite and NaN floats as the strings "inf", "-inf", "nan" (as
+    ``float()`` reads them back): JSON has no such numbers, and Python's bare ``Infinity``
+    makes jq and ``JSON.parse`` refuse the whole document (a figure beyond float64 is inf)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return str(data)
+    if isinstance(data, dict):
+        return {k: _finite_json(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite_json(v) for v in data]
+    return data
 
 
 def _size(n: float) -> str:
