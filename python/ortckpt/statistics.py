@@ -122,8 +122,8 @@ def _dtype_name(value: Any) -> str:
         return _dt.name_of(value.data_type)
     dtype = np.asarray(value).dtype
     name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES.setdefault(dtype, str(dtype))
+    if name is None:  # (as native: a big-endian float32 is "float32", not ">f4")
+        name = _DTYPE_NAMES.setdefault(dtype, str(dtype.newbyteorder("=")))
     return name
 
 

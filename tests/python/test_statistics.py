@@ -93,6 +93,19 @@ def test_scalars_strided_and_big_endian_arrays(dtype):
         assert_stats_equal(st.stats_of("b", "frozen", big), st._stats_numpy("b", "frozen", big))
 
 
+def test_a_big_endian_momentum_is_named_float32_and_compared_with_a_little_endian_one():
+    """A momentum set from a big-endian array (a view, strided) was dtype ">f4": its change
+    against the same values little-endian was left out as "dtype differs"."""
+    weights = {"w": np.arange(20, dtype=np.float32).reshape(4, 5)}
+    big = np.arange(40, dtype=">f4").reshape(4, 10)[:, ::2]
+    a, b = CheckpointState.from_arrays(weights), CheckpointState.from_arrays(weights)
+    a.optimizer_groups["g"] = OptimizerGroup(1, 0.1, {"w": {"m": big}})
+    b.optimizer_groups["g"] = OptimizerGroup(1, 0.1, {"w": {"m": np.ascontiguousarray(big, "<f4") + 1}})
+    assert tensor_stats(a)["g/w/m"].dtype == "float32"
+    change = tensor_changes(a, b)["g/w/m"]
+    assert (change.changed, change.max_abs, change.l2) == (20, 1.0, math.sqrt(20))
+
+
 def test_all_nan_empty_and_infinite_tensors_have_counts_and_no_figures():
     nan = st.stats_of("n", "trainable", np.full(5, np.nan, np.float32))
     assert (nan.nan, nan.finite, nan.flagged, nan.min, nan.mean, nan.l2) == (5, 0, True, None, None, None)
