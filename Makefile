@@ -179,18 +179,21 @@ ort-loop-venv-from-dist:
 # One interpreter's suite against the installed wheel, with no Rust on PATH (`make test-wheel PYTHONS=3.12`
 # builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.
 WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR))
-WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider tests/python tests/interop tests/distributed
+WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider
+# The interop tests (ONNX Runtime's own interpreter is the oracle, whatever the suite's) and the MPI ranks
+# run on the first interpreter; tests/python, the README's mpirun example among them, on each.
+FIRST_ONLY := tests/interop tests/distributed
 test-wheel-%:
 	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		$(WHEEL_PYTEST) -m "not large and not once"'
+		$(WHEEL_PYTEST) tests/python $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_ONLY)) -m "not large and not once"'
 
 test-wheel-once:
 	@echo "== the once runs on CPython $(firstword $(PYTHONS))" && \
-	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) -m once
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) tests/python $(FIRST_ONLY) -m once
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok
