@@ -10,7 +10,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::{buffer_bytes, errors::to_py_err, guarded};
+use super::{buffer_bytes, errors::to_py_err, guarded, mapped_input};
 use crate::compute::{self, Input, Job, Operation, Sink};
 use crate::format::DataType;
 
@@ -115,20 +115,7 @@ fn held(py: Python<'_>, (code, sources, release, sink): JobIn<'_>) -> PyResult<H
     }
     let mut inputs = Vec::with_capacity(sources.len());
     for (source, release) in sources.iter().zip(release) {
-        let buffer = PyBuffer::<u8>::get(source)?;
-        if !buffer.is_c_contiguous() {
-            return Err(invalid("arithmetic: a source's values are not contiguous"));
-        }
-        let release = release.map(|(address, len)| address..address.saturating_add(len));
-        let (start, len) = (buffer.buf_ptr() as usize, buffer.len_bytes());
-        if release
-            .as_ref()
-            .is_some_and(|r| start < r.start || start + len > r.end)
-        {
-            return Err(invalid(
-                "arithmetic: a source's values lie outside its mapping",
-            ));
-        }
+        let (buffer, release) = mapped_input(py, source, release, "arithmetic: a source's")?;
         inputs.push((buffer, release));
     }
     let sink = if let Ok(place) = sink.cast::<PyTuple>() {

@@ -813,6 +813,33 @@ fn tensors_in<'py>(
         .collect()
 }
 
+/// A kernel's input as Python hands it over: its values (a C-contiguous buffer, exported and so
+/// held for the call) and, when its pages may be dropped once used, `(address, length)` of the
+/// mapping they lie in, checked to hold them. `what` names the input in errors ("arithmetic: a
+/// source's").
+fn mapped_input(
+    py: Python<'_>,
+    values: &Bound<'_, PyAny>,
+    release: Option<(usize, usize)>,
+    what: &str,
+) -> PyResult<(PyBuffer<u8>, Option<std::ops::Range<usize>>)> {
+    let invalid =
+        |problem: &str| to_py_err(py, crate::Error::invalid_state(format!("{what} {problem}")));
+    let buffer = PyBuffer::<u8>::get(values)?;
+    if !buffer.is_c_contiguous() {
+        return Err(invalid("values are not contiguous"));
+    }
+    let release = release.map(|(address, len)| address..address.saturating_add(len));
+    let (start, len) = (buffer.buf_ptr() as usize, buffer.len_bytes());
+    if release
+        .as_ref()
+        .is_some_and(|r| start < r.start || start + len > r.end)
+    {
+        return Err(invalid("values lie outside its mapping"));
+    }
+    Ok((buffer, release))
+}
+
 fn buffer_bytes(buffer: &PyBuffer<u8>) -> &[u8] {
     // SAFETY: the buffer is C-contiguous (checked on intake) and its export is held
     // for as long as the returned slice is used, so the memory stays valid.

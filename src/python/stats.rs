@@ -4,7 +4,7 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use super::{buffer_bytes, errors::to_py_err, guarded};
+use super::{buffer_bytes, errors::to_py_err, guarded, mapped_input};
 use crate::compute::stats::{self, Change, Figures, Tensor};
 use crate::compute::Input;
 use crate::format::DataType;
@@ -46,22 +46,8 @@ impl Held {
 }
 
 fn held(py: Python<'_>, (code, values, release): TensorIn<'_>) -> PyResult<Held> {
-    let invalid = |what: &str| to_py_err(py, crate::Error::invalid_state(what.to_owned()));
     let data_type = DataType::from_code(code).map_err(|e| to_py_err(py, e))?;
-    let buffer = PyBuffer::<u8>::get(&values)?;
-    if !buffer.is_c_contiguous() {
-        return Err(invalid("statistics: a tensor's values are not contiguous"));
-    }
-    let release = release.map(|(address, len)| address..address.saturating_add(len));
-    let (start, len) = (buffer.buf_ptr() as usize, buffer.len_bytes());
-    if release
-        .as_ref()
-        .is_some_and(|r| start < r.start || start + len > r.end)
-    {
-        return Err(invalid(
-            "statistics: a tensor's values lie outside its mapping",
-        ));
-    }
+    let (buffer, release) = mapped_input(py, &values, release, "statistics: a tensor's")?;
     Ok(Held {
         data_type,
         buffer,

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, PackedBits
+from ..statistics import tensors
 
 
 @dataclass
@@ -49,15 +50,7 @@ class Diff:
 
 def _tensors(state: CheckpointState) -> dict[str, tuple[str, Any]]:
     """Name -> (role, value) of every tensor, momentums as ``group/param/momentum``."""
-    out: dict[str, tuple[str, Any]] = {}
-    if not state.is_nominal:
-        for name, parameter in state.parameters:
-            out[name] = ("trainable" if parameter.requires_grad else "frozen", parameter.data)
-    for group_name, group in state.optimizer_groups.items():
-        for param, momentums in group.momentums.items():
-            for momentum, value in momentums.items():
-                out[f"{group_name}/{param}/{momentum}"] = ("momentum", value)
-    return out
+    return {name: (role, value) for name, role, value in tensors(state)}
 
 
 def _comparable(value: Any) -> np.ndarray:
