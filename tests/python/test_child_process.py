@@ -307,6 +307,31 @@ def test_interrupting_a_save_kills_its_child(tmp_path: Path, mark: Path) -> None
     assert_nothing_left()
 
 
+@pytest.mark.parametrize("check", ["sleeps", "starts_a_helper_and_sleeps"])
+def test_a_check_never_outlives_its_trainer_killed_outright(tmp_path: Path, mark: Path, check: str) -> None:
+    # SIGKILL: no finally runs in the trainer, so the child (a session of its own) must notice by itself.
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import child_checks
+        from goldens import ARTIFACTS, EVAL_MODEL
+        from ortckpt import CheckpointManager, CheckpointState, Forward
+        forward = Forward(EVAL_MODEL, check=child_checks.{check}, process=True)
+        with CheckpointManager({str(tmp_path / "run")!r}, validate=forward) as manager:
+            manager.save(CheckpointState.load_checkpoint(ARTIFACTS / "checkpoint"), 1)
+        """)
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    training = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + NO_HANG
+    while len(mark.read_text().split() if mark.exists() else []) < (2 if "helper" in check else 1):
+        assert time.monotonic() < deadline, "the check never started"
+        time.sleep(0.1)
+    training.kill()
+    training.communicate(timeout=NO_HANG)
+    assert_nothing_left()
+
+
 # --- 4. a child that dies ---
 
 

@@ -17,7 +17,10 @@ child is a channel of its own:
   line by line by the logger ``ortckpt.manager.child`` (INFO), never read as a verdict.
 
 The child runs in a session of its own: at its deadline, or as soon as it is done, its whole
-process group is killed, so neither a hung check nor a helper it started outlives the save.
+process group is killed, so neither a hung check nor a helper it started outlives the save. Nor
+does it outlive this process killed outright (SIGKILL, where no cleanup runs): a watcher forked in
+the child holds the read end of a pipe whose write end only this process has, and kills the
+child's group when the pipe reports end-of-file.
 """
 
 from __future__ import annotations
@@ -58,7 +61,15 @@ _OUTPUT_GRACE = 5.0  # seconds to finish reading the output once the child's gro
 # check left running would otherwise hold the child until its deadline).
 _BOOTSTRAP = """
 import importlib.util, json, os, pickle, sys, traceback
-request, verdict_file = sys.argv[1], sys.argv[2]
+request, verdict_file, lifeline = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if os.fork() == 0:  # the watcher: single-threaded, so it runs whatever the check holds
+    os.closerange(0, lifeline)  # (it holds no end of the output pipe, which the check writes)
+    try:
+        while os.read(lifeline, 1):
+            pass
+    finally:  # the parent is gone (even SIGKILLed): nothing of its check outlives it
+        os.killpg(0, 9)
+os.close(lifeline)
 def cut(text, limit=65536):  # a message of megabytes would make a verdict too large to read
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 try:
@@ -134,10 +145,24 @@ def run(
             + pickle.dumps(_package_files(["ortckpt", *modules]))
             + pickle.dumps((function, args)),
         )
+        # The lifeline: its write end stays here alone (not inheritable); when this process ends,
+        # however it ends, the child's watcher reads end-of-file and kills the child's group.
+        lifeline, held = os.pipe()
         command = [sys.executable, *_interpreter_flags(), "-c", _BOOTSTRAP, str(request), str(verdict_file)]
-        child = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        try:
+            child = subprocess.Popen(
+                [*command, str(lifeline)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(lifeline,),
+            )
+        except BaseException:
+            os.close(held)
+            raise
+        finally:
+            os.close(lifeline)
         assert child.stdout is not None
         output = _Output(child.stdout, what)
         timed_out = False
@@ -148,6 +173,7 @@ def run(
         finally:  # also when the wait is interrupted (Ctrl-C): nothing of the child survives the save
             _kill_group(child.pid)
             child.wait()
+            os.close(held)
             output.finish()
         if timed_out:
             raise ValidationTimeoutError(
