@@ -917,3 +917,19 @@ def test_config_flattens_to_params():
         "g": "null",
     }
     assert ortckpt.manager.tracking.tracker_for("mlflow").__class__ is MlflowTracker
+
+
+def test_a_run_directory_whose_name_is_not_utf8_is_tracked(tmp_path, mlflow_uri, experiment):
+    # A name of bytes that are not UTF-8 (os.fsdecode gives surrogates, which no JSON encoder takes):
+    # tags carry it written out (\xff), and nothing stops tracking.
+    directory = Path(os.fsdecode(bytes(tmp_path) + b"/run-\xff\xfe"))
+    tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "could not start" is a warning: none may come
+        with CheckpointManager(directory, track=tracker) as manager:
+            manager.save(small(1), 1, metrics={"loss": 1.0})
+            manager.save(small(2), 2, metrics={"loss": 0.5})
+    found = the_run(MlflowClient(mlflow_uri), experiment, manager.run_id)
+    assert history(MlflowClient(mlflow_uri), found.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
+    assert found.data.tags[TAG_DIRECTORY] == str(tmp_path.absolute()) + "/run-\\xff\\xfe"
+    assert found.data.tags[TAG_CHECKPOINT].startswith(str(tmp_path.absolute()) + "/run-\\xff\\xfe/")

@@ -321,7 +321,7 @@ class MlflowTracker:
         from mlflow.entities import RunTag
 
         tags = [RunTag(TAG_RUN_KEY, run_key(run.run_id)), RunTag(TAG_RUN_ID, run.run_id[:_MAX_TAG_LENGTH])]
-        tags += [RunTag(TAG_DIRECTORY, str(run.directory.absolute())), RunTag(TAG_VERSION, __version__)]
+        tags += [RunTag(TAG_DIRECTORY, path_text(run.directory.absolute())), RunTag(TAG_VERSION, __version__)]
         self.client.log_batch(mlflow_run_id, tags=tags)
 
     def _experiment_id(self) -> str:
@@ -455,8 +455,8 @@ class MlflowTracker:
                     state,
                     scratch / REPORT_NAME,
                     against=against,
-                    name=str(checkpoint.directory),
-                    against_name=None if previous is None else str(previous.directory),
+                    name=path_text(checkpoint.directory),
+                    against_name=None if previous is None else path_text(previous.directory),
                     files=[_files_of(side) for side in sides],
                 )
                 problem = refused(
@@ -526,7 +526,7 @@ class MlflowTracker:
         return {
             TAG_RUN_ID: str(checkpoint.metadata.get("run_id"))[:_MAX_TAG_LENGTH],
             TAG_STEP: str(checkpoint.step),
-            TAG_CHECKPOINT: str(checkpoint.directory.absolute())[:_MAX_TAG_LENGTH],
+            TAG_CHECKPOINT: path_text(checkpoint.directory.absolute())[:_MAX_TAG_LENGTH],
             TAG_SHA256: digests,
             TAG_VERSION: __version__,
         }
@@ -594,6 +594,12 @@ def _batches(params: Sequence[Any]) -> Iterator[list[Any]]:
         size += cost
     if batch:
         yield batch
+
+
+def path_text(path: os.PathLike[str] | str) -> str:
+    """A path as text any server takes: a name's bytes that are not UTF-8 (which Python holds as
+    surrogates, refused by every JSON and protobuf encoder) written out as ``\\xff``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def warn_of_work(message: str, stacklevel: int = 2) -> None:
