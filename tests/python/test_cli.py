@@ -209,3 +209,24 @@ def test_convert_from_and_to_onnx_models(capsys, tmp_path):
     assert np.array_equal(exported["w"], weight * 2) and np.array_equal(exported["frozen_ids"], np.ones(3, np.int64))
     assert cli(capsys, "diff", tmp_path / "out.onnx", tmp_path / "trained")[0] == DIFFERENT  # roles differ
     assert cli(capsys, "diff", tmp_path / "trained", tmp_path / "trained")[0] == OK
+
+
+def test_ctrl_c_exits_130_not_the_code_that_says_differ(ckpt, tmp_path):
+    # A real SIGINT, delivered while the command works (its inputs being opened), in the program
+    # as installed (`ortckpt` is cli.console) and as `python -m ortckpt`.
+    interrupt = (
+        "import os, signal, sys\n"
+        "from ortckpt.cli import commands\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    signal.pause()\n"
+        "commands.sources.checkpoints = interrupted\n"
+    )
+    out = tmp_path / "out.ckpt"
+    for launch in ("from ortckpt.cli import console; console()", "import runpy; runpy.run_module('ortckpt')"):
+        argv = ["ortckpt", "apply", str(ckpt), str(ckpt), str(out)]
+        script = interrupt + f"sys.argv = {argv!r}\n" + launch
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 130, done.stderr
+        assert "ortckpt: interrupted" in done.stderr and "Traceback" not in done.stderr
+        assert not out.exists()

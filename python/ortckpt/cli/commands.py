@@ -27,11 +27,12 @@ from ..convert.files import FORMATS
 from ..errors import InvalidArgumentError
 from . import sources
 
-# Exit codes, as documented in --help.
-OK, DIFFERENT, USAGE, FAILED = 0, 1, 2, 3
+# Exit codes, as documented in --help. INTERRUPTED: 128 + SIGINT, as a shell reports a command
+# that Ctrl-C stopped (never 1, which says "differ" or "verification failed").
+OK, DIFFERENT, USAGE, FAILED, INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = (
     "Exit codes: 0 success; 1 the checkpoints differ (diff) or verification failed (verify); "
-    "2 bad usage; 3 an input could not be read or an output not written."
+    "2 bad usage; 3 an input could not be read or an output not written; 130 interrupted (Ctrl-C)."
 )
 FORMAT_CHOICE = click.Choice(list(FORMATS))
 
@@ -924,8 +925,14 @@ def run(argv: Sequence[str] | None = None) -> int:
         main.main(args=list(argv) if argv is not None else None, prog_name="ortckpt", standalone_mode=False)
     except click.exceptions.Exit as e:
         return e.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:  # (click's name for KeyboardInterrupt, and for EOF at a prompt)
+        if isinstance(e.__context__, KeyboardInterrupt):
+            click.echo("ortckpt: interrupted", err=True)
+            return INTERRUPTED
         return FAILED
+    except KeyboardInterrupt:  # (outside click's own handling: while the command was being set up)
+        click.echo("ortckpt: interrupted", err=True)
+        return INTERRUPTED
     except click.ClickException as e:
         e.show()
         return USAGE
@@ -934,5 +941,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     return OK
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """The ``ortckpt`` program: :func:`run` with the process's arguments, its code the exit status."""
     sys.exit(run())
+
+
+if __name__ == "__main__":
+    console()
