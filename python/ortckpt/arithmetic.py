@@ -132,12 +132,7 @@ def average(
     given = None if weights is None else _weights(weights, len(sources))
     states = _open_all(sources)
     samples = _num_samples(states)
-    if given is not None:
-        w = given
-    elif samples is not None:
-        w = _weights(samples, len(states), "the checkpoints' num_samples")
-    else:
-        w = np.ones(len(states))
+    w = _weights_used(given, samples, len(states))
     # Scaled by a power of two (exact), the largest weight in [0.5, 1): their sum cannot overflow.
     w = np.ldexp(w, -np.frexp(w.max())[1])
     total = w.sum()
@@ -161,6 +156,21 @@ def average(
     return _combine(
         states, operation, properties, include_optimizer_state, frozen, out, "average", save_options, progress
     )
+
+
+def average_weights(sources: Sequence[Source], weights: Sequence[float] | None = None) -> list[float]:
+    """The weights :func:`average` gives ``sources`` (as given, else their ``num_samples``, else
+    equal), unscaled: what ``ortckpt average --json`` reports. Reads the sources' properties only."""
+    given = None if weights is None else _weights(weights, len(sources))
+    return [float(x) for x in _weights_used(given, _num_samples(_open_all(sources)), len(sources))]
+
+
+def _weights_used(given: np.ndarray | None, samples: list[float | int] | None, count: int) -> np.ndarray:
+    if given is not None:
+        return given
+    if samples is not None:
+        return _weights(samples, count, "the checkpoints' num_samples")
+    return np.ones(count)
 
 
 def delta(

@@ -175,7 +175,7 @@ def test_progress_bars_on_every_long_command(capfd, ckpt, tmp_path, monkeypatch)
         (["convert", "--progress", ckpt, tmp_path / "copy.ckpt"], "saving copy.ckpt"),
         (["compress", "--progress", ckpt, tmp_path / "c.zst"], "compressing model.ckpt"),
         (["decompress", "--progress", tmp_path / "c.zst", tmp_path / "back"], "decompressing c.zst"),
-        (["average", "--progress", tmp_path / "mean", ckpt, ckpt], "average"),
+        (["average", "--progress", ckpt, ckpt, "-o", tmp_path / "mean"], "average"),
         (["delta", "--progress", ckpt, ckpt, tmp_path / "zero"], "delta"),
         (["apply", "--progress", ckpt, tmp_path / "zero", tmp_path / "same"], "apply"),
     ):
@@ -230,3 +230,45 @@ def test_ctrl_c_exits_130_not_the_code_that_says_differ(ckpt, tmp_path):
         assert done.returncode == 130, done.stderr
         assert "ortckpt: interrupted" in done.stderr and "Traceback" not in done.stderr
         assert not out.exists()
+
+
+def test_average_names_its_output_by_option_and_never_overwrites_a_source(ckpt, tmp_path, capsys):
+    before = ckpt.read_bytes()
+    other = tmp_path / "other.ckpt"
+    CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(ckpt), other)
+    before_other = other.read_bytes()
+    # The order of delta/apply/convert (output last), or a source named as the output: refused, nothing written.
+    assert run(["average", str(ckpt), str(other), str(tmp_path / "mean.ckpt")]) == USAGE
+    assert run(["average", str(ckpt), str(other), "-o", f"{tmp_path}/./other.ckpt"]) == USAGE
+    assert "is also a source" in capsys.readouterr().err
+    assert ckpt.read_bytes() == before and other.read_bytes() == before_other
+    assert not (tmp_path / "mean.ckpt").exists()
+    assert run(["average", str(ckpt), str(other), "-o", str(tmp_path / "mean.ckpt"), "--json"]) == OK
+    assert json.loads(capsys.readouterr().out)["weights"] == [1.0, 1.0]  # the weights used, never null
+    assert run(["average", str(ckpt), str(other), "-o", str(tmp_path / "w.ckpt"), "--weights", "1,3", "--json"]) == OK
+    assert json.loads(capsys.readouterr().out)["weights"] == [1.0, 3.0]
+
+
+def test_averaging_different_frozen_parameters_names_the_commands_option(ckpt, tmp_path, capsys):
+    state = CheckpointState.load_checkpoint(ckpt)
+    changed = CheckpointState.from_arrays(
+        {n: p.data for n, p in state.parameters if p.requires_grad},
+        {"table": np.zeros(1000, dtype=np.int64)},
+    )
+    CheckpointState.save_checkpoint(changed, tmp_path / "changed.ckpt")
+    assert run(["average", str(ckpt), str(tmp_path / "changed.ckpt"), "-o", str(tmp_path / "m.ckpt")]) == FAILED
+    err = capsys.readouterr().err
+    assert "--frozen-from-first" in err and "frozen='first'" not in err
+    assert (
+        run(
+            [
+                "average",
+                str(ckpt),
+                str(tmp_path / "changed.ckpt"),
+                "-o",
+                str(tmp_path / "m.ckpt"),
+                "--frozen-from-first",
+            ]
+        )
+        == OK
+    )

@@ -158,7 +158,7 @@ def every_command_reads(step: str, tmp: Path) -> None:
     assert f"<h1>{step}</h1>" in page and "<p>No tensor changed (4 compared).</p>" in page
     listed = re.findall(r"<li><code>([^<]*)</code>", page)  # (the summary's files: no other list here)
     assert listed and all(name.startswith(f"{step}/") for name in listed), listed  # the step's files, not a copy
-    ok("average", tmp / "mean.ckpt", step, original, "--weights", "1,3")
+    ok("average", step, original, "-o", tmp / "mean.ckpt", "--weights", "1,3")
     ok("delta", step, original, tmp / "delta.ckpt")
     ok("apply", original, step, tmp / "applied.ckpt", "--scale", "0.5")
     for written, expected in (("mean.ckpt", WEIGHT), ("delta.ckpt", WEIGHT * 0), ("applied.ckpt", WEIGHT * 1.5)):
@@ -228,7 +228,7 @@ def test_an_output_in_a_missing_folder_names_the_users_path(tmp_path):
         (("convert", source), missing / "x.safetensors"),
         (("convert", source), missing / "x.ckpt"),
         (("convert", source, "--model", model), missing / "x.onnx"),
-        (("average", "OUT", source, source), missing / "mean.ckpt"),
+        (("average", source, source, "-o", "OUT"), missing / "mean.ckpt"),
         (("delta", source, source), missing / "delta.ckpt"),
         (("apply", source, source), missing / "applied.ckpt"),
         (("compress", source), missing / "kept.zst"),
@@ -287,13 +287,13 @@ def test_object_storage_errors_name_the_url(s3_url, tmp_path, aws_environment):
 @pytest.mark.parametrize(
     "args",
     [
-        ("average", "OUT", "A", "B", "--weights", "1,2,3"),
-        ("average", "OUT", "A", "B", "--weights", "1,-1"),
-        ("average", "OUT", "A", "B", "--weights", "0,0"),
-        ("average", "OUT", "A", "B", "--weights", "1,nan"),
-        ("average", "OUT", "A", "B", "--weights", "inf,1"),
-        ("average", "OUT", "A", "B", "--weights", "1e999,1"),
-        ("average", "OUT", "A", "B", "--weights", "1,x"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "1,2,3"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "1,-1"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "0,0"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "1,nan"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "inf,1"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "1e999,1"),
+        ("average", "A", "B", "-o", "OUT", "--weights", "1,x"),
         ("apply", "A", "B", "OUT", "--scale", "inf"),
         ("apply", "A", "B", "OUT", "--scale", "-inf"),
         ("apply", "A", "B", "OUT", "--scale", "nan"),
@@ -318,7 +318,7 @@ def test_bad_numbers_are_usage_errors_before_any_work(tmp_path, args):
 
 def test_an_empty_name_is_bad_usage(tmp_path):
     """Not the current directory, as Path("") would have it."""
-    for argv in (["inspect", ""], ["convert", tmp_path / "a", ""], ["average", tmp_path / "m", "", tmp_path / "b"]):
+    for argv in (["inspect", ""], ["convert", tmp_path / "a", ""], ["average", "", tmp_path / "b", "-o", tmp_path / "m"]):
         done = ortckpt(*argv)
         assert done.returncode == USAGE and "an empty name" in done.stderr, (argv, done.stderr)
 
@@ -330,7 +330,7 @@ def test_usage_errors_found_in_the_inputs_exit_2(tmp_path):
     safetensors = tmp_path / "model.safetensors"
     assert ortckpt("convert", source, safetensors).returncode == OK
     for args, named in (
-        (("average", tmp_path / "m.ckpt", source, source, "--weights", "1,2,3"), "--weights"),
+        (("average", source, source, "-o", tmp_path / "m.ckpt", "--weights", "1,2,3"), "--weights"),
         (("register-best", run_dir, "name", model, "--metric", "accuracy"), "accuracy"),
         (("register-best", source, "name", model), "name the run's directory"),
         (("convert", source, tmp_path / "x.safetensors", "--frozen", "layer.bias"), "--frozen"),
@@ -376,7 +376,7 @@ def test_every_command_takes_json_and_prints_json(tmp_path, mlflow_uri):
             "--experiment",
             f"json-walk-{os.getpid()}",
         ],
-        "average": [tmp_path / "mean.ckpt", step, step],
+        "average": [step, step, "-o", tmp_path / "mean.ckpt"],
         "delta": [step, step, delta],
         "apply": [step, delta, tmp_path / "applied.ckpt"],
         "report": [step, "--against", step, "-o", tmp_path / "report.html"],

@@ -248,8 +248,8 @@ def test_delta_apply_interpolate_and_their_commands(tmp_path):
     assert cli(["apply", str(a), str(tmp_path / "d.ckpt"), str(tmp_path / "b2.ckpt"), "--scale", "0.5"]) == 0
     half_step = CheckpointState.load_checkpoint(tmp_path / "b2.ckpt").parameters["w"].data
     assert np.array_equal(half_step, ortckpt.apply(a, d, 0.5).parameters["w"].data)
-    assert cli(["average", str(tmp_path / "avg.ckpt"), str(a), str(b), "--weights", "1,x"]) == 2
-    assert cli(["average", str(tmp_path / "avg.ckpt"), str(a), str(b), "--weights", "1,3"]) == 0
+    assert cli(["average", str(a), str(b), "-o", str(tmp_path / "avg.ckpt"), "--weights", "1,x"]) == 2
+    assert cli(["average", str(a), str(b), "-o", str(tmp_path / "avg.ckpt"), "--weights", "1,3"]) == 0
     assert compare(CheckpointState.load_checkpoint(tmp_path / "avg.ckpt"), ortckpt.average([a, b], [1, 3])).identical
 
 

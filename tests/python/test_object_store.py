@@ -394,7 +394,7 @@ def test_average_delta_and_convert_take_object_urls(s3_server, s3_url, tmp_path,
     np.testing.assert_array_equal(ortckpt.load_checkpoint(tmp_path / "delta").parameters["w"].data, np.full(1000, 5.0))
     ortckpt.apply(urls[0], tmp_path / "delta", 0.5, out=f"{s3_url}/applied")  # a file and an object in, an object out
     np.testing.assert_array_equal(ortckpt.load_checkpoint(f"{s3_url}/applied").parameters["w"].data, np.full(1000, 3.5))
-    assert run(["average", f"{s3_url}/cli-global", *urls[:2]]) == 0
+    assert run(["average", *urls[:2], "-o", f"{s3_url}/cli-global"]) == 0
     np.testing.assert_array_equal(
         ortckpt.load_checkpoint(f"{s3_url}/cli-global").parameters["w"].data, np.full(1000, 1.5)
     )

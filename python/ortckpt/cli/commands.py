@@ -829,9 +829,18 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
     return metric
 
 
+def _same_name(a: str, b: str) -> bool:
+    """Whether two names given on the command line name one checkpoint (a path however spelled)."""
+    if targets.is_object_url(a) or targets.is_object_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 @main.command(epilog=EXIT_CODES, short_help="Weighted mean of checkpoints (federated averaging).")
-@click.argument("out", type=NAME)
 @click.argument("checkpoints", nargs=-1, required=True, type=NAME, metavar="SOURCES...")
+# The output is named by -o alone: positional, it was first here and last in delta, apply and
+# convert, and typed in their order it overwrote a source.
+@click.option("-o", "--out", required=True, type=NAME, help="The checkpoint to write (replaced whole if it exists).")
 @click.option(
     "--weights",
     type=Weights(),
@@ -846,35 +855,43 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
 @_progress_option
 @_fail_cleanly
 def average(
-    out: str,
     checkpoints: tuple[str, ...],
+    out: str,
     weights: list[float] | None,
     include_optimizer_state: bool,
     frozen_from_first: bool,
     as_json: bool,
     progress: bool | None,
 ) -> None:
-    """Write to OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
+    """Write to -o OUT the weighted mean of the SOURCES' float parameters (FedAvg), streaming: the
     sources are read a chunk at a time, whatever their size. Integer, bool and string tensors and
     frozen parameters must be equal in every source, and are copied. A source may be a
     CheckpointManager's step folder; any may be on s3://."""
     from ..arithmetic import average as run_average
+    from ..arithmetic import average_weights
+    from ..errors import CheckpointStateError
 
     if weights is not None and len(weights) != len(checkpoints):
         raise click.BadParameter(
             f"{len(weights)} weights for {len(checkpoints)} checkpoints: give one per source", param_hint="--weights"
         )
+    if any(_same_name(out, source) for source in checkpoints):
+        raise click.BadParameter(f"{out} is also a source: the average would replace it", param_hint="--out")
     with sources.checkpoints(checkpoints) as paths:
-        run_average(
-            paths,
-            weights,
-            include_optimizer_state=include_optimizer_state,
-            frozen="first" if frozen_from_first else "equal",
-            out=out,
-            progress=_show_progress(progress),
-        )
+        try:
+            run_average(
+                paths,
+                weights,
+                include_optimizer_state=include_optimizer_state,
+                frozen="first" if frozen_from_first else "equal",
+                out=out,
+                progress=_show_progress(progress),
+            )
+        except CheckpointStateError as e:  # (the library's spelling of the option is Python's)
+            raise CheckpointStateError(str(e).replace("frozen='first'", "--frozen-from-first")) from None
+        used = average_weights(paths, weights) if as_json else None
     if as_json:
-        return _emit_json({"out": out, "sources": list(checkpoints), "weights": weights})
+        return _emit_json({"out": out, "sources": list(checkpoints), "weights": used})
     click.echo(f"{out}: average of {len(checkpoints)} checkpoints")
 
 
