@@ -318,7 +318,8 @@ def test_bad_numbers_are_usage_errors_before_any_work(tmp_path, args):
 
 def test_an_empty_name_is_bad_usage(tmp_path):
     """Not the current directory, as Path("") would have it."""
-    for argv in (["inspect", ""], ["convert", tmp_path / "a", ""], ["average", "", tmp_path / "b", "-o", tmp_path / "m"]):
+    average = ["average", "", tmp_path / "b", "-o", tmp_path / "m"]
+    for argv in (["inspect", ""], ["convert", tmp_path / "a", ""], average):
         done = ortckpt(*argv)
         assert done.returncode == USAGE and "an empty name" in done.stderr, (argv, done.stderr)
 

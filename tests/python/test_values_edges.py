@@ -118,7 +118,8 @@ def test_an_output_name_ending_with_a_slash_is_refused_not_written_as_a_file(tmp
 
 def test_the_command_line_calls_an_output_ending_with_a_slash_bad_usage(tmp_path):
     CheckpointState.save_checkpoint(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), tmp_path / "src")
-    for args in (["average", "src", "src", "-o", "newdir/"], ["convert", "src", "newdir/"], ["compress", "src", "newdir/"]):
+    average = ["average", "src", "src", "-o", "newdir/"]
+    for args in (average, ["convert", "src", "newdir/"], ["compress", "src", "newdir/"]):
         done = subprocess.run(
             [sys.executable, "-m", "ortckpt", *args], cwd=tmp_path, capture_output=True, text=True, check=False
         )
