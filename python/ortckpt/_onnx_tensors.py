@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import dtypes as _dt
-from . import safe_io
+from . import extras, safe_io
 from .dtypes import PackedBits
 from .errors import CheckpointFormatError, CheckpointStateError
 
@@ -22,11 +22,7 @@ if TYPE_CHECKING:
 
 
 def require_onnx() -> Any:
-    try:
-        import onnx
-    except ImportError:
-        raise ImportError("this needs the onnx package: pip install 'ortckpt[onnx]'") from None
-    return onnx
+    return extras.require("onnx", "reading and writing ONNX models")
 
 
 def tensor_value(proto: onnx.TensorProto, base_dir: str | os.PathLike[str] = "") -> Any:

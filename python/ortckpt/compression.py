@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from . import _boundary, documents, safe_io, targets
+from . import _boundary, documents, extras, safe_io, targets
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, open_checkpoint
 from .errors import CheckpointFormatError, CheckpointIntegrityError
@@ -64,11 +64,7 @@ class Compressed:
 
 
 def _zstd() -> Any:
-    try:
-        import zstandard
-    except ImportError:
-        raise ImportError("compressed checkpoints need zstandard: pip install 'ortckpt[compress]'") from None
-    return zstandard
+    return extras.require("zstandard", "compressed checkpoints")
 
 
 def is_compressed(path: str | os.PathLike[str]) -> bool:

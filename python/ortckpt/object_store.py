@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CheckpointFormatError, ObjectStoreError
+from .extras import require
 
 # Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
 PART_BYTES = 16 << 20
@@ -116,7 +117,7 @@ def location(bucket: str, key: str, url: str, storage_options: Mapping[str, Any]
 
 
 def _store(bucket: str, options: dict[str, Any]) -> Any:
-    from obstore.store import S3Store
+    S3Store = require("obstore.store", "checkpoints on object storage").S3Store
 
     aliases = {"key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
     options = {aliases.get(k, k): v for k, v in options.items()}

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
-from . import _boundary
+from . import _boundary, extras
 
 POLL_SECONDS = 0.1
 DELAY_SECONDS = 0.5
@@ -29,11 +29,7 @@ CLOSE_SECONDS = 1.0  # the longest a finished piece of work waits for its bar to
 
 
 def _tqdm() -> Any:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        raise ImportError("progress bars need tqdm: pip install 'ortckpt[progress]' (or tqdm)") from None
-    return tqdm
+    return extras.require("tqdm.auto", "progress bars").tqdm
 
 
 class _Unfailing:

@@ -259,7 +259,7 @@ def test_only_the_steps_module_spells_the_layout_of_a_run():
 def test_object_store_moves_bytes_and_knows_no_checkpoint_state():
     source = _package_modules()["object_store"]
     imported = {target for target, _ in _imports(source, "object_store") if target.startswith("ortckpt")}
-    assert imported <= {"ortckpt.errors"}, imported
+    assert imported <= {"ortckpt.errors", "ortckpt.extras"}, imported
     assert "_core_tensors" not in source and "core_state" not in source
 
 
@@ -274,6 +274,25 @@ def test_one_manager_class_serves_every_backend():
     )
     assert managers == ["CheckpointManager"]
     assert checkpoint_manager.ObjectStoreCheckpointManager is ortckpt.CheckpointManager
+
+
+# Modules whose ImportError is not a missing extra: ONNX Runtime's training bindings (their own
+# package, never an extra of ours), and an MPI launch without mpi4py (a RuntimeError saying so).
+IMPORT_ERRORS_OF_THEIR_OWN = {"extras", "live", "distributed.comm"}
+
+
+def test_one_helper_imports_the_optional_packages():
+    """A missing optional package is said one way (extras.require: what needs it, what to install)."""
+    handlers = sorted(
+        f"{module}:{node.lineno}"
+        for module, source in _package_modules().items()
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ExceptHandler)
+        and "ImportError" in ast.unparse(node.type or ast.Name("BaseException"))
+        and not (len(node.body) == 1 and isinstance(node.body[0], ast.Raise) and node.body[0].exc is None)
+        and module not in IMPORT_ERRORS_OF_THEIR_OWN
+    )
+    assert handlers == []
 
 
 def test_the_rules_scans_find_what_they_look_for():

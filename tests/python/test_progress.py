@@ -52,16 +52,8 @@ def test_bars_show_for_saves_and_hashing(tmp_path, monkeypatch, capfd):
 
 
 def test_without_tqdm_the_error_says_what_to_install(tmp_path, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_tqdm(name, *args, **kwargs):
-        if name.startswith("tqdm"):
-            raise ImportError("no tqdm")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    for module in ("tqdm", "tqdm.auto"):
+        monkeypatch.setitem(sys.modules, module, None)  # (an import of it fails as if it were not installed)
     with pytest.raises(ImportError, match=r"ortckpt\[progress\]"):
         CheckpointState.save_checkpoint(state_of(1), tmp_path / "x", progress=True)
     assert not (tmp_path / "x").exists()

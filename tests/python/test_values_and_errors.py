@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import subprocess
 import sys
 
@@ -249,3 +250,19 @@ def test_a_damaged_rng_state_is_refused_before_any_generator_changes(damage):
     with pytest.raises(ValueError, match="capture_rng_state"):
         restore_rng_state(damage(state), gen)
     assert (random.getstate(), gen.bit_generator.state) == before
+
+
+@pytest.mark.parametrize(
+    ("missing", "call", "install"),
+    [
+        (("obstore", "obstore.store"), lambda d: ortckpt.load_checkpoint("s3://bucket/key"), "ortckpt[s3]"),
+        (("zstandard",), lambda d: ortckpt.CheckpointManager(d / "run", compress_kept=True), "ortckpt[compress]"),
+        (("tqdm", "tqdm.auto"), lambda d: ortckpt.CheckpointManager(d / "run", progress=True), "ortckpt[progress]"),
+    ],
+)
+def test_a_missing_optional_package_names_what_to_install_at_once(monkeypatch, tmp_path, missing, call, install):
+    for module in missing:
+        monkeypatch.setitem(sys.modules, module, None)  # (an import of it fails as if it were not installed)
+    with pytest.raises(ImportError, match=rf"needs {missing[0]}: pip install '{re.escape(install)}'"):
+        call(tmp_path)
+    assert not (tmp_path / "run").exists()  # refused before anything was made

@@ -15,7 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .. import safe_io
+from .. import extras, safe_io
 from ..checkpoint_state import CheckpointState, OptimizerGroup
 from ..errors import CheckpointStateError
 
@@ -28,11 +28,7 @@ TORCH_NAMES = {
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise ImportError("this needs torch: pip install torch") from None
-    return torch
+    return extras.require("torch", "reading and writing torch files")
 
 
 def _views() -> dict[Any, tuple[Any, type, np.dtype]]:

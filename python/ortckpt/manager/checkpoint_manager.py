@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, arguments, safe_io, steps, targets
+from .. import _boundary, arguments, extras, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
@@ -328,6 +328,11 @@ class CheckpointManager:
                 refused.append('verify_after_save="process"')
             if refused:
                 raise ValueError(f"{directory}: not available for a manager on object storage: {', '.join(refused)}")
+        # An option whose package is missing is refused here, not at the first save it would fail.
+        if compress_kept:
+            extras.require("zstandard", "compress_kept=True")
+        if progress:
+            extras.require("tqdm.auto", "progress=True")
         self.policy = policy
         self.save_every = save_every
         self.async_save = async_save

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .. import __version__, arguments, safe_io, steps
+from .. import __version__, arguments, extras, safe_io, steps
 
 
 class CommittedCheckpoint(Protocol):
@@ -214,11 +214,7 @@ class MlflowTracker:
         self.answered = 0
         # MLflow is imported now, in the caller's thread: its import takes seconds, which are not
         # the server's to be timed by the deadline (and a missing MLflow is said at once).
-        try:
-            from mlflow import MlflowClient
-        except ImportError as e:
-            raise ImportError("track='mlflow' needs MLflow: pip install 'ortckpt[mlflow]'") from e
-        self._client_class = MlflowClient
+        self._client_class = extras.require("mlflow", "track='mlflow'").MlflowClient
 
     @property
     def client(self) -> Any:
@@ -258,10 +254,7 @@ class MlflowTracker:
         checkpoint's metrics and lineage as the version's tags. Returns the ModelVersion."""
         if self.mlflow_run_id is None:
             raise RuntimeError("the tracker is not started")
-        try:
-            import mlflow.onnx
-        except ImportError as e:
-            raise ImportError("registering a model needs MLflow: pip install 'ortckpt[mlflow]'") from e
+        mlflow_onnx = extras.require("mlflow.onnx", "registering a model")
         from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
@@ -271,7 +264,7 @@ class MlflowTracker:
         with safe_io.scratch_directory() as scratch:
             local = scratch / "model"
             # Requirements given, not inferred: inference loads the model in a subprocess (tens of s).
-            mlflow.onnx.save_model(model, str(local), pip_requirements=mlflow.onnx.get_default_pip_requirements())
+            mlflow_onnx.save_model(model, str(local), pip_requirements=mlflow_onnx.get_default_pip_requirements())
             client.log_artifacts(self.mlflow_run_id, str(local), artifact_path)
         source = f"{client.get_run(self.mlflow_run_id).info.artifact_uri}/{artifact_path}"
         try:

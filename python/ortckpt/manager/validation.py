@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import extras
 from ..checkpoint_state import open_checkpoint
 from ..errors import CheckpointIntegrityError, InvalidArgumentError
 from . import child
@@ -122,10 +123,7 @@ class Forward:
 
     def problems(self, checkpoint: Path, metrics: Mapping[str, Any] | None) -> list[str]:
         """What is wrong with the forward pass of ``checkpoint``, in this process ([] if nothing)."""
-        try:
-            import onnxruntime
-        except ImportError:
-            raise ImportError("validate=Forward(...) runs the model in ONNX Runtime: pip install onnxruntime") from None
+        onnxruntime = extras.require("onnxruntime", "validate=Forward(...) (it runs the model in ONNX Runtime)")
         from ..convert.onnx_model import inference_model
 
         state = open_checkpoint(checkpoint, follow_symlinks=False)
