@@ -40,13 +40,26 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
     // A copy: text made from bytes that change while it is made may not be UTF-8.
     let identifier = Reader::new(buf, &verifier_options(buf.len())).identifier()?;
     if identifier != *FILE_IDENTIFIER.as_bytes() {
+        let looks = looks_like(buf)
+            .map(|kind| format!(" ({kind})"))
+            .unwrap_or_default();
         return Err(Error::malformed(format!(
-            "not an ONNX Runtime training checkpoint: file identifier is {:?}, expected {:?}",
+            "not an ONNX Runtime training checkpoint: file identifier is {:?}, expected {:?}{looks}",
             String::from_utf8_lossy(&identifier),
             FILE_IDENTIFIER
         )));
     }
     verify_checkpoint(&verifier_options(buf.len()), buf).map_err(|e| {
+        if let flatbuffers::InvalidFlatbuffer::RangeOutOfBounds { range, .. } = &e {
+            if range.end > buf.len() {
+                return Error::malformed(format!(
+                    "checkpoint verification failed: the file ends at byte {}, before the end of what \
+                     it records (byte {}): it is truncated",
+                    buf.len(),
+                    range.end
+                ));
+            }
+        }
         // The verifier's message carries a multi-line trace; its first line says what failed.
         let first = e.to_string().lines().next().unwrap_or_default().to_owned();
         Error::malformed(format!("checkpoint verification failed: {first}"))
@@ -54,6 +67,37 @@ pub fn decode(buf: &[u8]) -> Result<Checkpoint<Stored>> {
     // The verifier gave static malformed files their messages; the bytes may have
     // changed since, so the decoding pass checks every read again.
     decode_checked(buf)
+}
+
+/// What a file that is not a checkpoint seems to be, by its first bytes, for the message
+/// that refuses it: the files people hand a checkpoint reader by mistake.
+fn looks_like(buf: &[u8]) -> Option<&'static str> {
+    let starts = |magic: &[u8]| buf.starts_with(magic);
+    if starts(b"ORTCKPTZ") {
+        Some("it is a compressed checkpoint (a manager's compress_kept): `ortckpt decompress` or a manager restores it")
+    } else if starts(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        Some("it looks like a zstd-compressed file")
+    } else if starts(b"PK\x03\x04") {
+        Some("it looks like a ZIP archive, as torch.save writes: `ortckpt convert` reads those")
+    } else if buf.len() > 8
+        && buf[8] == b'{'
+        && u64::from_le_bytes(buf[..8].try_into().ok()?) < buf.len() as u64
+    {
+        Some("it looks like a safetensors file: `ortckpt convert` reads those")
+    } else if buf[4..8] == *b"ORTM" {
+        Some("it is an ONNX Runtime format model, not a checkpoint")
+    } else if starts(&[0x08])
+        && buf[1] < 0x80
+        // (a ModelProto's fields in order after ir_version: producer_name ... opset_import)
+        && [0x12, 0x1a, 0x22, 0x28, 0x32, 0x3a, 0x42].contains(&buf[2])
+    {
+        Some("it looks like an ONNX model: the training checkpoint is the `checkpoint` file beside the training \
+              models; `ortckpt convert MODEL.onnx OUT.ckpt` makes one from a model's initializers")
+    } else if buf.iter().take(4096).all(|b| *b == 0) {
+        Some("its first bytes are all zero: a file never written, or zeroed")
+    } else {
+        None
+    }
 }
 
 /// Decodes `buf` without relying on any earlier look at it: every read is checked as it

@@ -17,6 +17,7 @@ import ortckpt
 import pytest
 from onnx import TensorProto, helper
 from ortckpt import (
+    CheckpointFormatError,
     CheckpointManager,
     CheckpointState,
     CheckpointStateError,
@@ -266,3 +267,27 @@ def test_a_missing_optional_package_names_what_to_install_at_once(monkeypatch, t
     with pytest.raises(ImportError, match=rf"needs {missing[0]}: pip install '{re.escape(install)}'"):
         call(tmp_path)
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_a_file_that_is_no_checkpoint_is_named_for_what_it_seems_to_be(tmp_path):
+    import ortckpt.compression
+    from goldens import EVAL_MODEL
+    from safetensors.numpy import save_file
+
+    state = CheckpointState.from_arrays({"w": np.ones(1000, np.float32)})
+    CheckpointState.save_checkpoint(state, tmp_path / "whole.ckpt")
+    whole = (tmp_path / "whole.ckpt").read_bytes()
+    (tmp_path / "truncated.ckpt").write_bytes(whole[: len(whole) // 2])
+    ortckpt.compression.compress(tmp_path / "whole.ckpt", tmp_path / "compressed.zst")
+    save_file({"w": np.ones(4, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "zeros.ckpt").write_bytes(bytes(8192))
+    for name, says in (
+        (EVAL_MODEL, "it looks like an ONNX model"),
+        (tmp_path / "compressed.zst", "it is a compressed checkpoint (a manager's compress_kept): `ortckpt decompress`"),
+        (tmp_path / "model.safetensors", "it looks like a safetensors file"),
+        (tmp_path / "zeros.ckpt", "its first bytes are all zero"),
+        (tmp_path / "truncated.ckpt", f"the file ends at byte {len(whole) // 2}, before the end of what it records"),
+    ):
+        with pytest.raises(CheckpointFormatError, match=re.escape(says)) as e:
+            CheckpointState.load_checkpoint(name)
+        assert str(e.value).startswith(str(name)), e.value
