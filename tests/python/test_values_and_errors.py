@@ -283,7 +283,7 @@ def test_a_file_that_is_no_checkpoint_is_named_for_what_it_seems_to_be(tmp_path)
     (tmp_path / "zeros.ckpt").write_bytes(bytes(8192))
     for name, says in (
         (EVAL_MODEL, "it looks like an ONNX model"),
-        (tmp_path / "compressed.zst", "it is a compressed checkpoint (a manager's compress_kept): `ortckpt decompress`"),
+        (tmp_path / "compressed.zst", "it is a compressed checkpoint (a manager's compress_kept)"),
         (tmp_path / "model.safetensors", "it looks like a safetensors file"),
         (tmp_path / "zeros.ckpt", "its first bytes are all zero"),
         (tmp_path / "truncated.ckpt", f"the file ends at byte {len(whole) // 2}, before the end of what it records"),
