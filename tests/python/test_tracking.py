@@ -4,6 +4,7 @@ handoff; and the Tracker interface another tracker plugs into."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -108,7 +109,9 @@ def test_each_save_logs_metrics_at_its_step_config_params_once_and_lineage_tags(
     tags = found.data.tags
     assert tags[TAG_DIRECTORY] == str(tmp_path.absolute()) and tags[TAG_VERSION] == ortckpt.__version__
     assert tags[TAG_STEP] == "30" and tags[TAG_CHECKPOINT] == str(latest.directory.absolute())
-    assert json.loads(tags[TAG_SHA256]) == {name: f.get("sha256") for name, f in latest.metadata["files"].items()}
+    # No file's SHA-256 recorded (digest=None): metadata.json's, which pins each file's size and xxh3.
+    metadata_digest = hashlib.sha256((latest.directory / "metadata.json").read_bytes()).hexdigest()
+    assert json.loads(tags[TAG_SHA256]) == {"metadata.json": metadata_digest}
     # Every step's metadata.json (metrics, SHA-256s) is the run's lineage, retention or not.
     for step in (10, 20, 30):
         [entry] = client.list_artifacts(found.info.run_id, f"checkpoints/step_{step:08d}")
@@ -560,7 +563,8 @@ def test_register_best_hands_the_best_checkpoint_to_the_model_registry(tmp_path,
     assert registered.source.startswith(client.get_run(tracker.mlflow_run_id).info.artifact_uri + "/models/")
     best = {c.step: c for c in manager.all()}[best_step]
     assert registered.tags[TAG_STEP] == str(best_step) and registered.tags[TAG_RUN_ID] == manager.run_id
-    assert json.loads(registered.tags[TAG_SHA256]) == {"checkpoint": best.metadata["files"]["checkpoint"].get("sha256")}
+    metadata_digest = hashlib.sha256((best.directory / "metadata.json").read_bytes()).hexdigest()
+    assert json.loads(registered.tags[TAG_SHA256]) == {"metadata.json": metadata_digest}
     assert float(registered.tags["metric.loss"]) == losses[best_step]
     assert f"step {best_step} of ortckpt run {manager.run_id}" in registered.description
     # The registered model is an MLflow ONNX model with the best step's weights.
@@ -933,3 +937,21 @@ def test_a_run_directory_whose_name_is_not_utf8_is_tracked(tmp_path, mlflow_uri,
     assert history(MlflowClient(mlflow_uri), found.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
     assert found.data.tags[TAG_DIRECTORY] == str(tmp_path.absolute()) + "/run-\\xff\\xfe"
     assert found.data.tags[TAG_CHECKPOINT].startswith(str(tmp_path.absolute()) + "/run-\\xff\\xfe/")
+
+
+def test_the_sha256_tag_holds_no_null(tmp_path, mlflow_uri, experiment):
+    # With digest="sha256" each file's recorded digest; without, metadata.json's (never {"checkpoint": null}).
+    for digest, directory in (("sha256", tmp_path / "digests"), (None, tmp_path / "plain")):
+        tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
+        with CheckpointManager(directory, track=tracker, digest=digest) as manager:
+            manager.save(small(1), 1)
+            latest = manager.latest()
+        tags = MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id).data.tags
+        files = latest.metadata["files"]
+        expected = (
+            {name: entry["sha256"] for name, entry in files.items()}
+            if digest
+            else {"metadata.json": hashlib.sha256((latest.directory / "metadata.json").read_bytes()).hexdigest()}
+        )
+        assert json.loads(tags[TAG_SHA256]) == expected
+        assert None not in expected.values()

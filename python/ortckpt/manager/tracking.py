@@ -509,8 +509,11 @@ class MlflowTracker:
     @staticmethod
     def _lineage(checkpoint: CommittedCheckpoint) -> dict[str, str]:
         files = checkpoint.metadata.get("files", {})
-        digests = json.dumps({name: entry.get("sha256") for name, entry in files.items()}, sort_keys=True)
-        if len(digests) > _MAX_TAG_LENGTH:  # many shards: metadata.json's own digest, which lists theirs
+        recorded = {name: entry.get("sha256") for name, entry in files.items()}
+        digests = json.dumps(recorded, sort_keys=True)
+        # Without digest="sha256" (no file's SHA-256 recorded), or with many shards: metadata.json's
+        # own digest, which pins every file's size and xxh3 (or SHA-256).
+        if None in recorded.values() or len(digests) > _MAX_TAG_LENGTH:
             try:
                 digest: str | None = safe_io.sha256_of(checkpoint.directory / steps.METADATA_NAME)[1]
             except OSError:  # the step deleted (by retention) before its report: a tag without it, not none
