@@ -32,7 +32,7 @@ from goldens import ARTIFACTS, EVAL_MODEL, INPUTS, LOSS
 from http_proxy import Proxy
 from mlflow import MlflowClient
 from ortckpt import CheckpointManager, CheckpointState
-from ortckpt.cli import OK, run
+from ortckpt.cli import OK, USAGE, run
 from ortckpt.errors import InvalidArgumentError
 from ortckpt.manager.tracking import (
     DEFAULT_TIMEOUT,
@@ -608,6 +608,30 @@ def test_the_register_best_command(tmp_path, mlflow_uri, experiment, capsys):
     assert client.get_model_version(name, "1").tags[TAG_STEP] == str(best_step)
     assert run(["register-best", str(tmp_path / "empty"), name, str(EVAL_MODEL), "--tracking-uri", mlflow_uri]) == 3
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_register_best_from_a_shell_without_the_runs_experiment_uses_the_runs_mlflow_run(
+    tmp_path, mlflow_uri, experiment, capsys, monkeypatch
+):
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
+    manager, _ = trained_run(tmp_path / "run", tracker)
+    manager.close()
+    name = f"{experiment}-shell"
+    args = ["register-best", str(tmp_path / "run"), name, str(EVAL_MODEL), "--output", LOSS, "--json"]
+    # No server named: refused with the hint, nothing made in the working directory.
+    monkeypatch.chdir(tmp_path)
+    assert run(args) == USAGE
+    assert "--tracking-uri URL or MLFLOW_TRACKING_URI" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    # The server named, no experiment: the run's own MLflow run (in its experiment), twice over.
+    for _ in range(2):
+        assert run([*args, "--tracking-uri", mlflow_uri]) == OK
+        assert json.loads(capsys.readouterr().out)["mlflow_run_id"] == tracker.mlflow_run_id
+    client = MlflowClient(mlflow_uri)
+    default = client.search_runs(["0"], filter_string=f"tags.`{TAG_RUN_ID}` = '{manager.run_id}'")
+    assert default == []  # no second MLflow run in the Default experiment
 
 
 class Recording:

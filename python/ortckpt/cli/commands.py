@@ -749,7 +749,10 @@ def decompress(src: str, dst: str, as_json: bool, progress: bool | None) -> None
 @click.option("--metric", help="The metric to rank by (default: the one the run's checkpoints have, if only one).")
 @click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True, help="Best is min or max.")
 @click.option("--tracking-uri", help="The MLflow server (default: MLFLOW_TRACKING_URI).")
-@click.option("--experiment", help="The MLflow experiment (default: MLFLOW_EXPERIMENT_NAME, else Default).")
+@click.option(
+    "--experiment",
+    help="The MLflow experiment (default: MLFLOW_EXPERIMENT_NAME, else the one with the run's MLflow run).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @_fail_cleanly
 def register_best(
@@ -771,6 +774,11 @@ def register_best(
     from ..manager.tracking import TAG_STEP, MlflowTracker
 
     _local(eval_model, "EVAL_MODEL")
+    if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
+        # (MLflow would make a local store in the working directory, not find the run's server)
+        raise click.UsageError(
+            "register-best needs the MLflow server the run is tracked on: --tracking-uri URL or MLFLOW_TRACKING_URI"
+        )
     metric = _ranking_metric(directory, metric, mode)  # (before MLflow is asked anything)
     tracker = MlflowTracker(tracking_uri, experiment=experiment)
     manager = CheckpointManager(directory, read_only=True, track=tracker)

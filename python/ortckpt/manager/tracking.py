@@ -127,6 +127,10 @@ TAG_SHA256 = "ortckpt.sha256"  # its files' SHA-256s, a JSON object {file name: 
 
 REPORT_NAME = "report.html"  # a step's HTML report, beside its metadata.json in the run's artifacts
 
+# Searching every experiment for a run: 100 experiments a request (search_runs takes at most that
+# many ids), at most 100 requests.
+_EXPERIMENTS_A_PAGE, _MAX_EXPERIMENT_PAGES = 100, 100
+
 # MLflow's own limits (mlflow.utils.validation): a longer param or tag is refused by the server,
 # a larger batch too.
 _MAX_PARAM_LENGTH = 6000
@@ -302,6 +306,10 @@ class MlflowTracker:
         experiment_id = self._experiment_id()
         key = run_key(run.run_id)  # hex: nothing to escape in the search string
         found = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_KEY}` = '{key}'", max_results=1)
+        if not found and self._experiment_name() is None:
+            # No experiment named (a shell without MLFLOW_EXPERIMENT_NAME): the run's MLflow run
+            # wherever training put it, rather than a second one in the Default experiment.
+            found = self._search_every_experiment(f"tags.`{TAG_RUN_KEY}` = '{key}'")
         if found:
             mlflow_run_id = str(found[0].info.run_id)
         else:
@@ -317,10 +325,26 @@ class MlflowTracker:
         tags += [RunTag(TAG_DIRECTORY, path_text(run.directory.absolute())), RunTag(TAG_VERSION, __version__)]
         self.client.log_batch(mlflow_run_id, tags=tags)
 
+    def _experiment_name(self) -> str | None:
+        return self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+
+    def _search_every_experiment(self, filter_string: str) -> list[Any]:
+        """The first run matching ``filter_string`` in any experiment (a page of experiments a
+        request, a bounded number of pages)."""
+        client, token = self.client, None
+        for _ in range(_MAX_EXPERIMENT_PAGES):
+            page = client.search_experiments(max_results=_EXPERIMENTS_A_PAGE, page_token=token)
+            ids = [str(e.experiment_id) for e in page]
+            found = client.search_runs(ids, filter_string=filter_string, max_results=1) if ids else []
+            token = page.token
+            if found or not token:
+                return list(found)
+        return []
+
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
 
-        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        name = self._experiment_name()
         client = self.client
         if name is None:
             return "0"  # MLflow's Default experiment
