@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -26,6 +27,11 @@ from . import _boundary, extras
 POLL_SECONDS = 0.1
 DELAY_SECONDS = 0.5
 CLOSE_SECONDS = 1.0  # the longest a finished piece of work waits for its bar to go
+LOG_SECONDS = 10.0  # where stderr is no terminal (a log): a line this often, no bar
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1048576:.1f} MiB"
 
 
 def _tqdm() -> Any:
@@ -106,6 +112,9 @@ class Bar:
         return self._follow() if self._follow is not None else (self._done, self._total)
 
     def _show(self, tqdm: Any, stream: _Unfailing) -> None:
+        if not stream.isatty():  # a log: plain lines now and then, never a bar's frames
+            self._log(stream)
+            return
         bar = None
         try:
             done, total = self._now()
@@ -133,6 +142,26 @@ class Bar:
             if bar is not None:
                 with contextlib.suppress(Exception):
                     bar.close()
+
+    def _log(self, stream: _Unfailing) -> None:
+        """One line every LOG_SECONDS while the work lasts past DELAY_SECONDS, and one at its end."""
+        start = time.monotonic()
+        shown = False
+        try:
+            if self._finished.wait(DELAY_SECONDS):
+                return  # quick work: nothing to say
+            while True:
+                finished = self._finished.wait(LOG_SECONDS if shown else 0)
+                done, total = self._now()
+                elapsed = time.monotonic() - start
+                of = f" of {_mib(total)}" if total else ""
+                stream.write(f"{self._description}: {_mib(done)}{of} in {elapsed:.1f} s{' (done)' if finished else ''}\n")
+                stream.flush()
+                shown = True
+                if finished:
+                    return
+        except Exception:
+            return  # a line that fails is not written; the work goes on
 
     def close(self) -> None:
         self._finished.set()

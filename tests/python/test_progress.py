@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pty
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import ortckpt
@@ -123,15 +127,41 @@ print(len(bars), round(time.monotonic() - start), flush=True)
 """
 
 
+@contextlib.contextmanager
+def terminal() -> Iterator[int]:
+    """A pseudo-terminal's follower end, to hand a child as its stderr; what it shows is drained
+    (so the child never blocks on it)."""
+    leader, follower = pty.openpty()
+    drained = threading.Thread(target=_drain, args=(leader,), daemon=True)
+    drained.start()
+    try:
+        yield follower
+    finally:
+        os.close(follower)
+        drained.join(10)
+        os.close(leader)
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(OSError):  # (EIO once every follower is closed)
+        while os.read(fd, 65536):
+            pass
+
+
 def test_a_tqdm_lock_left_taken_costs_one_bar_not_the_saves(tmp_path):
     """A bar thread stuck on tqdm's lock is let go after CLOSE_SECONDS; the bars after it
     show nothing rather than start more stuck threads."""
     script = tmp_path / "lock.py"
     script.write_text(LOCK_LEFT_TAKEN)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr.decode()
+    with terminal() as stderr:  # (bars are tqdm's on a terminal only)
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "ck")],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 0
     threads, seconds = map(int, done.stdout.split())
     assert threads == 1  # the first bar's, still waiting on the lock; no other started
     assert seconds < 60  # five saves of 1 MiB: the stuck bar cost one CLOSE_SECONDS, not ever
@@ -196,3 +226,35 @@ def test_a_bar_counts_from_any_thread():
         t.join()
     bar.close()
     assert bar.n == 4000
+
+
+def test_a_log_gets_plain_lines_a_terminal_gets_the_bar(tmp_path):
+    # Where stderr is no terminal (a log file), no bar frames (carriage returns): a line now and then and
+    # one at the end; on a terminal (a pty), tqdm's bar.
+    script = (
+        "import numpy as np\n"
+        "from ortckpt import CheckpointState, progress\n"
+        "progress.DELAY_SECONDS = 0\n"
+        "state = CheckpointState.from_arrays({'w': np.ones(8 << 18, np.float32)})\n"
+        f"CheckpointState.save_checkpoint(state, {str(tmp_path / 'x')!r}, progress=True)\n"
+    )
+    with open(tmp_path / "log", "wb") as log:
+        subprocess.run([sys.executable, "-c", script], stderr=log, check=True, timeout=60)
+    logged = (tmp_path / "log").read_text()
+    assert "\r" not in logged and "\x1b" not in logged, repr(logged)
+    assert logged.endswith("(done)\n") and all(line.startswith("saving x: ") for line in logged.splitlines())
+    leader, follower = pty.openpty()
+    done = subprocess.Popen([sys.executable, "-c", script], stderr=follower)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # (EIO: the follower closed)
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert done.wait(60) == 0
+    os.close(leader)
+    assert b"\r" in seen and b"saving x" in seen and b"(done)" not in seen, seen
