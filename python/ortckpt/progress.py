@@ -155,7 +155,8 @@ class Bar:
                 done, total = self._now()
                 elapsed = time.monotonic() - start
                 of = f" of {_mib(total)}" if total else ""
-                stream.write(f"{self._description}: {_mib(done)}{of} in {elapsed:.1f} s{' (done)' if finished else ''}\n")
+                end = " (done)" if finished else ""
+                stream.write(f"{self._description}: {_mib(done)}{of} in {elapsed:.1f} s{end}\n")
                 stream.flush()
                 shown = True
                 if finished:

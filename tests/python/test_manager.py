@@ -463,3 +463,34 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
     assert mid_save > trials // 10, "too few kills landed inside a save to test anything"
     if mode == "frozen":
         assert shared_steps > trials // 4, "too few latest steps shared their data file to test anything"
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_names_the_step_not_its_staging_folder(tmp_path, async_save):
+    from test_transactions import needs_root
+
+    @needs_root
+    def check() -> None:
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        mount = ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)]
+        mounted = subprocess.run(mount, check=False, capture_output=True)
+        assert mounted.returncode == 0, mounted.stderr
+        try:
+            manager = CheckpointManager(disk / "run", async_save=async_save)
+            manager.save(CheckpointState.from_arrays({"w": np.ones(1 << 16, np.float32)}), 1)  # 256 KiB: fits
+            manager.wait()
+            with pytest.raises(OSError) as e:
+                manager.save(CheckpointState.from_arrays({"w": np.ones(1 << 19, np.float32)}), 2)  # 2 MiB: never
+                manager.wait()
+            assert e.value.errno == 28 and e.value.filename == str(disk / "run" / "step_00000002")
+            assert "writing checkpoint of step 2: nothing was committed" in str(e.value)
+            assert manager.all_steps() == [1] and sorted(os.listdir(disk / "run")) == [
+                ".ortckpt-writer.lock",
+                "step_00000001",
+            ]
+            manager.close()
+        finally:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+
+    check()

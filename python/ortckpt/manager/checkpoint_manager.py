@@ -595,10 +595,27 @@ class CheckpointManager:
                 share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
             )
             committed = self._commit(attempt, meta)
+        except OSError as e:
+            self.store.abandon(attempt)
+            raise self._named_by_step(e, attempt) from None
         except BaseException:
             self.store.abandon(attempt)
             raise
         self._committed(committed)
+
+    def _named_by_step(self, e: OSError, attempt: Attempt) -> OSError:
+        """An OS error (a full disk) met writing a step's staged files, named by the step (its
+        staging folder, a name of ours, is gone with the attempt), saying that nothing changed."""
+        staged = os.fspath(attempt.folder)
+        if e.errno is None or not str(e.filename or "").startswith(staged):
+            return e
+        inside = str(e.filename)[len(staged) :].lstrip("/") or "its folder"
+        return OSError(
+            e.errno,
+            f"{e.strerror} (writing {inside} of step {attempt.step}: nothing was committed, the steps saved "
+            "before stand)",
+            self._step_folder(attempt.step),
+        )
 
     @contextlib.contextmanager
     def _naming_step(self, step: int) -> Iterator[None]:
