@@ -10,9 +10,9 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
 """
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from ._boundary import VERSION as __version__
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
 from .dtypes import PackedBits, PackedInt4
 from .errors import (
@@ -103,11 +103,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-try:
-    __version__ = version("ortckpt")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0+unknown"
 
 __all__ = [
     "CheckpointDirectoryInUseError",

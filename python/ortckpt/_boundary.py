@@ -27,6 +27,8 @@ Lock = _core.Lock
 stage = _core.stage
 rename_directory = _core.rename_directory
 acquire_lock = _core.acquire_lock
+# The package's version: the crate's, as the core was built (Cargo.toml is its one place).
+VERSION: str = _core.__version__
 CHECKPOINT_VERSION = _core.CHECKPOINT_VERSION
 DEFAULT_EXTERNAL_DATA_THRESHOLD = _core.DEFAULT_EXTERNAL_DATA_THRESHOLD
 # How the core names its temporary files; Python-side temporaries use the same marker.

@@ -31,6 +31,7 @@ __all__ = [
     "views",
 ]
 
+__version__: str
 CHECKPOINT_VERSION: int
 PAYLOAD_ALIGNMENT: int
 DEFAULT_EXTERNAL_DATA_THRESHOLD: int

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__, safe_io, targets
+from . import safe_io, targets
+from ._boundary import VERSION
 from .checkpoint_state import CheckpointState, PackedBits
 from .errors import InvalidArgumentError
 from .statistics import TensorChange, TensorStats, histogram, tensor_changes, tensor_stats, tensors
@@ -236,7 +237,7 @@ class _Page:
         body = [
             f"<header><h1>{_e(self.side.name)}</h1>",
             f'<p class="sub">{("against " + _e(self.other.name) + " · ") if self.other else ""}'
-            f"ortckpt {_e(__version__)} report</p></header>",
+            f"ortckpt {_e(VERSION)} report</p></header>",
             self._flagged(),
             self._summary(),
             self._changes() if self.other else "",

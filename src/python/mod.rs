@@ -885,6 +885,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveProgress>()?;
     m.add_class::<Staging>()?;
     m.add_class::<Lock>()?;
+    // The package's version is the crate's (one place: Cargo.toml), read from the compiled core
+    // rather than the installed metadata, so a source tree and a wheel say the same.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add("TEMP_MARKER", crate::io::TEMP_MARKER)?;
     m.add(

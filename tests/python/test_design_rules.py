@@ -295,6 +295,19 @@ def test_one_helper_imports_the_optional_packages():
     assert handlers == []
 
 
+def test_no_module_takes_the_version_from_the_package_root():
+    """``__version__`` is the compiled core's (``_boundary.VERSION``): no module imports the
+    package root for it (an arrow up the map, and an import cycle waiting to happen)."""
+    upward = sorted(
+        module
+        for module, source in _package_modules().items()
+        for target, name in _imports(source, module)
+        if target == "ortckpt" and name == "__version__" and module != "__init__"
+    )
+    assert upward == []
+
+
 def test_the_rules_scans_find_what_they_look_for():
+    assert ("ortckpt", "__version__") in _imports("from .. import __version__, arguments\n", "manager.tracking")
     assert _code_strings('"""A docstring: s3://b/k."""\nx = "s3://b/k"\n') == [("s3://b/k", 2)]
     assert [rule for rule, _ in findings("import shutil\nshutil.move(a, b)\np.rename(q)\n")] == ["rename", "rename"]

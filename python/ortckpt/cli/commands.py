@@ -22,7 +22,8 @@ from typing import Any
 
 import click
 
-from .. import __version__, targets
+from .. import targets
+from .._boundary import VERSION
 from ..convert.files import FORMATS
 from ..errors import InvalidArgumentError
 from . import sources
@@ -230,7 +231,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXIT_CODES)
 @click.version_option(
-    __version__,
+    VERSION,
     "-V",
     "--version",
     prog_name="ortckpt",

@@ -53,9 +53,9 @@ def git_commit_of(where: Path) -> dict[str, Any] | None:
 
 
 def versions() -> dict[str, str]:
-    from .. import __version__
+    from .._boundary import VERSION
 
-    return {"python": platform.python_version(), "numpy": np.__version__, "ortckpt": __version__}
+    return {"python": platform.python_version(), "numpy": np.__version__, "ortckpt": VERSION}
 
 
 def build(

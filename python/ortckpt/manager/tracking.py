@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .. import __version__, arguments, extras, safe_io, steps
+from .. import arguments, extras, safe_io, steps
+from .._boundary import VERSION
 
 
 class CommittedCheckpoint(Protocol):
@@ -322,7 +323,7 @@ class MlflowTracker:
         from mlflow.entities import RunTag
 
         tags = [RunTag(TAG_RUN_KEY, run_key(run.run_id)), RunTag(TAG_RUN_ID, run.run_id[:_MAX_TAG_LENGTH])]
-        tags += [RunTag(TAG_DIRECTORY, path_text(run.directory.absolute())), RunTag(TAG_VERSION, __version__)]
+        tags += [RunTag(TAG_DIRECTORY, path_text(run.directory.absolute())), RunTag(TAG_VERSION, VERSION)]
         self.client.log_batch(mlflow_run_id, tags=tags)
 
     def _experiment_name(self) -> str | None:
@@ -548,7 +549,7 @@ class MlflowTracker:
             TAG_STEP: str(checkpoint.step),
             TAG_CHECKPOINT: path_text(checkpoint.directory.absolute())[:_MAX_TAG_LENGTH],
             TAG_SHA256: digests,
-            TAG_VERSION: __version__,
+            TAG_VERSION: VERSION,
         }
 
 
