@@ -179,9 +179,12 @@ ort-loop-venv-from-dist:
 # One interpreter's suite against the installed wheel, with no Rust on PATH (`make test-wheel PYTHONS=3.12`
 # builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.
 WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR))
-WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider
-# The interop tests (ONNX Runtime's own interpreter is the oracle, whatever the suite's) and the MPI ranks
-# run on the first interpreter; tests/python, the README's mpirun example among them, on each.
+WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=15
+# The whole suite runs on the first interpreter of PYTHONS: the interop tests (ONNX Runtime's own
+# interpreter is the oracle, whatever the suite's), the MPI ranks and the `once` runs among them. The
+# package is pure Python over an abi3 extension, so what can differ between interpreters is import, the
+# stubs (stubtest), buffers crossing the boundary and the entry point: the files marked every_python run
+# on each of the others. Each run prints its slowest tests (--durations), so the time has a record.
 FIRST_ONLY := tests/interop tests/distributed
 test-wheel-%:
 	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) sh -c '\
@@ -189,7 +192,7 @@ test-wheel-%:
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		$(WHEEL_PYTEST) tests/python $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_ONLY)) -m "not large and not once"'
+		$(WHEEL_PYTEST) tests/python $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_ONLY) -m "not large and not once",-m "every_python and not large and not once")'
 
 test-wheel-once:
 	@echo "== the once runs on CPython $(firstword $(PYTHONS))" && \

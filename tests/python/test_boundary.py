@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 from ortckpt import CheckpointState, _core
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 
 def test_the_test_hooks_are_in_the_development_build_and_never_in_the_wheel():
     """The panic hook's own test is tests/devbuild/test_panics.py, run on the development build."""

@@ -28,6 +28,10 @@ from ortckpt import (
     _core,
 )
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 
 @pytest.fixture
 def state_path(tmp_path, trained_path):

@@ -13,6 +13,10 @@ import pytest
 from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core
 from ortckpt.cli import DIFFERENT, FAILED, OK, USAGE, run
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "ort-vectors"
 
 

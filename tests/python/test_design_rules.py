@@ -20,6 +20,11 @@ import re
 from pathlib import Path
 
 import ortckpt
+import pytest
+
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
 
 PACKAGE = Path(ortckpt.__file__).resolve().parent
 OWNERS = {

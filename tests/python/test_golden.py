@@ -6,6 +6,10 @@ import pytest
 from goldens import golden_checkpoints, load_json, sha256
 from ortckpt import CheckpointState, PackedInt4
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 
 def _bytes_of(value):
     return value.packed if isinstance(value, PackedInt4) else value

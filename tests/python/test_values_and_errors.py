@@ -25,6 +25,10 @@ from ortckpt import (
 )
 from ortckpt.cli import FAILED, USAGE, run
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 # --- finding 9: values --------------------------------------------------------------------------------
 
 

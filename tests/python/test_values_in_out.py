@@ -32,6 +32,10 @@ from ortckpt import (
 from ortckpt.distributed.comm import SingleProcess
 from ortckpt.manager import metadata as manager_metadata
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 INF, NAN = math.inf, math.nan
 
 

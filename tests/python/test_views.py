@@ -15,6 +15,10 @@ from ortckpt import CheckpointState, OptimizerGroup, _boundary, _core
 from ortckpt import dtypes as dt
 from ortckpt.dtypes import PackedBits
 
+# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
+# crossing the boundary, imports, the program's entry point.
+pytestmark = pytest.mark.every_python
+
 
 def _values() -> dict[str, object]:
     rng = np.random.default_rng(7)
