@@ -14,10 +14,10 @@ Tensors are named as ``ortckpt diff`` names them: parameters by name, momentums 
 tensor with no finite values (or a string tensor) has ``None`` for them.
 
 The figures are computed by the Rust core (``src/compute/stats.rs``) in one pass over each
-tensor's bytes with the GIL released, many tensors per call: float16, bfloat16, float32,
-float64, every integer type and bool. A checkpoint loaded here from a file is read through
+tensor's bytes with the GIL released, many tensors per call: float8 (the four ONNX types),
+float16, bfloat16, float32, float64, every integer type and bool. A checkpoint loaded here from a file is read through
 its map and its pages are dropped behind the pass, so a large checkpoint does not stay in
-memory. The other types (float8, the packed sub-byte types) go through the NumPy reference
+memory. The packed sub-byte types go through the NumPy reference
 implementation kept here (``_stats_numpy``, ``_change_numpy``), which the tests also use as
 the oracle.
 
@@ -46,9 +46,10 @@ from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, PackedBits
 from .errors import UnsupportedDataTypeError
 
-# The ONNX types the core's kernels compute (the others go through NumPy here).
+# The ONNX types the core's kernels compute (the others, the packed sub-byte types, go through NumPy here).
 _KERNEL_CODES = frozenset(
     {_dt.FLOAT, _dt.DOUBLE, _dt.FLOAT16, _dt.BFLOAT16, _dt.BOOL}
+    | {_dt.FLOAT8E4M3FN, _dt.FLOAT8E4M3FNUZ, _dt.FLOAT8E5M2, _dt.FLOAT8E5M2FNUZ}
     | {_dt.INT8, _dt.INT16, _dt.INT32, _dt.INT64, _dt.UINT8, _dt.UINT16, _dt.UINT32, _dt.UINT64}
 )
 
