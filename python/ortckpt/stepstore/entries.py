@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _boundary, safe_io
+from ..errors import CheckpointIntegrityError
 from ..targets import PAIR_MAGIC, PAIR_TRAILER_BYTES
 
 DATA_SUFFIX = ".data"
@@ -81,4 +82,17 @@ def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[s
     return None, next(iter(found.values()))[1]
 
 
-__all__ = ["check", "of_document", "of_written"]
+def check_graph(path: Path, entry: dict[str, Any], shown: str) -> None:
+    """A step's graph file against its entry (size and SHA-256, read without following a
+    symlink): CheckpointIntegrityError naming it (as ``shown``) when it differs or is missing."""
+    try:
+        problem, _ = check(path, {"bytes": entry["bytes"], "sha256": entry["sha256"]})
+    except FileNotFoundError:
+        problem = "missing"
+    except OSError as e:
+        problem = str(e).replace(f"'{path}'", "").strip(": ") or type(e).__name__
+    if problem is not None:
+        raise CheckpointIntegrityError(shown, [f"{shown}: {problem} (not the graph this step recorded)"])
+
+
+__all__ = ["check", "check_graph", "of_document", "of_written"]
