@@ -203,7 +203,8 @@ class ObjectStore(StepStore):
                 break
         else:
             raise CheckpointIntegrityError(
-                places[0].url, [f"{places[0].url}: missing (the graph {role} of step {step.number})"]
+                places[0].url,
+                [f"{places[0].url}: missing (the graph {role}, {entry['name']}, of step {step.number})"],
             )
         digest = hashlib.sha256()
         fd = safe_io.create_exclusive(local)
@@ -218,7 +219,10 @@ class ObjectStore(StepStore):
             os.unlink(local)
             raise CheckpointIntegrityError(
                 where.url,
-                [f"{where.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}"],
+                [
+                    f"{where.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']} "
+                    f"(the graph {role}, {entry['name']}, of step {step.number})"
+                ],
             )
         return local
 
