@@ -113,19 +113,19 @@ def test_verify_catches_a_corrupted_or_replaced_graph(tmp_path, artifacts):
     graph.unlink()
     graph.write_bytes(bytes(data))
     reader = CheckpointManager(run, read_only=True)
-    with pytest.raises(CheckpointIntegrityError, match="training_model.onnx: SHA-256"):
+    with pytest.raises(CheckpointIntegrityError, match=r"training_model\.onnx: SHA-256"):
         reader.verify(2)
-    with pytest.raises(CheckpointIntegrityError, match="training_model.onnx"):
+    with pytest.raises(CheckpointIntegrityError, match=r"training_model\.onnx"):
         ortckpt.verify(run / "step_00000002")
     with pytest.raises(CheckpointIntegrityError, match="not the graph this step recorded"):
-        reader.latest().artifacts
+        _ = reader.latest().artifacts
     reader.verify(1)  # its own link still holds the stored graph
     # Missing, and replaced by a symlink to the right bytes (never followed).
     graph.unlink()
-    with pytest.raises(CheckpointIntegrityError, match="training_model.onnx: missing"):
+    with pytest.raises(CheckpointIntegrityError, match=r"training_model\.onnx: missing"):
         reader.verify(2)
     graph.symlink_to(artifacts / "training_model.onnx")
-    with pytest.raises(CheckpointIntegrityError, match="training_model.onnx"):
+    with pytest.raises(CheckpointIntegrityError, match=r"training_model\.onnx"):
         reader.verify(2)
 
 
@@ -390,17 +390,17 @@ def test_on_s3_graphs_are_stored_once_verified_kept_while_needed_and_downloaded_
         data[10] ^= 1
         object_store.put(location, bytes(data))
     reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
-    with pytest.raises(CheckpointIntegrityError, match="training_model.onnx"):
+    with pytest.raises(CheckpointIntegrityError, match=r"training_model\.onnx"):
         reader.verify(4)
     # (this process downloaded it before it was replaced, checked: that copy is still the graph)
     assert digest(reader.latest().artifacts["training"]) == digest(artifacts / "training_model.onnx")
     local["training"].unlink()  # a fresh download from here on
     with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
-        CheckpointManager(s3_url, storage_options=options, read_only=True).latest().artifacts
+        _ = CheckpointManager(s3_url, storage_options=options, read_only=True).latest().artifacts
     # A size on record that is not the object's: nothing downloaded past it.
     object_store.put(location, bytes(data) * 1000)
     with pytest.raises(CheckpointIntegrityError, match="missing"):
-        CheckpointManager(s3_url, storage_options=options, read_only=True).latest().artifacts
+        _ = CheckpointManager(s3_url, storage_options=options, read_only=True).latest().artifacts
     # inspect lists the graphs of an s3:// step from its metadata.
     assert cli_run(["inspect", "--json", f"{s3_url}/step_00000004"]) == 0
     assert [g["role"] for g in json.loads(capsys.readouterr().out)["graphs"]] == ["eval", "optimizer", "training"]
