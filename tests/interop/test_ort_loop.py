@@ -409,6 +409,33 @@ def test_the_readmes_training_loop_example_runs_and_resumes(ort_loop_python: str
     assert_same_checkpoint(tmp_path / "final.ckpt", tmp_path / "runs/mlp/step_00001000/checkpoint")
 
 
+def test_the_resuming_from_a_step_alone_example_resumes_elsewhere(ort_loop_python: str, tmp_path: Path) -> None:
+    example = block("ort-graphs")
+    shutil.copytree(ARTIFACTS, tmp_path / "artifacts")
+    data = (
+        "import numpy as np\n"
+        "def batch(step):\n"
+        "    rng = np.random.default_rng(step)\n"
+        "    return rng.standard_normal((5, 8)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)\n"
+    )
+    report = (
+        "import ortckpt\n"
+        "print(manager.all_steps(), type(model).__name__, type(optimizer).__name__, optimizer.get_learning_rate())\n"
+        "print(state.optimizer_groups['group0'].step, state.properties['step'])\n"
+    )
+    script = tmp_path / "train.py"
+    script.write_text(data + example + report)
+    environment = loop_environment()
+    done = subprocess.run(
+        [ort_loop_python, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps, classes = done.stdout.splitlines()[-2:]
+    assert steps.startswith("[200, 300] Module Optimizer ")
+    assert classes == "300 300"  # the optimizer's step and the step property, from the copied step
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["step_00000300"]
+
+
 def test_the_readmes_torch_trap_workaround_imports_the_training_api_without_torch(
     ort_loop_python: str, tmp_path: Path
 ) -> None:
