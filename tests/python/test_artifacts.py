@@ -423,3 +423,62 @@ def test_on_s3_a_save_killed_before_its_commit_leaves_graphs_the_sweep_removes(s
         assert any(url.endswith(new) for url in removed)
         assert new not in keys(s3_url, options)
         manager.verify(1)
+
+
+def test_async_saves_and_compressed_kept_steps_keep_their_graphs(tmp_path, artifacts):
+    pytest.importorskip("zstandard")
+    run = tmp_path / "run"
+    with CheckpointManager(
+        run, artifacts=artifacts, async_save=True, max_to_keep=1, keep_every=2, compress_kept=True, durable=False
+    ) as manager:
+        for step in range(1, 6):
+            manager.save(state(step), step)
+        manager.wait()
+        assert manager.all_steps() == [2, 4, 5]
+        kept = manager.all()[0]
+        assert kept.compressed and sorted(kept.artifacts) == ["eval", "optimizer", "training"]
+        for step in (2, 4, 5):
+            manager.verify(step)
+    assert set(stored(run).values()) == {4}  # three steps' links and the stored name
+
+
+def test_a_graph_grown_past_an_onnx_models_size_is_refused_at_the_save(tmp_path, artifacts):
+    run = tmp_path / "run"
+    graph = tmp_path / "training.onnx"
+    graph.write_bytes(b"a graph")
+    with CheckpointManager(run, artifacts={"training": graph}, durable=False) as manager:
+        manager.save(state(1), 1)
+        with open(graph, "r+b") as f:  # sparse: no space taken, nothing copied
+            f.truncate(documents.MAX_ARTIFACT_BYTES + 1)
+        with pytest.raises(ValueError, match="more than an ONNX model can hold"):
+            manager.save(state(2), 2)
+        assert manager.all_steps() == [1]
+    with CheckpointManager(run, read_only=True) as reader:  # no step left damaged
+        assert reader.all_steps() == [1] and not any(p.name.startswith(".step_") for p in run.iterdir())
+        reader.verify(1)
+
+
+def test_on_s3_a_graph_another_jobs_sweep_removed_is_uploaded_again(s3_server, s3_url, artifacts):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, artifacts=artifacts) as manager:
+        manager.save(state(1), 1)
+        training = f"artifacts/{digest(artifacts / 'training_model.onnx')}.onnx"
+        object_store.remove([targets.object_location(f"{s3_url}/{training}", options)])
+        with pytest.raises(CheckpointIntegrityError, match="the graph training is gone"):
+            manager.save(state(2), 2)
+        manager.save(state(2), 2)  # uploaded again, not taken as there
+        assert training in keys(s3_url, options)
+        manager.verify(2)
+
+
+def test_on_s3_a_reader_of_a_step_deleted_meanwhile_is_told_so(s3_server, s3_url, artifacts):
+    options = s3_server.storage_options()
+    # (a graph of its own: none this process downloaded before, which it would give from its cache)
+    (artifacts / "training_model.onnx").write_bytes(s3_url.encode())
+    with CheckpointManager(s3_url, storage_options=options, artifacts=artifacts, max_to_keep=1) as manager:
+        manager.save(state(1), 1)
+        stale = CheckpointManager(s3_url, storage_options=options, read_only=True).latest()
+        (artifacts / "training_model.onnx").write_bytes(b"a new training graph")
+        manager.save(state(2), 2)  # step 1 retired, and the graph only it used
+    with pytest.raises(FileNotFoundError, match="step 1 was deleted meanwhile"):
+        _ = stale.artifacts

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import targets
+from .. import documents, targets
 
 if TYPE_CHECKING:
     from .._boundary import CoreState
@@ -91,6 +91,16 @@ class SourceDigests:
         """Records (size, digest) of ``path``, read while it had ``identity``, if it still has."""
         if self.identity(path) == identity:
             self._known[os.fspath(path)] = (identity, size, digest)
+
+
+def check_graph_size(source: Path, size: int) -> None:
+    """A graph recorded with a step is an ONNX model: one protobuf, under 2 GiB (what
+    metadata.json's schema takes), checked before it is stored (its file may have grown since
+    the manager was made)."""
+    if size > documents.MAX_ARTIFACT_BYTES:
+        raise ValueError(
+            f"{source}: {size} bytes, more than an ONNX model can hold ({documents.MAX_ARTIFACT_BYTES}): not recorded"
+        )
 
 
 def shared_file_entry(previous: Step, name: str) -> dict[str, Any]:
@@ -241,6 +251,7 @@ __all__ = [
     "SourceDigests",
     "Step",
     "StepStore",
+    "check_graph_size",
     "missed",
     "shared_file_entry",
 ]

@@ -36,7 +36,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
 from . import entries
-from .base import Attempt, Scan, SourceDigests, Step, StepStore, shared_file_entry
+from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size, shared_file_entry
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -234,7 +234,9 @@ class DirectoryStore(StepStore):
             size, digest = known
         else:
             identity = SourceDigests.identity(source)
+            check_graph_size(source, identity[2])
             size, digest = safe_io.copy_new(source, target, durable=durable)
+            check_graph_size(source, size)  # (grown while copied: the attempt is abandoned)
             self._sources.put(source, identity, size, digest)
             self._share(folder, target, digest, durable=durable)
         entry = {"name": name, "bytes": size, "sha256": digest}

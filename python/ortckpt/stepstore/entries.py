@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,9 @@ def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[s
     missing) and CheckpointError (a damaged checksum block) as reading does."""
     found: dict[str, tuple[int, str]] = {}  # kind -> (size, digest found)
     if "sha256" in expected:
+        status = os.lstat(path)  # (a file of another size is not read: it may be huge)
+        if stat.S_ISREG(status.st_mode) and status.st_size != expected["bytes"]:
+            return f"{status.st_size} bytes, metadata says {expected['bytes']}", ""
         found["sha256"] = safe_io.sha256_of(path, on_bytes)
     if "xxh3" in expected:
         size, root = _boundary.checksum_root(path, follow_symlinks=False)

@@ -41,7 +41,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from .base import Attempt, Scan, SourceDigests, Step, StepStore
+from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -175,10 +175,12 @@ class ObjectStore(StepStore):
         known = self._sources.get(source)
         if known is None:
             identity = SourceDigests.identity(source)
+            check_graph_size(source, identity[2])
             with safe_io.open_regular(source) as f:  # (a FIFO or a directory refused unread)
                 known = _sha256_of_file(f)
             self._sources.put(source, identity, *known)
         size, digest = known
+        check_graph_size(source, size)
         where = self._graph(digest)
         if digest not in self._stored:
             found = object_store.head(where)
@@ -202,6 +204,10 @@ class ObjectStore(StepStore):
             if found is not None and found.size == entry["bytes"]:
                 break
         else:
+            if not self._still_committed(step):
+                raise FileNotFoundError(
+                    2, f"step {step.number} was deleted meanwhile (its graph {role} with it)", places[0].url
+                )
             raise CheckpointIntegrityError(
                 places[0].url,
                 [f"{places[0].url}: missing (the graph {role}, {entry['name']}, of step {step.number})"],
@@ -225,6 +231,18 @@ class ObjectStore(StepStore):
                 ],
             )
         return local
+
+    def _still_committed(self, step: Step) -> bool:
+        """Whether ``step`` is still committed as it was read (not retired, nor replaced)."""
+        attempt = step.document.get("attempt")
+        try:
+            current = self.read(step.number, steps.METADATA_NAME)
+        except (CheckpointError, OSError):
+            return True  # (damaged now: say what is wrong with the graph, not that the step went)
+        if current is None or current.document.get("attempt") != attempt:
+            return False
+        marker = self._folder(step.number).child(steps.retired_marker(attempt)) if attempt else None
+        return marker is None or object_store.head(marker) is None
 
     def remove_unused_graphs(self) -> list[str]:
         """Removes the stored graphs that no committed step names. A step whose document is
@@ -294,6 +312,7 @@ class ObjectStore(StepStore):
             where = self._graph(entry["sha256"])
             found = object_store.head(where)
             if found is None or found.size != entry["bytes"]:
+                self._stored.discard(entry["sha256"])  # (the next save uploads it again)
                 problems.append(
                     f"{where.url}: the graph {role} is gone {when}; another job's sweep may have removed it"
                 )
