@@ -401,6 +401,13 @@ def test_on_s3_graphs_are_stored_once_verified_kept_while_needed_and_downloaded_
     object_store.put(location, bytes(data) * 1000)
     with pytest.raises(CheckpointIntegrityError, match="missing"):
         _ = CheckpointManager(s3_url, storage_options=options, read_only=True).latest().artifacts
+    # ortckpt.verify of the step folder's URL on its own finds the graphs in its run.
+    with pytest.raises(CheckpointIntegrityError, match=r"training_model\.onnx"):
+        ortckpt.verify(f"{s3_url}/step_00000004", storage_options=options)
+    object_store.put(location, (artifacts / "training_model.onnx").read_bytes())
+    assert ortckpt.verify(f"{s3_url}/step_00000004", storage_options=options).files["eval_model.onnx"] == digest(
+        artifacts / "eval_model.onnx"
+    )
     # inspect lists the graphs of an s3:// step from its metadata.
     assert cli_run(["inspect", "--json", f"{s3_url}/step_00000004"]) == 0
     assert [g["role"] for g in json.loads(capsys.readouterr().out)["graphs"]] == ["eval", "optimizer", "training"]

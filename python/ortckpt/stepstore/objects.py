@@ -56,6 +56,7 @@ class ObjectStore(StepStore):
         self.name = prefix.url
         self._sources = SourceDigests()
         self._stored: set[str] = set()  # digests of graphs this store uploaded or checked under the prefix
+        self._run = prefix  # the run's prefix: this one, or for a step folder located on its own, its parent
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -110,6 +111,8 @@ class ObjectStore(StepStore):
                 parsed = _document(self.prefix.child(document), KINDS[document])
             except FileNotFoundError:
                 continue
+            # (a step folder named on its own: the run's graphs are beside it, in its run's prefix)
+            self._run = self.prefix.parent()
             return Step(parsed["step"], parsed, self._files_of(self.prefix, parsed))
         return None
 
@@ -167,7 +170,7 @@ class ObjectStore(StepStore):
     # --- the run's graphs ----------------------------------------------------------------
 
     def _graph(self, digest: str) -> Location:
-        return self.prefix.child(steps.ARTIFACTS_FOLDER).child(steps.stored_graph_name(digest))
+        return self._run.child(steps.ARTIFACTS_FOLDER).child(steps.stored_graph_name(digest))
 
     def store_graph(self, attempt: Attempt, role: str, source: Path, *, durable: bool) -> dict[str, Any]:
         """Uploads the graph unless an object of its digest is there already with its bytes (checked
@@ -235,6 +238,8 @@ class ObjectStore(StepStore):
     def _still_committed(self, step: Step) -> bool:
         """Whether ``step`` is still committed as it was read (not retired, nor replaced)."""
         attempt = step.document.get("attempt")
+        if self._run is not self.prefix:
+            return True  # (a step folder on its own: no run listed to be deleted from)
         try:
             current = self.read(step.number, steps.METADATA_NAME)
         except (CheckpointError, OSError):
