@@ -23,8 +23,9 @@ Each command prints one JSON object on its last line of stdout.
   graphs_run ARTIFACTS DIRECTORY STEPS STOP  a run whose manager records the graphs
       (artifacts=ARTIFACTS) in DIRECTORY/run, saving every step; stops after step STOP (the
       machine gone); at STEPS, ONNX Runtime's saver writes DIRECTORY/final.ckpt
-  graphs_resume DIRECTORY STEPS  in DIRECTORY (a step folder copied there alone, nothing else):
-      restore_training, then train on to STEPS, saving every step, and DIRECTORY/final.ckpt
+  graphs_resume DIRECTORY STEPS ARTIFACTS  in DIRECTORY (a step folder copied there alone, nothing
+      else; ARTIFACTS, the run's folder, gone): restore_training, then train on to STEPS, saving
+      every step, and DIRECTORY/final.ckpt
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def graphs_run(artifacts: str, directory: str, steps: str, stop: str) -> dict:
     return {"steps": manager.all_steps(), "lr": optimizer.get_learning_rate()}
 
 
-def graphs_resume(directory: str, steps: str) -> dict:
-    manager = ortckpt.CheckpointManager(directory, durable=False)
+def graphs_resume(directory: str, steps: str, artifacts: str) -> dict:
+    # (the same arguments as the run that made the step: its artifacts folder is not on this machine)
+    manager = ortckpt.CheckpointManager(directory, artifacts=artifacts, max_to_keep=2, durable=False)
     start = manager.latest_step()
     state, model, optimizer = manager.restore_training()
     for step in range(start, int(steps)):
@@ -119,6 +121,7 @@ def graphs_resume(directory: str, steps: str) -> dict:
         "lr": optimizer.get_learning_rate(),
         "classes": [type(model).__name__, type(optimizer).__name__, type(state).__module__],
         "device": manager.all()[0].metadata["execution_provider"],
+        "recorded": sorted(manager.latest().artifacts),
     }
 
 

@@ -489,3 +489,31 @@ def test_on_s3_a_reader_of_a_step_deleted_meanwhile_is_told_so(s3_server, s3_url
         manager.save(state(2), 2)  # step 1 retired, and the graph only it used
     with pytest.raises(FileNotFoundError, match="step 1 was deleted meanwhile"):
         _ = stale.artifacts
+
+
+def test_the_same_script_resumes_where_the_artifacts_folder_is_missing(tmp_path, artifacts):
+    """A step folder copied alone to another machine, resumed by the script that made it: the
+    artifacts folder it names is not there, so the run's latest step's graphs are recorded again
+    (from private copies, which retention deleting that step leaves)."""
+    with CheckpointManager(tmp_path / "run", artifacts=artifacts, durable=False) as manager:
+        manager.save(state(1), 1)
+        manager.save(state(2), 2)
+        recorded = manager.latest().metadata["artifacts"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run(["cp", "-r", str(tmp_path / "run" / "step_00000002"), str(elsewhere)], check=True)
+    shutil.rmtree(tmp_path / "run")
+    shutil.rmtree(artifacts)
+    with CheckpointManager(elsewhere, artifacts=artifacts, max_to_keep=1, durable=False) as manager:
+        manager.save(state(3), 3)  # step 2 goes
+        manager.save(state(4), 4)
+        assert manager.all_steps() == [4] and manager.latest().metadata["artifacts"] == recorded
+        assert manager.latest().metadata["execution_provider"] == "CPUExecutionProvider"
+        manager.verify(4)
+    assert sorted(stored(elsewhere)) == sorted(f"{e['sha256']}.onnx" for e in recorded.values())
+    # Nothing records them, and they are missing: refused, naming the argument.
+    with pytest.raises(FileNotFoundError, match="not a folder of training artifacts") as refused:
+        CheckpointManager(tmp_path / "fresh", artifacts=artifacts)
+    assert refused.value.argument == "artifacts"
+    with pytest.raises(FileNotFoundError, match=r"artifacts\['eval'\]: .* is missing"):
+        CheckpointManager(tmp_path / "fresh", artifacts={"eval": tmp_path / "gone.onnx"})

@@ -38,6 +38,10 @@ _PROVIDERS = {
 }
 
 
+class MissingArtifacts(InvalidArgumentError, FileNotFoundError):
+    """The ``artifacts`` given are not on this machine (the folder, or a file of the mapping)."""
+
+
 def resolve(artifacts: Any) -> dict[str, Path]:
     """``artifacts`` (a folder of training artifacts, or a mapping of role to ONNX file) as
     role -> absolute path of a regular file, checked now (naming the argument): a role is a
@@ -48,7 +52,7 @@ def resolve(artifacts: Any) -> dict[str, Path]:
     if isinstance(artifacts, (str, os.PathLike)):
         folder = Path(artifacts)
         if not folder.is_dir():
-            raise InvalidArgumentError(
+            raise (InvalidArgumentError if os.path.lexists(folder) else MissingArtifacts)(
                 f"artifacts: {folder} is not a folder of training artifacts (give a folder, or a mapping of role "
                 "to ONNX file)",
                 "artifacts",
@@ -80,7 +84,12 @@ def resolve(artifacts: Any) -> dict[str, Path]:
     if not given or len(given) > documents.MAX_ARTIFACTS:
         raise InvalidArgumentError(f"artifacts: 1 to {documents.MAX_ARTIFACTS} graphs, got {len(given)}", "artifacts")
     for role, path in given.items():
-        with safe_io.open_regular(path) as f:  # (FileNotFoundError, IsADirectoryError, SpecialFileError)
+        try:
+            opened = safe_io.open_regular(path)  # (IsADirectoryError, SpecialFileError: refused unread)
+        except FileNotFoundError:
+            at = f"artifacts[{role!r}]"
+            raise MissingArtifacts(f"{at}: {path} is missing", "artifacts", at) from None
+        with opened as f:
             size = os.fstat(f.fileno()).st_size
         if size > documents.MAX_ARTIFACT_BYTES:
             raise InvalidArgumentError(
@@ -90,6 +99,31 @@ def resolve(artifacts: Any) -> dict[str, Path]:
                 f"artifacts[{role!r}]",
             )
     return {role: Path(os.path.abspath(path)) for role, path in sorted(given.items())}
+
+
+def recorded(store: StepStore, step: Step | None, missing: MissingArtifacts) -> dict[str, Path]:
+    """The graphs ``step`` (the run's latest) records, as sources for the next steps, when the
+    ``artifacts`` given are not on this machine: a step folder copied alone resumes with the
+    script that made it. Copied into this process's private folder (checked by digest), so that
+    retention deleting the step leaves them. Without such a step, ``missing`` is raised."""
+    if step is None or not graphs_of(step.document):
+        raise missing
+    cache = _graph_cache()
+    sources = {}
+    for role, path in local_graphs(store, step).items():
+        digest = step.document["artifacts"][role]["sha256"]
+        source = cache / f"source-{digest}.onnx"
+        if not os.path.lexists(source):
+            safe_io.copy_new(path, source)
+        sources[role] = source
+    return sources
+
+
+def recorded_by(store: StepStore, missing: MissingArtifacts) -> None:
+    """Raises ``missing`` unless the run's latest step records graphs (read without a lock)."""
+    scan = store.scan(steps.METADATA_NAME)
+    if not scan.steps or not graphs_of(scan.steps[max(scan.steps)].document):
+        raise missing
 
 
 def check_device(device: Any) -> str | None:
@@ -172,4 +206,15 @@ def training_api() -> Any:
     return api
 
 
-__all__ = ["check_device", "graphs_of", "local_graphs", "resolve", "runtime", "training_api", "training_session"]
+__all__ = [
+    "MissingArtifacts",
+    "check_device",
+    "graphs_of",
+    "local_graphs",
+    "recorded",
+    "recorded_by",
+    "resolve",
+    "runtime",
+    "training_api",
+    "training_session",
+]

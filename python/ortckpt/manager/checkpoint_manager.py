@@ -118,12 +118,16 @@ class CheckpointInfo:
         return self.metadata.get("rng_state")
 
     @property
+    def _step(self) -> Step:
+        return Step(self.step, self.metadata, self.files)
+
+    @property
     def artifacts(self) -> dict[str, Path]:
         """The run's graphs this step records (``CheckpointManager(artifacts=...)``): role ->
         a local ONNX file, checked against the size and SHA-256 its metadata.json records (on
         object storage, downloaded once into a private folder of this process). Empty when the
         step records none."""
-        return _artifacts.local_graphs(self.store, Step(self.step, self.metadata, self.files))
+        return _artifacts.local_graphs(self.store, self._step)
 
     @property
     def sharded(self) -> bool:
@@ -257,7 +261,9 @@ class CheckpointManager:
             (``generate_artifacts``' ``training_model.onnx``, ``eval_model.onnx``,
             ``optimizer_model.onnx``; its ``checkpoint`` is what :meth:`save` saves, not a graph),
             or a mapping of role (``"training"``, ``"eval"``, ``"optimizer"``, ``"inference"``...)
-            to ONNX file. Each distinct graph is stored once in the run's ``artifacts/`` and shared
+            to ONNX file. Where they are missing (a step folder copied alone to another machine,
+            resumed with the same script), the run's latest step's graphs are recorded again. Each
+            distinct graph is stored once in the run's ``artifacts/`` and shared
             by the steps that use it (in a directory each step holds hard links to it, so a step
             folder copied alone is whole); a graph changed during the run is stored again.
             :meth:`verify` checks them, retention removes the ones no kept step uses,
@@ -341,9 +347,13 @@ class CheckpointManager:
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
-        graphs = _artifacts.resolve(artifacts)
+        missing: _artifacts.MissingArtifacts | None = None
+        try:
+            graphs = _artifacts.resolve(artifacts)
+        except _artifacts.MissingArtifacts as e:  # (the latest step's, if it records them: below)
+            graphs, missing = {}, e
         device = _artifacts.check_device(device)
-        if graphs and (comm is not None or read_only):
+        if (graphs or missing) and (comm is not None or read_only):
             raise ValueError("artifacts are recorded by a writer of unsharded steps: not with comm= or read_only=True")
         if validate is not None and not isinstance(validate, Forward):
             raise InvalidArgumentTypeError(
@@ -378,13 +388,16 @@ class CheckpointManager:
         self.progress = progress
         self.storage_options = dict(storage_options or {})
         self.artifacts = graphs  # role -> the ONNX file recorded with every step
-        self.device = device if device is not None or not graphs else "cpu"
+        self.device = device if device is not None or not (graphs or missing) else "cpu"
         self.comm = None
         if comm is not None:
             from ..distributed import communicator
 
             self.comm = communicator(comm)
         writer = self._is_root and not read_only
+        if missing is not None:
+            # (refused before anything is created when no step of the run records graphs either)
+            _artifacts.recorded_by(open_store(directory, storage_options, writer=False), missing)
         if writer:
             # The metadata's git commit comes from a subprocess: asked now, before the lock, since
             # a child forked while the lock is held shares it until it execs, and a writer killed
@@ -414,6 +427,12 @@ class CheckpointManager:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
         self.reload()
         latest = self.latest()
+        if missing is not None:  # the artifacts are not on this machine: the run's latest step has them
+            try:
+                self.artifacts = _artifacts.recorded(self.store, None if latest is None else latest._step, missing)
+            except BaseException:
+                self.store.close()
+                raise
         # The run's id: the one given, else the latest checkpoint's (a resumed run keeps its id),
         # else a new one; with comm, rank 0's on every rank.
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
