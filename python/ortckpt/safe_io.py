@@ -162,6 +162,18 @@ def copy_new(source: str | os.PathLike[str], path: Path, *, durable: bool = Fals
     return size, digest.hexdigest()
 
 
+def link_into_place(done: Path, path: Path) -> None:
+    """Gives the finished file ``done`` the name ``path`` unless a file has it already (another
+    thread's, of the same content: names of content), then removes the name ``done``: whoever
+    comes second finds a whole file, never a half-written one."""
+    try:
+        os.link(done, path)
+    except FileExistsError:
+        pass
+    finally:
+        _unlink_quietly(done)
+
+
 def _unlink_quietly(path: Path) -> None:
     with suppress(OSError):
         os.unlink(path)

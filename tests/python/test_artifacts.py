@@ -517,3 +517,19 @@ def test_the_same_script_resumes_where_the_artifacts_folder_is_missing(tmp_path,
     assert refused.value.argument == "artifacts"
     with pytest.raises(FileNotFoundError, match=r"artifacts\['eval'\]: .* is missing"):
         CheckpointManager(tmp_path / "fresh", artifacts={"eval": tmp_path / "gone.onnx"})
+
+
+def test_on_s3_threads_fetching_one_graph_at_once_all_get_it_whole(s3_server, s3_url, artifacts):
+    options = s3_server.storage_options()
+    (artifacts / "training_model.onnx").write_bytes(os.urandom(4 << 20) + s3_url.encode())  # (none cached yet)
+    with CheckpointManager(s3_url, storage_options=options, artifacts=artifacts) as manager:
+        manager.save(state(1), 1)
+    infos = [CheckpointManager(s3_url, storage_options=options, read_only=True).latest() for _ in range(6)]
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda i=info: got.append(i.artifacts["training"])) for info in infos]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(got) == 6 and len(set(got)) == 1
+    assert digest(got[0]) == digest(artifacts / "training_model.onnx")  # type: ignore[arg-type]

@@ -113,8 +113,10 @@ def recorded(store: StepStore, step: Step | None, missing: MissingArtifacts) -> 
     for role, path in local_graphs(store, step).items():
         digest = step.document["artifacts"][role]["sha256"]
         source = cache / f"source-{digest}.onnx"
-        if not os.path.lexists(source):
-            safe_io.copy_new(path, source)
+        if not os.path.lexists(source):  # (copied aside, then named: two managers may copy it at once)
+            partial = cache / f".source-{digest}.{steps.new_attempt()}"
+            safe_io.copy_new(path, partial)
+            safe_io.link_into_place(partial, source)
         sources[role] = source
     return sources
 

@@ -216,24 +216,26 @@ class ObjectStore(StepStore):
                 [f"{places[0].url}: missing (the graph {role}, {entry['name']}, of step {step.number})"],
             )
         digest = hashlib.sha256()
-        fd = safe_io.create_exclusive(local)
+        partial = cache / f".{entry['sha256']}.{steps.new_attempt()}"  # (threads may fetch one graph at once)
+        fd = safe_io.create_exclusive(partial)
         try:
             object_store.download_to(where, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
         except BaseException:
             os.close(fd)
-            os.unlink(local)
+            os.unlink(partial)
             raise
         os.close(fd)
-        if digest.hexdigest() != entry["sha256"]:
-            os.unlink(local)
-            raise CheckpointIntegrityError(
-                where.url,
-                [
-                    f"{where.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']} "
-                    f"(the graph {role}, {entry['name']}, of step {step.number})"
-                ],
-            )
-        return local
+        if digest.hexdigest() == entry["sha256"]:
+            safe_io.link_into_place(partial, local)
+            return local
+        os.unlink(partial)
+        raise CheckpointIntegrityError(
+            where.url,
+            [
+                f"{where.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']} "
+                f"(the graph {role}, {entry['name']}, of step {step.number})"
+            ],
+        )
 
     def _still_committed(self, step: Step) -> bool:
         """Whether ``step`` is still committed as it was read (not retired, nor replaced)."""
