@@ -20,6 +20,12 @@ Each command prints one JSON object on its last line of stdout.
       training on at once after each; ONNX Runtime's own save at each save() beside them
   hostile_tmpdir OUT  a bind and a full save while someone else who may write TMPDIR swaps the
       memory checkpoint directories
+  graphs_run ARTIFACTS DIRECTORY STEPS STOP  a run whose manager records the graphs
+      (artifacts=ARTIFACTS) in DIRECTORY/run, saving every step; stops after step STOP (the
+      machine gone); at STEPS, ONNX Runtime's saver writes DIRECTORY/final.ckpt
+  graphs_resume DIRECTORY STEPS ARTIFACTS  in DIRECTORY (a step folder copied there alone, nothing
+      else; ARTIFACTS, the run's folder, gone): restore_training, then train on to STEPS, saving
+      every step, and DIRECTORY/final.ckpt
 """
 
 from __future__ import annotations
@@ -80,6 +86,43 @@ def manager_run(artifacts: str, directory: str, steps: str, cls: str, async_save
     manager.close()
     C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
     return {"resumed_from": latest, "steps": manager.all_steps()}
+
+
+def graphs_run(artifacts: str, directory: str, steps: str, stop: str) -> dict:
+    manager = ortckpt.CheckpointManager(
+        os.path.join(directory, "run"), artifacts=artifacts, max_to_keep=2, durable=False
+    )
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    for step in range(int(stop)):
+        _train_step(model, optimizer, step)
+        state.properties["last_loss_step"] = step
+        manager.save(state, step + 1)
+    manager.close()
+    if stop == steps:
+        C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
+    return {"steps": manager.all_steps(), "lr": optimizer.get_learning_rate()}
+
+
+def graphs_resume(directory: str, steps: str, artifacts: str) -> dict:
+    # (the same arguments as the run that made the step: its artifacts folder is not on this machine)
+    manager = ortckpt.CheckpointManager(directory, artifacts=artifacts, max_to_keep=2, durable=False)
+    start = manager.latest_step()
+    state, model, optimizer = manager.restore_training()
+    for step in range(start, int(steps)):
+        _train_step(model, optimizer, step)
+        state.properties["last_loss_step"] = step
+        manager.save(state, step + 1)
+    manager.close()
+    C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
+    return {
+        "resumed_from": start,
+        "steps": manager.all_steps(),
+        "lr": optimizer.get_learning_rate(),
+        "classes": [type(model).__name__, type(optimizer).__name__, type(state).__module__],
+        "device": manager.all()[0].metadata["execution_provider"],
+        "recorded": sorted(manager.latest().artifacts),
+    }
 
 
 def own_state(artifacts: str, out: str) -> dict:
@@ -399,6 +442,8 @@ def main(argv: list[str]) -> None:
         "leaks": leaks,
         "async_while_training": async_while_training,
         "hostile_tmpdir": hostile_tmpdir,
+        "graphs_run": graphs_run,
+        "graphs_resume": graphs_resume,
     }
     result = commands[command](*args)
     print(json.dumps(result))

@@ -313,6 +313,9 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
     info["path"] = path
     if found.step is not None:
         info["step"] = found.step.step.number
+        graphs = found.step.step.document.get("artifacts") or {}
+        if graphs:  # the run's graphs the step records (CheckpointManager(artifacts=...))
+            info["graphs"] = [{"role": role, **entry} for role, entry in sorted(graphs.items())]
         if found.copy:  # (a sharded or compressed step: its own files, not the copy read)
             info["files"] = found.step.files()
     if as_json:
@@ -358,6 +361,14 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
         click.echo("\nproperties:")
         for name, value in info["properties"].items():
             click.echo(f"  {name} = {value!r}")
+    if info.get("graphs"):
+        click.echo("\ngraphs:")
+        click.echo(
+            _table(
+                [[g["role"], g["name"], _size(g["bytes"]), g["sha256"]] for g in info["graphs"]],
+                ["role", "file", "size", "sha256"],
+            )
+        )
     t = info["totals"]
     click.echo(
         f"\ntotal: {t['tensors']} tensors, {_size(t['bytes'])} ({t['trainable']} trainable, {t['frozen']} frozen, "

@@ -57,6 +57,7 @@ from ..errors import (
 from ..stepstore import Attempt, Step, StepStore, open_store
 from ..stepstore import entries as stepstore_entries
 from . import arguments as options
+from . import artifacts as _artifacts
 from . import child
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
@@ -115,6 +116,18 @@ class CheckpointInfo:
     def rng_state(self) -> dict[str, Any] | None:
         """What :func:`ortckpt.capture_rng_state` captured at save, if given."""
         return self.metadata.get("rng_state")
+
+    @property
+    def _step(self) -> Step:
+        return Step(self.step, self.metadata, self.files)
+
+    @property
+    def artifacts(self) -> dict[str, Path]:
+        """The run's graphs this step records (``CheckpointManager(artifacts=...)``): role ->
+        a local ONNX file, checked against the size and SHA-256 its metadata.json records (on
+        object storage, downloaded once into a private folder of this process). Empty when the
+        step records none."""
+        return _artifacts.local_graphs(self.store, self._step)
 
     @property
     def sharded(self) -> bool:
@@ -244,6 +257,21 @@ class CheckpointManager:
             until :meth:`close`: a second writer gets :class:`~ortckpt.CheckpointDirectoryInUseError`
             naming the first. An object store holds no lock: one writer per prefix is yours to keep.
         storage_options: For an ``s3://bucket/prefix`` URL (see :mod:`ortckpt.object_store`).
+        artifacts: The run's graphs, recorded with every step: a folder of training artifacts
+            (``generate_artifacts``' ``training_model.onnx``, ``eval_model.onnx``,
+            ``optimizer_model.onnx``; its ``checkpoint`` is what :meth:`save` saves, not a graph),
+            or a mapping of role (``"training"``, ``"eval"``, ``"optimizer"``, ``"inference"``...)
+            to ONNX file. Where they are missing (a step folder copied alone to another machine,
+            resumed with the same script), the run's latest step's graphs are recorded again. Each
+            distinct graph is stored once in the run's ``artifacts/`` and shared
+            by the steps that use it (in a directory each step holds hard links to it, so a step
+            folder copied alone is whole); a graph changed during the run is stored again.
+            :meth:`verify` checks them, retention removes the ones no kept step uses,
+            :attr:`CheckpointInfo.artifacts` gives them and :meth:`restore_training` trains on.
+            Not with ``comm``.
+        device: ONNX Runtime's device the run trains on (``"cpu"``, ``"cuda"``, ``"cuda:1"``):
+            recorded in metadata.json with its execution provider, and the device
+            :meth:`restore_training` makes the Module on. Default: ``"cpu"`` with ``artifacts``.
     """
 
     def __init__(
@@ -270,6 +298,8 @@ class CheckpointManager:
         comm: Any = None,
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        artifacts: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
+        device: str | None = None,
     ) -> None:
         # Every argument is checked first, naming it, before anything is opened or written
         # (manager.arguments: a float or a bool is no count, a string no flag).
@@ -317,6 +347,14 @@ class CheckpointManager:
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
+        missing: _artifacts.MissingArtifacts | None = None
+        try:
+            graphs = _artifacts.resolve(artifacts)
+        except _artifacts.MissingArtifacts as e:  # (the latest step's, if it records them: below)
+            graphs, missing = {}, e
+        device = _artifacts.check_device(device)
+        if (graphs or missing) and (comm is not None or read_only):
+            raise ValueError("artifacts are recorded by a writer of unsharded steps: not with comm= or read_only=True")
         if validate is not None and not isinstance(validate, Forward):
             raise InvalidArgumentTypeError(
                 f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}", "validate"
@@ -349,12 +387,17 @@ class CheckpointManager:
         self.compress_kept = compress_kept
         self.progress = progress
         self.storage_options = dict(storage_options or {})
+        self.artifacts = graphs  # role -> the ONNX file recorded with every step
+        self.device = device if device is not None or not (graphs or missing) else "cpu"
         self.comm = None
         if comm is not None:
             from ..distributed import communicator
 
             self.comm = communicator(comm)
         writer = self._is_root and not read_only
+        if missing is not None:
+            # (refused before anything is created when no step of the run records graphs either)
+            _artifacts.recorded_by(open_store(directory, storage_options, writer=False), missing)
         if writer:
             # The metadata's git commit comes from a subprocess: asked now, before the lock, since
             # a child forked while the lock is held shares it until it execs, and a writer killed
@@ -384,6 +427,12 @@ class CheckpointManager:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
         self.reload()
         latest = self.latest()
+        if missing is not None:  # the artifacts are not on this machine: the run's latest step has them
+            try:
+                self.artifacts = _artifacts.recorded(self.store, None if latest is None else latest._step, missing)
+            except BaseException:
+                self.store.close()
+                raise
         # The run's id: the one given, else the latest checkpoint's (a resumed run keeps its id),
         # else a new one; with comm, rank 0's on every rank.
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
@@ -562,6 +611,8 @@ class CheckpointManager:
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
         )
+        if self.device is not None:
+            meta.update(_artifacts.runtime(self.device))
         _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
@@ -594,6 +645,8 @@ class CheckpointManager:
                 progress=self.progress,
                 share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
             )
+            for role, source in self.artifacts.items():
+                self.store.store_graph(attempt, role, source, durable=self.durable)
             committed = self._commit(attempt, meta)
         except OSError as e:
             self.store.abandon(attempt)
@@ -647,6 +700,8 @@ class CheckpointManager:
             if bar is not None:
                 bar.close()
         meta = {**meta, "files": files}
+        if attempt.graphs:
+            meta["artifacts"] = dict(attempt.graphs)
         if not self.store.local:
             meta["attempt"] = attempt.where
         if self.verify_after_save == "process":
@@ -796,6 +851,8 @@ class CheckpointManager:
                 self.store.retire(Step(info.step, info.metadata, info.files))
         with self._lock:
             self._checkpoints.pop(step, None)
+        if self._is_root and _artifacts.graphs_of(info.metadata):
+            self.store.remove_unused_graphs()  # (the step is gone: what only it used goes too)
 
     def remove_leftovers(self) -> list[str]:
         """Removes what saves that failed or were killed left (and, on object storage, the
@@ -887,6 +944,28 @@ class CheckpointManager:
                 if not gone or attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def restore_training(
+        self, step: int | None = None, *, device: str | None = None
+    ) -> tuple[CheckpointState, Any, Any]:
+        """The checkpoint of ``step`` (default: the latest) ready to train on: ``(state, module,
+        optimizer)``, ONNX Runtime's ``Module`` over the restored state with the step's training
+        and eval graphs, and its ``Optimizer`` with the step's optimizer graph (None if the step
+        records none), which take the parameters, moments, step and learning rate from the
+        checkpoint as ONNX Runtime's do. The graphs are the ones the step recorded
+        (``artifacts=``), checked against their SHA-256 first, so a step folder copied alone to
+        another machine resumes. ``device``: ONNX Runtime's (default: the manager's, else the
+        one the step records, else ``"cpu"``). Needs onnxruntime-training (ImportError naming
+        it otherwise); ortckpt never requires it."""
+        device = _artifacts.check_device(device)
+        _artifacts.training_api()  # (before anything is read: ImportError naming the package)
+
+        def session(info: CheckpointInfo) -> tuple[CheckpointState, Any, Any]:
+            graphs = info.artifacts
+            chosen = device or self.device or info.metadata.get("device")
+            return _artifacts.training_session(info.load(), graphs, chosen, os.fspath(info.url))
+
+        return self._reading(step, session)
 
     def restore_sharded(
         self, step: int | None = None, *, slices: Mapping[str, Any] | None = None

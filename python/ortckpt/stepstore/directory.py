@@ -36,7 +36,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
 from . import entries
-from .base import Attempt, Scan, Step, StepStore, shared_file_entry
+from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size, shared_file_entry
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -54,6 +54,10 @@ class DirectoryStore(StepStore):
         # The data file whose SHA-256 this store last computed (written or shared), by what tells
         # its bytes unchanged since (see _shares_proven_file): {(dev, inode, size, mtime): digest}.
         self._hashed: dict[tuple[int, int, int, int], str] = {}
+        # The run's graphs: their sources' digests, and the stored graphs proven to hold their
+        # digest's bytes ({digest: identity}: written by this store, or hashed once).
+        self._sources = SourceDigests()
+        self._stored: dict[str, tuple[int, int, int, int]] = {}
         if writer:
             if create:
                 safe_io.make_directories(directory)
@@ -214,6 +218,128 @@ class DirectoryStore(StepStore):
             self._hashed = {identity: digest}
         return entry.get("bytes") == before.st_size and entry.get("sha256") == digest
 
+    # --- the run's graphs ----------------------------------------------------------------
+
+    def store_graph(self, attempt: Attempt, role: str, source: Path, *, durable: bool) -> dict[str, Any]:
+        """The step's ``<role>_model.onnx`` is a hard link to the run's stored graph of that content
+        (``artifacts/<sha256>.onnx``): no space taken twice, and the step folder whole on its own
+        (copied alone, it holds its graphs). Where no link can be made (a planted entry that is
+        not a stored graph of this user's, a file system without hard links), the step keeps a
+        copy of its own."""
+        name = steps.artifact_name(role)
+        target = safe_io.member(Path(attempt.folder), name)
+        folder = self._graphs_folder()
+        known = self._sources.get(source)
+        if known is not None and self._link_stored(folder, known[1], target):
+            size, digest = known
+        else:
+            identity = SourceDigests.identity(source)
+            check_graph_size(source, identity[2])
+            size, digest = safe_io.copy_new(source, target, durable=durable)
+            check_graph_size(source, size)  # (grown while copied: the attempt is abandoned)
+            self._sources.put(source, identity, size, digest)
+            self._share(folder, target, digest, durable=durable)
+        entry = {"name": name, "bytes": size, "sha256": digest}
+        attempt.graphs[role] = entry
+        return entry
+
+    def _graphs_folder(self) -> Path:
+        """The run's artifacts folder (made if missing): a directory of its own, never a symlink."""
+        folder = self.directory / steps.ARTIFACTS_FOLDER
+        try:
+            safe_io.make_private_directory(folder)
+            safe_io.publish_directory(folder)
+        except FileExistsError:
+            pass
+        if not _is_directory(folder):
+            raise NotADirectoryError(
+                20, "not a directory of this run's graphs (a symlink or a file is in its place)", str(folder)
+            )
+        return folder
+
+    def _proven(self, stored: Path, digest: str) -> bool:
+        """Whether ``stored`` is a regular file of this user's holding the bytes of ``digest``:
+        known to this store (written or hashed by it, unchanged since), else hashed now."""
+        try:
+            found = os.lstat(stored)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+            return False
+        identity = _identity(found)
+        if self._stored.get(digest) == identity:
+            return True
+        _, actual = safe_io.sha256_of(stored)
+        if actual != digest or _identity(os.lstat(stored)) != identity:
+            return False
+        self._stored[digest] = identity
+        return True
+
+    def _link_stored(self, folder: Path, digest: str, target: Path) -> bool:
+        """Links the stored graph of ``digest`` into the attempt as ``target``: whether it did."""
+        stored = folder / steps.stored_graph_name(digest)
+        if not self._proven(stored, digest):
+            return False
+        try:
+            os.link(stored, target)
+        except OSError:
+            return False
+        if os.lstat(target).st_ino != os.lstat(stored).st_ino:  # (replaced in between)
+            os.unlink(target)
+            return False
+        return True
+
+    def _share(self, folder: Path, copy: Path, digest: str, *, durable: bool) -> None:
+        """The graph just copied into the attempt, shared with the run: replaced by a link to the
+        stored one of the same content, or made the stored one. What stands in a stored graph's
+        place and is not one (a symlink, another's file, bytes of another digest) is removed
+        first; what cannot be (a directory) leaves the step its copy."""
+        stored = folder / steps.stored_graph_name(digest)
+        if self._proven(stored, digest):
+            os.unlink(copy)
+            try:
+                os.link(stored, copy)
+                return
+            except OSError:
+                safe_io.copy_new(stored, copy, durable=durable)  # (the step keeps a copy of its own)
+                return
+        try:
+            if os.path.lexists(stored) and not os.path.isdir(stored):
+                os.unlink(stored)  # (a symlink itself, never what it points to)
+            os.link(copy, stored)
+        except OSError:
+            return  # no link: the step keeps its own copy
+        self._stored[digest] = _identity(os.lstat(stored))
+        if durable:
+            safe_io.fsync_directory(folder)
+
+    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+        entry = step.document["artifacts"][role]
+        path = safe_io.member(Path(step.folder), entry["name"])
+        entries.check_graph(path, entry, os.fspath(path))
+        return path
+
+    def remove_unused_graphs(self) -> list[str]:
+        """Removes the stored graphs no step links to any more (one link left: the stored
+        name), and whatever else stands under a stored graph's name that is not a regular file.
+        Only the writer (its lock proves no save of another is linking one meanwhile)."""
+        if self.writer is None or not self.writer.locked:
+            return []
+        folder = self.directory / steps.ARTIFACTS_FOLDER
+        if not _is_directory(folder):
+            return []
+        removed = []
+        for entry in safe_io.entries(folder):
+            if not steps.STORED_GRAPH.fullmatch(entry.name) or entry.is_dir(follow_symlinks=False):
+                continue
+            found = os.lstat(entry.path)
+            if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
+                continue
+            os.unlink(entry.path)
+            self._stored.pop(entry.name.removesuffix(".onnx"), None)
+            removed.append(entry.path)
+        return removed
+
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
         entry = entries.of_document(data)
@@ -274,7 +400,7 @@ class DirectoryStore(StepStore):
             if steps.TEMPORARY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                 safe_io.remove_tree(Path(entry.path))
                 removed.append(entry.path)
-        return removed
+        return removed + self.remove_unused_graphs()
 
     def close(self) -> None:
         if self.writer is not None:

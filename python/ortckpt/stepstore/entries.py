@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from .. import _boundary, safe_io
+from ..errors import CheckpointIntegrityError
 from ..targets import PAIR_MAGIC, PAIR_TRAILER_BYTES
 
 DATA_SUFFIX = ".data"
@@ -65,6 +67,9 @@ def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[s
     missing) and CheckpointError (a damaged checksum block) as reading does."""
     found: dict[str, tuple[int, str]] = {}  # kind -> (size, digest found)
     if "sha256" in expected:
+        status = os.lstat(path)  # (a file of another size is not read: it may be huge)
+        if stat.S_ISREG(status.st_mode) and status.st_size != expected["bytes"]:
+            return f"{status.st_size} bytes, metadata says {expected['bytes']}", ""
         found["sha256"] = safe_io.sha256_of(path, on_bytes)
     if "xxh3" in expected:
         size, root = _boundary.checksum_root(path, follow_symlinks=False)
@@ -81,4 +86,17 @@ def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[s
     return None, next(iter(found.values()))[1]
 
 
-__all__ = ["check", "of_document", "of_written"]
+def check_graph(path: Path, entry: dict[str, Any], shown: str) -> None:
+    """A step's graph file against its entry (size and SHA-256, read without following a
+    symlink): CheckpointIntegrityError naming it (as ``shown``) when it differs or is missing."""
+    try:
+        problem, _ = check(path, {"bytes": entry["bytes"], "sha256": entry["sha256"]})
+    except FileNotFoundError:
+        problem = "missing"
+    except OSError as e:
+        problem = str(e).replace(f"'{path}'", "").strip(": ") or type(e).__name__
+    if problem is not None:
+        raise CheckpointIntegrityError(shown, [f"{shown}: {problem} (not the graph this step recorded)"])
+
+
+__all__ = ["check", "check_graph", "of_document", "of_written"]

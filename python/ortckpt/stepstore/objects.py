@@ -18,14 +18,22 @@
   objects of saves that never committed, and multipart uploads that killed writers left, are
   removed only by :meth:`ObjectStore.remove_leftovers`, which its caller runs when no other
   writer is saving under the prefix. It never runs by itself.
+- **The run's graphs** are objects ``artifacts/<sha256>.onnx`` under the prefix, one per distinct
+  content, uploaded by the first save that records it; a step's metadata.json names them by
+  digest. A save checks they are there before and after its commit, as for its own objects.
+  Retention removes the ones no committed step names (an object store has no hard links to
+  count), and :meth:`ObjectStore.remove_leftovers` those that saves killed before their commit
+  left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from .. import documents, object_store, safe_io, steps, targets
@@ -33,7 +41,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from .base import Attempt, Scan, Step, StepStore
+from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -46,6 +54,9 @@ class ObjectStore(StepStore):
     def __init__(self, prefix: Location) -> None:
         self.prefix = prefix
         self.name = prefix.url
+        self._sources = SourceDigests()
+        self._stored: set[str] = set()  # digests of graphs this store uploaded or checked under the prefix
+        self._run = prefix  # the run's prefix: this one, or for a step folder located on its own, its parent
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -100,6 +111,8 @@ class ObjectStore(StepStore):
                 parsed = _document(self.prefix.child(document), KINDS[document])
             except FileNotFoundError:
                 continue
+            # (a step folder named on its own: the run's graphs are beside it, in its run's prefix)
+            self._run = self.prefix.parent()
             return Step(parsed["step"], parsed, self._files_of(self.prefix, parsed))
         return None
 
@@ -154,6 +167,107 @@ class ObjectStore(StepStore):
         attempt.written[name] = entry
         return entry
 
+    # --- the run's graphs ----------------------------------------------------------------
+
+    def _graph(self, digest: str) -> Location:
+        return self._run.child(steps.ARTIFACTS_FOLDER).child(steps.stored_graph_name(digest))
+
+    def store_graph(self, attempt: Attempt, role: str, source: Path, *, durable: bool) -> dict[str, Any]:
+        """Uploads the graph unless an object of its digest is there already with its bytes (checked
+        once by reading it: a damaged or planted object is replaced)."""
+        known = self._sources.get(source)
+        if known is None:
+            identity = SourceDigests.identity(source)
+            check_graph_size(source, identity[2])
+            with safe_io.open_regular(source) as f:  # (a FIFO or a directory refused unread)
+                known = _sha256_of_file(f)
+            self._sources.put(source, identity, *known)
+        size, digest = known
+        check_graph_size(source, size)
+        where = self._graph(digest)
+        if digest not in self._stored:
+            found = object_store.head(where)
+            if found is None or found.size != size or object_store.sha256_of(where, expected_size=size)[1] != digest:
+                _upload_file(source, where, digest)
+            self._stored.add(digest)
+        entry = {"name": steps.artifact_name(role), "bytes": size, "sha256": digest}
+        attempt.graphs[role] = entry
+        return entry
+
+    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+        """The object of the graph's digest (or, for a step copied up from a directory, its own
+        file beside its checkpoint), downloaded once into ``cache`` as ``<sha256>.onnx``."""
+        entry = step.document["artifacts"][role]
+        local = cache / steps.stored_graph_name(entry["sha256"])
+        if os.path.lexists(local):  # (downloaded and checked before, into this private folder)
+            return local
+        places = [self._graph(entry["sha256"]), step.folder.child(entry["name"])]
+        for where in places:
+            found = object_store.head(where)
+            if found is not None and found.size == entry["bytes"]:
+                break
+        else:
+            if not self._still_committed(step):
+                raise FileNotFoundError(
+                    2, f"step {step.number} was deleted meanwhile (its graph {role} with it)", places[0].url
+                )
+            raise CheckpointIntegrityError(
+                places[0].url,
+                [f"{places[0].url}: missing (the graph {role}, {entry['name']}, of step {step.number})"],
+            )
+        digest = hashlib.sha256()
+        partial = cache / f".{entry['sha256']}.{steps.new_attempt()}"  # (threads may fetch one graph at once)
+        fd = safe_io.create_exclusive(partial)
+        try:
+            object_store.download_to(where, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
+        except BaseException:
+            os.close(fd)
+            os.unlink(partial)
+            raise
+        os.close(fd)
+        if digest.hexdigest() == entry["sha256"]:
+            safe_io.link_into_place(partial, local)
+            return local
+        os.unlink(partial)
+        raise CheckpointIntegrityError(
+            where.url,
+            [
+                f"{where.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']} "
+                f"(the graph {role}, {entry['name']}, of step {step.number})"
+            ],
+        )
+
+    def _still_committed(self, step: Step) -> bool:
+        """Whether ``step`` is still committed as it was read (not retired, nor replaced)."""
+        attempt = step.document.get("attempt")
+        if self._run is not self.prefix:
+            return True  # (a step folder on its own: no run listed to be deleted from)
+        try:
+            current = self.read(step.number, steps.METADATA_NAME)
+        except (CheckpointError, OSError):
+            return True  # (damaged now: say what is wrong with the graph, not that the step went)
+        if current is None or current.document.get("attempt") != attempt:
+            return False
+        marker = self._folder(step.number).child(steps.retired_marker(attempt)) if attempt else None
+        return marker is None or object_store.head(marker) is None
+
+    def remove_unused_graphs(self) -> list[str]:
+        """Removes the stored graphs that no committed step names. A step whose document is
+        damaged may name any: then nothing is removed (as the sweep keeps such a step whole)."""
+        scan = self.scan(steps.METADATA_NAME)
+        if scan.damaged:
+            return []
+        used = {e["sha256"] for step in scan.steps.values() for e in step.document.get("artifacts", {}).values()}
+        folder = self.prefix.child(steps.ARTIFACTS_FOLDER)
+        unused = [
+            name
+            for name, _ in object_store.list_keys(folder)
+            if steps.STORED_GRAPH.fullmatch(name) and name.removesuffix(".onnx") not in used
+        ]
+        object_store.remove([folder.child(name) for name in unused])
+        self._stored -= {name.removesuffix(".onnx") for name in unused}
+        return [folder.child(name).url for name in unused]
+
     def describe(self, attempt: Attempt, on_bytes: Any = None, *, sha256: bool = False) -> dict[str, dict[str, Any]]:
         """What was uploaded, with the SHA-256s taken as the bytes went (on object storage a
         step is verified by downloading it, SHA-256 as it comes: kept whatever ``sha256``)."""
@@ -200,6 +314,14 @@ class ObjectStore(StepStore):
                 problems.append(
                     f"{attempt.folder.child(name).url}: {'gone' if found is None else f'{found.size} bytes'} "
                     f"{when} (written: {entry['bytes']} bytes); another job's sweep may have removed it"
+                )
+        for role, entry in sorted(attempt.graphs.items()):
+            where = self._graph(entry["sha256"])
+            found = object_store.head(where)
+            if found is None or found.size != entry["bytes"]:
+                self._stored.discard(entry["sha256"])  # (the next save uploads it again)
+                problems.append(
+                    f"{where.url}: the graph {role} is gone {when}; another job's sweep may have removed it"
                 )
         if problems:
             raise CheckpointIntegrityError(self._folder(attempt.step).url, problems)
@@ -251,7 +373,7 @@ class ObjectStore(StepStore):
         for key, upload_id, _began in object_store.pending_uploads(self.prefix):
             object_store.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
-        return removed
+        return removed + self.remove_unused_graphs()
 
     def _remove_unnamed(self, number: int, names: list[str]) -> list[str]:
         """Removes the objects ``names`` of step ``number`` that the listing found no document
@@ -306,6 +428,33 @@ class ObjectStore(StepStore):
             return name.partition("/")[0] in attempts
 
         return keep
+
+
+def _sha256_of_file(f: Any) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := f.read(8 << 20):
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _upload_file(source: Path, where: Location, digest: str) -> None:
+    """Uploads the graph file ``source`` as ``where`` (mapped, streamed), hashing what goes up:
+    a file changed since it was hashed is not left under another content's name."""
+    import mmap
+
+    sent = hashlib.sha256()
+    with safe_io.open_regular(source) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            object_store.put(where, b"")
+        else:
+            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+                object_store.put_stream(where, [mapped], digest=sent)
+    if size and sent.hexdigest() != digest:
+        object_store.remove([where])
+        raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
