@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from .. import documents, object_store, safe_io, steps, targets
@@ -33,6 +35,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
+from . import entries
 from .base import Attempt, Scan, Step, StepStore
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -106,12 +109,18 @@ class ObjectStore(StepStore):
     def file(self, folder: Any, name: str) -> targets.ObjectFile:
         return targets.ObjectFile(folder.child(name))
 
-    def load(self, folder: Any, name: str) -> CheckpointState:
+    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
-        stream, so memory stays bounded, and usable whatever later retention deletes."""
+        stream, so memory stays bounded, and usable whatever later retention deletes. With
+        ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
+        server declares the size recorded (nothing more is ever written), its SHA-256 taken as
+        the bytes come, and checked against its entry (:func:`_download_recorded`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            self.file(folder, name).download(path)
+            if recorded is None:
+                self.file(folder, name).download(path)
+            else:
+                _download_recorded(folder, name, recorded, path)
             return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
 
     def read_document(self, folder: Any, name: str) -> bytes:
@@ -176,6 +185,17 @@ class ObjectStore(StepStore):
         except CheckpointIntegrityError:
             object_store.remove([where])  # withdrawn: no step names objects that are gone
             raise
+        except (OSError, CheckpointError) as e:
+            # The commit landed (its PUT said so) and every object was there just before it; only
+            # the check after it could not be made (the server failing). Raising would make the
+            # writer forget a step that exists: retention would never delete it, and a retried
+            # save would find it taken. It counts, with a warning to verify it.
+            warnings.warn(
+                f"{folder.url}: step {attempt.step} committed, but the check that its objects are still "
+                f"there after the commit failed ({e}); `ortckpt verify {folder.url}` checks it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return Step(attempt.step, documents.parse(KINDS[document], data, where.url), attempt.folder)
 
     def _finish_retirement(self, number: int, document: str) -> bool:
@@ -306,6 +326,44 @@ class ObjectStore(StepStore):
             return name.partition("/")[0] in attempts
 
         return keep
+
+
+def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path) -> None:
+    """Streams the checkpoint object ``name`` of a step's ``folder`` (and its data object, when
+    metadata.json records one) into ``path`` (and ``path.data``), refusing, with
+    :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
+    recorded: another size (refused before a byte is read: no download is larger than its
+    entry), another SHA-256 (taken as the bytes come: no second read), another checksum root or
+    pair id. A missing object is FileNotFoundError naming it."""
+    problems = []
+    for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
+        entry = recorded.get(file)
+        if entry is None:
+            continue
+        source = folder.child(file)
+        found = object_store.head(source)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", source.url)
+        if found.size != entry["bytes"]:
+            problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
+            continue
+        digest = hashlib.sha256()
+        fd = safe_io.create_exclusive(local)
+        try:
+            object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
+        finally:
+            os.close(fd)
+        if "sha256" in entry and digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
+            continue
+        problem = entries.check_cheaply(local, dict(entry))  # (a step uploaded from a directory: root, pair id)
+        if problem is not None:
+            problems.append(f"{source.url}: {problem}")
+    if problems:
+        raise CheckpointIntegrityError(
+            folder.child(name).url,
+            [f"{p} (not the object its step's {steps.METADATA_NAME} records: refused)" for p in problems],
+        )
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
