@@ -76,7 +76,9 @@ def where(path: Path) -> dict[str, bool]:
 
 
 def flip_byte(path: Path, offset: int) -> None:
-    """Changes one byte of ``path`` in place, as another process would."""
+    """Changes one byte of ``path`` in place, as another process would (a step's file is
+    read-only: made writable first, as its owner would have to)."""
+    os.chmod(path, os.stat(path).st_mode | 0o200)
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -203,6 +205,7 @@ def test_a_tampered_previous_step_shares_only_what_still_compares_equal(tmp_path
         data = step_dir(tmp_path, 2) / "checkpoint.data"
         loaded = _boundary.load(step_dir(tmp_path, 2) / "checkpoint")
         offset = next(stored[0] for name, _c, _d, stored in loaded.frozen if name == "frozen5")
+        os.chmod(data, 0o644)  # (read-only, as a step's file is)
         with open(data, "r+b") as f:
             f.seek(offset + 99)
             byte = f.read(1)
@@ -299,6 +302,7 @@ def test_a_shared_step_carries_checksums_and_a_flipped_bit_in_a_shared_tensor_na
     loaded = _boundary.load(checkpoint)
     offset = next(stored[0] for name, _c, _d, stored in loaded.frozen if name == "frozen3")
     data = step_dir(tmp_path, 3) / "checkpoint.data"
+    os.chmod(data, 0o644)  # (read-only, as a step's file is)
     with open(data, "r+b") as f:  # the same inode as step 2's (and step 1's)
         f.seek(offset)
         byte = f.read(1)

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -329,20 +330,20 @@ class DirectoryStore(StepStore):
 
 def check_recorded(folder: Path, name: str, recorded: Mapping[str, dict[str, Any]]) -> None:
     """Refuses (:class:`~ortckpt.CheckpointIntegrityError`, naming the file) a step's checkpoint
-    ``name`` or its data file that is not the file its metadata.json records, without reading
-    either in full:
+    ``name`` or its data file that is not the file its step records (``recorded``: the entries of
+    its metadata.json, or a shard's sizes in index.json), without reading either in full:
 
     - another size, checksum root or pair id (:func:`entries.check_cheaply`: a file replaced by
       another save's, or by anything else);
-    - changed since the step was committed: its mtime later than metadata.json's, the last file
-      a save writes. Step files are read-only (0444 less the umask), but root ignores that, and a
+    - changed since the step was committed: its mtime later than the commit document's, the last
+      file a save writes. Step files are read-only (0444 less the umask), but root ignores that, and a
       file that steps share by hard link, edited in place, changes every one of them. Such a
       file is then checked in full, against the checksums the checkpoint carries (else its
       SHA-256): refused only if its bytes differ (a copied run, its times not kept, reads right).
     """
     problems = []
     changed = []
-    committed = os.lstat(folder / steps.METADATA_NAME).st_mtime_ns
+    committed = _committed_at(folder)
     for file in (name, f"{name}{entries.DATA_SUFFIX}"):
         entry = recorded.get(file)
         if entry is None:
@@ -358,8 +359,17 @@ def check_recorded(folder: Path, name: str, recorded: Mapping[str, dict[str, Any
     if problems:
         raise CheckpointIntegrityError(
             safe_io.member(folder, name),
-            [f"{p} (not the file its step's {steps.METADATA_NAME} records: refused)" for p in problems],
+            [f"{p} (not the file its step records: refused)" for p in problems],
         )
+
+
+def _committed_at(folder: Path) -> int:
+    """The mtime of the document that commits a step (metadata.json, else a sharded step's
+    index.json): the last file its save wrote."""
+    for document in steps.COMMIT_DOCUMENTS:
+        with contextlib.suppress(FileNotFoundError):
+            return os.lstat(folder / document).st_mtime_ns
+    raise FileNotFoundError(2, "no such file (the step was deleted)", str(folder / steps.METADATA_NAME))
 
 
 def _check_in_full(folder: Path, name: str, recorded: Mapping[str, dict[str, Any]], changed: list[str]) -> list[str]:

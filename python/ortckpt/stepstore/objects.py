@@ -362,7 +362,7 @@ def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[
     if problems:
         raise CheckpointIntegrityError(
             folder.child(name).url,
-            [f"{p} (not the object its step's {steps.METADATA_NAME} records: refused)" for p in problems],
+            [f"{p} (not the object its step records: refused)" for p in problems],
         )
 
 
