@@ -562,3 +562,31 @@ def test_a_commit_that_landed_counts_when_the_check_after_it_fails(s3_server, s3
         manager.save(CheckpointState.from_arrays(arrays(2)), 2)
         assert manager.all_steps() == [2]  # retention deleted step 1: the writer knew of it
     assert not [k for k in keys(s3_url, options) if k.startswith("step_00000001/")]
+
+
+def test_an_intact_steps_restore_is_proven_by_its_etags_not_hashed(s3_server, s3_url, monkeypatch):
+    """Each object's ETag is recorded as its upload got it; a restore whose objects the server
+    declares with those ETags (and whose GETs are conditional on them) reads no SHA-256: the
+    digest is for objects that are not the ones uploaded."""
+    import hashlib as real_hashlib
+
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        files = manager.latest().metadata["files"]
+    assert sorted(files) == ["checkpoint", "checkpoint.data"]
+    assert all(isinstance(entry.get("etag"), str) and len(entry["sha256"]) == 64 for entry in files.values())
+    hashed = []
+
+    class Counting:
+        @staticmethod
+        def sha256(*args):
+            hashed.append(True)
+            return real_hashlib.sha256(*args)
+
+    import ortckpt.stepstore.objects as objects_module
+
+    monkeypatch.setattr(objects_module, "hashlib", Counting)
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    assert_holds(reader.restore(1), arrays(1))
+    assert not hashed

@@ -333,8 +333,11 @@ def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[
     metadata.json records one) into ``path`` (and ``path.data``), refusing, with
     :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
     recorded: another size (refused before a byte is read: no download is larger than its
-    entry), another SHA-256 (taken as the bytes come: no second read), another checksum root or
-    pair id. A missing object is FileNotFoundError naming it."""
+    entry), another checksum root or pair id (its last bytes). Its content is proven by the ETag
+    its upload recorded, the one the server declares, and the GET conditional on it (free); an
+    object without that (another ETag: copied over, or the same bytes copied from elsewhere; an
+    older step's entry) by its SHA-256, taken as the bytes come (no second read). A missing
+    object is FileNotFoundError naming it."""
     problems = []
     for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
         entry = recorded.get(file)
@@ -347,13 +350,14 @@ def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[
         if found.size != entry["bytes"]:
             problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
             continue
-        digest = hashlib.sha256()
+        proven = found.etag is not None and entry.get("etag") == found.etag
+        digest = None if proven else hashlib.sha256()
         fd = safe_io.create_exclusive(local)
         try:
             object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
         finally:
             os.close(fd)
-        if "sha256" in entry and digest.hexdigest() != entry["sha256"]:
+        if digest is not None and "sha256" in entry and digest.hexdigest() != entry["sha256"]:
             problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
             continue
         problem = entries.check_cheaply(local, dict(entry))  # (a step uploaded from a directory: root, pair id)
