@@ -551,8 +551,12 @@ class _Shards:
         if rank not in self.opened:
             if rank not in self.files:
                 raise CheckpointFormatError(f"{self.store.name}: the index names no shard of rank {rank}")
+            # On object storage no shard is downloaded past the sizes its index records; a local
+            # shard is mapped, and its pieces checked as they are read.
             recorded = {name: {"bytes": size} for name, size in self.sizes[rank].items()}
-            self.opened[rank] = self.store.load(self.folder, self.names[rank], recorded=recorded)
+            self.opened[rank] = self.store.load(
+                self.folder, self.names[rank], recorded=None if self.store.local else recorded
+            )
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 
