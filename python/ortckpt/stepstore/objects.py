@@ -351,7 +351,7 @@ def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[
             problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
             continue
         proven = found.etag is not None and entry.get("etag") == found.etag
-        digest = None if proven else hashlib.sha256()
+        digest = None if proven or "sha256" not in entry else hashlib.sha256()
         fd = safe_io.create_exclusive(local)
         try:
             object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
