@@ -513,7 +513,9 @@ def test_files_of_a_step_are_read_only_and_an_edit_in_place_is_noticed(tmp_path)
         with pytest.raises(PermissionError):
             np.memmap(first / "checkpoint.data", mode="r+")
         return
-    time.sleep(0.01)  # (an edit an instant after the commit: a coarse clock could give both one mtime)
+    for directory in (first, second):  # (committed a second before the edit: file times have a coarse clock)
+        committed = (first / "checkpoint.data").stat().st_mtime_ns - 10**9
+        os.utime(directory / "metadata.json", ns=(committed, committed))
     mapped = np.memmap(first / "checkpoint.data", mode="r+")  # root: the mode does not stop it
     mapped[:64] ^= 0xFF
     mapped.flush()
@@ -533,7 +535,6 @@ def test_a_run_copied_without_its_times_restores(tmp_path):
     with CheckpointManager(tmp_path / "run", external_data_threshold=0) as manager:
         for step in (1, 2):
             manager.save(make_state(step), step)
-    time.sleep(0.01)
     copy = tmp_path / "copy"
     import shutil
 
