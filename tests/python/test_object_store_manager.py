@@ -590,3 +590,43 @@ def test_an_intact_steps_restore_is_proven_by_its_etags_not_hashed(s3_server, s3
     reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
     assert_holds(reader.restore(1), arrays(1))
     assert not hashed
+
+
+@pytest.mark.parametrize("reads", ["answered", "failing too"])
+def test_a_commit_that_landed_unheard_is_this_writers_step(s3_server, s3_url, monkeypatch, reads):
+    """The commit's PUT lands but its answer is an error. Read back, the step is this save's (it
+    counts); if the reads fail too, the save raises, and a retried save of the step finds this
+    writer's own earlier commit: the step counts, never "another writer committed it", and
+    retention deletes it in its turn."""
+    options = s3_server.storage_options()
+    put_new, head = object_store.put_new, object_store.head
+    down = []
+
+    def lands_then_fails(location, data):
+        assert put_new(location, data)
+        if reads == "failing too":
+            down.append(True)
+        raise ortckpt.ObjectStoreError(location.url, "500 Internal Server Error")
+
+    def head_while_down(location):
+        if down:
+            raise ortckpt.ObjectStoreError(location.url, "500 Internal Server Error")
+        return head(location)
+
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=1) as manager:
+        monkeypatch.setattr(object_store, "put_new", lands_then_fails)
+        monkeypatch.setattr(object_store, "head", head_while_down)
+        if reads == "answered":
+            manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        else:
+            with pytest.raises(ortckpt.ObjectStoreError):
+                manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+            monkeypatch.undo()  # the server answers again
+            manager.save(CheckpointState.from_arrays(arrays(1)), 1)  # the retry
+        monkeypatch.undo()
+        assert manager.all_steps() == [1]
+        assert_holds(manager.restore(1), arrays(1))
+        manager.verify(1)
+        manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+        assert manager.all_steps() == [2]
+    assert not [k for k in keys(s3_url, options) if k.startswith("step_00000001/")]

@@ -10,7 +10,9 @@
   restarted job's sweep may have deleted the upload of a zombie writer beside it, and a step
   never names objects that do not exist (a commit found broken after its PUT is withdrawn).
   A commit whose answer was lost is recognised as this save's (the document names its
-  attempt); an error is not proof that it failed, so its objects stay for the sweep.
+  attempt), also by a retried save of the step by the same writer; an error is not proof
+  that it failed, so its objects stay for the sweep. A commit that landed but whose check
+  after it could not be made (server errors) counts, with a warning.
 - **Retiring a step** first creates ``step_<n>/retired-<attempt>``, which hides it from every
   reader at once, then deletes its document, its objects and last the marker: a deletion that
   fails is finished by the next :meth:`ObjectStore.remove_leftovers`.
@@ -49,6 +51,9 @@ class ObjectStore(StepStore):
     def __init__(self, prefix: Location) -> None:
         self.prefix = prefix
         self.name = prefix.url
+        # Attempts whose commit was sent but not known to have landed (an error answered it), by
+        # step: a later save of the step that finds one of them committed takes it as its own.
+        self._unsure: dict[int, set[str]] = {}
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -173,12 +178,23 @@ class ObjectStore(StepStore):
         where = folder.child(document)
         self._check_present(attempt, "before its commit")
         attempt.sent = True  # from here on the commit may land whatever this process hears
-        committed = object_store.put_new(where, data)
+        try:
+            committed = object_store.put_new(where, data)
+        except (OSError, CheckpointError):
+            if self._names(attempt.step, document) != attempt.where:  # (not known to have landed)
+                self._unsure.setdefault(attempt.step, set()).add(attempt.where)
+                raise
+            committed = True  # it landed; only its answer was lost
         if not committed and self._finish_retirement(attempt.step, document):
             committed = object_store.put_new(where, data)  # (a deletion killed half way was in the way)
         if not committed:
-            attempt.sent = False  # another writer's commit: ours certainly did not land
+            attempt.sent = False  # another commit: ours certainly did not land
             self.abandon(attempt)
+            earlier = self._names(attempt.step, document)
+            if earlier is not None and earlier in self._unsure.get(attempt.step, ()):
+                # This writer's own earlier save of the step, whose commit landed unheard: committed.
+                step = self._read(attempt.step, document)
+                return Step(step.number, step.document, step.folder)
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {attempt.step} first")
         try:
             self._check_present(attempt, "after its commit")
@@ -197,6 +213,13 @@ class ObjectStore(StepStore):
                 stacklevel=3,
             )
         return Step(attempt.step, documents.parse(KINDS[document], data, where.url), attempt.folder)
+
+    def _names(self, number: int, document: str) -> str | None:
+        """The attempt the committed document of step ``number`` names, if it can be read."""
+        try:
+            return self._read(number, document).document.get("attempt")
+        except (OSError, CheckpointError):
+            return None
 
     def _finish_retirement(self, number: int, document: str) -> bool:
         """Finishes the retirement of step ``number`` if one was begun and not finished (its
