@@ -337,9 +337,19 @@ _DIGESTS = {
 }
 
 
+# An object's ETag as a server gave it (an entry's "etag", on object storage): printable ASCII.
+_ETAG = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+def is_etag(value: Any) -> bool:
+    """Whether ``value`` is an ETag a file entry may record."""
+    return isinstance(value, str) and _ETAG.fullmatch(value) is not None
+
+
 def _file_entries(value: Any, where: str, at: str) -> None:
     """{plain file name: {"bytes": size, and one or more of "sha256": hex digest, "xxh3": the
-    checkpoint's checksum root, "pair": its data file's pair id}}."""
+    checkpoint's checksum root, "pair": its data file's pair id; on object storage "etag": the
+    object's ETag, as its upload got it}}."""
     for name, raw_entry in _object(value, where, at).items():
         if not is_plain_name(name):
             raise DocumentError(f"{where}: {at} names {_name(name)!r}, which is not a file of the step directory")
@@ -350,6 +360,8 @@ def _file_entries(value: Any, where: str, at: str) -> None:
         for kind, (pattern, said) in _DIGESTS.items():
             if kind in entry and not (isinstance(entry[kind], str) and pattern.fullmatch(entry[kind])):
                 raise _bad(where, f"{at}.{name}.{kind}", entry[kind], said)
+        if "etag" in entry and not is_etag(entry["etag"]):
+            raise _bad(where, f"{at}.{name}.etag", entry["etag"], "1 to 200 printable ASCII characters")
 
 
 def encode_non_finite(document: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

@@ -355,6 +355,20 @@ def publish_directory(path: Path) -> None:
     os.chmod(path, 0o755 & ~current_umask())
 
 
+READ_ONLY_MODE = 0o444  # a committed step's files, before the umask: see publish_read_only
+
+
+def publish_read_only(directory: Path) -> None:
+    """Makes every regular file directly in ``directory`` (a step being committed) read-only to
+    everyone: a file that later steps share by hard link must not be written in place by
+    ordinary means (``cp`` onto it, a writable ``numpy.memmap``, ONNX Runtime's saver), since
+    that would change every step sharing it. (Root ignores modes: restore notices instead.)"""
+    mode = READ_ONLY_MODE & ~current_umask()
+    for entry in entries(directory):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, mode)
+
+
 def current_umask() -> int:
     try:
         with open("/proc/self/status", encoding="ascii") as f:  # no race with other threads

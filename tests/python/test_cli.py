@@ -276,3 +276,37 @@ def test_averaging_different_frozen_parameters_names_the_commands_option(ckpt, t
         )
         == OK
     )
+
+
+@pytest.mark.parametrize("kind", ["dangling symlink", "directory", "FIFO"])
+def test_a_step_whose_metadata_is_not_a_regular_file_is_refused_in_one_line(capsys, tmp_path, kind):
+    """A step folder whose metadata.json is a dangling symlink, a directory or a FIFO: every
+    command says so, naming the file, with the documented exit code (3: an input that cannot be
+    read; 1 for verify: the step fails verification), never an AssertionError (nor, under
+    ``python -O``, an AttributeError)."""
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), 1)
+    step = tmp_path / "run" / "step_00000001"
+    metadata = step / "metadata.json"
+    os.unlink(metadata)
+    if kind == "dangling symlink":
+        metadata.symlink_to(tmp_path / "nowhere")
+    elif kind == "directory":
+        metadata.mkdir()
+    else:
+        os.mkfifo(metadata)
+    what = kind.split()[-1]
+    expected = f"{metadata}: a {what}, not a regular file"
+    for command, code in (("inspect", FAILED), ("verify", DIFFERENT), ("diff", FAILED)):
+        args = [command, step, step] if command == "diff" else [command, step]
+        got, _, err = cli(capsys, *args)
+        assert got == code and expected in err, (command, err)
+        assert "Error" not in err and err.count("\n") <= 3, err
+    done = subprocess.run(
+        [sys.executable, "-O", "-m", "ortckpt", "inspect", str(step)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == FAILED and expected in done.stderr and "Error" not in done.stderr, done.stderr

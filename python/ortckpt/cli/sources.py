@@ -84,8 +84,9 @@ def step_folder(given: str) -> StepFolder | None:
     store = DirectoryStore(path, writer=False)
     if not any(os.path.lexists(path / name) for name in steps.COMMIT_DOCUMENTS):
         raise _not_a_checkpoint(given, _committed_steps(store), "a directory")
-    step = store.locate()
-    assert step is not None  # (its document is there: locate parses it or raises)
+    step = store.locate()  # (a document that is there is read, or refused naming it)
+    if step is None:  # (deleted since it was seen)
+        raise FileNotFoundError(2, "no such file", str(path / steps.METADATA_NAME))
     return StepFolder(given, store, step)
 
 

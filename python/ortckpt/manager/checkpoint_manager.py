@@ -49,13 +49,11 @@ from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointIntegrityError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     name_file,
 )
 from ..stepstore import Attempt, Step, StepStore, open_store
-from ..stepstore import entries as stepstore_entries
 from . import arguments as options
 from . import artifacts as _artifacts
 from . import child
@@ -150,8 +148,9 @@ class CheckpointInfo:
 
             return assemble_step(self.store, self.files)
         try:
-            self._check_entry()
-            return self.store.load(self.files, steps.CHECKPOINT_NAME)
+            # (checked against what its metadata.json records: a step holding another save's
+            # files, or files changed since, is refused, naming the file)
+            return self.store.load(self.files, steps.CHECKPOINT_NAME, recorded=self.metadata["files"])
         except FileNotFoundError:
             # Compressed (perhaps since this info was read: the archive is written before the
             # checkpoint goes, so it is there whenever the checkpoint is not).
@@ -161,20 +160,6 @@ class CheckpointInfo:
         from ..compression import load_compressed
 
         return load_compressed(archive, follow_symlinks=False)  # a symlink planted there is refused
-
-    def _check_entry(self) -> None:
-        """The checkpoint file against the size and checksum root its metadata.json entry
-        records (from its last bytes: what loading reads anyway), so that a step holding
-        another save's checkpoint (copied over it, or its entry edited) is refused, naming the
-        file, not restored as this step. Entries without a root (SHA-256 ones: a read of the
-        whole file) are left to :meth:`CheckpointManager.verify`."""
-        entry = self.metadata["files"].get(steps.CHECKPOINT_NAME, {})
-        if not self.store.local or "xxh3" not in entry:
-            return
-        path = safe_io.member(Path(self.files), steps.CHECKPOINT_NAME)
-        problem, _ = stepstore_entries.check(path, {"bytes": entry["bytes"], "xxh3": entry["xxh3"]})
-        if problem is not None:
-            raise CheckpointIntegrityError(path, [f"{path}: {problem} (not the checkpoint this step saved)"])
 
 
 class CheckpointManager:

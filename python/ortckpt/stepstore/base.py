@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -149,8 +150,12 @@ class StepStore(abc.ABC):
         """A file of a step (or an attempt), as a checkpoint target."""
 
     @abc.abstractmethod
-    def load(self, folder: Any, name: str) -> CheckpointState:
-        """A checkpoint of a step, loaded; it stays usable whatever later retention deletes."""
+    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
+        """A checkpoint of a step, loaded; it stays usable whatever later retention deletes.
+        With ``recorded`` (the step's metadata.json entries), the checkpoint and its data file
+        are first checked against their entries, by what costs no second read: sizes, checksum
+        root and pair id (see each store's ``load``); one that is not the file the step saved is
+        refused, :class:`~ortckpt.CheckpointIntegrityError` naming it."""
 
     @abc.abstractmethod
     def read_document(self, folder: Any, name: str) -> bytes:

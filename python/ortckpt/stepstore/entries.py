@@ -99,4 +99,17 @@ def check_graph(path: Path, entry: dict[str, Any], shown: str) -> None:
         raise CheckpointIntegrityError(shown, [f"{shown}: {problem} (not the graph this step recorded)"])
 
 
-__all__ = ["check", "check_graph", "of_document", "of_written"]
+def check_cheaply(path: Path, expected: dict[str, Any]) -> str | None:
+    """The problem, or None, of the file at ``path`` against its entry by what costs no read of
+    the file: its size, and the checksum root or pair id the entry records (from its last bytes).
+    A SHA-256 is not read (restore checks this; verify reads the whole file). Raises as
+    :func:`check` does."""
+    cheap = {kind: value for kind, value in expected.items() if kind in ("bytes", "xxh3", "pair")}
+    if len(cheap) > 1:
+        return check(path, cheap)[0]
+    with safe_io.open_regular(path, follow_symlinks=False) as f:
+        size = os.fstat(f.fileno()).st_size
+    return None if size == expected["bytes"] else f"{size} bytes, metadata says {expected['bytes']}"
+
+
+__all__ = ["check", "check_cheaply", "check_graph", "of_document", "of_written"]

@@ -10,7 +10,9 @@
   restarted job's sweep may have deleted the upload of a zombie writer beside it, and a step
   never names objects that do not exist (a commit found broken after its PUT is withdrawn).
   A commit whose answer was lost is recognised as this save's (the document names its
-  attempt); an error is not proof that it failed, so its objects stay for the sweep.
+  attempt), also by a retried save of the step by the same writer; an error is not proof
+  that it failed, so its objects stay for the sweep. A commit that landed but whose check
+  after it could not be made (server errors) counts, with a warning.
 - **Retiring a step** first creates ``step_<n>/retired-<attempt>``, which hides it from every
   reader at once, then deletes its document, its objects and last the marker: a deletion that
   fails is finished by the next :meth:`ObjectStore.remove_leftovers`.
@@ -32,7 +34,7 @@ import contextlib
 import hashlib
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
+from . import entries
 from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -57,6 +60,9 @@ class ObjectStore(StepStore):
         self._sources = SourceDigests()
         self._stored: set[str] = set()  # digests of graphs this store uploaded or checked under the prefix
         self._run = prefix  # the run's prefix: this one, or for a step folder located on its own, its parent
+        # Attempts whose commit was sent but not known to have landed (an error answered it), by
+        # step: a later save of the step that finds one of them committed takes it as its own.
+        self._unsure: dict[int, set[str]] = {}
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -119,12 +125,18 @@ class ObjectStore(StepStore):
     def file(self, folder: Any, name: str) -> targets.ObjectFile:
         return targets.ObjectFile(folder.child(name))
 
-    def load(self, folder: Any, name: str) -> CheckpointState:
+    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
-        stream, so memory stays bounded, and usable whatever later retention deletes."""
+        stream, so memory stays bounded, and usable whatever later retention deletes. With
+        ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
+        server declares the size recorded (nothing more is ever written), its SHA-256 taken as
+        the bytes come, and checked against its entry (:func:`_download_recorded`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            self.file(folder, name).download(path)
+            if recorded is None:
+                self.file(folder, name).download(path)
+            else:
+                _download_recorded(folder, name, recorded, path)
             return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
 
     def read_document(self, folder: Any, name: str) -> bytes:
@@ -278,19 +290,48 @@ class ObjectStore(StepStore):
         where = folder.child(document)
         self._check_present(attempt, "before its commit")
         attempt.sent = True  # from here on the commit may land whatever this process hears
-        committed = object_store.put_new(where, data)
+        try:
+            committed = object_store.put_new(where, data)
+        except (OSError, CheckpointError):
+            if self._names(attempt.step, document) != attempt.where:  # (not known to have landed)
+                self._unsure.setdefault(attempt.step, set()).add(attempt.where)
+                raise
+            committed = True  # it landed; only its answer was lost
         if not committed and self._finish_retirement(attempt.step, document):
             committed = object_store.put_new(where, data)  # (a deletion killed half way was in the way)
         if not committed:
-            attempt.sent = False  # another writer's commit: ours certainly did not land
+            attempt.sent = False  # another commit: ours certainly did not land
             self.abandon(attempt)
+            earlier = self._names(attempt.step, document)
+            if earlier is not None and earlier in self._unsure.get(attempt.step, ()):
+                # This writer's own earlier save of the step, whose commit landed unheard: committed.
+                step = self._read(attempt.step, document)
+                return Step(step.number, step.document, step.folder)
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {attempt.step} first")
         try:
             self._check_present(attempt, "after its commit")
         except CheckpointIntegrityError:
             object_store.remove([where])  # withdrawn: no step names objects that are gone
             raise
+        except (OSError, CheckpointError) as e:
+            # The commit landed (its PUT said so) and every object was there just before it; only
+            # the check after it could not be made (the server failing). Raising would make the
+            # writer forget a step that exists: retention would never delete it, and a retried
+            # save would find it taken. It counts, with a warning to verify it.
+            warnings.warn(
+                f"{folder.url}: step {attempt.step} committed, but the check that its objects are still "
+                f"there after the commit failed ({e}); `ortckpt verify {folder.url}` checks it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return Step(attempt.step, documents.parse(KINDS[document], data, where.url), attempt.folder)
+
+    def _names(self, number: int, document: str) -> str | None:
+        """The attempt the committed document of step ``number`` names, if it can be read."""
+        try:
+            return self._read(number, document).document.get("attempt")
+        except (OSError, CheckpointError):
+            return None
 
     def _finish_retirement(self, number: int, document: str) -> bool:
         """Finishes the retirement of step ``number`` if one was begun and not finished (its
@@ -455,6 +496,48 @@ def _upload_file(source: Path, where: Location, digest: str) -> None:
     if size and sent.hexdigest() != digest:
         object_store.remove([where])
         raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
+
+
+def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path) -> None:
+    """Streams the checkpoint object ``name`` of a step's ``folder`` (and its data object, when
+    metadata.json records one) into ``path`` (and ``path.data``), refusing, with
+    :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
+    recorded: another size (refused before a byte is read: no download is larger than its
+    entry), another checksum root or pair id (its last bytes). Its content is proven by the ETag
+    its upload recorded, the one the server declares, and the GET conditional on it (free); an
+    object without that (another ETag: copied over, or the same bytes copied from elsewhere; an
+    older step's entry) by its SHA-256, taken as the bytes come (no second read). A missing
+    object is FileNotFoundError naming it."""
+    problems = []
+    for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
+        entry = recorded.get(file)
+        if entry is None:
+            continue
+        source = folder.child(file)
+        found = object_store.head(source)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", source.url)
+        if found.size != entry["bytes"]:
+            problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
+            continue
+        proven = found.etag is not None and entry.get("etag") == found.etag
+        digest = None if proven or "sha256" not in entry else hashlib.sha256()
+        fd = safe_io.create_exclusive(local)
+        try:
+            object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
+        finally:
+            os.close(fd)
+        if digest is not None and "sha256" in entry and digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
+            continue
+        problem = entries.check_cheaply(local, dict(entry))  # (a step uploaded from a directory: root, pair id)
+        if problem is not None:
+            problems.append(f"{source.url}: {problem}")
+    if problems:
+        raise CheckpointIntegrityError(
+            folder.child(name).url,
+            [f"{p} (not the object its step records: refused)" for p in problems],
+        )
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
