@@ -8,6 +8,7 @@
 mod compute;
 mod errors;
 mod mapped;
+mod signals;
 mod stats;
 mod views;
 
@@ -885,6 +886,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveProgress>()?;
     m.add_class::<Staging>()?;
     m.add_class::<Lock>()?;
+    m.add_class::<signals::SignalOnDrop>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add("TEMP_MARKER", crate::io::TEMP_MARKER)?;
     m.add(
