@@ -636,7 +636,7 @@ class CheckpointState:
         targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bare bucket URL is refused as one)
         # A Ctrl-C during a file's save: KeyboardInterrupt before the commit (nothing committed),
         # or, once it commits, as this returns (see ortckpt.interrupts): `hold` stays a local here.
-        with interrupts.held(isinstance(target, targets.LocalFile)) as hold:
+        with interrupts.held(isinstance(target, targets.LocalFile)) as hold:  # noqa: F841
             try:
                 core = state.core_state(include_optimizer_state)
             except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)
@@ -654,7 +654,6 @@ class CheckpointState:
                     progress=progress,
                     lock_timeout=lock_timeout,
                 )
-        del core  # (`hold` is freed as this returns: a signal held during the commit surfaces after)
 
     @classmethod
     def from_arrays(

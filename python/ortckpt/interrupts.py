@@ -12,7 +12,9 @@ raises ``KeyboardInterrupt``: the staged files are discarded and the old checkpo
 A signal that comes during the commit (a rename, and with ``durable`` its fsyncs) cannot stop
 it: the save returns normally and the signal is handed back to Python as the saving call
 returns (:class:`_boundary.SignalOnDrop`, freed with the outermost saving frame), so the
-``KeyboardInterrupt`` surfaces in the caller, at its next call, never out of the save.
+``KeyboardInterrupt`` surfaces in the caller, at its next call, not out of the save (but for
+a signal in the few bytecodes between the end of the hold and the return: under a microsecond).
+The caller must call the save plainly: ``f(**kwargs)`` checks for signals as the call returns.
 
 SIGINT's handler stays ortckpt's forwarder after a save (``signal.getsignal`` shows it): it
 hands any SIGINT outside a save to the handler it replaced, and puts that one back then.
@@ -44,13 +46,17 @@ class Hold:
         self.on_return: Any = None
 
 
-_hold: Hold | None = None  # the main thread's hold, while a save holds SIGINT
-_replaced: Any = None  # the handler the forwarder replaced (the one to call outside a save)
+class _State:
+    hold: Hold | None = None  # the main thread's hold, while a save holds SIGINT
+    replaced: Any = None  # the handler the forwarder replaced (the one to call outside a save)
+
+
+_state = _State()
 
 
 def _forwarder(signum: int, frame: Any) -> None:
     """SIGINT's handler while (and after) a save holds it."""
-    hold = _hold
+    hold = _state.hold
     if hold is not None and hold.active:
         hold.pending = True
         return
@@ -59,7 +65,7 @@ def _forwarder(signum: int, frame: Any) -> None:
 
 def _deliver(signum: int, frame: Any) -> None:
     """Puts the replaced handler back and calls it (Python's raises KeyboardInterrupt)."""
-    replaced = _replaced
+    replaced = _state.replaced
     if signal.getsignal(signal.SIGINT) is _forwarder:
         signal.signal(signal.SIGINT, replaced)
     if callable(replaced):
@@ -67,45 +73,53 @@ def _deliver(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def held(hold: bool = True) -> Iterator[Hold]:
-    """Holds SIGINT for a save (see the module's docstring), if ``hold``; keep what it yields
+def held(wanted: bool = True) -> Iterator[Hold]:
+    """Holds SIGINT for a save (see the module's docstring); keep what it yields
     as a local of the outermost saving function (``with held() as hold:``), so that a signal
-    which came during the commit is handed back as that function returns. (Not around what
-    Python code writes bit by bit, an upload or a stream: a Ctrl-C stops that at once.)"""
-    global _hold, _replaced
-    if _hold is not None:  # (a save within a save: the outer one holds it)
-        yield _hold
+    which came during the commit is handed back as that function returns. ``wanted`` False:
+    nothing held (not around what Python code writes bit by bit, an upload or a stream: a
+    Ctrl-C stops that at once)."""
+    if _state.hold is not None:  # (a save within a save: the outer one holds it)
+        yield _state.hold
         return
-    if not hold or threading.current_thread() is not threading.main_thread():
+    if not wanted or threading.current_thread() is not threading.main_thread():
         yield Hold(active=False)
         return
     current = signal.getsignal(signal.SIGINT)
+    if getattr(current, "defers_itself", False):  # (a handler that never raises: a manager's preemption)
+        yield Hold(active=False)
+        return
     if current is not _forwarder:
         if not callable(current):  # SIG_IGN or SIG_DFL: no Python handler to defer
             yield Hold(active=False)
             return
-        _replaced = current
+        _state.replaced = current
         signal.signal(signal.SIGINT, _forwarder)
     hold = Hold(active=True)
-    _hold = hold
+    _state.hold = hold
     try:
         yield hold
     except BaseException:
         # Failed: nothing was committed, so a signal held meanwhile is raised now (after this error).
-        _hold = None
+        _state.hold = None
         if hold.pending:
             hold.pending = False
             _deliver(signal.SIGINT, None)
         raise
     if hold.pending:
         hold.on_return = _boundary.SignalOnDrop(signal.SIGINT)  # (a signal now is noted: this covers it)
-    _hold = None  # (a plain store, no check: nothing runs between this and the caller's next call)
+    _state.hold = None  # (a plain store, no check: nothing runs between this and the caller's next call)
+
+
+def underlying(handler: Any) -> Any:
+    """The handler the forwarder stands for (``handler`` itself if it is not the forwarder)."""
+    return _state.replaced if handler is _forwarder else handler
 
 
 def before_commit() -> None:
     """Called by a save just before its commit: a SIGINT held so far goes to the handler of
     before now, which (Python's) raises KeyboardInterrupt, so the save commits nothing."""
-    hold = _hold
+    hold = _state.hold
     if hold is None or not hold.pending or threading.current_thread() is not threading.main_thread():
         return
     hold.pending = False
@@ -113,6 +127,6 @@ def before_commit() -> None:
 
 
 def _call_replaced(signum: int) -> None:
-    replaced = _replaced
+    replaced = _state.replaced
     if callable(replaced):
         replaced(signum, None)

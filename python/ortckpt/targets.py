@@ -95,9 +95,8 @@ class LocalFile:
         progress: bool,
         lock_timeout: float | None = None,
     ) -> None:
-        from .progress import save_progress
-
         from .interrupts import before_commit
+        from .progress import save_progress
 
         with save_progress(progress, f"saving {self.path.name}") as counter:
             # Written staged, then committed: a Ctrl-C held meanwhile is raised before the

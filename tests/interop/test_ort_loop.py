@@ -30,6 +30,7 @@ pytestmark = pytest.mark.once
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))  # the documentation's examples, by name
+sys.path.insert(0, str(HERE))  # preempt_trials
 from readme_blocks import block  # noqa: E402
 
 ARTIFACTS = HERE.parent / "data" / "ort-vectors" / "artifacts"
@@ -442,3 +443,16 @@ def test_the_readmes_ir_version_clamp_makes_current_onnx_artifacts_load(ort_loop
             assert refused.startswith("refused:") and "IR version" in refused, refused
         else:
             assert done.stdout.splitlines()[-1] == "loads"
+
+
+def test_preemption_at_random_moments(ort_loop_python: str, tmp_path: Path) -> None:
+    """SIGTERM at random moments of ONNX Runtime's loop with async manager saves: each run exits
+    0 with the step it was at committed and resumes to a final file byte-identical to an
+    uninterrupted run's (the last trial gets a second SIGTERM soon after the first). A few
+    trials here; `tests/interop/preempt_trials.py --count 100` runs many."""
+    import preempt_trials
+
+    rng = random.Random(38)
+    reference = preempt_trials.reference_run(ort_loop_python, tmp_path / "reference")
+    for n in range(4):
+        preempt_trials.trial(ort_loop_python, tmp_path / f"trial{n}", reference, rng, second=n == 3)
