@@ -1,0 +1,244 @@
+"""Preemption (CheckpointManager(preemption=...)) and Ctrl-C during save_checkpoint
+(ortckpt.interrupts), in subprocesses that get real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ortckpt
+from ortckpt import CheckpointManager, CheckpointState
+
+LOOP = textwrap.dedent(
+    """
+    import sys, numpy as np, ortckpt
+    directory, steps, async_save = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    manager = ortckpt.CheckpointManager(directory, save_every=50, async_save=async_save, durable=False,
+                                        preemption=True, preemption_grace=30)
+    latest = manager.latest_step()
+    state = manager.restore() if latest else ortckpt.CheckpointState.from_arrays(
+        {"w": np.zeros(1 << 16, np.float32)})
+    w = state.parameters["w"].data
+    print("ready", flush=True)
+    done = latest or 0
+    for step in range(done, steps):
+        w += np.float32(step % 7)          # the "training": deterministic, whatever was resumed
+        sum(range(20000))                 # (time for a signal to land mid-step)
+        done = step + 1
+        if manager.should_save(done) or done == steps:
+            manager.save(state, done)
+        if manager.preempted:
+            break
+    manager.close()
+    print("result", done, manager.latest_step(), manager.preempted, flush=True)
+    """
+)
+
+
+def _start(tmp_path: Path, directory: Path, steps: int, async_save: bool) -> subprocess.Popen[str]:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(directory), str(steps), "1" if async_save else "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_signal_saves_the_step_it_was_at(tmp_path: Path, signum: int, async_save: bool) -> None:
+    directory = tmp_path / "run"
+    process = _start(tmp_path, directory, 100000, async_save)
+    time.sleep(0.3)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    _, done, latest, preempted = out.split()
+    assert preempted == "True" and int(done) == int(latest) and int(done) < 100000
+    with CheckpointManager(directory, read_only=True) as manager:
+        manager.verify()
+        restored = manager.restore()
+    expected = sum(np.float32(s % 7) for s in range(int(done)))
+    assert restored.parameters["w"].data[0] == np.float32(expected)
+    assert restored.properties["step"] == int(done)
+
+
+def test_a_second_signal_during_the_preemption_save_leaves_a_whole_step(tmp_path: Path) -> None:
+    """The second SIGTERM comes at once: during the save (noted: the save completes, exit 0)
+    or before it (SIGTERM's default action ends the process): either way the latest step is whole."""
+    for attempt in range(4):
+        directory = tmp_path / f"run{attempt}"
+        process = _start(tmp_path, directory, 100000, True)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.001 * attempt)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode in (0, -signal.SIGTERM), err
+        with CheckpointManager(directory, read_only=True) as manager:
+            if manager.latest() is not None:
+                manager.verify()
+                manager.restore()
+        if process.returncode == 0:
+            _, done, latest, _ = out.split()
+            assert done == latest
+
+
+def test_grace_period_ends_a_run_that_never_saves(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import time, ortckpt
+            manager = ortckpt.CheckpointManager({str(tmp_path / "run")!r}, preemption=True, preemption_grace=0.5)
+            print("ready", flush=True)
+            while True:
+                time.sleep(0.05)      # never calls should_save
+            """
+        )
+    )
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "preemption_grace" in err
+
+
+def test_handlers_chain_and_are_restored(tmp_path: Path) -> None:
+    heard: list[int] = []
+
+    def mine(signum: int, frame: object) -> None:
+        heard.append(signum)
+
+    before_int = signal.getsignal(signal.SIGINT)
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        manager = CheckpointManager(tmp_path / "run", save_every=10, preemption=True)
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert manager.preempted and heard == [signal.SIGTERM]  # the user's handler heard of it too
+        assert manager.should_save(1) and manager.should_save(3)  # whatever save_every says
+        manager.save(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), 3)
+        assert manager.latest_step() == 3 and not manager.should_save(4) and manager.preempted
+        manager.close()
+        assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is before_int
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_close_restores_handlers_after_an_error(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    manager = CheckpointManager(tmp_path / "run", preemption=[signal.SIGTERM])
+    manager.save(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), 5)
+    with pytest.raises(ValueError):
+        manager.save(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), 4)  # older than the latest
+    manager.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_without_preemption_nothing_changes(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with CheckpointManager(tmp_path / "run", save_every=10) as manager:
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+        assert not manager.preempted and not manager.should_save(3)
+        manager.preempt()  # by hand: as a signal would
+        assert manager.preempted and manager.should_save(3)
+
+
+def test_preemption_outside_the_main_thread_is_refused(tmp_path: Path) -> None:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            CheckpointManager(tmp_path / "run", preemption=True)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    thread.join()
+    assert isinstance(errors[0], ValueError) and "main thread" in str(errors[0])
+
+
+@pytest.mark.parametrize("bad", ["SIGTERM", [0], [signal.SIGKILL], []])
+def test_preemption_arguments(tmp_path: Path, bad: object) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        CheckpointManager(tmp_path / "run", preemption=bad)
+
+
+def test_the_manager_sets_step_and_epoch_on_the_state(tmp_path: Path) -> None:
+    """A restored state carries step 500; after the manager saves step 1000, a plain save
+    writes 1000 (the stale-step bug)."""
+    state = CheckpointState.from_arrays({"w": np.ones(3, np.float32)})
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(state, 500, epoch=1)
+        restored = manager.restore()
+        assert restored.properties["step"] == 500
+        manager.save(restored, 1000, epoch=2)
+    assert (restored.properties["step"], restored.properties["epoch"]) == (1000, 2)
+    ortckpt.save_checkpoint(restored, tmp_path / "final.ckpt")
+    assert ortckpt.load_checkpoint(tmp_path / "final.ckpt").properties["step"] == 1000
+
+
+SAVE = textwrap.dedent(
+    """
+    import sys, numpy as np, ortckpt
+    path = sys.argv[1]
+    state = ortckpt.CheckpointState.from_arrays({"w": np.full(48 << 20, 2.0, np.float32)})
+    print("ready", flush=True)
+    try:
+        ortckpt.save_checkpoint(state, path)
+    except KeyboardInterrupt:
+        print("raised", flush=True)
+        sys.exit(3)
+    print("returned", flush=True)
+    """
+)
+
+
+def test_ctrl_c_during_save_checkpoint_means_nothing_committed(tmp_path: Path) -> None:
+    """SIGINT at many moments of a 192 MiB save: an exception out of save_checkpoint means the
+    old file is intact, byte for byte; a normal return means the new file is in place (a
+    KeyboardInterrupt may then surface after it returned, in the caller)."""
+    script = tmp_path / "save.py"
+    script.write_text(SAVE)
+    old = CheckpointState.from_arrays({"w": np.full(48 << 20, 1.0, np.float32)})
+    seen = set()
+    for n in range(12):
+        path = tmp_path / f"c{n}.ckpt"
+        ortckpt.save_checkpoint(old, path)
+        before = path.read_bytes()
+        process = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        time.sleep(0.04 * n)
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=60)
+        now = ortckpt.load_checkpoint(path).parameters["w"].data
+        if "raised" in out:
+            assert process.returncode == 3 and path.read_bytes() == before
+            seen.add("raised")
+        else:
+            assert now[0] == 2.0 and now[-1] == 2.0  # the new file, whole
+            ortckpt.verify(path)
+            seen.add("returned" if "returned" in out else "after")
+        leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f".c{n}.ckpt")]
+        assert leftovers == [], leftovers
+        path.unlink()
+    assert "raised" in seen
