@@ -31,6 +31,7 @@ RUN_BY = {
     "ort-trap-torch": LOOP + "test_the_readmes_torch_trap_workaround_imports_the_training_api_without_torch",
     "ort-trap-ir": LOOP + "test_the_readmes_ir_version_clamp_makes_current_onnx_artifacts_load",
     "manager": HERE + "test_readme_checkpoint_manager_example_runs_and_resumes",
+    "preemption": "tests/python/test_preemption.py::test_the_readmes_preemption_example_saves_where_it_was",
     "validation": HERE + "test_readme_validation_example_refuses_the_nan_step",
     "compression": HERE + "test_readme_compression_example_compresses_the_kept_steps",
     "tracking": HERE + "test_readme_tracking_example_logs_to_mlflow_and_registers_the_best",

@@ -242,3 +242,24 @@ def test_ctrl_c_during_save_checkpoint_means_nothing_committed(tmp_path: Path) -
         assert leftovers == [], leftovers
         path.unlink()
     assert "raised" in seen
+
+
+def test_the_readmes_preemption_example_saves_where_it_was(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from readme_blocks import block
+
+    script = tmp_path / "example.py"
+    script.write_text(block("preemption"))
+    for _ in range(2):  # preempted, then resumed and preempted again
+        process = subprocess.Popen(
+            [sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert process.stdout is not None and process.stdout.readline().strip() == "training"
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        _, _, step, _, saved = out.split()
+        assert step == saved
+    restored = CheckpointManager(tmp_path / "preemptible", read_only=True).restore()
+    assert restored.parameters["w"].data[0] == int(step)
