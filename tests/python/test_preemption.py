@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import ortckpt
+import pytest
 from ortckpt import CheckpointManager, CheckpointState
 
 LOOP = textwrap.dedent(
