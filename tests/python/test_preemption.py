@@ -20,8 +20,8 @@ LOOP = textwrap.dedent(
     """
     import sys, numpy as np, ortckpt
     directory, steps, async_save = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-    manager = ortckpt.CheckpointManager(directory, save_every=50, async_save=async_save, durable=False,
-                                        preemption=True, preemption_grace=30)
+    manager = ortckpt.CheckpointManager(directory, save_every=50, max_to_keep=2, async_save=async_save,
+                                        durable=False, preemption=True, preemption_grace=30)
     latest = manager.latest_step()
     state = manager.restore() if latest else ortckpt.CheckpointState.from_arrays(
         {"w": np.zeros(1 << 16, np.float32)})
@@ -200,7 +200,7 @@ SAVE = textwrap.dedent(
     """
     import sys, numpy as np, ortckpt
     path = sys.argv[1]
-    state = ortckpt.CheckpointState.from_arrays({"w": np.full(48 << 20, 2.0, np.float32)})
+    state = ortckpt.CheckpointState.from_arrays({"w": np.full(24 << 20, 2.0, np.float32)})
     print("ready", flush=True)
     try:
         ortckpt.save_checkpoint(state, path)
@@ -213,20 +213,20 @@ SAVE = textwrap.dedent(
 
 
 def test_ctrl_c_during_save_checkpoint_means_nothing_committed(tmp_path: Path) -> None:
-    """SIGINT at many moments of a 192 MiB save: an exception out of save_checkpoint means the
+    """SIGINT at many moments of a 96 MiB save: an exception out of save_checkpoint means the
     old file is intact, byte for byte; a normal return means the new file is in place (a
     KeyboardInterrupt may then surface after it returned, in the caller)."""
     script = tmp_path / "save.py"
     script.write_text(SAVE)
-    old = CheckpointState.from_arrays({"w": np.full(48 << 20, 1.0, np.float32)})
+    old = CheckpointState.from_arrays({"w": np.full(24 << 20, 1.0, np.float32)})
     seen = set()
-    for n in range(12):
+    for n in range(10):
         path = tmp_path / f"c{n}.ckpt"
         ortckpt.save_checkpoint(old, path)
         before = path.read_bytes()
         process = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True)
         assert process.stdout is not None and process.stdout.readline().strip() == "ready"
-        time.sleep(0.04 * n)
+        time.sleep(0.03 * n)
         process.send_signal(signal.SIGINT)
         out, _ = process.communicate(timeout=60)
         now = ortckpt.load_checkpoint(path).parameters["w"].data
@@ -262,3 +262,139 @@ def test_the_readmes_preemption_example_saves_where_it_was(tmp_path: Path) -> No
         assert step == saved
     restored = CheckpointManager(tmp_path / "preemptible", read_only=True).restore()
     assert restored.parameters["w"].data[0] == int(step)
+
+
+COMMIT_INTERRUPTED = textwrap.dedent(
+    """
+    import os, signal, sys, numpy as np, ortckpt
+    from ortckpt import _boundary
+    path, where = sys.argv[1], sys.argv[2]
+    real = _boundary.save_staged
+
+    class Staged:  # a SIGINT that comes during the commit (or just before it)
+        def __init__(self, staged):
+            self.staged = staged
+        def commit(self, **options):
+            if where == "commit":
+                os.kill(os.getpid(), signal.SIGINT)
+            return self.staged.commit(**options)
+
+    def save_staged(*args, **kwargs):
+        staged, placed = real(*args, **kwargs)
+        if where == "before":
+            os.kill(os.getpid(), signal.SIGINT)
+        return Staged(staged), placed
+
+    _boundary.save_staged = save_staged
+    state = ortckpt.CheckpointState.from_arrays({"w": np.full(8, 2.0, np.float32)})
+    try:
+        ortckpt.save_checkpoint(state, path)
+    except KeyboardInterrupt:
+        print("raised", flush=True)
+        sys.exit(3)
+    try:
+        print("returned", flush=True)
+    except KeyboardInterrupt:  # (at the caller's next call)
+        print("after the return", flush=True)
+        sys.exit(4)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["before", "commit"])
+def test_a_sigint_before_the_commit_raises_one_during_it_surfaces_after_the_return(tmp_path: Path, where: str) -> None:
+    script = tmp_path / "save.py"
+    script.write_text(COMMIT_INTERRUPTED)
+    path = tmp_path / "c.ckpt"
+    ortckpt.save_checkpoint(CheckpointState.from_arrays({"w": np.full(8, 1.0, np.float32)}), path)
+    before = path.read_bytes()
+    done = subprocess.run([sys.executable, str(script), str(path), where], capture_output=True, text=True, check=False)
+    if where == "before":
+        assert (done.returncode, done.stdout) == (3, "raised\n") and path.read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "save.py"]  # the staged file removed
+    else:  # committed: the save returned, and the KeyboardInterrupt came in the caller, after it
+        assert (done.returncode, done.stdout) == (4, "after the return\n")
+        assert ortckpt.load_checkpoint(path).parameters["w"].data[0] == 2.0
+
+
+def test_a_sigint_handler_that_does_not_raise_lets_the_save_commit(tmp_path: Path) -> None:
+    heard: list[int] = []
+
+    def mine(signum: int, frame: object) -> None:
+        heard.append(signum)
+
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        from ortckpt import _boundary
+
+        real = _boundary.save_staged
+
+        def save_staged(*args: object, **kwargs: object) -> object:
+            staged = real(*args, **kwargs)  # type: ignore[arg-type]
+            os.kill(os.getpid(), signal.SIGINT)  # during the write, as far as the save can tell
+            return staged
+
+        _boundary.save_staged = save_staged  # type: ignore[assignment]
+        try:
+            ortckpt.save_checkpoint(CheckpointState.from_arrays({"w": np.ones(3, np.float32)}), tmp_path / "c.ckpt")
+        finally:
+            _boundary.save_staged = real  # type: ignore[assignment]
+        assert heard == [signal.SIGINT] and (tmp_path / "c.ckpt").exists()  # heard before the commit, once
+        os.kill(os.getpid(), signal.SIGINT)  # outside a save: the forwarder hands it over, and steps aside
+        time.sleep(0.01)
+        assert heard == [signal.SIGINT, signal.SIGINT] and signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_close_leaves_a_handler_installed_after_the_manager_alone(tmp_path: Path) -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        manager = CheckpointManager(tmp_path / "run", preemption=[signal.SIGTERM])
+        replacement = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the program's own, installed since
+        assert replacement is not previous
+        manager.close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+MANAGER_SAVE = textwrap.dedent(
+    """
+    import sys, numpy as np, ortckpt
+    directory = sys.argv[1]
+    manager = ortckpt.CheckpointManager(directory, durable=False)
+    state = ortckpt.CheckpointState.from_arrays({"w": np.full(32 << 20, 2.0, np.float32)})
+    print("ready", flush=True)
+    try:
+        manager.save(state, 2)
+    except KeyboardInterrupt:
+        print("raised", flush=True)
+        sys.exit(3)
+    print("returned", flush=True)
+    """
+)
+
+
+def test_ctrl_c_during_a_synchronous_manager_save_means_nothing_committed(tmp_path: Path) -> None:
+    script = tmp_path / "save.py"
+    script.write_text(MANAGER_SAVE)
+    seen = set()
+    for n in range(8):
+        directory = tmp_path / f"run{n}"
+        with CheckpointManager(directory, durable=False) as manager:
+            manager.save(CheckpointState.from_arrays({"w": np.full(4, 1.0, np.float32)}), 1)
+        process = subprocess.Popen([sys.executable, str(script), str(directory)], stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        time.sleep(0.03 * n)
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=60)
+        with CheckpointManager(directory, read_only=True) as reader:
+            if "raised" in out:
+                assert process.returncode == 3 and reader.all_steps() == [1]
+                seen.add("raised")
+            else:
+                assert reader.all_steps() == [1, 2]
+                reader.verify(2)
+                seen.add("committed")
+    assert "raised" in seen
