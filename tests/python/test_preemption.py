@@ -155,8 +155,27 @@ def test_without_preemption_nothing_changes(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "run", save_every=10) as manager:
         assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
         assert not manager.preempted and not manager.should_save(3)
-        manager.preempt()  # by hand: as a signal would
+        import threading
+
+        thread = threading.Thread(target=manager.preempt)  # by hand, from another thread: as a signal would
+        thread.start()
+        thread.join()
         assert manager.preempted and manager.should_save(3)
+
+
+def test_a_manager_dropped_without_close_puts_its_handlers_back(tmp_path: Path) -> None:
+    import gc
+
+    from ortckpt.interrupts import underlying
+
+    # (an earlier save may have left ortckpt's SIGINT forwarder: it stands for the handler it replaced)
+    before = signal.getsignal(signal.SIGTERM), underlying(signal.getsignal(signal.SIGINT))
+    manager = CheckpointManager(tmp_path / "run", preemption=True, read_only=False)
+    assert signal.getsignal(signal.SIGTERM) != before[0]
+    manager.store.close()  # (the directory's lock; the manager itself is just dropped)
+    del manager
+    gc.collect()
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def test_preemption_outside_the_main_thread_is_refused(tmp_path: Path) -> None:

@@ -409,6 +409,8 @@ class CheckpointManager:
         # Last: a failure above leaves no handler installed.
         self._preemption = Preemption(preemption_signals, preemption_grace, self._where)
         self._preemption_saved = False
+        # A manager dropped without close() puts its handlers back too (they hold no reference to it).
+        weakref.finalize(self, self._preemption.restore)
 
     @property
     def _is_root(self) -> bool:
