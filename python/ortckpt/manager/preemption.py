@@ -101,7 +101,7 @@ class Preemption:
         self.saving = False
         self._previous: dict[signal.Signals, Any] = {}
         self._watchdog: threading.Timer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (the handler may run in the main thread while it holds it)
         if signals and threading.current_thread() is not threading.main_thread():
             raise ValueError(
                 f"{where}: preemption= installs signal handlers, which Python allows only in the main thread: "
