@@ -540,7 +540,7 @@ class CheckpointManager:
             return
         # A Ctrl-C during a synchronous save: KeyboardInterrupt before the step's commit (nothing
         # committed), or after this returns (see ortckpt.interrupts): `hold` stays a local here.
-        with interrupts.held(not self.async_save and self.comm is None) as hold:  # noqa: F841
+        with interrupts.held(not self.async_save and self.comm is None and self.store.local) as hold:  # noqa: F841
             self._save(state, step, **details, slices=slices)
 
     def _save_preempted(self, state: CheckpointState, step: int, details: dict[str, Any]) -> None:
