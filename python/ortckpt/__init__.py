@@ -12,6 +12,7 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD as _DEFAULT_EXTERNAL_DATA_THRESHOLD
 from ._boundary import VERSION as __version__
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
 from .dtypes import PackedBits, PackedInt4
@@ -85,10 +86,29 @@ def load_checkpoint(checkpoint_uri: Any, **options: Any) -> CheckpointState:
 
 
 def save_checkpoint(
-    state: CheckpointState, checkpoint_uri: Any, include_optimizer_state: bool = False, **options: Any
+    state: CheckpointState,
+    checkpoint_uri: Any,
+    include_optimizer_state: bool = False,
+    *,
+    external_data_threshold: int = _DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    durable: bool = False,
+    progress: bool = False,
+    storage_options: Any = None,
+    lock_timeout: float | None = None,
 ) -> None:
     """:meth:`CheckpointState.save_checkpoint`: to a path, an ``s3://`` URL, or a binary file object."""
-    CheckpointState.save_checkpoint(state, checkpoint_uri, include_optimizer_state, **options)
+    # (a plain call, not f(**options): a Ctrl-C held across the commit then surfaces in our
+    # caller, not at this call; see ortckpt.interrupts)
+    CheckpointState.save_checkpoint(
+        state,
+        checkpoint_uri,
+        include_optimizer_state,
+        external_data_threshold=external_data_threshold,
+        durable=durable,
+        progress=progress,
+        storage_options=storage_options,
+        lock_timeout=lock_timeout,
+    )
 
 
 def __getattr__(name: str) -> Any:

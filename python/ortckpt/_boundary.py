@@ -26,6 +26,8 @@ Staging = _core.Staging
 Lock = _core.Lock
 stage = _core.stage
 rename_directory = _core.rename_directory
+# A held signal handed back to Python once the saving call has returned (see ortckpt.interrupts).
+SignalOnDrop = _core.SignalOnDrop
 acquire_lock = _core.acquire_lock
 # The package's version: the crate's, as the core was built (Cargo.toml is its one place).
 VERSION: str = _core.__version__

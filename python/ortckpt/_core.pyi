@@ -169,3 +169,7 @@ def save_bytes(
     nominal: bool = False,
     keep_order: bool = False,
 ) -> bytes: ...
+
+class SignalOnDrop:
+    """Simulates the arrival of ``signum`` when freed (see ortckpt.interrupts)."""
+    def __init__(self, signum: int) -> None: ...

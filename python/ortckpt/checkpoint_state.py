@@ -620,7 +620,7 @@ class CheckpointState:
                 multipart upload; it appears when the upload completes (``durable`` does not
                 apply).
         """
-        from . import targets  # (on first use: `import ortckpt` stays small)
+        from . import interrupts, targets  # (on first use: `import ortckpt` stays small)
 
         state = adopt(state)  # (ONNX Runtime's own state saves as well)
         if not isinstance(state, CheckpointState):
@@ -634,23 +634,26 @@ class CheckpointState:
 
         target = targets.checkpoint(checkpoint_uri, storage_options)
         targets.output(checkpoint_uri, "checkpoint_uri")  # (after a bare bucket URL is refused as one)
-        try:
-            core = state.core_state(include_optimizer_state)
-        except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)
-            name_file(e, target.name)
-            raise
-        if isinstance(target, targets.StreamFile):
-            target.save(core, progress=progress)
-        elif isinstance(target, targets.ObjectFile):
-            target.save(core, external_data_threshold=external_data_threshold, progress=progress)
-        else:
-            target.save(
-                core,
-                external_data_threshold=external_data_threshold,
-                durable=durable,
-                progress=progress,
-                lock_timeout=lock_timeout,
-            )
+        # A Ctrl-C during a file's save: KeyboardInterrupt before the commit (nothing committed),
+        # or, once it commits, as this returns (see ortckpt.interrupts): `hold` stays a local here.
+        with interrupts.held(isinstance(target, targets.LocalFile)) as hold:  # noqa: F841
+            try:
+                core = state.core_state(include_optimizer_state)
+            except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)
+                name_file(e, target.name)
+                raise
+            if isinstance(target, targets.StreamFile):
+                target.save(core, progress=progress)
+            elif isinstance(target, targets.ObjectFile):
+                target.save(core, external_data_threshold=external_data_threshold, progress=progress)
+            else:
+                target.save(
+                    core,
+                    external_data_threshold=external_data_threshold,
+                    durable=durable,
+                    progress=progress,
+                    lock_timeout=lock_timeout,
+                )
 
     @classmethod
     def from_arrays(

@@ -95,17 +95,21 @@ class LocalFile:
         progress: bool,
         lock_timeout: float | None = None,
     ) -> None:
+        from .interrupts import before_commit
         from .progress import save_progress
 
         with save_progress(progress, f"saving {self.path.name}") as counter:
-            _boundary.save(
+            # Written staged, then committed: a Ctrl-C held meanwhile is raised before the
+            # commit (the staged files discarded), never after it (see ortckpt.interrupts).
+            staging, _ = _boundary.save_staged(
                 self.path,
                 state,
                 external_data_threshold=external_data_threshold,
                 durable=durable,
                 progress=counter,
-                lock_timeout=lock_timeout,
             )
+            before_commit()
+            staging.commit(durable=durable, lock_timeout=lock_timeout)
 
 
 @dataclass(frozen=True)

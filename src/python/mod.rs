@@ -8,6 +8,7 @@
 mod compute;
 mod errors;
 mod mapped;
+mod signals;
 mod stats;
 mod views;
 
@@ -888,6 +889,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The package's version is the crate's (one place: Cargo.toml), read from the compiled core
     // rather than the installed metadata, so a source tree and a wheel say the same.
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<signals::SignalOnDrop>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add("TEMP_MARKER", crate::io::TEMP_MARKER)?;
     m.add(

@@ -26,6 +26,9 @@ Each command prints one JSON object on its last line of stdout.
   graphs_resume DIRECTORY STEPS ARTIFACTS  in DIRECTORY (a step folder copied there alone, nothing
       else; ARTIFACTS, the run's folder, gone): restore_training, then train on to STEPS, saving
       every step, and DIRECTORY/final.ckpt
+  preempt_run ARTIFACTS DIRECTORY STEPS ASYNC GRACE  a training run with preemption=True (SIGTERM
+      and SIGINT), async saves every 4 steps, resumed from the latest step; stops at the step a
+      signal came (saved there); at the end saves DIRECTORY/final.ckpt with ONNX Runtime's saver
 """
 
 from __future__ import annotations
@@ -428,6 +431,35 @@ def hostile_tmpdir(out: str) -> dict:
     }
 
 
+def preempt_run(artifacts: str, directory: str, steps: str, async_save: str, grace: str) -> dict:
+    manager = ortckpt.CheckpointManager(
+        os.path.join(directory, "run"),
+        save_every=4,
+        max_to_keep=2,
+        async_save=async_save == "1",
+        durable=False,
+        preemption=True,
+        preemption_grace=float(grace),
+    )
+    latest = manager.latest_step()
+    state = manager.restore() if latest is not None else ortckpt.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    print("ready", file=sys.stderr, flush=True)
+    done = latest or 0
+    for step in range(done, int(steps)):
+        _train_step(model, optimizer, step)
+        done = step + 1
+        if manager.should_save(done) or done == int(steps):
+            manager.save(state, done)
+        if manager.preempted:
+            break
+    if done == int(steps):  # (ONNX Runtime's own saver: the properties are the state's own)
+        C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
+    print("trained", file=sys.stderr, flush=True)
+    manager.close()  # (puts SIGTERM's default action back: a signal from now on ends the process)
+    return {"resumed_from": latest, "trained_to": done, "latest": manager.latest_step(), "preempted": manager.preempted}
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     commands = {
@@ -444,6 +476,7 @@ def main(argv: list[str]) -> None:
         "hostile_tmpdir": hostile_tmpdir,
         "graphs_run": graphs_run,
         "graphs_resume": graphs_resume,
+        "preempt_run": preempt_run,
     }
     result = commands[command](*args)
     print(json.dumps(result))

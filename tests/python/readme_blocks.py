@@ -33,6 +33,7 @@ RUN_BY = {
     "manager": HERE + "test_readme_checkpoint_manager_example_runs_and_resumes",
     "graphs": HERE + "test_the_run_graphs_example_shares_the_graphs_and_a_step_copied_alone_verifies",
     "ort-graphs": LOOP + "test_the_resuming_from_a_step_alone_example_resumes_elsewhere",
+    "preemption": "tests/python/test_preemption.py::test_the_readmes_preemption_example_saves_where_it_was",
     "validation": HERE + "test_readme_validation_example_refuses_the_nan_step",
     "compression": HERE + "test_readme_compression_example_compresses_the_kept_steps",
     "tracking": HERE + "test_readme_tracking_example_logs_to_mlflow_and_registers_the_best",

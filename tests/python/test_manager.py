@@ -70,7 +70,9 @@ def test_save_restore_round_trip_with_step_and_epoch_properties(tmp_path):
     assert_same(state, restored)
     assert restored.properties["step"] == 10 and restored.properties["epoch"] == 2
     assert restored.properties["note"] == "hello"
-    assert "step" not in state.properties, "the caller's state must not change"
+    # The state carries the step and epoch of its latest save (a plain save_checkpoint after it
+    # writes those, not a restored checkpoint's: issue 38), its other properties untouched.
+    assert (state.properties["step"], state.properties["epoch"], state.properties["note"]) == (10, 2, "hello")
     info = manager.latest()
     assert info.step == 10 and info.epoch == 2 and info.metrics == {"loss": 0.5}
     assert info.path == tmp_path / "step_00000010" / "checkpoint"

@@ -38,13 +38,13 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, arguments, extras, safe_io, steps, targets
+from .. import _boundary, arguments, extras, interrupts, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
@@ -60,6 +60,7 @@ from . import child
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
 from .integrity import Verified, verify_step
+from .preemption import Preemption, check_grace, signals_of
 from .retention import RetentionPolicy
 from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
@@ -257,6 +258,15 @@ class CheckpointManager:
         device: ONNX Runtime's device the run trains on (``"cpu"``, ``"cuda"``, ``"cuda:1"``):
             recorded in metadata.json with its execution provider, and the device
             :meth:`restore_training` makes the Module on. Default: ``"cpu"`` with ``artifacts``.
+        preemption: True: SIGTERM and SIGINT (Ctrl-C) mean "preempted" (or a collection of
+            signals): from the signal on, :meth:`should_save` is True at the next step whatever
+            ``save_every`` says, that save is synchronous (pending async saves and tracker
+            reports flushed first), and :attr:`preempted` tells the loop to stop. Handlers are
+            installed here (the main thread only), chained to the ones before and put back by
+            :meth:`close`; see :mod:`ortckpt.manager.preemption`. Not for a reader or ``comm``.
+        preemption_grace: Seconds: if the manager is not closed that long after the signal,
+            the process ends (status 128 + the signal), saving or not (the previous step
+            stands); None (the default): no such watchdog.
     """
 
     def __init__(
@@ -285,6 +295,8 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         artifacts: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
         device: str | None = None,
+        preemption: bool | Iterable[int] = False,
+        preemption_grace: float | None = None,
     ) -> None:
         # Every argument is checked first, naming it, before anything is opened or written
         # (manager.arguments: a float or a bool is no count, a string no flag).
@@ -320,6 +332,12 @@ class CheckpointManager:
             "external_data_threshold", external_data_threshold, 0, arguments.MAX_BYTES
         )
         track = options.track(track)
+        preemption_signals = signals_of(preemption)
+        preemption_grace = check_grace(preemption_grace)
+        if preemption_signals and (read_only or comm is not None):
+            raise ValueError(
+                "preemption is for the writer of a run, without comm (each rank would stop at its own step)"
+            )
         policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
         config = _metadata.check_config(config, os.fspath(directory))
         storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
@@ -427,6 +445,11 @@ class CheckpointManager:
         if track is not None and self._is_root:
             run = TrackedRun(self.run_id, Path(self.directory), self.config, writer=not read_only)
             self._reporter = Reporter(tracker_for(track), run, self.all)
+        # Last: a failure above leaves no handler installed.
+        self._preemption = Preemption(preemption_signals, preemption_grace, self._where)
+        self._preemption_saved = False
+        # A manager dropped without close() puts its handlers back too (they hold no reference to it).
+        weakref.finalize(self, self._preemption.restore)
 
     @property
     def _is_root(self) -> bool:
@@ -489,12 +512,26 @@ class CheckpointManager:
 
     # --- saving --------------------------------------------------------------------------
 
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption signal (``preemption=``) came, or :meth:`preempt` was called:
+        the loop should stop once :meth:`should_save`'s save is done."""
+        return self._preemption.noticed
+
+    def preempt(self) -> None:
+        """Marks the run preempted, as a signal would (from any thread: a poller of the
+        cloud's preemption notices, say); starts ``preemption_grace``'s watchdog."""
+        self._preemption.notice()
+
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the latest)."""
+        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the
+        latest); once preempted, True until the preemption save is made."""
         step = as_step(step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
             return False
+        if self.preempted and not self._preemption_saved:
+            return True
         if self.save_every is None:
             return True
         if isinstance(self.save_every, datetime.timedelta):
@@ -529,6 +566,47 @@ class CheckpointManager:
         """
         if slices is not None and self.comm is None:
             raise ValueError("slices are for sharded saves: create the manager with comm=")
+        details: dict[str, Any] = {
+            "epoch": epoch,
+            "metrics": metrics,
+            "metadata": metadata,
+            "dataset_fingerprint": dataset_fingerprint,
+            "rng_state": rng_state,
+            "include_optimizer_state": include_optimizer_state,
+        }
+        if self.preempted and self.comm is None:
+            self._save_preempted(state, step, details)
+            return
+        # A Ctrl-C during a synchronous save: KeyboardInterrupt before the step's commit (nothing
+        # committed), or after this returns (see ortckpt.interrupts): `hold` stays a local here.
+        with interrupts.held(not self.async_save and self.comm is None and self.store.local) as hold:  # noqa: F841
+            self._save(state, step, **details, slices=slices)
+
+    def _save_preempted(self, state: CheckpointState, step: int, details: dict[str, Any]) -> None:
+        """The preemption save: the pending async save first, then this one synchronously (its
+        tracker report waited for, as every save's); another signal meanwhile is noted only."""
+        self.wait()
+        self._preemption.saving = True
+        try:
+            self._save(state, step, **details, slices=None, synchronous=True)
+        finally:
+            self._preemption.saving = False
+        self._preemption_saved = True
+
+    def _save(
+        self,
+        state: CheckpointState,
+        step: int,
+        epoch: int | None,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+        dataset_fingerprint: str | None,
+        rng_state: Mapping[str, Any] | None,
+        include_optimizer_state: bool,
+        slices: Mapping[str, Any] | None,
+        *,
+        synchronous: bool = False,
+    ) -> None:
         step, meta, snapshot = self._prepare_save(
             state,
             step,
@@ -538,11 +616,12 @@ class CheckpointManager:
             dataset_fingerprint=dataset_fingerprint,
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
+            copy=self.async_save and not synchronous,
         )
         if self.comm is not None:
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
-        if not self.async_save:
+        if not self.async_save or synchronous:
             self._write_and_commit(snapshot, step, meta, include_optimizer_state)
             return
         if self._executor is None:
@@ -561,6 +640,7 @@ class CheckpointManager:
         dataset_fingerprint: str | None,
         rng_state: Mapping[str, Any] | None,
         include_optimizer_state: bool,
+        copy: bool,
     ) -> tuple[int, dict[str, Any], CheckpointState]:
         """Checks a save's arguments and takes the snapshot to write (a copy, for an async
         save), all in the caller's thread: (step, metadata without its files, snapshot)."""
@@ -599,14 +679,19 @@ class CheckpointManager:
         if self.device is not None:
             meta.update(_artifacts.runtime(self.device))
         _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
+        # The state itself (ONNX Runtime's included) carries the step and epoch of its latest save,
+        # not a restored checkpoint's: a plain save_checkpoint after this one writes them.
+        with self._naming_step(step):
+            for name, value in properties.items():
+                state.properties[name] = value
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
             snapshot = state._snapshot(
-                copy_value=self._staging.copy if self.async_save else None,
+                copy_value=self._staging.copy if copy else None,
                 include_optimizer_state=include_optimizer_state,
                 properties=properties,
             )
-            if self.async_save:  # (its values are copies by now: views only) refused here, not in the background
+            if copy:  # (its values are copies by now: views only) refused here, not in the background
                 snapshot.core_state(include_optimizer_state)
         self._last_save = time.monotonic()
         return step, meta, snapshot
@@ -695,6 +780,7 @@ class CheckpointManager:
             verify_step(self.store, Step(attempt.step, meta, attempt.folder))
         if self.validate is not None:
             self.validate.validate(Path(attempt.folder) / steps.CHECKPOINT_NAME, meta.get("metrics"))
+        interrupts.before_commit()  # (a Ctrl-C held so far: raised now, nothing committed)
         step = self.store.commit(attempt, steps.METADATA_NAME, _metadata.encode(meta), durable=self.durable)
         return CheckpointInfo.of(self.store, step)
 
@@ -859,10 +945,12 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for the pending save, stops the background thread and gives up the directory
-        (another writer may then open it). Queries and restores still work after."""
+        (another writer may then open it); puts back the signal handlers ``preemption``
+        replaced. Queries and restores still work after."""
         try:
             self.wait()
         finally:
+            self._preemption.restore()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
