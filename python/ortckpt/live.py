@@ -189,8 +189,11 @@ class _MemoryFiles:
             if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one made for us)
                 raise CheckpointStateError(f"{directory}: replaced as it was made (TMPDIR is writable by others)")
             memory = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
-            self.path = os.path.join(f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else directory, "checkpoint")
-            for k, name in enumerate(("checkpoint", "checkpoint.data") if memory or linked else ()):
+            by_descriptor = memory or linked is not None
+            self.path = os.path.join(
+                f"/proc/{os.getpid()}/fd/{self._dir_fd}" if by_descriptor else directory, "checkpoint"
+            )
+            for k, name in enumerate(("checkpoint", "checkpoint.data") if by_descriptor else ()):
                 if linked is None:
                     fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
                     self._fds.append(fd)
