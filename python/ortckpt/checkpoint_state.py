@@ -637,6 +637,18 @@ class CheckpointState:
         # A Ctrl-C during a file's save: KeyboardInterrupt before the commit (nothing committed),
         # or, once it commits, as this returns (see ortckpt.interrupts): `hold` stays a local here.
         with interrupts.held(isinstance(target, targets.LocalFile)) as hold:  # noqa: F841
+            if (
+                state._ort is not None
+                and include_optimizer_state
+                and isinstance(target, targets.LocalFile)
+                and external_data_threshold == _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
+                and not progress
+            ):
+                # The moments are ONNX Runtime's to save: its saver writes the staged files itself.
+                from . import live
+
+                if live.save_through_ort(state._ort, target.path, durable=durable, lock_timeout=lock_timeout):
+                    return
             try:
                 core = state.core_state(include_optimizer_state)
             except CheckpointError as e:  # (a value or name the file cannot hold: named with the file)

@@ -107,6 +107,37 @@ def saved_by_ort(ort_state: Any, include_optimizer_state: bool) -> Iterator[str]
         yield files.path
 
 
+def save_through_ort(
+    ort_state: Any, path: str | os.PathLike[str], *, durable: bool = False, lock_timeout: float | None = None
+) -> bool:
+    """A full save (parameters and optimizer state) of ``ort_state`` to the file ``path``,
+    ONNX Runtime's saver writing straight into the staged temporary files of ortckpt's one
+    commit, which seals them (checksums over the page cache, pair trailers) and puts them in
+    place: atomic, with nothing held in memory beyond what ONNX Runtime's own save holds (no
+    serialised copy, no second pass through a writer). The file is ONNX Runtime's layout: an
+    external data file when its state was loaded with one. False (nothing done) where ONNX
+    Runtime cannot be given the staged files by descriptor (no ``/proc``)."""
+    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return False
+    from . import _boundary
+
+    C = _training_api()
+    staging = _boundary.stage(Path(path), with_data=True)
+    try:
+        with safe_io.scratch_directory() as directory:
+            files = _MemoryFiles(directory, linked=(staging.fileno(), staging.fileno(data=True)))
+            try:
+                C.save_checkpoint(ort_state, files.path, True)
+            finally:
+                files.close()
+        staging.seal()
+        staging.commit(durable=durable, lock_timeout=lock_timeout)
+    except BaseException:
+        staging.discard()  # (the previous checkpoint stands)
+        raise
+    return True
+
+
 def _training_api() -> Any:
     """ONNX Runtime's training bindings (imported here only: ortckpt never depends on them)."""
     try:
@@ -145,9 +176,12 @@ class _MemoryFiles:
 
     ONNX Runtime is given the directory through its descriptor (``/proc/<pid>/fd/N``), not its
     name: in a TMPDIR others may write, the directory renamed away and another put in its place
-    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead)."""
+    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead).
 
-    def __init__(self, directory: Path) -> None:
+    With ``linked`` (two open descriptors, not taken over): the two names lead to those files
+    instead (a staged save's temporaries) rather than to memfds."""
+
+    def __init__(self, directory: Path, linked: tuple[int, int] | None = None) -> None:
         self._fds: list[int] = []
         self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -155,10 +189,16 @@ class _MemoryFiles:
             if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one made for us)
                 raise CheckpointStateError(f"{directory}: replaced as it was made (TMPDIR is writable by others)")
             memory = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
-            self.path = os.path.join(f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else directory, "checkpoint")
-            for name in ("checkpoint", "checkpoint.data") if memory else ():
-                fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
-                self._fds.append(fd)
+            by_descriptor = memory or linked is not None
+            self.path = os.path.join(
+                f"/proc/{os.getpid()}/fd/{self._dir_fd}" if by_descriptor else directory, "checkpoint"
+            )
+            for k, name in enumerate(("checkpoint", "checkpoint.data") if by_descriptor else ()):
+                if linked is None:
+                    fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
+                    self._fds.append(fd)
+                else:
+                    fd = linked[k]
                 os.symlink(f"/proc/{os.getpid()}/fd/{fd}", name, dir_fd=self._dir_fd)
         except BaseException:
             self.close()

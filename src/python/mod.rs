@@ -474,6 +474,18 @@ impl Staging {
         })
     }
 
+    /// Seals files another writer (ONNX Runtime's saver) wrote whole into the staged files:
+    /// the checksum block and pair trailers appended; a staged data file the checkpoint does
+    /// not use is dropped. Then `commit()`.
+    fn seal(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            self.with(py, |staged| {
+                py.detach(|| crate::seal_written(staged))
+                    .map_err(|e| to_py_err(py, e))
+            })
+        })
+    }
+
     /// Removes the staged files; the target stays as it was.
     fn discard(&self) {
         let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();

@@ -29,6 +29,10 @@ Each command prints one JSON object on its last line of stdout.
   preempt_run ARTIFACTS DIRECTORY STEPS ASYNC GRACE  a training run with preemption=True (SIGTERM
       and SIGINT), async saves every 4 steps, resumed from the latest step; stops at the step a
       signal came (saved there); at the end saves DIRECTORY/final.ckpt with ONNX Runtime's saver
+  through_ort ARTIFACTS OUT  full saves written by ONNX Runtime's saver into the staged files
+      (ortckpt's state and ONNX Runtime's own, each with and without external data), ONNX
+      Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
+      saver raising, writing a torn file, an interrupt after it returns) over a saved file
 """
 
 from __future__ import annotations
@@ -460,6 +464,80 @@ def preempt_run(artifacts: str, directory: str, steps: str, async_save: str, gra
     return {"resumed_from": latest, "trained_to": done, "latest": manager.latest_step(), "preempted": manager.preempted}
 
 
+def through_ort(artifacts: str, out: str) -> dict:
+    external = os.path.join(out, "external-source.ckpt")  # the artifacts' checkpoint, all external
+    ortckpt.CheckpointState.save_checkpoint(
+        ortckpt.load_checkpoint(os.path.join(artifacts, "checkpoint")), external, external_data_threshold=0
+    )
+    files = {}
+    for kind in ("ortckpt", "ortckpt_external", "onnxruntime", "onnxruntime_external"):
+        source = external if kind.endswith("_external") else os.path.join(artifacts, "checkpoint")
+        if kind.startswith("ortckpt"):
+            # A bound state's memory checkpoint has external data past this threshold (as files do).
+            ortckpt.live.EXTERNAL_DATA_THRESHOLD = 0 if kind.endswith("_external") else 2**40
+            state = ortckpt.CheckpointState.load_checkpoint(source)
+        else:
+            state = ort_api.CheckpointState.load_checkpoint(source)
+        model, optimizer = _session(artifacts, state)
+        for step in range(2):
+            _train_step(model, optimizer, step)
+        state.properties["kind"] = kind
+        saved = os.path.join(out, f"{kind}.ckpt")
+        open(saved, "wb").close()  # (an earlier file in its place)
+        ortckpt.CheckpointState.save_checkpoint(state, saved, include_optimizer_state=True)
+        ort_api.CheckpointState.save_checkpoint(state, os.path.join(out, f"{kind}_ort.ckpt"), True)
+        # ONNX Runtime loads what was saved, and saves it again as it was.
+        C.save_checkpoint(C.load_checkpoint(saved), os.path.join(out, f"{kind}_reloaded.ckpt"), True)
+        files[kind] = sorted(e for e in os.listdir(out) if e.startswith(kind + "."))
+    ortckpt.live.EXTERNAL_DATA_THRESHOLD = 2**40
+
+    # Saves that fail, over the last file saved: each leaves it (and nothing else) behind.
+    api = ortckpt.live._training_api()
+    failures = {}
+
+    def torn(state: object, path: str, include: bool) -> None:
+        api.save_checkpoint(state, path, include)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    def refused(state: object, path: str, include: bool) -> None:
+        raise RuntimeError("no space left on device (simulated)")
+
+    def interrupted(state: object, path: str, include: bool) -> None:
+        api.save_checkpoint(state, path, include)
+        raise KeyboardInterrupt  # (as a Ctrl-C delivered once the saver returns the GIL)
+
+    target = os.path.join(out, "onnxruntime_external.ckpt")
+    before = {name: _file_sha(os.path.join(out, name)) for name in files["onnxruntime_external"]}
+    model(*_batch(9))
+    optimizer.step()  # (the state differs from the saved one now)
+    for name, saver in (("torn", torn), ("refused", refused), ("interrupted", interrupted)):
+
+        class Failing:
+            def __getattr__(self, attribute: str) -> object:
+                return getattr(api, attribute)
+
+            save_checkpoint = staticmethod(saver)
+
+        ortckpt.live._training_api = Failing
+        try:
+            ortckpt.CheckpointState.save_checkpoint(state, target, include_optimizer_state=True)
+        except BaseException as e:
+            failures[name] = type(e).__name__
+        after = {
+            n: _file_sha(os.path.join(out, n))
+            for n in sorted(os.listdir(out))
+            if n.startswith(os.path.basename(target))
+        }
+        assert after == before, (name, after, before)
+    return {"files": files, "failures": failures, "left": sorted(os.listdir(out))}
+
+
+def _file_sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     commands = {
@@ -477,6 +555,7 @@ def main(argv: list[str]) -> None:
         "graphs_run": graphs_run,
         "graphs_resume": graphs_resume,
         "preempt_run": preempt_run,
+        "through_ort": through_ort,
     }
     result = commands[command](*args)
     print(json.dumps(result))

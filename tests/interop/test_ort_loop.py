@@ -152,6 +152,33 @@ def test_onnx_runtimes_own_state_saves_through_ortckpt_and_the_manager(ort_loop_
         assert CheckpointState.load_checkpoint(step).properties["step"] == 2
 
 
+def test_a_full_save_is_onnx_runtimes_serialisation_written_into_the_staged_files_then_sealed(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """ortckpt's state and ONNX Runtime's own, loaded with and without external data: the full
+    save holds what ONNX Runtime's own save of the same moment holds, in its layout (a data file
+    where the state was loaded with one), sealed with ortckpt's checksums, and loads in ONNX
+    Runtime; saves that fail (the saver raising, a torn file, an interrupt after the saver
+    returned) commit nothing and leave the file saved before as it was."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "through_ort", ARTIFACTS, tmp_path)
+    for kind in ("ortckpt", "ortckpt_external", "onnxruntime", "onnxruntime_external"):
+        saved = tmp_path / f"{kind}.ckpt"
+        external = kind.endswith("_external")
+        assert report["files"][kind] == [f"{kind}.ckpt", f"{kind}.ckpt.data"] if external else [f"{kind}.ckpt"]
+        assert_same_checkpoint(saved, tmp_path / f"{kind}_ort.ckpt")
+        assert_same_checkpoint(tmp_path / f"{kind}_reloaded.ckpt", saved)
+        checked = verify(saved)
+        assert checked.checksums and checked.tensors > 0
+        assert CheckpointState.load_checkpoint(saved).has_external_data == external
+        assert (tmp_path / f"{kind}_ort.ckpt.data").exists() == external  # (ONNX Runtime's own layout)
+    assert report["failures"] == {
+        "torn": "CheckpointFormatError",
+        "refused": "RuntimeError",
+        "interrupted": "KeyboardInterrupt",
+    }
+    assert not [name for name in report["left"] if "ortckpt-tmp" in name or name.startswith(".")]
+
+
 def test_a_manager_run_on_either_class_gives_the_same_steps(ort_loop_python: str, tmp_path: Path) -> None:
     runs = {}
     for kind in ("ortckpt", "onnxruntime"):
