@@ -275,7 +275,7 @@ def off_cpu(artifacts: str) -> dict:
     state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
     _model = _session(artifacts, state)  # (ONNX Runtime's copy_parameter_from needs a Module's: else it crashes)
     inner = state._state
-    tensor = ortckpt.checkpoint_state.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
+    tensor = ortckpt.live.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
     tensor.assign(np.full((16, 8), 3, np.float32))
     return {"reached_ort": bool((inner.get_parameter("0.weight").data.numpy() == 3).all())}
 

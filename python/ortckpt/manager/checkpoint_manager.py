@@ -560,7 +560,7 @@ class CheckpointManager:
         _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
-            snapshot = state._snapshot(
+            snapshot = state.snapshot(
                 copy_value=self._staging.copy if self.async_save else None,
                 include_optimizer_state=include_optimizer_state,
                 properties=properties,
