@@ -156,9 +156,14 @@ def test_import_ortckpt_loads_only_the_checkpoint_state():
         "ortckpt",
         "ortckpt._boundary",
         "ortckpt._core",
+        "ortckpt.backings",
+        "ortckpt.backings.arrays",
+        "ortckpt.backings.mapped",
+        "ortckpt.backings.tensors",
         "ortckpt.checkpoint_state",
         "ortckpt.dtypes",
         "ortckpt.errors",
+        "ortckpt.tensor_keys",
     ]
     lazy = "import ortckpt; print(ortckpt.CheckpointManager.__module__, ortckpt.average.__module__)"
     assert subprocess.run([sys.executable, "-c", lazy], capture_output=True, text=True, check=True).stdout.split() == [
