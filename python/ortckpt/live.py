@@ -3,8 +3,8 @@ Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT stat
 ONNX Runtime's side: what ONNX Runtime loads and saves, in memory, and :class:`LiveBacking`, the
 backing (``ortckpt.backings``) of a state whose values are ONNX Runtime's.
 
-ONNX Runtime's ``Module`` and ``Optimizer`` take ``state._state``, the ORT state behind its
-Python class, and train its tensors in place. So ortckpt's state hands over one on first use:
+ONNX Runtime's ``Module`` and ``Optimizer`` take the ORT state behind its Python class (its
+``_state`` attribute) and train its tensors in place. So ortckpt's state hands over one on first use:
 :func:`bind` writes the state's backing into memory (memfds), ONNX Runtime loads it, optimizer
 state and properties included, and the state replaces its backing with the :class:`LiveBacking`
 returned. From then on ``parameters`` are zero-copy views of what the Module trains
