@@ -20,6 +20,8 @@ Each command prints one JSON object on its last line of stdout.
       training on at once after each; ONNX Runtime's own save at each save() beside them
   hostile_tmpdir OUT  a bind and a full save while someone else who may write TMPDIR swaps the
       memory checkpoint directories
+  backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
+      Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
 
 from __future__ import annotations
@@ -385,6 +387,64 @@ def hostile_tmpdir(out: str) -> dict:
     }
 
 
+def _shown(state: ortckpt.CheckpointState) -> dict:
+    """What the public API shows of a state: parameters, properties, optimizer groups, records and
+    the keyed tensors, values by digest."""
+    return {
+        "parameters": [[n, p.requires_grad, p.data_type, list(p.shape), _sha(p.data)] for n, p in state.parameters],
+        "properties": dict(state.properties),
+        "groups": {
+            g: [
+                group.step,
+                group.initial_learning_rate,
+                {p: {m: _sha(v) for m, v in ms.items()} for p, ms in group.momentums.items()},
+            ]
+            for g, group in state.optimizer_groups.items()
+        },
+        "records": sorted([list(r) for r in state.tensor_records()]),
+        "tensors": [[key.role, key.label, _sha(value)] for key, value in state.tensors()],
+        "nominal": state.is_nominal,
+    }
+
+
+def backings_alike(artifacts: str, out: str) -> dict:
+    base = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    momentums = {
+        n: {"momentum0": np.full(p.shape, 0.5, np.float32), "momentum1": np.full(p.shape, 0.25, np.float32)}
+        for n, p in base.parameters
+        if p.requires_grad
+    }
+    base.optimizer_groups = {"group0": ortckpt.OptimizerGroup(3, 0.01, momentums)}
+    base.properties["epoch"] = 2
+    base.properties["note"] = "alike"
+    path = os.path.join(out, "base.ckpt")
+    ortckpt.save_checkpoint(base, path, include_optimizer_state=True)
+
+    mapped = ortckpt.CheckpointState.load_checkpoint(path)
+    arrays = ortckpt.CheckpointState.from_arrays(
+        {n: p.data.copy() for n, p in mapped.parameters if p.requires_grad},
+        {n: p.data.copy() for n, p in mapped.parameters if not p.requires_grad},
+        dict(mapped.properties),
+    )
+    arrays.optimizer_groups = {
+        g: ortckpt.OptimizerGroup(group.step, group.initial_learning_rate, group.momentums)
+        for g, group in mapped.optimizer_groups.items()
+    }
+    bound = ortckpt.CheckpointState.load_checkpoint(path)
+    bound._state  # noqa: B018 (handed to ONNX Runtime: live from now on)
+    adopted = ortckpt.checkpoint_state.adopt(C.load_checkpoint(path))
+    report = {}
+    for name, state in {"arrays": arrays, "mapped": mapped, "bound": bound, "adopted": adopted}.items():
+        saved = os.path.join(out, f"{name}.ckpt")
+        ortckpt.save_checkpoint(state, saved, include_optimizer_state=True)
+        report[name] = {
+            "live": repr(state).endswith("onnxruntime)"),
+            "shown": _shown(state),
+            "saved": _shown(ortckpt.CheckpointState.load_checkpoint(saved)),
+        }
+    return report
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     commands = {
@@ -399,6 +459,7 @@ def main(argv: list[str]) -> None:
         "leaks": leaks,
         "async_while_training": async_while_training,
         "hostile_tmpdir": hostile_tmpdir,
+        "backings_alike": backings_alike,
     }
     result = commands[command](*args)
     print(json.dumps(result))
