@@ -470,7 +470,7 @@ class CheckpointState:
         with values). The one way every reader of tensors (arithmetic, statistics, the report, the
         command line, snapshots) goes through a state: a parameter named like a momentum
         (``group0/w/momentum0``) is a key of its own."""
-        yield from _tensors_of(self._backing, include_optimizer_state)
+        return _tensors_of(self._backing, include_optimizer_state)
 
     def snapshot(
         self,

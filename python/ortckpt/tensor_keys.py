@@ -27,35 +27,60 @@ class TensorKey:
     parameter and momentum.
     """
 
-    __slots__ = ("group", "identity", "momentum", "parameter", "role")
+    # identity: (0, "", name, "") for a parameter, (1, group, parameter, momentum) for a momentum
+    # (never equal); hash: its hash, kept (a pass over 16k tensors hashes each key more than once).
+    __slots__ = ("hash", "identity", "role")
 
     def __init__(self, role: str, parameter: str, group: str | None = None, momentum: str | None = None) -> None:
+        if role not in ("trainable", "frozen", "momentum"):
+            raise ValueError(f"a key's role is trainable, frozen or momentum, got {role!r}")
         if (role == "momentum") != (group is not None and momentum is not None):
             raise ValueError(f"a {role} key: a momentum has a group and a name, a parameter neither")
         self.role = role
-        self.parameter = parameter
-        self.group = group
-        self.momentum = momentum
-        # (0, "", name, "") for a parameter, (1, group, parameter, momentum) for a momentum: never equal.
-        self.identity = (0, "", parameter, "") if group is None else (1, group, parameter, momentum)
+        self.identity = identity = (0, "", parameter, "") if group is None else (1, group, parameter, momentum)
+        self.hash = hash(identity)
 
     @classmethod
     def of_parameter(cls, name: str, requires_grad: bool = True) -> TensorKey:
-        return cls("trainable" if requires_grad else "frozen", name)
+        key = _new(cls)  # (no checks to make, no call: made for every tensor of every pass)
+        key.role = "trainable" if requires_grad else "frozen"
+        key.identity = identity = (0, "", name, "")
+        key.hash = hash(identity)
+        return key
 
     @classmethod
     def of_momentum(cls, group: str, parameter: str, momentum: str) -> TensorKey:
-        return cls("momentum", parameter, group, momentum)
+        key = _new(cls)
+        key.role = "momentum"
+        key.identity = identity = (1, group, parameter, momentum)
+        key.hash = hash(identity)
+        return key
+
+    @property
+    def parameter(self) -> str:
+        """The parameter's name (of a momentum: the parameter it belongs to)."""
+        return self.identity[2]
+
+    @property
+    def group(self) -> str | None:
+        """A momentum's optimizer group; None for a parameter."""
+        return self.identity[1] if self.identity[0] else None
+
+    @property
+    def momentum(self) -> str | None:
+        """A momentum's name (``momentum0``); None for a parameter."""
+        return self.identity[3] if self.identity[0] else None
 
     @property
     def is_momentum(self) -> bool:
-        return self.group is not None
+        return bool(self.identity[0])
 
     @property
     def label(self) -> str:
         """For people: a parameter's name, or ``group/parameter/momentum`` (which a parameter's
         name may also be: a label is not an identity)."""
-        return self.parameter if self.group is None else f"{self.group}/{self.parameter}/{self.momentum}"
+        kind, group, parameter, momentum = self.identity
+        return f"{group}/{parameter}/{momentum}" if kind else parameter
 
     def describe(self) -> str:
         """``tensor NAME`` or ``momentum group/parameter/momentum``, as messages name it."""
@@ -68,7 +93,7 @@ class TensorKey:
         return type(other) is TensorKey and self.identity == other.identity
 
     def __hash__(self) -> int:
-        return hash(self.identity)
+        return self.hash
 
     def __lt__(self, other: TensorKey) -> bool:
         return self.identity < other.identity
@@ -77,9 +102,12 @@ class TensorKey:
         return self.label
 
     def __repr__(self) -> str:
-        if self.group is None:
+        if not self.is_momentum:
             return f"TensorKey.of_parameter({self.parameter!r}, requires_grad={self.role == 'trainable'})"
         return f"TensorKey.of_momentum({self.group!r}, {self.parameter!r}, {self.momentum!r})"
+
+
+_new = object.__new__
 
 
 class TensorTable(dict[TensorKey, V]):
