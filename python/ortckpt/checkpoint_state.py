@@ -540,9 +540,9 @@ class CheckpointState:
 def _tensors_of(backing: Backing, include_optimizer_state: bool) -> Iterator[tuple[TensorKey, TensorValue]]:
     if not backing.is_nominal:
         backing.prepare_values()  # (all at once, before the first is used)
-        frozen, value, key_of = backing.frozen, backing.value, TensorKey.of_parameter  # (a pass over 16k: bound once)
+        frozen, value_of, key_of = backing.frozen, backing.value, TensorKey.of_parameter  # (16k tensors: bound once)
         for name in backing.sorted_names():
-            yield key_of(name, name not in frozen), value(name)
+            yield key_of(name, name not in frozen), value_of(name)
     if include_optimizer_state:
         for group_name, group in backing.optimizer_groups.items():
             for param, momentums in group.momentums.items():

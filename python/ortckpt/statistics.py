@@ -231,12 +231,18 @@ class _Opened:
             self.state, self.owned = checkpoint, False
         else:
             self.state, self.owned = CheckpointState.load_checkpoint(checkpoint), True
-        self.tensors = list(self.state.tensors())
-        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.tensors
+        # Keys and values apart, not as (key, value) pairs: 16k pairs kept alive through a pass are as
+        # many more objects for the garbage collector to walk.
+        self.keys: list[TensorKey] = []
+        self.values: list[Any] = []
+        for key, value in self.state.tensors():
+            self.keys.append(key)
+            self.values.append(value)
+        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.values
         self._maps: list[Any] = []
         if self.owned:
-            mappings, self._maps = _boundary.maps_of(value for _, value in self.tensors)
-            self._mapping = {id(value): m for (_, value), m in zip(self.tensors, mappings, strict=True)}
+            mappings, self._maps = _boundary.maps_of(self.values)
+            self._mapping = {id(value): m for value, m in zip(self.values, mappings, strict=True)}
         self.release()
 
     def release(self) -> None:
@@ -256,14 +262,14 @@ def tensor_stats(
     opened = _Opened(checkpoint)
     try:
         jobs, by_kernel = [], []
-        for index, (_key, value) in enumerate(opened.tensors):
+        for index, value in enumerate(opened.values):
             kernel = opened.kernel(value)
             if kernel is not None:
                 jobs.append(kernel)
                 by_kernel.append(index)
         computed = dict(zip(by_kernel, _boundary.tensor_stats(jobs, on_bytes), strict=True))
         found: TensorTable[TensorStats] = TensorTable()
-        for index, (key, value) in enumerate(opened.tensors):
+        for index, (key, value) in enumerate(zip(opened.keys, opened.values, strict=True)):
             figures = computed.get(index)
             if figures is None:
                 found[key] = _stats_numpy(key.label, key.role, value, key)
@@ -337,9 +343,9 @@ def tensor_changes(
 
 
 def _changes(opened_a: _Opened, opened_b: _Opened, on_bytes: Progress | None) -> list[TensorChange]:
-    ta = dict(opened_a.tensors)
+    ta = dict(zip(opened_a.keys, opened_a.values, strict=True))
     found, pairs, paired = [], [], []
-    for key, vb in opened_b.tensors:
+    for key, vb in zip(opened_b.keys, opened_b.values, strict=True):
         va = ta.get(key)
         if va is None or _dtype_name(va) != _dtype_name(vb) or _shape(va) != _shape(vb):
             continue
