@@ -190,8 +190,6 @@ class _MemoryFiles:
 
     def write(self, core: Any) -> None:
         """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
-        from . import _boundary
-
         main, external = _boundary.encode_segments(core, external_data_threshold=EXTERNAL_DATA_THRESHOLD)
         with open(self.path, "r+b" if self._fds else "wb") as out:
             for segment in main:
