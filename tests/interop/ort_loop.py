@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -433,8 +434,22 @@ def backings_alike(artifacts: str, out: str) -> dict:
     bound = ortckpt.CheckpointState.load_checkpoint(path)
     bound._state  # noqa: B018 (handed to ONNX Runtime: live from now on)
     adopted = ortckpt.checkpoint_state.adopt(C.load_checkpoint(path))
-    report = {}
-    for name, state in {"arrays": arrays, "mapped": mapped, "bound": bound, "adopted": adopted}.items():
+    report: dict = {}
+    # Four threads handing one state to ONNX Runtime at once: one binding, one ORT state for all.
+    raced = ortckpt.CheckpointState.load_checkpoint(path)
+    start, inners = threading.Barrier(4), []
+
+    def take() -> None:
+        start.wait()
+        inners.append(raced._state)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    report["one_binding"] = len(inners) == 4 and all(inner is inners[0] for inner in inners)
+    for name, state in {"arrays": arrays, "mapped": mapped, "bound": bound, "adopted": adopted, "raced": raced}.items():
         saved = os.path.join(out, f"{name}.ckpt")
         ortckpt.save_checkpoint(state, saved, include_optimizer_state=True)
         report[name] = {
