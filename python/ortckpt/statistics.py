@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -165,7 +165,16 @@ def _figures(key: TensorKey, value: Any, figures: _boundary.StatsFigures) -> Ten
     shape = _shape(value)
     numbers: list[float | None] = [float(v) for v in values] if finite else [None] * 5
     dtype = _dtype_name(value)
-    return TensorStats(key.label, key.role, dtype, shape, math.prod(shape), nan, posinf, neginf, *numbers, key=key)
+    # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): one dict
+    # update, the same fields, for each of 16k tensors.
+    stats = _new_stats(TensorStats)
+    values = (key.label, key.role, dtype, shape, math.prod(shape), nan, posinf, neginf, *numbers, key)
+    stats.__dict__.update(zip(_STATS_FIELDS, values, strict=True))
+    return stats
+
+
+_new_stats = object.__new__
+_STATS_FIELDS = tuple(f.name for f in fields(TensorStats))
 
 
 def stats_of(name: str, role: str, value: Any) -> TensorStats:
