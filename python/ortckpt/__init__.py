@@ -35,6 +35,7 @@ from .errors import (
     ValidationTimeoutError,
     ValueOverflowError,
 )
+from .tensor_keys import TensorKey
 
 # The rest is imported on first use (PEP 562), so `import ortckpt` costs the checkpoint
 # state and NumPy, not the manager, the sharded writer or the ONNX exporters.
@@ -150,6 +151,7 @@ __all__ = [
     "RetentionPolicy",
     "SpecialFileError",
     "TensorChange",
+    "TensorKey",
     "TensorStats",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",

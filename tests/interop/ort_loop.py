@@ -33,6 +33,8 @@ Each command prints one JSON object on its last line of stdout.
       (ortckpt's state and ONNX Runtime's own, each with and without external data), ONNX
       Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
       saver raising, writing a torn file, an interrupt after it returns) over a saved file
+  backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
+      Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -325,7 +328,7 @@ def off_cpu(artifacts: str) -> dict:
     state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
     _model = _session(artifacts, state)  # (ONNX Runtime's copy_parameter_from needs a Module's: else it crashes)
     inner = state._state
-    tensor = ortckpt.checkpoint_state.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
+    tensor = ortckpt.live.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
     tensor.assign(np.full((16, 8), 3, np.float32))
     return {"reached_ort": bool((inner.get_parameter("0.weight").data.numpy() == 3).all())}
 
@@ -538,6 +541,78 @@ def _file_sha(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def _shown(state: ortckpt.CheckpointState) -> dict:
+    """What the public API shows of a state: parameters, properties, optimizer groups, records and
+    the keyed tensors, values by digest."""
+    return {
+        "parameters": [[n, p.requires_grad, p.data_type, list(p.shape), _sha(p.data)] for n, p in state.parameters],
+        "properties": dict(state.properties),
+        "groups": {
+            g: [
+                group.step,
+                group.initial_learning_rate,
+                {p: {m: _sha(v) for m, v in ms.items()} for p, ms in group.momentums.items()},
+            ]
+            for g, group in state.optimizer_groups.items()
+        },
+        "records": sorted([list(r) for r in state.tensor_records()]),
+        "tensors": [[key.role, key.label, _sha(value)] for key, value in state.tensors()],
+        "nominal": state.is_nominal,
+    }
+
+
+def backings_alike(artifacts: str, out: str) -> dict:
+    base = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    momentums = {
+        n: {"momentum0": np.full(p.shape, 0.5, np.float32), "momentum1": np.full(p.shape, 0.25, np.float32)}
+        for n, p in base.parameters
+        if p.requires_grad
+    }
+    base.optimizer_groups = {"group0": ortckpt.OptimizerGroup(3, 0.01, momentums)}
+    base.properties["epoch"] = 2
+    base.properties["note"] = "alike"
+    path = os.path.join(out, "base.ckpt")
+    ortckpt.save_checkpoint(base, path, include_optimizer_state=True)
+
+    mapped = ortckpt.CheckpointState.load_checkpoint(path)
+    arrays = ortckpt.CheckpointState.from_arrays(
+        {n: p.data.copy() for n, p in mapped.parameters if p.requires_grad},
+        {n: p.data.copy() for n, p in mapped.parameters if not p.requires_grad},
+        dict(mapped.properties),
+    )
+    arrays.optimizer_groups = {
+        g: ortckpt.OptimizerGroup(group.step, group.initial_learning_rate, group.momentums)
+        for g, group in mapped.optimizer_groups.items()
+    }
+    bound = ortckpt.CheckpointState.load_checkpoint(path)
+    bound._state  # noqa: B018 (handed to ONNX Runtime: live from now on)
+    adopted = ortckpt.checkpoint_state.adopt(C.load_checkpoint(path))
+    report: dict = {}
+    # Four threads handing one state to ONNX Runtime at once: one binding, one ORT state for all.
+    raced = ortckpt.CheckpointState.load_checkpoint(path)
+    start, inners = threading.Barrier(4), []
+
+    def take() -> None:
+        start.wait()
+        inners.append(raced._state)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    report["one_binding"] = len(inners) == 4 and all(inner is inners[0] for inner in inners)
+    for name, state in {"arrays": arrays, "mapped": mapped, "bound": bound, "adopted": adopted, "raced": raced}.items():
+        saved = os.path.join(out, f"{name}.ckpt")
+        ortckpt.save_checkpoint(state, saved, include_optimizer_state=True)
+        report[name] = {
+            "live": repr(state).endswith("onnxruntime)"),
+            "shown": _shown(state),
+            "saved": _shown(ortckpt.CheckpointState.load_checkpoint(saved)),
+        }
+    return report
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     commands = {
@@ -556,6 +631,7 @@ def main(argv: list[str]) -> None:
         "graphs_resume": graphs_resume,
         "preempt_run": preempt_run,
         "through_ort": through_ort,
+        "backings_alike": backings_alike,
     }
     result = commands[command](*args)
     print(json.dumps(result))

@@ -136,6 +136,24 @@ def test_what_the_state_shows_and_takes_while_a_module_trains_it(ort_loop_python
     assert report["external_bound"]
 
 
+def test_the_three_backings_show_and_save_the_same(ort_loop_python: str, tmp_path: Path) -> None:
+    """One checkpoint as arrays, as the mapped file, and as ONNX Runtime's live state (bound from
+    ortckpt's, and ONNX Runtime's own adopted): the same parameters, properties, optimizer groups,
+    records and keyed tensors through the public API, and the same once saved and loaded."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "backings_alike", ARTIFACTS, tmp_path)
+    assert report.pop("one_binding")  # four threads binding one state at once got one ORT state
+    kinds = ("arrays", "mapped", "bound", "adopted", "raced")
+    assert [report[k]["live"] for k in kinds] == [False, False, True, True, True]
+    reference = report["mapped"]["shown"]
+    assert reference["groups"]["group0"][0] == 3 and reference["properties"] == {"epoch": 2, "note": "alike"}
+    assert len(reference["tensors"]) == 4 + 2 * 3  # four parameters, two moments of the three trainable
+    for kind, seen in report.items():
+        assert seen["shown"] == reference, kind
+        assert seen["saved"] == reference, kind
+    for kind in ("arrays", "bound", "adopted", "raced"):
+        assert_same_checkpoint(tmp_path / f"{kind}.ckpt", tmp_path / "mapped.ckpt")
+
+
 def test_onnx_runtimes_own_state_saves_through_ortckpt_and_the_manager(ort_loop_python: str, tmp_path: Path) -> None:
     run_loop(ort_loop_python, HERE / "ort_loop.py", "own_state", ARTIFACTS, tmp_path)
     reference = tmp_path / "ort.ckpt"  # ONNX Runtime's own save, the same moment

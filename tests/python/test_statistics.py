@@ -210,15 +210,13 @@ def test_a_checkpoint_file_matches_its_state_and_counts_every_byte(tmp_path):
     told: list[int] = []
     from_file = tensor_stats(path, on_bytes=told.append)
     loaded = CheckpointState.load_checkpoint(path)
-    oracle = {name: st._stats_numpy(name, role, value) for name, role, value in st.tensors(loaded)}
+    oracle = {key: st._stats_numpy(key.label, key.role, value, key) for key, value in loaded.tensors()}
     assert list(from_file) == list(oracle) and "g/float32/momentum0" in from_file
     for name in oracle:
         assert_stats_equal(from_file[name], oracle[name])
     assert from_file == tensor_stats(state)  # the same figures from the state in memory
     # (every tensor but the strings goes through the kernels, float8 included)
-    kernel_bytes = sum(
-        np.asarray(v).nbytes for n, _, v in st.tensors(loaded) if n != "words"
-    )  # (float8 is the kernels' too)
+    kernel_bytes = sum(np.asarray(v).nbytes for k, v in loaded.tensors() if k.label != "words")
     assert sum(told) == kernel_bytes
     assert from_file["uint8"].to_json()["finite"] == 20_000
 
@@ -309,7 +307,7 @@ def test_change_figures_of_two_checkpoints_largest_first_identical_ones_included
     a.parameters["nan"] = np.array([1.0, 2.0])
     CheckpointState.save_checkpoint(a, tmp_path / "a.ckpt")
     found = tensor_changes(tmp_path / "a.ckpt", b)
-    assert list(found) == ["nan", "big", "f8", "small", "same"]  # NaN changes first, then by L2
+    assert list(found.labels()) == ["nan", "big", "f8", "small", "same"]  # NaN changes first, then by L2
     assert found["big"] == TensorChange("big", 10, 10, 0, math.sqrt(90), 3.0, 3.0)
     assert found["same"] == TensorChange("same", 5, 0, 0, 0.0, 0.0, 0.0)
     assert (found["nan"].changed, found["nan"].nonfinite, found["nan"].l2) == (1, 1, 0.0)
@@ -491,6 +489,7 @@ def test_diff_prints_change_figures_largest_first_and_lists_every_tensor_in_json
         "l2": 0.0,
         "relative": 0.0,
         "max_abs": 0.0,
+        "key": {"role": "trainable", "group": None, "parameter": "bad", "momentum": None},
     }
     code, out = cli(capsys, "diff", flagged, flagged)
     assert code == OK and "changes" not in out

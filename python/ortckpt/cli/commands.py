@@ -16,7 +16,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,8 +246,8 @@ def main() -> None:
     """
 
 
-def _statistics(path: str, fmt: str, progress: bool) -> dict[str, Any]:
-    """Name -> TensorStats of the checkpoint at ``path`` (a file or s3:// URL of ``fmt``):
+def _statistics(path: str, fmt: str, progress: bool) -> Mapping[Any, Any]:
+    """TensorKey -> TensorStats of the checkpoint at ``path`` (a file or s3:// URL of ``fmt``):
     a checkpoint is read through its map, another format through its converter."""
     from ..convert.files import load_any
     from ..statistics import tensor_stats
@@ -261,11 +261,13 @@ def _statistics(path: str, fmt: str, progress: bool) -> dict[str, Any]:
         return tensor_stats(source, on_bytes=counter.update)
 
 
-def _stats_name(tensor: dict[str, Any]) -> str:
-    """The name ortckpt.tensor_stats gives an inspect entry (momentums: group/parameter/momentum)."""
+def _stats_key(tensor: dict[str, Any]) -> Any:
+    """The key ortckpt.tensor_stats gives an inspect entry."""
+    from ..tensor_keys import TensorKey
+
     if tensor["role"] == "momentum":
-        return f"{tensor['group']}/{tensor['parameter']}/{tensor['momentum']}"
-    return str(tensor["name"])
+        return TensorKey.of_momentum(tensor["group"], tensor["parameter"], tensor["momentum"])
+    return TensorKey.of_parameter(tensor["name"], tensor["role"] == "trainable")
 
 
 def _flagged(tensor: dict[str, Any]) -> bool:
@@ -308,7 +310,7 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
         if stats:
             figures = _statistics(found.path, info["format"], _show_progress(progress))
             for t in info["tensors"]:
-                t["stats"] = figures[_stats_name(t)].to_json()
+                t["stats"] = figures[_stats_key(t)].to_json()
             info["totals"]["flagged"] = sum(1 for t in info["tensors"] if _flagged(t))
     info["path"] = path
     if found.step is not None:
@@ -456,10 +458,10 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
         figures = {"changes": [c.to_json() for c in changes.values()]}
         _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json(), **figures})
     else:
-        for name in result.only_in_a:
-            click.echo(f"only in {a}: {name}")
-        for name in result.only_in_b:
-            click.echo(f"only in {b}: {name}")
+        for key in result.only_in_a:
+            click.echo(f"only in {a}: {key.label}")
+        for key in result.only_in_b:
+            click.echo(f"only in {b}: {key.label}")
         for t in result.tensors:
             if t.problem == "values":
                 detail = f"{t.mismatched} of {t.elements} elements differ"

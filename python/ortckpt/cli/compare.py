@@ -1,7 +1,8 @@
 """Differences between two checkpoint states (``ortckpt diff`` prints them).
 
-Tensors are matched by name (parameters) and by group, parameter and momentum (optimizer
-state); for each pair the role, dtype and shape are compared, then the values: the largest
+Tensors are matched by key (:class:`~ortckpt.TensorKey`: parameters by name, momentums by group,
+parameter and momentum; a parameter named like a momentum is never matched with it); for each pair
+the role, dtype and shape are compared, then the values: the largest
 absolute and relative difference and how many elements differ beyond ``atol + rtol * |b|``
 (NumPy's ``isclose``; NaNs equal each other). The defaults ask for identical values.
 """
@@ -16,12 +17,12 @@ import numpy as np
 
 from .. import dtypes as _dt
 from ..checkpoint_state import CheckpointState, PackedBits
-from ..statistics import tensors
+from ..tensor_keys import TensorKey
 
 
 @dataclass
 class TensorDiff:
-    name: str
+    key: TensorKey
     problem: str  # "role", "dtype", "shape" or "values"
     a: Any = None
     b: Any = None
@@ -30,11 +31,19 @@ class TensorDiff:
     mismatched: int | None = None
     elements: int | None = None
 
+    @property
+    def name(self) -> str:
+        return self.key.label
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {k: v for k, v in asdict(self).items() if k != "key"}
+        return {"name": self.name, **fields, "key": self.key.to_json()}
+
 
 @dataclass
 class Diff:
-    only_in_a: list[str] = field(default_factory=list)
-    only_in_b: list[str] = field(default_factory=list)
+    only_in_a: list[TensorKey] = field(default_factory=list)
+    only_in_b: list[TensorKey] = field(default_factory=list)
     tensors: list[TensorDiff] = field(default_factory=list)
     properties: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (a, b); None: absent
     optimizer: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # "group0.step" -> (a, b)
@@ -45,12 +54,23 @@ class Diff:
         return not (self.only_in_a or self.only_in_b or self.tensors or self.properties or self.optimizer)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "identical": self.identical}
+        """Tensors by label (``only_in_*``), with their keys beside (``only_in_*_keys``)."""
+        return {
+            "only_in_a": [key.label for key in self.only_in_a],
+            "only_in_b": [key.label for key in self.only_in_b],
+            "only_in_a_keys": [key.to_json() for key in self.only_in_a],
+            "only_in_b_keys": [key.to_json() for key in self.only_in_b],
+            "tensors": [t.to_json() for t in self.tensors],
+            "properties": self.properties,
+            "optimizer": self.optimizer,
+            "compared": self.compared,
+            "identical": self.identical,
+        }
 
 
-def _tensors(state: CheckpointState) -> dict[str, tuple[str, Any]]:
-    """Name -> (role, value) of every tensor, momentums as ``group/param/momentum``."""
-    return {name: (role, value) for name, role, value in tensors(state)}
+def _tensors(state: CheckpointState) -> dict[TensorKey, tuple[TensorKey, Any]]:
+    """Key -> (the state's own key, which has its role; value) of every tensor."""
+    return {key: (key, value) for key, value in state.tensors()}
 
 
 def _comparable(value: Any) -> np.ndarray:
@@ -59,10 +79,10 @@ def _comparable(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def _values(name: str, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> TensorDiff | None:
+def _values(key: TensorKey, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> TensorDiff | None:
     if a.dtype == object or a.dtype.kind == "b":
         mismatched = int(np.count_nonzero(a != b))
-        return TensorDiff(name, "values", mismatched=mismatched, elements=a.size) if mismatched else None
+        return TensorDiff(key, "values", mismatched=mismatched, elements=a.size) if mismatched else None
     # Every numeric type (bfloat16 and float8 included) in double precision for the
     # tolerances; equality itself is checked in the original type, so integers stay exact.
     wide = np.complex128 if a.dtype.kind == "c" else np.float64
@@ -75,7 +95,7 @@ def _values(name: str, a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -
         diff = np.where(close, 0.0, np.abs(a64 - b64))  # equal infinities and NaN pairs count as 0
         rel = diff / np.abs(b64)
     return TensorDiff(
-        name,
+        key,
         "values",
         max_abs=float(np.nanmax(diff)),
         max_rel=float(np.nanmax(rel)),
@@ -98,18 +118,18 @@ def compare(
     ta, tb = _tensors(a), _tensors(b)
     diff.only_in_a = sorted(set(ta) - set(tb))
     diff.only_in_b = sorted(set(tb) - set(ta))
-    for name in sorted(set(ta) & set(tb)):
-        (role_a, va), (role_b, vb) = ta[name], tb[name]
+    for key in sorted(set(ta) & set(tb)):
+        (key_a, va), (key_b, vb) = ta[key], tb[key]
         diff.compared += 1
-        if role_a != role_b:
-            diff.tensors.append(TensorDiff(name, "role", role_a, role_b))
+        if key_a.role != key_b.role:
+            diff.tensors.append(TensorDiff(key_a, "role", key_a.role, key_b.role))
             continue
         xa, xb = _comparable(va), _comparable(vb)
         if xa.dtype != xb.dtype:
-            diff.tensors.append(TensorDiff(name, "dtype", str(xa.dtype), str(xb.dtype)))
+            diff.tensors.append(TensorDiff(key_a, "dtype", str(xa.dtype), str(xb.dtype)))
         elif xa.shape != xb.shape:
-            diff.tensors.append(TensorDiff(name, "shape", list(xa.shape), list(xb.shape)))
-        elif (found := _values(name, xa, xb, rtol, atol)) is not None:
+            diff.tensors.append(TensorDiff(key_a, "shape", list(xa.shape), list(xb.shape)))
+        elif (found := _values(key_a, xa, xb, rtol, atol)) is not None:
             diff.tensors.append(found)
         if on_bytes is not None:
             on_bytes(xa.nbytes + xb.nbytes)

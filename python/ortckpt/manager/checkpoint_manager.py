@@ -686,7 +686,7 @@ class CheckpointManager:
                 state.properties[name] = value
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
-            snapshot = state._snapshot(
+            snapshot = state.snapshot(
                 copy_value=self._staging.copy if copy else None,
                 include_optimizer_state=include_optimizer_state,
                 properties=properties,
