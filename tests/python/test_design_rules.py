@@ -390,3 +390,16 @@ def test_the_private_name_scan_finds_what_it_looks_for():
         "    a._mine()\n    a._held\n    a._slot\n    self._anything\n    a.__dict__\n"  # own names
     )
     assert sorted(name for name, _ in private_accesses(sample)) == ["_go_live", "_ort", "_tensors"]
+
+
+def test_the_layout_page_names_every_module():
+    """docs/layout.md, the map a newcomer reads first, names every module of the package and the
+    core (its "Every file" table): a new module without a line there fails here."""
+    root = Path(__file__).resolve().parents[2]
+    layout = (root / "docs" / "layout.md").read_text()
+    files = [*sorted((root / "python" / "ortckpt").rglob("*.py")), *sorted((root / "src").rglob("*.rs"))]
+    named = {str(p.relative_to(root)) for p in files if "generated" not in p.parts}
+    missing = sorted(name for name in named if f"`{name}`" not in layout)
+    assert len(named) > 50 and missing == [], missing
+    listed = set(re.findall(r"^\| `((?:python|src)/[^`]+)` \|", layout, re.MULTILINE))
+    assert listed - named == set(), "a file the page lists is gone"
