@@ -47,7 +47,7 @@ import numpy as np
 from . import _boundary
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, PackedBits
-from .errors import UnsupportedDataTypeError
+from .errors import CheckpointStateError, UnsupportedDataTypeError
 from .tensor_keys import TensorKey, TensorTable
 
 # The ONNX types the core's kernels compute (the others, the packed sub-byte types, go through NumPy here).
@@ -342,6 +342,12 @@ def tensor_changes(
     opened_a = _Opened(a)
     try:
         opened_b = _Opened(b)
+        for side, opened in (("a", opened_a), ("b", opened_b)):
+            if opened.state.is_nominal:
+                opened_b.release()
+                raise CheckpointStateError(
+                    f"{side} is a nominal checkpoint (names and types, no values): there are no changes to compute"
+                )
         try:
             found = _changes(opened_a, opened_b, on_bytes)
         finally:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import ortckpt
 import pytest
 from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core
 from ortckpt.cli import DIFFERENT, FAILED, OK, USAGE, run
@@ -310,3 +311,32 @@ def test_a_step_whose_metadata_is_not_a_regular_file_is_refused_in_one_line(caps
         check=False,
     )
     assert done.returncode == FAILED and expected in done.stderr and "Error" not in done.stderr, done.stderr
+
+
+def test_a_nominal_checkpoint_is_inspected_and_compared_for_what_it_holds(capsys, tmp_path):
+    # ONNX Runtime's nominal checkpoint: names and types, no values. Never a KeyError, never "only in".
+    nominal, valued = GOLDEN / "protos_nominal.ckpt", GOLDEN / "protos.ckpt"
+    assert run(["inspect", "--stats", str(nominal)]) == OK
+    assert "no statistics: a nominal checkpoint has names and types, no values" in capsys.readouterr().out
+    assert run(["diff", str(nominal), str(valued)]) == DIFFERENT
+    out = capsys.readouterr().out
+    assert "only in" not in out and out.splitlines()[-1] == (
+        "5 tensors compared: differ in values (A is nominal: names and types, no values)"
+    )
+    assert run(["diff", str(nominal), str(nominal)]) == OK
+    assert "values not compared" in capsys.readouterr().out
+    assert run(["diff", "--json", str(valued), str(nominal)]) == DIFFERENT
+    found = json.loads(capsys.readouterr().out)
+    assert found["nominal"] == ["b"] and found["only_in_a"] == [] and not found["identical"]
+    with pytest.raises(ortckpt.CheckpointStateError, match="a is a nominal checkpoint"):
+        ortckpt.tensor_changes(nominal, valued)
+
+
+def test_diff_says_what_differs_when_only_properties_do(capsys, tmp_path):
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    for name, epoch in (("a", 1), ("b", 2)):
+        CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays, None, {"epoch": epoch}), tmp_path / name)
+    for extra in ([], ["--atol", "0.1"]):
+        assert run(["diff", str(tmp_path / "a"), str(tmp_path / "b"), *extra]) == DIFFERENT
+        last = capsys.readouterr().out.splitlines()[-1]
+        assert last.startswith("1 tensors compared: differ in properties"), last

@@ -305,8 +305,10 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
     PATH is a checkpoint (a file, or an s3:// object) or a CheckpointManager's step folder."""
     from .summary import describe
 
+    asked_stats = stats
     with sources.checkpoint(path) as found:
         info = describe(found.path, None if found.step else fmt)
+        stats = stats and not info["nominal"]  # (a nominal checkpoint has no values: said below the table)
         if stats:
             figures = _statistics(found.path, info["format"], _show_progress(progress))
             for t in info["tensors"]:
@@ -344,6 +346,8 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
     click.echo(_table(rows, header))
     if len(shown) < len(tensors):
         click.echo(f"... {len(tensors) - len(shown)} more (--limit 0 lists all)")
+    if info["nominal"] and asked_stats:
+        click.echo("no statistics: a nominal checkpoint has names and types, no values")
     if stats:
         flagged = [t["name"] for t in tensors if _flagged(t)]
         if flagged:
@@ -445,15 +449,19 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
 
     with sources.checkpoint(a) as found_a, sources.checkpoint(b) as found_b:
         state_a, state_b = load_any(found_a.path), load_any(found_b.path)
+    valued = not (state_a.is_nominal or state_b.is_nominal)  # (a nominal side has no values: no change figures)
+    changes: Mapping[Any, Any] = {}
     if _show_progress(progress):
         from ..progress import bar
 
         with bar("comparing") as counter:
             result = compare(state_a, state_b, rtol=rtol, atol=atol, on_bytes=counter.update)
-            changes = tensor_changes(state_a, state_b, on_bytes=counter.update)
+            if valued:
+                changes = tensor_changes(state_a, state_b, on_bytes=counter.update)
     else:
         result = compare(state_a, state_b, rtol=rtol, atol=atol)
-        changes = tensor_changes(state_a, state_b)
+        if valued:
+            changes = tensor_changes(state_a, state_b)
     if as_json:
         figures = {"changes": [c.to_json() for c in changes.values()]}
         _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json(), **figures})
@@ -473,7 +481,9 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
         for name, (va, vb) in {**result.optimizer, **result.properties}.items():
             click.echo(f"{name}: {va!r} vs {vb!r}")
         _echo_changes(list(changes.values()))
-        verdict = "identical" if result.identical else "differ"
+        if len(result.nominal) == 2:
+            click.echo("both are nominal checkpoints (names and types, no values): values not compared")
+        verdict = "identical" if result.identical else "differ in " + ", ".join(result.differing())
         click.echo(
             f"{result.compared} tensors compared: {verdict}"
             + (f" (rtol {rtol:g}, atol {atol:g})" if rtol or atol else "")

@@ -48,10 +48,28 @@ class Diff:
     properties: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (a, b); None: absent
     optimizer: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # "group0.step" -> (a, b)
     compared: int = 0  # tensor pairs compared
+    # Sides that are nominal checkpoints ("a", "b"): their tensors have names and types, no values,
+    # so values are not compared (and a nominal side never equals one that holds values).
+    nominal: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
-        return not (self.only_in_a or self.only_in_b or self.tensors or self.properties or self.optimizer)
+        return not self.differing()
+
+    def differing(self) -> list[str]:
+        """What differs, in words (for the verdict line): empty when identical."""
+        parts = []
+        if self.only_in_a or self.only_in_b:
+            parts.append("tensors only one side has")
+        if self.tensors:
+            parts.append(f"{len(self.tensors)} tensors")
+        if self.optimizer:
+            parts.append("optimizer state")
+        if self.properties:
+            parts.append("properties")
+        if len(self.nominal) == 1:
+            parts.append(f"values ({self.nominal[0].upper()} is nominal: names and types, no values)")
+        return parts
 
     def to_json(self) -> dict[str, Any]:
         """Tensors by label (``only_in_*``), with their keys beside (``only_in_*_keys``)."""
@@ -64,6 +82,7 @@ class Diff:
             "properties": self.properties,
             "optimizer": self.optimizer,
             "compared": self.compared,
+            "nominal": self.nominal,
             "identical": self.identical,
         }
 
@@ -71,6 +90,16 @@ class Diff:
 def _tensors(state: CheckpointState) -> dict[TensorKey, tuple[TensorKey, Any]]:
     """Key -> (the state's own key, which has its role; value) of every tensor."""
     return {key: (key, value) for key, value in state.tensors()}
+
+
+def _typed(state: CheckpointState) -> dict[TensorKey, tuple[TensorKey, str]]:
+    """A state's parameters by key, with their dtype names: all a nominal checkpoint has (no
+    values, no optimizer state)."""
+    out = {}
+    for record in state.tensor_records():
+        key = TensorKey.of_parameter(record.name, record.requires_grad)
+        out[key] = (key, _dt.name_of(record.code))
+    return out
 
 
 def _comparable(value: Any) -> np.ndarray:
@@ -115,6 +144,11 @@ def compare(
     """What differs between ``a`` and ``b`` (see the module's docstring); ``on_bytes(n)`` after
     each pair of tensors (a progress bar's update)."""
     diff = Diff()
+    diff.nominal = [side for side, state in (("a", a), ("b", b)) if state.is_nominal]
+    if diff.nominal:  # (names, roles and types: there are no values to compare)
+        _compare_types(diff, _typed(a), _typed(b))
+        _compare_the_rest(diff, a, b)
+        return diff
     ta, tb = _tensors(a), _tensors(b)
     diff.only_in_a = sorted(set(ta) - set(tb))
     diff.only_in_b = sorted(set(tb) - set(ta))
@@ -133,6 +167,26 @@ def compare(
             diff.tensors.append(found)
         if on_bytes is not None:
             on_bytes(xa.nbytes + xb.nbytes)
+    _compare_the_rest(diff, a, b)
+    return diff
+
+
+def _compare_types(
+    diff: Diff, ta: dict[TensorKey, tuple[TensorKey, str]], tb: dict[TensorKey, tuple[TensorKey, str]]
+) -> None:
+    diff.only_in_a = sorted(set(ta) - set(tb))
+    diff.only_in_b = sorted(set(tb) - set(ta))
+    for key in sorted(set(ta) & set(tb)):
+        (key_a, dtype_a), (key_b, dtype_b) = ta[key], tb[key]
+        diff.compared += 1
+        if key_a.role != key_b.role:
+            diff.tensors.append(TensorDiff(key_a, "role", key_a.role, key_b.role))
+        elif dtype_a != dtype_b:
+            diff.tensors.append(TensorDiff(key_a, "dtype", dtype_a, dtype_b))
+
+
+def _compare_the_rest(diff: Diff, a: CheckpointState, b: CheckpointState) -> None:
+    """Properties, optimizer steps and learning rates."""
     pa, pb = dict(a.properties), dict(b.properties)
     for name in sorted(set(pa) | set(pb)):
         if pa.get(name) != pb.get(name) or type(pa.get(name)) is not type(pb.get(name)):
@@ -144,4 +198,3 @@ def compare(
             vb = getattr(gb[group], attr) if group in gb else None
             if va != vb:
                 diff.optimizer[f"{group}.{attr}"] = (va, vb)
-    return diff
