@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import safe_io, targets
+from . import safe_io, targets, texts
 from ._boundary import VERSION
 from .checkpoint_state import CheckpointState, PackedBits
 from .errors import InvalidArgumentError
@@ -145,10 +145,7 @@ def _e(value: Any) -> str:
     """Text from a file, as HTML text or attribute (quotes too). Characters that do not print
     are written out as Python's repr writes them: a right-to-left override would turn the name
     and the text after it around, a zero-width space make two names look alike."""
-    text = str(value)
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return html.escape(text, quote=True)
+    return html.escape(texts.printable(str(value)), quote=True)
 
 
 # A property's value is shown up to this many characters: a string of megabytes stays in the

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import ortckpt
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core
+from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core, texts
 from ortckpt.cli import DIFFERENT, FAILED, OK, USAGE, run
 
 # Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
@@ -340,3 +340,21 @@ def test_diff_says_what_differs_when_only_properties_do(capsys, tmp_path):
         assert run(["diff", str(tmp_path / "a"), str(tmp_path / "b"), *extra]) == DIFFERENT
         last = capsys.readouterr().out.splitlines()[-1]
         assert last.startswith("1 tensors compared: differ in properties"), last
+
+
+def test_inspect_writes_out_unprintable_names_and_aligns_wide_ones(capsys, tmp_path):
+    # A right-to-left override in a name would turn the rest of the line around; a CJK name takes two
+    # columns a character: the columns after it stay aligned.
+    state = CheckpointState.from_arrays(
+        {"evil\u202eyxz": np.ones(2, np.float32), "重み": np.ones(3, np.float32), "w": np.ones(4, np.float32)},
+        None,
+        {"note\u200b": "x"},
+    )
+    CheckpointState.save_checkpoint(state, tmp_path / "c")
+    assert run(["inspect", str(tmp_path / "c")]) == OK
+    out = capsys.readouterr().out
+    assert "\u202e" not in out and "\u200b" not in out
+    assert "evil\\u202eyxz" in out and "note\\u200b = 'x'" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("evil", "重み", "w "))}
+    role_column = {texts.width(line[: line.index("trainable")]) for line in rows.values()}
+    assert len(rows) == 3 and len(role_column) == 1, out

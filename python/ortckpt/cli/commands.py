@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from .. import targets
+from .. import targets, texts
 from .._boundary import VERSION
 from ..convert.files import FORMATS
 from ..errors import InvalidArgumentError
@@ -222,10 +222,12 @@ def _size(n: float) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    """Columns aligned by what each cell takes on a terminal; text from files (names) shown with
+    its unprintable characters written out (see ortckpt.texts)."""
+    cells = [[texts.printable(str(c)) for c in row] for row in [header, *rows]]
+    widths = [max(texts.width(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(texts.pad(c, w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
@@ -353,20 +355,20 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
         if flagged:
             more = f" and {len(flagged) - 10} more" if len(flagged) > 10 else ""
             holds = "tensor holds" if len(flagged) == 1 else "tensors hold"
-            click.echo(f"! {len(flagged)} {holds} NaN or Inf: {', '.join(flagged[:10])}{more}")
+            click.echo(f"! {len(flagged)} {holds} NaN or Inf: {texts.printable(', '.join(flagged[:10]))}{more}")
         else:
             click.echo("no NaN or Inf in any tensor")
     if info["optimizer_groups"]:
         click.echo("\noptimizer groups:")
         for g in info["optimizer_groups"]:
             click.echo(
-                f"  {g['name']}: step {g['step']}, initial learning rate {g['initial_learning_rate']:g}, "
-                f"{g['parameters']} parameters with state"
+                f"  {texts.printable(g['name'])}: step {g['step']}, initial learning rate "
+                f"{g['initial_learning_rate']:g}, {g['parameters']} parameters with state"
             )
     if info["properties"]:
         click.echo("\nproperties:")
         for name, value in info["properties"].items():
-            click.echo(f"  {name} = {value!r}")
+            click.echo(f"  {texts.printable(name)} = {value!r}")
     if info.get("graphs"):
         click.echo("\ngraphs:")
         click.echo(
@@ -467,9 +469,9 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
         _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json(), **figures})
     else:
         for key in result.only_in_a:
-            click.echo(f"only in {a}: {key.label}")
+            click.echo(f"only in {a}: {texts.printable(key.label)}")
         for key in result.only_in_b:
-            click.echo(f"only in {b}: {key.label}")
+            click.echo(f"only in {b}: {texts.printable(key.label)}")
         for t in result.tensors:
             if t.problem == "values":
                 detail = f"{t.mismatched} of {t.elements} elements differ"
@@ -477,9 +479,9 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
                     detail += f" (max abs {t.max_abs:.6g}, max rel {t.max_rel:.6g})"
             else:
                 detail = f"{t.a} vs {t.b}"
-            click.echo(f"{t.name}: {t.problem}: {detail}")
+            click.echo(f"{texts.printable(t.name)}: {t.problem}: {detail}")
         for name, (va, vb) in {**result.optimizer, **result.properties}.items():
-            click.echo(f"{name}: {va!r} vs {vb!r}")
+            click.echo(f"{texts.printable(name)}: {va!r} vs {vb!r}")
         _echo_changes(list(changes.values()))
         if len(result.nominal) == 2:
             click.echo("both are nominal checkpoints (names and types, no values): values not compared")
@@ -564,7 +566,7 @@ def _echo_changes(changes: list[Any]) -> None:
         relative = "-" if c.relative is None else f"{c.relative:.3g}"
         nonfinite = f", {c.nonfinite} to or from NaN/Inf" if c.nonfinite else ""
         click.echo(
-            f"  {c.name}: {c.changed} of {c.elements} changed, L2 {c.l2:.4g} (relative {relative}), "
+            f"  {texts.printable(c.name)}: {c.changed} of {c.elements} changed, L2 {c.l2:.4g} (relative {relative}), "
             f"max abs {c.max_abs:.4g}{nonfinite}"
         )
     if len(changed) > _CHANGES_SHOWN:
