@@ -10,6 +10,7 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
 """
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD as _DEFAULT_EXTERNAL_DATA_THRESHOLD
@@ -82,7 +83,14 @@ if TYPE_CHECKING:
 
 
 def load_checkpoint(checkpoint_uri: Any, **options: Any) -> CheckpointState:
-    """:meth:`CheckpointState.load_checkpoint`: a path, an ``s3://`` URL, or a binary file object."""
+    """:meth:`CheckpointState.load_checkpoint`: a path, an ``s3://`` URL, or a binary file object;
+    also a :class:`CheckpointManager` step folder (plain, sharded or compressed), read as the
+    command line reads one (:mod:`ortckpt.resolve`: a plain step's checkpoint checked against what
+    its metadata.json records)."""
+    if isinstance(checkpoint_uri, (str, os.PathLike)) and os.path.isdir(checkpoint_uri):
+        from . import resolve
+
+        return resolve.load_step(os.fspath(checkpoint_uri), verify=bool(options.get("verify", False)))  # type: ignore[no-any-return]
     return CheckpointState.load_checkpoint(checkpoint_uri, **options)
 
 

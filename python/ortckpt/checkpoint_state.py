@@ -610,7 +610,7 @@ def open_checkpoint(
     try:
         loaded = _boundary.load(checkpoint_uri, follow_symlinks=follow_symlinks, verify=verify)
     except IsADirectoryError:
-        problem = legacy_layout_problem(checkpoint_uri)
+        problem = legacy_layout_problem(checkpoint_uri) or step_folder_problem(checkpoint_uri)
         if problem is None:
             raise
         raise CheckpointFormatError(problem) from None
@@ -619,6 +619,20 @@ def open_checkpoint(
 
 # Before ONNX Runtime 1.16 a checkpoint was a directory of these (see ortckpt.versions).
 PBSEQ_SUFFIX = ".pbseq"
+
+
+def step_folder_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read here, when it is a directory that holds a step's documents:
+    ``ortckpt.load_checkpoint`` reads a step folder (this class's method stays ONNX Runtime's: a file)."""
+    from . import steps  # only on this error path
+
+    if not any(os.path.lexists(Path(path) / name) for name in steps.COMMIT_DOCUMENTS):
+        return None
+    return (
+        f"{os.fspath(path)}: a CheckpointManager step folder, not a checkpoint file: load it with "
+        f"ortckpt.load_checkpoint({os.fspath(path)!r}) (which reads a step folder as the command line does), or "
+        "the manager's restore(step)"
+    )
 
 
 def legacy_layout_problem(path: str | os.PathLike[str]) -> str | None:

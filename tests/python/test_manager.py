@@ -577,3 +577,28 @@ def test_a_run_copied_without_its_times_restores(tmp_path):
     reader = CheckpointManager(copy, read_only=True)
     for step in (1, 2):
         assert_same(reader.restore(step), make_state(step))
+
+
+def test_load_checkpoint_takes_a_step_folder_as_the_command_line_does(tmp_path):
+    # One resolver (ortckpt.resolve) for the library and the CLI: a step folder names its checkpoint (was
+    # IsADirectoryError), checked as restore checks it; a compressed step decompressed; a run names its latest.
+    run_dir = tmp_path / "run"
+    with CheckpointManager(run_dir, max_to_keep=1, keep_every=2, compress_kept=True) as manager:
+        for step in (2, 3):
+            manager.save(CheckpointState.from_arrays({"w": np.full(64, step, np.float32)}), step)
+        folders = {info.step: info.directory for info in manager.all()}
+        assert manager.all()[0].compressed  # step 2: kept by keep_every only, compressed
+    for step, folder in folders.items():
+        loaded = ortckpt.load_checkpoint(folder)
+        np.testing.assert_array_equal(loaded.parameters["w"].data, np.full(64, step, np.float32))
+        # ONNX Runtime's method reads files; for a step folder it says what does read one (was IsADirectoryError).
+        with pytest.raises(ortckpt.CheckpointFormatError, match=r"a CheckpointManager step folder.*load_checkpoint"):
+            CheckpointState.load_checkpoint(folder)
+    with pytest.raises(ortckpt.CheckpointFormatError, match=r"a run of steps \(2\), not one checkpoint: name a step"):
+        ortckpt.load_checkpoint(run_dir)
+    plain = folders[3] / "checkpoint"
+    os.chmod(plain, 0o644)
+    with open(plain, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ortckpt.CheckpointIntegrityError, match="metadata says"):
+        ortckpt.load_checkpoint(folders[3])

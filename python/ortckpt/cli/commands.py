@@ -2,7 +2,7 @@
 
 Each command is a thin layer over a library function (summary.describe, integrity.verify,
 compare.compare, convert.convert, convert.to_nominal, ...): parsing, printing, exit codes.
-Every checkpoint argument goes through :mod:`.sources` (a file, an object, or a manager's step
+Every checkpoint argument goes through :mod:`ortckpt.resolve` (a file, an object, or a manager's step
 folder, local or ``s3://``); every argument is checked before any work (bad usage: exit 2).
 """
 
@@ -22,11 +22,10 @@ from typing import Any
 
 import click
 
-from .. import targets, texts
+from .. import resolve, targets, texts
 from .._boundary import VERSION
 from ..convert.files import FORMATS
 from ..errors import InvalidArgumentError
-from . import sources
 
 # Exit codes, as documented in --help. INTERRUPTED: 128 + SIGINT, as a shell reports a command
 # that Ctrl-C stopped (never 1, which says "differ" or "verification failed").
@@ -71,7 +70,7 @@ def _message(e: BaseException) -> str:
         text = _as_given(str(e))
     else:
         text = f"{type(e).__name__}: {e}"
-    return sources.shown(" ".join(text.split()))
+    return resolve.shown(" ".join(text.split()))
 
 
 def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -308,7 +307,7 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
     from .summary import describe
 
     asked_stats = stats
-    with sources.checkpoint(path) as found:
+    with resolve.checkpoint(path) as found:
         info = describe(found.path, None if found.step else fmt)
         stats = stats and not info["nominal"]  # (a nominal checkpoint has no values: said below the table)
         if stats:
@@ -400,8 +399,8 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
     from ..manager.integrity import verify as run_verify
 
     try:  # a bucket, a run of steps, a directory that is no step: refused here, one line
-        sources.step_folder(path)
-    except sources.NotACheckpointError:
+        resolve.step_folder(path)
+    except resolve.NotACheckpointError:
         raise
     except (CheckpointError, OSError, ValueError):
         pass  # a damaged step, a missing file: verify says what it finds
@@ -449,7 +448,7 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     from ..statistics import tensor_changes
     from .compare import compare
 
-    with sources.checkpoint(a) as found_a, sources.checkpoint(b) as found_b:
+    with resolve.checkpoint(a) as found_a, resolve.checkpoint(b) as found_b:
         state_a, state_b = load_any(found_a.path), load_any(found_b.path)
     valued = not (state_a.is_nominal or state_b.is_nominal)  # (a nominal side has no values: no change figures)
     changes: Mapping[Any, Any] = {}
@@ -518,7 +517,7 @@ def report(checkpoint: str, against: str | None, out: str, histograms: int, as_j
     _local(out, "--output")
     names = [checkpoint] if against is None else [checkpoint, against]
     with contextlib.ExitStack() as stack:
-        found = [stack.enter_context(sources.checkpoint(name)) for name in names]
+        found = [stack.enter_context(resolve.checkpoint(name)) for name in names]
         states = [load_any(f.path) for f in found]
         stats = write_report(
             states[0],
@@ -535,7 +534,7 @@ def report(checkpoint: str, against: str | None, out: str, histograms: int, as_j
     click.echo(f"{out}: report of {checkpoint}" + (f" against {against}" if against else "") + f" ({flagged} flagged)")
 
 
-def _files_of(found: sources.Resolved, given: str) -> dict[str, int | None]:
+def _files_of(found: resolve.Resolved, given: str) -> dict[str, int | None]:
     """The files the user named, with their sizes: a step's files as its document records them, a
     local file's (and its .data) from the disk, an object's unknown."""
     if found.step is not None:
@@ -619,7 +618,7 @@ def convert(
     to = _format(dst, dst_format, "--to", must_exist=False)
     if to == "onnx" and model is None:
         raise click.UsageError("writing an ONNX model needs the model whose inputs take the weights: --model MODEL")
-    with sources.checkpoint(src) as found:
+    with resolve.checkpoint(src) as found:
         source_format = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
         _check_frozen(src, found.path, source_format, frozen)
         formats = run_convert(
@@ -669,7 +668,7 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
     from ..convert.files import to_nominal
 
     _local(dst, "DST")
-    with sources.checkpoint(src) as found:
+    with resolve.checkpoint(src) as found:
         fmt = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
         count = to_nominal(found.path, dst, src_format=fmt)
     if as_json:
@@ -701,7 +700,7 @@ def export(
 
     _local(eval_model, "EVAL_MODEL")
     _local(out, "OUT")
-    with sources.checkpoint(checkpoint) as found:
+    with resolve.checkpoint(checkpoint) as found:
         export_model(found.path, eval_model, out, output_names=list(outputs) or None, external_data=external_data)
     if as_json:
         return _emit_json({"checkpoint": checkpoint, "eval_model": eval_model, "out": out, "outputs": list(outputs)})
@@ -718,7 +717,7 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
     or version 2) to DST as version 2 with the same parameters, optimizer state and properties."""
     from ..versions import upgrade as run_upgrade
 
-    with sources.checkpoint(src) as found:
+    with resolve.checkpoint(src) as found:
         version = run_upgrade(found.path, dst)
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from_version": version, "to_version": 2})
@@ -739,7 +738,7 @@ def compress(src: str, dst: str, level: int, as_json: bool, progress: bool | Non
     from ..compression import compress as run_compress
 
     _local(dst, "DST")
-    with sources.checkpoint(src, local=True) as found:
+    with resolve.checkpoint(src, local=True) as found:
         done = run_compress(found.path, dst, level=level, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst, "bytes": done.size, "compressed_bytes": done.compressed_size})
@@ -758,7 +757,7 @@ def decompress(src: str, dst: str, as_json: bool, progress: bool | None) -> None
     from ..compression import decompress as run_decompress
 
     _local(dst, "DST")
-    with sources.archive(src) as archive:
+    with resolve.archive(src) as archive:
         run_decompress(archive, dst, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst})
@@ -834,7 +833,7 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
         checkpoints = run.all()
         if not checkpoints:
             try:
-                step = sources.step_folder(directory)
+                step = resolve.step_folder(directory)
             except (OSError, ValueError, RuntimeError):
                 step = None
             if step is not None:
@@ -911,7 +910,7 @@ def average(
         )
     if any(_same_name(out, source) for source in checkpoints):
         raise click.BadParameter(f"{out} is also a source: the average would replace it", param_hint="--out")
-    with sources.checkpoints(checkpoints) as paths:
+    with resolve.checkpoints(checkpoints) as paths:
         try:
             run_average(
                 paths,
@@ -941,7 +940,7 @@ def delta_command(a: str, b: str, out: str, as_json: bool, progress: bool | None
     A and B may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import delta as run_delta
 
-    with sources.checkpoints([a, b]) as (path_a, path_b):
+    with resolve.checkpoints([a, b]) as (path_a, path_b):
         run_delta(path_a, path_b, out=out, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"a": a, "b": b, "out": out})
@@ -963,7 +962,7 @@ def apply_command(base: str, delta: str, out: str, scale: float, as_json: bool, 
     BASE and DELTA may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import apply as run_apply
 
-    with sources.checkpoints([base, delta]) as (path_base, path_delta):
+    with resolve.checkpoints([base, delta]) as (path_base, path_delta):
         run_apply(path_base, path_delta, scale, out=out, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"base": base, "delta": delta, "out": out, "scale": scale})
