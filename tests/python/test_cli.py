@@ -225,7 +225,7 @@ def test_ctrl_c_exits_130_not_the_code_that_says_differ(ckpt, tmp_path):
         "def interrupted(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    signal.pause()\n"
-        "commands.sources.checkpoints = interrupted\n"
+        "commands.resolve.checkpoints = interrupted\n"
     )
     out = tmp_path / "out.ckpt"
     for launch in ("from ortckpt.cli import console; console()", "import runpy; runpy.run_module('ortckpt')"):

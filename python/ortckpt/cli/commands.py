@@ -799,12 +799,12 @@ def register_best(
     from ..manager.tracking import TAG_STEP, MlflowTracker
 
     _local(eval_model, "EVAL_MODEL")
+    metric = _ranking_metric(directory, metric, mode)  # (before MLflow is asked anything)
     if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
         # (MLflow would make a local store in the working directory, not find the run's server)
         raise click.UsageError(
             "register-best needs the MLflow server the run is tracked on: --tracking-uri URL or MLFLOW_TRACKING_URI"
         )
-    metric = _ranking_metric(directory, metric, mode)  # (before MLflow is asked anything)
     tracker = MlflowTracker(tracking_uri, experiment=experiment)
     manager = CheckpointManager(directory, read_only=True, track=tracker)
     version = manager.register_best(
