@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
+    "__version__",
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
     "PAYLOAD_ALIGNMENT",
@@ -12,6 +13,7 @@ __all__ = [
     "Lock",
     "MappedFile",
     "SaveProgress",
+    "SignalOnDrop",
     "Staging",
     "acquire_lock",
     "checksum_root",
@@ -171,6 +173,7 @@ def save_bytes(
     keep_order: bool = False,
 ) -> bytes: ...
 
+@final
 class SignalOnDrop:
     """Simulates the arrival of ``signum`` when freed (see ortckpt.interrupts)."""
-    def __init__(self, signum: int) -> None: ...
+    def __new__(cls, signum: int) -> SignalOnDrop: ...
