@@ -5,7 +5,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
-    "__version__",
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
     "PAYLOAD_ALIGNMENT",
@@ -15,6 +14,7 @@ __all__ = [
     "SaveProgress",
     "SignalOnDrop",
     "Staging",
+    "__version__",
     "acquire_lock",
     "checksum_root",
     "combine",

@@ -343,9 +343,22 @@ class _Page:
         ]
         if changed:
             parts.append(
-                "<table class='grid' id='changes'><thead><tr><th>tensor</th><th>changed</th><th>L2 of change</th>"
-                "<th colspan='2'>relative</th><th>max |&Delta;|</th><th>NaN/Inf changed</th></tr></thead>"
+                "<table class='grid' id='changes'><thead><tr><th>tensor</th><th class='n'>changed</th>"
+                "<th class='n'>L2 of change</th><th colspan='2'>relative</th><th class='n'>max |&Delta;|</th>"
+                "<th class='n'>NaN/Inf changed</th></tr></thead>"
                 f"<tbody>{rows}</tbody></table>"
+            )
+        moved = self._other_changes()
+        if moved:
+            items = "".join(
+                f"<tr><td><code>{_e(name)}</code></td><td><code>{_e(_clipped(repr(a)))}</code></td>"
+                f"<td><code>{_e(_clipped(repr(b)))}</code></td></tr>"
+                for name, (a, b) in moved.items()
+            )
+            parts.append(
+                f"<h3>Optimizer state and properties that changed: {_count(len(moved))}</h3>"
+                "<table class='mini' id='other-changes'><tr><th>name</th>"
+                f"<th>in <code>{_e(self.other.name)}</code></th><th>here</th></tr>{items}</table>"
             )
         for label, names in (
             (f"Only in <code>{_e(self.side.name)}</code>", only_here),
@@ -357,6 +370,25 @@ class _Page:
                 parts.append(f"<h3>{label}: {_count(len(names))}</h3><ul class='names'>{items}</ul>")
         parts.append("</section>")
         return "\n".join(parts)
+
+    def _other_changes(self) -> dict[str, tuple[Any, Any]]:
+        """Optimizer groups' steps and learning rates, and properties, that differ from ``against``
+        (None: absent on that side)."""
+        assert self.other is not None
+        before, now = self.other.state, self.side.state
+        found: dict[str, tuple[Any, Any]] = {}
+        ga, gb = before.optimizer_groups, now.optimizer_groups
+        for group in sorted(set(ga) | set(gb)):
+            for attr in ("step", "initial_learning_rate"):
+                a = getattr(ga[group], attr) if group in ga else None
+                b = getattr(gb[group], attr) if group in gb else None
+                if a != b:
+                    found[f"optimizer group {group}: {attr}"] = (a, b)
+        pa, pb = dict(before.properties), dict(now.properties)
+        for name in sorted(set(pa) | set(pb)):
+            if pa.get(name) != pb.get(name) or type(pa.get(name)) is not type(pb.get(name)):
+                found[f"property {name}"] = (pa.get(name), pb.get(name))
+        return found
 
     def _change_row(self, c: TensorChange, top: float) -> str:
         width = 0.0 if not top or c.relative is None else 100 * c.relative / top
@@ -403,7 +435,8 @@ class _Page:
         return (
             f"<section><h2>Tensors</h2><p class='muted'>{note}</p>"
             "<table class='grid' id='tensors'><thead><tr><th>tensor</th><th>role</th><th>dtype</th><th>shape</th>"
-            "<th>min</th><th>max</th><th>mean</th><th>std</th><th>L2</th><th>histogram</th></tr></thead>"
+            "<th class='n'>min</th><th class='n'>max</th><th class='n'>mean</th><th class='n'>std</th>"
+            "<th class='n'>L2</th><th>histogram</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></section>"
         )
 
@@ -432,6 +465,8 @@ code{font:12.5px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;word-break
 .mini{border-collapse:collapse;width:100%}
 .mini th,.mini td{text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid var(--line);vertical-align:top}
 .mini th{font-weight:600;color:var(--muted);font-size:12px}
+.mini td:first-child{min-width:8em;width:35%}
+th.n{text-align:right}
 .alert{border:1px solid var(--bad);background:var(--badbg);border-radius:8px;padding:12px 14px}
 .alert h2{color:var(--bad)}
 .alert ul{margin:0;padding-left:18px}

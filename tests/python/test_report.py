@@ -187,10 +187,18 @@ def test_with_against_the_changes_come_largest_first_and_tensors_only_on_one_sid
         assert g[1:5] == [f"{c.changed:,} / {c.elements:,}", f"{c.l2:.4g}", f"{c.relative:.4g}", ""]
         assert g[5] == ("0" if c.max_abs == 0 else f"{c.max_abs:.4g}")
         assert g[6] == (f"{c.nonfinite:,}" if c.nonfinite else "")
+    listed = [h for h in doc.find("h3") if h.text().startswith(("Only in", "In both"))]
     lists = {
         h.text(): [li.text() for li in ul.find("li")]
-        for h, ul in zip(doc.find("h3"), doc.find("ul", **{"class": "names"}), strict=True)
+        for h, ul in zip(listed, doc.find("ul", **{"class": "names"}), strict=True)
     }
+    # The optimizer's step and the properties that changed are listed too, A's value then B's.
+    [other] = doc.find("table", id="other-changes")
+    changed = {cells(r)[0]: cells(r)[1:] for r in other.find("tr")[1:]}
+    assert changed == {"optimizer group group0: step": ["100", "200"], "property epoch": ["100", "200"]}
+    # Numeric columns' headers sit over their numbers (right-aligned, as the cells are).
+    heads = {h.text(): h.attrs.get("class") for h in doc.find("th")}
+    assert heads["L2 of change"] == heads["max |Δ|"] == heads["mean"] == "n" and heads["tensor"] is None
     assert lists == {
         "Only in B: 3": ["new.weight", "group0/new.weight/momentum0", "group0/new.weight/momentum1"],
         "Only in A: 3": ["old.weight", "group0/old.weight/momentum0", "group0/old.weight/momentum1"],
