@@ -7,7 +7,8 @@ which this class extends; it changes three things:
 
 - ``aggregate_train`` screens every reply alone and drops the bad ones (reported in
   :attr:`FedAvg.failures` and the log), where Flower's refuses the whole round, and averages
-  the rest in Rust from the replies' bytes (:mod:`ortckpt.flower.aggregate`).
+  the rest in Rust from the replies' bytes (:mod:`ortckpt.flower.aggregate`), summed in the
+  order of the nodes' ids (not of arrival): the same replies give the same bits in every run.
 - With ``manager=`` (a :class:`~ortckpt.CheckpointManager`), every round commits the global
   model (an ONNX Runtime checkpoint: step = the round), the round's metrics (``train.<key>``,
   ``evaluate.<key>``, ``server.<key>`` for what ``evaluate_fn`` returns: what ``keep_best``
@@ -72,7 +73,9 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
         accepted: list[Any] = []
         records, offsets, weights = [], [], []
         layout = self._layout
-        for message in replies:
+        # In the order of the nodes' ids, whatever the order of arrival (or of sampling): the
+        # sums, so the global model, are then the same in every run with the same replies.
+        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
             node = message.metadata.src_node_id
             if message.has_error():
                 failures.append(Failure(node, f"error reply: {message.error.reason}"))
@@ -181,7 +184,7 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
         record = to_arrayrecord(latest.load())
         if set(record.keys()) == set(initial_arrays.keys()):
             record = flwr_app.ArrayRecord({key: record[key] for key in initial_arrays})
-        history = (latest.metadata.get("metadata") or {}).get(METADATA_KEY, {}).get("history", {})
+        history = (latest.metadata.get("user") or {}).get(METADATA_KEY, {}).get("history", {})
         for prefix, field in _HISTORY.items():
             for r, values in history.get(prefix, {}).items():
                 getattr(result, field)[int(r)] = flwr_app.MetricRecord(values)
