@@ -9,11 +9,10 @@ from types import SimpleNamespace
 
 import numpy as np
 from conftest import FakeGrid, deterministic_client
-
 from ortckpt import CheckpointManager, CheckpointState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from readme_blocks import block  # noqa: E402
+from readme_blocks import block
 
 
 def test_the_flower_docs_example_runs_and_resumes(tmp_path, monkeypatch, capsys):
