@@ -176,3 +176,18 @@ def test_the_same_replies_in_any_order_give_the_same_bits(model):
     shuffled = [replies[i] for i in (4, 1, 5, 0, 3, 2)]
     again = FedAvg().aggregate_train(1, shuffled)[0]
     assert {k: v.data for k, v in first.items()} == {k: v.data for k, v in again.items()}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.float64], ids=str)
+def test_every_reply_with_nan_or_inf_is_dropped_whatever_its_weight(dtype):
+    rng = np.random.default_rng(4)
+    arrays = [{"a": rng.standard_normal(50).astype(dtype), "b": rng.standard_normal(8).astype(dtype)} for _ in range(5)]
+    arrays[1]["a"][7] = np.nan
+    arrays[3]["b"][0] = np.inf
+    arrays[4]["a"][0] = -np.inf
+    weights = [2, 0, 3, 1, 5]  # (the NaN reply weighs 0: 0 * NaN is still NaN)
+    strategy = FedAvg()
+    got = strategy.aggregate_train(1, [reply(n, a, w) for n, (a, w) in enumerate(zip(arrays, weights, strict=True))])[0]
+    assert sorted(f.node_id for f in strategy.failures[1]) == [1, 3, 4]
+    expected = FedAvg().aggregate_train(1, [reply(0, arrays[0], 2), reply(2, arrays[2], 3)])[0]
+    assert {k: v.data for k, v in got.items()} == {k: v.data for k, v in expected.items()}

@@ -2,9 +2,13 @@
 
 Each reply is screened first, alone: one ``ArrayRecord`` and one ``MetricRecord``, a finite
 weight of 0 or more under the weighting key, the same keys as the global model, each ``Array``
-of the global model's dtype and shape with ``.npy`` bytes that say so, and finite values in
-every floating-point tensor. A reply that fails is dropped from the round with its reason; the
-others are averaged. So one client's NaN never reaches the global model.
+of the global model's dtype and shape with ``.npy`` bytes that say so. A reply that fails is
+dropped from the round with its reason; the others are averaged. Then NaN and infinities: a
+NaN or an infinity in any reply makes the average's element NaN or infinite (even with weight
+0), and a mean of finite values is finite, so the average is checked (one model, not N); where
+it is not finite, the replies' tensors there are, and those that hold one are dropped and the
+average made again. So one client's NaN never reaches the global model, and a round without
+one reads each reply once.
 
 The float16, bfloat16, float32 and float64 tensors are averaged by ``_core.combine`` (the
 kernels of :func:`ortckpt.average`: float64 accumulation for float32/float64, float32 for the
@@ -84,8 +88,6 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
         extra = [k for k in record if k not in layout]
         raise ArrayRecordError(f"the arrays differ from the global model's: missing {missing}, unexpected {extra}")
     offsets: dict[str, int] = {}
-    checks: list[_boundary.StatsTensor] = []
-    check_keys: list[str] = []
     for key, array in record.items():
         dtype, shape, offset, stored, fortran = parse(array, key)
         if layout is not None and (dtype, shape) != layout[key]:
@@ -94,18 +96,33 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
         if stored != dtype or fortran:
             raise ArrayRecordError(f"{key}: the .npy bytes are not C-ordered little-endian", key)
         offsets[key] = offset
-        if dtype in KERNEL_CODES:
-            checks.append((KERNEL_CODES[dtype], np.frombuffer(array.data, np.uint8, offset=offset), None))
-            check_keys.append(key)
-        elif _is_float(dtype):
+        if _is_float(dtype) and dtype not in KERNEL_CODES:  # (the kernel's types: see nonfinite)
             values = np.frombuffer(array.data, np.uint8, offset=offset).view(dtype)
             if not np.isfinite(values.astype(np.float32)).all():
                 raise ArrayRecordError(f"{key}: NaN or infinite values", key)
-    for key, figures in zip(check_keys, _boundary.tensor_stats(checks, None), strict=True):
+    return float(weight), record, offsets
+
+
+def nonfinite(record: Any, offsets: dict[str, int] | None, keys: Sequence[str], layout: Layout) -> str | None:
+    """Why the kernel's tensors ``keys`` of ``record`` are not all finite ("key: n NaN, ..."),
+    or None when they are: counted by the core's statistics kernel in one pass each.
+    ``offsets`` None: those of ``record``'s own arrays (a result's)."""
+    tensors: list[_boundary.StatsTensor] = []
+    for key in keys:
+        offset = offsets[key] if offsets is not None else parse(record[key], key)[2]
+        tensors.append((KERNEL_CODES[layout[key][0]], np.frombuffer(record[key].data, np.uint8, offset=offset), None))
+    for key, figures in zip(keys, _boundary.tensor_stats(tensors, None), strict=True):
         nan, posinf, neginf = figures[:3]
         if nan or posinf or neginf:
-            raise ArrayRecordError(f"{key}: {nan} NaN, {posinf} +inf, {neginf} -inf values", key)
-    return float(weight), record, offsets
+            return f"{key}: {nan} NaN, {posinf} +inf, {neginf} -inf values"
+    return None
+
+
+def nonfinite_keys(result: Any, layout: Layout) -> list[str]:
+    """The kernel's tensors of an average that hold a NaN or an infinity: where some reply did
+    (a mean of finite values is finite: the kernel computes one that overflows from shares)."""
+    keys = [key for key, (dtype, shape) in layout.items() if dtype in KERNEL_CODES and _count(shape)]
+    return [key for key in keys if nonfinite(result, None, [key], layout) is not None]
 
 
 def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: Sequence[float], layout: Layout) -> Any:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
 from ..checkpoint_state import CheckpointState
 from ..extras import require
-from .aggregate import Failure, Layout, average, layout_of, screen
+from .aggregate import Failure, Layout, average, layout_of, nonfinite, nonfinite_keys, screen
 from .convert import ArrayRecordError, flwr_app, from_arrayrecord, to_arrayrecord
 
 _strategies: Any = require("flwr.serverapp.strategy", "ortckpt.flower")
@@ -42,6 +43,24 @@ _HISTORY = {
     "evaluate": "evaluate_metrics_clientapp",
     "server": "evaluate_metrics_serverapp",
 }
+
+
+@dataclass(frozen=True)
+class _Screened:
+    """A reply that passed the screening: its node, content, ArrayRecord, values' offsets, weight."""
+
+    node: int
+    content: Any
+    record: Any
+    offsets: dict[str, int]
+    weight: float
+
+
+def _average(replies: list[_Screened], layout: Layout | None) -> Any:
+    """The replies' weighted mean, or None without a reply of weight above 0."""
+    if not replies or layout is None or sum(r.weight for r in replies) == 0:
+        return None
+    return average([r.record for r in replies], [r.offsets for r in replies], [r.weight for r in replies], layout)
 
 
 class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
@@ -70,8 +89,7 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
         metrics; (None, None) when no reply is good. Replies with errors and those screened
         out are recorded in ``failures[server_round]``."""
         failures: list[Failure] = []
-        accepted: list[Any] = []
-        records, offsets, weights = [], [], []
+        good: list[_Screened] = []
         layout = self._layout
         # In the order of the nodes' ids, whatever the order of arrival (or of sampling): the
         # sums, so the global model, are then the same in every run with the same replies.
@@ -81,27 +99,34 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
                 failures.append(Failure(node, f"error reply: {message.error.reason}"))
                 continue
             try:
-                weight, record, offset = screen(message.content, layout, self.weighted_by_key)
+                weight, record, offsets = screen(message.content, layout, self.weighted_by_key)
             except ArrayRecordError as e:
                 failures.append(Failure(node, str(e)))
                 continue
             if layout is None:  # (aggregate_train without configure_train: the first good reply's)
                 layout = layout_of(record)
-            accepted.append(message.content)
-            records.append(record)
-            offsets.append(offset)
-            weights.append(weight)
+            good.append(_Screened(node, message.content, record, offsets, weight))
+        arrays = _average(good, layout)
+        if arrays is not None and layout is not None and (bad_keys := nonfinite_keys(arrays, layout)):
+            # Some replies hold NaN or infinities there: they are dropped, the others averaged again.
+            finite = []
+            for reply in good:
+                reason = nonfinite(reply.record, reply.offsets, bad_keys, layout)
+                if reason is None:
+                    finite.append(reply)
+                else:
+                    failures.append(Failure(reply.node, reason))
+            good = finite
+            arrays = _average(good, layout)
         self.failures[server_round] = failures
-        _log(INFO, "aggregate_train: %s replies averaged, %s dropped", len(accepted), len(failures))
+        _log(INFO, "aggregate_train: %s replies averaged, %s dropped", len(good), len(failures))
         for failure in failures:
             _log(WARNING, "\t> reply of node %s dropped: %s", failure.node_id, failure.reason)
-        if not accepted or layout is None:
+        if arrays is None:
+            if good:
+                _log(WARNING, "aggregate_train: every accepted reply weighs 0: the global model is kept")
             return None, None
-        if sum(weights) == 0:
-            _log(WARNING, "aggregate_train: every accepted reply weighs 0: the global model is kept")
-            return None, None
-        arrays = average(records, offsets, weights, layout)
-        return arrays, self.train_metrics_aggr_fn(accepted, self.weighted_by_key)
+        return arrays, self.train_metrics_aggr_fn([reply.content for reply in good], self.weighted_by_key)
 
     def start(
         self,
