@@ -121,8 +121,15 @@ def nonfinite(record: Any, offsets: dict[str, int] | None, keys: Sequence[str], 
 def nonfinite_keys(result: Any, layout: Layout) -> list[str]:
     """The kernel's tensors of an average that hold a NaN or an infinity: where some reply did
     (a mean of finite values is finite: the kernel computes one that overflows from shares)."""
-    keys = [key for key, (dtype, shape) in layout.items() if dtype in KERNEL_CODES and _count(shape)]
-    return [key for key in keys if nonfinite(result, None, [key], layout) is not None]
+    keys = []
+    for key, (dtype, shape) in layout.items():
+        if dtype in KERNEL_CODES and _count(shape):
+            values = np.frombuffer(
+                result[key].data, np.uint8, offset=len(result[key].data) - dtype.itemsize * _count(shape)
+            )
+            if not np.isfinite(values.view(dtype)).all():
+                keys.append(key)
+    return keys
 
 
 def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: Sequence[float], layout: Layout) -> Any:
