@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
-from ..checkpoint_state import CheckpointState
+from ..checkpoint_state import CheckpointState, OptimizerGroup
 from ..extras import require
 from .aggregate import Failure, Layout, average, layout_of, nonfinite, nonfinite_keys, screen
 from .convert import ArrayRecordError, flwr_app, from_arrayrecord, to_arrayrecord
@@ -201,12 +201,24 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
                     metrics[f"{prefix}.{name}"] = float(value)
         failures = [[f.node_id, f.reason] for f in self.failures.get(server_round, [])]
         metadata = {METADATA_KEY: {"round": server_round, "history": history, "dropped": failures}}
+        groups = self.server_optimizer_state()
+        if groups:
+            state.optimizer_groups = groups
         self.manager.save(state, server_round, metrics=metrics, metadata=metadata)
+
+    def server_optimizer_state(self) -> dict[str, OptimizerGroup]:
+        """The server optimizer's state as optimizer groups of the round's checkpoint (none for FedAvg)."""
+        return {}
+
+    def restore_server_optimizer(self, groups: dict[str, OptimizerGroup]) -> None:
+        """Takes back what :meth:`server_optimizer_state` gave, from a committed checkpoint."""
 
     def _resumed(self, latest: Any, initial_arrays: Any, result: Any) -> Any:
         """The committed global model as an ``ArrayRecord`` (in ``initial_arrays``' order where
         they have the same keys), the committed history put into ``result``."""
-        record = to_arrayrecord(latest.load())
+        state = latest.load()
+        self.restore_server_optimizer(state.optimizer_groups)
+        record = to_arrayrecord(state)
         if set(record.keys()) == set(initial_arrays.keys()):
             record = flwr_app.ArrayRecord({key: record[key] for key in initial_arrays})
         history = (latest.metadata.get("user") or {}).get(METADATA_KEY, {}).get("history", {})
