@@ -1,7 +1,7 @@
 """ortckpt.flower.FedAvg on Flower's deployment engine: a SuperLink and two SuperNodes on
-127.0.0.1 (real processes, started and stopped here), `flwr run` of a ServerApp with a manager;
-run again with more rounds, it resumes after its last commit and ends where an uninterrupted
-in-process run does, bit for bit."""
+127.0.0.1 (real processes, started and stopped here), `flwr run` of a ServerApp with a manager,
+its process killed by SIGKILL once round 1 is committed; run again, it resumes after its last
+commit and ends where an uninterrupted in-process run does, bit for bit."""
 
 from __future__ import annotations
 
@@ -119,6 +119,25 @@ def wait_for_port(port: int, process: subprocess.Popen, log: Path, deadline: flo
     raise TimeoutError(f"nothing listens on {port} after {deadline} s: {log.read_text()[-2000:]}")
 
 
+def descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes below ``root``: Flower's daemons start their
+    SuperExec in a session of its own, which starts the apps (so a process group misses them)."""
+    table = subprocess.run(
+        ["ps", "-ww", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    children: dict[int, list[tuple[int, str]]] = {}
+    for line in table.splitlines():
+        pid, ppid, stat, *args = line.split(None, 3)
+        if not stat.startswith("Z"):
+            children.setdefault(int(ppid), []).append((int(pid), args[0] if args else ""))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child[0])
+    return found
+
+
 @pytest.fixture
 def federation(tmp_path):
     """A SuperLink and two SuperNodes (partitions 0 and 1) on 127.0.0.1; each started in a session
@@ -164,11 +183,17 @@ def federation(tmp_path):
         (app / "common.py").write_text(COMMON)
         (app / "server_app.py").write_text(SERVER_APP)
         (app / "client_app.py").write_text(CLIENT_APP)
-        yield app, env
+        yield app, env, link
     finally:
+        below = [pid for process in started for pid, _ in descendants(process.pid)]
         for process in reversed(started):
             try:
                 os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for pid in below:  # (the SuperExecs and their apps, each by its id)
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
         for process in started:
@@ -192,14 +217,33 @@ def flwr_run(app: Path, env: dict, rounds: int) -> str:
     return done.stdout + done.stderr
 
 
-def test_a_federation_on_flowers_engine_commits_each_round_and_resumes_bit_identical(federation, tmp_path):
-    app, env = federation
-    first = flwr_run(app, env, 2)
-    manager = CheckpointManager(env["ORTCKPT_FLOWER_DIR"], read_only=True)
-    assert manager.all_steps() == [1, 2], first[-3000:]
+def serverapp_pids(superlink: int) -> list[int]:
+    """The ServerApp processes our SuperLink started (through its SuperExec)."""
+    return [pid for pid, args in descendants(superlink) if "flwr-serverapp" in args]
+
+
+def test_a_serverapp_killed_by_sigkill_on_flowers_engine_resumes_bit_identical(federation, tmp_path):
+    app, env, superlink = federation
+    checkpoints = Path(env["ORTCKPT_FLOWER_DIR"])
+    command = [str(BIN / "flwr"), "run", str(app), "local", "--stream", "--run-config", "num-server-rounds=3"]
+    with open(tmp_path / "first-run.log", "wb") as log:
+        first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not (checkpoints / "step_00000001").exists():  # round 1 committed: kill the ServerApp
+            assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "first-run.log").read_text()
+            time.sleep(0.1)
+        (pid,) = serverapp_pids(superlink.pid)
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        first.kill()  # (flwr run only streams the run's log)
+        first.wait()
+    committed = CheckpointManager(checkpoints, read_only=True).all_steps()
+    assert committed and committed == list(range(1, len(committed) + 1)) and len(committed) < 3
+
     again = flwr_run(app, env, 3)
-    assert "Resuming FedAvg at round 3" in again, again[-3000:]
-    manager.reload()
+    assert f"Resuming FedAvg at round {len(committed) + 1}" in again, again[-3000:]
+    manager = CheckpointManager(checkpoints, read_only=True)
     assert manager.all_steps() == [1, 2, 3]
     served = manager.latest().load()
 
