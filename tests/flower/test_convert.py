@@ -158,3 +158,22 @@ def test_like_refuses_an_unknown_parameter_or_another_type():
         from_arrayrecord(ArrayRecord({"v": Array(sample(np.float32))}), like=like)
     with pytest.raises(ArrayRecordError, match="w: float64"):
         from_arrayrecord(ArrayRecord({"w": Array(sample(np.float64))}), like=like)
+
+
+def test_a_nominal_like_gives_the_split_to_the_arrays_a_server_sends():
+    """ONNX Runtime's on-device flow: a device holds a nominal checkpoint, the values come from Flower."""
+    nominal = CheckpointState.load_checkpoint(GOLDEN / "protos_nominal.ckpt")
+    values = {
+        r.name: np.arange(6).astype(np.dtype({1: np.float32, 11: np.float64, 7: np.int64, 9: np.bool_}[r.code]))
+        for r in nominal.tensor_records()
+    }
+    state = from_arrayrecord(ArrayRecord({k: Array(v) for k, v in values.items()}), like=nominal)
+    assert not state.is_nominal
+    assert {r.name: r.requires_grad for r in state.tensor_records()} == {
+        r.name: r.requires_grad for r in nominal.tensor_records()
+    }
+    assert state.parameters["scale"].data.tolist() == values["scale"].tolist()
+    with pytest.raises(ArrayRecordError, match="scale: float32"):
+        from_arrayrecord(ArrayRecord({"scale": Array(np.zeros(2, np.float32))}), like=nominal)
+    with pytest.raises(ArrayRecordError, match="nominal"):  # (a parameter the record lacks has no values)
+        from_arrayrecord(ArrayRecord({"scale": Array(values["scale"])}), like=nominal)

@@ -35,8 +35,8 @@ import ml_dtypes
 import numpy as np
 
 from ..checkpoint_state import CheckpointState, OptimizerGroup
-from ..dtypes import PackedBits
-from ..errors import CheckpointStateError
+from ..dtypes import PackedBits, name_of, numpy_dtype
+from ..errors import CheckpointStateError, UnsupportedDataTypeError
 from ..extras import require
 
 flwr_app: Any = require("flwr.app", "ortckpt.flower")
@@ -220,12 +220,15 @@ def from_arrayrecord(record: Mapping[str, Any], like: CheckpointState | None = N
     With ``like``, the split into trainable and frozen parameters and the properties are
     ``like``'s: parameters ``like`` has and the record lacks (the frozen ones a client did not
     send back) are taken from ``like``; a parameter ``like`` does not have, or one whose type
-    or shape differ from ``like``'s, is refused. Without ``like``, every parameter is trainable.
+    or shape differ from ``like``'s, is refused. ``like`` may be nominal (ONNX Runtime's
+    on-device flow: the record then gives every value; shapes are not checked, a nominal
+    checkpoint has none). Without ``like``, every parameter is trainable.
     """
     trainable: dict[str, np.ndarray] = {}
     frozen: dict[str, np.ndarray] = {}
     groups: dict[str, dict[str, Any]] = {}
     expected = {entry.name: entry for entry in like.tensor_records()} if like is not None else None
+    nominal = like is not None and like.is_nominal
     for key, array in record.items():
         if key.startswith(OPTIMIZER_PREFIX):
             _optimizer_entry(groups, key, values_of(array, key))
@@ -237,10 +240,11 @@ def from_arrayrecord(record: Mapping[str, Any], like: CheckpointState | None = N
         entry = expected.get(key)
         if entry is None:
             raise ArrayRecordError(f"{key}: not a parameter of the state given as like", key)
-        wanted = like.tensor_value(key) if like is not None else None
-        if wanted is not None and (np.asarray(wanted).dtype != value.dtype or tuple(entry.dims) != value.shape):
+        wanted = _dtype_of(entry.code)  # (from the records: a nominal like works too)
+        # (a nominal like holds no shapes, ONNX Runtime's: its types are checked)
+        if wanted != value.dtype or (not nominal and tuple(entry.dims) != value.shape):
             raise ArrayRecordError(
-                f"{key}: {value.dtype} {value.shape} in the record, {np.asarray(wanted).dtype} {tuple(entry.dims)} "
+                f"{key}: {value.dtype} {value.shape} in the record, {wanted} {tuple(entry.dims)} "
                 "in the state given as like",
                 key,
             )
@@ -249,6 +253,8 @@ def from_arrayrecord(record: Mapping[str, Any], like: CheckpointState | None = N
     if like is not None and expected is not None:
         for name, entry in expected.items():
             if name not in trainable and name not in frozen:
+                if nominal:
+                    raise ArrayRecordError(f"{name}: not in the record, and the nominal like has no values", name)
                 (trainable if entry.requires_grad else frozen)[name] = _checked_value(name, like.tensor_value(name))
         order = list(expected)
         trainable = {n: trainable[n] for n in order if n in trainable}
@@ -261,6 +267,13 @@ def from_arrayrecord(record: Mapping[str, Any], like: CheckpointState | None = N
             for name, g in groups.items()
         }
     return state
+
+
+def _dtype_of(code: int) -> np.dtype | str:
+    try:
+        return numpy_dtype(code)
+    except UnsupportedDataTypeError:
+        return name_of(code)  # (a string or sub-byte parameter: no Array matches it)
 
 
 def _optimizer_entry(groups: dict[str, dict[str, Any]], key: str, value: np.ndarray) -> None:

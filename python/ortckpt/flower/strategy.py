@@ -180,7 +180,7 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
                 self.commit(current_round, arrays, result)
         if self.manager is not None:
             self.manager.wait()
-        if result.arrays is None:
+        if not result.arrays:  # (no round changed the model: it is the one started from)
             result.arrays = arrays
         _log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
         for line in io.StringIO(str(result)):
