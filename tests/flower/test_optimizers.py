@@ -76,3 +76,27 @@ def test_the_optimizer_state_is_committed_and_a_resumed_run_ends_bit_identical(k
     assert sorted(group.momentums["w"]) == names[kind]
     resumed = run(cls, kwargs, CheckpointManager(tmp_path / "run")).arrays
     assert {k: v.data for k, v in resumed.items()} == {k: v.data for k, v in uninterrupted.items()}
+
+
+def test_every_rounds_checkpoint_loads_in_onnx_runtime(ort, tmp_path):
+    """A client can start from any round's commit: ONNX Runtime reads its parameters, the split
+    and the round (the server optimizer's group beside them)."""
+    import hashlib
+
+    from ortckpt import CheckpointState
+
+    model = {**float_model(), "steps": np.array([1, 2], np.int64)}
+    like = CheckpointState.from_arrays({k: v for k, v in model.items() if k != "steps"}, {"steps": model["steps"]})
+    manager = CheckpointManager(tmp_path / "run")
+    strategy = FedAdam(min_available_nodes=3, min_train_nodes=3, fraction_evaluate=0.0, manager=manager, like=like)
+    strategy.start(FakeGrid([1, 2, 3], deterministic_client), ArrayRecord({k: Array(v) for k, v in model.items()}), 3)
+    for info in manager.all():
+        ours = info.load()
+        seen = ort("describe", info.path)
+        assert seen["properties"]["step"] == info.step
+        for entry in seen["parameters"]:
+            name = entry["name"]
+            assert entry["requires_grad"] == (name != "steps")
+            data = ours.parameters[name].data
+            assert entry["sha256"] == hashlib.sha256(data.tobytes()).hexdigest(), (info.step, name)
+        assert sorted(seen["parameter_names"]) == ["b", "steps", "w"]
