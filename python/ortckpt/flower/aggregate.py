@@ -21,6 +21,7 @@ arithmetic; integer and bool tensors are not averaged: the first accepted reply'
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,29 @@ def layout_of(record: Any) -> Layout:
     return layout
 
 
+@functools.lru_cache(maxsize=4096)
+def _header(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[bytes, str, int]:
+    """(the .npy header, Flower's dtype name, the values' length) of an array of ``dtype`` and ``shape``."""
+    return npy_header(dtype, shape), str(dtype), dtype.itemsize * _count(shape)
+
+
+def _as_expected(array: Any, dtype: np.dtype, shape: tuple[int, ...]) -> int | None:
+    """The offset of an ``Array``'s values when it is exactly what ``np.save`` writes for
+    ``dtype`` and ``shape`` (Flower's ``Array(ndarray)``: the common case, checked without
+    parsing), else None (then parsed, and checked, in full)."""
+    header, name, length = _header(dtype, shape)
+    data = array.data
+    if (
+        array.stype == "numpy.ndarray"
+        and array.dtype == name
+        and tuple(array.shape) == shape
+        and len(data) == len(header) + length
+        and data.startswith(header)
+    ):
+        return len(header)
+    return None
+
+
 def _count(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
@@ -89,6 +113,9 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
         raise ArrayRecordError(f"the arrays differ from the global model's: missing {missing}, unexpected {extra}")
     offsets: dict[str, int] = {}
     for key, array in record.items():
+        if layout is not None and (offset := _as_expected(array, *layout[key])) is not None:
+            offsets[key] = offset  # (the header np.save writes for the global model's type and shape)
+            continue
         dtype, shape, offset, stored, fortran = parse(array, key)
         if layout is not None and (dtype, shape) != layout[key]:
             want = layout[key]
@@ -138,7 +165,7 @@ def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: 
     # Scaled by a power of two (exact), the largest weight in [0.5, 1): their sum cannot overflow.
     w = np.ldexp(w, -np.frexp(w.max())[1])
     total = w.sum()
-    headers = {key: npy_header(dtype, shape) for key, (dtype, shape) in layout.items()}
+    headers = {key: _header(dtype, shape)[0] for key, (dtype, shape) in layout.items()}
     sinks: dict[str, bytearray] = {}
     jobs = []
     kernel_keys = []
