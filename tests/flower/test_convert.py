@@ -177,3 +177,13 @@ def test_a_nominal_like_gives_the_split_to_the_arrays_a_server_sends():
         from_arrayrecord(ArrayRecord({"scale": Array(np.zeros(2, np.float32))}), like=nominal)
     with pytest.raises(ArrayRecordError, match="nominal"):  # (a parameter the record lacks has no values)
         from_arrayrecord(ArrayRecord({"scale": Array(values["scale"])}), like=nominal)
+
+
+def test_without_flwr_the_import_says_what_to_install():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['flwr'] = None; import ortckpt.flower"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 1
+    assert "ImportError: ortckpt.flower needs flwr: pip install 'ortckpt[flower]'" in done.stderr
