@@ -187,3 +187,11 @@ def test_without_flwr_the_import_says_what_to_install():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 1
     assert "ImportError: ortckpt.flower needs flwr: pip install 'ortckpt[flower]'" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", ML_TYPES, ids=lambda t: np.dtype(t).name)
+def test_flowers_own_arrays_of_the_ml_dtypes_types_are_read(dtype):
+    """np.save writes "<V2", "<V1" or "<f1" (float8_e5m2's, which NumPy cannot read back)."""
+    value = sample(dtype, (3, 2))
+    back = from_arrayrecord(ArrayRecord({"x": Array(value)})).parameters["x"].data
+    assert back.dtype == np.dtype(dtype) and back.tobytes() == value.tobytes()

@@ -178,7 +178,9 @@ def test_the_same_replies_in_any_order_give_the_same_bits(model):
     assert {k: v.data for k, v in first.items()} == {k: v.data for k, v in again.items()}
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.float64], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn]
+)
 def test_every_reply_with_nan_or_inf_is_dropped_whatever_its_weight(dtype):
     rng = np.random.default_rng(4)
     arrays = [{"a": rng.standard_normal(50).astype(dtype), "b": rng.standard_normal(8).astype(dtype)} for _ in range(5)]

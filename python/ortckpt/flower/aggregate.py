@@ -93,9 +93,9 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype in KERNEL_CODES or dtype.kind == "f" or dtype.name.startswith("float8")
 
 
-def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float, Any, dict[str, int]]:
-    """(weight, ArrayRecord, offset of each array's values) of a reply's content, or an
-    ArrayRecordError saying why it cannot be averaged. ``layout`` None: any consistent one."""
+def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float, Any, dict[str, int], Layout]:
+    """(weight, ArrayRecord, offset of each array's values, their layout) of a reply's content,
+    or an ArrayRecordError saying why it cannot be averaged. ``layout`` None: any consistent one."""
     if len(content.array_records) != 1:
         raise ArrayRecordError(f"{len(content.array_records)} ArrayRecords in the reply, not one")
     if len(content.metric_records) != 1:
@@ -112,22 +112,25 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
         extra = [k for k in record if k not in layout]
         raise ArrayRecordError(f"the arrays differ from the global model's: missing {missing}, unexpected {extra}")
     offsets: dict[str, int] = {}
+    found: Layout = {}
     for key, array in record.items():
-        if layout is not None and (offset := _as_expected(array, *layout[key])) is not None:
-            offsets[key] = offset  # (the header np.save writes for the global model's type and shape)
-            continue
-        dtype, shape, offset, stored, fortran = parse(array, key)
-        if layout is not None and (dtype, shape) != layout[key]:
-            want = layout[key]
-            raise ArrayRecordError(f"{key}: {dtype} {shape}, the global model's is {want[0]} {want[1]}", key)
-        if stored != dtype or fortran:
-            raise ArrayRecordError(f"{key}: the .npy bytes are not C-ordered little-endian", key)
+        offset = _as_expected(array, *layout[key]) if layout is not None else None
+        if layout is not None and offset is not None:  # (np.save's header for the global model's type and shape)
+            dtype = layout[key][0]
+        else:
+            dtype, shape, offset, stored, fortran = parse(array, key)
+            if layout is not None and (dtype, shape) != layout[key]:
+                want = layout[key]
+                raise ArrayRecordError(f"{key}: {dtype} {shape}, the global model's is {want[0]} {want[1]}", key)
+            if stored != dtype or fortran:
+                raise ArrayRecordError(f"{key}: the .npy bytes are not C-ordered little-endian", key)
+            found[key] = (dtype, shape)
         offsets[key] = offset
         if _is_float(dtype) and dtype not in KERNEL_CODES:  # (the kernel's types: see nonfinite)
             values = np.frombuffer(array.data, np.uint8, offset=offset).view(dtype)
             if not np.isfinite(values.astype(np.float32)).all():
                 raise ArrayRecordError(f"{key}: NaN or infinite values", key)
-    return float(weight), record, offsets
+    return float(weight), record, offsets, layout if layout is not None else found
 
 
 def nonfinite(record: Any, offsets: dict[str, int] | None, keys: Sequence[str], layout: Layout) -> str | None:

@@ -132,7 +132,7 @@ def parse(array: Any, key: str) -> tuple[np.dtype, tuple[int, ...], int, np.dtyp
         raise ArrayRecordError(f"{key}: the .npy header is {length} bytes long, past the data or the limit", key)
     try:
         header = ast.literal_eval(bytes(data[start : start + length]).decode("latin1" if major < 3 else "utf8"))
-        stored = np.lib.format.descr_to_dtype(header["descr"])
+        stored = _stored_dtype(header["descr"], dtype)
         fortran, shape = bool(header["fortran_order"]), tuple(int(n) for n in header["shape"])
     except (ValueError, SyntaxError, KeyError, TypeError) as e:
         raise ArrayRecordError(f"{key}: the .npy header cannot be read: {e}", key) from None
@@ -148,6 +148,17 @@ def parse(array: Any, key: str) -> tuple[np.dtype, tuple[int, ...], int, np.dtyp
             f"{key}: {len(data) - offset} bytes of values for {expected} ({array.dtype} {shape})", key
         )
     return dtype, shape, offset, (dtype if stored.kind == "V" else stored), fortran
+
+
+def _stored_dtype(descr: Any, dtype: np.dtype) -> np.dtype:
+    """The dtype a .npy header's ``descr`` names; NumPy cannot read the one np.save writes for
+    some ml_dtypes types (float8_e5m2's "<f1"): for those, one of the Array's dtype's size."""
+    try:
+        return np.lib.format.descr_to_dtype(descr)
+    except (TypeError, ValueError):
+        if dtype.name in _ML_NAMES and isinstance(descr, str) and descr[1:] == f"f{dtype.itemsize}":
+            return np.dtype(f"V{dtype.itemsize}")
+        raise
 
 
 def values_of(array: Any, key: str) -> np.ndarray:

@@ -99,12 +99,11 @@ class FedAvg(_strategies.FedAvg):  # type: ignore[misc]
                 failures.append(Failure(node, f"error reply: {message.error.reason}"))
                 continue
             try:
-                weight, record, offsets = screen(message.content, layout, self.weighted_by_key)
+                weight, record, offsets, layout = screen(message.content, layout, self.weighted_by_key)
             except ArrayRecordError as e:
                 failures.append(Failure(node, str(e)))
                 continue
-            if layout is None:  # (aggregate_train without configure_train: the first good reply's)
-                layout = layout_of(record)
+            # (aggregate_train without configure_train: the layout is the first good reply's)
             good.append(_Screened(node, message.content, record, offsets, weight))
         arrays = _average(good, layout)
         if arrays is not None and layout is not None and (bad_keys := nonfinite_keys(arrays, layout)):
