@@ -128,3 +128,19 @@ def test_a_server_killed_by_sigkill_resumes_bit_identical(model, tmp_path):
     assert manager.latest_step() == kill_at - 1
     resumed = run(model, manager)
     assert as_bytes(resumed.arrays) == as_bytes(run(model).arrays)
+
+
+def test_an_async_manager_commits_every_round_and_resumes_bit_identical(model, tmp_path):
+    uninterrupted = run(model)
+
+    def crash(server_round):
+        if server_round == 4:
+            raise Crash
+
+    manager = CheckpointManager(tmp_path / "run", async_save=True, max_to_keep=2)
+    with pytest.raises(Crash):
+        run(model, manager, crash)
+    manager.close()  # (waits for the save in flight)
+    assert CheckpointManager(tmp_path / "run", read_only=True).all_steps() == [2, 3]
+    resumed = run(model, CheckpointManager(tmp_path / "run", async_save=True))
+    assert as_bytes(resumed.arrays) == as_bytes(uninterrupted.arrays)
