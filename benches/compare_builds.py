@@ -11,7 +11,10 @@ candidate's, per round: above 1, the candidate is faster)::
 
 The operations: ``save_checkpoint`` (plain, and ``durable=True``) and a ``CheckpointManager`` save (durable,
 hashed, committed) of eight float32 tensors, in ``--directory`` and in /dev/shm; with ``--s3``, an
-``s3://`` save and an ``s3://`` manager save of half the size.
+``s3://`` save and an ``s3://`` manager save of half the size. With ``--small N`` instead, the paths over
+many small tensors (N of 256 B, in /dev/shm, warm; the median of 5 in each process): ``load_checkpoint``
+and every tensor as an array (``.parameters[*].data``), and ``tensor_stats`` (every tensor, momentums
+included, through the state's one iteration).
 """
 
 from __future__ import annotations
@@ -27,6 +30,33 @@ import uuid
 from pathlib import Path
 
 from measure import paired_ratio, time_rounds
+
+# What one run over many small tensors does: saves them (AdamW moments for a tenth), then prints the
+# median seconds of 5 runs of the operation.
+SMALL = """
+import statistics, sys, time
+import numpy as np
+import ortckpt
+kind, where, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+arrays = {f"block{i}.weight": np.full(64, i, np.float32) for i in range(count)}
+state = ortckpt.CheckpointState.from_arrays(arrays)
+moments = {n: {"momentum0": v, "momentum1": v} for n, v in list(arrays.items())[: count // 10]}
+state.optimizer_groups = {"group0": ortckpt.OptimizerGroup(1, 0.5, moments)}
+ortckpt.save_checkpoint(state, where, include_optimizer_state=True)
+del state, arrays, moments
+
+def views():
+    loaded = ortckpt.CheckpointState.load_checkpoint(where)
+    return {n: p.data for n, p in loaded.parameters}
+
+operation = views if kind == "views" else lambda: ortckpt.tensor_stats(where)
+times = []
+for _ in range(5):
+    started = time.perf_counter()
+    operation()
+    times.append(time.perf_counter() - started)
+print(statistics.median(times))
+"""
 
 # What one run does, in the build's own interpreter: prints the seconds of the operation alone.
 ONE = """
@@ -60,7 +90,8 @@ def run(python: str, kind: str, base: str, mib: int, options: dict | None) -> fl
         scratch = tempfile.mkdtemp(dir=base)
         where = str(Path(scratch) / ("run" if kind == "manager" else "checkpoint"))
     try:
-        args = [python, "-c", ONE, kind, where, str(mib), *([json.dumps(options)] if options else [])]
+        script = SMALL if kind in ("views", "stats") else ONE
+        args = [python, "-c", script, kind, where, str(mib), *([json.dumps(options)] if options else [])]
         done = subprocess.run(args, capture_output=True, text=True, check=False)
         if done.returncode:
             raise SystemExit(f"{python} {kind}: {done.stderr[-2000:]}")
@@ -74,18 +105,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="the interpreter of the build compared against")
     parser.add_argument("--candidate", default=sys.executable, help="the interpreter of the build measured")
-    parser.add_argument("--directory", required=True, help="a directory on the disk to save in")
+    parser.add_argument("--directory", help="a directory on the disk to save in")
+    parser.add_argument("--small", type=int, help="time the paths over this many small tensors instead")
     parser.add_argument("--s3", help="storage_options (JSON) of an S3 server, to time s3:// saves too")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mib", type=int, default=1024)
     args = parser.parse_args()
-    cases = [
-        (kind, base, args.mib, None) for kind in ("save", "durable", "manager") for base in (args.directory, "/dev/shm")
-    ]
-    if args.s3:
+    if args.small:
+        cases = [(kind, "/dev/shm", args.small, None) for kind in ("views", "stats")]
+    elif args.directory is None:
+        raise SystemExit("--directory (or --small) is needed")
+    else:
+        cases = [
+            (kind, base, args.mib, None)
+            for kind in ("save", "durable", "manager")
+            for base in (args.directory, "/dev/shm")
+        ]
+    if args.s3 and not args.small:
         options = json.loads(args.s3)
         cases += [(kind, "s3://ckpt/compare-builds", args.mib // 2, options) for kind in ("save", "manager")]
-    print("| operation | where | MiB | baseline median s | candidate median s | baseline/candidate (paired) |")
+    size = "tensors" if args.small else "MiB"
+    print(f"| operation | where | {size} | baseline median s | candidate median s | baseline/candidate (paired) |")
     print("|---|---|---|---|---|---|")
     for case in cases:
         kind, base, mib, _ = case

@@ -6,17 +6,21 @@ Runtime's interpreter with ortckpt installed (``make ort-loop-venv`` builds it):
         [--dir /path/on/the/disk] [--out benches/out/ort_loop.md]
 
 The model: --layers MatMuls of --features x --features float32 (4 x 4096 x 4096: 256 MiB of parameters,
-768 MiB with AdamW's two moments), MSE loss, from ``generate_artifacts``; one training step taken,
-so every moment is set. Each round runs every contender once, shuffled, ``os.sync()`` around
-each run (``measure.time_rounds``); ratios are ``measure.paired_ratio`` (ONNX Runtime's time / this,
-per round: above 1, faster):
+768 MiB with AdamW's two moments), MSE loss, from ``generate_artifacts``; two such models in the
+process, one on ortckpt's swapped ``CheckpointState``, one on ONNX Runtime's own; one training step
+taken on each, so every moment is set. Each round runs every contender once, shuffled, ``os.sync()``
+around each run (and, with --dirty-mib, that many MiB written and left unsynced just before it);
+ratios are ``measure.paired_ratio`` (ONNX Runtime's time / this, per round: above 1, faster), of
+wall time and of the process's CPU time (user + system: what the save cost, on a shared machine):
 
-  - a full save (parameters and optimizer state) to --dir: ONNX Runtime's
-    ``CheckpointState.save_checkpoint(state, path, True)`` (it builds the file in memory, then
-    writes it in place) against ortckpt's (ONNX Runtime saves into a memfd, ortckpt's writer
-    writes the file atomically); neither fsyncs;
-  - ONNX Runtime's serialisation into a memfd, and alone (its save to /dev/null: building the file
-    in memory, the floor of any full save through its public API), for the record;
+  - a full save (parameters and optimizer state), to --dir and to --tmpfs: ONNX Runtime's
+    ``save_checkpoint(state, path, True)`` (it builds the file in memory, then writes it in place)
+    against ortckpt's (ONNX Runtime's saver writes the staged temporary files, ortckpt seals and
+    commits them: ``live.save_through_ort``), and against the path before it (ONNX Runtime saves
+    into a memfd, ortckpt's writer writes the file atomically); of ortckpt's state and of ONNX
+    Runtime's own; none fsyncs;
+  - ONNX Runtime's serialisation alone (its save to /dev/null: building the file in memory, the
+    floor of any full save through its public API), for the record;
   - a params-only save: ONNX Runtime's against ortckpt's (from the live views, no copy);
   - an async ``CheckpointManager.save(state, step)``: the time the trainer is blocked (the save
     then completes in the background, waited for outside the timing), against ONNX Runtime's full save.
@@ -31,6 +35,7 @@ import argparse
 import datetime
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -38,6 +43,7 @@ import tempfile
 import time
 import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +51,7 @@ import numpy as np
 warnings.filterwarnings("ignore")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import paired_ratio, report, time_rounds  # noqa: E402
+from measure import paired_ratio, report, shuffled  # noqa: E402
 
 MiB = 2**20
 
@@ -115,22 +121,73 @@ def trained_state(work: Path, layers: int, features: int) -> tuple[object, objec
     return state, model, optimizer
 
 
+def own_state(work: Path, layers: int, features: int) -> tuple[object, object, object]:
+    """(ONNX Runtime's own CheckpointState, Module, Optimizer) on the artifacts ``trained_state``
+    made in ``work``, one training step taken: a second model in the process."""
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    art = work / "artifacts"
+    state = CheckpointState.load_checkpoint(str(art / "checkpoint"))
+    model = Module(str(art / "training_model.onnx"), state, str(art / "eval_model.onnx"))
+    optimizer = Optimizer(str(art / "optimizer_model.onnx"), model)
+    rng = np.random.default_rng(1)
+    model(*(rng.standard_normal((2, features)).astype(np.float32) for _ in range(2)))
+    optimizer.step()
+    model.lazy_reset_grad()
+    return state, model, optimizer
+
+
+def cpu_seconds() -> float:
+    """User and system time of this process so far, every thread's."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_rounds(
+    contenders: dict[str, Callable[[], float | None]], rounds: int, seed: object, before: Callable[[], None]
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``measure.time_rounds`` (shuffled rounds, ``os.sync()`` around each run), with ``before()``
+    run untimed after the first sync, and each run's CPU time (user + system) beside its wall
+    time: on a shared machine the CPU time is what the save itself cost."""
+    wall: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name in shuffled(contenders, f"{seed} {r}"):
+            os.sync()
+            before()
+            start, start_cpu = time.perf_counter(), cpu_seconds()
+            reported = contenders[name]()
+            wall[name].append(time.perf_counter() - start if reported is None else reported)
+            cpu[name].append(cpu_seconds() - start_cpu)
+            os.sync()
+    return wall, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--features", type=int, default=4096)
     parser.add_argument("--dir", type=Path, default=None, help="where the saves go (default: a temporary folder)")
+    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="a tmpfs folder for the tmpfs saves")
+    parser.add_argument(
+        "--dirty-mib", type=int, default=0, help="MiB written to a scratch file (not synced) before each save"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
     import ortckpt
     from onnxruntime.capi import _pybind_state as C
+    from ortckpt import _boundary
 
     work = Path(tempfile.mkdtemp(prefix="ortckpt-ort-loop-", dir=args.dir))
+    shm = Path(tempfile.mkdtemp(prefix="ortckpt-ort-loop-", dir=args.tmpfs))
     try:
-        state, _model, _optimizer = trained_state(work, args.layers, args.features)  # (kept alive: they train it)
-        inner = state._state  # ONNX Runtime's own state: the one its Module trains
+        # Two models in the process, as a run that trains (or evaluates) two: ortckpt's state, and
+        # ONNX Runtime's own state object (kept alive: their Modules train them).
+        state, *_session = trained_state(work, args.layers, args.features)
+        own, *_own_session = own_state(work, args.layers, args.features)
+        inner, own_inner = state._state, own._state  # ONNX Runtime's states: what its Modules train
         params = sum(p.data.nbytes for _, p in state.parameters)
         total = 3 * params  # (AdamW: two moments per parameter)
 
@@ -138,13 +195,12 @@ def main() -> None:
         out.mkdir()
         manager = ortckpt.CheckpointManager(work / "run", async_save=True, max_to_keep=1, durable=False)
         steps = iter(range(1, 10**6))
+        dirty = np.ones(args.dirty_mib * MiB, np.uint8)
 
-        def memfd_save() -> None:
-            fd = os.memfd_create("ort")
-            try:
-                C.save_checkpoint(inner, f"/proc/self/fd/{fd}", True)
-            finally:
-                os.close(fd)
+        def other_writes() -> None:
+            if args.dirty_mib:
+                (work / "other.bin").unlink(missing_ok=True)
+                dirty.tofile(work / "other.bin")
 
         def manager_async() -> float:
             start = time.perf_counter()
@@ -153,14 +209,32 @@ def main() -> None:
             manager.wait()
             return blocked
 
-        ort_full = "ONNX Runtime save_checkpoint(state, path, True)"
+        def ortckpt_full(what: object, path: Path, **options: object) -> Callable[[], None]:
+            return lambda: ortckpt.CheckpointState.save_checkpoint(what, path, include_optimizer_state=True, **options)
+
+        # The path before this one (ONNX Runtime saves into a memfd, ortckpt's writer writes the
+        # file): taken whenever the threshold is not the default.
+        memfd_path = {"external_data_threshold": _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD - 1}
+        ort_disk = "ONNX Runtime save_checkpoint(state, path, True), to disk"
+        ort_tmpfs = "ONNX Runtime save_checkpoint(state, path, True), to tmpfs"
+        ort_own = "ONNX Runtime save_checkpoint(its own state, path, True), to disk"
         ort_params = "ONNX Runtime save_checkpoint(state, path) (params only)"
-        contenders = {
-            ort_full: lambda: C.save_checkpoint(inner, str(out / "ort.ckpt"), True),
-            "ortckpt save_checkpoint(state, path, include_optimizer_state=True)": lambda: (
-                ortckpt.CheckpointState.save_checkpoint(state, out / "ortckpt.ckpt", include_optimizer_state=True)
+        contenders: dict[str, Callable[[], float | None]] = {
+            ort_disk: lambda: C.save_checkpoint(inner, str(out / "ort.ckpt"), True),
+            "ortckpt save_checkpoint(state, path, include_optimizer_state=True), to disk": ortckpt_full(
+                state, out / "ortckpt.ckpt"
             ),
-            "ONNX Runtime save into a memfd (its serialisation)": memfd_save,
+            "the previous path (ONNX Runtime into a memfd, ortckpt's writer), to disk": ortckpt_full(
+                state, out / "memfd.ckpt", **memfd_path
+            ),
+            ort_tmpfs: lambda: C.save_checkpoint(inner, str(shm / "ort.ckpt"), True),
+            "ortckpt save_checkpoint(state, path, include_optimizer_state=True), to tmpfs": ortckpt_full(
+                state, shm / "ortckpt.ckpt"
+            ),
+            ort_own: lambda: C.save_checkpoint(own_inner, str(out / "ort_own.ckpt"), True),
+            "ortckpt save_checkpoint(its own state, path, include_optimizer_state=True), to disk": ortckpt_full(
+                own, out / "ortckpt_own.ckpt"
+            ),
             "ONNX Runtime save to /dev/null (building the file alone: the floor)": lambda: C.save_checkpoint(
                 inner, os.devnull, True
             ),
@@ -170,25 +244,38 @@ def main() -> None:
             ),
             "CheckpointManager(async_save=True).save(state, step): time blocked": manager_async,
         }
-        times = time_rounds(contenders, args.rounds, "ort_loop")
+        wall, cpu = timed_rounds(contenders, args.rounds, "ort_loop", other_writes)
         manager.close()
+
+        def baseline(name: str) -> str:
+            if "params only" in name:
+                return ort_params
+            if "its own state" in name:
+                return ort_own
+            return ort_tmpfs if "tmpfs" in name else ort_disk
 
         lines = [
             f"# ortckpt in ONNX Runtime's training loop ({datetime.date.today()}, {platform.node()})",
             "",
             f"{args.layers} x MatMul {args.features}x{args.features} float32, AdamW: {params / MiB:.0f} MiB of "
-            f"parameters, {total / MiB:.0f} MiB with the moments; onnxruntime-training "
-            f"{__import__('onnxruntime').__version__}, {args.rounds} rounds, saves to {work}.",
+            f"parameters, {total / MiB:.0f} MiB with the moments, two such models in the process (ortckpt's "
+            f"state and ONNX Runtime's own); onnxruntime-training {__import__('onnxruntime').__version__}, "
+            f"{args.rounds} rounds, saves to {work} and {shm}"
+            + (f", {args.dirty_mib} MiB written (not synced) before each save" if args.dirty_mib else "")
+            + f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the end.",
             "",
-            "| contender | median s | range s | vs ONNX Runtime (its time / this, paired) |",
-            "|---|---:|---:|---:|",
+            "| contender | median s | range s | vs ONNX Runtime (its time / this, paired) | CPU s (median) "
+            "| vs ONNX Runtime, CPU time |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
-        for name, ts in times.items():
-            base = times[ort_params] if "params only" in name else times[ort_full]
+        for name, ts in wall.items():
+            base = baseline(name)
             lines.append(
-                f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | {paired_ratio(ts, base):.2f} |"
+                f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | "
+                f"{paired_ratio(ts, wall[base]):.2f} | {statistics.median(cpu[name]):.2f} | "
+                f"{paired_ratio(cpu[name], cpu[base]):.2f} |"
             )
-        blocked = [t / b for t, b in zip(times[list(contenders)[-1]], times[ort_full], strict=True)]
+        blocked = [t / b for t, b in zip(wall[list(contenders)[-1]], wall[ort_disk], strict=True)]
         lines += [
             "",
             f"Async manager save: the trainer is blocked {statistics.median(blocked):.2f}x ONNX Runtime's full "
@@ -197,6 +284,7 @@ def main() -> None:
         report(lines, args.out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,14 @@ def main() -> None:
             "ortckpt save_checkpoint(state, path, include_optimizer_state=True)": lambda: (
                 ortckpt.CheckpointState.save_checkpoint(state, out / "ortckpt.ckpt", include_optimizer_state=True)
             ),
+            "the previous path (ONNX Runtime into a memfd, ortckpt's writer)": lambda: (
+                ortckpt.CheckpointState.save_checkpoint(
+                    state,
+                    out / "memfd.ckpt",
+                    include_optimizer_state=True,
+                    external_data_threshold=ortckpt._boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD - 1,
+                )
+            ),
             "CheckpointManager(async_save=True).save(state, step), to completion": lambda: manager_save(True),
             "ONNX Runtime save_checkpoint(state, path) (params only)": lambda: C.save_checkpoint(
                 inner, str(out / "ort_params.ckpt"), False

@@ -77,7 +77,7 @@ def drop_cache(paths: list[Path]) -> None:
 
 def numpy_stats(path: Path) -> int:
     state = CheckpointState.load_checkpoint(path)
-    return len([st._stats_numpy(name, role, value) for name, role, value in st.tensors(state)])
+    return len([st._stats_numpy(key.label, key.role, value) for key, value in state.tensors()])
 
 
 def make(path: Path, nbytes: int, tensors: int, seed: int) -> None:

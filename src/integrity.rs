@@ -490,3 +490,73 @@ pub fn reseal(staged: &mut io::Staged, filled: Option<&[Filled]>) -> Result<()> 
         .write_all_at(&bytes, block.start as u64)
         .map_err(|e| in_file(e.into()))
 }
+
+/// Seals a staged checkpoint that another writer (ONNX Runtime's own saver) wrote whole into
+/// the staged files, as any ortckpt save ends: the checksum block and the pair trailer appended
+/// to the checkpoint, the trailer to its data file. Whether the pair has a data file is the
+/// checkpoint's to say (its `has_external_data`): a staged data file it does not use is
+/// dropped, uncommitted. Each value is read once, from the page cache the writer just filled.
+///
+/// # Errors
+/// OS errors; a staged file that is no checkpoint, is sealed already, or has external data
+/// with no data file staged.
+pub fn seal_written(staged: &mut io::Staged) -> Result<()> {
+    let main_path = staged.main().temp().to_path_buf();
+    let in_file = |e: Error| e.in_file(&main_path);
+    let (map, _, _) = io::map_private(&main_path, false, 8, |len| {
+        Error::malformed(format!(
+            "file is too short to be a checkpoint ({len} bytes)"
+        ))
+    })?;
+    if pairing::pair_id(&map).is_some() {
+        return Err(in_file(Error::invalid_state(
+            "the staged checkpoint is sealed already",
+        )));
+    }
+    let ckpt = crate::format::decode(&map).map_err(in_file)?;
+    let external = ckpt.has_external_data;
+    if !external {
+        staged.drop_data();
+    }
+    let data = match staged.data() {
+        Some(d) => io::map_private_any(d.temp(), false)?.0,
+        None if external => {
+            return Err(in_file(Error::invalid_state(
+                "the checkpoint has external data and no data file is staged",
+            )))
+        }
+        None => None,
+    };
+    // Nothing sealed yet: every sum is read, and the metadata runs to the file's end.
+    let unsealed = Block {
+        tensors: vec![0; ckpt.tensors().count()],
+        metadata: 0,
+        root: 0,
+        start: map.len(),
+    };
+    let sums = tensor_sums(&map, data.as_ref(), &ckpt, &unsealed, |_, _| None).map_err(in_file)?;
+    let metadata = metadata_sum(&map, &ckpt, &unsealed).map_err(in_file)?;
+    let id = if external {
+        checksums::marked(pairing::new_pair_id())
+    } else {
+        checksums::content_id(&sums, metadata)
+    };
+    let trailer = pairing::trailer(&id);
+    if let (Some(data), Some(len)) = (staged.data(), data.as_ref().map(|d| d.len())) {
+        data.file()
+            .write_all_at(&trailer, len as u64)
+            .map_err(|e| Error::from(e).in_file(data.temp()))?;
+    } else if let Some(data) = staged.data() {
+        // An empty data file (no value is external) still ends with the pair's trailer.
+        data.file()
+            .write_all_at(&trailer, 0)
+            .map_err(|e| Error::from(e).in_file(data.temp()))?;
+    }
+    let mut bytes = checksums::block(&sums, metadata, &id);
+    bytes.extend_from_slice(&trailer);
+    staged
+        .main()
+        .file()
+        .write_all_at(&bytes, map.len() as u64)
+        .map_err(|e| in_file(e.into()))
+}

@@ -48,7 +48,7 @@ use memmap2::MmapMut;
 
 pub use error::{Error, ErrorKind, Result};
 use format::{pairing, Checkpoint, Payload, Placement, Stored, Tensor};
-pub use integrity::{checksum_root_of_file, reseal, Checked, Filled};
+pub use integrity::{checksum_root_of_file, reseal, seal_written, Checked, Filled};
 
 /// ONNX Runtime's default: above this many bytes of values, a checkpoint uses external data.
 pub const DEFAULT_EXTERNAL_DATA_THRESHOLD: u64 = 1800 << 20;

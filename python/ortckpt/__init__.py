@@ -10,8 +10,10 @@ A drop-in for ``onnxruntime.training.api.CheckpointState``::
 """
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
+from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD as _DEFAULT_EXTERNAL_DATA_THRESHOLD
 from ._boundary import VERSION as __version__
 from .checkpoint_state import CheckpointState, OptimizerGroup, Parameter, Parameters, Properties
 from .dtypes import PackedBits, PackedInt4
@@ -34,6 +36,7 @@ from .errors import (
     ValidationTimeoutError,
     ValueOverflowError,
 )
+from .tensor_keys import TensorKey
 
 # The rest is imported on first use (PEP 562), so `import ortckpt` costs the checkpoint
 # state and NumPy, not the manager, the sharded writer or the ONNX exporters.
@@ -80,15 +83,41 @@ if TYPE_CHECKING:
 
 
 def load_checkpoint(checkpoint_uri: Any, **options: Any) -> CheckpointState:
-    """:meth:`CheckpointState.load_checkpoint`: a path, an ``s3://`` URL, or a binary file object."""
+    """:meth:`CheckpointState.load_checkpoint`: a path, an ``s3://`` URL, or a binary file object;
+    also a :class:`CheckpointManager` step folder (plain, sharded or compressed), read as the
+    command line reads one (:mod:`ortckpt.resolve`: a plain step's checkpoint checked against what
+    its metadata.json records)."""
+    if isinstance(checkpoint_uri, (str, os.PathLike)) and os.path.isdir(checkpoint_uri):
+        from . import resolve
+
+        return resolve.load_step(os.fspath(checkpoint_uri), verify=bool(options.get("verify", False)))  # type: ignore[no-any-return]
     return CheckpointState.load_checkpoint(checkpoint_uri, **options)
 
 
 def save_checkpoint(
-    state: CheckpointState, checkpoint_uri: Any, include_optimizer_state: bool = False, **options: Any
+    state: CheckpointState,
+    checkpoint_uri: Any,
+    include_optimizer_state: bool = False,
+    *,
+    external_data_threshold: int = _DEFAULT_EXTERNAL_DATA_THRESHOLD,
+    durable: bool = False,
+    progress: bool = False,
+    storage_options: Any = None,
+    lock_timeout: float | None = None,
 ) -> None:
     """:meth:`CheckpointState.save_checkpoint`: to a path, an ``s3://`` URL, or a binary file object."""
-    CheckpointState.save_checkpoint(state, checkpoint_uri, include_optimizer_state, **options)
+    # (a plain call, not f(**options): a Ctrl-C held across the commit then surfaces in our
+    # caller, not at this call; see ortckpt.interrupts)
+    CheckpointState.save_checkpoint(
+        state,
+        checkpoint_uri,
+        include_optimizer_state,
+        external_data_threshold=external_data_threshold,
+        durable=durable,
+        progress=progress,
+        storage_options=storage_options,
+        lock_timeout=lock_timeout,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -130,6 +159,7 @@ __all__ = [
     "RetentionPolicy",
     "SpecialFileError",
     "TensorChange",
+    "TensorKey",
     "TensorStats",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",

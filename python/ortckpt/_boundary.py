@@ -18,6 +18,7 @@ import numpy as np
 from . import _core
 from .dtypes import PackedBits, fixed_size_dtypes
 from .errors import CheckpointStateError, InvalidArgumentTypeError
+from .tensor_keys import TensorKey
 
 MappedFile = _core.MappedFile
 SaveProgress = _core.SaveProgress
@@ -26,6 +27,8 @@ Staging = _core.Staging
 Lock = _core.Lock
 stage = _core.stage
 rename_directory = _core.rename_directory
+# A held signal handed back to Python once the saving call has returned (see ortckpt.interrupts).
+SignalOnDrop = _core.SignalOnDrop
 acquire_lock = _core.acquire_lock
 # The package's version: the crate's, as the core was built (Cargo.toml is its one place).
 VERSION: str = _core.__version__
@@ -59,14 +62,15 @@ class Loaded:
     # As stored: one list per type; for a name repeated the last entry wins (as in ONNX Runtime).
     properties: list[tuple[str, PropertyValue]]
 
-    def tensors(self) -> Iterator[tuple[tuple[str, ...], CoreTensor]]:
-        """Every tensor with its key: ("parameter", name) or ("momentum", group, parameter, name)."""
-        for tensor in [*self.trainable, *self.frozen]:
-            yield ("parameter", tensor[0]), tensor
+    def tensors(self) -> Iterator[tuple[TensorKey, CoreTensor]]:
+        """Every tensor with its key, in the file's order."""
+        for requires_grad, tensors in ((True, self.trainable), (False, self.frozen)):
+            for tensor in tensors:
+                yield TensorKey.of_parameter(tensor[0], requires_grad), tensor
         for group_name, _step, _lr, states in self.optimizer_groups:
             for param, momentums in states:
                 for tensor in momentums:
-                    yield ("momentum", group_name, param, tensor[0]), tensor
+                    yield TensorKey.of_momentum(group_name, param, tensor[0]), tensor
 
     @classmethod
     def _of(cls, raw: dict[str, Any]) -> Loaded:

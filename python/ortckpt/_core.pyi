@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
+    "__version__",
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
     "PAYLOAD_ALIGNMENT",
@@ -12,6 +13,7 @@ __all__ = [
     "Lock",
     "MappedFile",
     "SaveProgress",
+    "SignalOnDrop",
     "Staging",
     "acquire_lock",
     "checksum_root",
@@ -63,6 +65,7 @@ class Staging:
     def temporary(self, data: bool = False) -> str: ...
     def commit(self, *, durable: bool = False, lock_timeout: float | None = None, unpaired: bool = False) -> None: ...
     def reseal(self, filled: Sequence[tuple[bool, int, int | None]] | None = None) -> None: ...
+    def seal(self) -> None: ...
     def discard(self) -> None: ...
 
 @final
@@ -169,3 +172,8 @@ def save_bytes(
     nominal: bool = False,
     keep_order: bool = False,
 ) -> bytes: ...
+
+@final
+class SignalOnDrop:
+    """Simulates the arrival of ``signum`` when freed (see ortckpt.interrupts)."""
+    def __new__(cls, signum: int) -> SignalOnDrop: ...

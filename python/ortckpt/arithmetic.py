@@ -61,6 +61,7 @@ from .checkpoint_state import CheckpointState, OptimizerGroup
 from .dtypes import PackedBits
 from .errors import CheckpointStateError, InvalidArgumentError, InvalidArgumentTypeError, ValueOverflowError
 from .progress import Bar, Hidden, maybe_bar
+from .tensor_keys import TensorKey
 
 Source = CheckpointState | str | os.PathLike
 
@@ -367,7 +368,7 @@ class _Opened:
         the kernel maps around those (a source's pages, not its values, would otherwise stay
         counted in the process's memory while the others are read)."""
         if self.owned:
-            _boundary.release_maps(value for _, value, _ in _tensors(self, True))
+            _boundary.release_maps(value for _, value in _tensors(self, True))
 
     def done_with(self, value: Any) -> None:
         """Drops the pages of ``value`` (a view over one of our own maps) from memory."""
@@ -388,25 +389,13 @@ class _Plan:
     combination computed chunk by chunk."""
 
     def __init__(self) -> None:
-        self.copied: dict[tuple[str, ...], Any] = {}
-        self.combined: dict[tuple[str, ...], tuple[np.dtype, tuple[int, ...], list[Any]]] = {}
+        self.copied: dict[TensorKey, Any] = {}
+        self.combined: dict[TensorKey, tuple[np.dtype, tuple[int, ...], list[Any]]] = {}
 
 
-def _tensors(opened: _Opened, include_optimizer_state: bool) -> Iterator[tuple[tuple[str, ...], Any, bool]]:
-    """(key, value, frozen) for every parameter and, when asked, every momentum."""
-    state = opened.state
-    for name in state.parameters.names():
-        parameter = state.parameters[name]
-        yield ("parameter", name), parameter.data, not parameter.requires_grad
-    if include_optimizer_state:
-        for group_name, group in sorted(state.optimizer_groups.items()):
-            for param, moms in sorted(group.momentums.items()):
-                for m, value in sorted(moms.items()):
-                    yield ("momentum", group_name, param, m), value, False
-
-
-def _describe(key: tuple[str, ...]) -> str:
-    return f"tensor {key[1]}" if key[0] == "parameter" else f"momentum {'/'.join(key[1:])}"
+def _tensors(opened: _Opened, include_optimizer_state: bool) -> list[tuple[TensorKey, Any]]:
+    """(key, value) for every parameter and, when asked, every momentum, in the keys' order."""
+    return sorted(opened.state.tensors(include_optimizer_state=include_optimizer_state), key=lambda kv: kv[0])
 
 
 def _signature(value: Any) -> tuple[int, tuple[int, ...]]:
@@ -432,7 +421,7 @@ def _equal(a: Any, b: Any) -> bool:
 def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, what: str) -> _Plan:
     first = sources[0]
     every = [
-        {key: (value, is_frozen) for key, value, is_frozen in _tensors(s, include_optimizer_state)} for s in sources
+        {key: (value, key.role == "frozen") for key, value in _tensors(s, include_optimizer_state)} for s in sources
     ]
     layout = every[0]
     plan = _Plan()
@@ -441,17 +430,17 @@ def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, wh
             extra = sorted(set(keys) ^ set(layout))[:3]
             raise CheckpointStateError(
                 f"{what}: {other.label} does not hold the same tensors as {first.label} "
-                f"(differing: {', '.join(_describe(k) for k in extra)})"
+                f"(differing: {', '.join(k.describe() for k in extra)})"
             )
         for key, (value, is_frozen) in keys.items():
             if is_frozen != layout[key][1]:
                 raise CheckpointStateError(
-                    f"{what}: {_describe(key)} is frozen in one checkpoint and trainable in another"
+                    f"{what}: {key.describe()} is frozen in one checkpoint and trainable in another"
                 )
             if _signature(value) != _signature(layout[key][0]):
                 (c1, s1), (c2, s2) = _signature(layout[key][0]), _signature(value)
                 raise CheckpointStateError(
-                    f"{what}: {_describe(key)} is {_dt.name_of(c1)} {list(s1)} in {first.label} "
+                    f"{what}: {key.describe()} is {_dt.name_of(c1)} {list(s1)} in {first.label} "
                     f"but {_dt.name_of(c2)} {list(s2)} in {other.label}"
                 )
     for key, (value, is_frozen) in layout.items():
@@ -468,7 +457,7 @@ def _plan(sources: list[_Opened], include_optimizer_state: bool, frozen: str, wh
                     kind = "frozen parameter" if is_frozen else f"{_dt.name_of(_signature(value)[0])} tensor"
                     hint = " (frozen='first' takes the first checkpoint's)" if is_frozen else ""
                     raise CheckpointStateError(
-                        f"{what}: {_describe(key)} differs between {first.label} and {other.label}: a {kind} is "
+                        f"{what}: {key.describe()} differs between {first.label} and {other.label}: a {kind} is "
                         f"never combined, it must be equal in every checkpoint{hint}"
                     )
         plan.copied[key] = value
@@ -547,7 +536,7 @@ def _computed(
             raise _overflow_error(key, plan.combined[key][0], element, exact, sources, out, what)
         return sums
 
-    def chunk(key: tuple[str, ...], raw: list[np.ndarray], start: int) -> np.ndarray:
+    def chunk(key: TensorKey, raw: list[np.ndarray], start: int) -> np.ndarray:
         """One chunk of a combined tensor's result (its work arrays freed on return)."""
         dtype = plan.combined[key][0]
         parts = [r.astype(_work_dtype(dtype)) for r in raw]
@@ -558,7 +547,7 @@ def _computed(
             _refuse_overflow(key, dtype, exact, result, parts, start, sources, out, what)
         return result
 
-    def chunks(key: tuple[str, ...]) -> Iterator[tuple[int, np.ndarray]]:
+    def chunks(key: TensorKey) -> Iterator[tuple[int, np.ndarray]]:
         """(first element, result) for each chunk of a combined tensor, in order."""
         flats = [np.asarray(v).reshape(-1) for v in plan.combined[key][2]]
         for start in range(0, flats[0].size, CHUNK):
@@ -570,7 +559,7 @@ def _computed(
             yield start, result
 
     if out is None or targets.is_object_url(out):
-        arrays: dict[tuple[str, ...], Any] = dict(plan.copied)
+        arrays: dict[TensorKey, Any] = dict(plan.copied)
         for key, (dtype, shape, _) in plan.combined.items():
             arrays[key] = np.empty(shape, dtype)
         run_kernel([arrays[key].reshape(-1).view(np.uint8) for key in kernel])
@@ -578,7 +567,7 @@ def _computed(
             flat = arrays[key].reshape(-1)
             for start, part in chunks(key):
                 flat[start : start + part.size] = part
-        state = _state_of(sources[0].state, arrays, properties, groups)
+        state = _state_of(arrays, properties, groups)
         if out is not None:  # an object has no place to fill in: the result, in memory, streams up
             CheckpointState.save_checkpoint(state, out, include_optimizer_state=bool(groups), **save_options)
         return state
@@ -593,7 +582,7 @@ def _computed(
         template[key] = np.zeros(shape, dtype)
     holes = [template[key].__array_interface__["data"][0] for key in plan.combined if template[key].nbytes]
     path = Path(out)
-    core = _state_of(sources[0].state, template, properties, groups).core_state(bool(groups))
+    core = _state_of(template, properties, groups).core_state(bool(groups))
     staging, placed = _boundary.save_staged(path, core, external_data_threshold=threshold, holes=holes)
     try:
         # Where each combined tensor's values go: found by the address of its placeholder.
@@ -602,7 +591,7 @@ def _computed(
         }
         del core, template
 
-        def file_of(key: tuple[str, ...]) -> tuple[int, Path]:
+        def file_of(key: TensorKey) -> tuple[int, Path]:
             external = where[key][1]
             return staging.fileno(data=external), Path(f"{path}.data") if external else path
 
@@ -632,7 +621,7 @@ _EMPTY = np.empty(0, np.uint8)
 
 
 def _refuse_overflow(
-    key: tuple[str, ...],
+    key: TensorKey,
     dtype: np.dtype,
     exact: np.ndarray,
     result: np.ndarray,
@@ -654,7 +643,7 @@ def _refuse_overflow(
 
 
 def _overflow_error(
-    key: tuple[str, ...],
+    key: TensorKey,
     dtype: np.dtype,
     element: int,
     exact: float,
@@ -665,28 +654,27 @@ def _overflow_error(
     """The error for element ``element`` of a result, ``exact`` before rounding to ``dtype``."""
     names = " and ".join(s.label for s in sources)
     error = ValueOverflowError(
-        f"{what}: {_describe(key)}: element {element} of the result ({exact:g}) does not fit {dtype} "
+        f"{what}: {key.describe()}: element {element} of the result ({exact:g}) does not fit {dtype} "
         f"(at most {float(ml_dtypes.finfo(dtype).max):g}), from the finite values of {names}"
         + (f"; nothing was written to {os.fspath(out)}" if out is not None else "")
     )
-    error.tensor = key[1] if key[0] == "parameter" else "/".join(key[1:])
+    error.tensor = key.label
     error.filename = os.fspath(out) if out is not None else sources[0].path
     return error
 
 
 def _state_of(
-    like: CheckpointState,
-    arrays: dict[tuple[str, ...], Any],
+    arrays: dict[TensorKey, Any],
     properties: dict[str, Any],
     groups: dict[str, tuple[int, float]],
 ) -> CheckpointState:
-    trainable = {k[1]: v for k, v in arrays.items() if k[0] == "parameter" and like.parameters[k[1]].requires_grad}
-    frozen = {k[1]: v for k, v in arrays.items() if k[0] == "parameter" and not like.parameters[k[1]].requires_grad}
+    trainable = {k.parameter: v for k, v in arrays.items() if k.role == "trainable"}
+    frozen = {k.parameter: v for k, v in arrays.items() if k.role == "frozen"}
     state = CheckpointState.from_arrays(trainable, frozen, properties)
     result: dict[str, OptimizerGroup] = {name: OptimizerGroup(step, lr) for name, (step, lr) in groups.items()}
     for key, value in arrays.items():
-        if key[0] == "momentum":
-            result[key[1]].momentums.setdefault(key[2], {})[key[3]] = value
+        if key.group is not None and key.momentum is not None:
+            result[key.group].momentums.setdefault(key.parameter, {})[key.momentum] = value
     state.optimizer_groups = result
     return state
 

@@ -275,6 +275,9 @@ def check_metadata(value: Any, where: str) -> dict[str, Any]:
         metrics[name] = decode_metric(metric, where, f"metrics.{_name(name)}")
     _file_entries(meta.get("files"), where, "files")
     _attempt(meta, where)
+    _optional(_artifacts, meta.get("artifacts"), where, "artifacts")
+    _optional(_short_str, meta.get("execution_provider"), where, "execution_provider")
+    _optional(_short_str, meta.get("device"), where, "device")
     if "compressed" in meta:  # the files before compression: what the archive holds
         _file_entries(meta["compressed"], where, "compressed")
     return {**meta, "metrics": metrics}
@@ -287,6 +290,45 @@ def _attempt(document: dict[str, Any], where: str) -> None:
         raise _bad(where, "attempt", attempt, "32 hexadecimal digits")
 
 
+# The run's graphs a step records (CheckpointManager(artifacts=...)): by role, each the file
+# ``<role>_model.onnx`` of the step (training_model.onnx, eval_model.onnx, optimizer_model.onnx, as
+# ONNX Runtime's generate_artifacts names them), its size and SHA-256. A role is a short lowercase
+# word, so that its file name is a plain name of the step folder; an ONNX model is one protobuf,
+# which cannot pass 2 GiB, so a size past that is refused before anything is downloaded.
+ARTIFACT_ROLE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_ARTIFACTS = 16
+MAX_ARTIFACT_BYTES = 2**31
+
+
+def artifact_name(role: str) -> str:
+    """The file a step holds the graph of ``role`` in (a checked role: a plain name)."""
+    return f"{role}_model.onnx"
+
+
+def _artifacts(value: Any, where: str, at: str) -> None:
+    """{role: {"name": "<role>_model.onnx", "bytes": size, "sha256": hex digest}}."""
+    roles = _object(value, where, at)
+    if len(roles) > MAX_ARTIFACTS:
+        raise DocumentError(f"{where}: {at} lists {len(roles)} graphs, more than the {MAX_ARTIFACTS} a step may have")
+    for role, raw in roles.items():
+        if not ARTIFACT_ROLE.fullmatch(role):
+            raise DocumentError(f"{where}: {at} names the role {_name(role)!r}, which is not a lowercase word")
+        entry = _object(raw, where, f"{at}.{role}")
+        if entry.get("name") != artifact_name(role):
+            raise _bad(where, f"{at}.{role}.name", entry.get("name"), repr(artifact_name(role)))
+        _int(entry.get("bytes"), where, f"{at}.{role}.bytes", 0, MAX_ARTIFACT_BYTES)
+        sha = entry.get("sha256")
+        if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise _bad(where, f"{at}.{role}.sha256", sha, "64 hexadecimal digits")
+
+
+def _short_str(value: Any, where: str, at: str) -> str:
+    text = _str(value, where, at)
+    if len(text) > 200:
+        raise _bad(where, at, text, "at most 200 characters")
+    return text
+
+
 # A file entry's digests (ortckpt.stepstore.entries): the pattern each must match, as said.
 _DIGESTS = {
     "sha256": (_SHA256, "64 hexadecimal digits"),
@@ -295,9 +337,19 @@ _DIGESTS = {
 }
 
 
+# An object's ETag as a server gave it (an entry's "etag", on object storage): printable ASCII.
+_ETAG = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+def is_etag(value: Any) -> bool:
+    """Whether ``value`` is an ETag a file entry may record."""
+    return isinstance(value, str) and _ETAG.fullmatch(value) is not None
+
+
 def _file_entries(value: Any, where: str, at: str) -> None:
     """{plain file name: {"bytes": size, and one or more of "sha256": hex digest, "xxh3": the
-    checkpoint's checksum root, "pair": its data file's pair id}}."""
+    checkpoint's checksum root, "pair": its data file's pair id; on object storage "etag": the
+    object's ETag, as its upload got it}}."""
     for name, raw_entry in _object(value, where, at).items():
         if not is_plain_name(name):
             raise DocumentError(f"{where}: {at} names {_name(name)!r}, which is not a file of the step directory")
@@ -308,6 +360,8 @@ def _file_entries(value: Any, where: str, at: str) -> None:
         for kind, (pattern, said) in _DIGESTS.items():
             if kind in entry and not (isinstance(entry[kind], str) and pattern.fullmatch(entry[kind])):
                 raise _bad(where, f"{at}.{name}.{kind}", entry[kind], said)
+        if "etag" in entry and not is_etag(entry["etag"]):
+            raise _bad(where, f"{at}.{name}.etag", entry["etag"], "1 to 200 printable ASCII characters")
 
 
 def encode_non_finite(document: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

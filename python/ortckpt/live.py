@@ -1,23 +1,25 @@
 """States that ONNX Runtime trains: the bridge between ortckpt's ``CheckpointState`` and ONNX
 Runtime's own (``onnxruntime.capi._pybind_state.CheckpointState``, "the ORT state" below), on
-ONNX Runtime's side: what ONNX Runtime loads and saves, in memory.
+ONNX Runtime's side: what ONNX Runtime loads and saves, in memory, and :class:`LiveBacking`, the
+backing (``ortckpt.backings``) of a state whose values are ONNX Runtime's.
 
-ONNX Runtime's ``Module`` and ``Optimizer`` take ``state._state``, the ORT state behind its
-Python class, and train its tensors in place. So ortckpt's state hands over one on first use
-(:func:`bind`): its checkpoint is written into memory (memfds) and ONNX Runtime loads it, optimizer
-state and properties included. From then on the ortckpt state reads and writes the ORT state
-(``checkpoint_state.LiveTensor`` and ``LiveProperties``): ``parameters`` are zero-copy views of
-what the Module trains, ``properties`` are ONNX Runtime's. ONNX Runtime's own state objects go
-through ortckpt's saves and the manager the same way (``checkpoint_state.adopt``).
+ONNX Runtime's ``Module`` and ``Optimizer`` take the ORT state behind its Python class (its
+``_state`` attribute) and train its tensors in place. So ortckpt's state hands over one on first use:
+:func:`bind` writes the state's backing into memory (memfds), ONNX Runtime loads it, optimizer
+state and properties included, and the state replaces its backing with the :class:`LiveBacking`
+returned. From then on ``parameters`` are zero-copy views of what the Module trains
+(:class:`LiveTensor`) and ``properties`` are ONNX Runtime's (:class:`LiveProperties`). ONNX
+Runtime's own state objects go through ortckpt's saves and the manager the same way
+(:func:`adopt`).
 
 The optimizer's moments are reachable from Python only through ONNX Runtime's
 ``save_checkpoint(state, path, True)``: :func:`saved_by_ort` has it write into memory, which
-``checkpoint_state.ort_snapshot`` opens with ortckpt's loader, a consistent copy of everything
-(the Module trains on meanwhile).
+:func:`snapshot` opens with ortckpt's loader, a consistent copy of everything (the Module trains
+on meanwhile).
 
-This module never imports the checkpoint state (which imports it, on first use): it takes
-ortckpt's state as it comes. ONNX Runtime is imported here only, and only for a state that
-meets it: ortckpt never depends on it.
+This module never imports the checkpoint state (which imports it, on first use): it deals in
+backings. ONNX Runtime is imported here only, and only for a state that meets it: ortckpt never
+depends on it.
 """
 
 from __future__ import annotations
@@ -25,14 +27,19 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from . import _boundary, safe_io
 from . import dtypes as _dt
-from . import safe_io
-from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD
+from ._boundary import DEFAULT_EXTERNAL_DATA_THRESHOLD, CoreState, PropertyValue, TensorRecord
+from .backings import Backing
+from .backings.arrays import ArraysBacking
+from .backings.mapped import MappedBacking
+from .backings.tensors import OptimizerGroup, Tensor
 from .errors import CheckpointStateError, UnsupportedDataTypeError
 
 
@@ -49,26 +56,50 @@ def ort_state_of(value: Any) -> Any:
     return inner if is_ort_state(inner) else value
 
 
-def bind(state: Any) -> Any:
-    """The ORT state for ``state`` (ortckpt's ``CheckpointState``): its checkpoint (parameters,
-    optimizer state, properties) written into memory and loaded by ONNX Runtime. ``state`` is
-    then live over it."""
+def bind(backing: Backing) -> LiveBacking:
+    """ONNX Runtime's state loaded from ``backing`` (parameters, optimizer state, properties
+    written into memory), as the backing that replaces it: names, types, shapes, the frozen set
+    and what the file was stay ``backing``'s (ONNX Runtime's cannot tell them for a nominal
+    state, nor the type of every tensor)."""
     C = _training_api()
-    with _binding:
-        if state._ort is not None:  # (bound meanwhile, by another thread)
-            return state._ort
-        core = state.core_state(include_optimizer_state=True)
-        with _memory_checkpoint() as files:
-            files.write(core)
-            try:
-                ort_state = C.load_checkpoint(files.path)
-            except RuntimeError as e:
-                refused = _refused_type(core, str(e))
-                if refused is None:
-                    raise
-                raise refused from None
-        state._go_live(ort_state)
-    return ort_state
+    records = backing.records()
+    core = backing.core_state(include_optimizer_state=True)
+    with _memory_checkpoint() as files:
+        files.write(core)
+        try:
+            ort_state = C.load_checkpoint(files.path)
+        except RuntimeError as e:
+            refused = _refused_type(core, str(e))
+            if refused is None:
+                raise
+            raise refused from None
+    return LiveBacking(
+        ort_state,
+        records,
+        nominal=backing.is_nominal,
+        has_external_data=backing.has_external_data,
+        format_version=backing.format_version,
+    )
+
+
+def adopt(ort_state: Any) -> Backing:
+    """A backing over ONNX Runtime's own state (live); of a nominal one, a copy (it has no values
+    to show)."""
+    if is_nominal(ort_state):
+        return snapshot(ort_state, include_optimizer_state=True)
+    records = []
+    for name in ort_state.parameter_names():
+        parameter = ort_state.get_parameter(name)
+        value = parameter.data.numpy()
+        records.append(TensorRecord(name, _dt.code_of(value), tuple(value.shape), bool(parameter.requires_grad)))
+    return LiveBacking(ort_state, records)
+
+
+def snapshot(ort_state: Any, include_optimizer_state: bool) -> MappedBacking:
+    """A copy of everything ``ort_state`` holds now, as ONNX Runtime saves it (into memory),
+    opened by ortckpt: a backing of its own that later training does not change."""
+    with saved_by_ort(ort_state, include_optimizer_state) as path:
+        return MappedBacking(_boundary.load(path))  # (mapped: the memory stays while the backing does)
 
 
 def _refused_type(core: Any, message: str) -> UnsupportedDataTypeError | None:
@@ -89,9 +120,6 @@ def _refused_type(core: Any, message: str) -> UnsupportedDataTypeError | None:
     )
 
 
-# One binding at a time: two threads handing one state to two Modules get the same ORT state.
-_binding = threading.Lock()
-
 # Past this many bytes of values, a bound state's memory checkpoint has an external data file, as files
 # do (ONNX Runtime reads `<checkpoint>.data`); a test lowers it to take that path with small states.
 EXTERNAL_DATA_THRESHOLD = DEFAULT_EXTERNAL_DATA_THRESHOLD
@@ -105,6 +133,37 @@ def saved_by_ort(ort_state: Any, include_optimizer_state: bool) -> Iterator[str]
     with _memory_checkpoint() as files:
         C.save_checkpoint(ort_state, files.path, include_optimizer_state)
         yield files.path
+
+
+def save_through_ort(
+    ort_state: Any, path: str | os.PathLike[str], *, durable: bool = False, lock_timeout: float | None = None
+) -> bool:
+    """A full save (parameters and optimizer state) of ``ort_state`` to the file ``path``,
+    ONNX Runtime's saver writing straight into the staged temporary files of ortckpt's one
+    commit, which seals them (checksums over the page cache, pair trailers) and puts them in
+    place: atomic, with nothing held in memory beyond what ONNX Runtime's own save holds (no
+    serialised copy, no second pass through a writer). The file is ONNX Runtime's layout: an
+    external data file when its state was loaded with one. False (nothing done) where ONNX
+    Runtime cannot be given the staged files by descriptor (no ``/proc``)."""
+    if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        return False
+    from . import _boundary
+
+    C = _training_api()
+    staging = _boundary.stage(Path(path), with_data=True)
+    try:
+        with safe_io.scratch_directory() as directory:
+            files = _MemoryFiles(directory, linked=(staging.fileno(), staging.fileno(data=True)))
+            try:
+                C.save_checkpoint(ort_state, files.path, True)
+            finally:
+                files.close()
+        staging.seal()
+        staging.commit(durable=durable, lock_timeout=lock_timeout)
+    except BaseException:
+        staging.discard()  # (the previous checkpoint stands)
+        raise
+    return True
 
 
 def _training_api() -> Any:
@@ -133,10 +192,6 @@ def is_nominal(ort_state: Any) -> bool:
     return False
 
 
-def frozen_names(ort_state: Any) -> set[str]:
-    return {name for name in ort_state.parameter_names() if not ort_state.get_parameter(name).requires_grad}
-
-
 class _MemoryFiles:
     """A checkpoint and its external data file in memory (memfds), at a path ONNX Runtime can
     open (``<dir>/checkpoint`` and ``<dir>/checkpoint.data``, symlinks to the memfds in a
@@ -145,9 +200,12 @@ class _MemoryFiles:
 
     ONNX Runtime is given the directory through its descriptor (``/proc/<pid>/fd/N``), not its
     name: in a TMPDIR others may write, the directory renamed away and another put in its place
-    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead)."""
+    changes nothing (ONNX Runtime would write the checkpoint wherever that one's symlinks lead).
 
-    def __init__(self, directory: Path) -> None:
+    With ``linked`` (two open descriptors, not taken over): the two names lead to those files
+    instead (a staged save's temporaries) rather than to memfds."""
+
+    def __init__(self, directory: Path, linked: tuple[int, int] | None = None) -> None:
         self._fds: list[int] = []
         self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -155,10 +213,16 @@ class _MemoryFiles:
             if made.st_uid != os.getuid() or made.st_mode & 0o077:  # (not the one made for us)
                 raise CheckpointStateError(f"{directory}: replaced as it was made (TMPDIR is writable by others)")
             memory = hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
-            self.path = os.path.join(f"/proc/{os.getpid()}/fd/{self._dir_fd}" if memory else directory, "checkpoint")
-            for name in ("checkpoint", "checkpoint.data") if memory else ():
-                fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
-                self._fds.append(fd)
+            by_descriptor = memory or linked is not None
+            self.path = os.path.join(
+                f"/proc/{os.getpid()}/fd/{self._dir_fd}" if by_descriptor else directory, "checkpoint"
+            )
+            for k, name in enumerate(("checkpoint", "checkpoint.data") if by_descriptor else ()):
+                if linked is None:
+                    fd = os.memfd_create("ortckpt-" + name, os.MFD_CLOEXEC)
+                    self._fds.append(fd)
+                else:
+                    fd = linked[k]
                 os.symlink(f"/proc/{os.getpid()}/fd/{fd}", name, dir_fd=self._dir_fd)
         except BaseException:
             self.close()
@@ -166,8 +230,6 @@ class _MemoryFiles:
 
     def write(self, core: Any) -> None:
         """``core`` (a ``_boundary.CoreState``) as ortckpt saves it, each tensor's bytes copied once."""
-        from . import _boundary
-
         main, external = _boundary.encode_segments(core, external_data_threshold=EXTERNAL_DATA_THRESHOLD)
         with open(self.path, "r+b" if self._fds else "wb") as out:
             for segment in main:
@@ -193,3 +255,132 @@ def _memory_checkpoint() -> Iterator[_MemoryFiles]:
             yield files
         finally:
             files.close()
+
+
+class LiveTensor(Tensor):
+    """A parameter of an ORT state: its values are ONNX Runtime's buffer (a NumPy view, made
+    anew on each use, as ONNX Runtime's ``Parameter.data`` does); setting values copies into it."""
+
+    __slots__ = ("ort_state",)
+
+    def __init__(self, ort_state: Any, name: str, code: int, dims: tuple[int, ...]) -> None:
+        super().__init__(name, code, dims)
+        self.ort_state = ort_state
+
+    def value(self) -> np.ndarray:
+        values: np.ndarray = self.ort_state.get_parameter(self.name).data.numpy()
+        return values
+
+    def grad(self) -> np.ndarray | None:
+        grad = self.ort_state.get_parameter(self.name).grad
+        return grad.numpy() if grad.has_value() else None
+
+    def assign(self, value: Any) -> None:
+        """Copies ``value`` into ONNX Runtime's buffer: through the view where it is one (the CPU),
+        else as ONNX Runtime's own ``Parameters.__setitem__`` does (its ``copy_parameter_from``)."""
+        values = np.ascontiguousarray(self.checked(value))
+        data = self.ort_state.get_parameter(self.name).data
+        # Only the CPU's numpy() is a view ("Cpu" in 1.19): elsewhere it is a writable copy, and
+        # copying into that would change nothing.
+        if str(data.device_name()).lower() == "cpu":
+            target = data.numpy()
+            if target.flags.writeable:
+                np.copyto(target, values)
+                return
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtValue
+
+        # (OrtValue's private _ortvalue: what ONNX Runtime's own Parameters.__setitem__ passes)
+        self.ort_state.copy_parameter_from(self.name, OrtValue.ortvalue_from_numpy(values)._ortvalue)
+
+
+class LiveProperties(MutableMapping[str, PropertyValue]):
+    """The properties of an ORT state, as ortckpt's state keeps its own (values already
+    checked and rounded as a file holds them)."""
+
+    def __init__(self, ort_state: Any) -> None:
+        self.ort_state = ort_state
+
+    def __getitem__(self, name: str) -> PropertyValue:
+        if not self.ort_state.has_property(name):
+            raise KeyError(name)
+        value: PropertyValue = self.ort_state.get_property(name)
+        return value
+
+    def __setitem__(self, name: str, value: PropertyValue) -> None:
+        self.ort_state.add_property(name, value)
+
+    def __delitem__(self, name: str) -> None:
+        raise CheckpointStateError(f"property {name}: ONNX Runtime's state cannot remove a property")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and bool(self.ort_state.has_property(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.ort_state.property_names()))
+
+    def __len__(self) -> int:
+        return len(self.ort_state.property_names())
+
+
+class LiveBacking(ArraysBacking):
+    """The backing of a state ONNX Runtime trains: its tensors and properties are the ORT
+    state's; its optimizer state is ONNX Runtime's Optimizer's, reachable only as a copy."""
+
+    def __init__(
+        self,
+        ort_state: Any,
+        records: list[TensorRecord],
+        *,
+        nominal: bool = False,
+        has_external_data: bool = False,
+        format_version: int = _boundary.CHECKPOINT_VERSION,
+    ) -> None:
+        tensors = {r.name: LiveTensor(ort_state, r.name, r.code, r.dims) for r in records}
+        frozen = {r.name for r in records if not r.requires_grad}
+        super().__init__(tensors, frozen, LiveProperties(ort_state), nominal)
+        self.ort_state = ort_state
+        self.format_version = format_version
+        # (the loaded file's: exporting for inference writes external data as ONNX Runtime would)
+        self._external_data = has_external_data
+
+    @property
+    def has_external_data(self) -> bool:  # type: ignore[override]
+        return self._external_data
+
+    @property
+    def is_nominal(self) -> bool:
+        """Of a nominal state, asked of ONNX Runtime until its Module has given it values (and
+        shapes, which a nominal checkpoint may not hold: taken then)."""
+        if self.nominal:
+            self.nominal = is_nominal(self.ort_state)
+            if not self.nominal:
+                tensors = list(self.tensors.values())
+                self.tensors = {
+                    t.name: LiveTensor(self.ort_state, t.name, t.code, tuple(t.value().shape)) for t in tensors
+                }
+        return self.nominal
+
+    def records(self) -> list[TensorRecord]:
+        self.is_nominal  # noqa: B018 (a state ONNX Runtime has just filled takes its shapes)
+        return super().records()
+
+    @property
+    def optimizer_groups(self) -> dict[str, OptimizerGroup]:
+        """A copy of its optimizer's state now (ONNX Runtime saves it into memory)."""
+        return snapshot(self.ort_state, include_optimizer_state=True).optimizer_groups
+
+    def set_optimizer_groups(self, groups: Mapping[str, OptimizerGroup]) -> None:
+        raise CheckpointStateError(
+            "the optimizer state of a state ONNX Runtime trains is its Optimizer's: set it before "
+            "the state is handed to a Module (or load a checkpoint that has it)"
+        )
+
+    def settled(self, include_optimizer_state: bool) -> Backing:
+        """With the optimizer state, the moments are ONNX Runtime's to save: a copy of everything,
+        taken now, in memory."""
+        return snapshot(self.ort_state, include_optimizer_state=True) if include_optimizer_state else self
+
+    def core_state(self, include_optimizer_state: bool) -> CoreState:
+        if include_optimizer_state:
+            return self.settled(True).core_state(True)
+        return super().core_state(False)

@@ -225,12 +225,12 @@ def _calling(location: Location, call: Any, *args: Any, **kwargs: Any) -> Any:
         raise _failure(location, e) from e
 
 
-def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on_bytes: Any = None) -> int:
+def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on_bytes: Any = None) -> Head:
     """Uploads the concatenated ``pieces`` (buffers) as ``location``: one PUT when they fit in
     a part, else a multipart upload that the object appears with when it completes (aborted if
     a piece fails). Large buffers are sliced into parts without copying. ``digest`` (a hashlib
     object) is fed the bytes as they go, ``on_bytes`` (a progress bar's update) their count.
-    Returns the object's size."""
+    Returns the object's size and the ETag the server gave it."""
     import obstore
 
     pieces = list(pieces)
@@ -239,11 +239,11 @@ def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on
         data = b"".join(memoryview(p).cast("B") for p in pieces)
         if digest is not None:
             digest.update(data)
-        _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+        put = _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
         if on_bytes is not None:
             on_bytes(size)
-        return size
-    _calling(
+        return Head(size, put.get("e_tag"))
+    put = _calling(
         location,
         obstore.put,
         location.store,
@@ -253,7 +253,7 @@ def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on
         chunk_size=PART_BYTES,
         max_concurrency=PARTS_IN_FLIGHT,
     )
-    return size
+    return Head(size, put.get("e_tag"))
 
 
 def _parts(pieces: list[Any], digest: Any = None, on_bytes: Any = None) -> Iterator[memoryview]:

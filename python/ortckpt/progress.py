@@ -148,7 +148,7 @@ class Bar:
         start = time.monotonic()
         shown = False
         try:
-            if self._finished.wait(DELAY_SECONDS):
+            if self._finished.wait(DELAY_SECONDS) and time.monotonic() - start < DELAY_SECONDS:
                 return  # quick work: nothing to say
             while True:
                 finished = self._finished.wait(LOG_SECONDS if shown else 0)

@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from . import safe_io, targets
+from . import safe_io, targets, texts
 from ._boundary import VERSION
 from .checkpoint_state import CheckpointState, PackedBits
 from .errors import InvalidArgumentError
-from .statistics import TensorChange, TensorStats, histogram, tensor_changes, tensor_stats, tensors
+from .statistics import TensorChange, TensorStats, histogram, tensor_changes, tensor_stats
+from .tensor_keys import TensorKey, TensorTable
 
 # Histograms drawn, for the largest tensors (those holding NaN or Inf first): each is ~1.5 KB of
 # SVG, so a model of 10,000 tensors makes a page of a few MB, not tens.
@@ -75,10 +76,10 @@ def write_report(
     name: str | None = None,
     against_name: str | None = None,
     files: Sequence[Mapping[str, int | None]] | None = None,
-) -> dict[str, TensorStats]:
+) -> TensorTable[TensorStats]:
     """Writes :func:`render_report`'s page to ``path``, replacing it all or nothing (as every
     file ortckpt writes: a failed write leaves the previous file as it was). Returns the
-    statistics the page shows (name -> :class:`~ortckpt.TensorStats`)."""
+    statistics the page shows (:class:`~ortckpt.TensorKey` -> :class:`~ortckpt.TensorStats`)."""
     targets.output(path, "path")
     if targets.is_object_url(path):
         raise InvalidArgumentError(f"{os.fspath(path)}: a report is written to a local file", "path")
@@ -144,10 +145,7 @@ def _e(value: Any) -> str:
     """Text from a file, as HTML text or attribute (quotes too). Characters that do not print
     are written out as Python's repr writes them: a right-to-left override would turn the name
     and the text after it around, a zero-width space make two names look alike."""
-    text = str(value)
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return html.escape(text, quote=True)
+    return html.escape(texts.printable(str(value)), quote=True)
 
 
 # A property's value is shown up to this many characters: a string of megabytes stays in the
@@ -228,9 +226,9 @@ def _histogram_of(value: Any, s: TensorStats) -> tuple[np.ndarray, np.ndarray] |
 class _Page:
     def __init__(self, side: _Side, other: _Side | None, histograms: int) -> None:
         self.side, self.other, self.histograms = side, other, histograms
-        self.values = {name: (role, value) for name, role, value in tensors(side.state)}
+        self.values: dict[TensorKey, Any] = dict(side.state.tensors())
         self.stats = tensor_stats(side.state)
-        self.ids = {name: f"t{i}" for i, name in enumerate(self.stats)}  # (ids never carry a name)
+        self.ids = {key: f"t{i}" for i, key in enumerate(self.stats)}  # (ids never carry a name)
 
     def render(self) -> str:
         title = f"ortckpt report: {self.side.name}" + (f" against {self.other.name}" if self.other else "")
@@ -256,10 +254,10 @@ class _Page:
 
     def _summary(self) -> str:
         state = self.side.state
-        roles = Counter(role for role, _value in self.values.values())
+        roles = Counter(key.role for key in self.values)
         dtypes = Counter(s.dtype for s in self.stats.values())
-        parameter_bytes = sum(_nbytes(v) for role, v in self.values.values() if role != "momentum")
-        optimizer_bytes = sum(_nbytes(v) for role, v in self.values.values() if role == "momentum")
+        parameter_bytes = sum(_nbytes(v) for key, v in self.values.items() if not key.is_momentum)
+        optimizer_bytes = sum(_nbytes(v) for key, v in self.values.items() if key.is_momentum)
         files = "".join(f"<li><code>{_e(f)}</code> {_size(n)}</li>" for f, n in self.side.files.items())
         cards = [
             ("Files", f"<ul>{files}</ul>" if files else "<p>(a state in memory)</p>"),
@@ -311,9 +309,10 @@ class _Page:
         if not flagged:
             return '<section class="ok" id="flagged"><p>✓ No tensor holds NaN or Inf.</p></section>'
         items = "".join(
-            f'<li><a href="#{self.ids[s.name]}"><code>{_e(s.name)}</code></a> {_flags(s)}'
+            f'<li><a href="#{self.ids[key]}"><code>{_e(s.name)}</code></a> {_flags(s)}'
             f" <span class='muted'>of {_count(s.elements)}</span></li>"
-            for s in flagged
+            for key, s in self.stats.items()
+            if s.flagged
         )
         return (
             f'<section class="alert" id="flagged"><h2>⚠ {_count(len(flagged))} of {_count(len(self.stats))} '
@@ -323,11 +322,12 @@ class _Page:
     def _changes(self) -> str:
         assert self.other is not None
         ours = self.stats
-        theirs = {name: role for name, role, _value in tensors(self.other.state)}
+        theirs = [key for key, _value in self.other.state.tensors()]
+        shared = set(theirs)
         changes = tensor_changes(self.other.state, self.side.state)  # what went from `against` to this
-        only_here = [n for n in ours if n not in theirs]
-        only_there = [n for n in theirs if n not in ours]
-        unlike = [n for n in ours if n in theirs and n not in changes]  # (dtype, shape or strings)
+        only_here = [key for key in ours if key not in shared]
+        only_there = [key for key in theirs if key not in ours]
+        unlike = [key for key in ours if key in shared and key not in changes]  # (dtype, shape or strings)
         changed = [c for c in changes.values() if c.changed]
         top = max((c.relative or 0.0 for c in changed), default=0.0)
         rows = "".join(self._change_row(c, top) for c in changed)
@@ -353,7 +353,7 @@ class _Page:
             ("In both, not comparable (dtype, shape or strings differ)", unlike),
         ):
             if names:
-                items = "".join(f"<li><code>{_e(n)}</code></li>" for n in names)
+                items = "".join(f"<li><code>{_e(key.label)}</code></li>" for key in names)
                 parts.append(f"<h3>{label}: {_count(len(names))}</h3><ul class='names'>{items}</ul>")
         parts.append("</section>")
         return "\n".join(parts)
@@ -369,23 +369,23 @@ class _Page:
             f"<td class='n'>{_num(c.max_abs)}</td><td class='n'>{_count(c.nonfinite) if c.nonfinite else ''}</td></tr>"
         )
 
-    def _drawn(self) -> set[str]:
+    def _drawn(self) -> set[TensorKey]:
         """The tensors that get a histogram: those holding NaN or Inf, then the largest."""
-        numeric = [s for s in self.stats.values() if s.min is not None]
-        numeric.sort(key=lambda s: (not s.flagged, -s.elements, s.name))
-        return {s.name for s in numeric[: self.histograms]}
+        numeric = [(key, s) for key, s in self.stats.items() if s.min is not None]
+        numeric.sort(key=lambda ks: (not ks[1].flagged, -ks[1].elements, ks[1].name, ks[0]))
+        return {key for key, _s in numeric[: self.histograms]}
 
     def _table(self) -> str:
         drawn = self._drawn()
         rows = []
-        for name, s in self.stats.items():
+        for key, s in self.stats.items():
             hist = ""
-            if name in drawn:
-                bars = _histogram_of(self.values[name][1], s)
+            if key in drawn:
+                bars = _histogram_of(self.values[key], s)
                 hist = _histogram_svg(*bars) if bars else "<span class='muted'>range too wide to bin</span>"
             flagged = " class='flagged'" if s.flagged else ""
             rows.append(
-                f"<tr id='{self.ids[name]}'{flagged}><td><code>{_e(name)}</code> {_flags(s)}</td>"
+                f"<tr id='{self.ids[key]}'{flagged}><td><code>{_e(s.name)}</code> {_flags(s)}</td>"
                 f"<td>{_e(s.role)}</td><td>{_e(s.dtype)}</td><td>{_shape(s.shape)}</td>"
                 + "".join(f"<td class='n'>{_num(x)}</td>" for x in (s.min, s.max, s.mean, s.std, s.l2))
                 + f"<td>{hist}</td></tr>"

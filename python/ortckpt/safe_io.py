@@ -134,6 +134,46 @@ def write_new(path: Path, data: bytes, *, durable: bool = False) -> None:
         os.close(fd)
 
 
+def copy_new(source: str | os.PathLike[str], path: Path, *, durable: bool = False) -> tuple[int, str]:
+    """Copies the regular file ``source`` (a FIFO, device or directory refused before a byte is
+    read) into the new file ``path`` (created exclusively), read-only once written; returns the
+    copy's (size, SHA-256), taken from the bytes written. On failure, what was written goes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    size = 0
+    with open_regular(source) as f:
+        fd = create_exclusive(path)
+        try:
+            buffer = bytearray(8 << 20)
+            view = memoryview(buffer)
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
+                write_all(fd, view[:n], path)
+                size += n
+            os.fchmod(fd, 0o444 & ~current_umask())  # (shared by hard links: nobody writes it in place)
+            if durable:
+                os.fsync(fd)
+        except BaseException:
+            _unlink_quietly(path)
+            raise
+        finally:
+            os.close(fd)
+    return size, digest.hexdigest()
+
+
+def link_into_place(done: Path, path: Path) -> None:
+    """Gives the finished file ``done`` the name ``path`` unless a file has it already (another
+    thread's, of the same content: names of content), then removes the name ``done``: whoever
+    comes second finds a whole file, never a half-written one."""
+    try:
+        os.link(done, path)
+    except FileExistsError:
+        pass
+    finally:
+        _unlink_quietly(done)
+
+
 def _unlink_quietly(path: Path) -> None:
     with suppress(OSError):
         os.unlink(path)
@@ -313,6 +353,20 @@ def publish_directory(path: Path) -> None:
     """Gives a directory filled by :func:`make_private_directory` its final permissions: readable
     as the umask allows, never writable by others."""
     os.chmod(path, 0o755 & ~current_umask())
+
+
+READ_ONLY_MODE = 0o444  # a committed step's files, before the umask: see publish_read_only
+
+
+def publish_read_only(directory: Path) -> None:
+    """Makes every regular file directly in ``directory`` (a step being committed) read-only to
+    everyone: a file that later steps share by hard link must not be written in place by
+    ordinary means (``cp`` onto it, a writable ``numpy.memmap``, ONNX Runtime's saver), since
+    that would change every step sharing it. (Root ignores modes: restore notices instead.)"""
+    mode = READ_ONLY_MODE & ~current_umask()
+    for entry in entries(directory):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, mode)
 
 
 def current_umask() -> int:

@@ -1,4 +1,4 @@
-"""Per-tensor statistics and change figures: what a person looks at to debug training.
+r"""Per-tensor statistics and change figures: what a person looks at to debug training.
 
 ``tensor_stats(checkpoint)`` gives, for every tensor (parameters and optimizer momentums),
 the min, max, mean, std (population, ddof=0) and L2 norm of its finite values and how many
@@ -9,15 +9,18 @@ difference (over the pairs where both values are finite; pairs with a NaN or an 
 that changed are counted apart). ``histogram``
 counts a tensor's finite values in equal bins.
 
-Tensors are named as ``ortckpt diff`` names them: parameters by name, momentums as
-``group/parameter/momentum``. Figures are Python floats computed in double precision; a
-tensor with no finite values (or a string tensor) has ``None`` for them.
+Tensors are keyed by :class:`~ortckpt.TensorKey` (a parameter by its name, a momentum by its
+group, parameter and momentum: a parameter named like a momentum is a tensor of its own); the
+results are :class:`~ortckpt.tensor_keys.TensorTable`\ s, where a label (a parameter's name,
+``group/parameter/momentum``) also finds the one tensor it names. Figures are Python floats
+computed in double precision; a tensor with no finite values (or a string tensor) has ``None``
+for them.
 
 The figures are computed by the Rust core (``src/compute/stats.rs``) in one pass over each
-tensor's bytes with the GIL released, many tensors per call: float16, bfloat16, float32,
-float64, every integer type and bool. A checkpoint loaded here from a file is read through
+tensor's bytes with the GIL released, many tensors per call: float8 (the four ONNX types),
+float16, bfloat16, float32, float64, every integer type and bool. A checkpoint loaded here from a file is read through
 its map and its pages are dropped behind the pass, so a large checkpoint does not stay in
-memory. The other types (float8, the packed sub-byte types) go through the NumPy reference
+memory. The packed sub-byte types go through the NumPy reference
 implementation kept here (``_stats_numpy``, ``_change_numpy``), which the tests also use as
 the oracle.
 
@@ -35,8 +38,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -44,11 +47,13 @@ import numpy as np
 from . import _boundary
 from . import dtypes as _dt
 from .checkpoint_state import CheckpointState, PackedBits
-from .errors import UnsupportedDataTypeError
+from .errors import CheckpointStateError, UnsupportedDataTypeError
+from .tensor_keys import TensorKey, TensorTable
 
-# The ONNX types the core's kernels compute (the others go through NumPy here).
+# The ONNX types the core's kernels compute (the others, the packed sub-byte types, go through NumPy here).
 _KERNEL_CODES = frozenset(
     {_dt.FLOAT, _dt.DOUBLE, _dt.FLOAT16, _dt.BFLOAT16, _dt.BOOL}
+    | {_dt.FLOAT8E4M3FN, _dt.FLOAT8E4M3FNUZ, _dt.FLOAT8E5M2, _dt.FLOAT8E5M2FNUZ}
     | {_dt.INT8, _dt.INT16, _dt.INT32, _dt.INT64, _dt.UINT8, _dt.UINT16, _dt.UINT32, _dt.UINT64}
 )
 
@@ -70,6 +75,8 @@ class TensorStats:
     mean: float | None
     std: float | None
     l2: float | None
+    # Which tensor (``name`` is its label, which a parameter named like a momentum shares).
+    key: TensorKey | None = field(default=None, compare=False, repr=False, kw_only=True)
 
     @property
     def finite(self) -> int:
@@ -81,7 +88,7 @@ class TensorStats:
         return bool(self.nan or self.posinf or self.neginf)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "shape": list(self.shape), "finite": self.finite}
+        return {**asdict(self), "shape": list(self.shape), "finite": self.finite, **_key_json(self.key)}
 
 
 @dataclass(frozen=True)
@@ -93,20 +100,14 @@ class TensorChange:
     l2: float  # L2 norm of b - a over the pairs where both are finite
     relative: float | None  # l2 / L2 norm of a's finite values; None when those are all zero
     max_abs: float  # largest |b - a| over the pairs where both are finite
+    key: TensorKey | None = field(default=None, compare=False, repr=False, kw_only=True)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), **_key_json(self.key)}
 
 
-def tensors(state: CheckpointState) -> Iterator[tuple[str, str, Any]]:
-    """``(name, role, value)`` of every tensor: parameters, then momentums."""
-    if not state.is_nominal:
-        for name, parameter in state.parameters:
-            yield name, ("trainable" if parameter.requires_grad else "frozen"), parameter.data
-    for group_name, group in state.optimizer_groups.items():
-        for param, momentums in group.momentums.items():
-            for momentum, value in momentums.items():
-                yield f"{group_name}/{param}/{momentum}", "momentum", value
+def _key_json(key: TensorKey | None) -> dict[str, Any]:
+    return {"key": None if key is None else key.to_json()}
 
 
 def _numeric(value: Any) -> np.ndarray | None:
@@ -160,36 +161,59 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in (value.shape if isinstance(value, PackedBits) else np.shape(value)))
 
 
-def _figures(name: str, role: str, value: Any, figures: _boundary.StatsFigures) -> TensorStats:
+def _figures(key: TensorKey, value: Any, figures: _boundary.StatsFigures) -> TensorStats:
     nan, posinf, neginf, finite, *values = figures
     shape = _shape(value)
     numbers: list[float | None] = [float(v) for v in values] if finite else [None] * 5
-    return TensorStats(name, role, _dtype_name(value), shape, math.prod(shape), nan, posinf, neginf, *numbers)
+    dtype = _dtype_name(value)
+    # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): one dict
+    # update, the same fields, for each of 16k tensors.
+    stats = _new_stats(TensorStats)
+    row = (key.label, key.role, dtype, shape, math.prod(shape), nan, posinf, neginf, *numbers, key)
+    stats.__dict__.update(zip(_STATS_FIELDS, row, strict=True))
+    return stats
+
+
+_new_stats = object.__new__
+_STATS_FIELDS = tuple(f.name for f in fields(TensorStats))
 
 
 def stats_of(name: str, role: str, value: Any) -> TensorStats:
     """The statistics of one tensor."""
+    key = _key_of(name, role)
     kernel = _kernel_tensor(value, None)
     if kernel is None:
-        return _stats_numpy(name, role, value)
-    return _figures(name, role, value, _boundary.tensor_stats([kernel], None)[0])
+        return _stats_numpy(name, role, value, key)
+    return _figures(key, value, _boundary.tensor_stats([kernel], None)[0])
 
 
-def _stats_numpy(name: str, role: str, value: Any) -> TensorStats:
+def _key_of(name: str, role: str) -> TensorKey:
+    """The key of a tensor named by a caller: a parameter's, or a momentum's from its
+    ``group/parameter/momentum`` label (the parameter the part between the first and last ``/``)."""
+    if role != "momentum":
+        return TensorKey.of_parameter(name, role != "frozen")
+    group, _, rest = name.partition("/")
+    parameter, _, momentum = rest.rpartition("/")
+    return TensorKey.of_momentum(group, parameter, momentum)
+
+
+def _stats_numpy(name: str, role: str, value: Any, key: TensorKey | None = None) -> TensorStats:
     """The statistics of one tensor: the NumPy reference implementation (for the types the
     kernels leave out, and the tests' oracle)."""
     array = _numeric(value)
     shape = tuple(int(d) for d in np.shape(value.unpack() if isinstance(value, PackedBits) else value))
     elements = math.prod(shape)
     if array is None:
-        return TensorStats(name, role, _dtype_name(value), shape, elements, 0, 0, 0, None, None, None, None, None)
+        return TensorStats(
+            name, role, _dtype_name(value), shape, elements, 0, 0, 0, None, None, None, None, None, key=key
+        )
     wide = array.astype(np.float64).ravel()
     nan = int(np.count_nonzero(np.isnan(wide)))
     posinf = int(np.count_nonzero(wide == np.inf))
     neginf = int(np.count_nonzero(wide == -np.inf))
     finite = wide[np.isfinite(wide)]
     if not finite.size:
-        return TensorStats(name, role, _dtype_name(value), shape, elements, nan, posinf, neginf, *([None] * 5))
+        return TensorStats(name, role, _dtype_name(value), shape, elements, nan, posinf, neginf, *([None] * 5), key=key)
     return TensorStats(
         name,
         role,
@@ -204,6 +228,7 @@ def _stats_numpy(name: str, role: str, value: Any) -> TensorStats:
         float(finite.mean()),
         float(finite.std()),
         float(np.sqrt(np.dot(finite, finite))),
+        key=key,
     )
 
 
@@ -216,12 +241,18 @@ class _Opened:
             self.state, self.owned = checkpoint, False
         else:
             self.state, self.owned = CheckpointState.load_checkpoint(checkpoint), True
-        self.tensors = list(tensors(self.state))
-        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.tensors
+        # Keys and values apart, not as (key, value) pairs: 16k pairs kept alive through a pass are as
+        # many more objects for the garbage collector to walk.
+        self.keys: list[TensorKey] = []
+        self.values: list[Any] = []
+        for key, value in self.state.tensors():
+            self.keys.append(key)
+            self.values.append(value)
+        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.values
         self._maps: list[Any] = []
         if self.owned:
-            mappings, self._maps = _boundary.maps_of(value for _, _, value in self.tensors)
-            self._mapping = {id(value): m for (_, _, value), m in zip(self.tensors, mappings, strict=True)}
+            mappings, self._maps = _boundary.maps_of(self.values)
+            self._mapping = {id(value): m for value, m in zip(self.values, mappings, strict=True)}
         self.release()
 
     def release(self) -> None:
@@ -234,43 +265,47 @@ class _Opened:
 
 def tensor_stats(
     checkpoint: CheckpointState | str | os.PathLike[str], *, on_bytes: Progress | None = None
-) -> dict[str, TensorStats]:
-    """Name -> :class:`TensorStats` of every tensor of ``checkpoint`` (a state, or a
+) -> TensorTable[TensorStats]:
+    """Key -> :class:`TensorStats` of every tensor of ``checkpoint`` (a state, or a
     checkpoint's path or ``s3://`` URL), in one pass over each tensor's values.
     ``on_bytes(n)`` is called as ``n`` more bytes of values are read."""
     opened = _Opened(checkpoint)
     try:
         jobs, by_kernel = [], []
-        for index, (_name, _role, value) in enumerate(opened.tensors):
+        for index, value in enumerate(opened.values):
             kernel = opened.kernel(value)
             if kernel is not None:
                 jobs.append(kernel)
                 by_kernel.append(index)
         computed = dict(zip(by_kernel, _boundary.tensor_stats(jobs, on_bytes), strict=True))
-        found = {}
-        for index, (name, role, value) in enumerate(opened.tensors):
+        found: TensorTable[TensorStats] = TensorTable()
+        for index, (key, value) in enumerate(zip(opened.keys, opened.values, strict=True)):
             figures = computed.get(index)
-            found[name] = _stats_numpy(name, role, value) if figures is None else _figures(name, role, value, figures)
+            if figures is None:
+                found[key] = _stats_numpy(key.label, key.role, value, key)
+            else:
+                found[key] = _figures(key, value, figures)
         return found
     finally:
         opened.release()
 
 
-def _change(name: str, elements: int, figures: tuple[int, int, float, float, float, float]) -> TensorChange:
+def _change(key: TensorKey, elements: int, figures: tuple[int, int, float, float, float, float]) -> TensorChange:
     # (relative comes from the core's scaled sums: both norms may be inf where it is not)
     changed, nonfinite, l2, norm, max_abs, relative = figures
-    return TensorChange(name, elements, changed, nonfinite, l2, relative if norm else None, max_abs)
+    return TensorChange(key.label, elements, changed, nonfinite, l2, relative if norm else None, max_abs, key=key)
 
 
 def change_of(name: str, a: Any, b: Any) -> TensorChange:
-    """The change from ``a`` to ``b`` (same shape)."""
+    """The change from ``a`` to ``b`` (same shape), of the parameter ``name``."""
     ka, kb = _kernel_tensor(a, None), _kernel_tensor(b, None)
+    key = TensorKey.of_parameter(name)
     if ka is None or kb is None or ka[0] != kb[0] or _shape(a) != _shape(b):
-        return _change_numpy(name, a, b)
-    return _change(name, math.prod(_shape(a)), _boundary.tensor_changes([(ka, kb)], None)[0])
+        return _change_numpy(name, a, b, key)
+    return _change(key, math.prod(_shape(a)), _boundary.tensor_changes([(ka, kb)], None)[0])
 
 
-def _change_numpy(name: str, a: Any, b: Any) -> TensorChange:
+def _change_numpy(name: str, a: Any, b: Any, key: TensorKey | None = None) -> TensorChange:
     """The change from ``a`` to ``b``: the NumPy reference implementation."""
     xa, xb = _numeric(a), _numeric(b)
     if xa is None or xb is None:
@@ -291,6 +326,7 @@ def _change_numpy(name: str, a: Any, b: Any) -> TensorChange:
         l2,
         (l2 / norm) if norm else None,
         float(np.abs(d).max()) if d.size else 0.0,
+        key=key,
     )
 
 
@@ -299,13 +335,19 @@ def tensor_changes(
     b: CheckpointState | str | os.PathLike[str],
     *,
     on_bytes: Progress | None = None,
-) -> dict[str, TensorChange]:
-    """Name -> :class:`TensorChange` of every tensor ``a`` and ``b`` share with the same dtype
+) -> TensorTable[TensorChange]:
+    """Key -> :class:`TensorChange` of every tensor ``a`` and ``b`` share with the same dtype
     and shape (numeric ones): those with changed NaNs or infinities first, then largest L2
     change first. ``on_bytes(n)`` is called as ``n`` more bytes of values (of both) are read."""
     opened_a = _Opened(a)
     try:
         opened_b = _Opened(b)
+        for side, opened in (("a", opened_a), ("b", opened_b)):
+            if opened.state.is_nominal:
+                opened_b.release()
+                raise CheckpointStateError(
+                    f"{side} is a nominal checkpoint (names and types, no values): there are no changes to compute"
+                )
         try:
             found = _changes(opened_a, opened_b, on_bytes)
         finally:
@@ -313,24 +355,24 @@ def tensor_changes(
     finally:
         opened_a.release()
     found.sort(key=lambda c: (-c.nonfinite, -c.l2, c.name))
-    return {c.name: c for c in found}
+    return TensorTable((c.key, c) for c in found if c.key is not None)
 
 
 def _changes(opened_a: _Opened, opened_b: _Opened, on_bytes: Progress | None) -> list[TensorChange]:
-    ta = {name: value for name, _role, value in opened_a.tensors}
+    ta = dict(zip(opened_a.keys, opened_a.values, strict=True))
     found, pairs, paired = [], [], []
-    for name, _role, vb in opened_b.tensors:
-        va = ta.get(name)
+    for key, vb in zip(opened_b.keys, opened_b.values, strict=True):
+        va = ta.get(key)
         if va is None or _dtype_name(va) != _dtype_name(vb) or _shape(va) != _shape(vb):
             continue
         ka, kb = opened_a.kernel(va), opened_b.kernel(vb)
         if ka is not None and kb is not None:
             pairs.append((ka, kb))
-            paired.append((name, math.prod(_shape(va))))
+            paired.append((key, math.prod(_shape(va))))
         elif _numeric(va) is not None and _numeric(vb) is not None:
-            found.append(_change_numpy(name, va, vb))
+            found.append(_change_numpy(key.label, va, vb, key))
     figures = _boundary.tensor_changes(pairs, on_bytes)
-    found += [_change(name, n, f) for (name, n), f in zip(paired, figures, strict=True)]
+    found += [_change(key, n, f) for (key, n), f in zip(paired, figures, strict=True)]
     return found
 
 

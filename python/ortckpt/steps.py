@@ -16,6 +16,12 @@
   ``index.json``) naming the attempt, with a conditional PUT. Retiring a step first creates
   ``step_<n>/retired-<attempt>``, which hides it from every reader and marks its objects for
   deletion until they are all gone.
+- **The run's graphs** (``CheckpointManager(artifacts=...)``): each distinct ONNX model is stored
+  once, named by its SHA-256, in the run's ``artifacts/<sha256>.onnx``. In a directory each step
+  holds its graphs as ``<role>_model.onnx`` (``training_model.onnx``...), hard links to those
+  files: a step folder is whole on its own, and a stored graph no step links to any more (one
+  link left) is removed. Under an object store prefix a step's metadata.json names the stored
+  objects by digest.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 
 from .documents import ATTEMPT as ATTEMPT
 from .documents import INDEX_NAME as INDEX_NAME  # checked by the index's schema
+from .documents import artifact_name as artifact_name  # checked by metadata.json's schema
 from .documents import shard_file_name as shard_file_name
 
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -37,6 +44,15 @@ WRITER_LOCK_NAME = ".ortckpt-writer.lock"
 CHECKPOINT_NAME = "checkpoint"  # a manager's checkpoint file
 METADATA_NAME = "metadata.json"  # a manager's record of the step: files, sizes, SHA-256s, metrics
 COMPRESSED_NAME = "checkpoint.zst"  # a kept step's checkpoint files, compressed (compress_kept=True)
+ARTIFACTS_FOLDER = "artifacts"  # the run's graphs, one file (or object) per distinct content
+STORED_GRAPH = re.compile(r"[0-9a-f]{64}\.onnx")
+
+
+def stored_graph_name(sha256: str) -> str:
+    """The name of a stored graph in the run's artifacts folder: its content's digest."""
+    return f"{sha256}.onnx"
+
+
 # The documents that commit a step, in the order a reader prefers them.
 COMMIT_DOCUMENTS = (METADATA_NAME, INDEX_NAME)
 

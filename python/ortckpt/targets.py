@@ -95,17 +95,21 @@ class LocalFile:
         progress: bool,
         lock_timeout: float | None = None,
     ) -> None:
+        from .interrupts import before_commit
         from .progress import save_progress
 
         with save_progress(progress, f"saving {self.path.name}") as counter:
-            _boundary.save(
+            # Written staged, then committed: a Ctrl-C held meanwhile is raised before the
+            # commit (the staged files discarded), never after it (see ortckpt.interrupts).
+            staging, _ = _boundary.save_staged(
                 self.path,
                 state,
                 external_data_threshold=external_data_threshold,
                 durable=durable,
                 progress=counter,
-                lock_timeout=lock_timeout,
             )
+            before_commit()
+            staging.commit(durable=durable, lock_timeout=lock_timeout)
 
 
 @dataclass(frozen=True)
@@ -221,11 +225,12 @@ class ObjectFile:
     ) -> dict[str, dict[str, Any]]:
         """Streams ``state`` up (its data object first: the checkpoint names it). Returns what
         was uploaded as a step's metadata records files: {last part of the key: {"bytes":
-        size, "sha256": hex digest}}, each SHA-256 taken as the bytes went (sizes alone
-        without ``hashed``). ``progress``: a bar over the bytes uploaded."""
+        size, "sha256": hex digest, "etag": the ETag the server gave it}}, each SHA-256 taken as
+        the bytes went (sizes alone without ``hashed``). ``progress``: a bar over the bytes
+        uploaded."""
         import hashlib
 
-        from . import object_store
+        from . import documents, object_store
         from .progress import maybe_bar
 
         main, external = _boundary.encode_segments(state, external_data_threshold=external_data_threshold)
@@ -239,9 +244,12 @@ class ObjectFile:
         with maybe_bar(progress, f"uploading {name}", total) as bar:
             for where, file, pieces in uploads:
                 digest = hashlib.sha256() if hashed else None
-                uploaded[file] = {"bytes": object_store.put_stream(where, pieces, digest, bar.update)}
+                put = object_store.put_stream(where, pieces, digest, bar.update)
+                uploaded[file] = {"bytes": put.size}
                 if digest is not None:
                     uploaded[file]["sha256"] = digest.hexdigest()
+                if put.etag is not None and documents.is_etag(put.etag):
+                    uploaded[file]["etag"] = put.etag  # (what a restore takes as proof of this object)
         return uploaded
 
     def load(self, *, lazy: bool = True) -> _boundary.Loaded:

@@ -19,6 +19,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
+use std::sync::OnceLock;
 
 use super::floats::{bf16_bits_to_f32, f16_bits_to_f32};
 use super::{element_size, populate, Input};
@@ -33,8 +34,8 @@ pub const PIECE: usize = 1 << 14;
 /// Chan's formula stay far from float64's limits for any number of elements (2^60 and up).
 const SAFE: i32 = 480;
 
-/// Whether the kernels here compute tensors of this type (float8, the packed sub-byte types
-/// and strings are left to the caller).
+/// Whether the kernels here compute tensors of this type (the packed sub-byte types and
+/// strings are left to the caller).
 pub fn covers(data_type: DataType) -> bool {
     use DataType::*;
     matches!(
@@ -43,6 +44,10 @@ pub fn covers(data_type: DataType) -> bool {
             | Double
             | Float16
             | Bfloat16
+            | Float8E4M3Fn
+            | Float8E4M3Fnuz
+            | Float8E5M2
+            | Float8E5M2Fnuz
             | Int8
             | Int16
             | Int32
@@ -469,7 +474,74 @@ fn widen(data_type: DataType, bytes: &[u8], out: &mut [f64]) {
         Uint32 => each!(4, |b| f64::from(u32::from_le_bytes(b))),
         Int64 => each!(8, |b| i64::from_le_bytes(b) as f64),
         Uint64 => each!(8, |b| u64::from_le_bytes(b) as f64),
+        Float8E4M3Fn | Float8E4M3Fnuz | Float8E5M2 | Float8E5M2Fnuz => {
+            let table = float8_table(data_type);
+            for (o, b) in out.iter_mut().zip(bytes) {
+                *o = table[usize::from(*b)];
+            }
+        }
         _ => out.fill(f64::NAN), // refused by check() before any pass
+    }
+}
+
+/// The 256 values of a float8 type, as float64 (exactly: every float8 value is one), built once.
+fn float8_table(data_type: DataType) -> &'static [f64; 256] {
+    static TABLES: OnceLock<[[f64; 256]; 4]> = OnceLock::new();
+    let tables = TABLES.get_or_init(|| {
+        use DataType::*;
+        [Float8E4M3Fn, Float8E4M3Fnuz, Float8E5M2, Float8E5M2Fnuz]
+            .map(|t| std::array::from_fn(|bits| float8_value(t, bits as u8)))
+    });
+    match data_type {
+        DataType::Float8E4M3Fn => &tables[0],
+        DataType::Float8E4M3Fnuz => &tables[1],
+        DataType::Float8E5M2 => &tables[2],
+        _ => &tables[3],
+    }
+}
+
+/// One float8 value, as ONNX (and ml_dtypes) define the four types: E4M3FN has no infinity and
+/// one NaN pattern (all ones, either sign); E5M2 is IEEE-like (exponent all ones: infinity or
+/// NaN); the FNUZ types have no infinity, no negative zero, and NaN is 0x80.
+fn float8_value(data_type: DataType, bits: u8) -> f64 {
+    use DataType::*;
+    let (mantissa_bits, bias) = match data_type {
+        Float8E4M3Fn => (3, 7),
+        Float8E4M3Fnuz => (3, 8),
+        Float8E5M2 => (2, 15),
+        _ => (2, 16),
+    };
+    let exponent_mask = (1u8 << (7 - mantissa_bits)) - 1;
+    let exponent = (bits >> mantissa_bits) & exponent_mask;
+    let mantissa = bits & ((1 << mantissa_bits) - 1);
+    let fnuz = matches!(data_type, Float8E4M3Fnuz | Float8E5M2Fnuz);
+    if fnuz && bits == 0x80 {
+        return f64::NAN;
+    }
+    if data_type == Float8E4M3Fn && exponent == exponent_mask && mantissa == 0b111 {
+        return f64::NAN;
+    }
+    if data_type == Float8E5M2 && exponent == exponent_mask {
+        return if mantissa == 0 {
+            if bits & 0x80 != 0 {
+                f64::NEG_INFINITY
+            } else {
+                f64::INFINITY
+            }
+        } else {
+            f64::NAN
+        };
+    }
+    let m = mantissa_bits;
+    let magnitude = if exponent == 0 {
+        f64::from(mantissa) * pow2(1 - bias - m)
+    } else {
+        f64::from((1u8 << mantissa_bits) + mantissa) * pow2(i32::from(exponent) - bias - m)
+    };
+    if bits & 0x80 != 0 {
+        -magnitude
+    } else {
+        magnitude
     }
 }
 

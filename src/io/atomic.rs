@@ -172,18 +172,16 @@ impl Drop for PendingFile {
 }
 
 /// The process's umask, read without changing it (umask(2) sets as it reads, racing
-/// other threads).
+/// other threads), at each save: a program may change it between saves. Where
+/// /proc/self/status has no `Umask:` line (kernels before 4.7, no /proc), the usual 022.
 fn umask() -> u32 {
-    static UMASK: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *UMASK.get_or_init(|| {
-        fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|status| {
-                let line = status.lines().find(|l| l.starts_with("Umask:"))?;
-                u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
-            })
-            .unwrap_or(0o022)
-    })
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("Umask:"))?;
+            u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
+        })
+        .unwrap_or(0o022)
 }
 
 /// A new, empty temporary file for a save to `target`, created exclusively and locked.

@@ -98,6 +98,11 @@ impl Staged {
         self.data.as_mut()
     }
 
+    /// Drops the staged data file (removed, never committed): the checkpoint needs none.
+    pub fn drop_data(&mut self) {
+        self.data = None;
+    }
+
     /// Publishes the staged files in place of the target's (see the module's protocol).
     ///
     /// # Errors

@@ -8,6 +8,7 @@
 mod compute;
 mod errors;
 mod mapped;
+mod signals;
 mod stats;
 mod views;
 
@@ -473,6 +474,18 @@ impl Staging {
         })
     }
 
+    /// Seals files another writer (ONNX Runtime's saver) wrote whole into the staged files:
+    /// the checksum block and pair trailers appended; a staged data file the checkpoint does
+    /// not use is dropped. Then `commit()`.
+    fn seal(&self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || {
+            self.with(py, |staged| {
+                py.detach(|| crate::seal_written(staged))
+                    .map_err(|e| to_py_err(py, e))
+            })
+        })
+    }
+
     /// Removes the staged files; the target stays as it was.
     fn discard(&self) {
         let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -888,6 +901,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The package's version is the crate's (one place: Cargo.toml), read from the compiled core
     // rather than the installed metadata, so a source tree and a wheel say the same.
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<signals::SignalOnDrop>()?;
     m.add("CHECKPOINT_VERSION", crate::format::CHECKPOINT_VERSION)?;
     m.add("TEMP_MARKER", crate::io::TEMP_MARKER)?;
     m.add(

@@ -20,6 +20,21 @@ Each command prints one JSON object on its last line of stdout.
       training on at once after each; ONNX Runtime's own save at each save() beside them
   hostile_tmpdir OUT  a bind and a full save while someone else who may write TMPDIR swaps the
       memory checkpoint directories
+  graphs_run ARTIFACTS DIRECTORY STEPS STOP  a run whose manager records the graphs
+      (artifacts=ARTIFACTS) in DIRECTORY/run, saving every step; stops after step STOP (the
+      machine gone); at STEPS, ONNX Runtime's saver writes DIRECTORY/final.ckpt
+  graphs_resume DIRECTORY STEPS ARTIFACTS  in DIRECTORY (a step folder copied there alone, nothing
+      else; ARTIFACTS, the run's folder, gone): restore_training, then train on to STEPS, saving
+      every step, and DIRECTORY/final.ckpt
+  preempt_run ARTIFACTS DIRECTORY STEPS ASYNC GRACE  a training run with preemption=True (SIGTERM
+      and SIGINT), async saves every 4 steps, resumed from the latest step; stops at the step a
+      signal came (saved there); at the end saves DIRECTORY/final.ckpt with ONNX Runtime's saver
+  through_ort ARTIFACTS OUT  full saves written by ONNX Runtime's saver into the staged files
+      (ortckpt's state and ONNX Runtime's own, each with and without external data), ONNX
+      Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
+      saver raising, writing a torn file, an interrupt after it returns) over a saved file
+  backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
+      Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -80,6 +96,43 @@ def manager_run(artifacts: str, directory: str, steps: str, cls: str, async_save
     manager.close()
     C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
     return {"resumed_from": latest, "steps": manager.all_steps()}
+
+
+def graphs_run(artifacts: str, directory: str, steps: str, stop: str) -> dict:
+    manager = ortckpt.CheckpointManager(
+        os.path.join(directory, "run"), artifacts=artifacts, max_to_keep=2, durable=False
+    )
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    for step in range(int(stop)):
+        _train_step(model, optimizer, step)
+        state.properties["last_loss_step"] = step
+        manager.save(state, step + 1)
+    manager.close()
+    if stop == steps:
+        C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
+    return {"steps": manager.all_steps(), "lr": optimizer.get_learning_rate()}
+
+
+def graphs_resume(directory: str, steps: str, artifacts: str) -> dict:
+    # (the same arguments as the run that made the step: its artifacts folder is not on this machine)
+    manager = ortckpt.CheckpointManager(directory, artifacts=artifacts, max_to_keep=2, durable=False)
+    start = manager.latest_step()
+    state, model, optimizer = manager.restore_training()
+    for step in range(start, int(steps)):
+        _train_step(model, optimizer, step)
+        state.properties["last_loss_step"] = step
+        manager.save(state, step + 1)
+    manager.close()
+    C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
+    return {
+        "resumed_from": start,
+        "steps": manager.all_steps(),
+        "lr": optimizer.get_learning_rate(),
+        "classes": [type(model).__name__, type(optimizer).__name__, type(state).__module__],
+        "device": manager.all()[0].metadata["execution_provider"],
+        "recorded": sorted(manager.latest().artifacts),
+    }
 
 
 def own_state(artifacts: str, out: str) -> dict:
@@ -275,7 +328,7 @@ def off_cpu(artifacts: str) -> dict:
     state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
     _model = _session(artifacts, state)  # (ONNX Runtime's copy_parameter_from needs a Module's: else it crashes)
     inner = state._state
-    tensor = ortckpt.checkpoint_state.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
+    tensor = ortckpt.live.LiveTensor(_OffCpuState(inner), "0.weight", 1, (16, 8))
     tensor.assign(np.full((16, 8), 3, np.float32))
     return {"reached_ort": bool((inner.get_parameter("0.weight").data.numpy() == 3).all())}
 
@@ -385,6 +438,181 @@ def hostile_tmpdir(out: str) -> dict:
     }
 
 
+def preempt_run(artifacts: str, directory: str, steps: str, async_save: str, grace: str) -> dict:
+    manager = ortckpt.CheckpointManager(
+        os.path.join(directory, "run"),
+        save_every=4,
+        max_to_keep=2,
+        async_save=async_save == "1",
+        durable=False,
+        preemption=True,
+        preemption_grace=float(grace),
+    )
+    latest = manager.latest_step()
+    state = manager.restore() if latest is not None else ortckpt.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    print("ready", file=sys.stderr, flush=True)
+    done = latest or 0
+    for step in range(done, int(steps)):
+        _train_step(model, optimizer, step)
+        done = step + 1
+        if manager.should_save(done) or done == int(steps):
+            manager.save(state, done)
+        if manager.preempted:
+            break
+    if done == int(steps):  # (ONNX Runtime's own saver: the properties are the state's own)
+        C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
+    print("trained", file=sys.stderr, flush=True)
+    manager.close()  # (puts SIGTERM's default action back: a signal from now on ends the process)
+    return {"resumed_from": latest, "trained_to": done, "latest": manager.latest_step(), "preempted": manager.preempted}
+
+
+def through_ort(artifacts: str, out: str) -> dict:
+    external = os.path.join(out, "external-source.ckpt")  # the artifacts' checkpoint, all external
+    ortckpt.CheckpointState.save_checkpoint(
+        ortckpt.load_checkpoint(os.path.join(artifacts, "checkpoint")), external, external_data_threshold=0
+    )
+    files = {}
+    for kind in ("ortckpt", "ortckpt_external", "onnxruntime", "onnxruntime_external"):
+        source = external if kind.endswith("_external") else os.path.join(artifacts, "checkpoint")
+        if kind.startswith("ortckpt"):
+            # A bound state's memory checkpoint has external data past this threshold (as files do).
+            ortckpt.live.EXTERNAL_DATA_THRESHOLD = 0 if kind.endswith("_external") else 2**40
+            state = ortckpt.CheckpointState.load_checkpoint(source)
+        else:
+            state = ort_api.CheckpointState.load_checkpoint(source)
+        model, optimizer = _session(artifacts, state)
+        for step in range(2):
+            _train_step(model, optimizer, step)
+        state.properties["kind"] = kind
+        saved = os.path.join(out, f"{kind}.ckpt")
+        open(saved, "wb").close()  # (an earlier file in its place)
+        ortckpt.CheckpointState.save_checkpoint(state, saved, include_optimizer_state=True)
+        ort_api.CheckpointState.save_checkpoint(state, os.path.join(out, f"{kind}_ort.ckpt"), True)
+        # ONNX Runtime loads what was saved, and saves it again as it was.
+        C.save_checkpoint(C.load_checkpoint(saved), os.path.join(out, f"{kind}_reloaded.ckpt"), True)
+        files[kind] = sorted(e for e in os.listdir(out) if e.startswith(kind + "."))
+    ortckpt.live.EXTERNAL_DATA_THRESHOLD = 2**40
+
+    # Saves that fail, over the last file saved: each leaves it (and nothing else) behind.
+    api = ortckpt.live._training_api()
+    failures = {}
+
+    def torn(state: object, path: str, include: bool) -> None:
+        api.save_checkpoint(state, path, include)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    def refused(state: object, path: str, include: bool) -> None:
+        raise RuntimeError("no space left on device (simulated)")
+
+    def interrupted(state: object, path: str, include: bool) -> None:
+        api.save_checkpoint(state, path, include)
+        raise KeyboardInterrupt  # (as a Ctrl-C delivered once the saver returns the GIL)
+
+    target = os.path.join(out, "onnxruntime_external.ckpt")
+    before = {name: _file_sha(os.path.join(out, name)) for name in files["onnxruntime_external"]}
+    model(*_batch(9))
+    optimizer.step()  # (the state differs from the saved one now)
+    for name, saver in (("torn", torn), ("refused", refused), ("interrupted", interrupted)):
+
+        class Failing:
+            def __getattr__(self, attribute: str) -> object:
+                return getattr(api, attribute)
+
+            save_checkpoint = staticmethod(saver)
+
+        ortckpt.live._training_api = Failing
+        try:
+            ortckpt.CheckpointState.save_checkpoint(state, target, include_optimizer_state=True)
+        except BaseException as e:
+            failures[name] = type(e).__name__
+        after = {
+            n: _file_sha(os.path.join(out, n))
+            for n in sorted(os.listdir(out))
+            if n.startswith(os.path.basename(target))
+        }
+        assert after == before, (name, after, before)
+    return {"files": files, "failures": failures, "left": sorted(os.listdir(out))}
+
+
+def _file_sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _shown(state: ortckpt.CheckpointState) -> dict:
+    """What the public API shows of a state: parameters, properties, optimizer groups, records and
+    the keyed tensors, values by digest."""
+    return {
+        "parameters": [[n, p.requires_grad, p.data_type, list(p.shape), _sha(p.data)] for n, p in state.parameters],
+        "properties": dict(state.properties),
+        "groups": {
+            g: [
+                group.step,
+                group.initial_learning_rate,
+                {p: {m: _sha(v) for m, v in ms.items()} for p, ms in group.momentums.items()},
+            ]
+            for g, group in state.optimizer_groups.items()
+        },
+        "records": sorted([list(r) for r in state.tensor_records()]),
+        "tensors": [[key.role, key.label, _sha(value)] for key, value in state.tensors()],
+        "nominal": state.is_nominal,
+    }
+
+
+def backings_alike(artifacts: str, out: str) -> dict:
+    base = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    momentums = {
+        n: {"momentum0": np.full(p.shape, 0.5, np.float32), "momentum1": np.full(p.shape, 0.25, np.float32)}
+        for n, p in base.parameters
+        if p.requires_grad
+    }
+    base.optimizer_groups = {"group0": ortckpt.OptimizerGroup(3, 0.01, momentums)}
+    base.properties["epoch"] = 2
+    base.properties["note"] = "alike"
+    path = os.path.join(out, "base.ckpt")
+    ortckpt.save_checkpoint(base, path, include_optimizer_state=True)
+
+    mapped = ortckpt.CheckpointState.load_checkpoint(path)
+    arrays = ortckpt.CheckpointState.from_arrays(
+        {n: p.data.copy() for n, p in mapped.parameters if p.requires_grad},
+        {n: p.data.copy() for n, p in mapped.parameters if not p.requires_grad},
+        dict(mapped.properties),
+    )
+    arrays.optimizer_groups = {
+        g: ortckpt.OptimizerGroup(group.step, group.initial_learning_rate, group.momentums)
+        for g, group in mapped.optimizer_groups.items()
+    }
+    bound = ortckpt.CheckpointState.load_checkpoint(path)
+    bound._state  # noqa: B018 (handed to ONNX Runtime: live from now on)
+    adopted = ortckpt.checkpoint_state.adopt(C.load_checkpoint(path))
+    report: dict = {}
+    # Four threads handing one state to ONNX Runtime at once: one binding, one ORT state for all.
+    raced = ortckpt.CheckpointState.load_checkpoint(path)
+    start, inners = threading.Barrier(4), []
+
+    def take() -> None:
+        start.wait()
+        inners.append(raced._state)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    report["one_binding"] = len(inners) == 4 and all(inner is inners[0] for inner in inners)
+    for name, state in {"arrays": arrays, "mapped": mapped, "bound": bound, "adopted": adopted, "raced": raced}.items():
+        saved = os.path.join(out, f"{name}.ckpt")
+        ortckpt.save_checkpoint(state, saved, include_optimizer_state=True)
+        report[name] = {
+            "live": repr(state).endswith("onnxruntime)"),
+            "shown": _shown(state),
+            "saved": _shown(ortckpt.CheckpointState.load_checkpoint(saved)),
+        }
+    return report
+
+
 def main(argv: list[str]) -> None:
     command, *args = argv
     commands = {
@@ -399,6 +627,11 @@ def main(argv: list[str]) -> None:
         "leaks": leaks,
         "async_while_training": async_while_training,
         "hostile_tmpdir": hostile_tmpdir,
+        "graphs_run": graphs_run,
+        "graphs_resume": graphs_resume,
+        "preempt_run": preempt_run,
+        "through_ort": through_ort,
+        "backings_alike": backings_alike,
     }
     result = commands[command](*args)
     print(json.dumps(result))

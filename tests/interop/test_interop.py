@@ -261,3 +261,34 @@ def test_manager_steps_that_share_unchanged_tensors_load_in_onnx_runtime_exactly
         for param, moms in expected.momentums.items():
             for m, value in moms.items():
                 assert sha256(group.momentums[param][m]) == sha256(value), (info.step, param, m)
+
+
+def test_onnx_runtimes_saver_pointed_at_a_step_changes_no_step_silently(ort, tmp_path):
+    """ONNX Runtime's own saver pointed at a step's checkpoint rewrites it and its checkpoint.data
+    in place, the very file earlier steps share by hard link (share_unchanged). A step's files are
+    read-only, so for their owner that save fails; root ignores modes, and then restore refuses
+    every step that shares the file (naming it) rather than restoring ONNX Runtime's bytes as them."""
+    from ortckpt import CheckpointIntegrityError, CheckpointManager
+
+    def state_at(step: int) -> CheckpointState:
+        frozen = {"frozen": np.arange(100_000, dtype=np.float32)}
+        return CheckpointState.from_arrays({"w": np.full(1000, step, np.float32)}, frozen)
+
+    with CheckpointManager(tmp_path / "run", external_data_threshold=0) as manager:
+        for step in (1, 2):
+            manager.save(state_at(step), step)
+        first, second = (info.directory for info in manager.all())
+    assert (first / "checkpoint.data").stat().st_ino == (second / "checkpoint.data").stat().st_ino
+    other = tmp_path / "other"
+    ones = CheckpointState.from_arrays({"w": np.zeros(1000, np.float32)}, {"frozen": np.ones(100_000, np.float32)})
+    CheckpointState.save_checkpoint(ones, other, external_data_threshold=0)
+    if os.geteuid() != 0:
+        with pytest.raises(AssertionError, match="ONNX Runtime failed"):
+            ort("resave", other, second / "checkpoint", 1)
+        return
+    ort("resave", other, second / "checkpoint", 1)
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    for step, directory in ((1, first), (2, second)):
+        with pytest.raises(CheckpointIntegrityError) as caught:
+            reader.restore(step)
+        assert str(directory / "checkpoint.data") in str(caught.value)

@@ -6,6 +6,7 @@ verify as before and say so."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -344,3 +345,70 @@ def test_reseal_refuses_a_place_no_tensor_holds(tmp_path, filled):
             staging.reseal([(False, offset, None), (False, offset, 1)])
     finally:
         staging.discard()
+
+
+def unsealed(path: Path) -> tuple[bytes, bytes | None]:
+    """The files ortckpt saved at ``path`` without their checksum block and pair trailers: as
+    another writer (ONNX Runtime's saver) leaves a checkpoint."""
+    main = path.read_bytes()
+    count = sum(1 for _ in _boundary.load(path).tensors())
+    main = main[: len(main) - (8 * (count + 1) + 32) - 32]  # (the block: sums, footer; the trailer)
+    data_path = Path(f"{path}.data")
+    return main, data_path.read_bytes()[:-32] if data_path.exists() else None
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_a_checkpoint_another_writer_wrote_into_the_staged_files_is_sealed_then_committed(
+    tmp_path: Path, external: bool
+) -> None:
+    """What ONNX Runtime's saver writes into a staged save's files (live.save_through_ort) gets
+    ortckpt's checksums and pair trailers, and replaces the checkpoint there (of either layout)."""
+    source = tmp_path / "source.ckpt"
+    save(source, external=external)
+    main, data = unsealed(source)
+    if not external:  # (a file without a block, as ONNX Runtime's)
+        (tmp_path / "bare.ckpt").write_bytes(main)
+        assert not verify(tmp_path / "bare.ckpt").checksums
+        (tmp_path / "bare.ckpt").unlink()
+    target = tmp_path / "target.ckpt"
+    save(target, external=not external)  # (an earlier checkpoint in its place, the other layout)
+    staging = _boundary.stage(target, with_data=True)
+    os.write(staging.fileno(), main)
+    if data is not None:
+        os.write(staging.fileno(data=True), data)
+    staging.seal()
+    staging.commit()
+    checked = verify(target)
+    assert checked.checksums and checked.tensors == 5
+    assert Path(f"{target}.data").exists() == external  # (the earlier data file went with its checkpoint)
+    if external:
+        x, y = CheckpointState.load_checkpoint(target), rich_state()
+        assert {k: v.data.tobytes() for k, v in x.parameters} == {k: v.data.tobytes() for k, v in y.parameters}
+        assert x.optimizer_groups["g"].momentums["big"]["m0"].tobytes() == np.ones(300, np.float32).tobytes()
+        assert dict(x.properties) == dict(y.properties)
+    else:  # (its pair id comes from its checksums, as a save of ortckpt's own: the same bytes)
+        assert target.read_bytes() == source.read_bytes()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]
+
+
+def test_a_staged_checkpoint_torn_sealed_already_or_without_its_data_file_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "source.ckpt"
+    save(source, external=True)
+    main, data = unsealed(source)
+    assert data is not None
+    target = tmp_path / "target.ckpt"
+    save(target, external=False)
+    before = target.read_bytes()
+    cases = [
+        (True, main[: len(main) // 2], ortckpt.CheckpointFormatError, ""),
+        (True, source.read_bytes(), ortckpt.CheckpointStateError, "sealed already"),
+        (False, main, ortckpt.CheckpointStateError, "no data file is staged"),
+    ]
+    for with_data, written, error, message in cases:
+        staging = _boundary.stage(target, with_data=with_data)
+        os.write(staging.fileno(), written)
+        with pytest.raises(error, match=message or None):
+            staging.seal()
+        staging.discard()
+        assert target.read_bytes() == before
+        assert sorted(os.listdir(tmp_path)) == ["source.ckpt", "source.ckpt.data", "target.ckpt"]

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import ortckpt
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core
+from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, _core, texts
 from ortckpt.cli import DIFFERENT, FAILED, OK, USAGE, run
 
 # Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
@@ -224,7 +225,7 @@ def test_ctrl_c_exits_130_not_the_code_that_says_differ(ckpt, tmp_path):
         "def interrupted(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    signal.pause()\n"
-        "commands.sources.checkpoints = interrupted\n"
+        "commands.resolve.checkpoints = interrupted\n"
     )
     out = tmp_path / "out.ckpt"
     for launch in ("from ortckpt.cli import console; console()", "import runpy; runpy.run_module('ortckpt')"):
@@ -276,3 +277,84 @@ def test_averaging_different_frozen_parameters_names_the_commands_option(ckpt, t
         )
         == OK
     )
+
+
+@pytest.mark.parametrize("kind", ["dangling symlink", "directory", "FIFO"])
+def test_a_step_whose_metadata_is_not_a_regular_file_is_refused_in_one_line(capsys, tmp_path, kind):
+    """A step folder whose metadata.json is a dangling symlink, a directory or a FIFO: every
+    command says so, naming the file, with the documented exit code (3: an input that cannot be
+    read; 1 for verify: the step fails verification), never an AssertionError (nor, under
+    ``python -O``, an AttributeError)."""
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(CheckpointState.from_arrays({"w": np.ones(4, np.float32)}), 1)
+    step = tmp_path / "run" / "step_00000001"
+    metadata = step / "metadata.json"
+    os.unlink(metadata)
+    if kind == "dangling symlink":
+        metadata.symlink_to(tmp_path / "nowhere")
+    elif kind == "directory":
+        metadata.mkdir()
+    else:
+        os.mkfifo(metadata)
+    what = kind.split()[-1]
+    expected = f"{metadata}: a {what}, not a regular file"
+    for command, code in (("inspect", FAILED), ("verify", DIFFERENT), ("diff", FAILED)):
+        args = [command, step, step] if command == "diff" else [command, step]
+        got, _, err = cli(capsys, *args)
+        assert got == code and expected in err, (command, err)
+        assert "Error" not in err and err.count("\n") <= 3, err
+    done = subprocess.run(
+        [sys.executable, "-O", "-m", "ortckpt", "inspect", str(step)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == FAILED and expected in done.stderr and "Error" not in done.stderr, done.stderr
+
+
+def test_a_nominal_checkpoint_is_inspected_and_compared_for_what_it_holds(capsys, tmp_path):
+    # ONNX Runtime's nominal checkpoint: names and types, no values. Never a KeyError, never "only in".
+    nominal, valued = GOLDEN / "protos_nominal.ckpt", GOLDEN / "protos.ckpt"
+    assert run(["inspect", "--stats", str(nominal)]) == OK
+    assert "no statistics: a nominal checkpoint has names and types, no values" in capsys.readouterr().out
+    assert run(["diff", str(nominal), str(valued)]) == DIFFERENT
+    out = capsys.readouterr().out
+    assert "only in" not in out and out.splitlines()[-1] == (
+        "5 tensors compared: differ in values (A is nominal: names and types, no values)"
+    )
+    assert run(["diff", str(nominal), str(nominal)]) == OK
+    assert "values not compared" in capsys.readouterr().out
+    assert run(["diff", "--json", str(valued), str(nominal)]) == DIFFERENT
+    found = json.loads(capsys.readouterr().out)
+    assert found["nominal"] == ["b"] and found["only_in_a"] == [] and not found["identical"]
+    with pytest.raises(ortckpt.CheckpointStateError, match="a is a nominal checkpoint"):
+        ortckpt.tensor_changes(nominal, valued)
+
+
+def test_diff_says_what_differs_when_only_properties_do(capsys, tmp_path):
+    arrays = {"w": np.arange(4, dtype=np.float32)}
+    for name, epoch in (("a", 1), ("b", 2)):
+        CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays, None, {"epoch": epoch}), tmp_path / name)
+    for extra in ([], ["--atol", "0.1"]):
+        assert run(["diff", str(tmp_path / "a"), str(tmp_path / "b"), *extra]) == DIFFERENT
+        last = capsys.readouterr().out.splitlines()[-1]
+        assert last.startswith("1 tensors compared: differ in properties"), last
+
+
+def test_inspect_writes_out_unprintable_names_and_aligns_wide_ones(capsys, tmp_path):
+    # A right-to-left override in a name would turn the rest of the line around; a CJK name takes two
+    # columns a character: the columns after it stay aligned.
+    state = CheckpointState.from_arrays(
+        {"evil\u202eyxz": np.ones(2, np.float32), "重み": np.ones(3, np.float32), "w": np.ones(4, np.float32)},
+        None,
+        {"note\u200b": "x"},
+    )
+    CheckpointState.save_checkpoint(state, tmp_path / "c")
+    assert run(["inspect", str(tmp_path / "c")]) == OK
+    out = capsys.readouterr().out
+    assert "\u202e" not in out and "\u200b" not in out
+    assert "evil\\u202eyxz" in out and "note\\u200b = 'x'" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("evil", "重み", "w "))}
+    role_column = {texts.width(line[: line.index("trainable")]) for line in rows.values()}
+    assert len(rows) == 3 and len(role_column) == 1, out

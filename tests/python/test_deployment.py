@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import onnx
 import ortckpt.arithmetic
 import pytest
 from ortckpt import CheckpointState, PackedBits, PackedInt4
@@ -297,8 +298,11 @@ def test_streaming_average_uses_a_few_chunks_of_memory_not_the_checkpoints(tmp_p
 def test_export_errors_name_what_is_wrong(tmp_path):
     eval_model = GOLDEN / "artifacts" / "eval_model.onnx"
     trained = GOLDEN / "trained_no_optimizer.ckpt"
-    with pytest.raises(CheckpointStateError, match="no node of the model computes nope"):
+    with pytest.raises(CheckpointStateError, match="no node of the model computes nope") as e:
         ortckpt.export_model(trained, eval_model, tmp_path / "m.onnx", output_names=["nope"])
+    # The model's own outputs are offered first, before the values inside it.
+    declared = [o.name for o in onnx.load(eval_model).graph.output]
+    assert f"(the model's outputs: {', '.join(declared)}; other values its nodes compute: " in str(e.value)
     with pytest.raises(CheckpointStateError, match="output_names is empty"):
         ortckpt.export_model(trained, eval_model, tmp_path / "m.onnx", output_names=[])
     with pytest.raises(CheckpointStateError, match="nominal"):

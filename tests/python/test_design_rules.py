@@ -10,7 +10,10 @@ those concerns:
 - ``targets``: the one place that asks whether a name is an ``s3://`` URL or a file object;
 - ``steps``: the one place that spells a run's layout (``step_<n>``, attempts, markers);
 - ``object_store``: moves bytes, and knows nothing of checkpoint states;
-- one manager class, whatever holds the run.
+- one manager class, whatever holds the run;
+- no module reads or writes a private name (``obj._x``) of another module's objects: the checkpoint
+  state is a shell over one backing (``ortckpt.backings``), the ORT bridge (``live``) builds a
+  backing and never touches the state, the manager snapshots a state through its public API.
 """
 
 from __future__ import annotations
@@ -161,9 +164,14 @@ def test_import_ortckpt_loads_only_the_checkpoint_state():
         "ortckpt",
         "ortckpt._boundary",
         "ortckpt._core",
+        "ortckpt.backings",
+        "ortckpt.backings.arrays",
+        "ortckpt.backings.mapped",
+        "ortckpt.backings.tensors",
         "ortckpt.checkpoint_state",
         "ortckpt.dtypes",
         "ortckpt.errors",
+        "ortckpt.tensor_keys",
     ]
     lazy = "import ortckpt; print(ortckpt.CheckpointManager.__module__, ortckpt.average.__module__)"
     assert subprocess.run([sys.executable, "-c", lazy], capture_output=True, text=True, check=True).stdout.split() == [
@@ -281,9 +289,10 @@ def test_one_manager_class_serves_every_backend():
     assert checkpoint_manager.ObjectStoreCheckpointManager is ortckpt.CheckpointManager
 
 
-# Modules whose ImportError is not a missing extra: ONNX Runtime's training bindings (their own
-# package, never an extra of ours), and an MPI launch without mpi4py (a RuntimeError saying so).
-IMPORT_ERRORS_OF_THEIR_OWN = {"extras", "live", "distributed.comm"}
+# Modules whose ImportError is not a missing extra: ONNX Runtime's training bindings and training
+# API (restore_training's Module and Optimizer: their own package, never an extra of ours), and an
+# MPI launch without mpi4py (a RuntimeError saying so).
+IMPORT_ERRORS_OF_THEIR_OWN = {"extras", "live", "manager.artifacts", "distributed.comm"}
 
 
 def test_one_helper_imports_the_optional_packages():
@@ -316,3 +325,81 @@ def test_the_rules_scans_find_what_they_look_for():
     assert ("ortckpt", "__version__") in _imports("from .. import __version__, arguments\n", "manager.tracking")
     assert _code_strings('"""A docstring: s3://b/k."""\nx = "s3://b/k"\n') == [("s3://b/k", 2)]
     assert [rule for rule, _ in findings("import shutil\nshutil.move(a, b)\np.rename(q)\n")] == ["rename", "rename"]
+
+
+# A module may use a private name of an object it did not make only here, each with its reason.
+FOREIGN_PRIVATE_NAMES_ALLOWED = {
+    ("_boundary", "_release"): "the core's own MappedFile, which only _boundary talks to",
+    ("live", "_ortvalue"): "ONNX Runtime's OrtValue, handed over as ONNX Runtime's Parameters.__setitem__ does",
+    ("preemption", "_exit"): "os._exit: the standard library's end of a process that runs no cleanup",
+}
+
+
+def private_accesses(source: str) -> list[tuple[str, int]]:
+    """(name, line) of every ``x._name`` (one underscore) where ``x`` is not ``self`` or ``cls``
+    and ``_name`` is not defined in the module itself (a function, class, variable, slot or
+    attribute it assigns): a private name of another module's objects."""
+    tree = ast.parse(source)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            own |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return [
+        (node.attr, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        and node.attr not in own
+    ]
+
+
+def test_no_module_uses_a_private_name_of_another_modules_objects():
+    found = sorted(
+        f"{module}:{line}: .{name}"
+        for module, source in _package_modules().items()
+        for name, line in private_accesses(source)
+        if (module.rsplit(".", 1)[-1], name) not in FOREIGN_PRIVATE_NAMES_ALLOWED
+    )
+    assert found == [], "use the object's public API (or add a public one):\n" + "\n".join(found)
+
+
+def test_the_ort_bridge_and_the_backings_never_import_the_checkpoint_state():
+    """The state replaces its backing; the backings, and live (which makes ONNX Runtime's), know
+    nothing of the state."""
+    modules = _package_modules()
+    for module in ["live", *(m for m in modules if m.startswith("backings"))]:
+        imported = {target for target, _ in _imports(modules[module], module)}
+        assert "ortckpt.checkpoint_state" not in imported, module
+
+
+def test_the_private_name_scan_finds_what_it_looks_for():
+    sample = (
+        "class A:\n    __slots__ = ('_slot',)\n    def _mine(self):\n        self._held = 1\n"
+        "def f(state, other, a):\n"
+        "    state._ort\n    state._go_live(1)\n    other.backing._tensors\n"  # three foreign names
+        "    a._mine()\n    a._held\n    a._slot\n    self._anything\n    a.__dict__\n"  # own names
+    )
+    assert sorted(name for name, _ in private_accesses(sample)) == ["_go_live", "_ort", "_tensors"]
+
+
+def test_the_layout_page_names_every_module():
+    """docs/layout.md, the map a newcomer reads first, names every module of the package and the
+    core (its "Every file" table): a new module without a line there fails here."""
+    root = Path(__file__).resolve().parents[2]
+    layout = (root / "docs" / "layout.md").read_text()
+    files = [*sorted((root / "python" / "ortckpt").rglob("*.py")), *sorted((root / "src").rglob("*.rs"))]
+    named = {str(p.relative_to(root)) for p in files if "generated" not in p.parts}
+    missing = sorted(name for name in named if f"`{name}`" not in layout)
+    assert len(named) > 50 and missing == [], missing
+    listed = set(re.findall(r"^\| `((?:python|src)/[^`]+)` \|", layout, re.MULTILINE))
+    assert listed - named == set(), "a file the page lists is gone"

@@ -38,6 +38,7 @@ DAMAGED_METADATA = {
     "metric-object": {"metrics": {"loss": {"value": 1}}},
     "files-without-bytes": {"files": {"checkpoint": {"sha256": "0" * 64}}},
     "files-list": {"files": ["checkpoint"]},
+    "etag-control-characters": {"files": {"checkpoint": {"bytes": 1, "sha256": "0" * 64, "etag": '"x\r\nSet: y"'}}},
     "step-string": {"step": "2"},
     "step-other": {"step": 3},
     "not-utf8": b"\xff\xfe{}",

@@ -70,7 +70,9 @@ def test_save_restore_round_trip_with_step_and_epoch_properties(tmp_path):
     assert_same(state, restored)
     assert restored.properties["step"] == 10 and restored.properties["epoch"] == 2
     assert restored.properties["note"] == "hello"
-    assert "step" not in state.properties, "the caller's state must not change"
+    # The state carries the step and epoch of its latest save (a plain save_checkpoint after it
+    # writes those, not a restored checkpoint's: issue 38), its other properties untouched.
+    assert (state.properties["step"], state.properties["epoch"], state.properties["note"]) == (10, 2, "hello")
     info = manager.latest()
     assert info.step == 10 and info.epoch == 2 and info.metrics == {"loss": 0.5}
     assert info.path == tmp_path / "step_00000010" / "checkpoint"
@@ -494,3 +496,109 @@ def test_a_full_disk_names_the_step_not_its_staging_folder(tmp_path, async_save)
             subprocess.run(["umount", "-l", str(disk)], check=False)
 
     check()
+
+
+@pytest.mark.parametrize("replacement", ["another size", "another save's"])
+def test_restore_refuses_a_data_file_that_is_not_the_one_its_step_recorded(tmp_path, replacement):
+    """A step's checkpoint.data replaced (by a file of another size without a pair trailer, or by
+    another save's data file of the same size) is refused by restore, naming the file, as
+    verify refuses it: never restored as the step (zeros, or the other save's values). Checked
+    by size and pair id, from the file's last bytes: no read of the file."""
+    with CheckpointManager(tmp_path / "run", external_data_threshold=0) as manager:
+        manager.save(make_state(1), 1)
+        data = manager.latest().directory / "checkpoint.data"
+    with CheckpointManager(tmp_path / "other", external_data_threshold=0) as other:
+        other.save(make_state(2), 1)
+        theirs = other.latest().directory / "checkpoint.data"
+    size = data.stat().st_size
+    os.unlink(data)  # (a read-only file: replaced, as `cp --remove-destination` or an unpacked archive would)
+    if replacement == "another size":
+        data.write_bytes(bytes(size + 4096))
+    else:
+        assert theirs.stat().st_size == size
+        data.write_bytes(theirs.read_bytes())
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    expected = "bytes, metadata says" if replacement == "another size" else "pair id [0-9a-f]+ differs"
+    with pytest.raises(CheckpointIntegrityError, match=expected) as caught:
+        reader.restore(1)
+    assert str(data) in str(caught.value) and "step_00000001" in caught.value.filename
+    with pytest.raises(CheckpointIntegrityError, match=expected):
+        reader.verify(1)
+
+
+def test_files_of_a_step_are_read_only_and_an_edit_in_place_is_noticed(tmp_path):
+    """A step's files are read-only once committed (0444 less the umask: a writable memmap, `cp`
+    onto them or ONNX Runtime's saver fail for their owner), since steps share data files by
+    hard link. Root ignores modes: a file changed in place after its step's commit (its mtime
+    later than metadata.json's) is then read in full against the checkpoint's checksums, and
+    every step that shares it is refused, not restored with the edit."""
+    with CheckpointManager(tmp_path / "run", external_data_threshold=0) as manager:
+        for step in (1, 2):
+            state = make_state(1)
+            state.parameters["b"].data = np.full(4, step, np.float32)  # changed each step, the rest shared
+            manager.save(state, step)
+        first, second = (info.directory for info in manager.all())
+    assert (first / "checkpoint.data").stat().st_ino == (second / "checkpoint.data").stat().st_ino
+    for step in (first, second):
+        for child in step.iterdir():
+            assert child.stat().st_mode & 0o777 == 0o444 & ~ortckpt.safe_io.current_umask(), child
+    if os.geteuid() != 0:
+        with pytest.raises(PermissionError):
+            np.memmap(first / "checkpoint.data", mode="r+")
+        return
+    for directory in (first, second):  # (committed a second before the edit: file times have a coarse clock)
+        committed = (first / "checkpoint.data").stat().st_mtime_ns - 10**9
+        os.utime(directory / "metadata.json", ns=(committed, committed))
+    mapped = np.memmap(first / "checkpoint.data", mode="r+")  # root: the mode does not stop it
+    mapped[:64] ^= 0xFF
+    mapped.flush()
+    del mapped
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    for step, directory in ((1, first), (2, second)):
+        with pytest.raises(CheckpointIntegrityError, match="changed since its step was saved") as caught:
+            reader.restore(step)
+        assert str(directory / "checkpoint.data") in str(caught.value)
+        with pytest.raises(CheckpointIntegrityError):
+            reader.verify(step)
+
+
+def test_a_run_copied_without_its_times_restores(tmp_path):
+    """What notices an edit in place (a file newer than its step's metadata.json) only makes
+    restore read the file in full: a run copied file by file, its times not kept, restores."""
+    with CheckpointManager(tmp_path / "run", external_data_threshold=0) as manager:
+        for step in (1, 2):
+            manager.save(make_state(step), step)
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(tmp_path / "run", copy, copy_function=shutil.copy)  # (mtimes: the copy's)
+    for step_dir in copy.glob("step_*"):
+        os.utime(step_dir / "metadata.json", ns=(0, 0))  # metadata.json older than every file
+    reader = CheckpointManager(copy, read_only=True)
+    for step in (1, 2):
+        assert_same(reader.restore(step), make_state(step))
+
+
+def test_load_checkpoint_takes_a_step_folder_as_the_command_line_does(tmp_path):
+    # One resolver (ortckpt.resolve) for the library and the CLI: a step folder names its checkpoint (was
+    # IsADirectoryError), checked as restore checks it; a compressed step decompressed; a run names its latest.
+    run_dir = tmp_path / "run"
+    with CheckpointManager(run_dir, max_to_keep=1, keep_every=2, compress_kept=True) as manager:
+        for step in (2, 3):
+            manager.save(CheckpointState.from_arrays({"w": np.full(64, step, np.float32)}), step)
+        folders = {info.step: info.directory for info in manager.all()}
+        assert manager.all()[0].compressed  # step 2: kept by keep_every only, compressed
+    for step, folder in folders.items():
+        loaded = ortckpt.load_checkpoint(folder)
+        np.testing.assert_array_equal(loaded.parameters["w"].data, np.full(64, step, np.float32))
+        # ONNX Runtime's method reads files; for a step folder it says what does read one (was IsADirectoryError).
+        with pytest.raises(ortckpt.CheckpointFormatError, match=r"a CheckpointManager step folder.*load_checkpoint"):
+            CheckpointState.load_checkpoint(folder)
+    with pytest.raises(ortckpt.CheckpointFormatError, match=r"a run of steps \(2\), not one checkpoint: name a step"):
+        ortckpt.load_checkpoint(run_dir)
+    plain = folders[3] / "checkpoint"
+    os.chmod(plain, 0o644)
+    with open(plain, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ortckpt.CheckpointIntegrityError, match="metadata says"):
+        ortckpt.load_checkpoint(folders[3])

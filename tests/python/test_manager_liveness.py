@@ -230,6 +230,30 @@ def test_a_planted_symlink_as_the_writer_lock_is_not_followed(tmp_path):
     assert victim.read_text() == "precious"
 
 
+def test_each_save_takes_the_umask_of_its_moment(tmp_path):
+    """The umask is read at every save, not once at the first: a program that tightens it (or
+    loosens it) between saves gets files of the new mode, as any file it creates would be."""
+    old = os.umask(0o022)
+    try:
+        ortckpt.save_checkpoint(small_state(), tmp_path / "open", external_data_threshold=0)
+        with CheckpointManager(tmp_path / "run", external_data_threshold=0) as manager:
+            manager.save(small_state(), 1)
+            os.umask(0o077)
+            ortckpt.save_checkpoint(small_state(), tmp_path / "private", external_data_threshold=0)
+            manager.save(small_state(1.0), 2)
+    finally:
+        os.umask(old)
+    for name in ("open", "open.data"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+    for name in ("private", "private.data"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
+    assert (tmp_path / "run" / "step_00000001").stat().st_mode & 0o077 == 0o055
+    step = tmp_path / "run" / "step_00000002"
+    assert step.stat().st_mode & 0o077 == 0
+    for child in step.iterdir():
+        assert child.stat().st_mode & 0o077 == 0, (child, oct(child.stat().st_mode))
+
+
 def test_step_directories_are_not_writable_by_others(tmp_path):
     old = os.umask(0o000)
     try:

@@ -456,3 +456,177 @@ def test_the_server_stopping_mid_save_leaves_the_previous_step_the_latest(s3_ser
         assert keys(s3_url, options) == committed
         resumed.save(CheckpointState.from_arrays(big), 2)
         assert_holds(resumed.restore(2), big)
+
+
+def streamed_bytes(monkeypatch) -> list[int]:
+    """A counter of the bytes every GET's body delivers from now on (one total, in a list)."""
+    chunks = object_store._chunks
+    total = [0]
+
+    def counted(location, result, size):
+        for chunk in chunks(location, result, size):
+            total[0] += memoryview(chunk).nbytes
+            yield chunk
+
+    monkeypatch.setattr(object_store, "_chunks", counted)
+    return total
+
+
+def test_restore_refuses_another_saves_objects_copied_over_a_step(s3_server, s3_url):
+    """Another save's objects of the same sizes, copied over a step's: restore refuses them by
+    the SHA-256s the step's metadata.json records (taken as the bytes come: no second read),
+    naming the object, as verify does; never restored as that step."""
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        mine = manager.latest().path
+    with CheckpointManager(f"{s3_url}-other", storage_options=options, external_data_threshold=0) as other:
+        other.save(CheckpointState.from_arrays(arrays(2)), 1)
+        theirs = other.latest().path
+    for suffix in ("", ".data"):
+        copied = fetch(theirs + suffix, options)
+        assert len(copied) == len(fetch(mine + suffix, options))
+        object_store.put(targets.object_location(mine + suffix, options), copied)
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    with pytest.raises(CheckpointIntegrityError, match=r"SHA-256 [0-9a-f]{64} differs from metadata's") as caught:
+        reader.restore(1)
+    assert f"{mine}: SHA-256" in str(caught.value) and f"{mine}.data: SHA-256" in str(caught.value)
+    with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
+        reader.verify(1)
+
+
+def test_restore_and_verify_download_no_more_than_metadata_records(s3_server, s3_url, monkeypatch, capsys):
+    """A step object replaced by a larger one (a server may declare any size): restore, verify and
+    `ortckpt verify` refuse it by the size metadata.json records, before reading its body."""
+    from ortckpt.cli import run
+
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        info = manager.latest()
+    recorded = info.metadata["files"]["checkpoint"]["bytes"]
+    large = 16 << 20
+    object_store.put(targets.object_location(info.path, options), bytes(large))
+    streamed = streamed_bytes(monkeypatch)
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    with pytest.raises(CheckpointIntegrityError, match=f"{large} bytes, metadata says {recorded}"):
+        reader.restore(1)
+    with pytest.raises(CheckpointIntegrityError, match=f"{large} bytes"):
+        reader.verify(1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret_access_key"])
+    assert run(["verify", f"{s3_url}/step_00000001"]) == 1
+    assert f"{info.path}: " in capsys.readouterr().err
+    assert streamed[0] < large  # (the documents only: no body of the replaced object)
+
+
+def test_a_restore_whose_data_object_is_gone_names_the_object(s3_server, s3_url):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        data = manager.latest().path + ".data"
+        object_store.remove([targets.object_location(data, options)])
+        with pytest.raises(FileNotFoundError) as caught:
+            manager.restore(1)
+    assert caught.value.filename == data and "scratch" not in str(caught.value)
+
+
+def test_a_commit_that_landed_counts_when_the_check_after_it_fails(s3_server, s3_url, monkeypatch):
+    """The commit's PUT landed, but the check after it (that its objects are still there) gets
+    server errors: the step counts, with a warning, as committed (the writer lists it, retention
+    deletes it in its turn), rather than a save that raised for a step that exists (and a retry
+    told another writer committed it)."""
+    options = s3_server.storage_options()
+    put_new, head = object_store.put_new, object_store.head
+    failing = []
+
+    def commit_then_fail(location, data):
+        landed = put_new(location, data)
+        failing.append(landed)
+        return landed
+
+    def head_failing(location):
+        if failing:
+            raise ortckpt.ObjectStoreError(location.url, "500 Internal Server Error")
+        return head(location)
+
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=1) as manager:
+        monkeypatch.setattr(object_store, "put_new", commit_then_fail)
+        monkeypatch.setattr(object_store, "head", head_failing)
+        with pytest.warns(RuntimeWarning, match="step 1 committed, but the check"):
+            manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        monkeypatch.undo()
+        assert manager.all_steps() == [1]
+        assert_holds(manager.restore(1), arrays(1))
+        manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+        assert manager.all_steps() == [2]  # retention deleted step 1: the writer knew of it
+    assert not [k for k in keys(s3_url, options) if k.startswith("step_00000001/")]
+
+
+def test_an_intact_steps_restore_is_proven_by_its_etags_not_hashed(s3_server, s3_url, monkeypatch):
+    """Each object's ETag is recorded as its upload got it; a restore whose objects the server
+    declares with those ETags (and whose GETs are conditional on them) reads no SHA-256: the
+    digest is for objects that are not the ones uploaded."""
+    import hashlib as real_hashlib
+
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, external_data_threshold=0) as manager:
+        manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        files = manager.latest().metadata["files"]
+    assert sorted(files) == ["checkpoint", "checkpoint.data"]
+    assert all(isinstance(entry.get("etag"), str) and len(entry["sha256"]) == 64 for entry in files.values())
+    hashed = []
+
+    class Counting:
+        @staticmethod
+        def sha256(*args):
+            hashed.append(True)
+            return real_hashlib.sha256(*args)
+
+    import ortckpt.stepstore.objects as objects_module
+
+    monkeypatch.setattr(objects_module, "hashlib", Counting)
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    assert_holds(reader.restore(1), arrays(1))
+    assert not hashed
+
+
+@pytest.mark.parametrize("reads", ["answered", "failing too"])
+def test_a_commit_that_landed_unheard_is_this_writers_step(s3_server, s3_url, monkeypatch, reads):
+    """The commit's PUT lands but its answer is an error. Read back, the step is this save's (it
+    counts); if the reads fail too, the save raises, and a retried save of the step finds this
+    writer's own earlier commit: the step counts, never "another writer committed it", and
+    retention deletes it in its turn."""
+    options = s3_server.storage_options()
+    put_new, head = object_store.put_new, object_store.head
+    down = []
+
+    def lands_then_fails(location, data):
+        assert put_new(location, data)
+        if reads == "failing too":
+            down.append(True)
+        raise ortckpt.ObjectStoreError(location.url, "500 Internal Server Error")
+
+    def head_while_down(location):
+        if down:
+            raise ortckpt.ObjectStoreError(location.url, "500 Internal Server Error")
+        return head(location)
+
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=1) as manager:
+        monkeypatch.setattr(object_store, "put_new", lands_then_fails)
+        monkeypatch.setattr(object_store, "head", head_while_down)
+        if reads == "answered":
+            manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+        else:
+            with pytest.raises(ortckpt.ObjectStoreError):
+                manager.save(CheckpointState.from_arrays(arrays(1)), 1)
+            monkeypatch.undo()  # the server answers again
+            manager.save(CheckpointState.from_arrays(arrays(1)), 1)  # the retry
+        monkeypatch.undo()
+        assert manager.all_steps() == [1]
+        assert_holds(manager.restore(1), arrays(1))
+        manager.verify(1)
+        manager.save(CheckpointState.from_arrays(arrays(2)), 2)
+        assert manager.all_steps() == [2]
+    assert not [k for k in keys(s3_url, options) if k.startswith("step_00000001/")]

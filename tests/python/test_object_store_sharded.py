@@ -257,3 +257,22 @@ def test_a_manager_drives_sharded_saves_on_object_storage(s3_server, s3_url):
     object_store.put(shard, bytes(damaged))
     with pytest.raises(CheckpointIntegrityError, match="SHA-256"):
         reader.verify()
+
+
+def test_a_shard_object_larger_than_its_index_records_is_refused_unread(s3_server, s3_url, monkeypatch):
+    """A shard object replaced by a larger one: a load refuses it by the size index.json records,
+    before its body is read (no download is larger than its step records)."""
+    from test_object_store_manager import streamed_bytes
+
+    options = s3_server.storage_options()
+    raise_any(save_model(s3_url, options, step=3, world=2))
+    index = json.loads(
+        bytes(object_store.get(targets.object_location(f"{s3_url}/step_00000003/{INDEX_NAME}", options)))
+    )
+    shard = f"{s3_url}/step_00000003/{index['attempt']}/{shard_file_name(0, 2)}"
+    large = 16 << 20
+    object_store.put(targets.object_location(shard, options), bytes(large))
+    streamed = streamed_bytes(monkeypatch)
+    with pytest.raises(ortckpt.CheckpointIntegrityError, match=f"{shard}: {large} bytes"):
+        load_sharded(s3_url, storage_options=options)
+    assert streamed[0] < large

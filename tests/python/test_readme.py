@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +162,20 @@ def test_readme_validation_example_refuses_the_nan_step(tmp_path, monkeypatch, c
     exec(compile(example, "validation example", "exec"), {})
     assert capsys.readouterr().out == "['output loss is not finite (1 NaN or Inf values)']\n1\n"
     assert sorted(p.name for p in (tmp_path / "validated").iterdir()) == ["step_00000001"]
+
+
+def test_the_run_graphs_example_shares_the_graphs_and_a_step_copied_alone_verifies(tmp_path, monkeypatch, capsys):
+    example = block("graphs")
+    assert 'artifacts="artifacts"' in example
+    shutil.copytree(ROOT / "tests" / "data" / "ort-vectors" / "artifacts", tmp_path / "artifacts")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "graphs example", "exec"), {})
+    assert capsys.readouterr().out == "['eval', 'optimizer', 'training']\n3\nTrue\n"
+    assert sorted(p.name for p in (tmp_path / "graphs-run").iterdir()) == [
+        "artifacts",
+        "step_00000002",
+        "step_00000003",
+    ]
 
 
 def test_readme_compression_example_compresses_the_kept_steps(tmp_path, monkeypatch, capsys):

@@ -24,6 +24,7 @@ from ortckpt.cli import FAILED, OK, USAGE, run
 from ortckpt.errors import InvalidArgumentError
 from ortckpt.manager.tracking import MlflowTracker
 from ortckpt.statistics import histogram, tensor_changes, tensor_stats
+from ortckpt.tensor_keys import TensorTable
 
 TIMES, MINUS = "\u00d7", "\u2212"  # as the page writes a shape and -Inf
 
@@ -141,12 +142,12 @@ def test_the_page_shows_the_summary_every_tensors_statistics_and_flags_nan_and_i
 
     # NaN/Inf: listed at the top, linking to their rows, which are flagged.
     [alert] = [s for s in doc.find("section") if "alert" in s.classes()]
-    flagged = [name for name, s in stats.items() if s.flagged]
+    flagged = [key.label for key, s in stats.items() if s.flagged]
     assert flagged == ["fc2.weight", "group0/fc2.weight/momentum0", "group0/fc2.weight/momentum1"]
     assert [li.find("code")[0].text() for li in alert.find("li")] == flagged
     assert "3 NaN" in alert.text() and "1 +Inf" in alert.text() and f"1 {MINUS}Inf" in alert.text()
     table = rows(doc, "tensors")
-    assert [r.find("code")[0].text() for r in table] == list(stats)  # every tensor, in order
+    assert [r.find("code")[0].text() for r in table] == list(stats.labels())  # every tensor, in order
     assert [r.find("code")[0].text() for r in table if "flagged" in r.classes()] == flagged
     links = [a.attrs["href"] for a in alert.find("a")]
     assert links == [f"#{r.attrs['id']}" for r in table if "flagged" in r.classes()]
@@ -162,7 +163,7 @@ def test_the_page_shows_the_summary_every_tensors_statistics_and_flags_nan_and_i
 def test_each_histogram_draws_the_counts_of_statistics_histogram(tmp_path):
     state = model(3, nan=True)
     doc = parse(ortckpt.render_report(state))
-    values = {name: value for name, _role, value in ortckpt.statistics.tensors(state)}
+    values = TensorTable(state.tensors())  # (a label finds its tensor)
     for row in rows(doc, "tensors"):
         name = row.find("code")[0].text()
         [svg] = row.find("svg")

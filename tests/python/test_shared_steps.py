@@ -5,6 +5,7 @@ changed ones are inline in its checkpoint. Each step stays a whole checkpoint on
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -60,6 +61,10 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def read_metadata(root: Path, step: int) -> dict:
+    return json.loads((step_dir(root, step) / "metadata.json").read_text())
+
+
 def data_of(root: Path, step: int) -> os.stat_result:
     return os.stat(step_dir(root, step) / "checkpoint.data")
 
@@ -71,7 +76,9 @@ def where(path: Path) -> dict[str, bool]:
 
 
 def flip_byte(path: Path, offset: int) -> None:
-    """Changes one byte of ``path`` in place, as another process would."""
+    """Changes one byte of ``path`` in place, as another process would (a step's file is
+    read-only: made writable first, as its owner would have to)."""
+    os.chmod(path, os.stat(path).st_mode | 0o200)
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -198,6 +205,7 @@ def test_a_tampered_previous_step_shares_only_what_still_compares_equal(tmp_path
         data = step_dir(tmp_path, 2) / "checkpoint.data"
         loaded = _boundary.load(step_dir(tmp_path, 2) / "checkpoint")
         offset = next(stored[0] for name, _c, _d, stored in loaded.frozen if name == "frozen5")
+        os.chmod(data, 0o644)  # (read-only, as a step's file is)
         with open(data, "r+b") as f:
             f.seek(offset + 99)
             byte = f.read(1)
@@ -294,6 +302,7 @@ def test_a_shared_step_carries_checksums_and_a_flipped_bit_in_a_shared_tensor_na
     loaded = _boundary.load(checkpoint)
     offset = next(stored[0] for name, _c, _d, stored in loaded.frozen if name == "frozen3")
     data = step_dir(tmp_path, 3) / "checkpoint.data"
+    os.chmod(data, 0o644)  # (read-only, as a step's file is)
     with open(data, "r+b") as f:  # the same inode as step 2's (and step 1's)
         f.seek(offset)
         byte = f.read(1)
@@ -383,7 +392,7 @@ def test_a_previous_data_file_unlike_its_record_never_gives_a_later_step_a_wrong
         assert data_of(root, 4).st_ino == data_of(root, 3).st_ino
 
 
-@pytest.mark.parametrize("change", ["world-writable", "read-only", "another user's"])
+@pytest.mark.parametrize("change", ["world-writable", "group-writable", "another user's"])
 def test_a_previous_data_file_of_other_permissions_or_owner_is_not_shared(tmp_path: Path, monkeypatch, change) -> None:
     """A linked file keeps its owner and mode in every step that shares it: one another user owns
     or may write could change every later step; one of odd permissions would make them read
@@ -394,15 +403,15 @@ def test_a_previous_data_file_of_other_permissions_or_owner_is_not_shared(tmp_pa
         data = step_dir(tmp_path, 2) / "checkpoint.data"
         if change == "world-writable":
             os.chmod(data, 0o666)
-        elif change == "read-only":
-            os.chmod(data, 0o444)
+        elif change == "group-writable":
+            os.chmod(data, 0o664)
         else:  # (seen from another uid: chown would need root)
             uid = os.geteuid()
             monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
         manager.save(training_state(3), 3)
         monkeypatch.undo()
         assert data_of(tmp_path, 3).st_ino != data_of(tmp_path, 2).st_ino
-        assert data_of(tmp_path, 3).st_mode & 0o777 == 0o644 & ~safe_io.current_umask()
+        assert data_of(tmp_path, 3).st_mode & 0o777 == 0o444 & ~safe_io.current_umask()  # (a step's: read-only)
         assert_same(manager.restore(3), training_state(3))
         assert manager.verify(3).step == 3
 
@@ -430,6 +439,39 @@ def test_a_resumed_run_shares_the_previous_file_hashing_it_at_most_once(tmp_path
     with CheckpointManager(tmp_path, read_only=True) as reader:
         for step in (3, 4, 5):
             assert reader.verify(step).step == step
+
+
+def test_digest_sha256_records_the_sha256_of_a_shared_file_first_written_without_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A run resumed with ``digest="sha256"`` shares the data file a save without the digest
+    wrote: each step's entry for it carries its SHA-256 all the same (hashed once, at the first
+    such step; the next steps copy it, the file unchanged)."""
+    import hashlib
+
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(training_state(step), step)
+    assert "sha256" not in read_metadata(tmp_path, 2)["files"]["checkpoint.data"]
+    hashed = []
+    real = safe_io.sha256_of
+
+    def counting(path, *args):
+        hashed.append(Path(path).name)
+        return real(path, *args)
+
+    monkeypatch.setattr(safe_io, "sha256_of", counting)
+    with CheckpointManager(tmp_path, digest="sha256") as manager:
+        for step in (3, 4):
+            manager.save(training_state(step), step)
+    monkeypatch.undo()
+    assert data_of(tmp_path, 4).st_ino == data_of(tmp_path, 2).st_ino  # shared all along
+    digest = hashlib.sha256((step_dir(tmp_path, 4) / "checkpoint.data").read_bytes()).hexdigest()
+    for step in (3, 4):
+        entry = read_metadata(tmp_path, step)["files"]["checkpoint.data"]
+        assert entry["sha256"] == digest and "pair" in entry, (step, entry)
+        assert CheckpointManager(tmp_path, read_only=True).verify(step).files["checkpoint.data"] == digest
+    assert hashed.count("checkpoint.data") == 1
 
 
 def test_a_shared_file_changed_through_an_outside_link_damages_its_steps_and_the_next_does_not_read_it(

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -979,3 +980,48 @@ def test_the_sha256_tag_holds_no_null(tmp_path, mlflow_uri, experiment):
         )
         assert json.loads(tags[TAG_SHA256]) == expected
         assert None not in expected.values()
+
+
+PREEMPTED_LOOP = """
+import sys, numpy as np, ortckpt
+from ortckpt.manager.tracking import MlflowTracker
+directory, uri, experiment = sys.argv[1:4]
+tracker = MlflowTracker(uri, timeout=120, experiment=experiment)
+with ortckpt.CheckpointManager(directory, save_every=25, async_save=True, track=tracker, preemption=True,
+                               preemption_grace=60) as manager:
+    state = ortckpt.CheckpointState.from_arrays({"w": np.zeros(1 << 14, np.float32)})
+    print("ready", flush=True)
+    for step in range(1, 1_000_000):
+        state.parameters["w"].data[:] += 1
+        sum(range(20000))
+        if manager.should_save(step):
+            manager.save(state, step, metrics={"loss": 1.0 / step})
+        if manager.preempted:
+            break
+print("result", step, manager.latest_step(), flush=True)
+"""
+
+
+def test_preemption_with_tracking_reports_the_preempted_step(tmp_path, mlflow_uri, experiment):
+    """SIGTERM to a run with async saves and MLflow tracking: it exits 0 with the step it was at
+    committed, and that step's metrics are in the MLflow run (the report flushed), which is closed."""
+    script = tmp_path / "loop.py"
+    script.write_text(PREEMPTED_LOOP)
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run"), mlflow_uri, experiment],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=PATIENT)
+    assert process.returncode == 0, err
+    _, step, latest = [line for line in out.splitlines() if line.startswith("result")][-1].split()
+    assert step == latest
+    manager = CheckpointManager(tmp_path / "run", read_only=True)
+    client = MlflowClient(mlflow_uri)
+    found = the_run(client, experiment, manager.run_id)
+    assert found.info.status == "FINISHED"
+    assert history(client, found.info.run_id, "loss")[-1] == (int(step), pytest.approx(1.0 / int(step)))

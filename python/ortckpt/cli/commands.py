@@ -2,7 +2,7 @@
 
 Each command is a thin layer over a library function (summary.describe, integrity.verify,
 compare.compare, convert.convert, convert.to_nominal, ...): parsing, printing, exit codes.
-Every checkpoint argument goes through :mod:`.sources` (a file, an object, or a manager's step
+Every checkpoint argument goes through :mod:`ortckpt.resolve` (a file, an object, or a manager's step
 folder, local or ``s3://``); every argument is checked before any work (bad usage: exit 2).
 """
 
@@ -16,17 +16,16 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from .. import targets
+from .. import resolve, targets, texts
 from .._boundary import VERSION
 from ..convert.files import FORMATS
 from ..errors import InvalidArgumentError
-from . import sources
 
 # Exit codes, as documented in --help. INTERRUPTED: 128 + SIGINT, as a shell reports a command
 # that Ctrl-C stopped (never 1, which says "differ" or "verification failed").
@@ -71,7 +70,7 @@ def _message(e: BaseException) -> str:
         text = _as_given(str(e))
     else:
         text = f"{type(e).__name__}: {e}"
-    return sources.shown(" ".join(text.split()))
+    return resolve.shown(" ".join(text.split()))
 
 
 def _fail_cleanly(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -222,10 +221,12 @@ def _size(n: float) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    """Columns aligned by what each cell takes on a terminal; text from files (names) shown with
+    its unprintable characters written out (see ortckpt.texts)."""
+    cells = [[texts.printable(str(c)) for c in row] for row in [header, *rows]]
+    widths = [max(texts.width(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(texts.pad(c, w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
@@ -246,8 +247,8 @@ def main() -> None:
     """
 
 
-def _statistics(path: str, fmt: str, progress: bool) -> dict[str, Any]:
-    """Name -> TensorStats of the checkpoint at ``path`` (a file or s3:// URL of ``fmt``):
+def _statistics(path: str, fmt: str, progress: bool) -> Mapping[Any, Any]:
+    """TensorKey -> TensorStats of the checkpoint at ``path`` (a file or s3:// URL of ``fmt``):
     a checkpoint is read through its map, another format through its converter."""
     from ..convert.files import load_any
     from ..statistics import tensor_stats
@@ -261,11 +262,13 @@ def _statistics(path: str, fmt: str, progress: bool) -> dict[str, Any]:
         return tensor_stats(source, on_bytes=counter.update)
 
 
-def _stats_name(tensor: dict[str, Any]) -> str:
-    """The name ortckpt.tensor_stats gives an inspect entry (momentums: group/parameter/momentum)."""
+def _stats_key(tensor: dict[str, Any]) -> Any:
+    """The key ortckpt.tensor_stats gives an inspect entry."""
+    from ..tensor_keys import TensorKey
+
     if tensor["role"] == "momentum":
-        return f"{tensor['group']}/{tensor['parameter']}/{tensor['momentum']}"
-    return str(tensor["name"])
+        return TensorKey.of_momentum(tensor["group"], tensor["parameter"], tensor["momentum"])
+    return TensorKey.of_parameter(tensor["name"], tensor["role"] == "trainable")
 
 
 def _flagged(tensor: dict[str, Any]) -> bool:
@@ -303,16 +306,21 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
     PATH is a checkpoint (a file, or an s3:// object) or a CheckpointManager's step folder."""
     from .summary import describe
 
-    with sources.checkpoint(path) as found:
+    asked_stats = stats
+    with resolve.checkpoint(path) as found:
         info = describe(found.path, None if found.step else fmt)
+        stats = stats and not info["nominal"]  # (a nominal checkpoint has no values: said below the table)
         if stats:
             figures = _statistics(found.path, info["format"], _show_progress(progress))
             for t in info["tensors"]:
-                t["stats"] = figures[_stats_name(t)].to_json()
+                t["stats"] = figures[_stats_key(t)].to_json()
             info["totals"]["flagged"] = sum(1 for t in info["tensors"] if _flagged(t))
     info["path"] = path
     if found.step is not None:
         info["step"] = found.step.step.number
+        graphs = found.step.step.document.get("artifacts") or {}
+        if graphs:  # the run's graphs the step records (CheckpointManager(artifacts=...))
+            info["graphs"] = [{"role": role, **entry} for role, entry in sorted(graphs.items())]
         if found.copy:  # (a sharded or compressed step: its own files, not the copy read)
             info["files"] = found.step.files()
     if as_json:
@@ -339,25 +347,35 @@ def inspect(path: str, fmt: str | None, as_json: bool, limit: int, stats: bool, 
     click.echo(_table(rows, header))
     if len(shown) < len(tensors):
         click.echo(f"... {len(tensors) - len(shown)} more (--limit 0 lists all)")
+    if info["nominal"] and asked_stats:
+        click.echo("no statistics: a nominal checkpoint has names and types, no values")
     if stats:
         flagged = [t["name"] for t in tensors if _flagged(t)]
         if flagged:
             more = f" and {len(flagged) - 10} more" if len(flagged) > 10 else ""
             holds = "tensor holds" if len(flagged) == 1 else "tensors hold"
-            click.echo(f"! {len(flagged)} {holds} NaN or Inf: {', '.join(flagged[:10])}{more}")
+            click.echo(f"! {len(flagged)} {holds} NaN or Inf: {texts.printable(', '.join(flagged[:10]))}{more}")
         else:
             click.echo("no NaN or Inf in any tensor")
     if info["optimizer_groups"]:
         click.echo("\noptimizer groups:")
         for g in info["optimizer_groups"]:
             click.echo(
-                f"  {g['name']}: step {g['step']}, initial learning rate {g['initial_learning_rate']:g}, "
-                f"{g['parameters']} parameters with state"
+                f"  {texts.printable(g['name'])}: step {g['step']}, initial learning rate "
+                f"{g['initial_learning_rate']:g}, {g['parameters']} parameters with state"
             )
     if info["properties"]:
         click.echo("\nproperties:")
         for name, value in info["properties"].items():
-            click.echo(f"  {name} = {value!r}")
+            click.echo(f"  {texts.printable(name)} = {value!r}")
+    if info.get("graphs"):
+        click.echo("\ngraphs:")
+        click.echo(
+            _table(
+                [[g["role"], g["name"], _size(g["bytes"]), g["sha256"]] for g in info["graphs"]],
+                ["role", "file", "size", "sha256"],
+            )
+        )
     t = info["totals"]
     click.echo(
         f"\ntotal: {t['tensors']} tensors, {_size(t['bytes'])} ({t['trainable']} trainable, {t['frozen']} frozen, "
@@ -381,8 +399,8 @@ def verify(path: str, as_json: bool, progress: bool | None) -> None:
     from ..manager.integrity import verify as run_verify
 
     try:  # a bucket, a run of steps, a directory that is no step: refused here, one line
-        sources.step_folder(path)
-    except sources.NotACheckpointError:
+        resolve.step_folder(path)
+    except resolve.NotACheckpointError:
         raise
     except (CheckpointError, OSError, ValueError):
         pass  # a damaged step, a missing file: verify says what it finds
@@ -430,25 +448,29 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     from ..statistics import tensor_changes
     from .compare import compare
 
-    with sources.checkpoint(a) as found_a, sources.checkpoint(b) as found_b:
+    with resolve.checkpoint(a) as found_a, resolve.checkpoint(b) as found_b:
         state_a, state_b = load_any(found_a.path), load_any(found_b.path)
+    valued = not (state_a.is_nominal or state_b.is_nominal)  # (a nominal side has no values: no change figures)
+    changes: Mapping[Any, Any] = {}
     if _show_progress(progress):
         from ..progress import bar
 
         with bar("comparing") as counter:
             result = compare(state_a, state_b, rtol=rtol, atol=atol, on_bytes=counter.update)
-            changes = tensor_changes(state_a, state_b, on_bytes=counter.update)
+            if valued:
+                changes = tensor_changes(state_a, state_b, on_bytes=counter.update)
     else:
         result = compare(state_a, state_b, rtol=rtol, atol=atol)
-        changes = tensor_changes(state_a, state_b)
+        if valued:
+            changes = tensor_changes(state_a, state_b)
     if as_json:
         figures = {"changes": [c.to_json() for c in changes.values()]}
         _emit_json({"a": a, "b": b, "rtol": rtol, "atol": atol, **result.to_json(), **figures})
     else:
-        for name in result.only_in_a:
-            click.echo(f"only in {a}: {name}")
-        for name in result.only_in_b:
-            click.echo(f"only in {b}: {name}")
+        for key in result.only_in_a:
+            click.echo(f"only in {a}: {texts.printable(key.label)}")
+        for key in result.only_in_b:
+            click.echo(f"only in {b}: {texts.printable(key.label)}")
         for t in result.tensors:
             if t.problem == "values":
                 detail = f"{t.mismatched} of {t.elements} elements differ"
@@ -456,11 +478,13 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
                     detail += f" (max abs {t.max_abs:.6g}, max rel {t.max_rel:.6g})"
             else:
                 detail = f"{t.a} vs {t.b}"
-            click.echo(f"{t.name}: {t.problem}: {detail}")
+            click.echo(f"{texts.printable(t.name)}: {t.problem}: {detail}")
         for name, (va, vb) in {**result.optimizer, **result.properties}.items():
-            click.echo(f"{name}: {va!r} vs {vb!r}")
+            click.echo(f"{texts.printable(name)}: {va!r} vs {vb!r}")
         _echo_changes(list(changes.values()))
-        verdict = "identical" if result.identical else "differ"
+        if len(result.nominal) == 2:
+            click.echo("both are nominal checkpoints (names and types, no values): values not compared")
+        verdict = "identical" if result.identical else "differ in " + ", ".join(result.differing())
         click.echo(
             f"{result.compared} tensors compared: {verdict}"
             + (f" (rtol {rtol:g}, atol {atol:g})" if rtol or atol else "")
@@ -493,7 +517,7 @@ def report(checkpoint: str, against: str | None, out: str, histograms: int, as_j
     _local(out, "--output")
     names = [checkpoint] if against is None else [checkpoint, against]
     with contextlib.ExitStack() as stack:
-        found = [stack.enter_context(sources.checkpoint(name)) for name in names]
+        found = [stack.enter_context(resolve.checkpoint(name)) for name in names]
         states = [load_any(f.path) for f in found]
         stats = write_report(
             states[0],
@@ -510,7 +534,7 @@ def report(checkpoint: str, against: str | None, out: str, histograms: int, as_j
     click.echo(f"{out}: report of {checkpoint}" + (f" against {against}" if against else "") + f" ({flagged} flagged)")
 
 
-def _files_of(found: sources.Resolved, given: str) -> dict[str, int | None]:
+def _files_of(found: resolve.Resolved, given: str) -> dict[str, int | None]:
     """The files the user named, with their sizes: a step's files as its document records them, a
     local file's (and its .data) from the disk, an object's unknown."""
     if found.step is not None:
@@ -541,7 +565,7 @@ def _echo_changes(changes: list[Any]) -> None:
         relative = "-" if c.relative is None else f"{c.relative:.3g}"
         nonfinite = f", {c.nonfinite} to or from NaN/Inf" if c.nonfinite else ""
         click.echo(
-            f"  {c.name}: {c.changed} of {c.elements} changed, L2 {c.l2:.4g} (relative {relative}), "
+            f"  {texts.printable(c.name)}: {c.changed} of {c.elements} changed, L2 {c.l2:.4g} (relative {relative}), "
             f"max abs {c.max_abs:.4g}{nonfinite}"
         )
     if len(changed) > _CHANGES_SHOWN:
@@ -594,7 +618,7 @@ def convert(
     to = _format(dst, dst_format, "--to", must_exist=False)
     if to == "onnx" and model is None:
         raise click.UsageError("writing an ONNX model needs the model whose inputs take the weights: --model MODEL")
-    with sources.checkpoint(src) as found:
+    with resolve.checkpoint(src) as found:
         source_format = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
         _check_frozen(src, found.path, source_format, frozen)
         formats = run_convert(
@@ -644,7 +668,7 @@ def nominal(src: str, dst: str, src_format: str | None, as_json: bool) -> None:
     from ..convert.files import to_nominal
 
     _local(dst, "DST")
-    with sources.checkpoint(src) as found:
+    with resolve.checkpoint(src) as found:
         fmt = _format(found.path, None if found.step else src_format, "--from", must_exist=True)
         count = to_nominal(found.path, dst, src_format=fmt)
     if as_json:
@@ -676,7 +700,7 @@ def export(
 
     _local(eval_model, "EVAL_MODEL")
     _local(out, "OUT")
-    with sources.checkpoint(checkpoint) as found:
+    with resolve.checkpoint(checkpoint) as found:
         export_model(found.path, eval_model, out, output_names=list(outputs) or None, external_data=external_data)
     if as_json:
         return _emit_json({"checkpoint": checkpoint, "eval_model": eval_model, "out": out, "outputs": list(outputs)})
@@ -693,7 +717,7 @@ def upgrade(src: str, dst: str, as_json: bool) -> None:
     or version 2) to DST as version 2 with the same parameters, optimizer state and properties."""
     from ..versions import upgrade as run_upgrade
 
-    with sources.checkpoint(src) as found:
+    with resolve.checkpoint(src) as found:
         version = run_upgrade(found.path, dst)
     if as_json:
         return _emit_json({"src": src, "dst": dst, "from_version": version, "to_version": 2})
@@ -714,7 +738,7 @@ def compress(src: str, dst: str, level: int, as_json: bool, progress: bool | Non
     from ..compression import compress as run_compress
 
     _local(dst, "DST")
-    with sources.checkpoint(src, local=True) as found:
+    with resolve.checkpoint(src, local=True) as found:
         done = run_compress(found.path, dst, level=level, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst, "bytes": done.size, "compressed_bytes": done.compressed_size})
@@ -733,7 +757,7 @@ def decompress(src: str, dst: str, as_json: bool, progress: bool | None) -> None
     from ..compression import decompress as run_decompress
 
     _local(dst, "DST")
-    with sources.archive(src) as archive:
+    with resolve.archive(src) as archive:
         run_decompress(archive, dst, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"src": src, "dst": dst})
@@ -775,12 +799,12 @@ def register_best(
     from ..manager.tracking import TAG_STEP, MlflowTracker
 
     _local(eval_model, "EVAL_MODEL")
+    metric = _ranking_metric(directory, metric, mode)  # (before MLflow is asked anything)
     if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
         # (MLflow would make a local store in the working directory, not find the run's server)
         raise click.UsageError(
             "register-best needs the MLflow server the run is tracked on: --tracking-uri URL or MLFLOW_TRACKING_URI"
         )
-    metric = _ranking_metric(directory, metric, mode)  # (before MLflow is asked anything)
     tracker = MlflowTracker(tracking_uri, experiment=experiment)
     manager = CheckpointManager(directory, read_only=True, track=tracker)
     version = manager.register_best(
@@ -809,7 +833,7 @@ def _ranking_metric(directory: str, metric: str | None, mode: str) -> str:
         checkpoints = run.all()
         if not checkpoints:
             try:
-                step = sources.step_folder(directory)
+                step = resolve.step_folder(directory)
             except (OSError, ValueError, RuntimeError):
                 step = None
             if step is not None:
@@ -886,7 +910,7 @@ def average(
         )
     if any(_same_name(out, source) for source in checkpoints):
         raise click.BadParameter(f"{out} is also a source: the average would replace it", param_hint="--out")
-    with sources.checkpoints(checkpoints) as paths:
+    with resolve.checkpoints(checkpoints) as paths:
         try:
             run_average(
                 paths,
@@ -916,7 +940,7 @@ def delta_command(a: str, b: str, out: str, as_json: bool, progress: bool | None
     A and B may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import delta as run_delta
 
-    with sources.checkpoints([a, b]) as (path_a, path_b):
+    with resolve.checkpoints([a, b]) as (path_a, path_b):
         run_delta(path_a, path_b, out=out, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"a": a, "b": b, "out": out})
@@ -938,7 +962,7 @@ def apply_command(base: str, delta: str, out: str, scale: float, as_json: bool, 
     BASE and DELTA may be CheckpointManager step folders; any may be on s3://."""
     from ..arithmetic import apply as run_apply
 
-    with sources.checkpoints([base, delta]) as (path_base, path_delta):
+    with resolve.checkpoints([base, delta]) as (path_base, path_delta):
         run_apply(path_base, path_delta, scale, out=out, progress=_show_progress(progress))
     if as_json:
         return _emit_json({"base": base, "delta": delta, "out": out, "scale": scale})

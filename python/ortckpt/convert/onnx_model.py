@@ -229,9 +229,12 @@ def _set_outputs(proto: Any, names: list[str]) -> None:
     produced = {name for node in graph.node for name in node.output} | {i.name for i in graph.input}
     missing = [n for n in names if n not in produced]
     if missing:
+        # The graph's own outputs first (the usual answer), then the other values nodes compute.
+        own = [o.name for o in graph.output if o.name in produced]
+        others = sorted(produced - set(own) - {i.name for i in graph.input})
         raise CheckpointStateError(
-            f"no node of the model computes {', '.join(missing)} (outputs a node computes: "
-            f"{_some(sorted(produced - {i.name for i in graph.input}))})"
+            f"no node of the model computes {', '.join(missing)} (the model's outputs: {_some(own) or 'none'}; "
+            f"other values its nodes compute: {_some(others) or 'none'})"
         )
     declared = {v.name: v for v in [*graph.output, *graph.value_info, *graph.input]}
     if any(n not in declared for n in names):

@@ -542,6 +542,7 @@ class _Shards:
         self.store = store
         self.folder = folder
         self.names = {s["rank"]: s["file"] for s in index["shards"]}  # (plain names: the index was validated)
+        self.sizes = {s["rank"]: s["files"] for s in index["shards"]}  # {file: bytes}: what a load checks
         self.files = {rank: store.file(folder, name).name for rank, name in self.names.items()}
         self.opened: dict[int, CheckpointState] = {}
         self.records: dict[int, dict[str, TensorRecord]] = {}
@@ -550,7 +551,12 @@ class _Shards:
         if rank not in self.opened:
             if rank not in self.files:
                 raise CheckpointFormatError(f"{self.store.name}: the index names no shard of rank {rank}")
-            self.opened[rank] = self.store.load(self.folder, self.names[rank])
+            # On object storage no shard is downloaded past the sizes its index records; a local
+            # shard is mapped, and its pieces checked as they are read.
+            recorded = {name: {"bytes": size} for name, size in self.sizes[rank].items()}
+            self.opened[rank] = self.store.load(
+                self.folder, self.names[rank], recorded=None if self.store.local else recorded
+            )
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 

@@ -38,29 +38,29 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, arguments, extras, safe_io, steps, targets
+from .. import _boundary, arguments, extras, interrupts, safe_io, steps, targets
 from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointIntegrityError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
     name_file,
 )
 from ..stepstore import Attempt, Step, StepStore, open_store
-from ..stepstore import entries as stepstore_entries
 from . import arguments as options
+from . import artifacts as _artifacts
 from . import child
 from . import metadata as _metadata
 from .common import Staging, UnwaitedSave, as_integer, as_step
 from .integrity import Verified, verify_step
+from .preemption import Preemption, check_grace, signals_of
 from .retention import RetentionPolicy
 from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
@@ -117,6 +117,18 @@ class CheckpointInfo:
         return self.metadata.get("rng_state")
 
     @property
+    def _step(self) -> Step:
+        return Step(self.step, self.metadata, self.files)
+
+    @property
+    def artifacts(self) -> dict[str, Path]:
+        """The run's graphs this step records (``CheckpointManager(artifacts=...)``): role ->
+        a local ONNX file, checked against the size and SHA-256 its metadata.json records (on
+        object storage, downloaded once into a private folder of this process). Empty when the
+        step records none."""
+        return _artifacts.local_graphs(self.store, self._step)
+
+    @property
     def sharded(self) -> bool:
         """Whether this is a sharded checkpoint (one shard per rank and an index)."""
         return steps.INDEX_NAME in self.metadata["files"]
@@ -137,8 +149,9 @@ class CheckpointInfo:
 
             return assemble_step(self.store, self.files)
         try:
-            self._check_entry()
-            return self.store.load(self.files, steps.CHECKPOINT_NAME)
+            # (checked against what its metadata.json records: a step holding another save's
+            # files, or files changed since, is refused, naming the file)
+            return self.store.load(self.files, steps.CHECKPOINT_NAME, recorded=self.metadata["files"])
         except FileNotFoundError:
             # Compressed (perhaps since this info was read: the archive is written before the
             # checkpoint goes, so it is there whenever the checkpoint is not).
@@ -148,20 +161,6 @@ class CheckpointInfo:
         from ..compression import load_compressed
 
         return load_compressed(archive, follow_symlinks=False)  # a symlink planted there is refused
-
-    def _check_entry(self) -> None:
-        """The checkpoint file against the size and checksum root its metadata.json entry
-        records (from its last bytes: what loading reads anyway), so that a step holding
-        another save's checkpoint (copied over it, or its entry edited) is refused, naming the
-        file, not restored as this step. Entries without a root (SHA-256 ones: a read of the
-        whole file) are left to :meth:`CheckpointManager.verify`."""
-        entry = self.metadata["files"].get(steps.CHECKPOINT_NAME, {})
-        if not self.store.local or "xxh3" not in entry:
-            return
-        path = safe_io.member(Path(self.files), steps.CHECKPOINT_NAME)
-        problem, _ = stepstore_entries.check(path, {"bytes": entry["bytes"], "xxh3": entry["xxh3"]})
-        if problem is not None:
-            raise CheckpointIntegrityError(path, [f"{path}: {problem} (not the checkpoint this step saved)"])
 
 
 class CheckpointManager:
@@ -244,6 +243,30 @@ class CheckpointManager:
             until :meth:`close`: a second writer gets :class:`~ortckpt.CheckpointDirectoryInUseError`
             naming the first. An object store holds no lock: one writer per prefix is yours to keep.
         storage_options: For an ``s3://bucket/prefix`` URL (see :mod:`ortckpt.object_store`).
+        artifacts: The run's graphs, recorded with every step: a folder of training artifacts
+            (``generate_artifacts``' ``training_model.onnx``, ``eval_model.onnx``,
+            ``optimizer_model.onnx``; its ``checkpoint`` is what :meth:`save` saves, not a graph),
+            or a mapping of role (``"training"``, ``"eval"``, ``"optimizer"``, ``"inference"``...)
+            to ONNX file. Where they are missing (a step folder copied alone to another machine,
+            resumed with the same script), the run's latest step's graphs are recorded again. Each
+            distinct graph is stored once in the run's ``artifacts/`` and shared
+            by the steps that use it (in a directory each step holds hard links to it, so a step
+            folder copied alone is whole); a graph changed during the run is stored again.
+            :meth:`verify` checks them, retention removes the ones no kept step uses,
+            :attr:`CheckpointInfo.artifacts` gives them and :meth:`restore_training` trains on.
+            Not with ``comm``.
+        device: ONNX Runtime's device the run trains on (``"cpu"``, ``"cuda"``, ``"cuda:1"``):
+            recorded in metadata.json with its execution provider, and the device
+            :meth:`restore_training` makes the Module on. Default: ``"cpu"`` with ``artifacts``.
+        preemption: True: SIGTERM and SIGINT (Ctrl-C) mean "preempted" (or a collection of
+            signals): from the signal on, :meth:`should_save` is True at the next step whatever
+            ``save_every`` says, that save is synchronous (pending async saves and tracker
+            reports flushed first), and :attr:`preempted` tells the loop to stop. Handlers are
+            installed here (the main thread only), chained to the ones before and put back by
+            :meth:`close`; see :mod:`ortckpt.manager.preemption`. Not for a reader or ``comm``.
+        preemption_grace: Seconds: if the manager is not closed that long after the signal,
+            the process ends (status 128 + the signal), saving or not (the previous step
+            stands); None (the default): no such watchdog.
     """
 
     def __init__(
@@ -270,6 +293,10 @@ class CheckpointManager:
         comm: Any = None,
         read_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        artifacts: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
+        device: str | None = None,
+        preemption: bool | Iterable[int] = False,
+        preemption_grace: float | None = None,
     ) -> None:
         # Every argument is checked first, naming it, before anything is opened or written
         # (manager.arguments: a float or a bool is no count, a string no flag).
@@ -305,6 +332,12 @@ class CheckpointManager:
             "external_data_threshold", external_data_threshold, 0, arguments.MAX_BYTES
         )
         track = options.track(track)
+        preemption_signals = signals_of(preemption)
+        preemption_grace = check_grace(preemption_grace)
+        if preemption_signals and (read_only or comm is not None):
+            raise ValueError(
+                "preemption is for the writer of a run, without comm (each rank would stop at its own step)"
+            )
         policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
         config = _metadata.check_config(config, os.fspath(directory))
         storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
@@ -317,6 +350,14 @@ class CheckpointManager:
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:
             raise ValueError("compress_kept is not available for sharded saves (comm=)")
+        missing: _artifacts.MissingArtifacts | None = None
+        try:
+            graphs = _artifacts.resolve(artifacts)
+        except _artifacts.MissingArtifacts as e:  # (the latest step's, if it records them: below)
+            graphs, missing = {}, e
+        device = _artifacts.check_device(device)
+        if (graphs or missing) and (comm is not None or read_only):
+            raise ValueError("artifacts are recorded by a writer of unsharded steps: not with comm= or read_only=True")
         if validate is not None and not isinstance(validate, Forward):
             raise InvalidArgumentTypeError(
                 f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}", "validate"
@@ -349,12 +390,17 @@ class CheckpointManager:
         self.compress_kept = compress_kept
         self.progress = progress
         self.storage_options = dict(storage_options or {})
+        self.artifacts = graphs  # role -> the ONNX file recorded with every step
+        self.device = device if device is not None or not (graphs or missing) else "cpu"
         self.comm = None
         if comm is not None:
             from ..distributed import communicator
 
             self.comm = communicator(comm)
         writer = self._is_root and not read_only
+        if missing is not None:
+            # (refused before anything is created when no step of the run records graphs either)
+            _artifacts.recorded_by(open_store(directory, storage_options, writer=False), missing)
         if writer:
             # The metadata's git commit comes from a subprocess: asked now, before the lock, since
             # a child forked while the lock is held shares it until it execs, and a writer killed
@@ -384,6 +430,12 @@ class CheckpointManager:
             self.comm.barrier()  # the directory exists and is tidy before any rank looks
         self.reload()
         latest = self.latest()
+        if missing is not None:  # the artifacts are not on this machine: the run's latest step has them
+            try:
+                self.artifacts = _artifacts.recorded(self.store, None if latest is None else latest._step, missing)
+            except BaseException:
+                self.store.close()
+                raise
         # The run's id: the one given, else the latest checkpoint's (a resumed run keeps its id),
         # else a new one; with comm, rank 0's on every rank.
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
@@ -393,6 +445,11 @@ class CheckpointManager:
         if track is not None and self._is_root:
             run = TrackedRun(self.run_id, Path(self.directory), self.config, writer=not read_only)
             self._reporter = Reporter(tracker_for(track), run, self.all)
+        # Last: a failure above leaves no handler installed.
+        self._preemption = Preemption(preemption_signals, preemption_grace, self._where)
+        self._preemption_saved = False
+        # A manager dropped without close() puts its handlers back too (they hold no reference to it).
+        weakref.finalize(self, self._preemption.restore)
 
     @property
     def _is_root(self) -> bool:
@@ -455,12 +512,26 @@ class CheckpointManager:
 
     # --- saving --------------------------------------------------------------------------
 
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption signal (``preemption=``) came, or :meth:`preempt` was called:
+        the loop should stop once :meth:`should_save`'s save is done."""
+        return self._preemption.noticed
+
+    def preempt(self) -> None:
+        """Marks the run preempted, as a signal would (from any thread: a poller of the
+        cloud's preemption notices, say); starts ``preemption_grace``'s watchdog."""
+        self._preemption.notice()
+
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the latest)."""
+        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the
+        latest); once preempted, True until the preemption save is made."""
         step = as_step(step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
             return False
+        if self.preempted and not self._preemption_saved:
+            return True
         if self.save_every is None:
             return True
         if isinstance(self.save_every, datetime.timedelta):
@@ -495,6 +566,47 @@ class CheckpointManager:
         """
         if slices is not None and self.comm is None:
             raise ValueError("slices are for sharded saves: create the manager with comm=")
+        details: dict[str, Any] = {
+            "epoch": epoch,
+            "metrics": metrics,
+            "metadata": metadata,
+            "dataset_fingerprint": dataset_fingerprint,
+            "rng_state": rng_state,
+            "include_optimizer_state": include_optimizer_state,
+        }
+        if self.preempted and self.comm is None:
+            self._save_preempted(state, step, details)
+            return
+        # A Ctrl-C during a synchronous save: KeyboardInterrupt before the step's commit (nothing
+        # committed), or after this returns (see ortckpt.interrupts): `hold` stays a local here.
+        with interrupts.held(not self.async_save and self.comm is None and self.store.local) as hold:  # noqa: F841
+            self._save(state, step, **details, slices=slices)
+
+    def _save_preempted(self, state: CheckpointState, step: int, details: dict[str, Any]) -> None:
+        """The preemption save: the pending async save first, then this one synchronously (its
+        tracker report waited for, as every save's); another signal meanwhile is noted only."""
+        self.wait()
+        self._preemption.saving = True
+        try:
+            self._save(state, step, **details, slices=None, synchronous=True)
+        finally:
+            self._preemption.saving = False
+        self._preemption_saved = True
+
+    def _save(
+        self,
+        state: CheckpointState,
+        step: int,
+        epoch: int | None,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+        dataset_fingerprint: str | None,
+        rng_state: Mapping[str, Any] | None,
+        include_optimizer_state: bool,
+        slices: Mapping[str, Any] | None,
+        *,
+        synchronous: bool = False,
+    ) -> None:
         step, meta, snapshot = self._prepare_save(
             state,
             step,
@@ -504,11 +616,12 @@ class CheckpointManager:
             dataset_fingerprint=dataset_fingerprint,
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
+            copy=self.async_save and not synchronous,
         )
         if self.comm is not None:
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
-        if not self.async_save:
+        if not self.async_save or synchronous:
             self._write_and_commit(snapshot, step, meta, include_optimizer_state)
             return
         if self._executor is None:
@@ -527,6 +640,7 @@ class CheckpointManager:
         dataset_fingerprint: str | None,
         rng_state: Mapping[str, Any] | None,
         include_optimizer_state: bool,
+        copy: bool,
     ) -> tuple[int, dict[str, Any], CheckpointState]:
         """Checks a save's arguments and takes the snapshot to write (a copy, for an async
         save), all in the caller's thread: (step, metadata without its files, snapshot)."""
@@ -562,15 +676,22 @@ class CheckpointManager:
             rng_state=rng_state,
             include_optimizer_state=include_optimizer_state,
         )
+        if self.device is not None:
+            meta.update(_artifacts.runtime(self.device))
         _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
+        # The state itself (ONNX Runtime's included) carries the step and epoch of its latest save,
+        # not a restored checkpoint's: a plain save_checkpoint after this one writes them.
+        with self._naming_step(step):
+            for name, value in properties.items():
+                state.properties[name] = value
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
-            snapshot = state._snapshot(
-                copy_value=self._staging.copy if self.async_save else None,
+            snapshot = state.snapshot(
+                copy_value=self._staging.copy if copy else None,
                 include_optimizer_state=include_optimizer_state,
                 properties=properties,
             )
-            if self.async_save:  # (its values are copies by now: views only) refused here, not in the background
+            if copy:  # (its values are copies by now: views only) refused here, not in the background
                 snapshot.core_state(include_optimizer_state)
         self._last_save = time.monotonic()
         return step, meta, snapshot
@@ -594,6 +715,8 @@ class CheckpointManager:
                 progress=self.progress,
                 share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
             )
+            for role, source in self.artifacts.items():
+                self.store.store_graph(attempt, role, source, durable=self.durable)
             committed = self._commit(attempt, meta)
         except OSError as e:
             self.store.abandon(attempt)
@@ -647,6 +770,8 @@ class CheckpointManager:
             if bar is not None:
                 bar.close()
         meta = {**meta, "files": files}
+        if attempt.graphs:
+            meta["artifacts"] = dict(attempt.graphs)
         if not self.store.local:
             meta["attempt"] = attempt.where
         if self.verify_after_save == "process":
@@ -655,6 +780,7 @@ class CheckpointManager:
             verify_step(self.store, Step(attempt.step, meta, attempt.folder))
         if self.validate is not None:
             self.validate.validate(Path(attempt.folder) / steps.CHECKPOINT_NAME, meta.get("metrics"))
+        interrupts.before_commit()  # (a Ctrl-C held so far: raised now, nothing committed)
         step = self.store.commit(attempt, steps.METADATA_NAME, _metadata.encode(meta), durable=self.durable)
         return CheckpointInfo.of(self.store, step)
 
@@ -796,6 +922,8 @@ class CheckpointManager:
                 self.store.retire(Step(info.step, info.metadata, info.files))
         with self._lock:
             self._checkpoints.pop(step, None)
+        if self._is_root and _artifacts.graphs_of(info.metadata):
+            self.store.remove_unused_graphs()  # (the step is gone: what only it used goes too)
 
     def remove_leftovers(self) -> list[str]:
         """Removes what saves that failed or were killed left (and, on object storage, the
@@ -817,10 +945,12 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Waits for the pending save, stops the background thread and gives up the directory
-        (another writer may then open it). Queries and restores still work after."""
+        (another writer may then open it); puts back the signal handlers ``preemption``
+        replaced. Queries and restores still work after."""
         try:
             self.wait()
         finally:
+            self._preemption.restore()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
@@ -887,6 +1017,28 @@ class CheckpointManager:
                 if not gone or attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def restore_training(
+        self, step: int | None = None, *, device: str | None = None
+    ) -> tuple[CheckpointState, Any, Any]:
+        """The checkpoint of ``step`` (default: the latest) ready to train on: ``(state, module,
+        optimizer)``, ONNX Runtime's ``Module`` over the restored state with the step's training
+        and eval graphs, and its ``Optimizer`` with the step's optimizer graph (None if the step
+        records none), which take the parameters, moments, step and learning rate from the
+        checkpoint as ONNX Runtime's do. The graphs are the ones the step recorded
+        (``artifacts=``), checked against their SHA-256 first, so a step folder copied alone to
+        another machine resumes. ``device``: ONNX Runtime's (default: the manager's, else the
+        one the step records, else ``"cpu"``). Needs onnxruntime-training (ImportError naming
+        it otherwise); ortckpt never requires it."""
+        device = _artifacts.check_device(device)
+        _artifacts.training_api()  # (before anything is read: ImportError naming the package)
+
+        def session(info: CheckpointInfo) -> tuple[CheckpointState, Any, Any]:
+            graphs = info.artifacts
+            chosen = device or self.device or info.metadata.get("device")
+            return _artifacts.training_session(info.load(), graphs, chosen, os.fspath(info.url))
+
+        return self._reading(step, session)
 
     def restore_sharded(
         self, step: int | None = None, *, slices: Mapping[str, Any] | None = None

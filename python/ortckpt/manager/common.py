@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import PackedBits
+from ..tensor_keys import TensorKey
 
 
 class Staging:
@@ -19,9 +20,9 @@ class Staging:
     memory already mapped (fresh memory costs a page fault per 4 KiB)."""
 
     def __init__(self) -> None:
-        self.arrays: dict[tuple[str, ...], np.ndarray] = {}
+        self.arrays: dict[TensorKey, np.ndarray] = {}
 
-    def copy(self, key: tuple[str, ...], value: Any) -> Any:
+    def copy(self, key: TensorKey, value: Any) -> Any:
         if isinstance(value, PackedBits) or value.dtype == object:  # rare types: a fresh copy
             return value.copy()
         target = self.arrays.get(key)

@@ -124,24 +124,38 @@ def _verify_downloaded(store: ObjectStore, step: Step, scratch: Path) -> Verifie
     folder = step.folder
     assert not isinstance(folder, Path)
     if "files" in step.document:  # a manager's step: its metadata names every file
-        names = sorted(step.document["files"])
+        sizes = {name: entry["bytes"] for name, entry in step.document["files"].items()}
     else:  # a sharded step without a manager: its index is the document
-        names = sorted(name for shard in step.document["shards"] for name in shard["files"])
+        sizes = {name: size for shard in step.document["shards"] for name, size in shard["files"].items()}
     hashed: dict[str, tuple[int, str] | BaseException] = {}
-    for name in names:
-        hashed[name] = _download(folder.child(name), safe_io.member(scratch, name))
+    for name, size in sorted(sizes.items()):
+        hashed[name] = _download(folder.child(name), safe_io.member(scratch, name), size)
+    for role, entry in sorted(step.document.get("artifacts", {}).items()):
+        # (the run's stored graph, by digest: no more bytes read than the metadata records)
+        try:
+            graph = store.graph_file(step, role, scratch)
+            hashed[entry["name"]] = (entry["bytes"], entry["sha256"])
+            os.link(graph, safe_io.member(scratch, entry["name"]))
+        except (OSError, CheckpointError) as e:
+            hashed[entry["name"]] = e
     return _verify_folder(scratch, step, hashed, None, name=folder.url)
 
 
-def _download(source: Any, local: Path) -> tuple[int, str] | BaseException:
+def _download(source: Any, local: Path, recorded: int) -> tuple[int, str] | BaseException:
     """Streams an object into the new file ``local``: its (size, SHA-256), or the error (the
-    file then absent)."""
+    file then absent). One the server declares of another size than the ``recorded`` one is
+    refused before a byte of it is read (no download is larger than its step records)."""
     import hashlib
 
     digest = hashlib.sha256()
     fd = safe_io.create_exclusive(local)
     try:
-        size = object_store.download_to(source, fd, digest=digest)
+        found = object_store.head(source)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", source.url)
+        if found.size != recorded:
+            raise CheckpointIntegrityError(source.url, [f"{source.url}: {found.size} bytes, metadata says {recorded}"])
+        size = object_store.download_to(source, fd, expected_size=recorded, etag=found.etag, digest=digest)
     except (OSError, CheckpointError) as e:
         os.close(fd)
         os.unlink(local)
@@ -191,6 +205,10 @@ def _verify_folder(
                 later.append(f"{shown(steps.METADATA_NAME)}: step {meta['step']}, but the directory is of step {named}")
             for file, expected in sorted(meta["files"].items()):
                 _check_file(file, shown(file), expected, directory / file, hashed.get(file), problems, files, on_bytes)
+            for entry in meta.get("artifacts", {}).values():  # the run's graphs the step records
+                graph = {"bytes": entry["bytes"], "sha256": entry["sha256"]}
+                at = entry["name"]
+                _check_file(at, shown(at), graph, directory / at, hashed.get(at), problems, files, on_bytes)
             if "compressed" in meta and not problems:
                 directory = _decompressed(directory, meta["compressed"], cleanup, problems, files, on_bytes, shown)
             for checkpoint in checkpoints:

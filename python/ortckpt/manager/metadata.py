@@ -52,10 +52,49 @@ def git_commit_of(where: Path) -> dict[str, Any] | None:
     return {"commit": commit, "dirty": bool(status)}
 
 
-def versions() -> dict[str, str]:
+def versions() -> dict[str, str | None]:
+    """The versions of what wrote the step: Python, NumPy, ortckpt, and ONNX Runtime and onnx
+    (None when not installed; neither is imported for this)."""
     from .._boundary import VERSION
 
-    return {"python": platform.python_version(), "numpy": np.__version__, "ortckpt": VERSION}
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "ortckpt": VERSION,
+        "onnxruntime": _version_of("onnxruntime", _ONNXRUNTIME_DISTRIBUTIONS),
+        "onnx": _version_of("onnx", ("onnx",)),
+    }
+
+
+# The distributions that install the onnxruntime package (the training one first: its loop is
+# what a manager with artifacts records).
+_ONNXRUNTIME_DISTRIBUTIONS = (
+    "onnxruntime-training-cpu",
+    "onnxruntime-training",
+    "onnxruntime",
+    "onnxruntime-gpu",
+)
+
+
+def _version_of(module: str, distributions: tuple[str, ...]) -> str | None:
+    """The version of ``module`` as imported in this process, else of the installed
+    distribution that provides it, else None."""
+    loaded = getattr(sys.modules.get(module), "__version__", None)
+    if isinstance(loaded, str):
+        return loaded
+    return _installed_version(distributions)
+
+
+@lru_cache(maxsize=8)
+def _installed_version(distributions: tuple[str, ...]) -> str | None:
+    from importlib import metadata
+
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def build(

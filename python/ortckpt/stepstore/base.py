@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import abc
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import targets
+from .. import documents, targets
 
 if TYPE_CHECKING:
     from .._boundary import CoreState
@@ -52,6 +55,8 @@ class Attempt:
     # from that step's (see shared_file_entry), never recomputed.
     shared: dict[str, dict[str, Any]] = field(default_factory=dict)
     sent: bool = False  # its commit was sent: from then on it may have landed, whatever was heard
+    # The run's graphs recorded for the step (store_graph), by role: their metadata entries.
+    graphs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +66,42 @@ class Scan:
 
     steps: dict[int, Step]
     damaged: dict[int, str]
+
+
+class SourceDigests:
+    """The SHA-256 of each graph file a run records, by its path, while the file is unchanged
+    (the same inode, size, mtime and ctime: what a write or a replacement changes), so that a
+    save does not read an unchanged graph again."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[int, ...], int, str]] = {}
+
+    @staticmethod
+    def identity(path: Path) -> tuple[int, ...]:
+        found = os.stat(path)
+        return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
+
+    def get(self, path: Path) -> tuple[int, str] | None:
+        """(size, SHA-256) of ``path`` as last recorded, if it is unchanged since."""
+        known = self._known.get(os.fspath(path))
+        if known is None or known[0] != self.identity(path):
+            return None
+        return known[1], known[2]
+
+    def put(self, path: Path, identity: tuple[int, ...], size: int, digest: str) -> None:
+        """Records (size, digest) of ``path``, read while it had ``identity``, if it still has."""
+        if self.identity(path) == identity:
+            self._known[os.fspath(path)] = (identity, size, digest)
+
+
+def check_graph_size(source: Path, size: int) -> None:
+    """A graph recorded with a step is an ONNX model: one protobuf, under 2 GiB (what
+    metadata.json's schema takes), checked before it is stored (its file may have grown since
+    the manager was made)."""
+    if size > documents.MAX_ARTIFACT_BYTES:
+        raise ValueError(
+            f"{source}: {size} bytes, more than an ONNX model can hold ({documents.MAX_ARTIFACT_BYTES}): not recorded"
+        )
 
 
 def shared_file_entry(previous: Step, name: str) -> dict[str, Any]:
@@ -109,8 +150,12 @@ class StepStore(abc.ABC):
         """A file of a step (or an attempt), as a checkpoint target."""
 
     @abc.abstractmethod
-    def load(self, folder: Any, name: str) -> CheckpointState:
-        """A checkpoint of a step, loaded; it stays usable whatever later retention deletes."""
+    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
+        """A checkpoint of a step, loaded; it stays usable whatever later retention deletes.
+        With ``recorded`` (the step's metadata.json entries), the checkpoint and its data file
+        are first checked against their entries, by what costs no second read: sizes, checksum
+        root and pair id (see each store's ``load``); one that is not the file the step saved is
+        refused, :class:`~ortckpt.CheckpointIntegrityError` naming it."""
 
     @abc.abstractmethod
     def read_document(self, folder: Any, name: str) -> bytes:
@@ -179,8 +224,39 @@ class StepStore(abc.ABC):
         """Removes what saves that failed or were killed left, and finishes retirements that
         failed: returns what it removed."""
 
+    # --- the run's graphs (CheckpointManager(artifacts=...)) ---------------------------------
+
+    @abc.abstractmethod
+    def store_graph(self, attempt: Attempt, role: str, source: Path, *, durable: bool) -> dict[str, Any]:
+        """Records the ONNX model at ``source`` (a local file) as the step's graph of ``role``:
+        stored once per distinct content in the run's artifacts folder, shared by every step
+        that uses it. Returns its metadata entry ({"name", "bytes", "sha256"}), also kept in
+        ``attempt.graphs``."""
+
+    @abc.abstractmethod
+    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+        """A local file holding the step's graph of ``role``, checked against its entry (size
+        and SHA-256; CheckpointIntegrityError naming it otherwise): a directory's own file, or
+        on object storage a download into the private folder ``cache`` (no more bytes read than
+        the entry records; one download per content)."""
+
+    @abc.abstractmethod
+    def remove_unused_graphs(self) -> list[str]:
+        """Removes the stored graphs that no step uses any more; returns what it removed."""
+
     def close(self) -> None:  # noqa: B027 (nothing to give up but a directory's lock)
         """Gives up the store (a directory's writer lock)."""
 
 
-__all__ = ["EMPTY_RESCANS", "SCAN_ATTEMPTS", "Attempt", "Scan", "Step", "StepStore", "missed", "shared_file_entry"]
+__all__ = [
+    "EMPTY_RESCANS",
+    "SCAN_ATTEMPTS",
+    "Attempt",
+    "Scan",
+    "SourceDigests",
+    "Step",
+    "StepStore",
+    "check_graph_size",
+    "missed",
+    "shared_file_entry",
+]

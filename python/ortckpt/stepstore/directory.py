@@ -12,14 +12,18 @@
   one level down (the core's locked temporary files).
 - **A step is written privately, committed by rename.** ``.step_<n>.tmp-<random>/`` is created
   writable by this user only, filled (its commit document last), then given its final
-  permissions and renamed to ``step_<n>`` by the core, which never replaces an existing one.
-  So a directory under a step's name is always complete; what is not is hidden.
+  permissions (its files read-only: steps share data files by hard link) and renamed to
+  ``step_<n>`` by the core, which never replaces an existing one. So a directory under a
+  step's name is always complete; what is not is hidden.
+- **A step is loaded as it was committed** (:func:`check_recorded`): files that are not the
+  ones its metadata.json records, or that changed since, are refused.
 - **Deletion renames first** (``.step_<n>.deleting-<random>``), then removes, so no step
   directory is ever half deleted under its own name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -28,15 +32,22 @@ import stat
 import sys
 import warnings
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import _boundary, documents, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
-from ..errors import CheckpointDirectoryInUseError, CheckpointError, CheckpointExistsError, CheckpointLockedError
+from ..errors import (
+    CheckpointDirectoryInUseError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    CheckpointLockedError,
+)
 from . import entries
-from .base import Attempt, Scan, Step, StepStore, shared_file_entry
+from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size, shared_file_entry
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -54,6 +65,10 @@ class DirectoryStore(StepStore):
         # The data file whose SHA-256 this store last computed (written or shared), by what tells
         # its bytes unchanged since (see _shares_proven_file): {(dev, inode, size, mtime): digest}.
         self._hashed: dict[tuple[int, int, int, int], str] = {}
+        # The run's graphs: their sources' digests, and the stored graphs proven to hold their
+        # digest's bytes ({digest: identity}: written by this store, or hashed once).
+        self._sources = SourceDigests()
+        self._stored: dict[str, tuple[int, int, int, int]] = {}
         if writer:
             if create:
                 safe_io.make_directories(directory)
@@ -91,19 +106,39 @@ class DirectoryStore(StepStore):
             return None
 
     def locate(self) -> Step | None:
+        """The step whose directory is this store's, if a commit document is there. One that is
+        there but not a regular file (a symlink, dangling or not, a directory, a FIFO) is
+        refused (:class:`documents.DocumentError`), unread, as damage is."""
         path = self.directory
         for document in steps.COMMIT_DOCUMENTS:
-            if (path / document).is_file():
-                where = path / document
-                data = safe_io.read_regular(where, limit=KINDS[document].max_bytes, follow_symlinks=False)
-                parsed = documents.parse(KINDS[document], data, os.fspath(where))
-                return Step(parsed["step"], parsed, path)
+            where = path / document
+            try:
+                mode = os.lstat(where).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                what = (
+                    "a symlink"
+                    if stat.S_ISLNK(mode)
+                    else "a directory"
+                    if stat.S_ISDIR(mode)
+                    else "a FIFO"
+                    if stat.S_ISFIFO(mode)
+                    else "a special file"
+                )
+                raise documents.DocumentError(f"{where}: {what}, not a regular file: refused as the step's {document}")
+            data = safe_io.read_regular(where, limit=KINDS[document].max_bytes, follow_symlinks=False)
+            parsed = documents.parse(KINDS[document], data, os.fspath(where))
+            return Step(parsed["step"], parsed, path)
         return None
 
     def file(self, folder: Any, name: str) -> targets.LocalFile:
         return targets.LocalFile(safe_io.member(Path(folder), name))
 
-    def load(self, folder: Any, name: str) -> CheckpointState:
+    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
+        """The checkpoint, mapped; with ``recorded``, checked first (:func:`check_recorded`)."""
+        if recorded is not None:
+            check_recorded(Path(folder), name, recorded)
         # (documents name plain files inside the step: never followed through a symlink)
         return open_checkpoint(safe_io.member(Path(folder), name), follow_symlinks=False)
 
@@ -192,7 +227,7 @@ class DirectoryStore(StepStore):
     def _shares_proven_file(self, link: Path, entry: dict[str, Any]) -> bool:
         """Whether the data file just linked (``link``, in the attempt's private directory: the
         very inode shared) may take ``entry``, the previous step's record of it, as its own: a
-        file of this user's with a new file's permissions (no other user can change what every
+        file of this user's with a step file's permissions (no other user can change what every
         later step shares, and each step reads as a whole one would) that is what ``entry``
         records. For a checksummed entry that is its size and pair id, read from its last bytes
         (the values this step reads were compared byte for byte, and its checkpoint's checksums
@@ -200,7 +235,10 @@ class DirectoryStore(StepStore):
         digest this store computed when it wrote (or last shared) that inode, the file unchanged
         since (same size and mtime), else hashed once now: a copied digest is never a wrong one."""
         before = os.lstat(link)
-        if before.st_uid != os.geteuid() or stat.S_IMODE(before.st_mode) != 0o644 & ~safe_io.current_umask():
+        umask = safe_io.current_umask()
+        # (read-only: a committed step's; 0644: a step committed before steps were made read-only)
+        modes = (safe_io.READ_ONLY_MODE & ~umask, safe_io.FILE_MODE & ~umask)
+        if before.st_uid != os.geteuid() or stat.S_IMODE(before.st_mode) not in modes:
             return False
         if "sha256" not in entry:
             problem, _ = entries.check(link, entry)
@@ -213,6 +251,128 @@ class DirectoryStore(StepStore):
                 return False  # written to while hashed
             self._hashed = {identity: digest}
         return entry.get("bytes") == before.st_size and entry.get("sha256") == digest
+
+    # --- the run's graphs ----------------------------------------------------------------
+
+    def store_graph(self, attempt: Attempt, role: str, source: Path, *, durable: bool) -> dict[str, Any]:
+        """The step's ``<role>_model.onnx`` is a hard link to the run's stored graph of that content
+        (``artifacts/<sha256>.onnx``): no space taken twice, and the step folder whole on its own
+        (copied alone, it holds its graphs). Where no link can be made (a planted entry that is
+        not a stored graph of this user's, a file system without hard links), the step keeps a
+        copy of its own."""
+        name = steps.artifact_name(role)
+        target = safe_io.member(Path(attempt.folder), name)
+        folder = self._graphs_folder()
+        known = self._sources.get(source)
+        if known is not None and self._link_stored(folder, known[1], target):
+            size, digest = known
+        else:
+            identity = SourceDigests.identity(source)
+            check_graph_size(source, identity[2])
+            size, digest = safe_io.copy_new(source, target, durable=durable)
+            check_graph_size(source, size)  # (grown while copied: the attempt is abandoned)
+            self._sources.put(source, identity, size, digest)
+            self._share(folder, target, digest, durable=durable)
+        entry = {"name": name, "bytes": size, "sha256": digest}
+        attempt.graphs[role] = entry
+        return entry
+
+    def _graphs_folder(self) -> Path:
+        """The run's artifacts folder (made if missing): a directory of its own, never a symlink."""
+        folder = self.directory / steps.ARTIFACTS_FOLDER
+        try:
+            safe_io.make_private_directory(folder)
+            safe_io.publish_directory(folder)
+        except FileExistsError:
+            pass
+        if not _is_directory(folder):
+            raise NotADirectoryError(
+                20, "not a directory of this run's graphs (a symlink or a file is in its place)", str(folder)
+            )
+        return folder
+
+    def _proven(self, stored: Path, digest: str) -> bool:
+        """Whether ``stored`` is a regular file of this user's holding the bytes of ``digest``:
+        known to this store (written or hashed by it, unchanged since), else hashed now."""
+        try:
+            found = os.lstat(stored)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+            return False
+        identity = _identity(found)
+        if self._stored.get(digest) == identity:
+            return True
+        _, actual = safe_io.sha256_of(stored)
+        if actual != digest or _identity(os.lstat(stored)) != identity:
+            return False
+        self._stored[digest] = identity
+        return True
+
+    def _link_stored(self, folder: Path, digest: str, target: Path) -> bool:
+        """Links the stored graph of ``digest`` into the attempt as ``target``: whether it did."""
+        stored = folder / steps.stored_graph_name(digest)
+        if not self._proven(stored, digest):
+            return False
+        try:
+            os.link(stored, target)
+        except OSError:
+            return False
+        if os.lstat(target).st_ino != os.lstat(stored).st_ino:  # (replaced in between)
+            os.unlink(target)
+            return False
+        return True
+
+    def _share(self, folder: Path, copy: Path, digest: str, *, durable: bool) -> None:
+        """The graph just copied into the attempt, shared with the run: replaced by a link to the
+        stored one of the same content, or made the stored one. What stands in a stored graph's
+        place and is not one (a symlink, another's file, bytes of another digest) is removed
+        first; what cannot be (a directory) leaves the step its copy."""
+        stored = folder / steps.stored_graph_name(digest)
+        if self._proven(stored, digest):
+            os.unlink(copy)
+            try:
+                os.link(stored, copy)
+                return
+            except OSError:
+                safe_io.copy_new(stored, copy, durable=durable)  # (the step keeps a copy of its own)
+                return
+        try:
+            if os.path.lexists(stored) and not os.path.isdir(stored):
+                os.unlink(stored)  # (a symlink itself, never what it points to)
+            os.link(copy, stored)
+        except OSError:
+            return  # no link: the step keeps its own copy
+        self._stored[digest] = _identity(os.lstat(stored))
+        if durable:
+            safe_io.fsync_directory(folder)
+
+    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+        entry = step.document["artifacts"][role]
+        path = safe_io.member(Path(step.folder), entry["name"])
+        entries.check_graph(path, entry, os.fspath(path))
+        return path
+
+    def remove_unused_graphs(self) -> list[str]:
+        """Removes the stored graphs no step links to any more (one link left: the stored
+        name), and whatever else stands under a stored graph's name that is not a regular file.
+        Only the writer (its lock proves no save of another is linking one meanwhile)."""
+        if self.writer is None or not self.writer.locked:
+            return []
+        folder = self.directory / steps.ARTIFACTS_FOLDER
+        if not _is_directory(folder):
+            return []
+        removed = []
+        for entry in safe_io.entries(folder):
+            if not steps.STORED_GRAPH.fullmatch(entry.name) or entry.is_dir(follow_symlinks=False):
+                continue
+            found = os.lstat(entry.path)
+            if stat.S_ISREG(found.st_mode) and found.st_nlink > 1:
+                continue
+            os.unlink(entry.path)
+            self._stored.pop(entry.name.removesuffix(".onnx"), None)
+            removed.append(entry.path)
+        return removed
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
@@ -228,6 +388,8 @@ class DirectoryStore(StepStore):
         for name in sorted(attempt.written):
             if name in attempt.shared:  # hard-linked from the previous step: its entry, copied
                 described[name] = attempt.shared[name]
+                if sha256 and "sha256" not in described[name]:  # (first written without the digest)
+                    described[name] = {**described[name], "sha256": self._sha256_of_shared(Path(attempt.folder) / name)}
             elif "sha256" in attempt.written[name]:  # a document
                 described[name] = attempt.written[name]
             else:
@@ -238,9 +400,20 @@ class DirectoryStore(StepStore):
                     self._hashed = {_identity(os.lstat(path)): described[name]["sha256"]}
         return described
 
+    def _sha256_of_shared(self, path: Path) -> str:
+        """The SHA-256 of a shared data file whose entry has none: hashed once (the next step
+        copies this one's entry), remembered as describe remembers a written file's."""
+        identity = _identity(os.lstat(path))
+        digest = self._hashed.get(identity)
+        if digest is None:
+            _, digest = safe_io.sha256_of(path)
+            self._hashed = {identity: digest}
+        return digest
+
     def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
         temp = Path(attempt.folder)
         safe_io.write_new(temp / document, data, durable=durable)
+        safe_io.publish_read_only(temp)
         safe_io.publish_directory(temp)
         final = steps.step_directory(self.directory, attempt.step)
         try:
@@ -274,11 +447,72 @@ class DirectoryStore(StepStore):
             if steps.TEMPORARY.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                 safe_io.remove_tree(Path(entry.path))
                 removed.append(entry.path)
-        return removed
+        return removed + self.remove_unused_graphs()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.release()
+
+
+def check_recorded(folder: Path, name: str, recorded: Mapping[str, dict[str, Any]]) -> None:
+    """Refuses (:class:`~ortckpt.CheckpointIntegrityError`, naming the file) a step's checkpoint
+    ``name`` or its data file that is not the file its step records (``recorded``: the entries of
+    its metadata.json, or a shard's sizes in index.json), without reading either in full:
+
+    - another size, checksum root or pair id (:func:`entries.check_cheaply`: a file replaced by
+      another save's, or by anything else);
+    - changed since the step was committed: its mtime later than the commit document's, the last
+      file a save writes. Step files are read-only (0444 less the umask), but root ignores that, and a
+      file that steps share by hard link, edited in place, changes every one of them. Such a
+      file is then checked in full, against the checksums the checkpoint carries (else its
+      SHA-256): refused only if its bytes differ (a copied run, its times not kept, reads right).
+    """
+    problems = []
+    changed = []
+    committed = _committed_at(folder)
+    for file in (name, f"{name}{entries.DATA_SUFFIX}"):
+        entry = recorded.get(file)
+        if entry is None:
+            continue
+        path = safe_io.member(folder, file)
+        problem = entries.check_cheaply(path, dict(entry))  # (FileNotFoundError: missing, raised)
+        if problem is not None:
+            problems.append(f"{path}: {problem}")
+        elif os.lstat(path).st_mtime_ns > committed:
+            changed.append(file)
+    if changed and not problems:
+        problems = _check_in_full(folder, name, recorded, changed)
+    if problems:
+        raise CheckpointIntegrityError(
+            safe_io.member(folder, name),
+            [f"{p} (not the file its step records: refused)" for p in problems],
+        )
+
+
+def _committed_at(folder: Path) -> int:
+    """The mtime of the document that commits a step (metadata.json, else a sharded step's
+    index.json): the last file its save wrote."""
+    for document in steps.COMMIT_DOCUMENTS:
+        with contextlib.suppress(FileNotFoundError):
+            return os.lstat(folder / document).st_mtime_ns
+    raise FileNotFoundError(2, "no such file (the step was deleted)", str(folder / steps.METADATA_NAME))
+
+
+def _check_in_full(folder: Path, name: str, recorded: Mapping[str, dict[str, Any]], changed: list[str]) -> list[str]:
+    """The problems of files written to since their step's commit, read in full."""
+    try:
+        if _boundary.verify_checksums(safe_io.member(folder, name), follow_symlinks=False) is not None:
+            return []  # every value this checkpoint reads, in both files, as it was saved
+    except CheckpointIntegrityError as e:
+        return [f"changed since its step was saved: {p}" for p in e.problems]
+    problems = []
+    for file in changed:  # no checksums (an older step's): its SHA-256, if recorded
+        entry = dict(recorded[file])
+        if "sha256" in entry:
+            problem, _ = entries.check(safe_io.member(folder, file), entry)
+            if problem is not None:
+                problems.append(f"{safe_io.member(folder, file)}: changed since its step was saved: {problem}")
+    return problems
 
 
 def step_directories(directory: Path) -> dict[int, Path]:
@@ -358,4 +592,4 @@ def _holder(record: str) -> dict[str, Any]:
         return {"holder": record} if record else {}
 
 
-__all__ = ["DirectoryStore", "WriterLock", "step_directories"]
+__all__ = ["DirectoryStore", "WriterLock", "check_recorded", "step_directories"]

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from .. import _boundary, safe_io
+from ..errors import CheckpointIntegrityError
 from ..targets import PAIR_MAGIC, PAIR_TRAILER_BYTES
 
 DATA_SUFFIX = ".data"
@@ -65,6 +67,9 @@ def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[s
     missing) and CheckpointError (a damaged checksum block) as reading does."""
     found: dict[str, tuple[int, str]] = {}  # kind -> (size, digest found)
     if "sha256" in expected:
+        status = os.lstat(path)  # (a file of another size is not read: it may be huge)
+        if stat.S_ISREG(status.st_mode) and status.st_size != expected["bytes"]:
+            return f"{status.st_size} bytes, metadata says {expected['bytes']}", ""
         found["sha256"] = safe_io.sha256_of(path, on_bytes)
     if "xxh3" in expected:
         size, root = _boundary.checksum_root(path, follow_symlinks=False)
@@ -81,4 +86,30 @@ def check(path: Path, expected: dict[str, Any], on_bytes: Any = None) -> tuple[s
     return None, next(iter(found.values()))[1]
 
 
-__all__ = ["check", "of_document", "of_written"]
+def check_graph(path: Path, entry: dict[str, Any], shown: str) -> None:
+    """A step's graph file against its entry (size and SHA-256, read without following a
+    symlink): CheckpointIntegrityError naming it (as ``shown``) when it differs or is missing."""
+    try:
+        problem, _ = check(path, {"bytes": entry["bytes"], "sha256": entry["sha256"]})
+    except FileNotFoundError:
+        problem = "missing"
+    except OSError as e:
+        problem = str(e).replace(f"'{path}'", "").strip(": ") or type(e).__name__
+    if problem is not None:
+        raise CheckpointIntegrityError(shown, [f"{shown}: {problem} (not the graph this step recorded)"])
+
+
+def check_cheaply(path: Path, expected: dict[str, Any]) -> str | None:
+    """The problem, or None, of the file at ``path`` against its entry by what costs no read of
+    the file: its size, and the checksum root or pair id the entry records (from its last bytes).
+    A SHA-256 is not read (restore checks this; verify reads the whole file). Raises as
+    :func:`check` does."""
+    cheap = {kind: value for kind, value in expected.items() if kind in ("bytes", "xxh3", "pair")}
+    if len(cheap) > 1:
+        return check(path, cheap)[0]
+    with safe_io.open_regular(path, follow_symlinks=False) as f:
+        size = os.fstat(f.fileno()).st_size
+    return None if size == expected["bytes"] else f"{size} bytes, metadata says {expected['bytes']}"
+
+
+__all__ = ["check", "check_cheaply", "check_graph", "of_document", "of_written"]

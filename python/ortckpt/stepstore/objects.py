@@ -10,7 +10,9 @@
   restarted job's sweep may have deleted the upload of a zombie writer beside it, and a step
   never names objects that do not exist (a commit found broken after its PUT is withdrawn).
   A commit whose answer was lost is recognised as this save's (the document names its
-  attempt); an error is not proof that it failed, so its objects stay for the sweep.
+  attempt), also by a retried save of the step by the same writer; an error is not proof
+  that it failed, so its objects stay for the sweep. A commit that landed but whose check
+  after it could not be made (server errors) counts, with a warning.
 - **Retiring a step** first creates ``step_<n>/retired-<attempt>``, which hides it from every
   reader at once, then deletes its document, its objects and last the marker: a deletion that
   fails is finished by the next :meth:`ObjectStore.remove_leftovers`.
@@ -18,14 +20,22 @@
   objects of saves that never committed, and multipart uploads that killed writers left, are
   removed only by :meth:`ObjectStore.remove_leftovers`, which its caller runs when no other
   writer is saving under the prefix. It never runs by itself.
+- **The run's graphs** are objects ``artifacts/<sha256>.onnx`` under the prefix, one per distinct
+  content, uploaded by the first save that records it; a step's metadata.json names them by
+  digest. A save checks they are there before and after its commit, as for its own objects.
+  Retention removes the ones no committed step names (an object store has no hard links to
+  count), and :meth:`ObjectStore.remove_leftovers` those that saves killed before their commit
+  left.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from .. import documents, object_store, safe_io, steps, targets
@@ -33,7 +43,8 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from .base import Attempt, Scan, Step, StepStore
+from . import entries
+from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -46,6 +57,12 @@ class ObjectStore(StepStore):
     def __init__(self, prefix: Location) -> None:
         self.prefix = prefix
         self.name = prefix.url
+        self._sources = SourceDigests()
+        self._stored: set[str] = set()  # digests of graphs this store uploaded or checked under the prefix
+        self._run = prefix  # the run's prefix: this one, or for a step folder located on its own, its parent
+        # Attempts whose commit was sent but not known to have landed (an error answered it), by
+        # step: a later save of the step that finds one of them committed takes it as its own.
+        self._unsure: dict[int, set[str]] = {}
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -100,18 +117,26 @@ class ObjectStore(StepStore):
                 parsed = _document(self.prefix.child(document), KINDS[document])
             except FileNotFoundError:
                 continue
+            # (a step folder named on its own: the run's graphs are beside it, in its run's prefix)
+            self._run = self.prefix.parent()
             return Step(parsed["step"], parsed, self._files_of(self.prefix, parsed))
         return None
 
     def file(self, folder: Any, name: str) -> targets.ObjectFile:
         return targets.ObjectFile(folder.child(name))
 
-    def load(self, folder: Any, name: str) -> CheckpointState:
+    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
-        stream, so memory stays bounded, and usable whatever later retention deletes."""
+        stream, so memory stays bounded, and usable whatever later retention deletes. With
+        ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
+        server declares the size recorded (nothing more is ever written), its SHA-256 taken as
+        the bytes come, and checked against its entry (:func:`_download_recorded`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            self.file(folder, name).download(path)
+            if recorded is None:
+                self.file(folder, name).download(path)
+            else:
+                _download_recorded(folder, name, recorded, path)
             return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
 
     def read_document(self, folder: Any, name: str) -> bytes:
@@ -154,6 +179,107 @@ class ObjectStore(StepStore):
         attempt.written[name] = entry
         return entry
 
+    # --- the run's graphs ----------------------------------------------------------------
+
+    def _graph(self, digest: str) -> Location:
+        return self._run.child(steps.ARTIFACTS_FOLDER).child(steps.stored_graph_name(digest))
+
+    def store_graph(self, attempt: Attempt, role: str, source: Path, *, durable: bool) -> dict[str, Any]:
+        """Uploads the graph unless an object of its digest is there already with its bytes (checked
+        once by reading it: a damaged or planted object is replaced)."""
+        known = self._sources.get(source)
+        if known is None:
+            identity = SourceDigests.identity(source)
+            check_graph_size(source, identity[2])
+            with safe_io.open_regular(source) as f:  # (a FIFO or a directory refused unread)
+                known = _sha256_of_file(f)
+            self._sources.put(source, identity, *known)
+        size, digest = known
+        check_graph_size(source, size)
+        where = self._graph(digest)
+        if digest not in self._stored:
+            found = object_store.head(where)
+            if found is None or found.size != size or object_store.sha256_of(where, expected_size=size)[1] != digest:
+                _upload_file(source, where, digest)
+            self._stored.add(digest)
+        entry = {"name": steps.artifact_name(role), "bytes": size, "sha256": digest}
+        attempt.graphs[role] = entry
+        return entry
+
+    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+        """The object of the graph's digest (or, for a step copied up from a directory, its own
+        file beside its checkpoint), downloaded once into ``cache`` as ``<sha256>.onnx``."""
+        entry = step.document["artifacts"][role]
+        local = cache / steps.stored_graph_name(entry["sha256"])
+        if os.path.lexists(local):  # (downloaded and checked before, into this private folder)
+            return local
+        places = [self._graph(entry["sha256"]), step.folder.child(entry["name"])]
+        for where in places:
+            found = object_store.head(where)
+            if found is not None and found.size == entry["bytes"]:
+                break
+        else:
+            if not self._still_committed(step):
+                raise FileNotFoundError(
+                    2, f"step {step.number} was deleted meanwhile (its graph {role} with it)", places[0].url
+                )
+            raise CheckpointIntegrityError(
+                places[0].url,
+                [f"{places[0].url}: missing (the graph {role}, {entry['name']}, of step {step.number})"],
+            )
+        digest = hashlib.sha256()
+        partial = cache / f".{entry['sha256']}.{steps.new_attempt()}"  # (threads may fetch one graph at once)
+        fd = safe_io.create_exclusive(partial)
+        try:
+            object_store.download_to(where, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
+        except BaseException:
+            os.close(fd)
+            os.unlink(partial)
+            raise
+        os.close(fd)
+        if digest.hexdigest() == entry["sha256"]:
+            safe_io.link_into_place(partial, local)
+            return local
+        os.unlink(partial)
+        raise CheckpointIntegrityError(
+            where.url,
+            [
+                f"{where.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']} "
+                f"(the graph {role}, {entry['name']}, of step {step.number})"
+            ],
+        )
+
+    def _still_committed(self, step: Step) -> bool:
+        """Whether ``step`` is still committed as it was read (not retired, nor replaced)."""
+        attempt = step.document.get("attempt")
+        if self._run is not self.prefix:
+            return True  # (a step folder on its own: no run listed to be deleted from)
+        try:
+            current = self.read(step.number, steps.METADATA_NAME)
+        except (CheckpointError, OSError):
+            return True  # (damaged now: say what is wrong with the graph, not that the step went)
+        if current is None or current.document.get("attempt") != attempt:
+            return False
+        marker = self._folder(step.number).child(steps.retired_marker(attempt)) if attempt else None
+        return marker is None or object_store.head(marker) is None
+
+    def remove_unused_graphs(self) -> list[str]:
+        """Removes the stored graphs that no committed step names. A step whose document is
+        damaged may name any: then nothing is removed (as the sweep keeps such a step whole)."""
+        scan = self.scan(steps.METADATA_NAME)
+        if scan.damaged:
+            return []
+        used = {e["sha256"] for step in scan.steps.values() for e in step.document.get("artifacts", {}).values()}
+        folder = self.prefix.child(steps.ARTIFACTS_FOLDER)
+        unused = [
+            name
+            for name, _ in object_store.list_keys(folder)
+            if steps.STORED_GRAPH.fullmatch(name) and name.removesuffix(".onnx") not in used
+        ]
+        object_store.remove([folder.child(name) for name in unused])
+        self._stored -= {name.removesuffix(".onnx") for name in unused}
+        return [folder.child(name).url for name in unused]
+
     def describe(self, attempt: Attempt, on_bytes: Any = None, *, sha256: bool = False) -> dict[str, dict[str, Any]]:
         """What was uploaded, with the SHA-256s taken as the bytes went (on object storage a
         step is verified by downloading it, SHA-256 as it comes: kept whatever ``sha256``)."""
@@ -164,19 +290,48 @@ class ObjectStore(StepStore):
         where = folder.child(document)
         self._check_present(attempt, "before its commit")
         attempt.sent = True  # from here on the commit may land whatever this process hears
-        committed = object_store.put_new(where, data)
+        try:
+            committed = object_store.put_new(where, data)
+        except (OSError, CheckpointError):
+            if self._names(attempt.step, document) != attempt.where:  # (not known to have landed)
+                self._unsure.setdefault(attempt.step, set()).add(attempt.where)
+                raise
+            committed = True  # it landed; only its answer was lost
         if not committed and self._finish_retirement(attempt.step, document):
             committed = object_store.put_new(where, data)  # (a deletion killed half way was in the way)
         if not committed:
-            attempt.sent = False  # another writer's commit: ours certainly did not land
+            attempt.sent = False  # another commit: ours certainly did not land
             self.abandon(attempt)
+            earlier = self._names(attempt.step, document)
+            if earlier is not None and earlier in self._unsure.get(attempt.step, ()):
+                # This writer's own earlier save of the step, whose commit landed unheard: committed.
+                step = self._read(attempt.step, document)
+                return Step(step.number, step.document, step.folder)
             raise CheckpointExistsError(f"{folder.url}: another writer committed step {attempt.step} first")
         try:
             self._check_present(attempt, "after its commit")
         except CheckpointIntegrityError:
             object_store.remove([where])  # withdrawn: no step names objects that are gone
             raise
+        except (OSError, CheckpointError) as e:
+            # The commit landed (its PUT said so) and every object was there just before it; only
+            # the check after it could not be made (the server failing). Raising would make the
+            # writer forget a step that exists: retention would never delete it, and a retried
+            # save would find it taken. It counts, with a warning to verify it.
+            warnings.warn(
+                f"{folder.url}: step {attempt.step} committed, but the check that its objects are still "
+                f"there after the commit failed ({e}); `ortckpt verify {folder.url}` checks it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return Step(attempt.step, documents.parse(KINDS[document], data, where.url), attempt.folder)
+
+    def _names(self, number: int, document: str) -> str | None:
+        """The attempt the committed document of step ``number`` names, if it can be read."""
+        try:
+            return self._read(number, document).document.get("attempt")
+        except (OSError, CheckpointError):
+            return None
 
     def _finish_retirement(self, number: int, document: str) -> bool:
         """Finishes the retirement of step ``number`` if one was begun and not finished (its
@@ -200,6 +355,14 @@ class ObjectStore(StepStore):
                 problems.append(
                     f"{attempt.folder.child(name).url}: {'gone' if found is None else f'{found.size} bytes'} "
                     f"{when} (written: {entry['bytes']} bytes); another job's sweep may have removed it"
+                )
+        for role, entry in sorted(attempt.graphs.items()):
+            where = self._graph(entry["sha256"])
+            found = object_store.head(where)
+            if found is None or found.size != entry["bytes"]:
+                self._stored.discard(entry["sha256"])  # (the next save uploads it again)
+                problems.append(
+                    f"{where.url}: the graph {role} is gone {when}; another job's sweep may have removed it"
                 )
         if problems:
             raise CheckpointIntegrityError(self._folder(attempt.step).url, problems)
@@ -251,7 +414,7 @@ class ObjectStore(StepStore):
         for key, upload_id, _began in object_store.pending_uploads(self.prefix):
             object_store.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
-        return removed
+        return removed + self.remove_unused_graphs()
 
     def _remove_unnamed(self, number: int, names: list[str]) -> list[str]:
         """Removes the objects ``names`` of step ``number`` that the listing found no document
@@ -306,6 +469,75 @@ class ObjectStore(StepStore):
             return name.partition("/")[0] in attempts
 
         return keep
+
+
+def _sha256_of_file(f: Any) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := f.read(8 << 20):
+        digest.update(chunk)
+        size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _upload_file(source: Path, where: Location, digest: str) -> None:
+    """Uploads the graph file ``source`` as ``where`` (mapped, streamed), hashing what goes up:
+    a file changed since it was hashed is not left under another content's name."""
+    import mmap
+
+    sent = hashlib.sha256()
+    with safe_io.open_regular(source) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            object_store.put(where, b"")
+        else:
+            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+                object_store.put_stream(where, [mapped], digest=sent)
+    if size and sent.hexdigest() != digest:
+        object_store.remove([where])
+        raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
+
+
+def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path) -> None:
+    """Streams the checkpoint object ``name`` of a step's ``folder`` (and its data object, when
+    metadata.json records one) into ``path`` (and ``path.data``), refusing, with
+    :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
+    recorded: another size (refused before a byte is read: no download is larger than its
+    entry), another checksum root or pair id (its last bytes). Its content is proven by the ETag
+    its upload recorded, the one the server declares, and the GET conditional on it (free); an
+    object without that (another ETag: copied over, or the same bytes copied from elsewhere; an
+    older step's entry) by its SHA-256, taken as the bytes come (no second read). A missing
+    object is FileNotFoundError naming it."""
+    problems = []
+    for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
+        entry = recorded.get(file)
+        if entry is None:
+            continue
+        source = folder.child(file)
+        found = object_store.head(source)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", source.url)
+        if found.size != entry["bytes"]:
+            problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
+            continue
+        proven = found.etag is not None and entry.get("etag") == found.etag
+        digest = None if proven or "sha256" not in entry else hashlib.sha256()
+        fd = safe_io.create_exclusive(local)
+        try:
+            object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
+        finally:
+            os.close(fd)
+        if digest is not None and "sha256" in entry and digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
+            continue
+        problem = entries.check_cheaply(local, dict(entry))  # (a step uploaded from a directory: root, pair id)
+        if problem is not None:
+            problems.append(f"{source.url}: {problem}")
+    if problems:
+        raise CheckpointIntegrityError(
+            folder.child(name).url,
+            [f"{p} (not the object its step records: refused)" for p in problems],
+        )
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:

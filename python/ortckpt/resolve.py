@@ -1,6 +1,7 @@
-"""What a command's checkpoint argument names, resolved once for every command.
+"""What a checkpoint name means, resolved in one place: for every command of the CLI and for
+:meth:`CheckpointState.load_checkpoint` (which takes a step folder as it takes a file).
 
-A command takes, wherever it reads a checkpoint:
+A name is, wherever a checkpoint is read:
 
 - a checkpoint file (and its ``.data``), or an ``s3://bucket/key`` checkpoint object;
 - a :class:`~ortckpt.CheckpointManager` step folder, local (``checkpoints/step_00001000``) or
@@ -25,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import object_store, safe_io, steps, targets
-from ..errors import CheckpointFormatError
-from ..stepstore import DirectoryStore, ObjectStore, Step, StepStore
+from . import object_store, safe_io, steps, targets
+from .errors import CheckpointFormatError
+from .stepstore import DirectoryStore, ObjectStore, Step, StepStore
 
 # The temporary copies made: their path -> the name the user gave (kept after the copy is gone:
 # the error that ended its block is reported after it).
@@ -84,8 +85,9 @@ def step_folder(given: str) -> StepFolder | None:
     store = DirectoryStore(path, writer=False)
     if not any(os.path.lexists(path / name) for name in steps.COMMIT_DOCUMENTS):
         raise _not_a_checkpoint(given, _committed_steps(store), "a directory")
-    step = store.locate()
-    assert step is not None  # (its document is there: locate parses it or raises)
+    step = store.locate()  # (a document that is there is read, or refused naming it)
+    if step is None:  # (deleted since it was seen)
+        raise FileNotFoundError(2, "no such file", str(path / steps.METADATA_NAME))
     return StepFolder(given, store, step)
 
 
@@ -138,7 +140,7 @@ def _not_a_checkpoint(given: str, found: list[int], what: str) -> NotACheckpoint
 
 
 def _legacy(given: str) -> str | None:
-    from ..checkpoint_state import legacy_layout_problem
+    from .checkpoint_state import legacy_layout_problem
 
     return legacy_layout_problem(given)
 
@@ -171,13 +173,13 @@ def checkpoint(given: str, *, local: bool = False) -> Iterator[Resolved]:
         return
     store, folder = found.store, found.step.folder
     if found.sharded:
-        from ..distributed.sharded import merge
+        from .distributed.sharded import merge
 
         with _copy(given) as path:
             merge(given, path, durable=False)  # (the step's shards, assembled into one checkpoint)
             yield Resolved(os.fspath(path), found, True)
     elif found.compressed:
-        from ..compression import decompress
+        from .compression import decompress
 
         with _copy(given) as path, archive_of(found) as archive:
             decompress(archive, path, follow_symlinks=False)
@@ -194,6 +196,23 @@ def checkpoint(given: str, *, local: bool = False) -> Iterator[Resolved]:
                 yield Resolved(os.fspath(path), found, True)
         else:
             yield Resolved(target.name, found)
+
+
+def load_step(given: str, *, verify: bool = False) -> Any:
+    """The checkpoint state of the step folder ``given`` (a directory): a plain step's checkpoint
+    checked against what its metadata.json records (as a manager's restore checks it: sizes,
+    checksum root, pair id), a sharded or compressed one assembled in a temporary copy (mapped:
+    the state stays whole after the copy goes). Anything else is refused as :func:`step_folder`
+    refuses it."""
+    from .checkpoint_state import CheckpointState
+
+    found = step_folder(given)
+    if found is None:  # (a path, not a directory, after all: replaced meanwhile)
+        return CheckpointState.load_checkpoint(given, verify=verify)
+    if found.sharded or found.compressed or verify:
+        with checkpoint(given) as resolved:
+            return CheckpointState.load_checkpoint(resolved.path, verify=verify)
+    return found.store.load(found.step.folder, steps.CHECKPOINT_NAME, recorded=found.step.document.get("files"))
 
 
 @contextlib.contextmanager
@@ -258,6 +277,7 @@ __all__ = [
     "archive",
     "checkpoint",
     "checkpoints",
+    "load_step",
     "shown",
     "step_folder",
 ]

@@ -1,0 +1,89 @@
+"""A state over a loaded checkpoint file or buffer: every tensor stays the raw entry the load gave
+(a plain tuple) until it is used, then becomes a view over the file's private (copy-on-write)
+mapping; writing into it changes the state, never the file."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import _boundary
+from .arrays import ArraysBacking
+from .tensors import OptimizerGroup, Tensor, TensorValue
+
+
+class MappedBacking(ArraysBacking):
+    def __init__(self, loaded: _boundary.Loaded) -> None:
+        tensors: dict[str, Any] = {entry[0]: entry for entry in loaded.trainable}
+        frozen = {entry[0]: entry for entry in loaded.frozen}
+        tensors.update(frozen)
+        # (a repeated property name: the last entry read wins, as in ONNX Runtime)
+        super().__init__(tensors, set(frozen), dict(loaded.properties), loaded.nominal)
+        self.format_version = loaded.version  # (1: ONNX Runtime 1.16's; saves always write version 2)
+        # The loaded file's mappings (checkpoint, external data), which views keep alive.
+        self.mappings: tuple[Any, Any] = loaded.mappings
+        # Optimizer groups as loaded, turned into arrays on first access.
+        self._pending_groups: list[Any] | None = loaded.optimizer_groups
+        # Views of tensors still held as raw entries, made all at once by prepare_values (plain
+        # arrays: nothing the garbage collector walks); None where made on first use. A tensor
+        # used since is a Tensor that took its view along, and its view left this dict.
+        self._views: dict[str, np.ndarray | None] = {}
+        self._views_made = False
+
+    @property
+    def has_external_data(self) -> bool:  # type: ignore[override]
+        return self.mappings[1] is not None
+
+    def tensor(self, name: str) -> Tensor:
+        entry = self.tensors[name]
+        if isinstance(entry, tuple):
+            _name, code, dims, stored = entry
+            entry = Tensor.from_file(name, code, dims, stored, self.mappings, view=self._views.pop(name, None))
+            self.tensors[name] = entry  # (published whole)
+        tensor: Tensor = entry
+        return tensor
+
+    def value(self, name: str) -> TensorValue:
+        """Without making the Tensor while the entry is raw and its view at hand (a pass over 16k
+        tensors comes through here)."""
+        view = self._views.get(name)
+        if view is not None:
+            return view
+        return self.tensor(name).value()
+
+    def prepare_values(self) -> None:
+        """The views of every tensor not used yet, made in one core call (which reads none of their
+        bytes; an object store's data file is still read a tensor at a time, on first use). Once: a
+        tensor used since has its own view."""
+        if self._views_made:
+            return
+        self._views_made = True
+        if not self.nominal:
+            # (Tensor entries, the tensors used already, come back None: as all the core leaves to Python)
+            views = _boundary.views(list(self.tensors.values()), self.mappings)
+            self._views = dict(zip(self.tensors, views, strict=True))
+
+    @property
+    def optimizer_groups(self) -> dict[str, OptimizerGroup]:
+        if self._pending_groups is not None:
+            pending, self._pending_groups = self._pending_groups, None
+            # Every momentum's view in one core call, then handed out in the same order.
+            entries = [m for _group, _step, _lr, states in pending for _param, moms in states for m in moms]
+            views = iter(_boundary.views(entries, self.mappings))
+            for group_name, step, lr, states in pending:
+                momentums = {
+                    param: {entry[0]: self._momentum(entry, next(views)) for entry in moms} for param, moms in states
+                }
+                self.groups[group_name] = OptimizerGroup(step, lr, momentums)
+        return self.groups
+
+    def set_optimizer_groups(self, groups: Mapping[str, OptimizerGroup]) -> None:
+        self._pending_groups = None
+        super().set_optimizer_groups(groups)
+
+    def _momentum(self, entry: _boundary.CoreTensor, view: np.ndarray | None) -> TensorValue | None:
+        if entry[3] is None:  # nominal: no values
+            return None
+        return view if view is not None else Tensor.from_file(*entry, self.mappings).value()
