@@ -177,8 +177,8 @@ WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxru
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
 test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV) chromium
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist flower-venv-wheel
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once test-flower-wheel
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist flower-venv-wheel
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once test-flower-wheel
 
 # A fresh virtualenv of one interpreter with the wheel in dist/ and the test dependencies.
 wheel-venv-%:
