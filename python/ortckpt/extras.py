@@ -16,6 +16,7 @@ INSTALL = {
     "torch": "pip install torch",
     "onnxruntime": "pip install onnxruntime",
     "mpi4py": "pip install mpi4py",
+    "flwr": "pip install 'ortckpt[flower]'",
 }
 
 

@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # name -> the test that runs it ("file::function"; the function calls block(name)). Examples that need
 # a server or several ranks are run by the tests that start them (MLflow, S3, mpirun); those that run in
 # ONNX Runtime's training loop by tests/interop/test_ort_loop.py, in ONNX Runtime's interpreter; the
-# torch example by tests/torch (`make test-torch`).
-HERE, LOOP, TORCH = (
+# torch example by tests/torch (`make test-torch`); the Flower example by tests/flower, in flwr's venv.
+HERE, LOOP, TORCH, FLOWER = (
     "tests/python/test_readme.py::",
     "tests/interop/test_ort_loop.py::",
     "tests/torch/test_torch_convert.py::",
+    "tests/flower/test_docs.py::",
 )
 RUN_BY = {
     "import-line": HERE + "test_the_import_line_gives_ortckpts_class",
@@ -46,6 +47,7 @@ RUN_BY = {
     "looking": HERE + "test_looking_at_checkpoints_runs_in_the_quick_starts_folder",
     "report-python": HERE + "test_the_reports_python_example_writes_the_page",
     "report-mlflow": HERE + "test_the_reports_mlflow_example_uploads_each_steps_report",
+    "flower": FLOWER + "test_the_flower_docs_example_runs_and_resumes",
 }
 
 FENCE = re.compile(r"^( *)```(?:python3?|py|pycon)$", re.M)  # what renders as Python
