@@ -29,6 +29,7 @@ import numpy as np
 from . import safe_io, targets, texts
 from ._boundary import VERSION
 from .checkpoint_state import CheckpointState, PackedBits
+from .compare import beyond_tensors
 from .errors import InvalidArgumentError
 from .statistics import TensorChange, TensorStats, histogram, tensor_changes, tensor_stats
 from .tensor_keys import TensorKey, TensorTable
@@ -375,20 +376,11 @@ class _Page:
         """Optimizer groups' steps and learning rates, and properties, that differ from ``against``
         (None: absent on that side)."""
         assert self.other is not None
-        before, now = self.other.state, self.side.state
-        found: dict[str, tuple[Any, Any]] = {}
-        ga, gb = before.optimizer_groups, now.optimizer_groups
-        for group in sorted(set(ga) | set(gb)):
-            for attr in ("step", "initial_learning_rate"):
-                a = getattr(ga[group], attr) if group in ga else None
-                b = getattr(gb[group], attr) if group in gb else None
-                if a != b:
-                    found[f"optimizer group {group}: {attr}"] = (a, b)
-        pa, pb = dict(before.properties), dict(now.properties)
-        for name in sorted(set(pa) | set(pb)):
-            if pa.get(name) != pb.get(name) or type(pa.get(name)) is not type(pb.get(name)):
-                found[f"property {name}"] = (pa.get(name), pb.get(name))
-        return found
+        found = beyond_tensors(self.other.state, self.side.state)
+        return {
+            **{f"optimizer {name}": values for name, values in found.optimizer.items()},
+            **{f"property {name}": values for name, values in found.properties.items()},
+        }
 
     def _change_row(self, c: TensorChange, top: float) -> str:
         width = 0.0 if not top or c.relative is None else 100 * c.relative / top

@@ -147,7 +147,7 @@ def test_federated_averaging_that_onnx_runtime_trains_on(ort, tmp_path):
 
     # the command line writes the same average
     assert cli(["average", *map(str, devices), "-o", str(tmp_path / "cli.ckpt"), "--weights", "120,45,300"]) == 0
-    from ortckpt.cli.compare import compare
+    from ortckpt.compare import compare
 
     assert compare(CheckpointState.load_checkpoint(tmp_path / "cli.ckpt"), average).identical
 

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from ortckpt import CheckpointState, _core
-from ortckpt.cli.compare import compare
+from ortckpt.compare import compare
 from ortckpt.convert.onnx_model import export_model
 from ortckpt.onnxblock import load_checkpoint_to_model, save_checkpoint
 

@@ -20,7 +20,7 @@ import ortckpt.arithmetic
 import pytest
 from ortckpt import CheckpointState, PackedBits, PackedInt4
 from ortckpt.cli import run as cli
-from ortckpt.cli.compare import compare
+from ortckpt.compare import compare
 from ortckpt.errors import CheckpointFormatError, CheckpointStateError, UnsupportedDataTypeError
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "ort-vectors"

@@ -195,7 +195,7 @@ def test_with_against_the_changes_come_largest_first_and_tensors_only_on_one_sid
     # The optimizer's step and the properties that changed are listed too, A's value then B's.
     [other] = doc.find("table", id="other-changes")
     changed = {cells(r)[0]: cells(r)[1:] for r in other.find("tr")[1:]}
-    assert changed == {"optimizer group group0: step": ["100", "200"], "property epoch": ["100", "200"]}
+    assert changed == {"optimizer group0.step": ["100", "200"], "property epoch": ["100", "200"]}
     # Numeric columns' headers sit over their numbers (right-aligned, as the cells are).
     heads = {h.text(): h.attrs.get("class") for h in doc.find("th")}
     assert heads["L2 of change"] == heads["max |Δ|"] == heads["mean"] == "n" and heads["tensor"] is None

@@ -13,7 +13,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 from ortckpt import CheckpointFormatError, CheckpointState, OptimizerGroup, UnsupportedDataTypeError
-from ortckpt.cli.compare import compare
+from ortckpt.compare import compare
 from ortckpt.convert import convert, load_safetensors, save_safetensors
 
 

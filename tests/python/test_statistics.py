@@ -476,7 +476,7 @@ def test_diff_prints_change_figures_largest_first_and_lists_every_tensor_in_json
     at = lines.index("changes, largest first (2 of 4 shared tensors changed):")
     assert lines[at + 1] == "  w: 11 of 12 changed, L2 22.49 (relative 1), max abs 11"
     assert lines[at + 2] == "  ids: 1 of 10 changed, L2 1 (relative 0.0592), max abs 1"
-    assert lines[-1] == "4 tensors compared: differ"
+    assert lines[-1] == "4 tensors compared: differ in 2 tensors"
     code, out = cli(capsys, "diff", "--json", flagged, tmp_path / "b.ckpt")
     report = json.loads(out)
     assert code == DIFFERENT and report["tensors"] and report["only_in_a"] == []  # the keys it had

@@ -100,7 +100,10 @@ def test_diff_of_files_differing_in_one_of_the_two_differs(capsys, tmp_path, cha
     b = saved(tmp_path, "b", twins(**{changed: 2.0}))
     code, out = cli(capsys, "diff", a, b)
     assert code == DIFFERENT, out
-    assert f"{LABEL}: values: 3 of 3 elements differ" in out and out.splitlines()[-1] == "4 tensors compared: differ"
+    assert (
+        f"{LABEL}: values: 3 of 3 elements differ" in out
+        and out.splitlines()[-1] == "4 tensors compared: differ in 1 tensor"
+    )
     code, out = cli(capsys, "diff", "--json", a, b)
     report = json.loads(out)
     key = (PARAMETER if changed == "parameter" else MOMENTUM).to_json()

@@ -1,5 +1,5 @@
 """The ``ortckpt`` command: ``commands`` (click: parsing, printing, exit codes) over ``summary``
-(``inspect``) and ``compare`` (``diff``)."""
+(``inspect``) and :mod:`ortckpt.compare` (``diff``)."""
 
 from .commands import DIFFERENT, FAILED, INTERRUPTED, OK, USAGE, console, main, run
 

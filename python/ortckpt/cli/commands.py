@@ -444,9 +444,9 @@ def diff(a: str, b: str, rtol: float, atol: float, as_json: bool, progress: bool
     """Compare two checkpoints (of any formats): tensor names, roles, dtypes, shapes and values
     (within --rtol/--atol), optimizer steps and learning rates, properties. Exit code 1 when
     they differ."""
+    from ..compare import compare
     from ..convert.files import load_any
     from ..statistics import tensor_changes
-    from .compare import compare
 
     with resolve.checkpoint(a) as found_a, resolve.checkpoint(b) as found_b:
         state_a, state_b = load_any(found_a.path), load_any(found_b.path)

@@ -1,4 +1,4 @@
-"""Differences between two checkpoint states (``ortckpt diff`` prints them).
+"""Differences between two checkpoint states (``ortckpt diff`` prints them; the report lists them).
 
 Tensors are matched by key (:class:`~ortckpt.TensorKey`: parameters by name, momentums by group,
 parameter and momentum; a parameter named like a momentum is never matched with it); for each pair
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes as _dt
-from ..checkpoint_state import CheckpointState, PackedBits
-from ..tensor_keys import TensorKey
+from . import dtypes as _dt
+from .checkpoint_state import CheckpointState, PackedBits
+from .tensor_keys import TensorKey
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Diff:
         if self.only_in_a or self.only_in_b:
             parts.append("tensors only one side has")
         if self.tensors:
-            parts.append(f"{len(self.tensors)} tensors")
+            parts.append(f"{len(self.tensors)} tensor{'' if len(self.tensors) == 1 else 's'}")
         if self.optimizer:
             parts.append("optimizer state")
         if self.properties:
@@ -183,6 +183,14 @@ def _compare_types(
             diff.tensors.append(TensorDiff(key_a, "role", key_a.role, key_b.role))
         elif dtype_a != dtype_b:
             diff.tensors.append(TensorDiff(key_a, "dtype", dtype_a, dtype_b))
+
+
+def beyond_tensors(a: CheckpointState, b: CheckpointState) -> Diff:
+    """What differs between ``a`` and ``b`` besides their tensors: optimizer steps and learning
+    rates (``Diff.optimizer``) and properties (``Diff.properties``)."""
+    diff = Diff()
+    _compare_the_rest(diff, a, b)
+    return diff
 
 
 def _compare_the_rest(diff: Diff, a: CheckpointState, b: CheckpointState) -> None:
