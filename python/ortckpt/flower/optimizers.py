@@ -58,7 +58,9 @@ class _ServerOptimizer(FedAvg):  # type: ignore[misc]
         return record, metrics
 
     def step(self, server_round: int, current: dict[str, np.ndarray], average: dict[str, np.ndarray]) -> dict:
-        raise NotImplementedError
+        """The server optimizer's update of the float tensors from ``current`` given the round's
+        ``average``: each subclass's rule (FedAvgM, FedAdam, FedYogi); this base has none."""
+        raise NotImplementedError(f"{type(self).__name__} defines no server update rule")
 
     def server_optimizer_state(self) -> dict[str, OptimizerGroup]:
         if not self.moments:
