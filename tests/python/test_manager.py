@@ -485,8 +485,8 @@ def test_a_full_disk_names_the_step_not_its_staging_folder(tmp_path, async_save)
             with pytest.raises(OSError) as e:
                 manager.save(CheckpointState.from_arrays({"w": np.ones(1 << 19, np.float32)}), 2)  # 2 MiB: never
                 manager.wait()
-            assert e.value.errno == 28 and e.value.filename == str(disk / "run" / "step_00000002")
-            assert "writing checkpoint of step 2: nothing was committed" in str(e.value)
+            assert e.value.errno == 28 and e.value.filename == str(disk / "run" / "step_00000002" / "checkpoint")
+            assert "saving step 2: nothing was committed" in str(e.value)
             assert manager.all_steps() == [1] and sorted(os.listdir(disk / "run")) == [
                 ".ortckpt-writer.lock",
                 "step_00000001",

@@ -727,17 +727,18 @@ class CheckpointManager:
         self._committed(committed)
 
     def _named_by_step(self, e: OSError, attempt: Attempt) -> OSError:
-        """An OS error (a full disk) met writing a step's staged files, named by the step (its
-        staging folder, a name of ours, is gone with the attempt), saying that nothing changed."""
+        """An OS error (a full disk) met writing a step's staged files, naming the file by the
+        name it has in the step (its staging folder, a name of ours, is gone with the attempt), and
+        saying that nothing changed."""
         staged = os.fspath(attempt.folder)
         if e.errno is None or not str(e.filename or "").startswith(staged):
             return e
-        inside = str(e.filename)[len(staged) :].lstrip("/") or "its folder"
+        inside = str(e.filename)[len(staged) :].lstrip("/")
+        step_folder = self._step_folder(attempt.step)
         return OSError(
             e.errno,
-            f"{e.strerror} (writing {inside} of step {attempt.step}: nothing was committed, the steps saved "
-            "before stand)",
-            self._step_folder(attempt.step),
+            f"{e.strerror} (saving step {attempt.step}: nothing was committed, the steps saved before stand)",
+            f"{step_folder}/{inside}" if inside else step_folder,
         )
 
     @contextlib.contextmanager
