@@ -52,7 +52,7 @@ def tensor_ranges(path: Path) -> dict[str, tuple[Path, int, int]]:
     for key, (_name, _code, _dims, stored) in loaded.tensors():
         if isinstance(stored, tuple) and stored[1]:  # (offset, length, external?), some bytes
             offset, length, external = stored
-            out["/".join(key[1:])] = (Path(f"{path}.data") if external else path, offset, length)
+            out[key.label] = (Path(f"{path}.data") if external else path, offset, length)
     return out
 
 

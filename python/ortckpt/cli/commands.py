@@ -921,6 +921,8 @@ def average(
                 progress=_show_progress(progress),
             )
         except CheckpointStateError as e:  # (the library's spelling of the option is Python's)
+            if type(e) is not CheckpointStateError or "frozen='first'" not in str(e):
+                raise
             raise CheckpointStateError(str(e).replace("frozen='first'", "--frozen-from-first")) from None
         used = average_weights(paths, weights) if as_json else None
     if as_json:

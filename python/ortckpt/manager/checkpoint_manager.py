@@ -730,6 +730,8 @@ class CheckpointManager:
         """An OS error (a full disk) met writing a step's staged files, naming the file by the
         name it has in the step (its staging folder, a name of ours, is gone with the attempt), and
         saying that nothing changed."""
+        if not isinstance(attempt.folder, (str, os.PathLike)):  # (an object store's: its errors name objects)
+            return e
         staged = os.fspath(attempt.folder)
         if e.errno is None or not str(e.filename or "").startswith(staged):
             return e

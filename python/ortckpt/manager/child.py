@@ -33,12 +33,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from .. import arguments, documents, safe_io
+from .. import arguments, documents, interrupts, safe_io
 from ..errors import (
     CheckpointFormatError,
     CheckpointIntegrityError,
@@ -55,6 +56,7 @@ BYTES_PER_SECOND = 64 << 20
 _LOGGED_LINES = 1000  # of one child's output; past it, lines are drained and counted
 _LINE_CHARS = 4096  # a longer line is logged cut
 _OUTPUT_GRACE = 5.0  # seconds to finish reading the output once the child's group is gone
+_HELD_SIGNAL_POLL = 0.1  # seconds between looks at a Ctrl-C a save holds, while a check runs
 
 # Runs in the child with nothing imported but the standard library: restores the parent's
 # sys.path and packages, runs the check and writes its verdict, then exits at once (a thread the
@@ -167,7 +169,16 @@ def run(
         output = _Output(child.stdout, what)
         timed_out = False
         try:
-            child.wait(timeout)
+            # In slices: a Ctrl-C that a save holds until its commit (ortckpt.interrupts) ends the
+            # wait now, not when the check does (the save commits nothing: it stops before its commit).
+            deadline = time.monotonic() + timeout
+            while child.poll() is None:
+                interrupts.before_commit()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(command, timeout)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(min(left, _HELD_SIGNAL_POLL))
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:  # also when the wait is interrupted (Ctrl-C): nothing of the child survives the save
