@@ -9,7 +9,7 @@ absolute and relative difference and how many elements differ beyond ``atol + rt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -146,24 +146,18 @@ def compare(
     diff = Diff()
     diff.nominal = [side for side, state in (("a", a), ("b", b)) if state.is_nominal]
     if diff.nominal:  # (names, roles and types: there are no values to compare)
-        _compare_types(diff, _typed(a), _typed(b))
+        for key, dtype_a, dtype_b in _shared(diff, _typed(a), _typed(b)):
+            if dtype_a != dtype_b:
+                diff.tensors.append(TensorDiff(key, "dtype", dtype_a, dtype_b))
         _compare_the_rest(diff, a, b)
         return diff
-    ta, tb = _tensors(a), _tensors(b)
-    diff.only_in_a = sorted(set(ta) - set(tb))
-    diff.only_in_b = sorted(set(tb) - set(ta))
-    for key in sorted(set(ta) & set(tb)):
-        (key_a, va), (key_b, vb) = ta[key], tb[key]
-        diff.compared += 1
-        if key_a.role != key_b.role:
-            diff.tensors.append(TensorDiff(key_a, "role", key_a.role, key_b.role))
-            continue
+    for key, va, vb in _shared(diff, _tensors(a), _tensors(b)):
         xa, xb = _comparable(va), _comparable(vb)
         if xa.dtype != xb.dtype:
-            diff.tensors.append(TensorDiff(key_a, "dtype", str(xa.dtype), str(xb.dtype)))
+            diff.tensors.append(TensorDiff(key, "dtype", str(xa.dtype), str(xb.dtype)))
         elif xa.shape != xb.shape:
-            diff.tensors.append(TensorDiff(key_a, "shape", list(xa.shape), list(xb.shape)))
-        elif (found := _values(key_a, xa, xb, rtol, atol)) is not None:
+            diff.tensors.append(TensorDiff(key, "shape", list(xa.shape), list(xb.shape)))
+        elif (found := _values(key, xa, xb, rtol, atol)) is not None:
             diff.tensors.append(found)
         if on_bytes is not None:
             on_bytes(xa.nbytes + xb.nbytes)
@@ -171,18 +165,20 @@ def compare(
     return diff
 
 
-def _compare_types(
-    diff: Diff, ta: dict[TensorKey, tuple[TensorKey, str]], tb: dict[TensorKey, tuple[TensorKey, str]]
-) -> None:
+def _shared(
+    diff: Diff, ta: dict[TensorKey, tuple[TensorKey, Any]], tb: dict[TensorKey, tuple[TensorKey, Any]]
+) -> Iterator[tuple[TensorKey, Any, Any]]:
+    """Records the tensors only one side has; yields (a's key, a's, b's) of each tensor both
+    have in the same role (one whose role differs is recorded as such), counting every pair."""
     diff.only_in_a = sorted(set(ta) - set(tb))
     diff.only_in_b = sorted(set(tb) - set(ta))
     for key in sorted(set(ta) & set(tb)):
-        (key_a, dtype_a), (key_b, dtype_b) = ta[key], tb[key]
+        (key_a, va), (key_b, vb) = ta[key], tb[key]
         diff.compared += 1
         if key_a.role != key_b.role:
             diff.tensors.append(TensorDiff(key_a, "role", key_a.role, key_b.role))
-        elif dtype_a != dtype_b:
-            diff.tensors.append(TensorDiff(key_a, "dtype", dtype_a, dtype_b))
+        else:
+            yield key_a, va, vb
 
 
 def beyond_tensors(a: CheckpointState, b: CheckpointState) -> Diff:
