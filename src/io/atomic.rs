@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use super::locks::{self, still_named, NO_FOLLOW};
 use super::writeback::{AfterEachPiece, PIECE};
 use crate::error::{Error, Result};
-use crate::format::checksums::{Running, Sum};
+use crate::seal::checksums::{Running, Sum};
 
 /// Permissions of the files a save creates, before the umask: never writable by others.
 const FILE_MODE: u32 = 0o644;
@@ -504,7 +504,7 @@ mod tests {
             assert!(fs::read(&path).unwrap() == expected, "{threads} threads");
             let want: Vec<Sum> = segments
                 .iter()
-                .map(|s| crate::format::checksums::sum(s))
+                .map(|s| crate::seal::checksums::sum(s))
                 .collect();
             assert_eq!(sums, want, "{threads} threads");
             let value_bytes: usize = segments.iter().map(Vec::len).sum();

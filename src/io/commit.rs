@@ -11,7 +11,7 @@
 //! 3. Under the target's commit lock (a deadline, never a wait for ever), the data file is
 //!    renamed first and the file that points into it last, so a crash between the two
 //!    leaves the previous checkpoint beside the new data file, which their pair trailers
-//!    tell apart (see [`crate::format::pairing`]). A save without a data file removes the
+//!    tell apart (see [`crate::seal::pairing`]). A save without a data file removes the
 //!    `<target>.data` of the checkpoint it replaces (the one carrying its pair trailer),
 //!    never an unrelated file of that name.
 //! 4. Temporary files of saves whose writers died (their locks free) are removed, and
@@ -29,8 +29,8 @@ use std::time::Duration;
 use super::atomic::{pending_temps_of, remove_stale_temps, sync_parent_dir, PendingFile};
 use super::locks::{self, PathLock, NO_FOLLOW};
 use crate::error::{Error, Result};
-use crate::external_data_path;
-use crate::format::pairing::{self, PairId, PAIR_TRAILER_LEN};
+use crate::seal::external_data_path;
+use crate::seal::pairing::{self, PairId, PAIR_TRAILER_LEN};
 
 /// A file (and, for a checkpoint with external data, its data file) being written, not yet
 /// in place. Dropped without [`Staged::commit`], its temporary files go and the target is
@@ -334,7 +334,7 @@ pub fn write_file(target: &Path, bytes: &[u8], options: &CommitOptions) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::pairing::trailer;
+    use crate::seal::pairing::trailer;
 
     fn with_trailer(body: &[u8], id: &PairId) -> Vec<u8> {
         let mut out = body.to_vec();
