@@ -27,7 +27,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::atomic::{pending_temps_of, remove_stale_temps, sync_parent_dir, PendingFile};
-use super::locks::{self, PathLock, NO_FOLLOW};
+use super::locks::{self, PathLock};
+use super::siblings::{self, NO_FOLLOW};
 use crate::error::{Error, Result};
 use crate::seal::external_data_path;
 use crate::seal::pairing::{self, PairId, PAIR_TRAILER_LEN};
@@ -206,7 +207,7 @@ fn sweep_dead_temps(target: &Path) {
         // that matches one of them: the new checkpoint, or the previous data file.
         let needed = this.is_some() && main != data && (this == data || this == main);
         if !needed {
-            locks::remove_if_abandoned(&temp);
+            siblings::remove_if_abandoned(&temp);
         }
     }
 }
@@ -215,7 +216,7 @@ fn sweep_dead_temps(target: &Path) {
 /// checkpoints of interrupted saves (temporary files whose writers died), which a data file
 /// left in place may belong to.
 fn replaced_pairs(target: &Path, leftovers: &[PathBuf]) -> Vec<PairId> {
-    let abandoned = leftovers.iter().filter(|temp| !locks::is_held(temp));
+    let abandoned = leftovers.iter().filter(|temp| !siblings::is_held(temp));
     std::iter::once(target)
         .chain(abandoned.map(PathBuf::as_path))
         .filter_map(pair_id_of_file)
