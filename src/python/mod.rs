@@ -8,6 +8,7 @@
 mod compute;
 mod errors;
 mod mapped;
+mod records;
 mod signals;
 mod stats;
 mod views;
@@ -20,25 +21,12 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use crate::format::{
-    Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
-};
+use crate::format::{Checkpoint, Stored, Tensor};
 use crate::io::Progress;
 use crate::SaveOptions;
 use errors::to_py_err;
 use mapped::MappedFile;
-
-/// A tensor as Python hands it over: name, ONNX type code, dims, and its values
-/// (an object with a contiguous byte buffer, a list of str, or None when nominal).
-type TensorIn<'py> = (String, i32, Vec<i64>, Bound<'py, PyAny>);
-/// The property bag: (ints, floats, strings).
-type PropertiesIn = (
-    Vec<(String, i64)>,
-    Vec<(String, f32)>,
-    Vec<(String, String)>,
-);
-/// An optimizer group: name, step, initial learning rate, [(param name, momentums)].
-type GroupIn<'py> = (String, i64, f32, Vec<(String, Vec<TensorIn<'py>>)>);
+use records::{payloads_in, GroupIn, TensorIn};
 
 /// Runs `f`, turning a panic into ortckpt.errors.InternalError: no panic crosses into Python.
 fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
@@ -675,89 +663,6 @@ fn encode_segments<'py>(
     })
 }
 
-/// The checkpoint Python hands over, its buffers exported into `buffers` and its values
-/// borrowed from them, sorted as ONNX Runtime's saver orders it unless `keep_order`.
-fn payloads_in<'py, 'b>(
-    py: Python<'py>,
-    path: &std::path::Path,
-    tensors: (Vec<TensorIn<'py>>, Vec<TensorIn<'py>>, Vec<GroupIn<'py>>),
-    properties: PropertiesIn,
-    (nominal, keep_order): (bool, bool),
-    buffers: &'b mut Vec<PyBuffer<u8>>,
-) -> PyResult<Checkpoint<Payload<'b>>> {
-    let ckpt = checkpoint_in(py, path, tensors, properties, nominal, buffers)?;
-    let buffers: &'b [PyBuffer<u8>] = buffers;
-    Ok(sorted_unless(keep_order, payloads_of(&ckpt, buffers)?))
-}
-
-/// The checkpoint built for one call, sorted in place as ONNX Runtime's saver orders it (the
-/// core's save would sort a copy, cloning every name, dims and string value) unless the caller
-/// keeps its own order.
-fn sorted_unless(
-    keep_order: bool,
-    mut payloads: Checkpoint<Payload<'_>>,
-) -> Checkpoint<Payload<'_>> {
-    if !keep_order {
-        payloads.sort_like_ort_state_path();
-    }
-    payloads
-}
-
-/// The checkpoint Python hands over, its buffers exported into `buffers`.
-fn checkpoint_in<'py>(
-    py: Python<'py>,
-    path: &std::path::Path,
-    (trainable, frozen, optimizer_groups): (
-        Vec<TensorIn<'py>>,
-        Vec<TensorIn<'py>>,
-        Vec<GroupIn<'py>>,
-    ),
-    (ints, floats, strings): PropertiesIn,
-    nominal: bool,
-    buffers: &mut Vec<PyBuffer<u8>>,
-) -> PyResult<Checkpoint<Intake>> {
-    let mut ckpt = Checkpoint::<Intake> {
-        trainable: tensors_in(py, trainable, buffers, path)?,
-        frozen: tensors_in(py, frozen, buffers, path)?,
-        is_nominal: nominal,
-        ..Default::default()
-    };
-    for (name, step, initial_learning_rate, states) in optimizer_groups {
-        let mut group = OptimizerGroup {
-            name,
-            step,
-            initial_learning_rate,
-            states: Vec::new(),
-        };
-        for (param_name, momentums) in states {
-            let momentums = tensors_in(py, momentums, buffers, path)?;
-            group.states.push(ParameterOptimizerState {
-                param_name,
-                momentums,
-            });
-        }
-        ckpt.optimizer_groups.push(group);
-    }
-    ckpt.properties.ints = ints;
-    ckpt.properties.floats = floats;
-    ckpt.properties.strings = strings;
-    Ok(ckpt)
-}
-
-/// The checkpoint with its values borrowed from the exported buffers.
-fn payloads_of<'b>(
-    ckpt: &Checkpoint<Intake>,
-    buffers: &'b [PyBuffer<u8>],
-) -> PyResult<Checkpoint<Payload<'b>>> {
-    ckpt.try_map_data(|t| -> PyResult<Payload<'b>> {
-        Ok(match &t.data {
-            Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i])),
-            Intake::Strings(s) => Payload::Strings(s.clone()),
-            Intake::Absent => Payload::Absent,
-        })
-    })
-}
-
 /// Bytes a running save has written, for a progress bar polling from another
 /// Python thread (the save releases the GIL).
 #[pyclass(frozen, module = "ortckpt._core")]
@@ -781,49 +686,6 @@ impl SaveProgress {
     fn written(&self) -> u64 {
         self.0.written()
     }
-}
-
-/// A tensor's values on their way in: an index into the held buffers, or owned strings.
-enum Intake {
-    Buffer(usize),
-    Strings(Vec<String>),
-    Absent,
-}
-
-fn tensors_in<'py>(
-    py: Python<'py>,
-    tensors: Vec<TensorIn<'py>>,
-    buffers: &mut Vec<PyBuffer<u8>>,
-    path: &std::path::Path,
-) -> PyResult<Vec<Tensor<Intake>>> {
-    let py_err = |e: crate::Error, name: &str| to_py_err(py, e.in_tensor(name).in_file(path));
-    tensors
-        .into_iter()
-        .map(|(name, code, dims, values)| {
-            let data_type = DataType::from_code(code).map_err(|e| py_err(e, &name))?;
-            let data = if values.is_none() {
-                Intake::Absent
-            } else if let Ok(list) = values.cast::<PyList>() {
-                Intake::Strings(list.extract()?)
-            } else {
-                let buffer = PyBuffer::<u8>::get(&values)?;
-                if !buffer.is_c_contiguous() {
-                    return Err(py_err(
-                        crate::Error::invalid_state("values are not contiguous bytes"),
-                        &name,
-                    ));
-                }
-                buffers.push(buffer);
-                Intake::Buffer(buffers.len() - 1)
-            };
-            Ok(Tensor {
-                name,
-                data_type,
-                dims,
-                data,
-            })
-        })
-        .collect()
 }
 
 /// A kernel's input as Python hands it over: its values (a C-contiguous buffer, exported and so
