@@ -23,10 +23,9 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::format::{Checkpoint, Stored, Tensor};
 use crate::io::Progress;
-use crate::SaveOptions;
 use errors::to_py_err;
 use mapped::MappedFile;
-use records::{payloads_in, GroupIn, TensorIn};
+use records::{payloads_in, CheckpointIn, WriteOptionsIn};
 
 /// Runs `f`, turning a panic into ortckpt.errors.InternalError: no panic crosses into Python.
 fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
@@ -220,107 +219,63 @@ fn untracked(tuple: Bound<'_, PyTuple>) -> Bound<'_, PyTuple> {
 
 /// Saves a checkpoint (ONNX Runtime's state-path layout) atomically to `path`.
 #[pyfunction]
-#[pyo3(signature = (
-    path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
-    progress = None, keep_order = false, commit = true, lock_timeout = None, holes = Vec::new(),
-))]
-#[allow(clippy::too_many_arguments)]
 fn save(
     py: Python<'_>,
     path: PathBuf,
-    trainable: Vec<TensorIn<'_>>,
-    frozen: Vec<TensorIn<'_>>,
-    optimizer_groups: Vec<GroupIn<'_>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
-    nominal: bool,
-    durable: bool,
-    external_data_threshold: u64,
-    progress: Option<PyRef<'_, SaveProgress>>,
-    keep_order: bool,
-    commit: bool,
-    lock_timeout: Option<f64>,
-    holes: Vec<usize>,
-) -> PyResult<Option<(Staging, crate::PlacedValues)>> {
+    checkpoint: CheckpointIn<'_>,
+    options: WriteOptionsIn<'_>,
+) -> PyResult<()> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
         // arrays' memory alive and unresizable while the GIL is released.
         let mut buffers = Vec::new();
-        let payloads = payloads_in(
-            py,
-            &path,
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (nominal, keep_order),
-            &mut buffers,
-        )?;
-        let options = SaveOptions {
-            durable,
-            external_data_threshold,
-            progress: progress.map(|p| Arc::clone(&p.0)),
-            keep_order: true,
-            lock_timeout: wait_or_default(py, lock_timeout)?,
-            holes: holes.into_iter().collect(),
-            ..SaveOptions::default()
-        };
-        if commit {
-            py.detach(|| crate::save(&path, &payloads, &options))
-                .map_err(|e| to_py_err(py, e))?;
-            return Ok(None);
-        }
-        // Written, not committed: the caller fills values in place, then commits.
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let options = options.save_options(py)?;
+        py.detach(|| crate::save(&path, &payloads, &options))
+            .map_err(|e| to_py_err(py, e))
+    })
+}
+
+/// `save` written, not committed: the staged files, and where each tensor's values are in them
+/// ((address of its buffer, offset, in the data file?)), for the caller to fill values in place
+/// (the `holes` of `options`), then commit.
+#[pyfunction]
+fn save_staged(
+    py: Python<'_>,
+    path: PathBuf,
+    checkpoint: CheckpointIn<'_>,
+    options: WriteOptionsIn<'_>,
+) -> PyResult<(Staging, crate::save::PlacedValues)> {
+    guarded(py, || {
+        let mut buffers = Vec::new();
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let options = options.save_options(py)?;
         let (staged, placed) = py
-            .detach(|| crate::write_staged(&path, &payloads, &options))
+            .detach(|| crate::save::write_staged(&path, &payloads, &options))
             .map_err(|e| to_py_err(py, e))?;
-        Ok(Some((Staging::of(staged), placed)))
+        Ok((Staging::of(staged), placed))
     })
 }
 
 /// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
 /// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
 /// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
-/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts.
+/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts. Of
+/// `options`, the threshold and holes play no part: sharing decides where values go.
 #[pyfunction]
-#[pyo3(signature = (
-    path, previous, trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    compare_only = false, durable = false, progress = None, keep_order = false, lock_timeout = None,
-))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (path, previous, checkpoint, options, *, compare_only = false))]
 fn save_sharing(
     py: Python<'_>,
     path: PathBuf,
     previous: PathBuf,
-    trainable: Vec<TensorIn<'_>>,
-    frozen: Vec<TensorIn<'_>>,
-    optimizer_groups: Vec<GroupIn<'_>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
+    checkpoint: CheckpointIn<'_>,
+    options: WriteOptionsIn<'_>,
     compare_only: bool,
-    durable: bool,
-    progress: Option<PyRef<'_, SaveProgress>>,
-    keep_order: bool,
-    lock_timeout: Option<f64>,
 ) -> PyResult<(bool, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
-        let payloads = payloads_in(
-            py,
-            &path,
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (false, keep_order),
-            &mut buffers,
-        )?;
-        let options = SaveOptions {
-            durable,
-            progress: progress.map(|p| Arc::clone(&p.0)),
-            keep_order: true,
-            lock_timeout: wait_or_default(py, lock_timeout)?,
-            ..SaveOptions::default()
-        };
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let options = options.save_options(py)?;
         let sharing = py
             .detach(|| {
                 crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
@@ -544,30 +499,19 @@ impl Lock {
     }
 }
 
-/// Encodes a checkpoint (`save`'s arguments, less the file's) into a new `bytes`:
-/// each tensor's bytes are copied once, from its array into the result.
+/// Encodes a checkpoint into a new `bytes`: each tensor's bytes are copied once, from its
+/// array into the result.
 #[pyfunction]
-#[pyo3(signature = (trainable, frozen, optimizer_groups, ints, floats, strings, *, nominal = false, keep_order = false))]
-#[allow(clippy::too_many_arguments)]
 fn save_bytes<'py>(
     py: Python<'py>,
-    trainable: Vec<TensorIn<'py>>,
-    frozen: Vec<TensorIn<'py>>,
-    optimizer_groups: Vec<GroupIn<'py>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
-    nominal: bool,
-    keep_order: bool,
+    checkpoint: CheckpointIn<'py>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     guarded(py, || {
         let mut buffers = Vec::new();
         let payloads = payloads_in(
             py,
             std::path::Path::new("<bytes>"),
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (nominal, keep_order),
+            checkpoint,
             &mut buffers,
         )?;
         let encoded = crate::encode_in_memory(&payloads, true).map_err(|e| to_py_err(py, e))?;
@@ -584,47 +528,25 @@ fn save_bytes<'py>(
     })
 }
 
-/// Encodes a checkpoint (`save`'s arguments, less the file's) for writing as a stream:
-/// returns (checkpoint file, external data) where the checkpoint file is its segments in
-/// order, and the external data None or (its length, [(offset, segment)]), zeros between.
-/// A segment is `bytes` (the metadata, copied out of the encoder) or the very object a
-/// tensor's values were handed over as: tensor bytes are never copied here.
+/// Encodes a checkpoint for writing as a stream: returns (checkpoint file, external data) where
+/// the checkpoint file is its segments in order, and the external data None or (its length,
+/// [(offset, segment)]), zeros between. A segment is `bytes` (the metadata, copied out of the
+/// encoder) or the very object a tensor's values were handed over as: tensor bytes are never
+/// copied here.
 #[pyfunction]
-#[pyo3(signature = (
-    trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    nominal = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD, keep_order = false,
-))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (checkpoint, *, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD))]
 fn encode_segments<'py>(
     py: Python<'py>,
-    trainable: Vec<TensorIn<'py>>,
-    frozen: Vec<TensorIn<'py>>,
-    optimizer_groups: Vec<GroupIn<'py>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
-    nominal: bool,
+    checkpoint: CheckpointIn<'py>,
     external_data_threshold: u64,
-    keep_order: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
     guarded(py, || {
-        let owners: Vec<Bound<'py, PyAny>> = [&trainable, &frozen]
-            .into_iter()
-            .flatten()
-            .chain(
-                optimizer_groups
-                    .iter()
-                    .flat_map(|g| g.3.iter().flat_map(|s| s.1.iter())),
-            )
-            .map(|t| t.3.clone())
-            .collect();
+        let owners: Vec<Bound<'py, PyAny>> = checkpoint.values().cloned().collect();
         let mut buffers = Vec::new();
         let payloads = payloads_in(
             py,
             std::path::Path::new("<stream>"),
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (nominal, keep_order),
+            checkpoint,
             &mut buffers,
         )?;
         let mut encoded = crate::encode_for_stream(&payloads, true, external_data_threshold)
@@ -742,6 +664,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_root, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(save_staged, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;
