@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use super::errors::to_py_err;
-use super::{buffer_bytes, wait_or_default, SaveProgress};
+use super::staging::wait_or_default;
+use super::{buffer_bytes, SaveProgress};
 use crate::format::{
     Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Tensor,
 };
