@@ -7,6 +7,7 @@
   itself (``lib.rs`` is the face: declarations and re-exports, nothing of its own to use);
 - any circle between the files of the crate, at any depth (``io/atomic.rs`` <-> ``io/locks.rs`` was
   the first); a folder's ``mod.rs`` declaring and re-exporting its own children is no circle;
+- a ``lib.rs`` that defines anything;
 - a ``clippy::too_many_arguments`` allow: what crosses a boundary in bulk is a typed record.
 """
 
@@ -240,6 +241,15 @@ def test_no_module_reaches_up_or_into_the_face():
 
 def test_no_circle_between_the_files_of_the_crate():
     assert circles(Crate()) == []
+
+
+def test_lib_rs_is_the_face_only():
+    """lib.rs declares the modules and re-exports what the crate offers; it defines nothing."""
+    text = strip_comments_and_strings((SRC / "lib.rs").read_text())
+    text = re.sub(r"#!?\[[^\]]*(\[[^\]]*\][^\]]*)*\]", "", text)  # attributes
+    statements = [" ".join(part.split()) for part in text.split(";") if part.strip()]
+    face = re.compile(r"(pub )?mod \w+|pub use [\w:]+(::\{[\w\s,:{}]*\})?")
+    assert [s for s in statements if not face.fullmatch(s)] == []
 
 
 def test_no_function_takes_too_many_arguments():
