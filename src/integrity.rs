@@ -1,4 +1,4 @@
-//! Checking a checkpoint against the checksum block it carries ([`crate::format::checksums`]).
+//! Checking a checkpoint against the checksum block it carries ([`crate::seal::checksums`]).
 //!
 //! The check reads every value once, through the files [`crate::load`] mapped, with read(2)
 //! into one small buffer the sums stay in cache with, not through the mappings: another
@@ -16,11 +16,13 @@ use memmap2::{MmapMut, UncheckedAdvice};
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::format::checksums::{self, Block, Running, Sum};
 use crate::format::encode::PAYLOAD_ALIGNMENT;
-use crate::format::pairing::{self, PAIR_MAGIC};
 use crate::format::{Checkpoint, Stored};
-use crate::{external_data_path, io, LoadedCheckpoint};
+use crate::io;
+use crate::load::LoadedCheckpoint;
+use crate::seal::checksums::{self, Block, Running, Sum};
+use crate::seal::external_data_path;
+use crate::seal::pairing::{self, PAIR_MAGIC};
 
 /// What [`LoadedCheckpoint::verify_checksums`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

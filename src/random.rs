@@ -1,4 +1,4 @@
-//! Unpredictable 128-bit values: pair ids (format::pairing) and temporary file names
+//! Unpredictable 128-bit values: pair ids (seal::pairing) and temporary file names
 //! (io), which another process must not be able to guess.
 
 use std::hash::{BuildHasher, Hasher};

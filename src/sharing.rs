@@ -6,7 +6,7 @@
 //! only name ONNX Runtime reads external data from, at any offset), the tensors whose bytes are
 //! equal to the previous ones are external at their offsets there, and the rest are inline in
 //! the new checkpoint, whose pair trailer carries the data file's id (see
-//! [`crate::format::pairing`]). Each checkpoint stays whole on its own; deleting either
+//! [`crate::seal::pairing`]). Each checkpoint stays whole on its own; deleting either
 //! leaves the other intact (a hard link).
 //!
 //! "Equal" is decided by comparing bytes against the data file that gets linked (the inode
@@ -21,8 +21,11 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::format::encode::{encode_sharing, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN};
-use crate::format::{checksums, pairing, Checkpoint, Payload, Stored, Tensor};
-use crate::{external_data_path, io, SaveOptions};
+use crate::format::{Checkpoint, Payload, Stored, Tensor};
+use crate::io;
+use crate::save::SaveOptions;
+use crate::seal::external_data_path;
+use crate::seal::{checksums, pairing};
 
 /// What a sharing save found and did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,7 +244,7 @@ impl Previous {
             if let Ok((Some(mapped), id, _)) = io::map_private_any(&external_data_path(path), false)
             {
                 // Only a data file whose id marks it as carrying checksums (a checkpoint sharing it
-                // takes its id, and a block's id must say so: see format::checksums).
+                // takes its id, and a block's id must say so: see seal::checksums).
                 let pair = pairing::pair_id(&mapped)
                     .filter(|&p| pairing::pair_id(&map) == Some(p) && checksums::marked(p) == p);
                 data = pair.map(|p| (mapped, id, p));

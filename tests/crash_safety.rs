@@ -4,9 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use ortckpt::format::pairing::{pair_id, PAIR_TRAILER_LEN};
 use ortckpt::format::{Checkpoint, DataType, Payload, Tensor};
 use ortckpt::io::{pending_temps, temp_path_for};
+use ortckpt::seal::pairing::{pair_id, PAIR_TRAILER_LEN};
 use ortckpt::{external_data_path, load, save, ErrorKind, SaveOptions};
 
 fn state(seed: u8) -> Vec<u8> {

@@ -1,10 +1,10 @@
 //! External data: values in `<checkpoint>.data`, the layout beyond 2 GiB.
 
 use ortckpt::format::encode::{EXTERNAL_MIN_BYTES, PAYLOAD_ALIGNMENT};
-use ortckpt::format::pairing::PAIR_TRAILER_LEN;
 use ortckpt::format::{
     Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
 };
+use ortckpt::seal::pairing::PAIR_TRAILER_LEN;
 use ortckpt::{external_data_path, load, save, ErrorKind, SaveOptions};
 
 fn bytes(len: usize, seed: u8) -> Vec<u8> {

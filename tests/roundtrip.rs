@@ -120,7 +120,7 @@ fn metadata_comes_first_and_values_follow_in_tensor_order() {
     assert!(ranges[0].0 + ranges[0].1 <= ranges[1].0, "a before b");
     // The tail of the file is tensor bytes (then the checksum block and the pair trailer), so
     // opening reads only the head.
-    let end = ortckpt::format::checksums::tail_len(2);
+    let end = ortckpt::seal::checksums::tail_len(2);
     assert!(ranges[1].0 + ranges[1].1 + 64 + end > encoded.len());
     assert!(ranges[0].0 < 1024);
 }

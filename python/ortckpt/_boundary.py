@@ -203,7 +203,8 @@ class CoreState:
     """A checkpoint as the core writes it: tensors as (name, code, dims, values) where values
     are a contiguous byte buffer (the caller's own memory: never copied here), a list of str,
     or None (nominal); groups as (name, step, learning rate, [(parameter, [momentum tensors])]).
-    What :meth:`ortckpt.CheckpointState.core_state` gives, and every writer takes."""
+    What :meth:`ortckpt.CheckpointState.core_state` gives, and every writer takes: the core reads
+    it by attribute (its ``CheckpointIn``)."""
 
     trainable: Sequence[Any]
     frozen: Sequence[Any]
@@ -227,8 +228,29 @@ class CoreState:
             if isinstance(value, str):
                 check_text(value, f"property {name!r}: value")
 
-    def arguments(self) -> tuple[Any, ...]:
-        return (self.trainable, self.frozen, self.groups, *split_properties(self.properties))
+    # The property bag by type, as the format stores it (the core reads these three by name).
+    @property
+    def ints(self) -> list[tuple[str, int]]:
+        return split_properties(self.properties)[0]
+
+    @property
+    def floats(self) -> list[tuple[str, float]]:
+        return split_properties(self.properties)[1]
+
+    @property
+    def strings(self) -> list[tuple[str, str]]:
+        return split_properties(self.properties)[2]
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the core writes a checkpoint's files: the record its writers read, by attribute."""
+
+    durable: bool = False  # the files and their directory fsynced before the call returns
+    external_data_threshold: int = DEFAULT_EXTERNAL_DATA_THRESHOLD  # more bytes of values: <path>.data
+    progress: SaveProgress | None = None  # counts the bytes written, for a bar in another thread
+    lock_timeout: float | None = None  # seconds to wait for another save of the path (None: 60)
+    holes: Sequence[int] = ()  # save_staged: values, by buffer address, left for the caller to fill
 
 
 def _check_tensor_text(tensor: Any, what: str) -> None:
@@ -240,23 +262,29 @@ def _check_tensor_text(tensor: Any, what: str) -> None:
 
 
 def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None:
-    """Writes a checkpoint atomically (the core's one commit); ``options``: ``_core.save``'s
-    keywords (durable, external_data_threshold, progress)."""
-    _core.save(os.fspath(path), *state.arguments(), nominal=state.nominal, keep_order=state.keep_order, **options)
+    """Writes a checkpoint atomically (the core's one commit); ``options``: :class:`WriteOptions`'
+    fields (durable, external_data_threshold, progress, lock_timeout)."""
+    _core.save(os.fspath(path), state, WriteOptions(**options))
 
 
 def save_sharing(
-    path: str | os.PathLike[str], previous: str | os.PathLike[str], state: CoreState, **options: Any
+    path: str | os.PathLike[str],
+    previous: str | os.PathLike[str],
+    state: CoreState,
+    *,
+    compare_only: bool = False,
+    **options: Any,
 ) -> tuple[bool, int, int]:
     """Writes the new checkpoint ``path`` sharing, with the checkpoint ``previous``, its data
     file for the values that are byte-identical there (hard-linked as ``path``'s own; the rest
     inline): (whether it did, else nothing was written and the caller saves whole; bytes of
     values unchanged since ``previous``, wherever it keeps them; bytes of values in all).
-    ``options``: compare_only (write nothing, only count), durable, progress, lock_timeout."""
+    ``compare_only``: write nothing, only count; ``options``: :class:`WriteOptions`' durable,
+    progress, lock_timeout."""
     if state.nominal:
         return False, 0, 0
     return _core.save_sharing(
-        os.fspath(path), os.fspath(previous), *state.arguments(), keep_order=state.keep_order, **options
+        os.fspath(path), os.fspath(previous), state, WriteOptions(**options), compare_only=compare_only
     )
 
 
@@ -265,19 +293,15 @@ def save_staged(
 ) -> tuple[Staging, dict[int, tuple[int, bool]]]:
     """:func:`save` written, not committed: the staged files, and where each tensor's values
     are in them, by the address of the buffer they were given in: {address: (offset, in the
-    data file?)}. The caller may fill values in place (``os.pwrite`` on ``fileno()``), then
-    commits (fsynced then, with ``durable``)."""
-    staged = _core.save(
-        os.fspath(path), *state.arguments(), nominal=state.nominal, keep_order=state.keep_order, commit=False, **options
-    )
-    assert staged is not None
-    staging, placed = staged
+    data file?)}. The caller may fill values in place (``os.pwrite`` on ``fileno()``; ``holes``
+    are left unwritten for it), then commits (fsynced then, with ``durable``)."""
+    staging, placed = _core.save_staged(os.fspath(path), state, WriteOptions(**options))
     return staging, {address: (offset, external) for address, offset, external in placed}
 
 
 def save_bytes(state: CoreState) -> bytes:
     """The bytes :func:`save` would write (values must total under 2 GiB)."""
-    return _core.save_bytes(*state.arguments(), nominal=state.nominal, keep_order=state.keep_order)
+    return _core.save_bytes(state)
 
 
 # One piece of a checkpoint being streamed: metadata bytes, or a tensor's own byte buffer.
@@ -290,12 +314,7 @@ def encode_segments(
     """The files :func:`save` would write, as pieces to stream: (the checkpoint's segments in
     order, None or (the external data file's length, [(offset, segment)], zeros between)).
     Tensor segments are the caller's own buffers (no copy)."""
-    main, external = _core.encode_segments(
-        *state.arguments(),
-        nominal=state.nominal,
-        keep_order=state.keep_order,
-        external_data_threshold=external_data_threshold,
-    )
+    main, external = _core.encode_segments(state, external_data_threshold=external_data_threshold)
     return main, external
 
 

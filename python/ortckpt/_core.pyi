@@ -2,7 +2,7 @@
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, final
+from typing import Any, Protocol, final
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -26,6 +26,7 @@ __all__ = [
     "save",
     "save_bytes",
     "save_sharing",
+    "save_staged",
     "stage",
     "tensor_changes",
     "tensor_stats",
@@ -86,6 +87,38 @@ _TensorIn = tuple[str, int, Sequence[int], Any]
 # (group name, step, initial learning rate, [(parameter, its momentums)]).
 _GroupIn = tuple[str, int, float, Sequence[tuple[str, Sequence[_TensorIn]]]]
 
+class _CheckpointIn(Protocol):
+    """A checkpoint to write (ortckpt._boundary.CoreState), read by attribute."""
+    @property
+    def trainable(self) -> Sequence[_TensorIn]: ...
+    @property
+    def frozen(self) -> Sequence[_TensorIn]: ...
+    @property
+    def groups(self) -> Sequence[_GroupIn]: ...
+    @property
+    def ints(self) -> Sequence[tuple[str, int]]: ...
+    @property
+    def floats(self) -> Sequence[tuple[str, float]]: ...
+    @property
+    def strings(self) -> Sequence[tuple[str, str]]: ...
+    @property
+    def nominal(self) -> bool: ...
+    @property
+    def keep_order(self) -> bool: ...
+
+class _WriteOptionsIn(Protocol):
+    """How to write the files (ortckpt._boundary.WriteOptions), read by attribute."""
+    @property
+    def durable(self) -> bool: ...
+    @property
+    def external_data_threshold(self) -> int: ...
+    @property
+    def progress(self) -> SaveProgress | None: ...
+    @property
+    def lock_timeout(self) -> float | None: ...
+    @property
+    def holes(self) -> Sequence[int]: ...
+
 def load(path: str, *, follow_symlinks: bool = True, verify: bool = False) -> dict[str, Any]: ...
 def verify_checksums(path: str, *, follow_symlinks: bool = True) -> tuple[int, int, int] | None: ...
 def checksum_root(path: str, *, follow_symlinks: bool = True) -> tuple[int, int | None]: ...
@@ -98,35 +131,12 @@ def views(
     dtypes: list[tuple[Any, int] | None],
 ) -> list[Any]: ...
 def encode_segments(
-    trainable: Sequence[_TensorIn],
-    frozen: Sequence[_TensorIn],
-    optimizer_groups: Sequence[_GroupIn],
-    ints: Sequence[tuple[str, int]],
-    floats: Sequence[tuple[str, float]],
-    strings: Sequence[tuple[str, str]],
-    *,
-    nominal: bool = False,
-    external_data_threshold: int = ...,
-    keep_order: bool = False,
+    checkpoint: _CheckpointIn, *, external_data_threshold: int = ...
 ) -> tuple[list[Any], tuple[int, list[tuple[int, Any]]] | None]: ...
-def save(
-    path: str,
-    trainable: Sequence[_TensorIn],
-    frozen: Sequence[_TensorIn],
-    optimizer_groups: Sequence[_GroupIn],
-    ints: Sequence[tuple[str, int]],
-    floats: Sequence[tuple[str, float]],
-    strings: Sequence[tuple[str, str]],
-    *,
-    nominal: bool = False,
-    durable: bool = False,
-    external_data_threshold: int = ...,
-    progress: SaveProgress | None = None,
-    keep_order: bool = False,
-    commit: bool = True,
-    lock_timeout: float | None = None,
-    holes: Sequence[int] = ...,
-) -> tuple[Staging, list[tuple[int, int, bool]]] | None: ...
+def save(path: str, checkpoint: _CheckpointIn, options: _WriteOptionsIn) -> None: ...
+def save_staged(
+    path: str, checkpoint: _CheckpointIn, options: _WriteOptionsIn
+) -> tuple[Staging, list[tuple[int, int, bool]]]: ...
 def combine(
     operation: str,
     coefficients: Sequence[float],
@@ -146,32 +156,9 @@ def tensor_changes(
 ) -> list[tuple[int, int, float, float, float, float]]: ...
 def histogram(tensor: _StatsTensor, edges: Sequence[float]) -> list[int]: ...
 def save_sharing(
-    path: str,
-    previous: str,
-    trainable: Sequence[_TensorIn],
-    frozen: Sequence[_TensorIn],
-    optimizer_groups: Sequence[_GroupIn],
-    ints: Sequence[tuple[str, int]],
-    floats: Sequence[tuple[str, float]],
-    strings: Sequence[tuple[str, str]],
-    *,
-    compare_only: bool = False,
-    durable: bool = False,
-    progress: SaveProgress | None = None,
-    keep_order: bool = False,
-    lock_timeout: float | None = None,
+    path: str, previous: str, checkpoint: _CheckpointIn, options: _WriteOptionsIn, *, compare_only: bool = False
 ) -> tuple[bool, int, int]: ...
-def save_bytes(
-    trainable: Sequence[_TensorIn],
-    frozen: Sequence[_TensorIn],
-    optimizer_groups: Sequence[_GroupIn],
-    ints: Sequence[tuple[str, int]],
-    floats: Sequence[tuple[str, float]],
-    strings: Sequence[tuple[str, str]],
-    *,
-    nominal: bool = False,
-    keep_order: bool = False,
-) -> bytes: ...
+def save_bytes(checkpoint: _CheckpointIn) -> bytes: ...
 
 @final
 class SignalOnDrop:

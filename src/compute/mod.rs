@@ -11,7 +11,7 @@
 //! A result that does not fit its type where every input is finite is not written: the pass
 //! stops and reports the first such element; the caller builds its error.
 //!
-//! A result written to a file is summed (XXH3-64, [`crate::format::checksums`]) as its chunks
+//! A result written to a file is summed (XXH3-64, [`crate::seal::checksums`]) as its chunks
 //! are written, in element order: the same sum the writer takes of a tensor's bytes, so the
 //! staged file is sealed without reading its values back.
 
@@ -24,8 +24,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 
-use crate::format::checksums::{Running, Sum};
 use crate::format::DataType;
+use crate::seal::checksums::{Running, Sum};
 use crate::{Error, Result};
 use floats::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
 

@@ -219,10 +219,10 @@ fn results_in_files_carry_the_sums_of_the_bytes_written() {
         let outcome = run(&operation, &mut jobs, threads, &mut |_| Ok(())).unwrap();
         let mut written = vec![0u8; a.len()];
         file.read_exact_at(&mut written, 0).unwrap();
-        let first = crate::format::checksums::sum(&written);
+        let first = crate::seal::checksums::sum(&written);
         file.read_exact_at(&mut written, second).unwrap();
         assert_eq!(written, memory, "the same result in the file and in memory");
-        let last = crate::format::checksums::sum(&written);
+        let last = crate::seal::checksums::sum(&written);
         assert_eq!(
             outcome,
             Outcome::Written(vec![Some(first), None, Some(last)]),

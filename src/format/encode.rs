@@ -14,16 +14,16 @@ use std::ptr::NonNull;
 use flatbuffers::{FlatBufferBuilder, Push, PushAlignment, Vector, WIPOffset};
 use memmap2::MmapMut;
 
-use super::checksums::{self, Running, Sum};
 use super::dtype::{element_count, DataType};
 use super::model::{Checkpoint, Payload, Tensor};
 use super::names::first_clash;
-use super::pairing::{self, PAIR_TRAILER_LEN};
 use super::plan::{plan, too_large, Slot};
 pub use super::plan::{Placement, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN, PAYLOAD_ALIGNMENT};
 use super::CHECKPOINT_VERSION;
 use crate::error::{Error, ErrorKind, Result};
 use crate::generated::onnxruntime::fbs;
+use crate::seal::checksums::{self, Running, Sum};
+use crate::seal::pairing::{self, PAIR_TRAILER_LEN};
 
 /// A tensor's values as the tables refer to them.
 #[derive(Clone, Copy)]
@@ -64,7 +64,7 @@ pub struct Encoded<'a> {
     external: Vec<(u64, &'a [u8])>,
     external_len: u64,
     has_external_data: bool,
-    /// The end of the external data file (see [`super::pairing`]).
+    /// The end of the external data file (see [`crate::seal::pairing`]).
     pair_trailer: Option<[u8; PAIR_TRAILER_LEN]>,
 }
 

@@ -1,13 +1,11 @@
 //! The ODTC format: bytes <-> [`Checkpoint`]. No filesystem, no Python.
 
-pub mod checksums;
 pub mod decode;
 pub mod dtype;
 pub mod encode;
 pub mod endian;
 pub mod model;
 pub mod names;
-pub mod pairing;
 pub mod plan;
 mod reader;
 mod verify;

@@ -9,16 +9,16 @@
 //! buffer (`gaps`): written by the builder they would touch one page of its buffer per tensor.
 //! With [`Placement::External`], values of [`EXTERNAL_MIN_BYTES`] or more go to the external
 //! data file instead, at 64-byte-aligned offsets, and a pair trailer ends both files. Every
-//! checkpoint file ends with room for its checksum block (see [`super::checksums`]) and its
+//! checkpoint file ends with room for its checksum block (see [`crate::seal::checksums`]) and its
 //! pair trailer, after the values.
 //! With `shared` offsets (a step that shares an existing data file, see [`crate::sharing`]),
 //! those tensors are external at the offsets given, nothing is planned for the data file (it is
 //! not written), every other value is inline, and the trailer carries that file's pair id.
 
-use super::checksums;
 use super::model::{Checkpoint, Payload};
-use super::pairing::{self, PairId, PAIR_TRAILER_LEN};
 use crate::error::{Error, Result};
+use crate::seal::checksums;
+use crate::seal::pairing::{self, PairId, PAIR_TRAILER_LEN};
 
 /// Tensor values start at multiples of this (a cache line; enough for any dtype and SIMD).
 pub const PAYLOAD_ALIGNMENT: usize = 64;
@@ -72,7 +72,7 @@ pub struct Plan<'a> {
     pub external: Vec<(u64, &'a [u8])>,
     pub external_len: u64,
     pub has_external_data: bool,
-    /// The end of the external data file, when there is one (see [`super::pairing`]).
+    /// The end of the external data file, when there is one (see [`crate::seal::pairing`]).
     pub pair_trailer: Option<[u8; PAIR_TRAILER_LEN]>,
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Temporary files are created exclusively (O_EXCL, O_NOFOLLOW) under unpredictable
 //! names, so nothing planted in the directory is ever written through, and each is
-//! locked by its writer until committed (see [`super::locks`]): a cleaner removes only
+//! locked by its writer until committed (see [`super::siblings`]): a cleaner removes only
 //! those whose writer is gone, whatever their names say. [`super::commit`] renames them
 //! into place.
 
@@ -11,10 +11,10 @@ use std::io::{self, IoSlice, Seek, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use super::locks::{self, still_named, NO_FOLLOW};
+use super::siblings::{self, hidden_prefix, still_named, writers_mode, NO_FOLLOW};
 use super::writeback::{AfterEachPiece, PIECE};
 use crate::error::{Error, Result};
-use crate::format::checksums::{Running, Sum};
+use crate::seal::checksums::{Running, Sum};
 
 /// Permissions of the files a save creates, before the umask: never writable by others.
 const FILE_MODE: u32 = 0o644;
@@ -27,32 +27,6 @@ pub const TEMP_MARKER: &str = ".ortckpt-tmp.";
 /// file or a 1-in-2^128 coincidence).
 const NAME_ATTEMPTS: usize = 16;
 
-/// The longest file name most filesystems take (ext4, xfs, btrfs, tmpfs: NAME_MAX).
-const NAME_MAX: usize = 255;
-
-/// `.<name><marker>`: how the hidden siblings of `target` (its temporary files, its lock file)
-/// begin. When that, plus `reserve` more bytes, would pass [`NAME_MAX`], the name is cut and a hash
-/// of the whole of it added (the same in every process, so cleaners find them): a target with
-/// a long but valid name can still be saved.
-pub(crate) fn hidden_prefix(target: &Path, marker: &str, reserve: usize) -> String {
-    let name = target
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let full = format!(".{name}{marker}");
-    if full.len() + reserve <= NAME_MAX {
-        return full;
-    }
-    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3) // FNV-1a: stable, not secret
-    });
-    let mut keep = NAME_MAX.saturating_sub(reserve + marker.len() + 1 + 17);
-    while !name.is_char_boundary(keep.min(name.len())) {
-        keep -= 1;
-    }
-    format!(".{}~{hash:016x}{marker}", &name[..keep.min(name.len())])
-}
-
 /// A temporary name for a save to `target`: hidden, in the same directory (rename is
 /// only atomic within one filesystem), with 128 random bits.
 pub fn temp_path_for(target: &Path) -> PathBuf {
@@ -64,21 +38,6 @@ pub fn temp_path_for(target: &Path) -> PathBuf {
         "{}{random}",
         hidden_prefix(target, TEMP_MARKER, 32)
     ))
-}
-
-/// The permissions of the files ortckpt keeps beside a target while it works (temporaries, lock
-/// files): readable and writable by whoever may write the directory, by no one else. A reader of
-/// the directory cannot open them, so cannot lock one and make a dead writer's look alive; a
-/// writer of another user can, so a dead writer's can never stop it.
-pub(crate) fn writers_mode(dir: &Path) -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    let dir = if dir.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        dir
-    };
-    let mode = fs::metadata(dir).map_or(0o700, |m| m.mode());
-    0o600 | if mode & 0o020 != 0 { 0o060 } else { 0 } | if mode & 0o002 != 0 { 0o006 } else { 0 }
 }
 
 /// A temporary file beside its target, created exclusively and locked by this process until
@@ -218,7 +177,7 @@ fn create_locked_temp_named(
         )));
         match file.lock() {
             Ok(()) => {}
-            Err(e) if locks::locks_unsupported(&e) => return Ok((file, temp)),
+            Err(e) if siblings::locks_unsupported(&e) => return Ok((file, temp)),
             Err(e) => {
                 let _ = fs::remove_file(&temp); // ours: created just now
                 return Err(Error::from(e).in_file(&temp));
@@ -271,7 +230,7 @@ pub fn pending_temps_of(targets: &[&Path]) -> Vec<PathBuf> {
 /// process, this one included) are left alone.
 pub fn remove_stale_temps(temps: &[PathBuf]) {
     for temp in temps {
-        locks::remove_if_abandoned(temp);
+        siblings::remove_if_abandoned(temp);
     }
 }
 
@@ -504,7 +463,7 @@ mod tests {
             assert!(fs::read(&path).unwrap() == expected, "{threads} threads");
             let want: Vec<Sum> = segments
                 .iter()
-                .map(|s| crate::format::checksums::sum(s))
+                .map(|s| crate::seal::checksums::sum(s))
                 .collect();
             assert_eq!(sums, want, "{threads} threads");
             let value_bytes: usize = segments.iter().map(Vec::len).sum();

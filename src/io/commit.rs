@@ -11,7 +11,7 @@
 //! 3. Under the target's commit lock (a deadline, never a wait for ever), the data file is
 //!    renamed first and the file that points into it last, so a crash between the two
 //!    leaves the previous checkpoint beside the new data file, which their pair trailers
-//!    tell apart (see [`crate::format::pairing`]). A save without a data file removes the
+//!    tell apart (see [`crate::seal::pairing`]). A save without a data file removes the
 //!    `<target>.data` of the checkpoint it replaces (the one carrying its pair trailer),
 //!    never an unrelated file of that name.
 //! 4. Temporary files of saves whose writers died (their locks free) are removed, and
@@ -27,10 +27,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::atomic::{pending_temps_of, remove_stale_temps, sync_parent_dir, PendingFile};
-use super::locks::{self, PathLock, NO_FOLLOW};
+use super::locks::{self, PathLock};
+use super::siblings::{self, NO_FOLLOW};
 use crate::error::{Error, Result};
-use crate::external_data_path;
-use crate::format::pairing::{self, PairId, PAIR_TRAILER_LEN};
+use crate::seal::external_data_path;
+use crate::seal::pairing::{self, PairId, PAIR_TRAILER_LEN};
 
 /// A file (and, for a checkpoint with external data, its data file) being written, not yet
 /// in place. Dropped without [`Staged::commit`], its temporary files go and the target is
@@ -206,7 +207,7 @@ fn sweep_dead_temps(target: &Path) {
         // that matches one of them: the new checkpoint, or the previous data file.
         let needed = this.is_some() && main != data && (this == data || this == main);
         if !needed {
-            locks::remove_if_abandoned(&temp);
+            siblings::remove_if_abandoned(&temp);
         }
     }
 }
@@ -215,7 +216,7 @@ fn sweep_dead_temps(target: &Path) {
 /// checkpoints of interrupted saves (temporary files whose writers died), which a data file
 /// left in place may belong to.
 fn replaced_pairs(target: &Path, leftovers: &[PathBuf]) -> Vec<PairId> {
-    let abandoned = leftovers.iter().filter(|temp| !locks::is_held(temp));
+    let abandoned = leftovers.iter().filter(|temp| !siblings::is_held(temp));
     std::iter::once(target)
         .chain(abandoned.map(PathBuf::as_path))
         .filter_map(pair_id_of_file)
@@ -334,7 +335,7 @@ pub fn write_file(target: &Path, bytes: &[u8], options: &CommitOptions) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::pairing::trailer;
+    use crate::seal::pairing::trailer;
 
     fn with_trailer(body: &[u8], id: &PairId) -> Vec<u8> {
         let mut out = body.to_vec();

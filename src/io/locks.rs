@@ -28,18 +28,10 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::atomic::writers_mode;
-use super::mapped::{ensure_regular, FileId};
+use super::atomic::PendingFile;
+use super::mapped::ensure_regular;
+use super::siblings::{hidden_prefix, locks_unsupported, still_named, writers_mode, NO_FOLLOW};
 use crate::error::{Error, ErrorKind, Result};
-
-/// Whether `file` (open) is what `path` names now (not followed if a symlink).
-pub fn still_named(file: &File, path: &Path) -> bool {
-    FileId::of_file(file).is_some_and(|id| FileId::of_name(path) == Some(id))
-}
-
-/// Flags for files ortckpt opens by name: never through a symlink in the last component,
-/// never inherited by child processes, never blocking on a FIFO.
-pub const NO_FOLLOW: i32 = libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
 
 /// The longest wait a deadline may ask for: longer ones (infinity) are this.
 const LONGEST_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -78,7 +70,7 @@ pub struct LockFile {
 /// The commit lock of `target`: `.<name>.ortckpt-lock` in the same directory (a long name cut, see
 /// `hidden_prefix`).
 pub fn lock_path_for(target: &Path) -> PathBuf {
-    target.with_file_name(super::atomic::hidden_prefix(target, ".ortckpt-lock", 0))
+    target.with_file_name(hidden_prefix(target, ".ortckpt-lock", 0))
 }
 
 /// The lock serializing commits to a target (see [`lock_path_for`]).
@@ -228,7 +220,7 @@ fn replace_foreign(path: &Path, denied: io::Error) -> Result<File> {
     if !still_named(&foreign, path) {
         return Err(in_file(io::Error::from(io::ErrorKind::Interrupted)));
     }
-    let mine = super::atomic::PendingFile::create(path)?;
+    let mine = PendingFile::create(path)?;
     let file = mine.replace_target()?;
     let _ = foreign.unlock();
     Ok(file)
@@ -307,63 +299,11 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
-/// Whether an error of flock means "this filesystem has no locks" rather than a failure.
-pub fn locks_unsupported(e: &io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
-    )
-}
-
-/// Removes the file at `path` if no one holds its lock (its writer is gone), holding the
-/// lock while removing it. Returns whether it was removed. Anything that cannot be proven
-/// abandoned (a held lock, a filesystem without locks, not a regular file) is left alone.
-pub fn remove_if_abandoned(path: &Path) -> bool {
-    match lock_if_abandoned(path) {
-        Some(file) => still_named(&file, path) && fs::remove_file(path).is_ok(),
-        None => false, // held by a live writer, or no locks here: keep it
-    }
-}
-
-/// Whether a live writer holds the lock of the regular file `path` (or nothing can tell).
-pub fn is_held(path: &Path) -> bool {
-    lock_if_abandoned(path).is_none_or(|file| file.unlock().is_err())
-}
-
-/// The regular file at `path`, opened and locked by us: only when no one held its lock.
-fn lock_if_abandoned(path: &Path) -> Option<File> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(NO_FOLLOW)
-        .open(path)
-        .ok()?;
-    if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return None;
-    }
-    file.try_lock().ok().map(|()| file)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const NOW: Duration = Duration::ZERO;
-
-    #[test]
-    fn a_locked_file_is_kept_and_an_unlocked_one_removed() {
-        let dir = tempfile::tempdir().unwrap();
-        let (held, free) = (dir.path().join("held"), dir.path().join("free"));
-        fs::write(&held, b"x").unwrap();
-        fs::write(&free, b"x").unwrap();
-        let holder = File::open(&held).unwrap();
-        holder.lock().unwrap();
-        assert!(!remove_if_abandoned(&held));
-        assert!(remove_if_abandoned(&free));
-        assert!(held.exists() && !free.exists());
-        drop(holder);
-        assert!(remove_if_abandoned(&held));
-    }
 
     #[test]
     fn path_locks_exclude_each_other_and_leave_no_file() {

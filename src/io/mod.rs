@@ -7,6 +7,7 @@ pub mod commit;
 pub mod locks;
 mod mapped;
 mod progress;
+mod siblings;
 mod writeback;
 
 pub use atomic::{

@@ -8,7 +8,9 @@
 mod compute;
 mod errors;
 mod mapped;
+mod records;
 mod signals;
+mod staging;
 mod stats;
 mod views;
 
@@ -20,25 +22,12 @@ use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use crate::format::{
-    Checkpoint, DataType, OptimizerGroup, ParameterOptimizerState, Payload, Stored, Tensor,
-};
+use crate::format::{Checkpoint, Stored, Tensor};
 use crate::io::Progress;
-use crate::SaveOptions;
 use errors::to_py_err;
 use mapped::MappedFile;
-
-/// A tensor as Python hands it over: name, ONNX type code, dims, and its values
-/// (an object with a contiguous byte buffer, a list of str, or None when nominal).
-type TensorIn<'py> = (String, i32, Vec<i64>, Bound<'py, PyAny>);
-/// The property bag: (ints, floats, strings).
-type PropertiesIn = (
-    Vec<(String, i64)>,
-    Vec<(String, f32)>,
-    Vec<(String, String)>,
-);
-/// An optimizer group: name, step, initial learning rate, [(param name, momentums)].
-type GroupIn<'py> = (String, i64, f32, Vec<(String, Vec<TensorIn<'py>>)>);
+use records::{payloads_in, CheckpointIn, WriteOptionsIn};
+use staging::{acquire_lock, rename_directory, stage, Lock, Staging};
 
 /// Runs `f`, turning a panic into ortckpt.errors.InternalError: no panic crosses into Python.
 fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
@@ -232,107 +221,63 @@ fn untracked(tuple: Bound<'_, PyTuple>) -> Bound<'_, PyTuple> {
 
 /// Saves a checkpoint (ONNX Runtime's state-path layout) atomically to `path`.
 #[pyfunction]
-#[pyo3(signature = (
-    path, trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    nominal = false, durable = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD,
-    progress = None, keep_order = false, commit = true, lock_timeout = None, holes = Vec::new(),
-))]
-#[allow(clippy::too_many_arguments)]
 fn save(
     py: Python<'_>,
     path: PathBuf,
-    trainable: Vec<TensorIn<'_>>,
-    frozen: Vec<TensorIn<'_>>,
-    optimizer_groups: Vec<GroupIn<'_>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
-    nominal: bool,
-    durable: bool,
-    external_data_threshold: u64,
-    progress: Option<PyRef<'_, SaveProgress>>,
-    keep_order: bool,
-    commit: bool,
-    lock_timeout: Option<f64>,
-    holes: Vec<usize>,
-) -> PyResult<Option<(Staging, crate::PlacedValues)>> {
+    checkpoint: CheckpointIn<'_>,
+    options: WriteOptionsIn<'_>,
+) -> PyResult<()> {
     guarded(py, || {
         // Hold every buffer export until the write is done: the exports keep the
         // arrays' memory alive and unresizable while the GIL is released.
         let mut buffers = Vec::new();
-        let payloads = payloads_in(
-            py,
-            &path,
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (nominal, keep_order),
-            &mut buffers,
-        )?;
-        let options = SaveOptions {
-            durable,
-            external_data_threshold,
-            progress: progress.map(|p| Arc::clone(&p.0)),
-            keep_order: true,
-            lock_timeout: wait_or_default(py, lock_timeout)?,
-            holes: holes.into_iter().collect(),
-            ..SaveOptions::default()
-        };
-        if commit {
-            py.detach(|| crate::save(&path, &payloads, &options))
-                .map_err(|e| to_py_err(py, e))?;
-            return Ok(None);
-        }
-        // Written, not committed: the caller fills values in place, then commits.
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let options = options.save_options(py)?;
+        py.detach(|| crate::save(&path, &payloads, &options))
+            .map_err(|e| to_py_err(py, e))
+    })
+}
+
+/// `save` written, not committed: the staged files, and where each tensor's values are in them
+/// ((address of its buffer, offset, in the data file?)), for the caller to fill values in place
+/// (the `holes` of `options`), then commit.
+#[pyfunction]
+fn save_staged(
+    py: Python<'_>,
+    path: PathBuf,
+    checkpoint: CheckpointIn<'_>,
+    options: WriteOptionsIn<'_>,
+) -> PyResult<(Staging, crate::save::PlacedValues)> {
+    guarded(py, || {
+        let mut buffers = Vec::new();
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let options = options.save_options(py)?;
         let (staged, placed) = py
-            .detach(|| crate::write_staged(&path, &payloads, &options))
+            .detach(|| crate::save::write_staged(&path, &payloads, &options))
             .map_err(|e| to_py_err(py, e))?;
-        Ok(Some((Staging::of(staged), placed)))
+        Ok((Staging::of(staged), placed))
     })
 }
 
 /// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
 /// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
 /// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
-/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts.
+/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts. Of
+/// `options`, the threshold and holes play no part: sharing decides where values go.
 #[pyfunction]
-#[pyo3(signature = (
-    path, previous, trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    compare_only = false, durable = false, progress = None, keep_order = false, lock_timeout = None,
-))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (path, previous, checkpoint, options, *, compare_only = false))]
 fn save_sharing(
     py: Python<'_>,
     path: PathBuf,
     previous: PathBuf,
-    trainable: Vec<TensorIn<'_>>,
-    frozen: Vec<TensorIn<'_>>,
-    optimizer_groups: Vec<GroupIn<'_>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
+    checkpoint: CheckpointIn<'_>,
+    options: WriteOptionsIn<'_>,
     compare_only: bool,
-    durable: bool,
-    progress: Option<PyRef<'_, SaveProgress>>,
-    keep_order: bool,
-    lock_timeout: Option<f64>,
 ) -> PyResult<(bool, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
-        let payloads = payloads_in(
-            py,
-            &path,
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (false, keep_order),
-            &mut buffers,
-        )?;
-        let options = SaveOptions {
-            durable,
-            progress: progress.map(|p| Arc::clone(&p.0)),
-            keep_order: true,
-            lock_timeout: wait_or_default(py, lock_timeout)?,
-            ..SaveOptions::default()
-        };
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let options = options.save_options(py)?;
         let sharing = py
             .detach(|| {
                 crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
@@ -342,244 +287,19 @@ fn save_sharing(
     })
 }
 
-/// Files being written that replace `target` (and `<target>.data` with `with_data`) only
-/// when committed: the one commit of the core (`io::commit`), for files Python writes.
+/// Encodes a checkpoint into a new `bytes`: each tensor's bytes are copied once, from its
+/// array into the result.
 #[pyfunction]
-#[pyo3(signature = (target, *, with_data = false))]
-fn stage(py: Python<'_>, target: PathBuf, with_data: bool) -> PyResult<Staging> {
-    guarded(py, || {
-        let staged = crate::io::Staged::new(&target, with_data).map_err(|e| to_py_err(py, e))?;
-        Ok(Staging::of(staged))
-    })
-}
-
-/// A staged file (and data file): written by Python through `fileno()`, published by
-/// `commit()`, dropped by `discard()` (or when collected uncommitted).
-#[pyclass(frozen, module = "ortckpt._core")]
-struct Staging(std::sync::Mutex<Option<crate::io::Staged>>);
-
-impl Staging {
-    fn of(staged: crate::io::Staged) -> Self {
-        Staging(std::sync::Mutex::new(Some(staged)))
-    }
-
-    fn with<T>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut crate::io::Staged) -> PyResult<T>,
-    ) -> PyResult<T> {
-        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match guard.as_mut() {
-            Some(staged) => f(staged),
-            None => Err(to_py_err(py, Staging::gone())),
-        }
-    }
-
-    /// `f` of the staged checkpoint's file, or with `data` of its data file.
-    fn with_file<T>(
-        &self,
-        py: Python<'_>,
-        data: bool,
-        f: impl FnOnce(&mut crate::io::PendingFile) -> T,
-    ) -> PyResult<T> {
-        self.with(py, |staged| {
-            let file = if data {
-                staged.data()
-            } else {
-                Some(staged.main())
-            };
-            let file = file.ok_or_else(|| {
-                to_py_err(py, crate::Error::invalid_state("no data file is staged"))
-            })?;
-            Ok(f(file))
-        })
-    }
-
-    fn gone() -> crate::Error {
-        crate::Error::invalid_state("this staged save is committed or discarded")
-    }
-}
-
-#[pymethods]
-impl Staging {
-    /// The file descriptor of the staged checkpoint (or, with `data`, of its data file):
-    /// the core owns it; write with os.write/os.pwrite, never close it.
-    #[pyo3(signature = (data = false))]
-    fn fileno(&self, py: Python<'_>, data: bool) -> PyResult<i32> {
-        use std::os::fd::AsRawFd;
-        self.with_file(py, data, |file| file.file().as_raw_fd())
-    }
-
-    /// What the staged files replace when committed.
-    #[getter]
-    fn target(&self, py: Python<'_>) -> PyResult<PathBuf> {
-        self.with(py, |staged| Ok(staged.target().to_path_buf()))
-    }
-
-    /// The temporary file's own (hidden, unpredictable) name, or its data file's with `data`.
-    #[pyo3(signature = (data = false))]
-    fn temporary(&self, py: Python<'_>, data: bool) -> PyResult<PathBuf> {
-        self.with_file(py, data, |file| file.temp().to_path_buf())
-    }
-
-    /// Publishes the staged files (fsynced first with `durable`), waiting at most
-    /// `lock_timeout` seconds for another save of the target to finish its commit. `unpaired`:
-    /// files with no pair trailer (an ONNX model and its data), whose previous file is moved
-    /// out of sight first (see `io::CommitOptions`).
-    #[pyo3(signature = (*, durable = false, lock_timeout = None, unpaired = false))]
-    fn commit(
-        &self,
-        py: Python<'_>,
-        durable: bool,
-        lock_timeout: Option<f64>,
-        unpaired: bool,
-    ) -> PyResult<()> {
-        guarded(py, || {
-            let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let staged = staged.ok_or_else(|| to_py_err(py, Staging::gone()))?;
-            let options = crate::io::CommitOptions {
-                durable,
-                lock_timeout: wait_or_default(py, lock_timeout)?,
-                unpaired,
-            };
-            py.detach(|| staged.commit(&options))
-                .map_err(|e| to_py_err(py, e))
-        })
-    }
-
-    /// Writes the staged checkpoint's checksum block again after values were filled in place.
-    /// `filled` None: every value is read and summed again. Else `(external, offset, sum)` of
-    /// each tensor filled (in the data file or not, at that offset) with the XXH3-64 sum its
-    /// filler took as it wrote, or None to read it; the other tensors keep the writer's sums.
-    #[pyo3(signature = (filled = None))]
-    fn reseal(
-        &self,
-        py: Python<'_>,
-        filled: Option<Vec<(bool, u64, Option<u64>)>>,
-    ) -> PyResult<()> {
-        guarded(py, || {
-            let filled: Option<Vec<crate::Filled>> = filled.map(|f| {
-                f.into_iter()
-                    .map(|(external, offset, sum)| crate::Filled {
-                        external,
-                        offset,
-                        sum,
-                    })
-                    .collect()
-            });
-            self.with(py, |staged| {
-                py.detach(|| crate::reseal(staged, filled.as_deref()))
-                    .map_err(|e| to_py_err(py, e))
-            })
-        })
-    }
-
-    /// Seals files another writer (ONNX Runtime's saver) wrote whole into the staged files:
-    /// the checksum block and pair trailers appended; a staged data file the checkpoint does
-    /// not use is dropped. Then `commit()`.
-    fn seal(&self, py: Python<'_>) -> PyResult<()> {
-        guarded(py, || {
-            self.with(py, |staged| {
-                py.detach(|| crate::seal_written(staged))
-                    .map_err(|e| to_py_err(py, e))
-            })
-        })
-    }
-
-    /// Removes the staged files; the target stays as it was.
-    fn discard(&self) {
-        let staged = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
-        drop(staged);
-    }
-}
-
-/// A caller's deadline in seconds (None: the default), checked: a negative or NaN one is a
-/// CheckpointStateError, an infinite one a year.
-fn wait_or_default(py: Python<'_>, seconds: Option<f64>) -> PyResult<std::time::Duration> {
-    seconds.map_or(Ok(crate::io::locks::DEFAULT_LOCK_TIMEOUT), |s| {
-        crate::io::locks::wait_of(s).map_err(|e| to_py_err(py, e))
-    })
-}
-
-/// Renames the directory `source` to `target`, which must not exist (FileExistsError if it
-/// does), fsyncing both parents' entries with `durable`: how a step directory is committed
-/// or retired.
-#[pyfunction]
-#[pyo3(signature = (source, target, *, durable = false))]
-fn rename_directory(
-    py: Python<'_>,
-    source: PathBuf,
-    target: PathBuf,
-    durable: bool,
-) -> PyResult<()> {
-    guarded(py, || {
-        py.detach(|| crate::io::rename_directory(&source, &target, durable))
-            .map_err(|e| to_py_err(py, e))
-    })
-}
-
-/// An exclusive lock on the lock file `path` (mode 0600, this user's), taken within
-/// `timeout` seconds (0: one try) or refused with CheckpointLockedError naming the holder;
-/// `record` is written into it for whoever finds it held. None where the filesystem has
-/// no locks.
-#[pyfunction]
-#[pyo3(signature = (path, *, timeout, record = String::new()))]
-fn acquire_lock(
-    py: Python<'_>,
-    path: PathBuf,
-    timeout: f64,
-    record: String,
-) -> PyResult<Option<Lock>> {
-    guarded(py, || {
-        let timeout = crate::io::locks::wait_of(timeout).map_err(|e| to_py_err(py, e))?;
-        let lock = py
-            .detach(|| crate::io::LockFile::acquire_file(&path, timeout, &record))
-            .map_err(|e| to_py_err(py, e))?;
-        Ok(lock.map(|l| Lock(std::sync::Mutex::new(Some(l)))))
-    })
-}
-
-/// A held lock (`acquire_lock`); `release()` removes its file and lets it go.
-#[pyclass(frozen, module = "ortckpt._core")]
-struct Lock(std::sync::Mutex<Option<crate::io::LockFile>>);
-
-#[pymethods]
-impl Lock {
-    fn release(&self) {
-        let lock = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
-        drop(lock);
-    }
-
-    #[getter]
-    fn held(&self) -> bool {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_some()
-    }
-}
-
-/// Encodes a checkpoint (`save`'s arguments, less the file's) into a new `bytes`:
-/// each tensor's bytes are copied once, from its array into the result.
-#[pyfunction]
-#[pyo3(signature = (trainable, frozen, optimizer_groups, ints, floats, strings, *, nominal = false, keep_order = false))]
-#[allow(clippy::too_many_arguments)]
 fn save_bytes<'py>(
     py: Python<'py>,
-    trainable: Vec<TensorIn<'py>>,
-    frozen: Vec<TensorIn<'py>>,
-    optimizer_groups: Vec<GroupIn<'py>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
-    nominal: bool,
-    keep_order: bool,
+    checkpoint: CheckpointIn<'py>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     guarded(py, || {
         let mut buffers = Vec::new();
         let payloads = payloads_in(
             py,
             std::path::Path::new("<bytes>"),
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (nominal, keep_order),
+            checkpoint,
             &mut buffers,
         )?;
         let encoded = crate::encode_in_memory(&payloads, true).map_err(|e| to_py_err(py, e))?;
@@ -596,47 +316,25 @@ fn save_bytes<'py>(
     })
 }
 
-/// Encodes a checkpoint (`save`'s arguments, less the file's) for writing as a stream:
-/// returns (checkpoint file, external data) where the checkpoint file is its segments in
-/// order, and the external data None or (its length, [(offset, segment)]), zeros between.
-/// A segment is `bytes` (the metadata, copied out of the encoder) or the very object a
-/// tensor's values were handed over as: tensor bytes are never copied here.
+/// Encodes a checkpoint for writing as a stream: returns (checkpoint file, external data) where
+/// the checkpoint file is its segments in order, and the external data None or (its length,
+/// [(offset, segment)]), zeros between. A segment is `bytes` (the metadata, copied out of the
+/// encoder) or the very object a tensor's values were handed over as: tensor bytes are never
+/// copied here.
 #[pyfunction]
-#[pyo3(signature = (
-    trainable, frozen, optimizer_groups, ints, floats, strings, *,
-    nominal = false, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD, keep_order = false,
-))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (checkpoint, *, external_data_threshold = crate::DEFAULT_EXTERNAL_DATA_THRESHOLD))]
 fn encode_segments<'py>(
     py: Python<'py>,
-    trainable: Vec<TensorIn<'py>>,
-    frozen: Vec<TensorIn<'py>>,
-    optimizer_groups: Vec<GroupIn<'py>>,
-    ints: Vec<(String, i64)>,
-    floats: Vec<(String, f32)>,
-    strings: Vec<(String, String)>,
-    nominal: bool,
+    checkpoint: CheckpointIn<'py>,
     external_data_threshold: u64,
-    keep_order: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
     guarded(py, || {
-        let owners: Vec<Bound<'py, PyAny>> = [&trainable, &frozen]
-            .into_iter()
-            .flatten()
-            .chain(
-                optimizer_groups
-                    .iter()
-                    .flat_map(|g| g.3.iter().flat_map(|s| s.1.iter())),
-            )
-            .map(|t| t.3.clone())
-            .collect();
+        let owners: Vec<Bound<'py, PyAny>> = checkpoint.values().cloned().collect();
         let mut buffers = Vec::new();
         let payloads = payloads_in(
             py,
             std::path::Path::new("<stream>"),
-            (trainable, frozen, optimizer_groups),
-            (ints, floats, strings),
-            (nominal, keep_order),
+            checkpoint,
             &mut buffers,
         )?;
         let mut encoded = crate::encode_for_stream(&payloads, true, external_data_threshold)
@@ -675,89 +373,6 @@ fn encode_segments<'py>(
     })
 }
 
-/// The checkpoint Python hands over, its buffers exported into `buffers` and its values
-/// borrowed from them, sorted as ONNX Runtime's saver orders it unless `keep_order`.
-fn payloads_in<'py, 'b>(
-    py: Python<'py>,
-    path: &std::path::Path,
-    tensors: (Vec<TensorIn<'py>>, Vec<TensorIn<'py>>, Vec<GroupIn<'py>>),
-    properties: PropertiesIn,
-    (nominal, keep_order): (bool, bool),
-    buffers: &'b mut Vec<PyBuffer<u8>>,
-) -> PyResult<Checkpoint<Payload<'b>>> {
-    let ckpt = checkpoint_in(py, path, tensors, properties, nominal, buffers)?;
-    let buffers: &'b [PyBuffer<u8>] = buffers;
-    Ok(sorted_unless(keep_order, payloads_of(&ckpt, buffers)?))
-}
-
-/// The checkpoint built for one call, sorted in place as ONNX Runtime's saver orders it (the
-/// core's save would sort a copy, cloning every name, dims and string value) unless the caller
-/// keeps its own order.
-fn sorted_unless(
-    keep_order: bool,
-    mut payloads: Checkpoint<Payload<'_>>,
-) -> Checkpoint<Payload<'_>> {
-    if !keep_order {
-        payloads.sort_like_ort_state_path();
-    }
-    payloads
-}
-
-/// The checkpoint Python hands over, its buffers exported into `buffers`.
-fn checkpoint_in<'py>(
-    py: Python<'py>,
-    path: &std::path::Path,
-    (trainable, frozen, optimizer_groups): (
-        Vec<TensorIn<'py>>,
-        Vec<TensorIn<'py>>,
-        Vec<GroupIn<'py>>,
-    ),
-    (ints, floats, strings): PropertiesIn,
-    nominal: bool,
-    buffers: &mut Vec<PyBuffer<u8>>,
-) -> PyResult<Checkpoint<Intake>> {
-    let mut ckpt = Checkpoint::<Intake> {
-        trainable: tensors_in(py, trainable, buffers, path)?,
-        frozen: tensors_in(py, frozen, buffers, path)?,
-        is_nominal: nominal,
-        ..Default::default()
-    };
-    for (name, step, initial_learning_rate, states) in optimizer_groups {
-        let mut group = OptimizerGroup {
-            name,
-            step,
-            initial_learning_rate,
-            states: Vec::new(),
-        };
-        for (param_name, momentums) in states {
-            let momentums = tensors_in(py, momentums, buffers, path)?;
-            group.states.push(ParameterOptimizerState {
-                param_name,
-                momentums,
-            });
-        }
-        ckpt.optimizer_groups.push(group);
-    }
-    ckpt.properties.ints = ints;
-    ckpt.properties.floats = floats;
-    ckpt.properties.strings = strings;
-    Ok(ckpt)
-}
-
-/// The checkpoint with its values borrowed from the exported buffers.
-fn payloads_of<'b>(
-    ckpt: &Checkpoint<Intake>,
-    buffers: &'b [PyBuffer<u8>],
-) -> PyResult<Checkpoint<Payload<'b>>> {
-    ckpt.try_map_data(|t| -> PyResult<Payload<'b>> {
-        Ok(match &t.data {
-            Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i])),
-            Intake::Strings(s) => Payload::Strings(s.clone()),
-            Intake::Absent => Payload::Absent,
-        })
-    })
-}
-
 /// Bytes a running save has written, for a progress bar polling from another
 /// Python thread (the save releases the GIL).
 #[pyclass(frozen, module = "ortckpt._core")]
@@ -781,49 +396,6 @@ impl SaveProgress {
     fn written(&self) -> u64 {
         self.0.written()
     }
-}
-
-/// A tensor's values on their way in: an index into the held buffers, or owned strings.
-enum Intake {
-    Buffer(usize),
-    Strings(Vec<String>),
-    Absent,
-}
-
-fn tensors_in<'py>(
-    py: Python<'py>,
-    tensors: Vec<TensorIn<'py>>,
-    buffers: &mut Vec<PyBuffer<u8>>,
-    path: &std::path::Path,
-) -> PyResult<Vec<Tensor<Intake>>> {
-    let py_err = |e: crate::Error, name: &str| to_py_err(py, e.in_tensor(name).in_file(path));
-    tensors
-        .into_iter()
-        .map(|(name, code, dims, values)| {
-            let data_type = DataType::from_code(code).map_err(|e| py_err(e, &name))?;
-            let data = if values.is_none() {
-                Intake::Absent
-            } else if let Ok(list) = values.cast::<PyList>() {
-                Intake::Strings(list.extract()?)
-            } else {
-                let buffer = PyBuffer::<u8>::get(&values)?;
-                if !buffer.is_c_contiguous() {
-                    return Err(py_err(
-                        crate::Error::invalid_state("values are not contiguous bytes"),
-                        &name,
-                    ));
-                }
-                buffers.push(buffer);
-                Intake::Buffer(buffers.len() - 1)
-            };
-            Ok(Tensor {
-                name,
-                data_type,
-                dims,
-                data,
-            })
-        })
-        .collect()
 }
 
 /// A kernel's input as Python hands it over: its values (a C-contiguous buffer, exported and so
@@ -880,6 +452,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_root, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(save_staged, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;

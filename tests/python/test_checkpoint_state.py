@@ -25,6 +25,7 @@ from ortckpt import (
     PackedInt4,
     Parameter,
     UnsupportedDataTypeError,
+    _boundary,
     _core,
 )
 
@@ -207,7 +208,7 @@ def test_a_failed_save_leaves_the_previous_file_intact(state_path):
     before = state_path.read_bytes()
     # Bytes that disagree with dims are refused by the Rust core before anything is written.
     with pytest.raises(CheckpointStateError, match="tensor 'w': 3 bytes given but dims \\[2\\] of FLOAT need 8") as e:
-        _core.save(str(state_path), [("w", 1, [2], b"abc")], [], [], [], [], [])
+        _boundary.save(state_path, _boundary.CoreState([("w", 1, (2,), b"abc")], [], [], {}))
     assert e.value.filename == str(state_path) and e.value.tensor == "w"
     with pytest.raises(IsADirectoryError):
         CheckpointState.save_checkpoint(CheckpointState.load_checkpoint(state_path), state_path.parent)
@@ -490,7 +491,7 @@ def test_dims_that_disagree_with_the_data(dims, message, trained_path, tmp_path)
 
 def test_unknown_data_type_codes_are_refused_on_save(tmp_path):
     with pytest.raises(UnsupportedDataTypeError, match="tensor 'w': unsupported tensor data type 99") as e:
-        _core.save(str(tmp_path / "c"), [("w", 99, [2], b"\0" * 8)], [], [], [], [], [])
+        _boundary.save(tmp_path / "c", _boundary.CoreState([("w", 99, (2,), b"\0" * 8)], [], [], {}))
     assert e.value.tensor == "w" and not (tmp_path / "c").exists()
 
 

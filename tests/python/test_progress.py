@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import ortckpt
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, _core, compression
+from ortckpt import CheckpointManager, CheckpointState, _boundary, _core, compression
 from ortckpt import progress as progress_module
 
 
@@ -30,17 +30,8 @@ def test_the_counter_ends_at_the_bytes_of_both_files(tmp_path, threshold):
     with progress_module.save_progress(False, "unused") as none:
         assert none is None
     w = state.parameters["w"].data
-    _core.save(
-        str(path),
-        [("w", 1, list(w.shape), w.view(np.uint8).reshape(-1))],
-        [],
-        [],
-        [],
-        [],
-        [],
-        external_data_threshold=threshold,
-        progress=counter,
-    )
+    tensors = [("w", 1, tuple(w.shape), w.view(np.uint8).reshape(-1))]
+    _boundary.save(path, _boundary.CoreState(tensors, [], [], {}), external_data_threshold=threshold, progress=counter)
     files = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert counter.written == counter.total == files
 
