@@ -276,6 +276,64 @@ def test_object_store_moves_bytes_and_knows_no_checkpoint_state():
     assert "_core_tensors" not in source and "core_state" not in source
 
 
+# What asks which backend holds a run: a store's ``.local``, the backends' classes (chosen by
+# stepstore.backend and open_store), an object store's Location class. ``s3://`` itself is parsed
+# in targets.is_object_url alone (test_only_the_targets_module_asks_what_a_name_is).
+BACKEND_NAMES = {"DirectoryStore", "ObjectStore", "Location"}
+
+
+def backend_questions(source: str) -> list[tuple[str, int]]:
+    """(what, line) of every backend question in a module: ``x.local`` (but ``threading.local``),
+    and every use or import of a backend's class."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "local":
+            if not (isinstance(node.value, ast.Name) and node.value.id == "threading"):
+                found.append((ast.unparse(node), node.lineno))
+        elif isinstance(node, ast.Attribute) and node.attr in BACKEND_NAMES:
+            found.append((ast.unparse(node), node.lineno))
+        elif isinstance(node, ast.Name) and node.id in BACKEND_NAMES:
+            found.append((node.id, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            found += [(alias.name, node.lineno) for alias in node.names if alias.name in BACKEND_NAMES]
+    return found
+
+
+def test_backends_differ_inside_the_stepstore_package_alone():
+    """Issue 42 (2): what differs between a directory and an object store is a method of
+    StepStore (stepstore/base.py), implemented by stepstore/directory.py and stepstore/objects.py;
+    no other module asks which backend it holds. (object_store and targets make Locations.)"""
+    asked = sorted(
+        f"{module}:{line}: {what}"
+        for module, source in _package_modules().items()
+        if not module.startswith("stepstore.") and module not in ("object_store", "targets")
+        for what, line in backend_questions(source)
+    )
+    assert asked == [], "add a StepStore method each backend implements:\n" + "\n".join(asked)
+
+
+def test_a_steps_folder_is_typed_as_the_stores_own():
+    """The seams between a store and its callers are typed: a step's and an attempt's folder is
+    a stepstore.Folder (a Path or a Location) that only its store reads, never Any."""
+    from ortckpt.stepstore import base
+
+    for cls in (base.Step, base.Attempt):
+        assert cls.__annotations__["folder"] == "Folder", cls
+    assert base.Folder == "Path | Location"
+
+
+def test_the_backend_scan_finds_what_it_looks_for():
+    sample = (
+        "import threading\nfrom ..stepstore import ObjectStore\n"
+        "x = threading.local()\n"  # not a store's
+        "if store.local: pass\n"
+        "if isinstance(store, stepstore.DirectoryStore): pass\n"
+        "if isinstance(folder, Location): pass\n"
+    )
+    found = sorted(what for what, _ in backend_questions(sample))
+    assert found == ["Location", "ObjectStore", "stepstore.DirectoryStore", "store.local"]
+
+
 def test_one_manager_class_serves_every_backend():
     from ortckpt.manager import checkpoint_manager
 

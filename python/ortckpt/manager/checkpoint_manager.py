@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, arguments, extras, interrupts, safe_io, steps, targets
+from .. import _boundary, arguments, extras, interrupts, safe_io, steps, stepstore, targets
 from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
@@ -53,7 +53,7 @@ from ..errors import (
     InvalidArgumentTypeError,
     name_file,
 )
-from ..stepstore import Attempt, Step, StepStore, open_store
+from ..stepstore import Attempt, Folder, Step, StepStore, open_store
 from . import arguments as options
 from . import artifacts as _artifacts
 from . import child
@@ -65,8 +65,8 @@ from .retention import RetentionPolicy
 from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
 
-# What only a run in a local directory can do (each needs the step's files on this machine).
-_LOCAL_ONLY = ("validate", "compress_kept", "track")
+# What needs the step's files on this machine (refused by a store whose steps are not).
+_NEEDING_FILES = ("validate", "compress_kept", "track")
 
 
 @dataclass(frozen=True)
@@ -74,34 +74,37 @@ class CheckpointInfo:
     """One complete checkpoint of a :class:`CheckpointManager`."""
 
     step: int
-    directory: Any  # the step's folder: a Path in a directory, its URL on object storage
+    directory: Any  # the step's folder: a Path in a directory, its URL on object storage (trackers: a Path)
     metadata: dict[str, Any]
     store: StepStore = field(repr=False, compare=False)
-    files: Any = field(repr=False, compare=False, default=None)  # where its files are (a Path, or a Location)
+    files: Folder | None = field(repr=False, compare=False, default=None)  # where its files are (the store's)
 
     @classmethod
     def of(cls, store: StepStore, step: Step) -> CheckpointInfo:
         # (a directory's files are in the step's directory; on object storage, in its attempt's folder)
-        directory = step.folder if store.local else f"{store.name.rstrip('/')}/{steps.step_directory_name(step.number)}"
-        return cls(step.number, directory, step.document, store, step.folder)
+        return cls(step.number, store.step_folder(step.number), step.document, store, step.folder)
 
     @property
-    def folder(self) -> Any:
+    def _files(self) -> Folder:
+        assert self.files is not None  # (every info is made by `of`)
+        return self.files
+
+    @property
+    def folder(self) -> Path | str:
         """Where the step's files are: its directory, or on object storage the folder of the
         save that committed it (a URL)."""
-        return self.files if isinstance(self.files, Path) else self.files.url
+        return self.store.user_path(self._files)
 
     @property
     def url(self) -> str:
         """The step folder's URL (on object storage) or path."""
-        return os.fspath(self.directory) if isinstance(self.directory, Path) else self.directory
+        return os.fspath(self.directory)
 
     @property
-    def path(self) -> Any:
+    def path(self) -> Path | str:
         """The checkpoint file: what ``load_checkpoint`` (ortckpt's or ONNX Runtime's) takes; a
         URL on object storage."""
-        target = self.store.file(self.files, steps.CHECKPOINT_NAME)
-        return target.path if isinstance(target, targets.LocalFile) else target.name
+        return self.store.user_path(self._files, steps.CHECKPOINT_NAME)
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -118,7 +121,7 @@ class CheckpointInfo:
 
     @property
     def _step(self) -> Step:
-        return Step(self.step, self.metadata, self.files)
+        return Step(self.step, self.metadata, self._files)
 
     @property
     def artifacts(self) -> dict[str, Path]:
@@ -147,15 +150,16 @@ class CheckpointInfo:
         if self.sharded:
             from ..distributed.sharded import assemble_step
 
-            return assemble_step(self.store, self.files)
+            return assemble_step(self.store, self._files)
         try:
             # (checked against what its metadata.json records: a step holding another save's
             # files, or files changed since, is refused, naming the file)
-            return self.store.load(self.files, steps.CHECKPOINT_NAME, recorded=self.metadata["files"])
+            return self.store.load(self._files, steps.CHECKPOINT_NAME, recorded=self.metadata["files"])
         except FileNotFoundError:
             # Compressed (perhaps since this info was read: the archive is written before the
-            # checkpoint goes, so it is there whenever the checkpoint is not).
-            archive = self.files / steps.COMPRESSED_NAME if self.store.local else None
+            # checkpoint goes, so it is there whenever the checkpoint is not; compress_kept is
+            # for steps on this machine only).
+            archive = self.store.local_path(self._files, steps.COMPRESSED_NAME)
             if archive is None or not os.path.lexists(archive):
                 raise
         from ..compression import load_compressed
@@ -341,11 +345,8 @@ class CheckpointManager:
         policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
         config = _metadata.check_config(config, os.fspath(directory))
         storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
-        remote = targets.is_object_url(directory)
-        if storage_options is not None and not remote:
-            raise ValueError(
-                f"{directory}: storage_options are for an object store URL ({targets.SCHEME}bucket/prefix)"
-            )
+        backend = stepstore.backend(directory)
+        backend.check_options(directory, storage_options)
         if comm is not None and (async_save or verify_after_save or validate is not None):
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:
@@ -362,13 +363,11 @@ class CheckpointManager:
             raise InvalidArgumentTypeError(
                 f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}", "validate"
             )
-        if remote:
-            asked = {"validate": validate, "compress_kept": compress_kept, "track": track}
-            refused = [name for name in _LOCAL_ONLY if asked[name] not in (None, False)]
-            if verify_after_save == "process":
-                refused.append('verify_after_save="process"')
-            if refused:
-                raise ValueError(f"{directory}: not available for a manager on object storage: {', '.join(refused)}")
+        asked = {"validate": validate, "compress_kept": compress_kept, "track": track}
+        needing = [name for name in _NEEDING_FILES if asked[name] not in (None, False)]
+        if verify_after_save == "process":
+            needing.append('verify_after_save="process"')
+        backend.refuse_needing_files(directory, needing)
         # An option whose package is missing is refused here, not at the first save it would fail.
         if compress_kept:
             extras.require("zstandard", "compress_kept=True")
@@ -409,9 +408,9 @@ class CheckpointManager:
         self.store = open_store(directory, storage_options, writer=writer, create=writer)
         if writer:
             self.store.remove_proven_leftovers()
-        self.directory: Any = Path(directory) if self.store.local else self.store.name
-        # Steps share what is unchanged only in a directory of this machine, and not sharded.
-        self.share_unchanged = share_unchanged and self.store.local and self.comm is None
+        self.directory = self.store.run_folder
+        # Steps share what is unchanged where a store can (see write_checkpoint), and not sharded.
+        self.share_unchanged = share_unchanged and self.comm is None
         self.url = self.store.name
         self._where = self.store.name
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
@@ -579,7 +578,7 @@ class CheckpointManager:
             return
         # A Ctrl-C during a synchronous save: KeyboardInterrupt before the step's commit (nothing
         # committed), or after this returns (see ortckpt.interrupts): `hold` stays a local here.
-        with interrupts.held(not self.async_save and self.comm is None and self.store.local) as hold:  # noqa: F841
+        with interrupts.held(not self.async_save and self.comm is None and self.store.holds_interrupts) as hold:  # noqa: F841
             self._save(state, step, **details, slices=slices)
 
     def _save_preempted(self, state: CheckpointState, step: int, details: dict[str, Any]) -> None:
@@ -713,7 +712,7 @@ class CheckpointManager:
                 external_data_threshold=self.external_data_threshold,
                 durable=self.durable,
                 progress=self.progress,
-                share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
+                share_with=None if previous is None else previous._step,
             )
             for role, source in self.artifacts.items():
                 self.store.store_graph(attempt, role, source, durable=self.durable)
@@ -775,17 +774,22 @@ class CheckpointManager:
         meta = {**meta, "files": files}
         if attempt.graphs:
             meta["artifacts"] = dict(attempt.graphs)
-        if not self.store.local:
-            meta["attempt"] = attempt.where
+        meta.update(self.store.attempt_fields(attempt))
         if self.verify_after_save == "process":
-            _verify_in_new_process(Path(attempt.folder), meta, self.verify_timeout)
+            _verify_in_new_process(self._files_here(attempt), meta, self.verify_timeout)
         elif self.verify_after_save:
             verify_step(self.store, Step(attempt.step, meta, attempt.folder))
         if self.validate is not None:
-            self.validate.validate(Path(attempt.folder) / steps.CHECKPOINT_NAME, meta.get("metrics"))
+            self.validate.validate(self._files_here(attempt) / steps.CHECKPOINT_NAME, meta.get("metrics"))
         interrupts.before_commit()  # (a Ctrl-C held so far: raised now, nothing committed)
         step = self.store.commit(attempt, steps.METADATA_NAME, _metadata.encode(meta), durable=self.durable)
         return CheckpointInfo.of(self.store, step)
+
+    def _files_here(self, attempt: Attempt) -> Path:
+        """The attempt's folder on this machine (what needs it was refused on a store without)."""
+        folder = self.store.local_path(attempt.folder)
+        assert folder is not None
+        return folder
 
     def _committed(self, info: CheckpointInfo) -> None:
         with self._lock:
@@ -922,7 +926,7 @@ class CheckpointManager:
             raise KeyError(f"{self._where}: no checkpoint of step {step}")
         if self._is_root:  # rank 0 deletes; the other ranks only forget it
             with contextlib.suppress(FileNotFoundError):  # removed by hand: nothing left to delete
-                self.store.retire(Step(info.step, info.metadata, info.files))
+                self.store.retire(info._step)
         with self._lock:
             self._checkpoints.pop(step, None)
         if self._is_root and _artifacts.graphs_of(info.metadata):
@@ -1052,7 +1056,7 @@ class CheckpointManager:
         from ..distributed.sharded import load_step
 
         info = self._info(step)
-        return load_step(self.store, Step(info.step, info.metadata, info.files), comm=self.comm, slices=slices)
+        return load_step(self.store, info._step, comm=self.comm, slices=slices)
 
     def _info(self, step: int | None) -> CheckpointInfo:
         self.wait()
@@ -1071,7 +1075,7 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> Verified:
         """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest): every
         file's size and SHA-256 against its metadata, then every value and property decoded."""
-        return self._reading(step, lambda info: verify_step(self.store, Step(info.step, info.metadata, info.files)))
+        return self._reading(step, lambda info: verify_step(self.store, info._step))
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
