@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import documents, object_store, safe_io, steps, targets
+from .. import documents, object_store, object_uploads, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
@@ -473,8 +473,8 @@ class ObjectStore(StepStore):
             if keep is None:
                 continue  # a damaged document: kept whole
             removed += self._remove_unnamed(number, [name for name in sorted(names) if not keep(name)])
-        for key, upload_id, _began in object_store.pending_uploads(self.prefix):
-            object_store.abort_upload(self.prefix.child(key), upload_id)
+        for key, upload_id, _began in object_uploads.pending_uploads(self.prefix):
+            object_uploads.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
         return removed + self.remove_unused_graphs()
 
