@@ -28,7 +28,7 @@ from typing import Any
 
 from . import object_store, safe_io, steps, targets
 from .errors import CheckpointFormatError
-from .stepstore import DirectoryStore, ObjectStore, Step, StepStore
+from .stepstore import Step, StepStore, open_store
 
 # The temporary copies made: their path -> the name the user gave (kept after the copy is gone:
 # the error that ended its block is reported after it).
@@ -82,7 +82,7 @@ def step_folder(given: str) -> StepFolder | None:
     path = Path(given)
     if not path.is_dir():
         return None
-    store = DirectoryStore(path, writer=False)
+    store = open_store(path, writer=False)
     if not any(os.path.lexists(path / name) for name in steps.COMMIT_DOCUMENTS):
         raise _not_a_checkpoint(given, _committed_steps(store), "a directory")
     step = store.locate()  # (a document that is there is read, or refused naming it)
@@ -93,7 +93,7 @@ def step_folder(given: str) -> StepFolder | None:
 
 def _object_step(given: str) -> StepFolder | None:
     location = targets.object_location(given)
-    store = ObjectStore(location)
+    store = open_store(given, writer=False)
     step = store.locate()
     if step is not None:
         return StepFolder(given, store, step)
@@ -108,18 +108,10 @@ def _object_step(given: str) -> StepFolder | None:
     return None
 
 
-def _committed_steps(store: DirectoryStore | ObjectStore) -> list[int]:
-    """The steps a run holds, from one listing (a hint for the message: no document is read).
-    In a directory every step folder is committed (a save renames it into place); under a
-    prefix, one whose document is there."""
+def _committed_steps(store: StepStore) -> list[int]:
+    """The steps a run holds, from one listing (a hint for the message: no document is read)."""
     try:
-        if isinstance(store, DirectoryStore):
-            named = (steps.step_of(entry.name) for entry in safe_io.entries(store.directory) if entry.is_dir())
-            return sorted(number for number in named if number is not None)
-        listing = object_store.list_keys(store.prefix)
-        return sorted(
-            {*steps.steps_holding(listing, steps.METADATA_NAME), *steps.steps_holding(listing, steps.INDEX_NAME)}
-        )
+        return store.listed_steps()
     except (OSError, ValueError, RuntimeError):  # (the listing failed: say what the name is not)
         return []
 
@@ -185,17 +177,19 @@ def checkpoint(given: str, *, local: bool = False) -> Iterator[Resolved]:
             decompress(archive, path, follow_symlinks=False)
             yield Resolved(os.fspath(path), found, True)
     else:
-        target = store.file(folder, steps.CHECKPOINT_NAME)
-        if isinstance(target, targets.LocalFile):
-            if not os.path.lexists(target.path):
-                raise FileNotFoundError(2, "missing (the step folder holds no checkpoint)", target.name)
-            yield Resolved(target.name, found)
+        here = store.local_path(folder, steps.CHECKPOINT_NAME)
+        if here is not None:
+            if not os.path.lexists(here):
+                raise FileNotFoundError(2, "missing (the step folder holds no checkpoint)", os.fspath(here))
+            yield Resolved(os.fspath(here), found)
         elif local:
+            target = store.file(folder, steps.CHECKPOINT_NAME)
+            assert isinstance(target, targets.ObjectFile)  # (a step not on this machine: an object)
             with _copy(given) as path:
                 target.download(path)
                 yield Resolved(os.fspath(path), found, True)
         else:
-            yield Resolved(target.name, found)
+            yield Resolved(os.fspath(store.user_path(folder, steps.CHECKPOINT_NAME)), found)
 
 
 def load_step(given: str, *, verify: bool = False) -> Any:
@@ -243,10 +237,12 @@ def archive(given: str) -> Iterator[str]:
 @contextlib.contextmanager
 def archive_of(found: StepFolder) -> Iterator[str]:
     """A compressed step's ``checkpoint.zst`` (on ``s3://``, a local copy)."""
-    target = found.store.file(found.step.folder, steps.COMPRESSED_NAME)
-    if isinstance(target, targets.LocalFile):
-        yield target.name
+    here = found.store.local_path(found.step.folder, steps.COMPRESSED_NAME)
+    if here is not None:
+        yield os.fspath(here)
         return
+    target = found.store.file(found.step.folder, steps.COMPRESSED_NAME)
+    assert isinstance(target, targets.ObjectFile)  # (a step not on this machine: an object)
     with _copy(found.given) as path:
         _download(target.location, path)
         yield os.fspath(path)

@@ -94,7 +94,7 @@ class S3Server:
     def pending_uploads(self) -> list[str]:
         """Multipart uploads begun and neither completed nor aborted, as the server's filer keeps
         them (under the bucket's .uploads folder): a view independent of ortckpt's own listing
-        through the S3 API (object_store.pending_uploads)."""
+        through the S3 API (object_uploads.pending_uploads)."""
         import json
 
         request = urllib.request.Request(

@@ -48,7 +48,7 @@ def values_in(data: bytes) -> int:
 def test_a_document_of_too_many_values_is_refused_before_it_is_parsed(monkeypatch, kind, shape):
     monkeypatch.setattr(KINDS[kind], "max_values", 64)  # millions in earnest: the same refusal, smaller
     parsed = []
-    monkeypatch.setattr(documents.json, "loads", lambda *a, **k: parsed.append(1))
+    monkeypatch.setattr(documents.base.json, "loads", lambda *a, **k: parsed.append(1))
     with pytest.raises(DocumentError, match=r"^doc\.json: up to \d+ JSON values .* more than the 64 ") as e:
         documents.parse(KINDS[kind], shape, "doc.json")
     assert isinstance(e.value, CheckpointFormatError)
@@ -248,7 +248,7 @@ def test_the_tiling_grids_of_an_index_share_one_budget():
 
 
 def test_small_grids_count_against_the_budget_at_their_setting_up_cost(monkeypatch):
-    monkeypatch.setattr(documents, "MAX_INDEX_TILING_CELLS", 10 * documents.GRID_CELLS_MIN)
+    monkeypatch.setattr(documents.index, "MAX_INDEX_TILING_CELLS", 10 * documents.GRID_CELLS_MIN)
     # a 2 x 2 grid with a piece across two cells: 3 pieces, 4 cells, the grid marked
     layout = tensor([2, 2], [([0, 0], [1, 2]), ([1, 0], [1, 1]), ([1, 1], [1, 1])])
     documents.check_index(index_of({f"t{i}": layout for i in range(10)}, 3), "index.json")

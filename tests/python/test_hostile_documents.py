@@ -164,7 +164,7 @@ def test_an_oversized_index_is_refused_before_it_is_parsed(tmp_path, monkeypatch
     index_path.write_text(json.dumps(index))
     monkeypatch.setattr(documents.SHARDED_INDEX, "max_bytes", 1 << 20)  # 128 MiB in earnest
     parsed = []
-    monkeypatch.setattr(documents.json, "loads", lambda *a, **k: parsed.append(1))
+    monkeypatch.setattr(documents.base.json, "loads", lambda *a, **k: parsed.append(1))
     with pytest.raises(CheckpointFormatError, match="bytes"):
         load_sharded(tmp_path, comm=SingleProcess())
     assert parsed == []

@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import ortckpt.object_store as object_store
+import ortckpt.object_uploads as object_uploads
 import pytest
 from hostile_s3 import HUGE, SMALL, HostileS3
 from ortckpt import targets
@@ -29,12 +30,13 @@ ATTEMPT = textwrap.dedent(
     """
     import json, os, sys, time
     import ortckpt.object_store as object_store
+    import ortckpt.object_uploads as object_uploads
     from ortckpt import targets
     url, options, call = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     location = targets.object_location(url, options)
     started = time.monotonic()
     try:
-        eval(call, {"object_store": object_store, "location": location, "os": os})
+        eval(call, {"object_store": object_store, "object_uploads": object_uploads, "location": location, "os": os})
         error, message = None, ""
     except Exception as e:
         error, message = type(e).__name__, str(e)
@@ -54,7 +56,7 @@ def hostile():
 
 
 def attempt(hostile: HostileS3, url: str, call: str, **options) -> dict:
-    """``call`` (an expression of ``object_store`` and ``location``, ``url`` located) in a child
+    """``call`` (an expression of ``object_store``, ``object_uploads`` and ``location``, ``url`` located) in a child
     process: what it raised, in how many seconds, and the process's peak memory."""
     command = [sys.executable, "-c", ATTEMPT, url, json.dumps(hostile.storage_options(**options)), call]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
@@ -143,10 +145,10 @@ def test_a_listing_without_end_is_an_error(hostile, prefix, call, problem):
         ("s3://b/silent", "object_store.get(location)"),
         ("s3://b/silent", "object_store.head(location)"),
         ("s3://b/silent", "object_store.list_keys(location)"),
-        ("s3://b/silent", "object_store.pending_uploads(location)"),
-        ("s3://b/x/silent", "object_store.abort_upload(location, 'silent')"),
+        ("s3://b/silent", "object_uploads.pending_uploads(location)"),
+        ("s3://b/x/silent", "object_uploads.abort_upload(location, 'silent')"),
         ("s3://b/drip", "object_store.get(location)"),
-        ("s3://b/drip", "object_store.pending_uploads(location)"),
+        ("s3://b/drip", "object_uploads.pending_uploads(location)"),
     ],
 )
 def test_a_server_that_never_answers_is_an_error_by_the_deadline(hostile, url, call):
@@ -160,12 +162,12 @@ def test_a_server_that_never_answers_is_an_error_by_the_deadline(hostile, url, c
 @pytest.mark.parametrize(
     ("prefix", "call", "problem"),
     [
-        ("bomb", "object_store.pending_uploads(location)", "declares a document type"),
-        ("oversized", "object_store.pending_uploads(location)", f"declares an answer of {HUGE} bytes"),
-        ("unbounded", "object_store.pending_uploads(location)", "runs over"),
-        ("same", "object_store.pending_uploads(location)", "listed twice"),
-        ("endless", "object_store.pending_uploads(location, max_uploads=50_000)", "over 50000"),
-        ("empty", "object_store.pending_uploads(location, max_pages=100)", "over 100 pages"),
+        ("bomb", "object_uploads.pending_uploads(location)", "declares a document type"),
+        ("oversized", "object_uploads.pending_uploads(location)", f"declares an answer of {HUGE} bytes"),
+        ("unbounded", "object_uploads.pending_uploads(location)", "runs over"),
+        ("same", "object_uploads.pending_uploads(location)", "listed twice"),
+        ("endless", "object_uploads.pending_uploads(location, max_uploads=50_000)", "over 50000"),
+        ("empty", "object_uploads.pending_uploads(location, max_pages=100)", "over 100 pages"),
     ],
 )
 def test_a_hostile_listing_of_uploads_is_an_error(hostile, prefix, call, problem):
@@ -180,17 +182,17 @@ def test_the_hostile_server_serves_honest_answers_too(hostile):
     assert bytes(object_store.get(location)) == SMALL
     assert object_store.sha256_of(location) == (len(SMALL), hashlib.sha256(SMALL).hexdigest())
     assert object_store.list_keys(location) == [("only", 1)]
-    ((key, upload_id, initiated),) = object_store.pending_uploads(location)
+    ((key, upload_id, initiated),) = object_uploads.pending_uploads(location)
     assert (key, upload_id, initiated.year) == ("only", "1", 2024)
 
 
 def test_every_request_has_deadlines_by_default_and_storage_options_set_them():
     store = targets.object_location("s3://b/k", {"endpoint_url": "http://127.0.0.1:9"}).store
-    assert object_store._config_of(store)["timeout"] == object_store.DEADLINES["timeout"]
-    assert object_store._config_of(store)["connect_timeout"] == object_store.DEADLINES["connect_timeout"]
-    assert object_store._config_of(store)["read_timeout"] is None
+    assert object_uploads._config_of(store)["timeout"] == object_store.DEADLINES["timeout"]
+    assert object_uploads._config_of(store)["connect_timeout"] == object_store.DEADLINES["connect_timeout"]
+    assert object_uploads._config_of(store)["read_timeout"] is None
     options = {"endpoint_url": "http://127.0.0.1:9", "timeout": 2.5, "connect_timeout": "1", "read_timeout": 7}
-    config = object_store._config_of(targets.object_location("s3://b/k", options).store)
+    config = object_uploads._config_of(targets.object_location("s3://b/k", options).store)
     assert (config["timeout"], config["connect_timeout"], config["read_timeout"]) == (2.5, 1, 7)
     with pytest.raises(ValueError, match="s3://b"):
         targets.object_location("s3://b/k", {"timeout": "soon"})
@@ -299,18 +301,18 @@ def test_a_killed_writers_upload_is_listed_and_aborted(s3_server, s3_url):
     command = [sys.executable, "-c", KILLED_WRITER, s3_server.url, *credentials, f"{prefix.key}/step/obj"]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     kill_mid_upload(s3_server, child, before)
-    ((key, upload_id, initiated),) = object_store.pending_uploads(prefix)
+    ((key, upload_id, initiated),) = object_uploads.pending_uploads(prefix)
     assert key == "step/obj"
     assert abs(datetime.datetime.now(datetime.UTC) - initiated) < datetime.timedelta(minutes=5)
-    assert object_store.pending_uploads(prefix.child("elsewhere")) == []
+    assert object_uploads.pending_uploads(prefix.child("elsewhere")) == []
     assert object_store.list_keys(prefix) == []  # invisible to a listing of objects
-    object_store.abort_upload(prefix.child(key), upload_id)
-    assert object_store.pending_uploads(prefix) == []
+    object_uploads.abort_upload(prefix.child(key), upload_id)
+    assert object_uploads.pending_uploads(prefix) == []
     assert set(s3_server.pending_uploads()) == before  # gone from the server, not only its listing
-    object_store.abort_upload(prefix.child(key), upload_id)  # again: already gone is no error
+    object_uploads.abort_upload(prefix.child(key), upload_id)  # again: already gone is no error
     wrong = targets.object_location(s3_url, s3_server.storage_options(secret_access_key="wrong"))
     with pytest.raises(ObjectStoreError, match="HTTP 403"):
-        object_store.pending_uploads(wrong)
+        object_uploads.pending_uploads(wrong)
 
 
 def test_listing_bounds_on_the_real_server(s3_server, s3_url):
@@ -333,4 +335,4 @@ def test_a_store_without_static_credentials_cannot_list_uploads(monkeypatch):
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     location = targets.object_location("s3://b/prefix", {"endpoint_url": "http://127.0.0.1:9"})
     with pytest.raises(ObjectStoreError, match="static credentials"):
-        object_store.pending_uploads(location)
+        object_uploads.pending_uploads(location)

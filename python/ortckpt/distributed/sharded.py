@@ -33,7 +33,7 @@ from .._boundary import TensorRecord
 from ..checkpoint_state import CheckpointState, OptimizerGroup, TensorSource
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
-from ..stepstore import Attempt, Step, StepStore, open_store
+from ..stepstore import Attempt, Folder, Step, StepStore, open_store
 from .comm import Communicator, communicator, gather_decide_broadcast, root_decides
 from .layout import (
     INDEX_NAME,
@@ -127,8 +127,7 @@ def save_sharded(
         held[0].abandon(attempt)
 
     def commit(attempt: Attempt, index: dict[str, Any]) -> None:
-        if not held[0].local:  # on object storage the index names the attempt holding the shards
-            index = {**index, "attempt": attempt.where}
+        index = {**index, **held[0].attempt_fields(attempt)}  # (where readers find the shards)
         data = encode_index(index, f"{reader.name}/{steps.step_directory_name(step)}/{INDEX_NAME}")
         held[0].commit(attempt, INDEX_NAME, data, durable=durable)
 
@@ -149,7 +148,7 @@ def save_sharded(
     finally:
         for store in held:
             store.close()
-    return step_directory(directory, step) if reader.local else f"{reader.name}/{steps.step_directory_name(step)}"
+    return reader.step_folder(step)
 
 
 def remove_leftovers(directory: Any, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
@@ -381,7 +380,7 @@ def load_step(
 
 def _load_part(
     store: StepStore,
-    folder: Any,
+    folder: Folder,
     index: dict[str, Any],
     comm: Communicator,
     slices: Mapping[str, Slice | None] | None,
@@ -395,7 +394,7 @@ def _load_part(
     return assemble(store, folder, index, entries, layout, include_optimizer_state), layout
 
 
-def assemble_step(store: StepStore, folder: Any) -> CheckpointState:
+def assemble_step(store: StepStore, folder: Folder) -> CheckpointState:
     """A sharded step's whole state, in one process."""
     index = _parse_index(store.read_document(folder, INDEX_NAME), f"{store.file(folder, INDEX_NAME).name}")
     entries = tensor_entries(index)
@@ -437,7 +436,7 @@ def merge(
     return out if targets.is_object_url(out) else Path(out)
 
 
-def read_committed(store: StepStore, step: int | None) -> tuple[Any, dict[str, Any]]:
+def read_committed(store: StepStore, step: int | None) -> tuple[Folder, dict[str, Any]]:
     """(where its shards are, its index) of a committed sharded checkpoint of ``store`` (the
     store's own folder when it is one step's, else ``step``, else the latest), the index
     validated (:mod:`ortckpt.documents`: shard files are plain names of their rank, pieces
@@ -502,7 +501,7 @@ def _requested_layout(
 
 def assemble(
     store: StepStore,
-    folder: Any,
+    folder: Folder,
     index: Mapping[str, Any],
     entries: Mapping[str, TensorEntry],
     layout: Mapping[str, Slice],
@@ -538,7 +537,7 @@ class _Shards:
     """The shard files of one sharded step, opened when first needed (only by the plain names
     the index gives, never through a symlink), and the pieces read from them, checked."""
 
-    def __init__(self, store: StepStore, folder: Any, index: Mapping[str, Any]) -> None:
+    def __init__(self, store: StepStore, folder: Folder, index: Mapping[str, Any]) -> None:
         self.store = store
         self.folder = folder
         self.names = {s["rank"]: s["file"] for s in index["shards"]}  # (plain names: the index was validated)
@@ -553,10 +552,7 @@ class _Shards:
                 raise CheckpointFormatError(f"{self.store.name}: the index names no shard of rank {rank}")
             # On object storage no shard is downloaded past the sizes its index records; a local
             # shard is mapped, and its pieces checked as they are read.
-            recorded = {name: {"bytes": size} for name, size in self.sizes[rank].items()}
-            self.opened[rank] = self.store.load(
-                self.folder, self.names[rank], recorded=None if self.store.local else recorded
-            )
+            self.opened[rank] = self.store.load_shard(self.folder, self.names[rank], self.sizes[rank])
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 
@@ -593,7 +589,7 @@ class _Shards:
         return value
 
 
-def check_shards(store: StepStore, folder: Any, index: Mapping[str, Any]) -> list[str]:
+def check_shards(store: StepStore, folder: Folder, index: Mapping[str, Any]) -> list[str]:
     """What :func:`assemble` would refuse, for :func:`ortckpt.verify`: every piece of every
     tensor and momentum the index lists, read from its shard and checked against the index."""
     shards = _Shards(store, folder, index)

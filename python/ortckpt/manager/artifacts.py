@@ -170,8 +170,8 @@ def _graph_cache() -> Path:
 def local_graphs(store: StepStore, step: Step) -> dict[str, Path]:
     """role -> a local file of the step's graph, checked against its size and SHA-256 (a
     directory's step: its own files; on object storage: downloaded once into a private cache)."""
-    cache = Path(os.devnull) if store.local else _graph_cache()  # (a directory's step holds its own: no cache)
-    return {role: store.graph_file(step, role, cache) for role in sorted(graphs_of(step.document))}
+    # (the cache is made only for a download: a directory's step holds its own graphs)
+    return {role: store.graph_file(step, role, _graph_cache) for role in sorted(graphs_of(step.document))}
 
 
 def training_session(state: Any, graphs: Mapping[str, Path], device: str | None, where: str) -> tuple[Any, Any, Any]:

@@ -26,144 +26,51 @@ With ``comm`` (an mpi4py communicator or a torch.distributed group), every rank 
 distributed job calls the same methods together and each saves only its part of the state:
 the step then holds one shard per rank and an ``index.json`` (see :mod:`ortckpt.distributed`)
 instead of ``checkpoint``; rank 0 commits, keeps and deletes.
+
+The class is read in layers: this module's :class:`CheckpointManager` (its arguments, checked
+and opened; restoring), over :mod:`.saving` (the save transaction, retention, deletion), over
+:mod:`.base` (what a manager holds, listing, waiting, closing); :mod:`.info` holds
+:class:`CheckpointInfo`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import threading
 import time
 import uuid
-import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _boundary, arguments, extras, interrupts, safe_io, steps, targets
-from ..checkpoint_state import CheckpointState, adopt
+from .. import _boundary, arguments, extras, stepstore, targets
+from ..checkpoint_state import CheckpointState
 from ..errors import (
     CheckpointError,
-    CheckpointExistsError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
-    name_file,
 )
-from ..stepstore import Attempt, Step, StepStore, open_store
+from ..stepstore import open_store
 from . import arguments as options
 from . import artifacts as _artifacts
 from . import child
 from . import metadata as _metadata
-from .common import Staging, UnwaitedSave, as_integer, as_step
+from .common import Staging, UnwaitedSave
+from .info import CheckpointInfo
 from .integrity import Verified, verify_step
 from .preemption import Preemption, check_grace, signals_of
 from .retention import RetentionPolicy
+from .saving import Saving
 from .tracking import Reporter, TrackedRun, Tracker, tracker_for
 from .validation import Forward
 
-# What only a run in a local directory can do (each needs the step's files on this machine).
-_LOCAL_ONLY = ("validate", "compress_kept", "track")
+# What needs the step's files on this machine (refused by a store whose steps are not).
+_NEEDING_FILES = ("validate", "compress_kept", "track")
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One complete checkpoint of a :class:`CheckpointManager`."""
-
-    step: int
-    directory: Any  # the step's folder: a Path in a directory, its URL on object storage
-    metadata: dict[str, Any]
-    store: StepStore = field(repr=False, compare=False)
-    files: Any = field(repr=False, compare=False, default=None)  # where its files are (a Path, or a Location)
-
-    @classmethod
-    def of(cls, store: StepStore, step: Step) -> CheckpointInfo:
-        # (a directory's files are in the step's directory; on object storage, in its attempt's folder)
-        directory = step.folder if store.local else f"{store.name.rstrip('/')}/{steps.step_directory_name(step.number)}"
-        return cls(step.number, directory, step.document, store, step.folder)
-
-    @property
-    def folder(self) -> Any:
-        """Where the step's files are: its directory, or on object storage the folder of the
-        save that committed it (a URL)."""
-        return self.files if isinstance(self.files, Path) else self.files.url
-
-    @property
-    def url(self) -> str:
-        """The step folder's URL (on object storage) or path."""
-        return os.fspath(self.directory) if isinstance(self.directory, Path) else self.directory
-
-    @property
-    def path(self) -> Any:
-        """The checkpoint file: what ``load_checkpoint`` (ortckpt's or ONNX Runtime's) takes; a
-        URL on object storage."""
-        target = self.store.file(self.files, steps.CHECKPOINT_NAME)
-        return target.path if isinstance(target, targets.LocalFile) else target.name
-
-    @property
-    def metrics(self) -> dict[str, Any]:
-        return self.metadata.get("metrics") or {}
-
-    @property
-    def epoch(self) -> int | None:
-        return self.metadata.get("epoch")
-
-    @property
-    def rng_state(self) -> dict[str, Any] | None:
-        """What :func:`ortckpt.capture_rng_state` captured at save, if given."""
-        return self.metadata.get("rng_state")
-
-    @property
-    def _step(self) -> Step:
-        return Step(self.step, self.metadata, self.files)
-
-    @property
-    def artifacts(self) -> dict[str, Path]:
-        """The run's graphs this step records (``CheckpointManager(artifacts=...)``): role ->
-        a local ONNX file, checked against the size and SHA-256 its metadata.json records (on
-        object storage, downloaded once into a private folder of this process). Empty when the
-        step records none."""
-        return _artifacts.local_graphs(self.store, self._step)
-
-    @property
-    def sharded(self) -> bool:
-        """Whether this is a sharded checkpoint (one shard per rank and an index)."""
-        return steps.INDEX_NAME in self.metadata["files"]
-
-    @property
-    def compressed(self) -> bool:
-        """Whether the step was compressed (``compress_kept``): its files are then in
-        ``checkpoint.zst``, and :attr:`path` names a file that is gone (``load()`` reads the
-        archive; ``ortckpt decompress`` writes the checkpoint back)."""
-        return "compressed" in self.metadata
-
-    def load(self) -> CheckpointState:
-        """The whole state, in this process (a sharded checkpoint's pieces assembled, a
-        compressed one decompressed). On object storage, a local copy: it stays usable
-        whatever retention deletes later, as the mapped files of a directory do."""
-        if self.sharded:
-            from ..distributed.sharded import assemble_step
-
-            return assemble_step(self.store, self.files)
-        try:
-            # (checked against what its metadata.json records: a step holding another save's
-            # files, or files changed since, is refused, naming the file)
-            return self.store.load(self.files, steps.CHECKPOINT_NAME, recorded=self.metadata["files"])
-        except FileNotFoundError:
-            # Compressed (perhaps since this info was read: the archive is written before the
-            # checkpoint goes, so it is there whenever the checkpoint is not).
-            archive = self.files / steps.COMPRESSED_NAME if self.store.local else None
-            if archive is None or not os.path.lexists(archive):
-                raise
-        from ..compression import load_compressed
-
-        return load_compressed(archive, follow_symlinks=False)  # a symlink planted there is refused
-
-
-class CheckpointManager:
+class CheckpointManager(Saving):
     """Saves, keeps and restores the checkpoints of one training run in ``directory`` (a
     local directory, or an ``s3://bucket/prefix`` URL).
 
@@ -341,11 +248,8 @@ class CheckpointManager:
         policy = RetentionPolicy(max_to_keep, keep_best, keep_every)
         config = _metadata.check_config(config, os.fspath(directory))
         storage_options = None if storage_options is None else arguments.mapping("storage_options", storage_options)
-        remote = targets.is_object_url(directory)
-        if storage_options is not None and not remote:
-            raise ValueError(
-                f"{directory}: storage_options are for an object store URL ({targets.SCHEME}bucket/prefix)"
-            )
+        backend = stepstore.backend(directory)
+        backend.check_options(directory, storage_options)
         if comm is not None and (async_save or verify_after_save or validate is not None):
             raise ValueError("async_save, verify_after_save and validate are not available for sharded saves (comm=)")
         if comm is not None and compress_kept:
@@ -362,13 +266,11 @@ class CheckpointManager:
             raise InvalidArgumentTypeError(
                 f"validate takes an ortckpt.manager.Forward, got {type(validate).__name__}", "validate"
             )
-        if remote:
-            asked = {"validate": validate, "compress_kept": compress_kept, "track": track}
-            refused = [name for name in _LOCAL_ONLY if asked[name] not in (None, False)]
-            if verify_after_save == "process":
-                refused.append('verify_after_save="process"')
-            if refused:
-                raise ValueError(f"{directory}: not available for a manager on object storage: {', '.join(refused)}")
+        asked = {"validate": validate, "compress_kept": compress_kept, "track": track}
+        needing = [name for name in _NEEDING_FILES if asked[name] not in (None, False)]
+        if verify_after_save == "process":
+            needing.append('verify_after_save="process"')
+        backend.refuse_needing_files(directory, needing)
         # An option whose package is missing is refused here, not at the first save it would fail.
         if compress_kept:
             extras.require("zstandard", "compress_kept=True")
@@ -409,15 +311,15 @@ class CheckpointManager:
         self.store = open_store(directory, storage_options, writer=writer, create=writer)
         if writer:
             self.store.remove_proven_leftovers()
-        self.directory: Any = Path(directory) if self.store.local else self.store.name
-        # Steps share what is unchanged only in a directory of this machine, and not sharded.
-        self.share_unchanged = share_unchanged and self.store.local and self.comm is None
+        self.directory = self.store.run_folder
+        # Steps share what is unchanged where a store can (see write_checkpoint), and not sharded.
+        self.share_unchanged = share_unchanged and self.comm is None
         self.url = self.store.name
         self._where = self.store.name
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it
-        self._checkpoints: dict[int, CheckpointInfo] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
+        self._checkpoints = {}
+        self._executor = None
+        self._pending = None
         # The pending save as the finalizer sees it, to report a failure nobody waited for.
         self._unwaited = UnwaitedSave(self._where)
         self._report_lost = weakref.finalize(self, self._unwaited.report)
@@ -432,7 +334,9 @@ class CheckpointManager:
         latest = self.latest()
         if missing is not None:  # the artifacts are not on this machine: the run's latest step has them
             try:
-                self.artifacts = _artifacts.recorded(self.store, None if latest is None else latest._step, missing)
+                self.artifacts = _artifacts.recorded(
+                    self.store, None if latest is None else latest.step_record, missing
+                )
             except BaseException:
                 self.store.close()
                 raise
@@ -441,7 +345,7 @@ class CheckpointManager:
         self.run_id = run_id or (latest.metadata.get("run_id") if latest else None) or uuid.uuid4().hex
         if self.comm is not None:
             self.run_id = self.comm.broadcast(self.run_id)
-        self._reporter: Reporter | None = None
+        self._reporter = None
         if track is not None and self._is_root:
             run = TrackedRun(self.run_id, Path(self.directory), self.config, writer=not read_only)
             self._reporter = Reporter(tracker_for(track), run, self.all)
@@ -450,524 +354,6 @@ class CheckpointManager:
         self._preemption_saved = False
         # A manager dropped without close() puts its handlers back too (they hold no reference to it).
         weakref.finalize(self, self._preemption.restore)
-
-    @property
-    def _is_root(self) -> bool:
-        """Whether this process commits and deletes checkpoints (rank 0, or the only one)."""
-        return self.comm is None or self.comm.rank == 0
-
-    # --- what is there -----------------------------------------------------------------
-
-    def reload(self) -> None:
-        """Reads the steps again: what ``all()``, ``latest()`` and ``restore()`` see. A
-        read-only manager does this on every query; a writer knows what it wrote. A step whose
-        metadata.json is damaged is skipped with a warning (and kept, for a person to look at);
-        one without any is not this manager's (e.g. a save_sharded step) and is ignored."""
-        scan = self.store.scan(steps.METADATA_NAME)
-        for number, problem in sorted(scan.damaged.items()):
-            warnings.warn(
-                f"{self._where}: step {number} skipped, its metadata is damaged: {problem}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        found = {number: CheckpointInfo.of(self.store, step) for number, step in scan.steps.items()}
-        with self._lock:
-            self._checkpoints = found
-
-    def _refresh(self) -> None:
-        if self.read_only:
-            self.reload()
-
-    def all(self) -> list[CheckpointInfo]:
-        """Every complete checkpoint, oldest step first."""
-        self._refresh()
-        with self._lock:
-            return [self._checkpoints[s] for s in sorted(self._checkpoints)]
-
-    def all_steps(self) -> list[int]:
-        return [c.step for c in self.all()]
-
-    def latest(self) -> CheckpointInfo | None:
-        """The complete checkpoint with the highest step, or None."""
-        self._refresh()
-        with self._lock:
-            return self._checkpoints[max(self._checkpoints)] if self._checkpoints else None
-
-    def latest_step(self) -> int | None:
-        latest = self.latest()
-        return latest.step if latest else None
-
-    def best(self, metric: str | None = None, mode: Literal["min", "max"] | None = None) -> CheckpointInfo | None:
-        """The checkpoint with the best ``metric`` (default: ``keep_best``'s); ties go to the
-        newer step; checkpoints without the metric, or with NaN, are not ranked."""
-        if metric is None:
-            if self.policy.keep_best is None:
-                raise ValueError("best() needs a metric name and mode, or keep_best set on the manager")
-            metric, mode = self.policy.keep_best[0], self.policy.keep_best[1]
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode is 'min' or 'max', got {mode!r}")
-        checkpoints = self.all()
-        ranked = RetentionPolicy(keep_best=(metric, mode, 1)).ranked([(c.step, c.metrics) for c in checkpoints])
-        return {c.step: c for c in checkpoints}[ranked[0]] if ranked else None
-
-    # --- saving --------------------------------------------------------------------------
-
-    @property
-    def preempted(self) -> bool:
-        """Whether a preemption signal (``preemption=``) came, or :meth:`preempt` was called:
-        the loop should stop once :meth:`should_save`'s save is done."""
-        return self._preemption.noticed
-
-    def preempt(self) -> None:
-        """Marks the run preempted, as a signal would (from any thread: a poller of the
-        cloud's preemption notices, say); starts ``preemption_grace``'s watchdog."""
-        self._preemption.notice()
-
-    def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due for a checkpoint by ``save_every`` (and newer than the
-        latest); once preempted, True until the preemption save is made."""
-        step = as_step(step)
-        latest = self.latest_step()
-        if latest is not None and step <= latest:
-            return False
-        if self.preempted and not self._preemption_saved:
-            return True
-        if self.save_every is None:
-            return True
-        if isinstance(self.save_every, datetime.timedelta):
-            return time.monotonic() - self._last_save >= self.save_every.total_seconds()
-        return step % self.save_every == 0
-
-    def save(
-        self,
-        state: CheckpointState,
-        step: int,
-        *,
-        epoch: int | None = None,
-        metrics: Mapping[str, float] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        dataset_fingerprint: str | None = None,
-        rng_state: Mapping[str, Any] | None = None,
-        include_optimizer_state: bool = True,
-        slices: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Saves ``state`` as the checkpoint of ``step``.
-
-        ``step`` (and ``epoch``, when given) also go into the checkpoint's properties, where
-        ONNX Runtime sees them; both are ints (NumPy integers too). ``metrics`` (numbers; NaN
-        and infinities round-trip) rank checkpoints for ``keep_best``; ``metadata`` is a mapping
-        of JSON-able data of yours (keys str or int, two never the same once written as JSON's
-        strings; floats come back as floats, NaN and infinities too); ``rng_state`` comes from
-        :func:`ortckpt.capture_rng_state`. What metadata.json cannot hold is refused here,
-        naming its key (:class:`~ortckpt.InvalidArgumentError`).
-        With ``async_save``, returns once the state is copied; otherwise once it is committed.
-        With ``comm``, ``state`` is this rank's part and ``slices`` (tensor name ->
-        :class:`ortckpt.distributed.Slice`) say which part of a split parameter it holds.
-        """
-        if slices is not None and self.comm is None:
-            raise ValueError("slices are for sharded saves: create the manager with comm=")
-        details: dict[str, Any] = {
-            "epoch": epoch,
-            "metrics": metrics,
-            "metadata": metadata,
-            "dataset_fingerprint": dataset_fingerprint,
-            "rng_state": rng_state,
-            "include_optimizer_state": include_optimizer_state,
-        }
-        if self.preempted and self.comm is None:
-            self._save_preempted(state, step, details)
-            return
-        # A Ctrl-C during a synchronous save: KeyboardInterrupt before the step's commit (nothing
-        # committed), or after this returns (see ortckpt.interrupts): `hold` stays a local here.
-        with interrupts.held(not self.async_save and self.comm is None and self.store.local) as hold:  # noqa: F841
-            self._save(state, step, **details, slices=slices)
-
-    def _save_preempted(self, state: CheckpointState, step: int, details: dict[str, Any]) -> None:
-        """The preemption save: the pending async save first, then this one synchronously (its
-        tracker report waited for, as every save's); another signal meanwhile is noted only."""
-        self.wait()
-        self._preemption.saving = True
-        try:
-            self._save(state, step, **details, slices=None, synchronous=True)
-        finally:
-            self._preemption.saving = False
-        self._preemption_saved = True
-
-    def _save(
-        self,
-        state: CheckpointState,
-        step: int,
-        epoch: int | None,
-        metrics: Mapping[str, float] | None,
-        metadata: Mapping[str, Any] | None,
-        dataset_fingerprint: str | None,
-        rng_state: Mapping[str, Any] | None,
-        include_optimizer_state: bool,
-        slices: Mapping[str, Any] | None,
-        *,
-        synchronous: bool = False,
-    ) -> None:
-        step, meta, snapshot = self._prepare_save(
-            state,
-            step,
-            epoch=epoch,
-            metrics=metrics,
-            metadata=metadata,
-            dataset_fingerprint=dataset_fingerprint,
-            rng_state=rng_state,
-            include_optimizer_state=include_optimizer_state,
-            copy=self.async_save and not synchronous,
-        )
-        if self.comm is not None:
-            self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
-            return
-        if not self.async_save or synchronous:
-            self._write_and_commit(snapshot, step, meta, include_optimizer_state)
-            return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortckpt-save")
-        self._pending = self._executor.submit(self._write_and_commit, snapshot, step, meta, include_optimizer_state)
-        self._unwaited.watch(self._pending, step)
-
-    def _prepare_save(
-        self,
-        state: CheckpointState,
-        step: int,
-        *,
-        epoch: int | None,
-        metrics: Mapping[str, float] | None,
-        metadata: Mapping[str, Any] | None,
-        dataset_fingerprint: str | None,
-        rng_state: Mapping[str, Any] | None,
-        include_optimizer_state: bool,
-        copy: bool,
-    ) -> tuple[int, dict[str, Any], CheckpointState]:
-        """Checks a save's arguments and takes the snapshot to write (a copy, for an async
-        save), all in the caller's thread: (step, metadata without its files, snapshot)."""
-        self._check_writable("save")
-        state = adopt(state)  # (ONNX Runtime's own state, the one its Module trains, saves as well)
-        if not isinstance(state, CheckpointState):
-            raise TypeError(f"expected a CheckpointState, got {type(state).__name__}")
-        step = as_step(step)
-        epoch = None if epoch is None else as_integer("epoch", epoch)
-        arguments.flag("include_optimizer_state", include_optimizer_state)
-        for name, value in (("metrics", metrics), ("metadata", metadata), ("rng_state", rng_state)):
-            arguments.mapping(name, value)
-        self.wait()  # one save at a time; raises the previous async save's error
-        latest = self.latest_step()
-        if step in self.all_steps():
-            raise CheckpointExistsError(f"{self._where}: a checkpoint of step {step} exists")
-        if latest is not None and step < latest:
-            raise ValueError(
-                f"{self._where}: step {step} is older than the latest checkpoint ({latest}); "
-                "delete the newer ones first (manager.delete(step)) to go back"
-            )
-        properties: dict[str, Any] = {"step": step}
-        if epoch is not None:
-            properties["epoch"] = epoch
-        meta = _metadata.build(
-            step=step,
-            epoch=epoch,
-            run_id=self.run_id,
-            metrics=metrics,
-            config=self.config,
-            user=metadata,
-            dataset_fingerprint=dataset_fingerprint,
-            rng_state=rng_state,
-            include_optimizer_state=include_optimizer_state,
-        )
-        if self.device is not None:
-            meta.update(_artifacts.runtime(self.device))
-        _metadata.check_serializable(meta, f"{self._step_folder(step)}/{steps.METADATA_NAME}")
-        # The state itself (ONNX Runtime's included) carries the step and epoch of its latest save,
-        # not a restored checkpoint's: a plain save_checkpoint after this one writes them.
-        with self._naming_step(step):
-            for name, value in properties.items():
-                state.properties[name] = value
-        # Every value is checked (and strings encoded) here, in the caller's thread.
-        with self._naming_step(step):
-            snapshot = state.snapshot(
-                copy_value=self._staging.copy if copy else None,
-                include_optimizer_state=include_optimizer_state,
-                properties=properties,
-            )
-            if copy:  # (its values are copies by now: views only) refused here, not in the background
-                snapshot.core_state(include_optimizer_state)
-        self._last_save = time.monotonic()
-        return step, meta, snapshot
-
-    def _write_and_commit(
-        self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
-    ) -> None:
-        """The step transaction of one save: stage, write, verify, metadata, commit; then
-        retention and the tracker's report."""
-        with self._naming_step(step):
-            core = state.core_state(include_optimizer_state)
-        attempt = self.store.begin(step)
-        previous = self.latest() if self.share_unchanged else None
-        try:
-            self.store.write_checkpoint(
-                attempt,
-                steps.CHECKPOINT_NAME,
-                core,
-                external_data_threshold=self.external_data_threshold,
-                durable=self.durable,
-                progress=self.progress,
-                share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
-            )
-            for role, source in self.artifacts.items():
-                self.store.store_graph(attempt, role, source, durable=self.durable)
-            committed = self._commit(attempt, meta)
-        except OSError as e:
-            self.store.abandon(attempt)
-            raise self._named_by_step(e, attempt) from None
-        except BaseException:
-            self.store.abandon(attempt)
-            raise
-        self._committed(committed)
-
-    def _named_by_step(self, e: OSError, attempt: Attempt) -> OSError:
-        """An OS error (a full disk) met writing a step's staged files, naming the file by the
-        name it has in the step (its staging folder, a name of ours, is gone with the attempt), and
-        saying that nothing changed."""
-        if not isinstance(attempt.folder, (str, os.PathLike)):  # (an object store's: its errors name objects)
-            return e
-        staged = os.fspath(attempt.folder)
-        if e.errno is None or not str(e.filename or "").startswith(staged):
-            return e
-        inside = str(e.filename)[len(staged) :].lstrip("/")
-        step_folder = self._step_folder(attempt.step)
-        return OSError(
-            e.errno,
-            f"{e.strerror} (saving step {attempt.step}: nothing was committed, the steps saved before stand)",
-            f"{step_folder}/{inside}" if inside else step_folder,
-        )
-
-    @contextlib.contextmanager
-    def _naming_step(self, step: int) -> Iterator[None]:
-        """A value or name no file can hold, refused as the state is copied or handed to the
-        core, is named with the step's folder."""
-        try:
-            yield
-        except CheckpointError as e:
-            name_file(e, self._step_folder(step))
-            raise
-
-    def _step_folder(self, step: int) -> str:
-        """The step's folder, as messages name it (a path, or on object storage its URL)."""
-        return f"{self._where.rstrip('/')}/{steps.step_directory_name(step)}"
-
-    def _commit(self, attempt: Attempt, meta: dict[str, Any]) -> CheckpointInfo:
-        """Records the written files (sizes, SHA-256s) in the metadata, verifies and validates
-        if asked, and commits the step by its metadata.json."""
-        on_bytes = None
-        bar = None
-        if self.progress:
-            from .. import progress as _progress
-
-            bar = _progress.bar(f"describing {steps.step_directory_name(attempt.step)}")
-            on_bytes = bar.update
-        try:
-            files = self.store.describe(attempt, on_bytes, sha256=self.digest == "sha256")
-        finally:
-            if bar is not None:
-                bar.close()
-        meta = {**meta, "files": files}
-        if attempt.graphs:
-            meta["artifacts"] = dict(attempt.graphs)
-        if not self.store.local:
-            meta["attempt"] = attempt.where
-        if self.verify_after_save == "process":
-            _verify_in_new_process(Path(attempt.folder), meta, self.verify_timeout)
-        elif self.verify_after_save:
-            verify_step(self.store, Step(attempt.step, meta, attempt.folder))
-        if self.validate is not None:
-            self.validate.validate(Path(attempt.folder) / steps.CHECKPOINT_NAME, meta.get("metrics"))
-        interrupts.before_commit()  # (a Ctrl-C held so far: raised now, nothing committed)
-        step = self.store.commit(attempt, steps.METADATA_NAME, _metadata.encode(meta), durable=self.durable)
-        return CheckpointInfo.of(self.store, step)
-
-    def _committed(self, info: CheckpointInfo) -> None:
-        with self._lock:
-            self._checkpoints[info.step] = info
-        self._apply_retention()
-        if self._reporter is not None:
-            self._reporter.committed(info)
-
-    def _save_sharded(
-        self,
-        state: CheckpointState,
-        step: int,
-        meta: dict[str, Any],
-        include_optimizer_state: bool,
-        slices: Mapping[str, Any] | None,
-    ) -> None:
-        """Every rank writes its shard into rank 0's attempt; rank 0 adds the index inside it
-        and commits the step's metadata.json once all have succeeded."""
-        from ..distributed.sharded import encode_index, write_shards
-
-        assert self.comm is not None
-        committed: list[CheckpointInfo] = []
-
-        def commit(attempt: Attempt, index: dict[str, Any]) -> None:
-            self.store.write_document(
-                attempt, steps.INDEX_NAME, encode_index(index, attempt.where), durable=self.durable
-            )
-            committed.append(self._commit(attempt, meta))
-
-        write_shards(
-            self.comm,
-            self.store,
-            state,
-            slices,
-            begin=lambda: self.store.begin(step),
-            commit=commit,
-            abandon=self.store.abandon,
-            step=step,
-            include_optimizer_state=include_optimizer_state,
-            durable=self.durable,
-            external_data_threshold=self.external_data_threshold,
-        )
-        # Rank 0 knows what it committed; the other ranks read it back.
-        info = committed[0] if committed else self._read_step(step)
-        self._committed(info)
-
-    def _read_step(self, step: int) -> CheckpointInfo:
-        found = self.store.read(step, steps.METADATA_NAME)
-        if found is None:
-            raise FileNotFoundError(f"{self._where}: no checkpoint of step {step}")
-        return CheckpointInfo.of(self.store, found)
-
-    def _check_writable(self, what: str) -> None:
-        if self.read_only:
-            raise ValueError(f"{self._where}: this manager is read-only (read_only=True): it cannot {what}")
-        if self._closed:
-            raise ValueError(f"{self._where}: this manager is closed")
-
-    def _apply_retention(self) -> None:
-        """Deletes what the policy no longer keeps. The new step is committed by then, so a
-        deletion that fails is a warning, not a failed save; the next save tries again."""
-        with self._lock:
-            keep = self.policy.steps_to_keep([(c.step, c.metrics) for c in self._checkpoints.values()])
-            doomed = [s for s in self._checkpoints if s not in keep]
-        for step in doomed:
-            try:
-                self.delete(step)
-            except OSError as e:
-                warnings.warn(
-                    f"{self._where}: could not delete the checkpoint of step {step} (kept, to be "
-                    f"retried at the next save): {e}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        if self.compress_kept and self._is_root:
-            self._compress_kept()
-
-    def _compress_kept(self) -> None:
-        """Compresses the steps kept only by ``keep_every``/``keep_best``. As a deletion, one
-        that fails is a warning (the step stays as it was), retried at the next save."""
-        with self._lock:
-            checkpoints = dict(self._checkpoints)
-        wanted = self.policy.steps_to_compress([(c.step, c.metrics) for c in checkpoints.values()])
-        for step in sorted(wanted):
-            info = checkpoints[step]
-            if info.sharded or (info.compressed and not Path(info.path).exists()):
-                continue
-            try:
-                self._compress_step(info)
-            except (OSError, CheckpointError) as e:
-                warnings.warn(
-                    f"{info.directory}: could not compress the checkpoint of step {step} (kept as it is, "
-                    f"to be retried at the next save): {e}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-
-    def _compress_step(self, info: CheckpointInfo) -> None:
-        """The archive first (atomic), then metadata.json naming it (atomic), then the files
-        it replaces: a crash at any point leaves a step that loads and verifies."""
-        from ..compression import compress
-
-        directory = Path(info.directory)
-        if not info.compressed:
-            archive = directory / steps.COMPRESSED_NAME
-            compress(info.path, archive, durable=self.durable, progress=self.progress)
-            size, digest = safe_io.sha256_of(archive)
-            meta = {
-                **info.metadata,
-                "compressed": info.metadata["files"],
-                "files": {steps.COMPRESSED_NAME: {"bytes": size, "sha256": digest}},
-            }
-            _metadata.rewrite(directory, meta, self.durable)
-            info = CheckpointInfo(info.step, directory, meta, self.store, directory)
-            with self._lock:
-                if info.step in self._checkpoints:
-                    self._checkpoints[info.step] = info
-        for name in info.metadata["compressed"]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(directory / name)
-        if self.durable:
-            safe_io.fsync_directory(directory)
-
-    def delete(self, step: int) -> None:
-        """Deletes the checkpoint of ``step``: hidden from readers first (in a directory, renamed
-        out of sight; on object storage, marked retired), then removed, so a crash midway never
-        leaves a partial checkpoint under a step's name. A step already gone is forgotten; one
-        that cannot be deleted stays listed."""
-        self._check_writable("delete")
-        step = as_step(step)
-        with self._lock:
-            info = self._checkpoints.get(step)
-        if info is None:
-            raise KeyError(f"{self._where}: no checkpoint of step {step}")
-        if self._is_root:  # rank 0 deletes; the other ranks only forget it
-            with contextlib.suppress(FileNotFoundError):  # removed by hand: nothing left to delete
-                self.store.retire(Step(info.step, info.metadata, info.files))
-        with self._lock:
-            self._checkpoints.pop(step, None)
-        if self._is_root and _artifacts.graphs_of(info.metadata):
-            self.store.remove_unused_graphs()  # (the step is gone: what only it used goes too)
-
-    def remove_leftovers(self) -> list[str]:
-        """Removes what saves that failed or were killed left (and, on object storage, the
-        multipart uploads they left, and retirements that did not finish); returns what it
-        removed. A writer of a directory does this when it starts, under its lock, which
-        proves their writers gone. On object storage nothing proves that no other writer is
-        saving under the prefix, so it never happens by itself: call it when none is."""
-        self._check_writable("remove leftovers")
-        self.wait()
-        self.reload()  # (says which steps are damaged: those are kept whole)
-        return self.store.remove_leftovers()
-
-    def wait(self) -> None:
-        """Waits for the pending async save; raises its error, if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._unwaited.clear()
-            pending.result()
-
-    def close(self) -> None:
-        """Waits for the pending save, stops the background thread and gives up the directory
-        (another writer may then open it); puts back the signal handlers ``preemption``
-        replaced. Queries and restores still work after."""
-        try:
-            self.wait()
-        finally:
-            self._preemption.restore()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            self._staging = Staging()  # its arrays freed
-            self.store.close()
-            if self._reporter is not None and not self._closed:
-                self._reporter.close()
-            self._closed = True
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def register_best(
         self,
@@ -1052,42 +438,13 @@ class CheckpointManager:
         from ..distributed.sharded import load_step
 
         info = self._info(step)
-        return load_step(self.store, Step(info.step, info.metadata, info.files), comm=self.comm, slices=slices)
-
-    def _info(self, step: int | None) -> CheckpointInfo:
-        self.wait()
-        self._refresh()
-        with self._lock:
-            if step is None:
-                if not self._checkpoints:
-                    raise FileNotFoundError(f"{self._where}: no checkpoint to restore")
-                step = max(self._checkpoints)
-            step = as_step(step)
-            info = self._checkpoints.get(step)
-        if info is None:
-            raise FileNotFoundError(f"{self._where}: no checkpoint of step {step}")
-        return info
+        return load_step(self.store, info.step_record, comm=self.comm, slices=slices)
 
     def verify(self, step: int | None = None) -> Verified:
         """:func:`ortckpt.verify` on the checkpoint of ``step`` (default: the latest): every
         file's size and SHA-256 against its metadata, then every value and property decoded."""
-        return self._reading(step, lambda info: verify_step(self.store, Step(info.step, info.metadata, info.files)))
-
-    def __repr__(self) -> str:
-        mode = ", read_only=True" if self.read_only else ""
-        return f"CheckpointManager({self._where!r}, steps={self.all_steps()}{mode})"
+        return self._reading(step, lambda info: verify_step(self.store, info.step_record))
 
 
 # The manager of an object store prefix is the same class (kept as a name for older code).
 ObjectStoreCheckpointManager = CheckpointManager
-
-
-def _verify_in_new_process(directory: Path, meta: dict[str, Any], timeout: float | None) -> None:
-    """Verifies the staged step in a fresh Python process that imports what this one did."""
-    if timeout is None:
-        timeout = child.default_timeout(sum(int(f.get("bytes", 0)) for f in meta["files"].values()))
-    _metadata.write(directory, meta, False)  # what verify checks the files against
-    try:
-        child.run(child.verify, (str(directory),), subject=directory, what="verification process", timeout=timeout)
-    finally:
-        os.unlink(directory / steps.METADATA_NAME)

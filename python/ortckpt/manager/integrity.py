@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _boundary, documents, object_store, safe_io, steps, targets
+from .. import _boundary, documents, safe_io, steps, targets
 from .. import progress as _progress
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..dtypes import PackedBits
 from ..errors import CheckpointError, CheckpointIntegrityError
-from ..stepstore import DirectoryStore, ObjectStore, Step, StepStore, entries
+from ..stepstore import Step, StepStore, entries, open_store
 
 
 @dataclass
@@ -63,9 +63,9 @@ def verify(
     ``path`` may be an ``s3://`` URL (configured by ``storage_options``, see
     :mod:`ortckpt.object_store`): a manager's step folder there, or a checkpoint object.
     """
-    run = targets.run(path, storage_options)
-    if not isinstance(run, Path):
-        return _verify_object(ObjectStore(run))
+    if targets.is_object_url(path):
+        return _verify_object(open_store(path, storage_options, writer=False))
+    run = Path(path)
     mode = os.stat(run).st_mode  # a missing path is FileNotFoundError, not an integrity problem
     if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
         raise safe_io.special_file(run, mode)
@@ -74,7 +74,7 @@ def verify(
     try:
         if not stat.S_ISDIR(mode):
             return _verify_file(run, on_bytes)
-        store = DirectoryStore(run, writer=False)
+        store = open_store(run, writer=False)
         try:
             step = store.locate()
         except (CheckpointError, OSError) as e:
@@ -88,14 +88,13 @@ def verify(
 
 
 def verify_step(store: StepStore, step: Step, on_bytes: Any = None) -> Verified:
-    """Checks a committed (or staged) step of ``store``: see :func:`verify`."""
-    if isinstance(store, ObjectStore):
-        with safe_io.scratch_directory() as scratch:
-            return _verify_downloaded(store, step, scratch)
-    return _verify_folder(Path(step.folder), step, {}, on_bytes, name=Path(step.folder))
+    """Checks a committed (or staged) step of ``store``: see :func:`verify`. A step on object
+    storage is checked in the scratch folder its files are downloaded into."""
+    with store.local_step(step) as here:
+        return _verify_folder(here.folder, step, here.hashed, on_bytes, name=here.name)
 
 
-def _verify_object(store: ObjectStore) -> Verified:
+def _verify_object(store: StepStore) -> Verified:
     """An ``s3://`` URL: a manager's step folder, else a checkpoint object (decoding is the check)."""
     try:
         step = store.locate()
@@ -116,52 +115,6 @@ def _verify_object(store: ObjectStore) -> Verified:
             problem = _problem(store.name, e).replace(f"{local}: ", "").replace(str(local), store.name)
             raise CheckpointIntegrityError(store.name, [problem]) from None
     return Verified(store.name, None, count, nbytes)
-
-
-def _verify_downloaded(store: ObjectStore, step: Step, scratch: Path) -> Verified:
-    """A step on object storage: every file it names streamed into ``scratch`` (its SHA-256 and
-    size taken as it comes), then checked there as a directory's step is."""
-    folder = step.folder
-    assert not isinstance(folder, Path)
-    if "files" in step.document:  # a manager's step: its metadata names every file
-        sizes = {name: entry["bytes"] for name, entry in step.document["files"].items()}
-    else:  # a sharded step without a manager: its index is the document
-        sizes = {name: size for shard in step.document["shards"] for name, size in shard["files"].items()}
-    hashed: dict[str, tuple[int, str] | BaseException] = {}
-    for name, size in sorted(sizes.items()):
-        hashed[name] = _download(folder.child(name), safe_io.member(scratch, name), size)
-    for role, entry in sorted(step.document.get("artifacts", {}).items()):
-        # (the run's stored graph, by digest: no more bytes read than the metadata records)
-        try:
-            graph = store.graph_file(step, role, scratch)
-            hashed[entry["name"]] = (entry["bytes"], entry["sha256"])
-            os.link(graph, safe_io.member(scratch, entry["name"]))
-        except (OSError, CheckpointError) as e:
-            hashed[entry["name"]] = e
-    return _verify_folder(scratch, step, hashed, None, name=folder.url)
-
-
-def _download(source: Any, local: Path, recorded: int) -> tuple[int, str] | BaseException:
-    """Streams an object into the new file ``local``: its (size, SHA-256), or the error (the
-    file then absent). One the server declares of another size than the ``recorded`` one is
-    refused before a byte of it is read (no download is larger than its step records)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    fd = safe_io.create_exclusive(local)
-    try:
-        found = object_store.head(source)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", source.url)
-        if found.size != recorded:
-            raise CheckpointIntegrityError(source.url, [f"{source.url}: {found.size} bytes, metadata says {recorded}"])
-        size = object_store.download_to(source, fd, expected_size=recorded, etag=found.etag, digest=digest)
-    except (OSError, CheckpointError) as e:
-        os.close(fd)
-        os.unlink(local)
-        return e
-    os.close(fd)
-    return size, digest.hexdigest()
 
 
 def _verify_folder(
@@ -220,7 +173,7 @@ def _verify_folder(
         if index is not None:
             from ..distributed.sharded import check_shards
 
-            problems += check_shards(DirectoryStore(directory, writer=False), directory, index)
+            problems += check_shards(open_store(directory, writer=False), directory, index)
         no_checksums = []
         for checkpoint in checkpoints:
             try:

@@ -12,8 +12,10 @@ manager) goes through the same transaction, whatever the backend::
     store.remove_leftovers()                          # sweep what killed saves left
 
 and every reader lists (:meth:`StepStore.scan`) and opens steps (:meth:`StepStore.file`) the
-same way. :func:`open_store` picks the backend from what :func:`ortckpt.targets.run` found:
-:mod:`.directory` or :mod:`.objects`.
+same way. :func:`backend` picks the backend (:mod:`.directory` or :mod:`.objects`) by
+:func:`ortckpt.targets.is_object_url`, the one place a name is parsed as an ``s3://`` URL; what
+differs between backends is behind :class:`StepStore`'s methods, and nowhere outside this package
+(``tests/python/test_design_rules.py`` holds it).
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from .. import targets
-from .base import Attempt, Scan, Step, StepStore
+from .base import Attempt, Folder, LocalStep, Scan, Step, StepStore
 from .directory import DirectoryStore
 from .objects import ObjectStore
+
+
+def backend(where: Any) -> type[DirectoryStore] | type[ObjectStore]:
+    """The backend of a run at ``where`` (a directory, or an ``s3://`` prefix), unopened: what a
+    caller asks before it opens the run (which options it can take)."""
+    return ObjectStore if targets.is_object_url(where) else DirectoryStore
 
 
 def open_store(
@@ -40,4 +48,15 @@ def open_store(
     return ObjectStore(run)
 
 
-__all__ = ["Attempt", "DirectoryStore", "ObjectStore", "Scan", "Step", "StepStore", "open_store"]
+__all__ = [
+    "Attempt",
+    "DirectoryStore",
+    "Folder",
+    "LocalStep",
+    "ObjectStore",
+    "Scan",
+    "Step",
+    "StepStore",
+    "backend",
+    "open_store",
+]

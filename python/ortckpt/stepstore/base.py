@@ -5,16 +5,22 @@ from __future__ import annotations
 import abc
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from .. import documents, targets
 
 if TYPE_CHECKING:
     from .._boundary import CoreState
     from ..checkpoint_state import CheckpointState
+    from ..object_store import Location
+
+# Where a step's (or an attempt's) files are: a Path in a directory, a Location on object
+# storage. Only the store that made it reads it: everyone else hands it back to that store.
+Folder: TypeAlias = "Path | Location"
 
 # A reader's scan that finds steps deleted under it looks again, at most this many times:
 # retention deletes a step only after a newer one is committed, so a fresh look finds the newer one.
@@ -39,7 +45,7 @@ class Step:
 
     number: int
     document: dict[str, Any]
-    folder: Any  # a Path in a directory, a Location on object storage: each backend reads its own
+    folder: Folder  # each backend reads its own
 
 
 @dataclass
@@ -48,7 +54,7 @@ class Attempt:
     other ranks find it (``where``: a path or URL), and what was written into it."""
 
     step: int
-    folder: Any  # a Path in a directory, a Location on object storage
+    folder: Folder
     where: str
     written: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Files shared with the previous step (hard links), by name: their metadata entries, copied
@@ -57,6 +63,16 @@ class Attempt:
     sent: bool = False  # its commit was sent: from then on it may have landed, whatever was heard
     # The run's graphs recorded for the step (store_graph), by role: their metadata entries.
     graphs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """A step's files on this machine, for checking them (:meth:`StepStore.local_step`)."""
+
+    folder: Path  # the step's files, under their plain names
+    # The files already hashed on their way here (downloaded): (size, SHA-256), or the error.
+    hashed: Mapping[str, tuple[int, str] | BaseException]
+    name: Path | str  # the step as messages name it
 
 
 @dataclass
@@ -117,7 +133,47 @@ class StepStore(abc.ABC):
     """A run of steps: see :mod:`ortckpt.stepstore` for the transaction."""
 
     name: str  # the directory's path or the prefix's URL, for messages
-    local: bool  # whether steps are directories of this machine (files a library can open)
+    # Whether a save's bytes are written by the core, so that a Ctrl-C can be held until the
+    # step commits (a directory); not when Python streams them (an upload: a Ctrl-C stops it).
+    holds_interrupts: ClassVar[bool]
+
+    @classmethod
+    @abc.abstractmethod
+    def check_options(cls, where: Any, storage_options: Mapping[str, Any] | None) -> None:
+        """Refuses ``storage_options`` where they configure nothing (a directory)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def refuse_needing_files(cls, where: Any, needing: list[str]) -> None:
+        """Refuses the options in ``needing`` (set by a manager, each needing the steps' files
+        on this machine) where the steps are not (object storage)."""
+
+    # --- naming ----------------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def run_folder(self) -> Path | str:
+        """The run as a user names it: its directory, or its prefix's URL."""
+
+    @abc.abstractmethod
+    def step_folder(self, number: int) -> Path | str:
+        """The step's folder as a user names it: its directory, or the step folder's URL (on
+        object storage its files are in the folder of the save that committed it)."""
+
+    @abc.abstractmethod
+    def user_path(self, folder: Folder, name: str | None = None) -> Path | str:
+        """A step's (or an attempt's) files' folder, or a file in it, as a user names it and
+        ``load_checkpoint`` takes it: a path, or a URL."""
+
+    @abc.abstractmethod
+    def local_path(self, folder: Folder, name: str | None = None) -> Path | None:
+        """The same, where a library can open it by its path on this machine (a directory's);
+        None on object storage."""
+
+    @abc.abstractmethod
+    def attempt_fields(self, attempt: Attempt) -> dict[str, str]:
+        """What a commit document records so that readers find the attempt's files: nothing in
+        a directory (the step's own); on object storage, the attempt's folder (``attempt``)."""
 
     def scan(self, document: str) -> Scan:
         """The steps that ``document`` (metadata.json, index.json) commits; one whose document is
@@ -141,16 +197,22 @@ class StepStore(abc.ABC):
         """One step, if ``document`` commits it (CheckpointFormatError if it is damaged)."""
 
     @abc.abstractmethod
+    def listed_steps(self) -> list[int]:
+        """The steps the run holds, from one listing (a hint for messages: no document is read)."""
+
+    @abc.abstractmethod
     def locate(self) -> Step | None:
         """The step whose folder is the store's own (a step directory, a step folder's URL),
         committed by its metadata.json or index.json, or None if it is none."""
 
     @abc.abstractmethod
-    def file(self, folder: Any, name: str) -> targets.LocalFile | targets.ObjectFile:
+    def file(self, folder: Folder, name: str) -> targets.LocalFile | targets.ObjectFile:
         """A file of a step (or an attempt), as a checkpoint target."""
 
     @abc.abstractmethod
-    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
+    def load(
+        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+    ) -> CheckpointState:
         """A checkpoint of a step, loaded; it stays usable whatever later retention deletes.
         With ``recorded`` (the step's metadata.json entries), the checkpoint and its data file
         are first checked against their entries, by what costs no second read: sizes, checksum
@@ -158,7 +220,20 @@ class StepStore(abc.ABC):
         refused, :class:`~ortckpt.CheckpointIntegrityError` naming it."""
 
     @abc.abstractmethod
-    def read_document(self, folder: Any, name: str) -> bytes:
+    def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
+        """A shard of a sharded step, loaded: a directory's mapped (its pieces checked as they
+        are read); on object storage downloaded no further than the ``sizes`` (file -> bytes)
+        its index records."""
+
+    @abc.abstractmethod
+    def local_step(self, step: Step) -> AbstractContextManager[LocalStep]:
+        """The step's files on this machine while the context lasts, for checking: a
+        directory's own; on object storage each file its document names streamed into a
+        scratch folder (its size and SHA-256 taken as it comes; no more bytes read than the
+        document records), removed after."""
+
+    @abc.abstractmethod
+    def read_document(self, folder: Folder, name: str) -> bytes:
         """A document of a step (index.json inside it), within its kind's size cap."""
 
     # --- writing -------------------------------------------------------------------------
@@ -234,11 +309,11 @@ class StepStore(abc.ABC):
         ``attempt.graphs``."""
 
     @abc.abstractmethod
-    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+    def graph_file(self, step: Step, role: str, cache: Callable[[], Path]) -> Path:
         """A local file holding the step's graph of ``role``, checked against its entry (size
         and SHA-256; CheckpointIntegrityError naming it otherwise): a directory's own file, or
-        on object storage a download into the private folder ``cache`` (no more bytes read than
-        the entry records; one download per content)."""
+        on object storage a download into the private folder ``cache()`` (asked for only then;
+        no more bytes read than the entry records; one download per content)."""
 
     @abc.abstractmethod
     def remove_unused_graphs(self) -> list[str]:
@@ -252,6 +327,8 @@ __all__ = [
     "EMPTY_RESCANS",
     "SCAN_ATTEMPTS",
     "Attempt",
+    "Folder",
+    "LocalStep",
     "Scan",
     "SourceDigests",
     "Step",

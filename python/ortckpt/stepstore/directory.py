@@ -32,7 +32,7 @@ import stat
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,17 @@ from ..errors import (
     CheckpointLockedError,
 )
 from . import entries
-from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size, shared_file_entry
+from .base import (
+    Attempt,
+    Folder,
+    LocalStep,
+    Scan,
+    SourceDigests,
+    Step,
+    StepStore,
+    check_graph_size,
+    shared_file_entry,
+)
 
 # The documents a step may be committed by, with their caps and schemas.
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -56,7 +66,7 @@ KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SH
 class DirectoryStore(StepStore):
     """A run of steps in ``directory`` (see the module's description)."""
 
-    local = True
+    holds_interrupts = True
 
     def __init__(self, directory: Path, *, writer: bool, create: bool = False) -> None:
         self.directory = directory
@@ -73,6 +83,33 @@ class DirectoryStore(StepStore):
             if create:
                 safe_io.make_directories(directory)
             self.writer = WriterLock(directory)
+
+    @classmethod
+    def check_options(cls, where: Any, storage_options: Mapping[str, Any] | None) -> None:
+        if storage_options is not None:
+            raise ValueError(f"{where}: storage_options are for an object store URL ({targets.SCHEME}bucket/prefix)")
+
+    @classmethod
+    def refuse_needing_files(cls, where: Any, needing: list[str]) -> None:
+        pass  # (a directory's steps are files of this machine)
+
+    # --- naming ----------------------------------------------------------------------------
+
+    @property
+    def run_folder(self) -> Path:
+        return self.directory
+
+    def step_folder(self, number: int) -> Path:
+        return steps.step_directory(self.directory, number)
+
+    def user_path(self, folder: Folder, name: str | None = None) -> Path:
+        return _path(folder) if name is None else safe_io.member(_path(folder), name)
+
+    def local_path(self, folder: Folder, name: str | None = None) -> Path:
+        return self.user_path(folder, name)
+
+    def attempt_fields(self, attempt: Attempt) -> dict[str, str]:
+        return {}  # (a step's files are in its own directory)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -105,6 +142,11 @@ class DirectoryStore(StepStore):
         except FileNotFoundError:
             return None
 
+    def listed_steps(self) -> list[int]:
+        """Every step folder: a save renames a step into place committed."""
+        named = (steps.step_of(entry.name) for entry in safe_io.entries(self.directory) if entry.is_dir())
+        return sorted(number for number in named if number is not None)
+
     def locate(self) -> Step | None:
         """The step whose directory is this store's, if a commit document is there. One that is
         there but not a regular file (a symlink, dangling or not, a directory, a FIFO) is
@@ -132,19 +174,28 @@ class DirectoryStore(StepStore):
             return Step(parsed["step"], parsed, path)
         return None
 
-    def file(self, folder: Any, name: str) -> targets.LocalFile:
-        return targets.LocalFile(safe_io.member(Path(folder), name))
+    def file(self, folder: Folder, name: str) -> targets.LocalFile:
+        return targets.LocalFile(safe_io.member(_path(folder), name))
 
-    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
+    def load(
+        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+    ) -> CheckpointState:
         """The checkpoint, mapped; with ``recorded``, checked first (:func:`check_recorded`)."""
         if recorded is not None:
-            check_recorded(Path(folder), name, recorded)
+            check_recorded(_path(folder), name, recorded)
         # (documents name plain files inside the step: never followed through a symlink)
-        return open_checkpoint(safe_io.member(Path(folder), name), follow_symlinks=False)
+        return open_checkpoint(safe_io.member(_path(folder), name), follow_symlinks=False)
 
-    def read_document(self, folder: Any, name: str) -> bytes:
+    def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
+        return self.load(folder, name)  # (mapped: its pieces are checked as they are read)
+
+    @contextlib.contextmanager
+    def local_step(self, step: Step) -> Iterator[LocalStep]:
+        yield LocalStep(_path(step.folder), {}, _path(step.folder))
+
+    def read_document(self, folder: Folder, name: str) -> bytes:
         kind = KINDS.get(name, documents.SHARDED_INDEX)
-        return safe_io.read_regular(safe_io.member(Path(folder), name), limit=kind.max_bytes, follow_symlinks=False)
+        return safe_io.read_regular(safe_io.member(_path(folder), name), limit=kind.max_bytes, follow_symlinks=False)
 
     # --- writing -------------------------------------------------------------------------
 
@@ -173,7 +224,7 @@ class DirectoryStore(StepStore):
         progress: bool = False,
         share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
-        path = safe_io.member(Path(attempt.folder), name)
+        path = safe_io.member(_path(attempt.folder), name)
         shared, unchanged, values = False, 0, 0
         if share_with is not None:
             shared, unchanged, values = self._save_sharing(attempt, path, state, share_with, durable=durable)
@@ -198,7 +249,7 @@ class DirectoryStore(StepStore):
         own name and no symlink, whose files its metadata records (not compressed, not sharded);
         the link lands in the attempt's private directory, published with the step by its one
         rename."""
-        folder = Path(previous.folder)
+        folder = _path(previous.folder)
         data_name = f"{path.name}.data"
         files = previous.document.get("files", {})
         if (
@@ -261,7 +312,7 @@ class DirectoryStore(StepStore):
         not a stored graph of this user's, a file system without hard links), the step keeps a
         copy of its own."""
         name = steps.artifact_name(role)
-        target = safe_io.member(Path(attempt.folder), name)
+        target = safe_io.member(_path(attempt.folder), name)
         folder = self._graphs_folder()
         known = self._sources.get(source)
         if known is not None and self._link_stored(folder, known[1], target):
@@ -347,9 +398,9 @@ class DirectoryStore(StepStore):
         if durable:
             safe_io.fsync_directory(folder)
 
-    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+    def graph_file(self, step: Step, role: str, cache: Callable[[], Path]) -> Path:
         entry = step.document["artifacts"][role]
-        path = safe_io.member(Path(step.folder), entry["name"])
+        path = safe_io.member(_path(step.folder), entry["name"])
         entries.check_graph(path, entry, os.fspath(path))
         return path
 
@@ -375,7 +426,7 @@ class DirectoryStore(StepStore):
         return removed
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
-        safe_io.write_new(safe_io.member(Path(attempt.folder), name), data, durable=durable)
+        safe_io.write_new(safe_io.member(_path(attempt.folder), name), data, durable=durable)
         entry = entries.of_document(data)
         attempt.written[name] = entry
         return entry
@@ -389,11 +440,14 @@ class DirectoryStore(StepStore):
             if name in attempt.shared:  # hard-linked from the previous step: its entry, copied
                 described[name] = attempt.shared[name]
                 if sha256 and "sha256" not in described[name]:  # (first written without the digest)
-                    described[name] = {**described[name], "sha256": self._sha256_of_shared(Path(attempt.folder) / name)}
+                    described[name] = {
+                        **described[name],
+                        "sha256": self._sha256_of_shared(_path(attempt.folder) / name),
+                    }
             elif "sha256" in attempt.written[name]:  # a document
                 described[name] = attempt.written[name]
             else:
-                path = Path(attempt.folder) / name
+                path = _path(attempt.folder) / name
                 described[name] = entries.of_written(path, sha256=sha256, on_bytes=on_bytes)
                 if name.endswith(entries.DATA_SUFFIX) and "sha256" in described[name]:
                     # what the next step may share without hashing it again: see _shares_proven_file
@@ -411,7 +465,7 @@ class DirectoryStore(StepStore):
         return digest
 
     def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
-        temp = Path(attempt.folder)
+        temp = _path(attempt.folder)
         safe_io.write_new(temp / document, data, durable=durable)
         safe_io.publish_read_only(temp)
         safe_io.publish_directory(temp)
@@ -426,10 +480,10 @@ class DirectoryStore(StepStore):
         return Step(attempt.step, documents.parse(KINDS[document], data, os.fspath(final / document)), final)
 
     def abandon(self, attempt: Attempt) -> None:
-        safe_io.remove_tree_quietly(attempt.folder)
+        safe_io.remove_tree_quietly(_path(attempt.folder))
 
     def retire(self, step: Step) -> None:
-        folder = Path(step.folder)
+        folder = _path(step.folder)
         doomed = folder.with_name(steps.temporary_name(step.number, "deleting"))
         _boundary.rename_directory(folder, doomed)  # out of sight at once: no half-deleted step
         safe_io.remove_tree(doomed)
@@ -452,6 +506,12 @@ class DirectoryStore(StepStore):
     def close(self) -> None:
         if self.writer is not None:
             self.writer.release()
+
+
+def _path(folder: Folder) -> Path:
+    """A folder of this store: a directory's steps and attempts are Paths."""
+    assert isinstance(folder, Path), folder
+    return folder
 
 
 def check_recorded(folder: Path, name: str, recorded: Mapping[str, dict[str, Any]]) -> None:

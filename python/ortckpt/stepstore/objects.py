@@ -34,17 +34,17 @@ import contextlib
 import hashlib
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import documents, object_store, safe_io, steps, targets
+from .. import documents, object_store, object_uploads, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
 from . import entries
-from .base import Attempt, Scan, SourceDigests, Step, StepStore, check_graph_size
+from .base import Attempt, Folder, LocalStep, Scan, SourceDigests, Step, StepStore, check_graph_size
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -52,7 +52,7 @@ KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SH
 class ObjectStore(StepStore):
     """A run of steps under ``prefix`` (see the module's description)."""
 
-    local = False
+    holds_interrupts = False  # (Python streams every upload: a Ctrl-C stops it at once)
 
     def __init__(self, prefix: Location) -> None:
         self.prefix = prefix
@@ -72,6 +72,33 @@ class ObjectStore(StepStore):
         directory, e.g. by ``aws s3 sync``, names none: its files are beside the document)."""
         attempt = document.get("attempt")
         return folder.child(attempt) if attempt else folder
+
+    @classmethod
+    def check_options(cls, where: Any, storage_options: Mapping[str, Any] | None) -> None:
+        pass  # (they configure the store: see ortckpt.object_store)
+
+    @classmethod
+    def refuse_needing_files(cls, where: Any, needing: list[str]) -> None:
+        if needing:
+            raise ValueError(f"{where}: not available for a manager on object storage: {', '.join(needing)}")
+
+    # --- naming ----------------------------------------------------------------------------
+
+    @property
+    def run_folder(self) -> str:
+        return self.name
+
+    def step_folder(self, number: int) -> str:
+        return f"{self.name.rstrip('/')}/{steps.step_directory_name(number)}"
+
+    def user_path(self, folder: Folder, name: str | None = None) -> str:
+        return _location(folder).url if name is None else self.file(folder, name).name
+
+    def local_path(self, folder: Folder, name: str | None = None) -> None:
+        return None  # (objects: downloaded by the store's readers, never opened by a path)
+
+    def attempt_fields(self, attempt: Attempt) -> dict[str, str]:
+        return {"attempt": attempt.where}  # (readers find the files in the attempt's folder)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -110,6 +137,13 @@ class ObjectStore(StepStore):
         except FileNotFoundError:
             return None
 
+    def listed_steps(self) -> list[int]:
+        """The steps whose document is listed."""
+        listing = object_store.list_keys(self.prefix)
+        return sorted(
+            {*steps.steps_holding(listing, steps.METADATA_NAME), *steps.steps_holding(listing, steps.INDEX_NAME)}
+        )
+
     def locate(self) -> Step | None:
         """The step whose folder is this store's prefix itself, if it is one."""
         for document in steps.COMMIT_DOCUMENTS:
@@ -122,10 +156,12 @@ class ObjectStore(StepStore):
             return Step(parsed["step"], parsed, self._files_of(self.prefix, parsed))
         return None
 
-    def file(self, folder: Any, name: str) -> targets.ObjectFile:
-        return targets.ObjectFile(folder.child(name))
+    def file(self, folder: Folder, name: str) -> targets.ObjectFile:
+        return targets.ObjectFile(_location(folder).child(name))
 
-    def load(self, folder: Any, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None) -> CheckpointState:
+    def load(
+        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+    ) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
         stream, so memory stays bounded, and usable whatever later retention deletes. With
         ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
@@ -136,11 +172,35 @@ class ObjectStore(StepStore):
             if recorded is None:
                 self.file(folder, name).download(path)
             else:
-                _download_recorded(folder, name, recorded, path)
+                _download_recorded(_location(folder), name, recorded, path)
             return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
 
-    def read_document(self, folder: Any, name: str) -> bytes:
-        where = folder.child(name)
+    def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
+        return self.load(folder, name, recorded={file: {"bytes": size} for file, size in sizes.items()})
+
+    @contextlib.contextmanager
+    def local_step(self, step: Step) -> Iterator[LocalStep]:
+        folder = _location(step.folder)
+        if "files" in step.document:  # a manager's step: its metadata names every file
+            sizes = {name: entry["bytes"] for name, entry in step.document["files"].items()}
+        else:  # a sharded step without a manager: its index is the document
+            sizes = {name: size for shard in step.document["shards"] for name, size in shard["files"].items()}
+        with safe_io.scratch_directory() as scratch:
+            hashed: dict[str, tuple[int, str] | BaseException] = {}
+            for name, size in sorted(sizes.items()):
+                hashed[name] = _download_hashed(folder.child(name), safe_io.member(scratch, name), size)
+            for role, entry in sorted(step.document.get("artifacts", {}).items()):
+                # (the run's stored graph, by digest: no more bytes read than the metadata records)
+                try:
+                    graph = self.graph_file(step, role, lambda: scratch)
+                    hashed[entry["name"]] = (entry["bytes"], entry["sha256"])
+                    os.link(graph, safe_io.member(scratch, entry["name"]))
+                except (OSError, CheckpointError) as e:
+                    hashed[entry["name"]] = e
+            yield LocalStep(scratch, hashed, folder.url)
+
+    def read_document(self, folder: Folder, name: str) -> bytes:
+        where = _location(folder).child(name)
         kind = KINDS.get(name, documents.SHARDED_INDEX)
         return bytes(_bounded_get(where, kind))
 
@@ -174,7 +234,7 @@ class ObjectStore(StepStore):
         return written
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
-        object_store.put(attempt.folder.child(name), data)
+        object_store.put(_location(attempt.folder).child(name), data)
         entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         attempt.written[name] = entry
         return entry
@@ -206,14 +266,15 @@ class ObjectStore(StepStore):
         attempt.graphs[role] = entry
         return entry
 
-    def graph_file(self, step: Step, role: str, cache: Path) -> Path:
+    def graph_file(self, step: Step, role: str, cache: Callable[[], Path]) -> Path:
         """The object of the graph's digest (or, for a step copied up from a directory, its own
-        file beside its checkpoint), downloaded once into ``cache`` as ``<sha256>.onnx``."""
+        file beside its checkpoint), downloaded once into ``cache()`` as ``<sha256>.onnx``."""
         entry = step.document["artifacts"][role]
-        local = cache / steps.stored_graph_name(entry["sha256"])
+        folder = cache()
+        local = folder / steps.stored_graph_name(entry["sha256"])
         if os.path.lexists(local):  # (downloaded and checked before, into this private folder)
             return local
-        places = [self._graph(entry["sha256"]), step.folder.child(entry["name"])]
+        places = [self._graph(entry["sha256"]), _location(step.folder).child(entry["name"])]
         for where in places:
             found = object_store.head(where)
             if found is not None and found.size == entry["bytes"]:
@@ -228,7 +289,7 @@ class ObjectStore(StepStore):
                 [f"{places[0].url}: missing (the graph {role}, {entry['name']}, of step {step.number})"],
             )
         digest = hashlib.sha256()
-        partial = cache / f".{entry['sha256']}.{steps.new_attempt()}"  # (threads may fetch one graph at once)
+        partial = folder / f".{entry['sha256']}.{steps.new_attempt()}"  # (threads may fetch one graph at once)
         fd = safe_io.create_exclusive(partial)
         try:
             object_store.download_to(where, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
@@ -350,10 +411,11 @@ class ObjectStore(StepStore):
         """Every object the attempt wrote is there with its size, or CheckpointIntegrityError."""
         problems = []
         for name, entry in sorted(attempt.written.items()):
-            found = object_store.head(attempt.folder.child(name))
+            found = object_store.head(_location(attempt.folder).child(name))
             if found is None or found.size != entry["bytes"]:
+                shown = _location(attempt.folder).child(name).url
                 problems.append(
-                    f"{attempt.folder.child(name).url}: {'gone' if found is None else f'{found.size} bytes'} "
+                    f"{shown}: {'gone' if found is None else f'{found.size} bytes'} "
                     f"{when} (written: {entry['bytes']} bytes); another job's sweep may have removed it"
                 )
         for role, entry in sorted(attempt.graphs.items()):
@@ -370,7 +432,7 @@ class ObjectStore(StepStore):
     def abandon(self, attempt: Attempt) -> None:
         if attempt.sent:
             return  # the commit may have landed: its objects stay (remove_leftovers judges them)
-        _remove_quietly(attempt.folder)
+        _remove_quietly(_location(attempt.folder))
 
     def retire(self, step: Step) -> None:
         folder = self._folder(step.number)
@@ -384,7 +446,7 @@ class ObjectStore(StepStore):
             with contextlib.suppress(FileNotFoundError, CheckpointError, OSError):
                 if self._read(step.number, document).document.get("attempt") == attempt:
                     object_store.remove([folder.child(document)])
-        object_store.remove_under(step.folder if attempt else folder)
+        object_store.remove_under(_location(step.folder) if attempt else folder)
         if marker is not None:
             object_store.remove([marker])
 
@@ -411,8 +473,8 @@ class ObjectStore(StepStore):
             if keep is None:
                 continue  # a damaged document: kept whole
             removed += self._remove_unnamed(number, [name for name in sorted(names) if not keep(name)])
-        for key, upload_id, _began in object_store.pending_uploads(self.prefix):
-            object_store.abort_upload(self.prefix.child(key), upload_id)
+        for key, upload_id, _began in object_uploads.pending_uploads(self.prefix):
+            object_uploads.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
         return removed + self.remove_unused_graphs()
 
@@ -469,6 +531,33 @@ class ObjectStore(StepStore):
             return name.partition("/")[0] in attempts
 
         return keep
+
+
+def _location(folder: Folder) -> Location:
+    """A folder of this store: an object store's steps and attempts are Locations."""
+    assert isinstance(folder, Location), folder
+    return folder
+
+
+def _download_hashed(source: Location, local: Path, recorded: int) -> tuple[int, str] | BaseException:
+    """Streams an object into the new file ``local``: its (size, SHA-256), or the error (the
+    file then absent). One the server declares of another size than the ``recorded`` one is
+    refused before a byte of it is read (no download is larger than its step records)."""
+    digest = hashlib.sha256()
+    fd = safe_io.create_exclusive(local)
+    try:
+        found = object_store.head(source)
+        if found is None:
+            raise FileNotFoundError(2, "no such object", source.url)
+        if found.size != recorded:
+            raise CheckpointIntegrityError(source.url, [f"{source.url}: {found.size} bytes, metadata says {recorded}"])
+        size = object_store.download_to(source, fd, expected_size=recorded, etag=found.etag, digest=digest)
+    except (OSError, CheckpointError) as e:
+        os.close(fd)
+        os.unlink(local)
+        return e
+    os.close(fd)
+    return size, digest.hexdigest()
 
 
 def _sha256_of_file(f: Any) -> tuple[int, str]:

@@ -1,17 +1,5 @@
-"""Experiment tracking: a manager's checkpoints reported to the tracker people already use.
-
-The manager knows one small interface, :class:`Tracker`; :class:`MlflowTracker` is the one
-built in (``CheckpointManager(..., track="mlflow")``). Another tracker is a class with the same
-four methods, passed as ``track=``: the manager does not change.
-
-A tracker is told of a checkpoint once it is committed. Reporting is never part of the save: the
-tracker's calls run on a thread of their own, and the manager waits for each at most the
-tracker's deadline (its ``timeout``, :data:`DEFAULT_TIMEOUT` seconds unless it says otherwise), so
-a server that is down or does not answer costs a save seconds, not MLflow's minutes of retries.
-A tracker that fails is a warning, the checkpoint stays saved, and what was not reported is
-reported later: by the call that goes on past its deadline, at the next save, or when the run is
-resumed (the tracker compares the committed steps with the last one it recorded).
-"""
+"""The built-in tracker: :class:`MlflowTracker` (``track="mlflow"``), with what it needs of
+MLflow's limits (params, tags, batches) and of its runs (found again by the run id's key)."""
 
 from __future__ import annotations
 
@@ -19,114 +7,33 @@ import contextlib
 import datetime
 import hashlib
 import json
-import logging
 import math
 import os
 import secrets
-import threading
 import time
-import warnings
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from .. import arguments, extras, safe_io, steps
-from .._boundary import VERSION
-
-
-class CommittedCheckpoint(Protocol):
-    """What a tracker sees of a committed checkpoint: the manager's ``CheckpointInfo``."""
-
-    @property
-    def step(self) -> int: ...
-
-    @property
-    def directory(self) -> Path: ...
-
-    @property
-    def metadata(self) -> dict[str, Any]: ...  # metadata.json: metrics, config, files and SHA-256s
-
-    @property
-    def metrics(self) -> dict[str, Any]: ...
-
-    def load(self) -> Any: ...
-
-
-@dataclass(frozen=True)
-class TrackedRun:
-    """What a tracker is told about the manager's run when it starts."""
-
-    run_id: str  # the manager's run id: it survives restarts, so a resumed run finds its own
-    directory: Path
-    config: Mapping[str, Any]
-    writer: bool  # False for a read-only manager: it registers models, it reports no saves
-
-
-# How long the manager waits for a tracker's call (start, each report, close) unless the tracker
-# says otherwise (its ``timeout``): a report to a server nearby takes a tenth of a second.
-DEFAULT_TIMEOUT = 5.0
-
-
-@runtime_checkable
-class Tracker(Protocol):
-    """What the manager calls. ``start`` comes first, with the checkpoints already committed
-    (a tracker reports those it has not recorded yet); ``log_checkpoint`` after each commit;
-    ``register_model`` from :meth:`CheckpointManager.register_best`; ``close`` from the
-    manager's ``close``. Errors are the tracker's to raise: the manager turns them into
-    warnings (a failed report never fails a save).
-
-    The calls run in order on a thread of the manager's own, one at a time. The manager waits
-    for ``start``, each ``log_checkpoint`` and ``close`` at most the tracker's ``timeout``
-    attribute in seconds, when it has one (:data:`DEFAULT_TIMEOUT` otherwise): past it, a
-    warning, and the call goes on in the background while training goes on (the calls after it
-    wait their turn; the manager does not wait for them again until it has caught up).
-    ``close`` waits for the calls before it and its own while each ends within the deadline
-    (or, for a tracker with a count ``answered`` of the requests its server has answered, while
-    that count grows within each deadline: one call may make many requests);
-    past it, they go on while the process lives (a tracker reports what it missed when the run
-    resumes). ``register_model`` is waited for, however long.
-    A tracker with a method ``prepare(run)`` has it called first, in the manager's thread, for
-    what is that thread's (MLflow's active run)."""
-
-    def start(self, run: TrackedRun, committed: Sequence[CommittedCheckpoint]) -> None: ...
-
-    def log_checkpoint(self, checkpoint: CommittedCheckpoint) -> None: ...
-
-    def register_model(self, name: str, model: Any, checkpoint: CommittedCheckpoint) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-def tracker_for(track: str | Tracker) -> Tracker:
-    """The tracker ``track=`` names: ``"mlflow"``, or a :class:`Tracker` object as it is."""
-    if isinstance(track, str):
-        if track == "mlflow":
-            return MlflowTracker()
-        raise ValueError(f"track is 'mlflow' or a Tracker object, got {track!r}")
-    if not isinstance(track, Tracker):
-        raise TypeError(f"track is 'mlflow' or a Tracker object, got {type(track).__name__}")
-    return track
-
-
-def tracker_timeout(tracker: Any) -> float:
-    """A tracker's deadline: its ``timeout`` attribute, checked, else :data:`DEFAULT_TIMEOUT`."""
-    return arguments.seconds(f"{type(tracker).__name__}.timeout", getattr(tracker, "timeout", DEFAULT_TIMEOUT), "track")
-
-
-# Tag names, one place: tests and users query them.
-TAG_RUN_ID = "ortckpt.run_id"
-TAG_RUN_KEY = "ortckpt.run_key"  # the run id's SHA-256: what a resumed run searches by (any id, safely quoted)
-TAG_DIRECTORY = "ortckpt.directory"
-TAG_VERSION = "ortckpt.version"
-TAG_STEP = "ortckpt.step"  # the newest step reported
-TAG_CHECKPOINT = "ortckpt.checkpoint"  # its step directory
-TAG_SHA256 = "ortckpt.sha256"  # its files' SHA-256s, a JSON object {file name: hex digest}
-
-REPORT_NAME = "report.html"  # a step's HTML report, beside its metadata.json in the run's artifacts
+from ... import arguments, extras, safe_io, steps
+from ..._boundary import VERSION
+from .base import (
+    DEFAULT_TIMEOUT,
+    REPORT_NAME,
+    TAG_CHECKPOINT,
+    TAG_DIRECTORY,
+    TAG_RUN_ID,
+    TAG_RUN_KEY,
+    TAG_SHA256,
+    TAG_STEP,
+    TAG_VERSION,
+    CommittedCheckpoint,
+    Lane,
+    TrackedRun,
+    Unreported,
+    refused,
+    warn_of_work,
+)
 
 # Searching every experiment for a run: 100 experiments a request (search_runs takes at most that
 # many ids), at most 100 requests.
@@ -209,7 +116,7 @@ class MlflowTracker:
         self._active_run_id: str | None = None  # the fluent API's active run, when the manager started
         self._run: TrackedRun | None = None
         self._client: Any = None
-        self._unreported: dict[int, _Report] = {}  # committed, not yet reported
+        self._unreported: dict[int, Unreported] = {}  # committed, not yet reported
         # HTML reports: made and uploaded in order on a lane of their own, each against the step before.
         self._reports = Lane("ortckpt-mlflow-reports")
         self._pending_reports: list[Future[Any]] = []
@@ -238,12 +145,14 @@ class MlflowTracker:
             done = self._reported_step()
             # (a start tried again keeps what an earlier try did: files already uploaded are not sent again)
             self._unreported = {
-                c.step: self._unreported.get(c.step) or _Report(c) for c in committed if done is None or c.step > done
+                c.step: self._unreported.get(c.step) or Unreported(c)
+                for c in committed
+                if done is None or c.step > done
             }
             self._report()
 
     def log_checkpoint(self, checkpoint: CommittedCheckpoint) -> None:
-        self._unreported.setdefault(checkpoint.step, _Report(checkpoint))
+        self._unreported.setdefault(checkpoint.step, Unreported(checkpoint))
         self._report()
 
     def close(self) -> None:
@@ -458,7 +367,7 @@ class MlflowTracker:
         """Makes the step's report (against ``previous`` if it still loads) and uploads it; any
         failure is a warning: the report is a view of the step, whose files and metrics are
         reported either way."""
-        from ..report import write_report
+        from ...report import write_report
 
         assert self.mlflow_run_id is not None
         destination = f"checkpoints/{steps.step_directory_name(checkpoint.step)}"
@@ -487,7 +396,7 @@ class MlflowTracker:
         if problem:
             warn_of_work(f"{checkpoint.directory}: step {checkpoint.step}'s report is not uploaded: {problem}")
 
-    def _upload(self, report: _Report) -> None:
+    def _upload(self, report: Unreported) -> None:
         """The step's metadata.json (its files too, with log_artifacts). Refused by the server
         (a proxy's 413 for a body over its limit), they are given up with a warning: sent again,
         they would be refused again, and every later step would wait behind them. So are they
@@ -623,61 +532,8 @@ def path_text(path: os.PathLike[str] | str) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def warn_of_work(message: str, stacklevel: int = 2) -> None:
-    """A warning about reporting (a param or metric refused, an upload given up, a tracker late
-    or failing). Under a warning filter of "error" it is logged instead: a report is never a
-    reason to fail a save, nor one to fail the report it belongs to (which would then be tried
-    again, and warned of again, at every save)."""
-    try:
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
-    except Warning:
-        logging.getLogger(__name__).warning(message)
-
-
 def run_key(run_id: str) -> str:
     return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def refused(call: Callable[[], Any]) -> str | None:
-    """Runs a call to the server; returns why when the server refused the request for good
-    (:func:`refusal`), raises anything else: worth trying again later."""
-    try:
-        call()
-    except Exception as e:
-        problem = refusal(e)
-        if problem is None:
-            raise
-        return problem
-    return None
-
-
-# Request Timeout and Too Many Requests: about the server's state, not the request: may pass later.
-_TRANSIENT_CLIENT_ERRORS = frozenset({408, 429})
-
-
-def refusal(error: BaseException) -> str | None:
-    """Why the server refused a request for good: an HTTP 4xx but 408 and 429 (the request
-    itself is wrong or too large: sent again, it is refused again); None for anything else
-    (the server down, a timeout, 5xx: may pass later). MLflow raises an ``MlflowException``
-    for its REST calls and a ``requests.HTTPError`` for an artifact upload."""
-    response = getattr(error, "response", None)
-    status = getattr(response, "status_code", None)
-    if isinstance(status, int):  # requests.HTTPError: the HTTP answer itself (a proxy's, perhaps)
-        reason = f"HTTP {status} {getattr(response, 'reason', '')}".rstrip()
-        request = getattr(response, "request", None)
-        where = f" to {request.method} {request.url}" if request is not None else ""
-        if status == 413:
-            reason += " (a proxy in front of MLflow limits request bodies: nginx's client_max_body_size)"
-        cause = f"the server answered {reason}{where}"
-    elif callable(http_status := getattr(error, "get_http_status_code", None)):  # MlflowException
-        status = http_status()
-        code, message = str(getattr(error, "error_code", "")), str(getattr(error, "message", error))
-        cause = message if message.startswith(code) else f"{code}: {message}"  # (a RestException's has it)
-    else:
-        return None
-    if 400 <= status < 500 and status not in _TRANSIENT_CLIENT_ERRORS:
-        return cause
-    return None
 
 
 def _milliseconds(timestamp: Any) -> int:
@@ -687,181 +543,3 @@ def _milliseconds(timestamp: Any) -> int:
     except ValueError:
         return int(time.time() * 1000)
     return int(value) if math.isfinite(value) else int(time.time() * 1000)
-
-
-@dataclass
-class _Report:
-    """A committed checkpoint not reported yet, and what is done of it."""
-
-    checkpoint: CommittedCheckpoint
-    uploaded: bool = False
-    upload_failures: int = 0  # for reasons that may pass
-    refused: set[tuple[str, str]] = field(default_factory=set)  # ("metric" or "tag", key): given up
-
-
-class Lane:
-    """One thread that runs calls in order, for callers that wait for them only so long: a
-    call past its caller's deadline goes on here while the caller moves on. The thread is
-    a daemon, started when a call comes and gone when none is left: a call stuck on a server
-    that does not answer holds neither the caller nor the interpreter's exit (the threads of a
-    ThreadPoolExecutor are joined at exit)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._lock = threading.Lock()
-        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._running = False
-        self.completed = 0  # calls run to their end, for a caller to see whether they get on
-
-    def submit(self, call: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self._lock:
-            self._calls.append((call, future))
-            if not self._running:
-                threading.Thread(target=self._run, name=self.name, daemon=True).start()
-                self._running = True
-        return future
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._calls:
-                    self._running = False
-                    return
-                call, future = self._calls.popleft()
-            try:
-                result = call()
-            except BaseException as e:  # the caller's to see, through its future
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-            finally:
-                self.completed += 1
-
-
-class Reporter:
-    """The manager's side of a tracker: runs its calls on a :class:`Lane`, waits for each at
-    most the tracker's deadline, starts it again at the next commit if starting failed, and
-    turns its failures into warnings (a save is never failed by its report). Its methods are
-    called by one thread at a time (the manager's saves are one after another)."""
-
-    def __init__(self, tracker: Tracker, run: TrackedRun, committed: Callable[[], Sequence[CommittedCheckpoint]]):
-        self.tracker = tracker
-        self.run = run
-        self.timeout = tracker_timeout(tracker)
-        self._committed = committed  # the manager's committed checkpoints, oldest first
-        self._started = False  # set on the lane
-        self._lane = Lane(f"ortckpt-tracker-{type(tracker).__name__}")
-        self._late: list[tuple[str, Future[Any]]] = []  # calls that ran past their deadline
-        self.start()
-
-    def start(self) -> None:
-        prepare = getattr(self.tracker, "prepare", None)
-        if callable(prepare):
-            try:
-                prepare(self.run)
-            except Exception as e:  # what it prepares is a nicety: the tracker starts regardless
-                self._warn_failed("prepare", e)
-        committed = list(self._committed())
-        self._call("start", lambda: self._start(committed))
-
-    def committed(self, checkpoint: CommittedCheckpoint) -> None:
-        # The committed checkpoints are listed here, in the manager's thread, for a start tried again.
-        committed = [] if self._started else list(self._committed())
-        what = f"report step {checkpoint.step}" if self._started else "start"
-        self._call(what, lambda: self._report(checkpoint, committed))
-
-    def register(self, name: str, model: Any, checkpoint: CommittedCheckpoint) -> Any:
-        """Registering is what the caller asked for: waited for, however long; its errors raised."""
-        committed = list(self._committed())
-
-        def register() -> Any:
-            self._start(committed)
-            return self.tracker.register_model(name, model, checkpoint)
-
-        return self._lane.submit(register).result()
-
-    def close(self) -> None:
-        """Waits for the tracker's calls and its close while they get on: until one of them
-        takes longer than the deadline (a server that is down, a call that stalls). Past it,
-        they go on in the background while the process lives; what they have not reported when
-        it exits is reported when the run resumes."""
-        self._warn_late()
-        future = self._lane.submit(self._close)
-        self._wait("close", future, while_progressing=True)
-
-    def _close(self) -> None:
-        if self._started:
-            self.tracker.close()
-
-    def _start(self, committed: Sequence[CommittedCheckpoint]) -> None:
-        if not self._started:
-            self.tracker.start(self.run, committed)
-            self._started = True
-
-    def _report(self, checkpoint: CommittedCheckpoint, committed: Sequence[CommittedCheckpoint]) -> None:
-        if self._started:
-            self.tracker.log_checkpoint(checkpoint)
-        else:
-            self._start(committed)  # reports every committed step, this one included
-
-    def _call(self, what: str, call: Callable[[], None]) -> None:
-        """Runs ``call`` on the lane and waits for it at most the deadline; while an earlier
-        call is past its deadline, not at all (a dead server costs the deadline once, not at
-        every save)."""
-        behind = self._warn_late()
-        future = self._lane.submit(call)
-        if behind:
-            self._late.append((what, future))
-        else:
-            self._wait(what, future)
-
-    def _wait(self, what: str, future: Future[Any], while_progressing: bool = False) -> None:
-        """Waits for ``future`` at most the deadline (with ``while_progressing``, as long as
-        the lane completes a call, or the tracker's server answers a request, within each
-        deadline); warns of a failure or of the wait's end."""
-        while True:
-            progress = self._progress()
-            # (threading waits at most TIMEOUT_MAX, some 292 years: a longer deadline is that)
-            wait_for([future], timeout=min(self.timeout, threading.TIMEOUT_MAX))
-            if future.done() or not while_progressing or self._progress() == progress:
-                break
-        if not future.done():
-            self._late.append((what, future))
-            then = (
-                "it goes on in the background while the process lives; what it has not reported when the "
-                "process exits is reported when the run resumes"
-                if what == "close"
-                else "it goes on in the background, and what it misses is reported later, or when the run resumes"
-            )
-            warn_of_work(
-                f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) did not {what} within its "
-                f"deadline of {self.timeout:g} s (its timeout): {then}",
-                stacklevel=4,
-            )
-        elif (error := future.exception()) is not None:
-            self._warn_failed(what, error)
-
-    def _progress(self) -> int:
-        """Calls completed on the lane, and requests the tracker's server answered (its count
-        ``answered``, if it keeps one)."""
-        answered = getattr(self.tracker, "answered", 0)
-        return self._lane.completed + (answered if isinstance(answered, int) else 0)
-
-    def _warn_late(self) -> bool:
-        """Warns of the late calls that have failed since; whether one is still running."""
-        done = [(what, future) for what, future in self._late if future.done()]
-        self._late = [(what, future) for what, future in self._late if not future.done()]
-        for what, future in done:
-            error = None if future.cancelled() else future.exception()
-            if error is not None:
-                self._warn_failed(what, error)
-        return bool(self._late)
-
-    def _warn_failed(self, what: str, error: BaseException) -> None:
-        then = ", to be retried at the next save" if what == "start" or what.startswith("report") else ""
-        warn_of_work(
-            f"{self.run.directory}: the tracker ({type(self.tracker).__name__}) could not {what}{then}: "
-            f"{type(error).__name__}: {error}",
-            stacklevel=5,
-        )
