@@ -38,9 +38,11 @@ not 0 as NumPy's underflowed squares make it).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -136,6 +138,8 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 # The dtypes the kernels take as they are (no copy; little-endian): their ONNX codes.
 _NATIVE_CODES = {_dt.numpy_dtype(code).newbyteorder("<"): code for code in _KERNEL_CODES}
+# Their names, by code ("float32", "bfloat16", ...: NumPy's, as _dtype_name gives them).
+_NATIVE_NAMES = {code: str(_dt.numpy_dtype(code)) for code in _KERNEL_CODES}
 
 # A tensor as the kernels take it: (ONNX code, a C-contiguous buffer of its values, its element
 # count; None: as many as the bytes hold).
@@ -176,32 +180,41 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in (value.shape if isinstance(value, PackedBits) else np.shape(value)))
 
 
-def _figures(key: TensorKey, value: Any, figures: _boundary.StatsFigures) -> TensorStats:
+def _figures(key: TensorKey, value: Any, given: _KernelInput, figures: _boundary.StatsFigures) -> TensorStats:
+    """The statistics of ``value``, which the kernels computed from ``given``."""
     nan, posinf, neginf, finite, low, high, mean, std, l2 = figures
-    shape = value.shape if type(value) is np.ndarray else _shape(value)
-    dtype = _DTYPE_NAMES.get(value.dtype) if type(value) is np.ndarray else None
+    if given[1] is value:  # an array as it is: its name from its type code, its size its own
+        dtype, shape, elements = _NATIVE_NAMES[given[0]], value.shape, value.size
+    else:
+        dtype, shape = _dtype_name(value), _shape(value)
+        elements = math.prod(shape)
     # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): its
-    # dict set whole, the same fields, for each of 16k tensors.
+    # dict given whole, the same fields, for each of 16k tensors.
     stats = _new_stats(TensorStats)
-    stats.__dict__.update(
-        name=key.label,
-        role=key.role,
-        dtype=dtype or _dtype_name(value),
-        shape=shape,
-        elements=math.prod(shape),
-        nan=nan,
-        posinf=posinf,
-        neginf=neginf,
-        min=low if finite else None,
-        max=high if finite else None,
-        mean=mean if finite else None,
-        std=std if finite else None,
-        l2=l2 if finite else None,
-        key=key,
+    _set_dict(
+        stats,
+        "__dict__",
+        {
+            "name": key.label,
+            "role": key.role,
+            "dtype": dtype,
+            "shape": shape,
+            "elements": elements,
+            "nan": nan,
+            "posinf": posinf,
+            "neginf": neginf,
+            "min": low if finite else None,
+            "max": high if finite else None,
+            "mean": mean if finite else None,
+            "std": std if finite else None,
+            "l2": l2 if finite else None,
+            "key": key,
+        },
     )
     return stats
 
 
+_set_dict = object.__setattr__
 _new_stats = object.__new__
 
 
@@ -212,7 +225,7 @@ def stats_of(name: str, role: str, value: Any) -> TensorStats:
     if kernel is None:
         return _stats_numpy(name, role, value, key)
     columns = _boundary.stats_columns(*_columns([kernel]), [], None)
-    return _figures(key, value, next(zip(*columns, strict=True)))
+    return _figures(key, value, kernel, next(zip(*columns, strict=True)))
 
 
 def _key_of(name: str, role: str) -> TensorKey:
@@ -295,21 +308,36 @@ def tensor_stats(
     """Key -> :class:`TensorStats` of every tensor of ``checkpoint`` (a state, or a
     checkpoint's path or ``s3://`` URL), in one pass over each tensor's values.
     ``on_bytes(n)`` is called as ``n`` more bytes of values are read."""
-    opened = _Opened(checkpoint)
+    with _collector_paused():
+        opened = _Opened(checkpoint)
+        try:
+            inputs = [_kernel_input(value) for value in opened.values]
+            kernel = [i for i in inputs if i is not None]
+            # Every tensor in one call, the figures back as columns: one row of them a tensor.
+            rows = zip(*_boundary.stats_columns(*_columns(kernel), opened.maps, on_bytes), strict=True)
+            found: TensorTable[TensorStats] = TensorTable()
+            for key, value, given in zip(opened.keys, opened.values, inputs, strict=True):
+                if given is None:
+                    found[key] = _stats_numpy(key.label, key.role, value, key)
+                else:
+                    found[key] = _figures(key, value, given, next(rows))
+            return found
+        finally:
+            opened.release()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while a pass makes its objects (a checkpoint of 16k
+    tensors: keys, views and results, none of them garbage; its collections, walking them again
+    and again, took a quarter of the time the kernels did). A collector someone paused stays so."""
+    paused = gc.isenabled()
+    gc.disable()
     try:
-        inputs = [_kernel_input(value) for value in opened.values]
-        kernel = [i for i in inputs if i is not None]
-        # Every tensor in one call, the figures back as columns: one row of them a tensor.
-        rows = zip(*_boundary.stats_columns(*_columns(kernel), opened.maps, on_bytes), strict=True)
-        found: TensorTable[TensorStats] = TensorTable()
-        for key, value, given in zip(opened.keys, opened.values, inputs, strict=True):
-            if given is None:
-                found[key] = _stats_numpy(key.label, key.role, value, key)
-            else:
-                found[key] = _figures(key, value, next(rows))
-        return found
+        yield
     finally:
-        opened.release()
+        if paused:
+            gc.enable()
 
 
 def _change(key: TensorKey, elements: int, figures: tuple[int, int, float, float, float, float]) -> TensorChange:
@@ -362,21 +390,22 @@ def tensor_changes(
     """Key -> :class:`TensorChange` of every tensor ``a`` and ``b`` share with the same dtype
     and shape (numeric ones): those with changed NaNs or infinities first, then largest L2
     change first. ``on_bytes(n)`` is called as ``n`` more bytes of values (of both) are read."""
-    opened_a = _Opened(a)
-    try:
-        opened_b = _Opened(b)
-        for side, opened in (("a", opened_a), ("b", opened_b)):
-            if opened.state.is_nominal:
-                opened_b.release()
-                raise CheckpointStateError(
-                    f"{side} is a nominal checkpoint (names and types, no values): there are no changes to compute"
-                )
+    with _collector_paused():
+        opened_a = _Opened(a)
         try:
-            found = _changes(opened_a, opened_b, on_bytes)
+            opened_b = _Opened(b)
+            for side, opened in (("a", opened_a), ("b", opened_b)):
+                if opened.state.is_nominal:
+                    opened_b.release()
+                    raise CheckpointStateError(
+                        f"{side} is a nominal checkpoint (names and types, no values): there are no changes to compute"
+                    )
+            try:
+                found = _changes(opened_a, opened_b, on_bytes)
+            finally:
+                opened_b.release()
         finally:
-            opened_b.release()
-    finally:
-        opened_a.release()
+            opened_a.release()
     found.sort(key=lambda c: (-c.nonfinite, -c.l2, c.name))
     return TensorTable((c.key, c) for c in found if c.key is not None)
 

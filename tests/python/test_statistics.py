@@ -700,3 +700,43 @@ def test_packed_4bit_statistics_changes_and_histograms_run_in_the_kernels_with_f
         assert (found["elements"], found["finite"], found["counted"]) == (n, n, n), name
         assert found["changed"] == found["flipped"] > 0, name
         assert found["grew"] < 48 << 20, (name, found)
+
+
+def test_many_small_tensors_in_one_call_give_each_tensors_own_figures_exactly(tmp_path):
+    """A checkpoint's tensors cross to the core in one call and come back as columns: each
+    tensor's figures are exactly those of a call for it alone, in the checkpoint's order."""
+    mixed = [np.float32, np.float16, ml_dtypes.bfloat16, np.int64, ml_dtypes.float8_e5m2]
+    arrays = {f"t{i:03d}": values(mixed[i % len(mixed)], 1 + i * 37 % 900, seed=i) for i in range(300)}
+    arrays |= {f"p{i}": PackedBits.pack(sub_byte(PACKED_DTYPES[i % 5], 1 + i * 7, seed=i)) for i in range(20)}
+    arrays["words"] = np.array(["a", "b"], dtype=object)
+    state = CheckpointState.from_arrays(arrays)
+    path = tmp_path / "many.ckpt"
+    CheckpointState.save_checkpoint(state, path)
+    alone = {key: st.stats_of(key.label, key.role, value) for key, value in state.tensors()}
+    for found in (tensor_stats(state), tensor_stats(path)):
+        assert list(found) == list(alone)
+        for key, want in alone.items():
+            assert found[key] == want and found[key].key == key
+
+
+def test_the_garbage_collector_is_paused_for_a_pass_and_left_as_it_was(tmp_path):
+    import gc
+
+    state = CheckpointState.from_arrays({"w": np.ones(1 << 20, np.float32)})
+    seen: list[bool] = []
+    assert gc.isenabled()
+    tensor_stats(state, on_bytes=lambda n: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+
+    def boom(n: int) -> None:
+        raise KeyboardInterrupt("stop")
+
+    with pytest.raises(KeyboardInterrupt):
+        tensor_stats(state, on_bytes=boom)
+    assert gc.isenabled()  # again after an error
+    gc.disable()
+    try:
+        tensor_stats(state)
+        assert not gc.isenabled()  # a collector the caller paused stays paused
+    finally:
+        gc.enable()
