@@ -14,6 +14,9 @@ The rows:
   - cold (the file's pages dropped from the page cache before each run, ``posix_fadvise
     DONTNEED``): ``tensor_stats`` against ``readinto()``;
   - --small small tensors (4096 float32 each): the per-tensor overhead, warm;
+  - the same bytes as one tensor against those --small tensors (issue 41: ``tensor_stats`` of the
+    small tensors' checkpoint / of the one tensor's, per round, warm; goal <= 2x): alone with
+    --ratio-only;
   - the peak memory ``tensor_stats`` adds (VmHWM above the resident memory before the call, in a
     fresh process): the file's pages are dropped behind the pass.
 """
@@ -103,6 +106,54 @@ print(json.dumps({"grew": status("VmHWM") - before}))
 """
 
 
+def small_against_one(args: argparse.Namespace) -> list[str]:
+    """``tensor_stats`` of --small tensors of 16 KiB against one tensor of the same bytes, both
+    files in the page cache, alternating in shuffled rounds: the per-tensor cost of a pass."""
+    with tempfile.TemporaryDirectory(prefix="stats-bench-", dir=args.dir) as tmp:
+        small, one = Path(tmp) / "small.ckpt", Path(tmp) / "one.ckpt"
+        nbytes = args.small * 4096 * 4
+        make(small, nbytes, args.small, 1)
+        make(one, nbytes, 1, 1)
+        assert len(ortckpt.tensor_stats(small)) == args.small and len(ortckpt.tensor_stats(one)) == 1
+        paths = files_of(small) + files_of(one)
+        buffer = memoryview(np.ones(max(p.stat().st_size for p in paths) + 1, np.uint8)).cast("B")
+        one_name, many_name = "one tensor (baseline)", f"{args.small:,} tensors of 16 KiB"
+        contenders: dict[str, Callable[[], float | None]] = {
+            one_name: timed_here(lambda: ortckpt.tensor_stats(one)),
+            many_name: timed_here(lambda: ortckpt.tensor_stats(small)),
+        }
+
+        def warm() -> None:
+            os.sync()
+            read_into(paths, buffer)
+
+        warm()
+        times = time_rounds(contenders, args.rounds, "stats small vs one", after=warm)
+    base = times[one_name]
+    per_round = [t / b for t, b in zip(times[many_name], base, strict=True)]
+    lines = [
+        f"# `tensor_stats`: {args.small:,} small tensors against one tensor of the same {nbytes / 2**20:g} MiB",
+        "",
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, ortckpt {ortckpt.__version__}; files in {args.dir}, in the page "
+        f"cache; {args.rounds} shuffled rounds. Command: `python benches/stats_bench.py "
+        + " ".join(sys.argv[1:])
+        + "`",
+        "",
+        "| checkpoint | median s | range s | µs a tensor above one tensor's time |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, ts in times.items():
+        above = (statistics.median(ts) - statistics.median(base)) / args.small * 1e6 if ts is not base else 0.0
+        lines.append(f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} | {above:.1f} |")
+    lines += [
+        "",
+        f"Small tensors' time / one tensor's, per round: median {statistics.median(per_round):.2f}x "
+        f"(range {min(per_round):.2f}-{max(per_round):.2f}; goal <= 2x).",
+    ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0)
@@ -112,7 +163,11 @@ def main() -> None:
     parser.add_argument("--numpy-max-gib", type=float, default=1.0)
     parser.add_argument("--dir", default=str(Path(__file__).resolve().parent / "out"))
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "stats.md"))
+    parser.add_argument("--ratio-only", action="store_true", help="only the small tensors against one tensor")
     args = parser.parse_args()
+    if args.ratio_only:
+        report(small_against_one(args), args.out)
+        return
 
     with tempfile.TemporaryDirectory(prefix="stats-bench-", dir=args.dir) as tmp:
         big, small = Path(tmp) / "big.ckpt", Path(tmp) / "small.ckpt"
@@ -211,6 +266,7 @@ def main() -> None:
     ]
     for warmed in ("read()", "mmap"):
         lines.append(f"| {warmed} | {grew[warmed, 'load']:.1f} | {grew[warmed, 'stats']:.1f} |")
+    lines += ["", *small_against_one(args)[2:]]
     report(lines, args.out)
 
 

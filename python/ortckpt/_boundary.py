@@ -376,28 +376,57 @@ def combine(
 
 
 # (ONNX type code, contiguous little-endian bytes, the map they lie in when its pages may be
-# dropped once read, else None): a tensor as the statistics kernels take it.
+# dropped once read, else None): a tensor as the statistics kernels take it one by one.
 StatsTensor = tuple[int, np.ndarray, tuple[int, int] | None]
 # (nan, posinf, neginf, finite, min, max, mean, std, l2): the figures NaN without finite values.
 StatsFigures = tuple[int, int, int, int, float, float, float, float, float]
+# The same as columns, one entry a tensor: what the core returns for many tensors at once.
+StatsColumns = tuple[
+    list[int], list[int], list[int], list[int], list[float], list[float], list[float], list[float], list[float]
+]
+# (changed, nonfinite, L2 of b - a, L2 of a, max abs difference, the first L2 over the second), as columns.
+ChangeColumns = tuple[list[int], list[int], list[float], list[float], list[float], list[float]]
 
 
 def tensor_stats(tensors: list[StatsTensor], progress: Callable[[int], object] | None) -> list[StatsFigures]:
     """The core's statistics of every tensor, in one pass over each (see ``_core.tensor_stats``)."""
-    return _core.tensor_stats(tensors, progress)
+    maps = list({m for _code, _values, m in tensors if m is not None})
+    codes, values = [t[0] for t in tensors], [t[1] for t in tensors]
+    return list(zip(*stats_columns(codes, values, [None] * len(tensors), maps, progress), strict=True))
 
 
-def tensor_changes(
-    pairs: list[tuple[StatsTensor, StatsTensor]], progress: Callable[[int], object] | None
-) -> list[tuple[int, int, float, float, float, float]]:
-    """(changed, nonfinite, L2 of b - a, L2 of a, max abs difference, the first L2 over the
-    second) of every pair of same-typed tensors (see ``_core.tensor_changes``)."""
-    return _core.tensor_changes(pairs, progress)
+def stats_columns(
+    codes: list[int],
+    values: list[Any],
+    elements: list[int | None],
+    maps: list[tuple[int, int]],
+    progress: Callable[[int], object] | None,
+) -> StatsColumns:
+    """The core's statistics of many tensors in one call: ``codes[i]``, ``values[i]`` (any
+    C-contiguous buffer of little-endian values; a packed sub-byte tensor's bytes) and
+    ``elements[i]`` (None: as many as the bytes hold) are one tensor; those lying in one of
+    ``maps`` (``(address, length)`` of a map :func:`maps_of` gave) have their pages dropped once
+    read. The figures come back as columns (see ``_core.tensor_stats``)."""
+    return _core.tensor_stats(codes, values, elements, maps, progress)
 
 
-def histogram(tensor: StatsTensor, edges: list[float]) -> list[int]:
-    """Counts of a tensor's finite values between ``edges``, as ``numpy.histogram`` counts."""
-    return _core.histogram(tensor, edges)
+def changes_columns(
+    codes: list[int],
+    a: list[Any],
+    b: list[Any],
+    elements: list[int | None],
+    maps: list[tuple[int, int]],
+    progress: Callable[[int], object] | None,
+) -> ChangeColumns:
+    """The change figures from each tensor of ``a`` to the same one of ``b`` (same type and
+    element count), in one call, as columns (see :func:`stats_columns`)."""
+    return _core.tensor_changes(codes, a, b, elements, maps, progress)
+
+
+def histogram(code: int, values: Any, elements: int | None, edges: list[float]) -> list[int]:
+    """Counts of a tensor's finite values between ``edges``, as ``numpy.histogram`` counts
+    (the tensor as one entry of :func:`stats_columns`)."""
+    return _core.histogram(code, values, elements, edges)
 
 
 def release_pages(value: Any) -> None:

@@ -143,18 +143,24 @@ def combine(
     jobs: Sequence[tuple[int, Sequence[Any], Sequence[bool], Any]],
     progress: Callable[[int], object] | None = None,
 ) -> tuple[tuple[int, int, float] | None, list[int | None]]: ...
-
-_StatsTensor = tuple[int, Any, tuple[int, int] | None]
-
 def tensor_stats(
-    tensors: Sequence[_StatsTensor],
+    codes: Sequence[int],
+    values: Sequence[Any],
+    elements: Sequence[int | None],
+    maps: Sequence[tuple[int, int]] = ...,
     progress: Callable[[int], object] | None = None,
-) -> list[tuple[int, int, int, int, float, float, float, float, float]]: ...
+) -> tuple[
+    list[int], list[int], list[int], list[int], list[float], list[float], list[float], list[float], list[float]
+]: ...
 def tensor_changes(
-    pairs: Sequence[tuple[_StatsTensor, _StatsTensor]],
+    codes: Sequence[int],
+    a: Sequence[Any],
+    b: Sequence[Any],
+    elements: Sequence[int | None],
+    maps: Sequence[tuple[int, int]] = ...,
     progress: Callable[[int], object] | None = None,
-) -> list[tuple[int, int, float, float, float, float]]: ...
-def histogram(tensor: _StatsTensor, edges: Sequence[float]) -> list[int]: ...
+) -> tuple[list[int], list[int], list[float], list[float], list[float], list[float]]: ...
+def histogram(code: int, values: Any, elements: int | None, edges: Sequence[float]) -> list[int]: ...
 def save_sharing(
     path: str, previous: str, checkpoint: _CheckpointIn, options: _WriteOptionsIn, *, compare_only: bool = False
 ) -> tuple[bool, int, int]: ...

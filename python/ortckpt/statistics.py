@@ -17,12 +17,14 @@ computed in double precision; a tensor with no finite values (or a string tensor
 for them.
 
 The figures are computed by the Rust core (``src/compute/stats.rs``) in one pass over each
-tensor's bytes with the GIL released, many tensors per call: float8 (the four ONNX types),
-float16, bfloat16, float32, float64, every integer type and bool. A checkpoint loaded here from a file is read through
-its map and its pages are dropped behind the pass, so a large checkpoint does not stay in
-memory. The packed sub-byte types go through the NumPy reference
-implementation kept here (``_stats_numpy``, ``_change_numpy``), which the tests also use as
-the oracle.
+tensor's bytes with the GIL released, every tensor of a checkpoint in one call (its figures
+come back as columns): every numeric type ortckpt stores but the complex ones, that is float8
+(the five ONNX types), float16, bfloat16, float32, float64, every integer type, bool, and the
+packed sub-byte types (INT4, UINT4, FLOAT4E2M1, INT2, UINT2, unpacked in the kernels: no copy
+of a tensor is made). A checkpoint loaded here from a file is read through its map and its
+pages are dropped behind the pass, so a large checkpoint does not stay in memory. The NumPy
+reference implementation kept here (``_stats_numpy``, ``_change_numpy``) is the tests' oracle;
+only complex tensors still go through it.
 
 The figures are of the values as the file holds them: a statistic does not check the
 checksums ortckpt writes into a file (a flipped bit shows as the value it made);
@@ -36,10 +38,12 @@ not 0 as NumPy's underflowed squares make it).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,10 +54,11 @@ from .checkpoint_state import CheckpointState, PackedBits
 from .errors import CheckpointStateError, UnsupportedDataTypeError
 from .tensor_keys import TensorKey, TensorTable
 
-# The ONNX types the core's kernels compute (the others, the packed sub-byte types, go through NumPy here).
+# The ONNX types of whole bytes the core's kernels compute (the packed sub-byte types too, see
+# _kernel_input; complex tensors go through NumPy here).
 _KERNEL_CODES = frozenset(
     {_dt.FLOAT, _dt.DOUBLE, _dt.FLOAT16, _dt.BFLOAT16, _dt.BOOL}
-    | {_dt.FLOAT8E4M3FN, _dt.FLOAT8E4M3FNUZ, _dt.FLOAT8E5M2, _dt.FLOAT8E5M2FNUZ}
+    | {_dt.FLOAT8E4M3FN, _dt.FLOAT8E4M3FNUZ, _dt.FLOAT8E5M2, _dt.FLOAT8E5M2FNUZ, _dt.FLOAT8E8M0}
     | {_dt.INT8, _dt.INT16, _dt.INT32, _dt.INT64, _dt.UINT8, _dt.UINT16, _dt.UINT32, _dt.UINT64}
 )
 
@@ -131,18 +136,28 @@ def _dtype_name(value: Any) -> str:
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
-# The dtypes the kernels take as they are (a view, no copy; little-endian): their ONNX codes.
+# The dtypes the kernels take as they are (no copy; little-endian): their ONNX codes.
 _NATIVE_CODES = {_dt.numpy_dtype(code).newbyteorder("<"): code for code in _KERNEL_CODES}
+# Their names, by code ("float32", "bfloat16", ...: NumPy's, as _dtype_name gives them).
+_NATIVE_NAMES = {code: str(_dt.numpy_dtype(code)) for code in _KERNEL_CODES}
+
+# A tensor as the kernels take it: (ONNX code, a C-contiguous buffer of its values, its element
+# count; None: as many as the bytes hold).
+_KernelInput = tuple[int, Any, int | None]
 
 
-def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.StatsTensor | None:
-    """``value`` as the core's kernels take it, or None for a type they leave to NumPy."""
-    if isinstance(value, PackedBits):
-        return None
+def _kernel_input(value: Any) -> _KernelInput | None:
+    """``value`` as the core's kernels take it, or None for a string or complex tensor."""
+    if type(value) is np.ndarray:  # the common case: the array itself, no copy
+        code = _NATIVE_CODES.get(value.dtype)
+        if code is not None and value.flags.c_contiguous:
+            return code, value, None
+    elif isinstance(value, PackedBits):  # its packed bytes, unpacked in the kernel
+        packed = value.packed
+        if packed.dtype != np.uint8 or not packed.flags.c_contiguous:
+            packed = np.ascontiguousarray(packed, np.uint8)
+        return value.data_type, packed, math.prod(value.shape)
     array = np.asarray(value)
-    code = _NATIVE_CODES.get(array.dtype)
-    if code is not None and array.flags.c_contiguous:  # the common case: a view of its bytes
-        return code, array.reshape(-1).view(np.uint8), mapping
     if array.dtype == object or array.dtype.kind in "SU":
         return None
     try:
@@ -151,8 +166,12 @@ def _kernel_tensor(value: Any, mapping: tuple[int, int] | None) -> _boundary.Sta
         return None
     if code not in _KERNEL_CODES:
         return None
-    # A copy (not contiguous, big-endian) no longer lies in the map.
+    # A copy (not contiguous, big-endian) no longer lies in a map.
     return code, _boundary.as_bytes(array), None
+
+
+def _columns(inputs: list[_KernelInput]) -> tuple[list[int], list[Any], list[int | None]]:
+    return [i[0] for i in inputs], [i[1] for i in inputs], [i[2] for i in inputs]
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -161,30 +180,52 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in (value.shape if isinstance(value, PackedBits) else np.shape(value)))
 
 
-def _figures(key: TensorKey, value: Any, figures: _boundary.StatsFigures) -> TensorStats:
-    nan, posinf, neginf, finite, *values = figures
-    shape = _shape(value)
-    numbers: list[float | None] = [float(v) for v in values] if finite else [None] * 5
-    dtype = _dtype_name(value)
-    # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): one dict
-    # update, the same fields, for each of 16k tensors.
+def _figures(key: TensorKey, value: Any, given: _KernelInput, figures: _boundary.StatsFigures) -> TensorStats:
+    """The statistics of ``value``, which the kernels computed from ``given``."""
+    nan, posinf, neginf, finite, low, high, mean, std, l2 = figures
+    if given[1] is value:  # an array as it is: its name from its type code, its size its own
+        dtype, shape, elements = _NATIVE_NAMES[given[0]], value.shape, value.size
+    else:
+        dtype, shape = _dtype_name(value), _shape(value)
+        elements = math.prod(shape)
+    # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): its
+    # dict given whole, the same fields, for each of 16k tensors.
     stats = _new_stats(TensorStats)
-    row = (key.label, key.role, dtype, shape, math.prod(shape), nan, posinf, neginf, *numbers, key)
-    stats.__dict__.update(zip(_STATS_FIELDS, row, strict=True))
+    _set_dict(
+        stats,
+        "__dict__",
+        {
+            "name": key.label,
+            "role": key.role,
+            "dtype": dtype,
+            "shape": shape,
+            "elements": elements,
+            "nan": nan,
+            "posinf": posinf,
+            "neginf": neginf,
+            "min": low if finite else None,
+            "max": high if finite else None,
+            "mean": mean if finite else None,
+            "std": std if finite else None,
+            "l2": l2 if finite else None,
+            "key": key,
+        },
+    )
     return stats
 
 
+_set_dict = object.__setattr__
 _new_stats = object.__new__
-_STATS_FIELDS = tuple(f.name for f in fields(TensorStats))
 
 
 def stats_of(name: str, role: str, value: Any) -> TensorStats:
     """The statistics of one tensor."""
     key = _key_of(name, role)
-    kernel = _kernel_tensor(value, None)
+    kernel = _kernel_input(value)
     if kernel is None:
         return _stats_numpy(name, role, value, key)
-    return _figures(key, value, _boundary.tensor_stats([kernel], None)[0])
+    columns = _boundary.stats_columns(*_columns([kernel]), [], None)
+    return _figures(key, value, kernel, next(zip(*columns, strict=True)))
 
 
 def _key_of(name: str, role: str) -> TensorKey:
@@ -248,19 +289,17 @@ class _Opened:
         for key, value in self.state.tensors():
             self.keys.append(key)
             self.values.append(value)
-        self._mapping: dict[int, tuple[int, int] | None] = {}  # by the id of a value of self.values
+        # The maps the values lie in, (address, length) each, whose pages the kernels drop as they read.
+        self.maps: list[tuple[int, int]] = []
         self._maps: list[Any] = []
         if self.owned:
             mappings, self._maps = _boundary.maps_of(self.values)
-            self._mapping = {id(value): m for value, m in zip(self.values, mappings, strict=True)}
+            self.maps = list({m for m in mappings if m is not None})
         self.release()
 
     def release(self) -> None:
         """Drops the pages loading touched (and those read since) from memory."""
         _boundary.release_all_of(self._maps)
-
-    def kernel(self, value: Any) -> _boundary.StatsTensor | None:
-        return _kernel_tensor(value, self._mapping.get(id(value)))
 
 
 def tensor_stats(
@@ -269,25 +308,36 @@ def tensor_stats(
     """Key -> :class:`TensorStats` of every tensor of ``checkpoint`` (a state, or a
     checkpoint's path or ``s3://`` URL), in one pass over each tensor's values.
     ``on_bytes(n)`` is called as ``n`` more bytes of values are read."""
-    opened = _Opened(checkpoint)
+    with _collector_paused():
+        opened = _Opened(checkpoint)
+        try:
+            inputs = [_kernel_input(value) for value in opened.values]
+            kernel = [i for i in inputs if i is not None]
+            # Every tensor in one call, the figures back as columns: one row of them a tensor.
+            rows = zip(*_boundary.stats_columns(*_columns(kernel), opened.maps, on_bytes), strict=True)
+            found: TensorTable[TensorStats] = TensorTable()
+            for key, value, given in zip(opened.keys, opened.values, inputs, strict=True):
+                if given is None:
+                    found[key] = _stats_numpy(key.label, key.role, value, key)
+                else:
+                    found[key] = _figures(key, value, given, next(rows))
+            return found
+        finally:
+            opened.release()
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while a pass makes its objects (a checkpoint of 16k
+    tensors: keys, views and results, none of them garbage; its collections, walking them again
+    and again, took a quarter of the time the kernels did). A collector someone paused stays so."""
+    paused = gc.isenabled()
+    gc.disable()
     try:
-        jobs, by_kernel = [], []
-        for index, value in enumerate(opened.values):
-            kernel = opened.kernel(value)
-            if kernel is not None:
-                jobs.append(kernel)
-                by_kernel.append(index)
-        computed = dict(zip(by_kernel, _boundary.tensor_stats(jobs, on_bytes), strict=True))
-        found: TensorTable[TensorStats] = TensorTable()
-        for index, (key, value) in enumerate(zip(opened.keys, opened.values, strict=True)):
-            figures = computed.get(index)
-            if figures is None:
-                found[key] = _stats_numpy(key.label, key.role, value, key)
-            else:
-                found[key] = _figures(key, value, figures)
-        return found
+        yield
     finally:
-        opened.release()
+        if paused:
+            gc.enable()
 
 
 def _change(key: TensorKey, elements: int, figures: tuple[int, int, float, float, float, float]) -> TensorChange:
@@ -298,11 +348,12 @@ def _change(key: TensorKey, elements: int, figures: tuple[int, int, float, float
 
 def change_of(name: str, a: Any, b: Any) -> TensorChange:
     """The change from ``a`` to ``b`` (same shape), of the parameter ``name``."""
-    ka, kb = _kernel_tensor(a, None), _kernel_tensor(b, None)
+    ka, kb = _kernel_input(a), _kernel_input(b)
     key = TensorKey.of_parameter(name)
     if ka is None or kb is None or ka[0] != kb[0] or _shape(a) != _shape(b):
         return _change_numpy(name, a, b, key)
-    return _change(key, math.prod(_shape(a)), _boundary.tensor_changes([(ka, kb)], None)[0])
+    columns = _boundary.changes_columns([ka[0]], [ka[1]], [kb[1]], [ka[2]], [], None)
+    return _change(key, math.prod(_shape(a)), next(zip(*columns, strict=True)))
 
 
 def _change_numpy(name: str, a: Any, b: Any, key: TensorKey | None = None) -> TensorChange:
@@ -339,57 +390,62 @@ def tensor_changes(
     """Key -> :class:`TensorChange` of every tensor ``a`` and ``b`` share with the same dtype
     and shape (numeric ones): those with changed NaNs or infinities first, then largest L2
     change first. ``on_bytes(n)`` is called as ``n`` more bytes of values (of both) are read."""
-    opened_a = _Opened(a)
-    try:
-        opened_b = _Opened(b)
-        for side, opened in (("a", opened_a), ("b", opened_b)):
-            if opened.state.is_nominal:
-                opened_b.release()
-                raise CheckpointStateError(
-                    f"{side} is a nominal checkpoint (names and types, no values): there are no changes to compute"
-                )
+    with _collector_paused():
+        opened_a = _Opened(a)
         try:
-            found = _changes(opened_a, opened_b, on_bytes)
+            opened_b = _Opened(b)
+            for side, opened in (("a", opened_a), ("b", opened_b)):
+                if opened.state.is_nominal:
+                    opened_b.release()
+                    raise CheckpointStateError(
+                        f"{side} is a nominal checkpoint (names and types, no values): there are no changes to compute"
+                    )
+            try:
+                found = _changes(opened_a, opened_b, on_bytes)
+            finally:
+                opened_b.release()
         finally:
-            opened_b.release()
-    finally:
-        opened_a.release()
+            opened_a.release()
     found.sort(key=lambda c: (-c.nonfinite, -c.l2, c.name))
     return TensorTable((c.key, c) for c in found if c.key is not None)
 
 
 def _changes(opened_a: _Opened, opened_b: _Opened, on_bytes: Progress | None) -> list[TensorChange]:
     ta = dict(zip(opened_a.keys, opened_a.values, strict=True))
-    found, pairs, paired = [], [], []
+    found, codes, a, b, elements, paired = [], [], [], [], [], []
     for key, vb in zip(opened_b.keys, opened_b.values, strict=True):
         va = ta.get(key)
         if va is None or _dtype_name(va) != _dtype_name(vb) or _shape(va) != _shape(vb):
             continue
-        ka, kb = opened_a.kernel(va), opened_b.kernel(vb)
+        ka, kb = _kernel_input(va), _kernel_input(vb)
         if ka is not None and kb is not None:
-            pairs.append((ka, kb))
+            codes.append(ka[0])
+            a.append(ka[1])
+            b.append(kb[1])
+            elements.append(ka[2])
             paired.append((key, math.prod(_shape(va))))
         elif _numeric(va) is not None and _numeric(vb) is not None:
             found.append(_change_numpy(key.label, va, vb, key))
-    figures = _boundary.tensor_changes(pairs, on_bytes)
-    found += [_change(key, n, f) for (key, n), f in zip(paired, figures, strict=True)]
+    maps = opened_a.maps + opened_b.maps
+    columns = _boundary.changes_columns(codes, a, b, elements, maps, on_bytes)
+    found += [_change(key, n, f) for (key, n), f in zip(paired, zip(*columns, strict=True), strict=True)]
     return found
 
 
 def histogram(value: Any, bins: int = 32, range: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(counts, edges)`` of ``value``'s finite values in ``bins`` equal bins over ``range``
     (default: their min and max), as ``numpy.histogram``."""
-    kernel = _kernel_tensor(value, None)
+    kernel = _kernel_input(value)
     if kernel is None or not isinstance(bins, (int, np.integer)):
         return _histogram_numpy(value, bins, range)
     if range is None:
-        _nan, _pos, _neg, finite, lo, hi, *_ = _boundary.tensor_stats([kernel], None)[0]
+        _nan, _pos, _neg, (finite,), (lo,), (hi,), *_ = _boundary.stats_columns(*_columns([kernel]), [], None)
         range = (lo, hi) if finite else (0.0, 1.0)
     # NumPy's own edges (its checks, and the widening of an empty range by 0.5 each side).
     edges = np.histogram_bin_edges(np.empty(0, np.float64), bins=int(bins), range=range)
     if not np.isfinite(edges[-1] - edges[0]):
-        return _histogram_numpy(value, bins, range)
-    return np.array(_boundary.histogram(kernel, edges.tolist()), dtype=np.intp), edges
+        np.histogram(np.empty(0, np.float64), bins=int(bins), range=range)  # NumPy's own error, no copy
+    return np.array(_boundary.histogram(*kernel, edges.tolist()), dtype=np.intp), edges
 
 
 def _histogram_numpy(value: Any, bins: Any, range: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:

@@ -34,8 +34,8 @@ pub const PIECE: usize = 1 << 14;
 /// Chan's formula stay far from float64's limits for any number of elements (2^60 and up).
 const SAFE: i32 = 480;
 
-/// Whether the kernels here compute tensors of this type (the packed sub-byte types and
-/// strings are left to the caller).
+/// Whether the kernels here compute tensors of this type: every numeric type ortckpt stores
+/// but the complex ones (those and strings are left to the caller).
 pub fn covers(data_type: DataType) -> bool {
     use DataType::*;
     matches!(
@@ -48,6 +48,12 @@ pub fn covers(data_type: DataType) -> bool {
             | Float8E4M3Fnuz
             | Float8E5M2
             | Float8E5M2Fnuz
+            | Float8E8M0
+            | Uint4
+            | Int4
+            | Float4E2M1
+            | Uint2
+            | Int2
             | Int8
             | Int16
             | Int32
@@ -60,21 +66,52 @@ pub fn covers(data_type: DataType) -> bool {
     )
 }
 
-/// One tensor's values: its type and little-endian bytes.
+/// One tensor's values: its type, little-endian bytes and number of elements. The packed
+/// sub-byte types hold two (4-bit) or four (2-bit) elements a byte, the first in the lowest
+/// bits (ONNX's packing); their last byte may hold fewer than that.
 pub struct Tensor<'a> {
     pub data_type: DataType,
     pub input: Input<'a>,
+    pub elements: usize,
 }
 
-impl Tensor<'_> {
-    fn elements(&self) -> usize {
-        self.input.bytes.len() / element_size(self.data_type).max(1)
+impl<'a> Tensor<'a> {
+    /// A tensor of a type of whole bytes, as many elements as its bytes hold (a ragged length
+    /// or a sub-byte type is refused by the kernels).
+    pub fn whole(data_type: DataType, input: Input<'a>) -> Tensor<'a> {
+        let elements = input.bytes.len() / element_size(data_type).max(1);
+        Tensor {
+            data_type,
+            input,
+            elements,
+        }
     }
 
-    /// (elements, bytes each) for [`by_piece`].
-    fn extent(&self) -> (usize, u64) {
-        (self.elements(), element_size(self.data_type) as u64)
+    /// This tensor as one job of [`by_piece`].
+    fn extent(&self) -> Extent {
+        Extent {
+            elements: self.elements,
+            data_type: self.data_type,
+            sides: 1,
+        }
     }
+}
+
+/// A job of [`by_piece`]: its elements, their type, and how many tensors of them it reads
+/// (a piece's bytes are counted that many times in `progress`).
+#[derive(Clone, Copy)]
+struct Extent {
+    elements: usize,
+    data_type: DataType,
+    sides: u64,
+}
+
+/// The bytes that hold `range`'s elements of a tensor of `data_type` (`range.start` a multiple
+/// of the elements a byte holds: a piece's start).
+#[inline(always)]
+fn byte_range(data_type: DataType, range: &Range<usize>) -> Range<usize> {
+    let bits = data_type.bits().unwrap_or(8) as usize;
+    range.start * bits / 8..(range.end * bits).div_ceil(8)
 }
 
 /// A tensor's statistics. The figures are of its finite values (NaN where there are none).
@@ -149,7 +186,7 @@ pub fn changes(
     for (a, b) in pairs {
         check(a)?;
         check(b)?;
-        if a.data_type != b.data_type || a.input.bytes.len() != b.input.bytes.len() {
+        if a.data_type != b.data_type || a.elements != b.elements {
             return Err(Error::invalid_state(
                 "statistics: a pair of tensors of different types or lengths",
             ));
@@ -157,7 +194,10 @@ pub fn changes(
     }
     let lengths: Vec<_> = pairs
         .iter()
-        .map(|(a, _)| (a.elements(), 2 * element_size(a.data_type) as u64))
+        .map(|(a, _)| Extent {
+            sides: 2,
+            ..a.extent()
+        })
         .collect();
     let parts = by_piece(&lengths, threads, progress, |job, range, scratch| {
         let (a, b) = &pairs[job];
@@ -230,18 +270,21 @@ pub fn histogram(tensor: &Tensor<'_>, edges: &[f64], threads: usize) -> Result<V
 }
 
 fn check(tensor: &Tensor<'_>) -> Result<()> {
-    let size = element_size(tensor.data_type);
-    if !covers(tensor.data_type) || size == 0 {
+    if !covers(tensor.data_type) {
         return Err(Error::invalid_state(format!(
             "statistics: no kernel for {:?} tensors",
             tensor.data_type
         )));
     }
-    if !tensor.input.bytes.len().is_multiple_of(size) {
+    let want = u64::try_from(tensor.elements)
+        .ok()
+        .and_then(|n| tensor.data_type.byte_len(n));
+    if want != Some(tensor.input.bytes.len() as u64) {
         return Err(Error::invalid_state(format!(
-            "statistics: {} bytes are not whole {:?} elements",
+            "statistics: {} bytes are not whole {:?} elements ({} of them)",
             tensor.input.bytes.len(),
-            tensor.data_type
+            tensor.data_type,
+            tensor.elements
         )));
     }
     Ok(())
@@ -316,7 +359,7 @@ fn piece_change(
 /// each stands for in `progress`) on up to `threads` threads; returns each job's results in
 /// element order.
 fn by_piece<T: Send>(
-    lengths: &[(usize, u64)],
+    lengths: &[Extent],
     threads: usize,
     progress: &mut (dyn FnMut(u64) -> Result<()> + Send),
     f: impl Fn(usize, Range<usize>, &mut Scratch) -> T + Sync,
@@ -324,7 +367,7 @@ fn by_piece<T: Send>(
     let pieces: Vec<(usize, Range<usize>)> = lengths
         .iter()
         .enumerate()
-        .flat_map(|(job, &(n, _))| {
+        .flat_map(|(job, &Extent { elements: n, .. })| {
             (0..n)
                 .step_by(PIECE)
                 .map(move |s| (job, s..n.min(s + PIECE)))
@@ -344,7 +387,10 @@ fn by_piece<T: Send>(
                 break;
             }
             let (job, range) = pieces[index].clone();
-            let bytes = range.len() as u64 * lengths[job].1;
+            let Extent {
+                data_type, sides, ..
+            } = lengths[job];
+            let bytes = byte_range(data_type, &range).len() as u64 * sides;
             mine.push((index, f(job, range, &mut scratch)));
             let told = progress.lock().unwrap_or_else(|p| p.into_inner())(bytes);
             if let Err(e) = told {
@@ -388,8 +434,7 @@ impl Scratch {
     /// the pages of a mapping the caller may drop are dropped once read.
     #[inline(always)]
     fn widen(&mut self, tensor: &Tensor<'_>, range: Range<usize>, slot: usize) -> &mut [f64] {
-        let size = element_size(tensor.data_type);
-        let bytes = &tensor.input.bytes[range.start * size..range.end * size];
+        let bytes = &tensor.input.bytes[byte_range(tensor.data_type, &range)];
         let out = &mut self.wide[slot];
         out.resize(range.len(), 0.0);
         if let Some(mapping) = &tensor.input.release {
@@ -474,37 +519,124 @@ fn widen(data_type: DataType, bytes: &[u8], out: &mut [f64]) {
         Uint32 => each!(4, |b| f64::from(u32::from_le_bytes(b))),
         Int64 => each!(8, |b| i64::from_le_bytes(b) as f64),
         Uint64 => each!(8, |b| u64::from_le_bytes(b) as f64),
-        Float8E4M3Fn | Float8E4M3Fnuz | Float8E5M2 | Float8E5M2Fnuz => {
+        Float8E4M3Fn | Float8E4M3Fnuz | Float8E5M2 | Float8E5M2Fnuz | Float8E8M0 => {
             let table = float8_table(data_type);
             for (o, b) in out.iter_mut().zip(bytes) {
                 *o = table[usize::from(*b)];
             }
         }
+        Uint4 | Int4 | Float4E2M1 => unpack(nibble_table(data_type), bytes, out),
+        Uint2 | Int2 => unpack(crumb_table(data_type), bytes, out),
         _ => out.fill(f64::NAN), // refused by check() before any pass
+    }
+}
+
+/// The `out.len()` elements packed `K` a byte in `bytes`, each byte's `K` values looked up at
+/// once (the fields of the last byte beyond the tensor's end are padding, left out).
+#[inline(always)]
+fn unpack<const K: usize>(table: &[[f64; K]; 256], bytes: &[u8], out: &mut [f64]) {
+    let mut chunks = out.chunks_exact_mut(K);
+    for (o, &b) in (&mut chunks).zip(bytes) {
+        o.copy_from_slice(&table[usize::from(b)]);
+    }
+    let tail = chunks.into_remainder();
+    if let (false, Some(&b)) = (tail.is_empty(), bytes.last()) {
+        let n = tail.len();
+        tail.copy_from_slice(&table[usize::from(b)][..n]);
+    }
+}
+
+/// For each byte, the values of the `K` fields of `8 / K` bits it holds (the first in the
+/// lowest bits), as float64.
+fn packed<const K: usize>(data_type: DataType) -> [[f64; K]; 256] {
+    let bits = 8 / K;
+    let mask = (1u8 << bits) - 1;
+    std::array::from_fn(|byte| {
+        std::array::from_fn(|i| sub_byte_value(data_type, (byte as u8 >> (i * bits)) & mask))
+    })
+}
+
+/// The two values of every byte of a 4-bit type (UINT4, INT4, FLOAT4E2M1), built once.
+fn nibble_table(data_type: DataType) -> &'static [[f64; 2]; 256] {
+    use DataType::*;
+    static TABLES: OnceLock<[[[f64; 2]; 256]; 3]> = OnceLock::new();
+    let tables = TABLES.get_or_init(|| [Uint4, Int4, Float4E2M1].map(packed::<2>));
+    &tables[match data_type {
+        Uint4 => 0,
+        Int4 => 1,
+        _ => 2,
+    }]
+}
+
+/// The four values of every byte of a 2-bit type (UINT2, INT2), built once.
+fn crumb_table(data_type: DataType) -> &'static [[f64; 4]; 256] {
+    use DataType::*;
+    static TABLES: OnceLock<[[[f64; 4]; 256]; 2]> = OnceLock::new();
+    let tables = TABLES.get_or_init(|| [Uint2, Int2].map(packed::<4>));
+    &tables[usize::from(data_type == Int2)]
+}
+
+/// One field of a packed sub-byte type (its low bits), as ONNX (and ml_dtypes) define them:
+/// UINT4 0..15, INT4 -8..7, UINT2 0..3, INT2 -2..1 (two's complement), FLOAT4E2M1 a sign, two
+/// exponent bits (bias 1) and one mantissa bit, no infinity and no NaN (0b1000 is -0).
+fn sub_byte_value(data_type: DataType, field: u8) -> f64 {
+    use DataType::*;
+    match data_type {
+        Uint4 | Uint2 => f64::from(field),
+        Int4 => f64::from(((field << 4) as i8) >> 4),
+        Int2 => f64::from(((field << 6) as i8) >> 6),
+        _ => {
+            let (exponent, mantissa) = (i32::from((field >> 1) & 0b11), f64::from(field & 1));
+            let magnitude = if exponent == 0 {
+                mantissa * 0.5
+            } else {
+                (1.0 + mantissa * 0.5) * pow2(exponent - 1)
+            };
+            if field & 0b1000 != 0 {
+                -magnitude
+            } else {
+                magnitude
+            }
+        }
     }
 }
 
 /// The 256 values of a float8 type, as float64 (exactly: every float8 value is one), built once.
 fn float8_table(data_type: DataType) -> &'static [f64; 256] {
-    static TABLES: OnceLock<[[f64; 256]; 4]> = OnceLock::new();
+    static TABLES: OnceLock<[[f64; 256]; 5]> = OnceLock::new();
     let tables = TABLES.get_or_init(|| {
         use DataType::*;
-        [Float8E4M3Fn, Float8E4M3Fnuz, Float8E5M2, Float8E5M2Fnuz]
-            .map(|t| std::array::from_fn(|bits| float8_value(t, bits as u8)))
+        [
+            Float8E4M3Fn,
+            Float8E4M3Fnuz,
+            Float8E5M2,
+            Float8E5M2Fnuz,
+            Float8E8M0,
+        ]
+        .map(|t| std::array::from_fn(|bits| float8_value(t, bits as u8)))
     });
     match data_type {
         DataType::Float8E4M3Fn => &tables[0],
         DataType::Float8E4M3Fnuz => &tables[1],
         DataType::Float8E5M2 => &tables[2],
-        _ => &tables[3],
+        DataType::Float8E5M2Fnuz => &tables[3],
+        _ => &tables[4],
     }
 }
 
 /// One float8 value, as ONNX (and ml_dtypes) define the four types: E4M3FN has no infinity and
 /// one NaN pattern (all ones, either sign); E5M2 is IEEE-like (exponent all ones: infinity or
-/// NaN); the FNUZ types have no infinity, no negative zero, and NaN is 0x80.
+/// NaN); the FNUZ types have no infinity, no negative zero, and NaN is 0x80. E8M0 (a scale:
+/// no sign, no mantissa) is 2^(bits - 127), NaN at 0xFF.
 fn float8_value(data_type: DataType, bits: u8) -> f64 {
     use DataType::*;
+    if data_type == Float8E8M0 {
+        return if bits == 0xff {
+            f64::NAN
+        } else {
+            pow2(i32::from(bits) - 127)
+        };
+    }
     let (mantissa_bits, bias) = match data_type {
         Float8E4M3Fn => (3, 7),
         Float8E4M3Fnuz => (3, 8),

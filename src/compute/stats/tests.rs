@@ -1,12 +1,19 @@
 use super::*;
 
 fn tensor(data_type: DataType, bytes: &[u8]) -> Tensor<'_> {
-    Tensor {
+    Tensor::whole(
         data_type,
-        input: Input {
+        Input {
             bytes,
             release: None,
         },
+    )
+}
+
+fn packed(data_type: DataType, bytes: &[u8], elements: usize) -> Tensor<'_> {
+    Tensor {
+        elements,
+        ..tensor(data_type, bytes)
     }
 }
 
@@ -192,4 +199,65 @@ fn relative_change_where_both_norms_are_beyond_float64() {
     )
     .unwrap()[0];
     assert!(zero.relative.is_nan(), "a's norm is 0");
+}
+
+#[test]
+fn packed_types_unpack_the_low_nibble_first_and_stop_at_the_count() {
+    // INT4 -8, 7, then 3 and a high nibble of padding (0xf: -1, not counted).
+    let t = packed(DataType::Int4, &[0x78, 0xf3], 3);
+    let f = statistics(&[t], 1, &mut |_| Ok(())).unwrap()[0];
+    assert_eq!((f.finite, f.min, f.max), (3, -8.0, 7.0));
+    assert!(close(f.mean, 2.0 / 3.0, 1e-15));
+    let t = packed(DataType::Uint4, &[0x78, 0xf3], 4);
+    let f = statistics(&[t], 1, &mut |_| Ok(())).unwrap()[0];
+    assert_eq!((f.min, f.max), (3.0, 15.0));
+    assert!(close(f.mean, 33.0 / 4.0, 1e-15));
+    // FLOAT4E2M1: 0b0111 = 6, 0b1001 = -0.5, 0b0010 = 1, 0b1000 = -0.
+    let t = packed(DataType::Float4E2M1, &[0x97, 0x82], 4);
+    let f = statistics(&[t], 1, &mut |_| Ok(())).unwrap()[0];
+    assert_eq!((f.min, f.max, f.nan), (-0.5, 6.0, 0));
+    // INT2: 0b10 = -2, 0b01 = 1, 0b11 = -1, then padding.
+    let t = packed(DataType::Int2, &[0b1111_0110], 3);
+    let f = statistics(&[t], 1, &mut |_| Ok(())).unwrap()[0];
+    assert_eq!((f.finite, f.min, f.max), (3, -2.0, 1.0));
+    assert!(close(f.mean, -2.0 / 3.0, 1e-15));
+    // FLOAT8E8M0: 2^0, 2^-127, NaN.
+    let f = figures_of(DataType::Float8E8M0, &[127, 0, 255], 1);
+    assert_eq!((f.finite, f.nan, f.max, f.min), (2, 1, 1.0, pow2(-127)));
+}
+
+#[test]
+fn packed_pieces_split_on_whole_bytes_and_count_their_bytes() {
+    // 3 pieces and a bit of UINT4, the last byte half used: every piece unpacks its own bytes.
+    let n = 2 * PIECE + 3;
+    let bytes: Vec<u8> = (0..n.div_ceil(2)).map(|i| (i % 251) as u8).collect();
+    let want: Vec<f64> = (0..n)
+        .map(|i| f64::from((bytes[i / 2] >> (4 * (i % 2))) & 0xf))
+        .collect();
+    let mut told = 0u64;
+    let t = packed(DataType::Uint4, &bytes, n);
+    let f = statistics(&[t], 3, &mut |b| {
+        told += b;
+        Ok(())
+    })
+    .unwrap()[0];
+    assert_eq!(told, bytes.len() as u64);
+    let exact = want.iter().sum::<f64>() / n as f64;
+    assert_eq!(f.finite, n as u64);
+    assert!(close(f.mean, exact, 1e-13));
+    // One byte too many, or too few, for the count.
+    for (len, elements) in [(3, 4), (1, 3), (2, 5)] {
+        let bytes = vec![0u8; len];
+        let e = statistics(&[packed(DataType::Int4, &bytes, elements)], 1, &mut |_| {
+            Ok(())
+        });
+        assert!(e.is_err(), "{len} bytes, {elements} elements");
+    }
+    // A pair whose counts differ, though their bytes are as long.
+    let bytes = [0u8; 2];
+    let pair = (
+        packed(DataType::Int4, &bytes, 3),
+        packed(DataType::Int4, &bytes, 4),
+    );
+    assert!(changes(&[pair], 1, &mut |_| Ok(())).is_err());
 }
