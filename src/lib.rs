@@ -24,13 +24,18 @@
 //! Checkpoints whose values exceed a threshold (1800 MiB by default, as in ONNX
 //! Runtime) keep them in an external data file, `<checkpoint>.data`.
 //!
-//! Layout, each module using only those before it (tests/python/test_design_rules.py holds it):
-//! [`error`] and `random`; [`seal`] (pair trailer, checksums, the data file's name); `generated`
-//! and [`format`] (bytes <-> [`format::Checkpoint`], no filesystem); [`io`] (maps, temporary
-//! files, locks, the one commit: byte ranges, not tensors); [`compute`] (kernels); `load`,
-//! `integrity`, `save` and [`sharing`] (a checkpoint's files, joining format and io); `python`
-//! (the PyO3 boundary, with the `python` feature). This file is the face: declarations and
-//! re-exports only.
+//! Layout, in layers, each module using only the layers below its own
+//! (tests/python/test_design_rules_rust.py holds it, and no circle between files):
+//! 1. [`error`] and `random`;
+//! 2. [`seal`]: the pair trailer, the checksum block, the data file's name;
+//! 3. `generated`: flatc's output;
+//! 4. [`format`](mod@format) (bytes <-> [`format::Checkpoint`], no filesystem) and [`io`] (maps,
+//!    temporary files, locks, the one commit: byte ranges, not tensors), neither using the other;
+//! 5. [`compute`] (kernels), `load` and `save` (a checkpoint's files: format and io joined);
+//! 6. `integrity` (checksums checked, staged files resealed) and [`sharing`];
+//! 7. `python`: the PyO3 boundary (the `python` feature).
+//!
+//! This file is the face: module declarations and re-exports only.
 
 pub mod compute;
 pub mod error;
