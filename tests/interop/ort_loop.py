@@ -33,6 +33,10 @@ Each command prints one JSON object on its last line of stdout.
       (ortckpt's state and ONNX Runtime's own, each with and without external data), ONNX
       Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
       saver raising, writing a torn file, an interrupt after it returns) over a saved file
+  forked_saves ARTIFACTS OUT  async_save="fork" manager saves, training on at once after each;
+      at each save() ONNX Runtime's own save and ortckpt's synchronous one beside them
+  forked_failures ARTIFACTS OUT  forked saves whose child is SIGKILLed mid-save, hangs past its
+      deadline, raises, or is sent SIGTERM and SIGINT; after each, what the run holds and a save
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
@@ -42,8 +46,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -389,6 +395,113 @@ def async_while_training(artifacts: str, out: str) -> dict:
     return {"saved": out}
 
 
+def forked_saves(artifacts: str, out: str) -> dict:
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    with ortckpt.CheckpointManager(os.path.join(out, "run"), async_save="fork", durable=False) as manager:
+        for step in range(1, 4):
+            _train_step(model, optimizer, step)
+            manager.save(state, step)  # (sets the step property, then forks)
+            C.save_checkpoint(state._state, os.path.join(out, f"ort_{step}.ckpt"), True)
+            ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, f"sync_{step}.ckpt"), True)
+            for later in range(3):  # (while the child writes: its file holds the state of save())
+                _train_step(model, optimizer, 100 * step + later)
+    steps = manager.all_steps()
+    reloaded = C.load_checkpoint(os.path.join(out, "run", "step_00000003", "checkpoint"))
+    C.save_checkpoint(reloaded, os.path.join(out, "reloaded_3.ckpt"), True)
+    return {"steps": steps, "left": sorted(os.listdir(os.path.join(out, "run")))}
+
+
+def _wrapped_saver(pid_file: str, before: object = None, after: object = None) -> object:
+    """ortckpt.live.write_staged, as the forked child runs it, writing the child's pid to
+    ``pid_file`` first and running ``before()`` and ``after()`` around the real one."""
+    from ortckpt import live
+
+    real = live.write_staged
+
+    def saver(ort_state: object, staging: object) -> None:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        if callable(before):
+            before()
+        real(ort_state, staging)
+        if callable(after):
+            after()
+
+    return saver
+
+
+def _child_pid(pid_file: str) -> int:
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    with open(pid_file) as f:
+        pid = int(f.read())
+    os.unlink(pid_file)
+    return pid
+
+
+def forked_failures(artifacts: str, out: str) -> dict:
+    from ortckpt import forked_save, live
+
+    real = live.write_staged
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    run = os.path.join(out, "run")
+    pid_file = os.path.join(out, "child.pid")
+    report: dict = {}
+    manager = ortckpt.CheckpointManager(run, async_save="fork", durable=False, preemption=True)
+    step = 1
+    _train_step(model, optimizer, step)
+    manager.save(state, step)
+    manager.wait()
+
+    def attempt(kind: str, saver: object, act: object = None) -> None:
+        nonlocal step
+        step += 1
+        _train_step(model, optimizer, step)
+        live.write_staged = saver
+        try:
+            started = time.monotonic()
+            manager.save(state, step)
+            if callable(act):
+                act(_child_pid(pid_file))
+            try:
+                manager.wait()
+                outcome = {"error": None}
+            except Exception as e:
+                outcome = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+        finally:
+            live.write_staged = real
+        outcome["steps"] = manager.all_steps()
+        outcome["left"] = sorted(os.listdir(run))
+        outcome["preempted"] = manager.preempted
+        report[kind] = outcome
+
+    def kill(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+
+    def interrupt(pid: int) -> None:  # (a Ctrl-C, or a preemption notice, sent to the process group)
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+
+    attempt("killed", _wrapped_saver(pid_file, after=lambda: time.sleep(60)), kill)
+    forked_save.TIMEOUT = 2.0
+    attempt("hung", _wrapped_saver(pid_file, before=lambda: time.sleep(3600)))
+    forked_save.TIMEOUT = None
+
+    def boom() -> None:
+        raise RuntimeError("the saver failed")
+
+    attempt("raised", _wrapped_saver(pid_file, before=boom))
+    attempt("signalled", _wrapped_saver(pid_file, before=lambda: time.sleep(1)), interrupt)
+    attempt("after", real)
+    manager.close()
+    report["latest"] = os.path.join(run, f"step_{step:08d}", "checkpoint")
+    C.save_checkpoint(state._state, os.path.join(out, "now.ckpt"), True)
+    return report
+
+
 def hostile_tmpdir(out: str) -> dict:
     """Someone else who may write TMPDIR (no sticky bit) renames each memory checkpoint directory
     away just before ONNX Runtime uses it and puts one of theirs in its place, whose ``checkpoint``
@@ -627,6 +740,8 @@ def main(argv: list[str]) -> None:
         "leaks": leaks,
         "async_while_training": async_while_training,
         "hostile_tmpdir": hostile_tmpdir,
+        "forked_saves": forked_saves,
+        "forked_failures": forked_failures,
         "graphs_run": graphs_run,
         "graphs_resume": graphs_resume,
         "preempt_run": preempt_run,

@@ -385,6 +385,57 @@ def test_async_manager_saves_while_the_module_trains_on_hold_the_state_of_each_s
             assert_same_checkpoint(saved, reference, optimizer=optimizer, properties_but=("step",))
 
 
+def test_a_forked_async_save_is_the_synchronous_save_of_its_instant_byte_for_byte(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """async_save="fork": the child's file is ortckpt's synchronous full save of the moment
+    save() was called, byte for byte (the Module trained on while the child wrote), loads in
+    ONNX Runtime, holds what ONNX Runtime's own save of that moment holds, and verifies."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_saves", ARTIFACTS, tmp_path)
+    assert report["steps"] == [1, 2, 3]
+    assert report["left"] == ["step_00000001", "step_00000002", "step_00000003"]  # (no temporary: closed)
+    for step in (1, 2, 3):
+        saved = tmp_path / "run" / f"step_{step:08d}" / "checkpoint"
+        assert saved.read_bytes() == (tmp_path / f"sync_{step}.ckpt").read_bytes()
+        assert_same_checkpoint(saved, tmp_path / f"ort_{step}.ckpt")
+        assert CheckpointState.load_checkpoint(saved).properties["step"] == step
+        assert verify(saved).checksums
+    assert_same_checkpoint(tmp_path / "reloaded_3.ckpt", tmp_path / "ort_3.ckpt")
+    later = CheckpointState.load_checkpoint(tmp_path / "ort_3.ckpt").parameters
+    first = CheckpointState.load_checkpoint(tmp_path / "ort_1.ckpt").parameters
+    assert any(later[name].data.tobytes() != p.data.tobytes() for name, p in first)  # (it trained on)
+
+
+def test_a_forked_save_whose_child_dies_hangs_or_raises_commits_nothing_and_the_next_save_works(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """The child SIGKILLed mid-save, hung past its deadline, or raising: ForkedSaveError (the
+    hang a ForkedSaveTimeoutError at its deadline), the steps before stand, no temporary is
+    left, and the next save commits. A SIGTERM and a SIGINT sent to the child (a Ctrl-C or a
+    preemption notice to the process group) do not stop its save nor preempt the run."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_failures", ARTIFACTS, tmp_path)
+    lock = ".ortckpt-writer.lock"
+    for kind, error, says in (
+        ("killed", "ForkedSaveError", "killed by signal SIGKILL"),
+        ("hung", "ForkedSaveTimeoutError", "ran past its deadline (2 s)"),
+        ("raised", "ForkedSaveError", "RuntimeError: the saver failed"),
+    ):
+        outcome = report[kind]
+        assert outcome["error"] == error, kind
+        assert says in outcome["message"] and "nothing was committed" in outcome["message"], kind
+        assert outcome["steps"] == [1] and outcome["left"] == [lock, "step_00000001"], kind
+    assert report["hung"]["seconds"] < 30
+    assert report["signalled"] == {
+        "error": None,
+        "steps": [1, 5],
+        "left": [lock, "step_00000001", "step_00000005"],
+        "preempted": False,
+    }
+    assert report["after"]["error"] is None and report["after"]["steps"] == [1, 5, 6]
+    assert verify(tmp_path / "run" / "step_00000001" / "checkpoint").checksums
+    assert_same_checkpoint(Path(report["latest"]), tmp_path / "now.ckpt", properties_but=())
+
+
 def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothing(
     ort_loop_python: str, tmp_path: Path
 ) -> None:

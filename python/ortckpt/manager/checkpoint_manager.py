@@ -181,6 +181,13 @@ class CheckpointManager:
             change its arrays); writing, fsync, commit and retention happen in a background
             thread. An error there is raised by the next :meth:`save` or :meth:`wait`. The
             copy is kept for the next save to copy into: memory the size of the state.
+            ``"fork"``: as True, but a full save of a state ONNX Runtime trains (on the CPU, to
+            a directory, on Linux) is taken by a forked process instead of a copy: the caller
+            is blocked only while the process forks, the child has ONNX Runtime's saver write
+            the step's checkpoint (ONNX Runtime's layout, shared with no other step), and the
+            background thread commits it once the child reports (a child that fails, dies or
+            runs past its deadline: :class:`~ortckpt.ForkedSaveError`, nothing committed). Other
+            saves go as with True. See docs/ort-loop.md for what a fork costs and risks.
         durable: fsync each checkpoint's files and directories before it counts as saved (on
             object storage an object is durable once its PUT returns: nothing changes).
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
@@ -277,7 +284,7 @@ class CheckpointManager:
         max_to_keep: int | None = None,
         keep_best: tuple[str, Literal["min", "max"], int] | None = None,
         keep_every: int | None = None,
-        async_save: bool = False,
+        async_save: bool | Literal["fork"] = False,
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
         verify_timeout: float | None = None,
@@ -309,10 +316,11 @@ class CheckpointManager:
                 f"directory is a path or an {targets.SCHEME} URL, got '' (an empty name)", "directory"
             )
         save_every = options.save_every(save_every)
+        fork_save = isinstance(async_save, str) and async_save == "fork"
         async_save, durable, compress_kept, progress, read_only, share_unchanged = (
             arguments.flag(name, value)
             for name, value in (
-                ("async_save", async_save),
+                ("async_save", True if fork_save else async_save),
                 ("durable", durable),
                 ("compress_kept", compress_kept),
                 ("progress", progress),
@@ -377,6 +385,7 @@ class CheckpointManager:
         self.policy = policy
         self.save_every = save_every
         self.async_save = async_save
+        self._fork_save = fork_save  # (full saves of ONNX Runtime's state, forked: see _forked)
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save
@@ -619,6 +628,7 @@ class CheckpointManager:
             copy=self.async_save and not synchronous,
         )
         if self.comm is not None:
+            assert isinstance(snapshot, CheckpointState)  # (no async save with comm: never forked)
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
         if not self.async_save or synchronous:
@@ -641,9 +651,10 @@ class CheckpointManager:
         rng_state: Mapping[str, Any] | None,
         include_optimizer_state: bool,
         copy: bool,
-    ) -> tuple[int, dict[str, Any], CheckpointState]:
+    ) -> tuple[int, dict[str, Any], CheckpointState | _ForkedStep]:
         """Checks a save's arguments and takes the snapshot to write (a copy, for an async
-        save), all in the caller's thread: (step, metadata without its files, snapshot)."""
+        save; a forked process's, see :meth:`_forked`), all in the caller's thread: (step,
+        metadata without its files, snapshot)."""
         self._check_writable("save")
         state = adopt(state)  # (ONNX Runtime's own state, the one its Module trains, saves as well)
         if not isinstance(state, CheckpointState):
@@ -684,6 +695,11 @@ class CheckpointManager:
         with self._naming_step(step):
             for name, value in properties.items():
                 state.properties[name] = value
+        if copy and include_optimizer_state:
+            forked = self._forked(state, step)
+            if forked is not None:
+                self._last_save = time.monotonic()
+                return step, meta, forked
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
             snapshot = state.snapshot(
@@ -696,11 +712,45 @@ class CheckpointManager:
         self._last_save = time.monotonic()
         return step, meta, snapshot
 
+    def _forked(self, state: CheckpointState, step: int) -> _ForkedStep | None:
+        """With ``async_save="fork"``, a full save of a state ONNX Runtime trains, to a
+        directory: the step's attempt begun and a child forked that has ONNX Runtime save the
+        state, as it is now, into its staged checkpoint (:mod:`ortckpt.forked_save`); None where
+        that cannot be (the thread's copy then)."""
+        ort_state = state.bound_ort_state
+        if not self._fork_save or ort_state is None or state.is_nominal:
+            return None
+        if self.external_data_threshold != _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD or self.progress:
+            return None  # (ONNX Runtime's saver has its own layout, and no progress to report)
+        from .. import forked_save
+
+        if not forked_save.available(ort_state):
+            return None
+        attempt = self.store.begin(step)
+        try:
+            target = self.store.staged_checkpoint(attempt, steps.CHECKPOINT_NAME)
+            if target is None:
+                self.store.abandon(attempt)
+                return None
+            values = sum(int(getattr(p.data, "nbytes", 0)) for _, p in state.parameters)  # (moments: ~2x more)
+            shown = f"{self._step_folder(step)}/{steps.CHECKPOINT_NAME}"
+            child = forked_save.start(ort_state, target, checkpoint_bytes=3 * values, shown=shown)
+        except forked_save.ForkFailed:
+            self.store.abandon(attempt)
+            return None  # (no fork to be had now, out of processes or memory: the thread's copy)
+        except BaseException:
+            self.store.abandon(attempt)
+            raise
+        return _ForkedStep(attempt, child)
+
     def _write_and_commit(
-        self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
+        self, state: CheckpointState | _ForkedStep, step: int, meta: dict[str, Any], include_optimizer_state: bool
     ) -> None:
         """The step transaction of one save: stage, write, verify, metadata, commit; then
         retention and the tracker's report."""
+        if isinstance(state, _ForkedStep):
+            self._commit_forked(state, meta)
+            return
         with self._naming_step(step):
             core = state.core_state(include_optimizer_state)
         attempt = self.store.begin(step)
@@ -715,6 +765,25 @@ class CheckpointManager:
                 progress=self.progress,
                 share_with=None if previous is None else Step(previous.step, previous.metadata, previous.files),
             )
+            for role, source in self.artifacts.items():
+                self.store.store_graph(attempt, role, source, durable=self.durable)
+            committed = self._commit(attempt, meta)
+        except OSError as e:
+            self.store.abandon(attempt)
+            raise self._named_by_step(e, attempt) from None
+        except BaseException:
+            self.store.abandon(attempt)
+            raise
+        self._committed(committed)
+
+    def _commit_forked(self, forked: _ForkedStep, meta: dict[str, Any]) -> None:
+        """The rest of a forked save's step transaction, in the background thread: the child
+        waited for (its deadline), its checkpoint sealed and committed into the attempt, then
+        as any save (graphs, verify, metadata, commit, retention, report)."""
+        attempt = forked.attempt
+        try:
+            forked.child.finish(durable=self.durable)
+            self.store.record_checkpoint(attempt, steps.CHECKPOINT_NAME)
             for role, source in self.artifacts.items():
                 self.store.store_graph(attempt, role, source, durable=self.durable)
             committed = self._commit(attempt, meta)
@@ -1080,6 +1149,14 @@ class CheckpointManager:
 
 # The manager of an object store prefix is the same class (kept as a name for older code).
 ObjectStoreCheckpointManager = CheckpointManager
+
+
+@dataclass
+class _ForkedStep:
+    """A forked save's step: its attempt, and the child writing its checkpoint."""
+
+    attempt: Attempt
+    child: Any  # a forked_save.ForkedSave (imported on first use)
 
 
 def _verify_in_new_process(directory: Path, meta: dict[str, Any], timeout: float | None) -> None:
