@@ -33,13 +33,15 @@ The dangers of forking a process that has threads, and what guards each:
   only it, is silenced for this fork;
 - memory: the child's pages are shared with the trainer until either writes them; pages the
   trainer updates during the save are copied (at most the state's size, once), beside what
-  ONNX Runtime's serialisation holds in the child.
+  ONNX Runtime's serialisation holds in the child. The child runs no garbage collection (it
+  would write to every Python object's header, copying the pages they sit on).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -216,6 +218,7 @@ def _child(ort_state: Any, staging: _boundary.Staging, read: int, write: int, pa
     ``os._exit`` (no atexit handler, no buffer flushed, no thread joined)."""
     report = b"error: nothing (the child stopped before its save)"
     try:
+        gc.disable()  # (a collection writes to every object's header: a copy of each page they share)
         for number in handled:  # (blocked since before the fork: ignored before any is delivered)
             signal.signal(number, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
