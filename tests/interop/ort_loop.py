@@ -27,8 +27,9 @@ Each command prints one JSON object on its last line of stdout.
       else; ARTIFACTS, the run's folder, gone): restore_training, then train on to STEPS, saving
       every step, and DIRECTORY/final.ckpt
   preempt_run ARTIFACTS DIRECTORY STEPS ASYNC GRACE  a training run with preemption=True (SIGTERM
-      and SIGINT), async saves every 4 steps, resumed from the latest step; stops at the step a
-      signal came (saved there); at the end saves DIRECTORY/final.ckpt with ONNX Runtime's saver
+      and SIGINT), async saves every 4 steps (ASYNC "fork": forked ones), resumed from the latest
+      step; stops at the step a signal came (saved there); at the end saves DIRECTORY/final.ckpt
+      with ONNX Runtime's saver
   through_ort ARTIFACTS OUT  full saves written by ONNX Runtime's saver into the staged files
       (ortckpt's state and ONNX Runtime's own, each with and without external data), ONNX
       Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
@@ -556,7 +557,7 @@ def preempt_run(artifacts: str, directory: str, steps: str, async_save: str, gra
         os.path.join(directory, "run"),
         save_every=4,
         max_to_keep=2,
-        async_save=async_save == "1",
+        async_save="fork" if async_save == "fork" else async_save == "1",
         durable=False,
         preemption=True,
         preemption_grace=float(grace),

@@ -640,6 +640,17 @@ def test_preemption_at_random_moments(ort_loop_python: str, tmp_path: Path) -> N
         preempt_trials.trial(ort_loop_python, tmp_path / f"trial{n}", reference, rng, second=n == 3)
 
 
+def test_preemption_at_random_moments_with_forked_async_saves(ort_loop_python: str, tmp_path: Path) -> None:
+    """As above with async_save="fork": the preemption save waits for the forked save pending
+    (its child finishes; the signal went to the trainer only) and resumes byte-identically."""
+    import preempt_trials
+
+    rng = random.Random(380)
+    reference = preempt_trials.reference_run(ort_loop_python, tmp_path / "reference", "fork")
+    for n in range(3):
+        preempt_trials.trial(ort_loop_python, tmp_path / f"trial{n}", reference, rng, second=n == 2, async_save="fork")
+
+
 RESTORED_TO_ORT = """
 import gc, json, sys
 import numpy as np
