@@ -62,7 +62,7 @@ TIMEOUT: float | None = None
 BASE_TIMEOUT = 120.0
 BYTES_PER_SECOND = 64 << 20
 
-_REPORT_LIMIT = 4000  # bytes of a child's error message (one write, under PIPE_BUF... of most)
+_REPORT_LIMIT = 4000  # bytes of a child's error message: its report is one write, under Linux's PIPE_BUF
 _POLL = 0.05  # seconds between looks at the child while its report has not come
 _PR_SET_PDEATHSIG = 1
 
@@ -105,6 +105,8 @@ class ForkedSave:
         except BaseException:
             self.abandon()
             raise
+        finally:
+            self._close_report()
 
     def abandon(self) -> None:
         """Kills the child if it still runs, reaps it and removes the staged files."""
@@ -119,6 +121,8 @@ class ForkedSave:
         """The child's failure, or None once it reported success and exited."""
         deadline = self._started + self.timeout
         report = b""
+        waiting = select.poll()  # (poll, not select: a descriptor past 1023 is fine)
+        waiting.register(self._report, select.POLLIN)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -127,7 +131,7 @@ class ForkedSave:
                     f"the forked save ran past its deadline ({self.timeout:g} s) and was killed",
                     self.timeout,
                 )
-            ready, _, _ = select.select([self._report], [], [], min(left, _POLL))
+            ready = waiting.poll(min(left, _POLL) * 1000)
             ended = False
             if ready:
                 chunk = os.read(self._report, 65536)
@@ -141,7 +145,9 @@ class ForkedSave:
 
     def _drain(self) -> bytes:
         data = b""
-        while select.select([self._report], [], [], 0)[0]:
+        waiting = select.poll()
+        waiting.register(self._report, select.POLLIN)
+        while waiting.poll(0):
             chunk = os.read(self._report, 65536)
             if not chunk:
                 break
@@ -196,6 +202,7 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
         raise
     parent = os.getpid()
     handled = _python_handled_signals()
+    prctl = _prctl()  # (looked up here: the child asks the dynamic loader nothing)
     try:
         with _signals_blocked(handled), _fork_warning_silenced():
             try:
@@ -203,7 +210,7 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
             except OSError as e:
                 raise ForkFailed(e.errno, f"fork: {e.strerror}") from None
             if pid == 0:  # the child: never returns
-                _child(ort_state, staging, read, write, parent, handled)
+                _child(ort_state, staging, read, write, parent, handled, prctl)
     except BaseException:
         os.close(read)
         os.close(write)
@@ -213,7 +220,9 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
     return ForkedSave(pid, read, staging, Path(shown) if shown is not None else target, timeout)
 
 
-def _child(ort_state: Any, staging: _boundary.Staging, read: int, write: int, parent: int, handled: list[int]) -> None:
+def _child(
+    ort_state: Any, staging: _boundary.Staging, read: int, write: int, parent: int, handled: list[int], prctl: Any
+) -> None:
     """ONNX Runtime's save into the staged files, its outcome written to ``write``; then
     ``os._exit`` (no atexit handler, no buffer flushed, no thread joined)."""
     report = b"error: nothing (the child stopped before its save)"
@@ -223,8 +232,8 @@ def _child(ort_state: Any, staging: _boundary.Staging, read: int, write: int, pa
             signal.signal(number, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
         os.close(read)
-        with contextlib.suppress(OSError, AttributeError):  # (no prctl: the deadline still holds)
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if prctl is not None:  # (without it, a child whose trainer died finishes its save, then exits)
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # (the trainer died before prctl took effect)
             os._exit(3)
         live.write_staged(ort_state, staging)
@@ -237,6 +246,14 @@ def _child(ort_state: Any, staging: _boundary.Staging, read: int, write: int, pa
             os.write(write, report)
         finally:
             os._exit(0 if report == b"ok" else 1)
+
+
+def _prctl() -> Any:
+    """libc's ``prctl``, or None where it cannot be had."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def _python_handled_signals() -> list[int]:

@@ -399,6 +399,7 @@ def async_while_training(artifacts: str, out: str) -> dict:
 def forked_saves(artifacts: str, out: str) -> dict:
     state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
     model, optimizer = _session(artifacts, state)
+    fds_before = len(os.listdir("/proc/self/fd"))
     with ortckpt.CheckpointManager(os.path.join(out, "run"), async_save="fork", durable=False) as manager:
         for step in range(1, 4):
             _train_step(model, optimizer, step)
@@ -410,7 +411,8 @@ def forked_saves(artifacts: str, out: str) -> dict:
     steps = manager.all_steps()
     reloaded = C.load_checkpoint(os.path.join(out, "run", "step_00000003", "checkpoint"))
     C.save_checkpoint(reloaded, os.path.join(out, "reloaded_3.ckpt"), True)
-    return {"steps": steps, "left": sorted(os.listdir(os.path.join(out, "run")))}
+    fds_after = len(os.listdir("/proc/self/fd"))
+    return {"steps": steps, "left": sorted(os.listdir(os.path.join(out, "run"))), "fds": [fds_before, fds_after]}
 
 
 def _wrapped_saver(pid_file: str, before: object = None, after: object = None) -> object:

@@ -394,6 +394,7 @@ def test_a_forked_async_save_is_the_synchronous_save_of_its_instant_byte_for_byt
     report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_saves", ARTIFACTS, tmp_path)
     assert report["steps"] == [1, 2, 3]
     assert report["left"] == ["step_00000001", "step_00000002", "step_00000003"]  # (no temporary: closed)
+    assert report["fds"][0] == report["fds"][1]  # (no descriptor left behind)
     for step in (1, 2, 3):
         saved = tmp_path / "run" / f"step_{step:08d}" / "checkpoint"
         assert saved.read_bytes() == (tmp_path / f"sync_{step}.ckpt").read_bytes()
