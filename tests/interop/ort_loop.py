@@ -464,6 +464,8 @@ def forked_failures(artifacts: str, out: str) -> dict:
         step += 1
         _train_step(model, optimizer, step)
         live.write_staged = saver
+        if os.path.exists(pid_file):  # (a child that was not acted on wrote it)
+            os.unlink(pid_file)
         try:
             started = time.monotonic()
             manager.save(state, step)
