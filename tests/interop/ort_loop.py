@@ -35,7 +35,8 @@ Each command prints one JSON object on its last line of stdout.
       Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
       saver raising, writing a torn file, an interrupt after it returns) over a saved file
   forked_saves ARTIFACTS OUT  async_save="fork" manager saves, training on at once after each;
-      at each save() ONNX Runtime's own save and ortckpt's synchronous one beside them
+      at each save() ONNX Runtime's own save and ortckpt's synchronous one beside them; then one
+      of ONNX Runtime's own state object (OUT/own), its synchronous save beside it
   forked_failures ARTIFACTS OUT  forked saves whose child is SIGKILLed mid-save, hangs past its
       deadline, raises, or is sent SIGTERM and SIGINT; after each, what the run holds and a save
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
@@ -409,6 +410,13 @@ def forked_saves(artifacts: str, out: str) -> dict:
             for later in range(3):  # (while the child writes: its file holds the state of save())
                 _train_step(model, optimizer, 100 * step + later)
     steps = manager.all_steps()
+    own = ort_api.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))  # ONNX Runtime's class
+    own_model, own_optimizer = _session(artifacts, own)
+    _train_step(own_model, own_optimizer, 7)
+    with ortckpt.CheckpointManager(os.path.join(out, "own"), async_save="fork", durable=False) as manager:
+        manager.save(own, 1)
+        ortckpt.CheckpointState.save_checkpoint(own, os.path.join(out, "own_sync_1.ckpt"), True)
+        _train_step(own_model, own_optimizer, 8)
     reloaded = C.load_checkpoint(os.path.join(out, "run", "step_00000003", "checkpoint"))
     C.save_checkpoint(reloaded, os.path.join(out, "reloaded_3.ckpt"), True)
     fds_after = len(os.listdir("/proc/self/fd"))

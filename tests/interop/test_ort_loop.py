@@ -390,7 +390,8 @@ def test_a_forked_async_save_is_the_synchronous_save_of_its_instant_byte_for_byt
 ) -> None:
     """async_save="fork": the child's file is ortckpt's synchronous full save of the moment
     save() was called, byte for byte (the Module trained on while the child wrote), loads in
-    ONNX Runtime, holds what ONNX Runtime's own save of that moment holds, and verifies."""
+    ONNX Runtime, holds what ONNX Runtime's own save of that moment holds, and verifies; of
+    ortckpt's state and of ONNX Runtime's own state object."""
     report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_saves", ARTIFACTS, tmp_path)
     assert report["steps"] == [1, 2, 3]
     assert report["left"] == ["step_00000001", "step_00000002", "step_00000003"]  # (no temporary: closed)
@@ -402,6 +403,8 @@ def test_a_forked_async_save_is_the_synchronous_save_of_its_instant_byte_for_byt
         assert CheckpointState.load_checkpoint(saved).properties["step"] == step
         assert verify(saved).checksums
     assert_same_checkpoint(tmp_path / "reloaded_3.ckpt", tmp_path / "ort_3.ckpt")
+    own = tmp_path / "own" / "step_00000001" / "checkpoint"  # (ONNX Runtime's own state object)
+    assert own.read_bytes() == (tmp_path / "own_sync_1.ckpt").read_bytes()
     later = CheckpointState.load_checkpoint(tmp_path / "ort_3.ckpt").parameters
     first = CheckpointState.load_checkpoint(tmp_path / "ort_1.ckpt").parameters
     assert any(later[name].data.tobytes() != p.data.tobytes() for name, p in first)  # (it trained on)
