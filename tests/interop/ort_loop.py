@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
@@ -508,6 +509,14 @@ def forked_failures(artifacts: str, out: str) -> dict:
 
     attempt("raised", _wrapped_saver(pid_file, before=boom))
     attempt("signalled", _wrapped_saver(pid_file, before=lambda: time.sleep(1)), interrupt)
+
+    # A child reaped by someone else (a program's SIGCHLD handler that waits for every child) before
+    # the save looks: its report over the pipe still says it saved.
+    direct = os.path.join(out, "direct.ckpt")
+    child = forked_save.start(state._state, Path(direct), checkpoint_bytes=0)
+    reaped = os.waitpid(child.pid, 0)[0] == child.pid
+    child.finish(durable=False)
+    report["reaped"] = {"by_another": reaped, "saved": os.path.exists(direct)}
     attempt("after", real)
     manager.close()
     report["latest"] = os.path.join(run, f"step_{step:08d}", "checkpoint")

@@ -435,6 +435,8 @@ def test_a_forked_save_whose_child_dies_hangs_or_raises_commits_nothing_and_the_
         "left": [lock, "step_00000001", "step_00000005"],
         "preempted": False,
     }
+    assert report["reaped"] == {"by_another": True, "saved": True}  # (reaped elsewhere: its pipe said it saved)
+    assert verify(tmp_path / "direct.ckpt").checksums
     assert report["after"]["error"] is None and report["after"]["steps"] == [1, 5, 6]
     assert verify(tmp_path / "run" / "step_00000001" / "checkpoint").checksums
     assert_same_checkpoint(Path(report["latest"]), tmp_path / "now.ckpt", properties_but=())
