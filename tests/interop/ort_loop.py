@@ -39,6 +39,7 @@ Each command prints one JSON object on its last line of stdout.
       of ONNX Runtime's own state object (OUT/own), its synchronous save beside it
   forked_failures ARTIFACTS OUT  forked saves whose child is SIGKILLed mid-save, hangs past its
       deadline, raises, or is sent SIGTERM and SIGINT; after each, what the run holds and a save
+  forked_orphan ARTIFACTS OUT  a forked save whose child hangs: prints the child's pid, then sleeps
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
@@ -524,6 +525,22 @@ def forked_failures(artifacts: str, out: str) -> dict:
     return report
 
 
+def forked_orphan(artifacts: str, out: str) -> dict:
+    """A forked save whose child hangs; prints the child's pid, then waits to be killed."""
+    from ortckpt import live
+
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    _train_step(model, optimizer, 1)
+    pid_file = os.path.join(out, "child.pid")
+    live.write_staged = _wrapped_saver(pid_file, before=lambda: time.sleep(3600))
+    manager = ortckpt.CheckpointManager(os.path.join(out, "run"), async_save="fork", durable=False)
+    manager.save(state, 1)
+    print(_child_pid(pid_file), flush=True)
+    time.sleep(3600)
+    return {}
+
+
 def hostile_tmpdir(out: str) -> dict:
     """Someone else who may write TMPDIR (no sticky bit) renames each memory checkpoint directory
     away just before ONNX Runtime uses it and puts one of theirs in its place, whose ``checkpoint``
@@ -764,6 +781,7 @@ def main(argv: list[str]) -> None:
         "hostile_tmpdir": hostile_tmpdir,
         "forked_saves": forked_saves,
         "forked_failures": forked_failures,
+        "forked_orphan": forked_orphan,
         "graphs_run": graphs_run,
         "graphs_resume": graphs_resume,
         "preempt_run": preempt_run,

@@ -442,6 +442,40 @@ def test_a_forked_save_whose_child_dies_hangs_or_raises_commits_nothing_and_the_
     assert_same_checkpoint(Path(report["latest"]), tmp_path / "now.ckpt", properties_but=())
 
 
+def test_a_forked_saves_child_dies_with_a_trainer_killed_outright_and_frees_the_run(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """The trainer SIGKILLed while its forked save's child runs: the child goes too (it shares the
+    run's writer lock, which would stay held while it lived), and the next writer opens the run."""
+    from ortckpt import CheckpointManager
+
+    process = subprocess.Popen(
+        [ort_loop_python, str(HERE / "ort_loop.py"), "forked_orphan", str(ARTIFACTS), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=loop_environment(),
+    )
+    assert process.stdout is not None
+    child = int(process.stdout.readline())
+    assert Path(f"/proc/{child}").exists()
+    process.kill()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child}").exists() and "Z" not in _state_of(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _state_of(child), "the child outlived its trainer"
+    with CheckpointManager(tmp_path / "run") as manager:  # (the writer lock is free)
+        assert manager.all_steps() == []
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"
+
+
 def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothing(
     ort_loop_python: str, tmp_path: Path
 ) -> None:
