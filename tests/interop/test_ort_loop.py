@@ -462,9 +462,13 @@ def test_a_forked_saves_child_dies_with_a_trainer_killed_outright_and_frees_the_
     process.kill()
     process.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while Path(f"/proc/{child}").exists() and "Z" not in _state_of(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{child}").exists() or "Z" in _state_of(child), "the child outlived its trainer"
+    try:
+        while Path(f"/proc/{child}").exists() and "Z" not in _state_of(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{child}").exists() or "Z" in _state_of(child), "the child outlived its trainer"
+    finally:  # (a failure here leaves no child behind)
+        if Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)
     with CheckpointManager(tmp_path / "run") as manager:  # (the writer lock is free)
         assert manager.all_steps() == []
 
