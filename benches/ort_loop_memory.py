@@ -7,8 +7,15 @@ ortckpt installed (as ``ort_loop_bench.py``, whose model this is)::
 The peak is the process's anonymous memory plus the size of its memfds, above what it was before
 the save, sampled every ~0.3 ms by a separate process: ONNX Runtime's saver holds the GIL (a thread
 would not sample), and VmHWM does not count memfd pages not mapped yet (the memfd ONNX Runtime writes
-its serialisation into). Neither counts the page cache of the file written. Contenders alternate,
-each round in a new order; the median peak per contender is reported.
+its serialisation into). Neither counts the page cache of the file written. While the process has
+a child (a forked save's), the anonymous memory of both is counted as their proportional shares
+(``Pss_Anon``): a page the two still share counts once, a page copied on write twice. Contenders
+alternate, each round in a new order; the median peak per contender is reported.
+
+The forked save is also measured with the trainer training on while the child writes (--train
+steps right after save() returns: each rewrites every parameter and moment, so every page of the
+state the child still holds is copied), beside the async save that copies in the trainer's
+thread and the same steps with no save (what training alone adds).
 """
 
 from __future__ import annotations
@@ -29,20 +36,39 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import numpy as np  # noqa: E402
 from measure import report  # noqa: E402
 from ort_loop_bench import trained_state  # noqa: E402
 
 MiB = 2**20
 
-# The sampler: the peak of (RssAnon + memfd sizes) of PID, written to OUT each time RESET appears.
+# The sampler: the peak of (anonymous memory + memfd sizes) of PID and its children (but the
+# sampler), written to OUT each time RESET appears.
 SAMPLER = """
 import os, sys, time
 pid, out = int(sys.argv[1]), sys.argv[2]
+def children():
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+        except OSError:
+            pass
+    return [c for c in found if c != os.getpid()]
+def anonymous(p, shared):
+    key, where = ("Pss_Anon:", "smaps_rollup") if shared else ("RssAnon:", "status")
+    for line in open(f"/proc/{p}/{where}"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
 def sample():
-    total = 0
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("RssAnon:"):
-            total += int(line.split()[1]) * 1024
+    others = children()
+    total = anonymous(pid, bool(others))
+    for child in others:
+        try:
+            total += anonymous(child, True)
+        except OSError:
+            pass
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
@@ -100,6 +126,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--features", type=int, default=2048)
+    parser.add_argument("--train", type=int, default=5, help="training steps taken while a save writes")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -109,17 +136,28 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ortckpt-bench-memory-"))
     sampler = PeakSampler(work)
     try:
-        state, _model, _optimizer = trained_state(work, args.layers, args.features)  # (kept alive: they train it)
+        state, model, optimizer = trained_state(work, args.layers, args.features)  # (kept alive: they train it)
         inner = state._state
         total = 3 * sum(p.data.nbytes for _, p in state.parameters)  # (AdamW: two moments per parameter)
         out = work / "saves"
         out.mkdir()
         manager = ortckpt.CheckpointManager(work / "run", async_save=True, max_to_keep=1, durable=False)
+        forking = ortckpt.CheckpointManager(work / "forked", async_save="fork", max_to_keep=1, durable=False)
         steps = iter(range(1, 10**6))
+        rng = np.random.default_rng(2)
+        batch = [rng.standard_normal((2, args.features)).astype(np.float32) for _ in range(2)]
 
-        def manager_save(include_optimizer_state: bool) -> None:
-            manager.save(state, next(steps), include_optimizer_state=include_optimizer_state)
-            manager.wait()
+        def train() -> None:
+            for _ in range(args.train):
+                model(*batch)
+                optimizer.step()
+                model.lazy_reset_grad()
+
+        def manager_save(include_optimizer_state: bool, which: object = manager, training: bool = False) -> None:
+            which.save(state, next(steps), include_optimizer_state=include_optimizer_state)
+            if training:
+                train()
+            which.wait()
 
         contenders: dict[str, Callable[[], object]] = {
             "ONNX Runtime save_checkpoint(state, path, True)": lambda: C.save_checkpoint(
@@ -137,6 +175,14 @@ def main() -> None:
                 )
             ),
             "CheckpointManager(async_save=True).save(state, step), to completion": lambda: manager_save(True),
+            'CheckpointManager(async_save="fork").save(state, step), to completion': lambda: manager_save(
+                True, forking
+            ),
+            f"training alone ({args.train} steps, no save)": train,
+            f"async_save=True, {args.train} training steps while it writes": lambda: manager_save(True, training=True),
+            f'async_save="fork", {args.train} training steps while the child writes': lambda: manager_save(
+                True, forking, training=True
+            ),
             "ONNX Runtime save_checkpoint(state, path) (params only)": lambda: C.save_checkpoint(
                 inner, str(out / "ort_params.ckpt"), False
             ),
@@ -153,6 +199,7 @@ def main() -> None:
             for name in order:
                 peaks[name].append(sampler.added_mib(contenders[name]))
         manager.close()
+        forking.close()
 
         lines = [
             f"# Memory of a save in ONNX Runtime's training loop ({args.layers} x MatMul "

@@ -242,6 +242,12 @@ class CheckpointState:
                     self._backing = live.bind(self._backing)
         return self._backing.ort_state
 
+    @property
+    def bound_ort_state(self) -> Any:
+        """ONNX Runtime's state behind this one once it has been handed to ONNX Runtime (the one
+        its Module trains), else None; asking binds nothing (unlike ``_state``)."""
+        return self._backing.ort_state
+
     @classmethod
     def load_checkpoint(
         cls,

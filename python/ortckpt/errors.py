@@ -93,6 +93,25 @@ class ValidationTimeoutError(CheckpointIntegrityError, TimeoutError):
         super().__init__(path, [problem])
 
 
+class ForkedSaveError(CheckpointError):
+    """An async save taken by a forked process (``CheckpointManager(async_save="fork")``) failed
+    there: the process raised (its message says what), was killed, or ran past its deadline
+    (:class:`ForkedSaveTimeoutError`). Nothing was committed: the previous steps stand and the
+    step's temporary files are gone. ``filename`` names the step's checkpoint."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.filename = str(path)
+        super().__init__(f"{path}: {problem} (nothing was committed, the steps saved before stand)")
+
+
+class ForkedSaveTimeoutError(ForkedSaveError, TimeoutError):
+    """A forked save's process ran past its deadline (``timeout``, seconds) and was killed."""
+
+    def __init__(self, path: object, problem: str, timeout: float) -> None:
+        self.timeout = timeout
+        super().__init__(path, problem)
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A :class:`~ortckpt.CheckpointManager` already holds a checkpoint for this step."""
 
@@ -147,6 +166,8 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointLockedError",
     "CheckpointStateError",
+    "ForkedSaveError",
+    "ForkedSaveTimeoutError",
     "InternalError",
     "InvalidArgumentError",
     "InvalidArgumentTypeError",

@@ -147,23 +147,28 @@ def save_through_ort(
     Runtime cannot be given the staged files by descriptor (no ``/proc``)."""
     if not os.path.isdir(f"/proc/{os.getpid()}/fd"):
         return False
-    from . import _boundary
-
-    C = _training_api()
     staging = _boundary.stage(Path(path), with_data=True)
     try:
-        with safe_io.scratch_directory() as directory:
-            files = _MemoryFiles(directory, linked=(staging.fileno(), staging.fileno(data=True)))
-            try:
-                C.save_checkpoint(ort_state, files.path, True)
-            finally:
-                files.close()
+        write_staged(ort_state, staging)
         staging.seal()
         staging.commit(durable=durable, lock_timeout=lock_timeout)
     except BaseException:
         staging.discard()  # (the previous checkpoint stands)
         raise
     return True
+
+
+def write_staged(ort_state: Any, staging: _boundary.Staging) -> None:
+    """ONNX Runtime's full save of ``ort_state`` written into ``staging``'s temporary files
+    (given to its saver by descriptor), not sealed: what :func:`save_through_ort` and a forked
+    async save (:mod:`ortckpt.forked_save`, in its child) both have ONNX Runtime do."""
+    C = _training_api()
+    with safe_io.scratch_directory() as directory:
+        files = _MemoryFiles(directory, linked=(staging.fileno(), staging.fileno(data=True)))
+        try:
+            C.save_checkpoint(ort_state, files.path, True)
+        finally:
+            files.close()
 
 
 def _training_api() -> Any:

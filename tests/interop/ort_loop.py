@@ -27,12 +27,19 @@ Each command prints one JSON object on its last line of stdout.
       else; ARTIFACTS, the run's folder, gone): restore_training, then train on to STEPS, saving
       every step, and DIRECTORY/final.ckpt
   preempt_run ARTIFACTS DIRECTORY STEPS ASYNC GRACE  a training run with preemption=True (SIGTERM
-      and SIGINT), async saves every 4 steps, resumed from the latest step; stops at the step a
-      signal came (saved there); at the end saves DIRECTORY/final.ckpt with ONNX Runtime's saver
+      and SIGINT), async saves every 4 steps (ASYNC "fork": forked ones), resumed from the latest
+      step; stops at the step a signal came (saved there); at the end saves DIRECTORY/final.ckpt
+      with ONNX Runtime's saver
   through_ort ARTIFACTS OUT  full saves written by ONNX Runtime's saver into the staged files
       (ortckpt's state and ONNX Runtime's own, each with and without external data), ONNX
       Runtime's own save of the same moment beside each; then saves that fail (ONNX Runtime's
       saver raising, writing a torn file, an interrupt after it returns) over a saved file
+  forked_saves ARTIFACTS OUT  async_save="fork" manager saves, training on at once after each;
+      at each save() ONNX Runtime's own save and ortckpt's synchronous one beside them; then one
+      of ONNX Runtime's own state object (OUT/own), its synchronous save beside it
+  forked_failures ARTIFACTS OUT  forked saves whose child is SIGKILLed mid-save, hangs past its
+      deadline, raises, or is sent SIGTERM and SIGINT; after each, what the run holds and a save
+  forked_orphan ARTIFACTS OUT  a forked save whose child hangs: prints the child's pid, then sleeps
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
@@ -42,9 +49,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
+import time
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
@@ -389,6 +399,148 @@ def async_while_training(artifacts: str, out: str) -> dict:
     return {"saved": out}
 
 
+def forked_saves(artifacts: str, out: str) -> dict:
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with ortckpt.CheckpointManager(os.path.join(out, "run"), async_save="fork", durable=False) as manager:
+        for step in range(1, 4):
+            _train_step(model, optimizer, step)
+            manager.save(state, step)  # (sets the step property, then forks)
+            C.save_checkpoint(state._state, os.path.join(out, f"ort_{step}.ckpt"), True)
+            ortckpt.CheckpointState.save_checkpoint(state, os.path.join(out, f"sync_{step}.ckpt"), True)
+            for later in range(3):  # (while the child writes: its file holds the state of save())
+                _train_step(model, optimizer, 100 * step + later)
+    steps = manager.all_steps()
+    own = ort_api.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))  # ONNX Runtime's class
+    own_model, own_optimizer = _session(artifacts, own)
+    _train_step(own_model, own_optimizer, 7)
+    with ortckpt.CheckpointManager(os.path.join(out, "own"), async_save="fork", durable=False) as manager:
+        manager.save(own, 1)
+        ortckpt.CheckpointState.save_checkpoint(own, os.path.join(out, "own_sync_1.ckpt"), True)
+        _train_step(own_model, own_optimizer, 8)
+    reloaded = C.load_checkpoint(os.path.join(out, "run", "step_00000003", "checkpoint"))
+    C.save_checkpoint(reloaded, os.path.join(out, "reloaded_3.ckpt"), True)
+    fds_after = len(os.listdir("/proc/self/fd"))
+    return {"steps": steps, "left": sorted(os.listdir(os.path.join(out, "run"))), "fds": [fds_before, fds_after]}
+
+
+def _wrapped_saver(pid_file: str, before: object = None, after: object = None) -> object:
+    """ortckpt.live.write_staged, as the forked child runs it, writing the child's pid to
+    ``pid_file`` first and running ``before()`` and ``after()`` around the real one."""
+    from ortckpt import live
+
+    real = live.write_staged
+
+    def saver(ort_state: object, staging: object) -> None:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        if callable(before):
+            before()
+        real(ort_state, staging)
+        if callable(after):
+            after()
+
+    return saver
+
+
+def _child_pid(pid_file: str) -> int:
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    with open(pid_file) as f:
+        pid = int(f.read())
+    os.unlink(pid_file)
+    return pid
+
+
+def forked_failures(artifacts: str, out: str) -> dict:
+    from ortckpt import forked_save, live
+
+    real = live.write_staged
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    run = os.path.join(out, "run")
+    pid_file = os.path.join(out, "child.pid")
+    report: dict = {}
+    manager = ortckpt.CheckpointManager(run, async_save="fork", durable=False, preemption=True)
+    step = 1
+    _train_step(model, optimizer, step)
+    manager.save(state, step)
+    manager.wait()
+
+    def attempt(kind: str, saver: object, act: object = None) -> None:
+        nonlocal step
+        step += 1
+        _train_step(model, optimizer, step)
+        live.write_staged = saver
+        if os.path.exists(pid_file):  # (a child that was not acted on wrote it)
+            os.unlink(pid_file)
+        try:
+            started = time.monotonic()
+            manager.save(state, step)
+            if callable(act):
+                act(_child_pid(pid_file))
+            try:
+                manager.wait()
+                outcome = {"error": None}
+            except Exception as e:
+                outcome = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - started}
+        finally:
+            live.write_staged = real
+        outcome["steps"] = manager.all_steps()
+        outcome["left"] = sorted(os.listdir(run))
+        outcome["preempted"] = manager.preempted
+        report[kind] = outcome
+
+    def kill(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+
+    def interrupt(pid: int) -> None:  # (a Ctrl-C, or a preemption notice, sent to the process group)
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+
+    attempt("killed", _wrapped_saver(pid_file, after=lambda: time.sleep(60)), kill)
+    forked_save.TIMEOUT = 2.0
+    attempt("hung", _wrapped_saver(pid_file, before=lambda: time.sleep(3600)))
+    forked_save.TIMEOUT = None
+
+    def boom() -> None:
+        raise RuntimeError("the saver failed")
+
+    attempt("raised", _wrapped_saver(pid_file, before=boom))
+    attempt("signalled", _wrapped_saver(pid_file, before=lambda: time.sleep(1)), interrupt)
+
+    # A child reaped by someone else (a program's SIGCHLD handler that waits for every child) before
+    # the save looks: its report over the pipe still says it saved.
+    direct = os.path.join(out, "direct.ckpt")
+    child = forked_save.start(state._state, Path(direct), checkpoint_bytes=0)
+    reaped = os.waitpid(child.pid, 0)[0] == child.pid
+    child.finish(durable=False)
+    report["reaped"] = {"by_another": reaped, "saved": os.path.exists(direct)}
+    attempt("after", real)
+    manager.close()
+    report["latest"] = os.path.join(run, f"step_{step:08d}", "checkpoint")
+    C.save_checkpoint(state._state, os.path.join(out, "now.ckpt"), True)
+    return report
+
+
+def forked_orphan(artifacts: str, out: str) -> dict:
+    """A forked save whose child hangs; prints the child's pid, then waits to be killed."""
+    from ortckpt import live
+
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    _train_step(model, optimizer, 1)
+    pid_file = os.path.join(out, "child.pid")
+    live.write_staged = _wrapped_saver(pid_file, before=lambda: time.sleep(3600))
+    manager = ortckpt.CheckpointManager(os.path.join(out, "run"), async_save="fork", durable=False)
+    manager.save(state, 1)
+    print(_child_pid(pid_file), flush=True)
+    time.sleep(3600)
+    return {}
+
+
 def hostile_tmpdir(out: str) -> dict:
     """Someone else who may write TMPDIR (no sticky bit) renames each memory checkpoint directory
     away just before ONNX Runtime uses it and puts one of theirs in its place, whose ``checkpoint``
@@ -443,7 +595,7 @@ def preempt_run(artifacts: str, directory: str, steps: str, async_save: str, gra
         os.path.join(directory, "run"),
         save_every=4,
         max_to_keep=2,
-        async_save=async_save == "1",
+        async_save="fork" if async_save == "fork" else async_save == "1",
         durable=False,
         preemption=True,
         preemption_grace=float(grace),
@@ -627,6 +779,9 @@ def main(argv: list[str]) -> None:
         "leaks": leaks,
         "async_while_training": async_while_training,
         "hostile_tmpdir": hostile_tmpdir,
+        "forked_saves": forked_saves,
+        "forked_failures": forked_failures,
+        "forked_orphan": forked_orphan,
         "graphs_run": graphs_run,
         "graphs_resume": graphs_resume,
         "preempt_run": preempt_run,

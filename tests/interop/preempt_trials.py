@@ -5,7 +5,9 @@ byte-identical to an uninterrupted run's. Used by test_ort_loop.py (a few trials
 hand for many::
 
     ORTCKPT_ORT_LOOP_PYTHON=target/ort-loop-venv/bin/python \\
-        .venv/bin/python tests/interop/preempt_trials.py --count 100
+        .venv/bin/python tests/interop/preempt_trials.py --count 100 [--async-save fork]
+
+(``--async-save fork``: the saves are ``async_save="fork"``'s, taken by a forked child.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ STEPS = 200
 GRACE = 20.0
 
 
-def _command(python: str, directory: Path) -> list[str]:
+def _command(python: str, directory: Path, async_save: str) -> list[str]:
     return [
         python,
         str(HERE / "ort_loop.py"),
@@ -36,7 +38,7 @@ def _command(python: str, directory: Path) -> list[str]:
         str(ARTIFACTS),
         str(directory),
         str(STEPS),
-        "1",
+        async_save,
         str(GRACE),
     ]
 
@@ -45,23 +47,32 @@ def _environment() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(HERE / "torch_stub"), PYTHONWARNINGS="ignore")
 
 
-def run_to_end(python: str, directory: Path) -> dict:
+def run_to_end(python: str, directory: Path, async_save: str = "1") -> dict:
     done = subprocess.run(
-        _command(python, directory), capture_output=True, text=True, env=_environment(), timeout=300, check=False
+        _command(python, directory, async_save),
+        capture_output=True,
+        text=True,
+        env=_environment(),
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def interrupted(
-    python: str, directory: Path, delay: float, signals: list[tuple[float, int]]
+    python: str, directory: Path, delay: float, signals: list[tuple[float, int]], async_save: str = "1"
 ) -> tuple[int, dict | None, bool]:
     """Starts a run, waits until it trains (its "ready"), then ``delay`` seconds, then sends
     each (gap, signal): (its exit status, its result if it printed one, whether it had finished
     training, its "trained", before the first signal was sent: a signal then may find the
     manager closed and SIGTERM's default action back)."""
     process = subprocess.Popen(
-        _command(python, directory), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment()
+        _command(python, directory, async_save),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_environment(),
     )
     assert process.stderr is not None
     for line in process.stderr:
@@ -93,13 +104,19 @@ def interrupted(
 
 
 def trial(
-    python: str, directory: Path, reference: tuple[bytes, float], rng: random.Random, *, second: bool = False
+    python: str,
+    directory: Path,
+    reference: tuple[bytes, float],
+    rng: random.Random,
+    *,
+    second: bool = False,
+    async_save: str = "1",
 ) -> dict:
     """One trial: interrupted at a random moment of its training (a second SIGTERM soon after,
     with ``second``), checked, resumed to the end and compared with the uninterrupted run's
     final file (``reference``: its bytes, and how long that run trained)."""
     signals = [(0.0, signal.SIGTERM)] + ([(rng.uniform(0, 0.05), signal.SIGTERM)] if second else [])
-    status, result, late = interrupted(python, directory, rng.uniform(0, 0.8 * reference[1]), signals)
+    status, result, late = interrupted(python, directory, rng.uniform(0, 0.8 * reference[1]), signals, async_save)
     if late:  # (the run had trained to its end: the signal may come after its close)
         assert status in (0, -signal.SIGTERM), status
     elif second:
@@ -111,16 +128,20 @@ def trial(
     if status == 0:
         assert result is not None
         assert result["latest"] == result["trained_to"], result  # no step of work lost
-    resumed = run_to_end(python, directory)
+    resumed = run_to_end(python, directory, async_save)
     assert (directory / "final.ckpt").read_bytes() == reference[0], "the resumed run's final file differs"
     stopped_at = None if result is None else result["trained_to"]
     return {"status": status, "stopped_at": stopped_at, "late": late, "resumed": resumed}
 
 
-def reference_run(python: str, directory: Path) -> tuple[bytes, float]:
+def reference_run(python: str, directory: Path, async_save: str = "1") -> tuple[bytes, float]:
     """The uninterrupted run: its final file, and how long it trained (from "ready" to "trained")."""
     process = subprocess.Popen(
-        _command(python, directory), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_environment()
+        _command(python, directory, async_save),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_environment(),
     )
     assert process.stderr is not None
     for line in process.stderr:
@@ -140,15 +161,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--seed", type=int, default=38)
+    parser.add_argument("--async-save", choices=("1", "fork"), default="1", help='"fork": async_save="fork"')
     args = parser.parse_args()
     python = os.environ["ORTCKPT_ORT_LOOP_PYTHON"]
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as scratch:
-        reference = reference_run(python, Path(scratch) / "reference")
+        reference = reference_run(python, Path(scratch) / "reference", args.async_save)
         stops, late, killed = [], 0, 0
         for n in range(args.count):
             second = n % 5 == 4
-            result = trial(python, Path(scratch) / f"trial{n}", reference, rng, second=second)
+            result = trial(
+                python, Path(scratch) / f"trial{n}", reference, rng, second=second, async_save=args.async_save
+            )
             stops.append(result["stopped_at"])
             late += result["late"]
             killed += result["status"] != 0

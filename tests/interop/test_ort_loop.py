@@ -385,6 +385,101 @@ def test_async_manager_saves_while_the_module_trains_on_hold_the_state_of_each_s
             assert_same_checkpoint(saved, reference, optimizer=optimizer, properties_but=("step",))
 
 
+def test_a_forked_async_save_is_the_synchronous_save_of_its_instant_byte_for_byte(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """async_save="fork": the child's file is ortckpt's synchronous full save of the moment
+    save() was called, byte for byte (the Module trained on while the child wrote), loads in
+    ONNX Runtime, holds what ONNX Runtime's own save of that moment holds, and verifies; of
+    ortckpt's state and of ONNX Runtime's own state object."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_saves", ARTIFACTS, tmp_path)
+    assert report["steps"] == [1, 2, 3]
+    assert report["left"] == ["step_00000001", "step_00000002", "step_00000003"]  # (no temporary: closed)
+    assert report["fds"][0] == report["fds"][1]  # (no descriptor left behind)
+    for step in (1, 2, 3):
+        saved = tmp_path / "run" / f"step_{step:08d}" / "checkpoint"
+        assert saved.read_bytes() == (tmp_path / f"sync_{step}.ckpt").read_bytes()
+        assert_same_checkpoint(saved, tmp_path / f"ort_{step}.ckpt")
+        assert CheckpointState.load_checkpoint(saved).properties["step"] == step
+        assert verify(saved).checksums
+    assert_same_checkpoint(tmp_path / "reloaded_3.ckpt", tmp_path / "ort_3.ckpt")
+    own = tmp_path / "own" / "step_00000001" / "checkpoint"  # (ONNX Runtime's own state object)
+    assert own.read_bytes() == (tmp_path / "own_sync_1.ckpt").read_bytes()
+    later = CheckpointState.load_checkpoint(tmp_path / "ort_3.ckpt").parameters
+    first = CheckpointState.load_checkpoint(tmp_path / "ort_1.ckpt").parameters
+    assert any(later[name].data.tobytes() != p.data.tobytes() for name, p in first)  # (it trained on)
+
+
+def test_a_forked_save_whose_child_dies_hangs_or_raises_commits_nothing_and_the_next_save_works(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """The child SIGKILLed mid-save, hung past its deadline, or raising: ForkedSaveError (the
+    hang a ForkedSaveTimeoutError at its deadline), the steps before stand, no temporary is
+    left, and the next save commits. A SIGTERM and a SIGINT sent to the child (a Ctrl-C or a
+    preemption notice to the process group) do not stop its save nor preempt the run."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_failures", ARTIFACTS, tmp_path)
+    lock = ".ortckpt-writer.lock"
+    for kind, error, says in (
+        ("killed", "ForkedSaveError", "killed by signal SIGKILL"),
+        ("hung", "ForkedSaveTimeoutError", "ran past its deadline (2 s)"),
+        ("raised", "ForkedSaveError", "RuntimeError: the saver failed"),
+    ):
+        outcome = report[kind]
+        assert outcome["error"] == error, kind
+        assert says in outcome["message"] and "nothing was committed" in outcome["message"], kind
+        assert outcome["steps"] == [1] and outcome["left"] == [lock, "step_00000001"], kind
+    assert report["hung"]["seconds"] < 30
+    assert report["signalled"] == {
+        "error": None,
+        "steps": [1, 5],
+        "left": [lock, "step_00000001", "step_00000005"],
+        "preempted": False,
+    }
+    assert report["reaped"] == {"by_another": True, "saved": True}  # (reaped elsewhere: its pipe said it saved)
+    assert verify(tmp_path / "direct.ckpt").checksums
+    assert report["after"]["error"] is None and report["after"]["steps"] == [1, 5, 6]
+    assert verify(tmp_path / "run" / "step_00000001" / "checkpoint").checksums
+    assert_same_checkpoint(Path(report["latest"]), tmp_path / "now.ckpt", properties_but=())
+
+
+def test_a_forked_saves_child_dies_with_a_trainer_killed_outright_and_frees_the_run(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """The trainer SIGKILLed while its forked save's child runs: the child goes too (it shares the
+    run's writer lock, which would stay held while it lived), and the next writer opens the run."""
+    from ortckpt import CheckpointManager
+
+    process = subprocess.Popen(
+        [ort_loop_python, str(HERE / "ort_loop.py"), "forked_orphan", str(ARTIFACTS), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=loop_environment(),
+    )
+    assert process.stdout is not None
+    child = int(process.stdout.readline())
+    assert Path(f"/proc/{child}").exists()
+    process.kill()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    try:
+        while Path(f"/proc/{child}").exists() and "Z" not in _state_of(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{child}").exists() or "Z" in _state_of(child), "the child outlived its trainer"
+    finally:  # (a failure here leaves no child behind)
+        if Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)
+    with CheckpointManager(tmp_path / "run") as manager:  # (the writer lock is free)
+        assert manager.all_steps() == []
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"
+
+
 def test_a_memory_checkpoint_directory_swapped_in_a_hostile_tmpdir_changes_nothing(
     ort_loop_python: str, tmp_path: Path
 ) -> None:
@@ -587,6 +682,17 @@ def test_preemption_at_random_moments(ort_loop_python: str, tmp_path: Path) -> N
     reference = preempt_trials.reference_run(ort_loop_python, tmp_path / "reference")
     for n in range(4):
         preempt_trials.trial(ort_loop_python, tmp_path / f"trial{n}", reference, rng, second=n == 3)
+
+
+def test_preemption_at_random_moments_with_forked_async_saves(ort_loop_python: str, tmp_path: Path) -> None:
+    """As above with async_save="fork": the preemption save waits for the forked save pending
+    (its child finishes; the signal went to the trainer only) and resumes byte-identically."""
+    import preempt_trials
+
+    rng = random.Random(380)
+    reference = preempt_trials.reference_run(ort_loop_python, tmp_path / "reference", "fork")
+    for n in range(3):
+        preempt_trials.trial(ort_loop_python, tmp_path / f"trial{n}", reference, rng, second=n == 2, async_save="fork")
 
 
 RESTORED_TO_ORT = """

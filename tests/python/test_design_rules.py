@@ -391,6 +391,7 @@ FOREIGN_PRIVATE_NAMES_ALLOWED = {
     ("_boundary", "_release"): "the core's own MappedFile, which only _boundary talks to",
     ("live", "_ortvalue"): "ONNX Runtime's OrtValue, handed over as ONNX Runtime's Parameters.__setitem__ does",
     ("preemption", "_exit"): "os._exit: the standard library's end of a process that runs no cleanup",
+    ("forked_save", "_exit"): "os._exit: a forked child leaves without the parent's atexit handlers and buffers",
 }
 
 

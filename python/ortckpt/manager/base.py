@@ -34,6 +34,7 @@ class ManagerBase:
     policy: RetentionPolicy
     save_every: int | datetime.timedelta | None
     async_save: bool
+    _fork_save: bool  # async_save="fork"
     read_only: bool
     durable: bool
     verify_after_save: bool | Literal["process"]

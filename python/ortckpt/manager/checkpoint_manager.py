@@ -88,6 +88,13 @@ class CheckpointManager(Saving):
             change its arrays); writing, fsync, commit and retention happen in a background
             thread. An error there is raised by the next :meth:`save` or :meth:`wait`. The
             copy is kept for the next save to copy into: memory the size of the state.
+            ``"fork"``: as True, but a full save of a state ONNX Runtime trains (on the CPU, to
+            a directory, on Linux) is taken by a forked process instead of a copy: the caller
+            is blocked only while the process forks, the child has ONNX Runtime's saver write
+            the step's checkpoint (ONNX Runtime's layout, shared with no other step), and the
+            background thread commits it once the child reports (a child that fails, dies or
+            runs past its deadline: :class:`~ortckpt.ForkedSaveError`, nothing committed). Other
+            saves go as with True. See docs/ort-loop.md for what a fork costs and risks.
         durable: fsync each checkpoint's files and directories before it counts as saved (on
             object storage an object is durable once its PUT returns: nothing changes).
         verify_after_save: Before committing, re-read the new checkpoint (:func:`ortckpt.verify`):
@@ -184,7 +191,7 @@ class CheckpointManager(Saving):
         max_to_keep: int | None = None,
         keep_best: tuple[str, Literal["min", "max"], int] | None = None,
         keep_every: int | None = None,
-        async_save: bool = False,
+        async_save: bool | Literal["fork"] = False,
         durable: bool = True,
         verify_after_save: bool | Literal["process"] = False,
         verify_timeout: float | None = None,
@@ -216,10 +223,11 @@ class CheckpointManager(Saving):
                 f"directory is a path or an {targets.SCHEME} URL, got '' (an empty name)", "directory"
             )
         save_every = options.save_every(save_every)
+        fork_save = isinstance(async_save, str) and async_save == "fork"
         async_save, durable, compress_kept, progress, read_only, share_unchanged = (
             arguments.flag(name, value)
             for name, value in (
-                ("async_save", async_save),
+                ("async_save", True if fork_save else async_save),
                 ("durable", durable),
                 ("compress_kept", compress_kept),
                 ("progress", progress),
@@ -279,6 +287,7 @@ class CheckpointManager(Saving):
         self.policy = policy
         self.save_every = save_every
         self.async_save = async_save
+        self._fork_save = fork_save  # (full saves of ONNX Runtime's state, forked: see Saving._forked)
         self.read_only = read_only
         self.durable = durable
         self.verify_after_save = verify_after_save

@@ -10,10 +10,11 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import arguments, interrupts, safe_io, steps
+from .. import _boundary, arguments, interrupts, safe_io, steps
 from ..checkpoint_state import CheckpointState, adopt
 from ..errors import (
     CheckpointError,
@@ -114,6 +115,7 @@ class Saving(ManagerBase):
             copy=self.async_save and not synchronous,
         )
         if self.comm is not None:
+            assert isinstance(snapshot, CheckpointState)  # (no async save with comm: never forked)
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
         if not self.async_save or synchronous:
@@ -136,9 +138,10 @@ class Saving(ManagerBase):
         rng_state: Mapping[str, Any] | None,
         include_optimizer_state: bool,
         copy: bool,
-    ) -> tuple[int, dict[str, Any], CheckpointState]:
+    ) -> tuple[int, dict[str, Any], CheckpointState | _ForkedStep]:
         """Checks a save's arguments and takes the snapshot to write (a copy, for an async
-        save), all in the caller's thread: (step, metadata without its files, snapshot)."""
+        save; a forked process's, see :meth:`_forked`), all in the caller's thread: (step,
+        metadata without its files, snapshot)."""
         self._check_writable("save")
         state = adopt(state)  # (ONNX Runtime's own state, the one its Module trains, saves as well)
         if not isinstance(state, CheckpointState):
@@ -179,6 +182,11 @@ class Saving(ManagerBase):
         with self._naming_step(step):
             for name, value in properties.items():
                 state.properties[name] = value
+        if copy and include_optimizer_state:
+            forked = self._forked(state, step)
+            if forked is not None:
+                self._last_save = time.monotonic()
+                return step, meta, forked
         # Every value is checked (and strings encoded) here, in the caller's thread.
         with self._naming_step(step):
             snapshot = state.snapshot(
@@ -191,11 +199,45 @@ class Saving(ManagerBase):
         self._last_save = time.monotonic()
         return step, meta, snapshot
 
+    def _forked(self, state: CheckpointState, step: int) -> _ForkedStep | None:
+        """With ``async_save="fork"``, a full save of a state ONNX Runtime trains, to a
+        directory: the step's attempt begun and a child forked that has ONNX Runtime save the
+        state, as it is now, into its staged checkpoint (:mod:`ortckpt.forked_save`); None where
+        that cannot be (the thread's copy then)."""
+        ort_state = state.bound_ort_state
+        if not self._fork_save or ort_state is None or state.is_nominal:
+            return None
+        if self.external_data_threshold != _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD or self.progress:
+            return None  # (ONNX Runtime's saver has its own layout, and no progress to report)
+        from .. import forked_save
+
+        if not forked_save.available(ort_state):
+            return None
+        attempt = self.store.begin(step)
+        try:
+            target = self.store.staged_checkpoint(attempt, steps.CHECKPOINT_NAME)
+            if target is None:
+                self.store.abandon(attempt)
+                return None
+            values = sum(int(getattr(p.data, "nbytes", 0)) for _, p in state.parameters)  # (moments: ~2x more)
+            shown = f"{self._step_folder(step)}/{steps.CHECKPOINT_NAME}"
+            child = forked_save.start(ort_state, target, checkpoint_bytes=3 * values, shown=shown)
+        except forked_save.ForkFailed:
+            self.store.abandon(attempt)
+            return None  # (no fork to be had now, out of processes or memory: the thread's copy)
+        except BaseException:
+            self.store.abandon(attempt)
+            raise
+        return _ForkedStep(attempt, child)
+
     def _write_and_commit(
-        self, state: CheckpointState, step: int, meta: dict[str, Any], include_optimizer_state: bool
+        self, state: CheckpointState | _ForkedStep, step: int, meta: dict[str, Any], include_optimizer_state: bool
     ) -> None:
         """The step transaction of one save: stage, write, verify, metadata, commit; then
         retention and the tracker's report."""
+        if isinstance(state, _ForkedStep):
+            self._commit_forked(state, meta)
+            return
         with self._naming_step(step):
             core = state.core_state(include_optimizer_state)
         attempt = self.store.begin(step)
@@ -210,6 +252,25 @@ class Saving(ManagerBase):
                 progress=self.progress,
                 share_with=None if previous is None else previous.step_record,
             )
+            for role, source in self.artifacts.items():
+                self.store.store_graph(attempt, role, source, durable=self.durable)
+            committed = self._commit(attempt, meta)
+        except OSError as e:
+            self.store.abandon(attempt)
+            raise self._named_by_step(e, attempt) from None
+        except BaseException:
+            self.store.abandon(attempt)
+            raise
+        self._committed(committed)
+
+    def _commit_forked(self, forked: _ForkedStep, meta: dict[str, Any]) -> None:
+        """The rest of a forked save's step transaction, in the background thread: the child
+        waited for (its deadline), its checkpoint sealed and committed into the attempt, then
+        as any save (graphs, verify, metadata, commit, retention, report)."""
+        attempt = forked.attempt
+        try:
+            forked.child.finish(durable=self.durable)
+            self.store.record_checkpoint(attempt, steps.CHECKPOINT_NAME)
             for role, source in self.artifacts.items():
                 self.store.store_graph(attempt, role, source, durable=self.durable)
             committed = self._commit(attempt, meta)
@@ -437,3 +498,11 @@ def _verify_in_new_process(directory: Path, meta: dict[str, Any], timeout: float
         child.run(child.verify, (str(directory),), subject=directory, what="verification process", timeout=timeout)
     finally:
         os.unlink(directory / steps.METADATA_NAME)
+
+
+@dataclass
+class _ForkedStep:
+    """A forked save's step: its attempt, and the child writing its checkpoint."""
+
+    attempt: Attempt
+    child: Any  # a forked_save.ForkedSave (imported on first use)

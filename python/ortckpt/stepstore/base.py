@@ -263,6 +263,17 @@ class StepStore(abc.ABC):
         previous step, whose data file a store may share for the values that are unchanged
         (a directory does; an object store uploads every step whole)."""
 
+    def staged_checkpoint(self, attempt: Attempt, name: str) -> Path | None:
+        """Where another writer (a forked save: :mod:`ortckpt.forked_save`) may put the checkpoint
+        ``name`` of the attempt itself, a local path, then :meth:`record_checkpoint` it; None where
+        the store writes its checkpoints only itself (an object store)."""
+        return None
+
+    def record_checkpoint(self, attempt: Attempt, name: str) -> dict[str, dict[str, Any]]:
+        """Records in ``attempt.written`` the checkpoint ``name`` (and its data file) that another
+        writer put at :meth:`staged_checkpoint`; returns their entries."""
+        raise NotImplementedError(f"{self.name}: checkpoints are written by the store itself")
+
     @abc.abstractmethod
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         """Writes a document into the attempt (a manager's sharded step keeps its index there);

@@ -236,6 +236,13 @@ class DirectoryStore(StepStore):
             targets.LocalFile(path).save(
                 state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
             )
+        return self.record_checkpoint(attempt, name)
+
+    def staged_checkpoint(self, attempt: Attempt, name: str) -> Path:
+        return safe_io.member(_path(attempt.folder), name)
+
+    def record_checkpoint(self, attempt: Attempt, name: str) -> dict[str, dict[str, Any]]:
+        path = safe_io.member(_path(attempt.folder), name)
         written = {p.name: {"bytes": p.stat().st_size} for p in (path, Path(f"{path}.data")) if p.exists()}
         attempt.written.update(written)
         return written

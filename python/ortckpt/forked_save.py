@@ -1,0 +1,288 @@
+"""A full save of the state ONNX Runtime trains, taken by a forked process: the trainer is
+blocked only while it forks (``CheckpointManager(async_save="fork")``).
+
+The optimizer's moments are reachable only through ONNX Runtime's ``save_checkpoint``, which
+serialises the whole state in the calling thread (seconds, for a large state). A fork gives a
+copy-on-write image of the process at that instant, so the child can run that serialisation
+while the parent trains on: :func:`start` stages the checkpoint's temporary files, forks, and
+returns; the child has ONNX Runtime's saver write the staged files (:func:`ortckpt.live.write_staged`),
+reports over a pipe and leaves by ``os._exit``; :meth:`ForkedSave.finish`, in the parent's
+background writer, waits for that report with a deadline, then seals and commits the staged
+files in the parent (the parent's ``Staging`` stays the one owner of the temporaries: sealing
+drops a data file the checkpoint does not use). A child that raised, died or hung means the
+save failed: :class:`~ortckpt.ForkedSaveError`, the child killed, the temporaries removed,
+nothing committed.
+
+The dangers of forking a process that has threads, and what guards each:
+
+- only the forking thread exists in the child: a lock another thread held at the fork stays
+  held there. The child runs nothing but ONNX Runtime's saver (which, for a state in CPU
+  memory, copies tensors into a flatbuffers buffer and writes a file: no thread pool, no lock
+  of ONNX Runtime's that its Module holds between calls) and a few system calls; glibc's
+  malloc is fork-safe. Anything else that would hang there hits the deadline. Not for a state
+  on a GPU (a device context does not survive a fork): :func:`available` refuses it;
+- the child inherits the process's signal handlers: a Ctrl-C or SIGTERM sent to the process
+  group must not run the preemption handler or raise ``KeyboardInterrupt`` there. The signals
+  that have Python handlers are blocked across the fork and ignored in the child before they
+  are unblocked there (the parent decides what a signal does to its save);
+- the child inherits the lock file of the run's directory: it dies with the thread that forked
+  it (``PR_SET_PDEATHSIG``), so a trainer killed outright leaves no child holding the lock;
+- it must not run ``atexit`` handlers, flush inherited buffers or join threads that do not
+  exist: it leaves by ``os._exit``, whatever happens;
+- CPython 3.12+ warns on a fork in a process with threads (the danger above): that warning, and
+  only it, is silenced for this fork;
+- memory: the child's pages are shared with the trainer until either writes them; pages the
+  trainer updates during the save are copied (at most the state's size, once), beside what
+  ONNX Runtime's serialisation holds in the child. The child runs no garbage collection (it
+  would write to every Python object's header, copying the pages they sit on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import _boundary, live
+from .errors import ForkedSaveError, ForkedSaveTimeoutError
+
+# The deadline of a child's save: a fixed allowance plus the time to write the checkpoint at a
+# slow disk's pace (seconds); None: that default. Tests lower it.
+TIMEOUT: float | None = None
+BASE_TIMEOUT = 120.0
+BYTES_PER_SECOND = 64 << 20
+
+_REPORT_LIMIT = 4000  # bytes of a child's error message: its report is one write, under Linux's PIPE_BUF
+_POLL = 0.05  # seconds between looks at the child while its report has not come
+_PR_SET_PDEATHSIG = 1
+
+
+def available(ort_state: Any) -> bool:
+    """Whether a save of ``ort_state`` can be taken by a fork here: Linux (fork, ``/proc``,
+    ``prctl``) and a state in CPU memory."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork") and os.path.isdir("/proc/self/fd")):
+        return False
+    names = ort_state.parameter_names()
+    return not names or str(ort_state.get_parameter(names[0]).data.device_name()).lower() == "cpu"
+
+
+def default_timeout(checkpoint_bytes: int) -> float:
+    """120 s plus 1 s per 64 MiB of checkpoint."""
+    return BASE_TIMEOUT + checkpoint_bytes / BYTES_PER_SECOND
+
+
+class ForkedSave:
+    """A child writing the staged checkpoint ``target``; :meth:`finish` commits it, :meth:`abandon` drops it."""
+
+    def __init__(self, pid: int, report: int, staging: _boundary.Staging, target: Path, timeout: float) -> None:
+        self.pid = pid
+        self.target = target
+        self.timeout = timeout
+        self._report = report
+        self._staging = staging
+        self._started = time.monotonic()
+        self._reaped = False
+
+    def finish(self, *, durable: bool) -> None:
+        """Waits for the child (at most the deadline), then seals and commits its files at the
+        target. Any failure: the child killed, the staged files removed, then raised."""
+        try:
+            problem = self._wait()
+            if problem is not None:
+                raise problem
+            self._staging.seal()
+            self._staging.commit(durable=durable)
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            self._close_report()
+
+    def abandon(self) -> None:
+        """Kills the child if it still runs, reaps it and removes the staged files."""
+        if not self._reaped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self._reap(block=True)
+        self._staging.discard()
+        self._close_report()
+
+    def _wait(self) -> ForkedSaveError | None:
+        """The child's failure, or None once it reported success and exited."""
+        deadline = self._started + self.timeout
+        report = b""
+        waiting = select.poll()  # (poll, not select: a descriptor past 1023 is fine)
+        waiting.register(self._report, select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return ForkedSaveTimeoutError(
+                    self.target,
+                    f"the forked save ran past its deadline ({self.timeout:g} s) and was killed",
+                    self.timeout,
+                )
+            ready = waiting.poll(min(left, _POLL) * 1000)
+            ended = False
+            if ready:
+                chunk = os.read(self._report, 65536)
+                report += chunk
+                ended = not chunk  # (end of file: the child is gone)
+            status = self._reap(block=ended)
+            if status is not None or ended:
+                # (the child's last words may still be in the pipe once it has exited)
+                report += self._drain()
+                return self._verdict(report, status)
+
+    def _drain(self) -> bytes:
+        data = b""
+        waiting = select.poll()
+        waiting.register(self._report, select.POLLIN)
+        while waiting.poll(0):
+            chunk = os.read(self._report, 65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    def _verdict(self, report: bytes, status: int | None) -> ForkedSaveError | None:
+        if report == b"ok":
+            return None  # (the report is written after the files are: the exit status is only the way out)
+        if report.startswith(b"error:"):
+            return ForkedSaveError(self.target, "the forked save raised " + report[6:].decode(errors="replace"))
+        if status is not None and os.WIFSIGNALED(status):
+            name = signal.Signals(os.WTERMSIG(status)).name if os.WTERMSIG(status) in signal.valid_signals() else "?"
+            return ForkedSaveError(self.target, f"the forked save's process was killed by signal {name}")
+        code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else "unknown"
+        return ForkedSaveError(self.target, f"the forked save's process exited (status {code}) without saving")
+
+    def _reap(self, *, block: bool) -> int | None:
+        """The child's wait status once it has exited (reaped), else None."""
+        if self._reaped:
+            return None
+        try:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # (reaped by someone else: a SIGCHLD handler of the program's)
+            self._reaped = True
+            return None
+        if pid == 0:
+            return None
+        self._reaped = True
+        return status
+
+    def _close_report(self) -> None:
+        if self._report >= 0:
+            os.close(self._report)
+            self._report = -1
+
+
+class ForkFailed(OSError):
+    """``fork()`` itself failed (no process or memory to be had): nothing was started."""
+
+
+def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | None = None) -> ForkedSave:
+    """Stages the checkpoint ``target`` (and its data file) and forks a child that has ONNX
+    Runtime save ``ort_state`` as it is now into them; returns once forked. ``shown``: the
+    checkpoint's name in messages (default: ``target``)."""
+    timeout = TIMEOUT if TIMEOUT is not None else default_timeout(checkpoint_bytes)
+    staging = _boundary.stage(target, with_data=True)
+    try:
+        read, write = os.pipe2(os.O_CLOEXEC)
+    except BaseException:
+        staging.discard()
+        raise
+    parent = os.getpid()
+    handled = _python_handled_signals()
+    prctl = _prctl()  # (looked up here: the child asks the dynamic loader nothing)
+    try:
+        with _signals_blocked(handled), _fork_warning_silenced():
+            try:
+                pid = os.fork()
+            except OSError as e:
+                raise ForkFailed(e.errno, f"fork: {e.strerror}") from None
+            if pid == 0:  # the child: never returns
+                _child(ort_state, staging, read, write, parent, handled, prctl)
+    except BaseException:
+        os.close(read)
+        os.close(write)
+        staging.discard()
+        raise
+    os.close(write)
+    return ForkedSave(pid, read, staging, Path(shown) if shown is not None else target, timeout)
+
+
+def _child(
+    ort_state: Any, staging: _boundary.Staging, read: int, write: int, parent: int, handled: list[int], prctl: Any
+) -> None:
+    """ONNX Runtime's save into the staged files, its outcome written to ``write``; then
+    ``os._exit`` (no atexit handler, no buffer flushed, no thread joined)."""
+    report = b"error: nothing (the child stopped before its save)"
+    try:
+        gc.disable()  # (a collection writes to every object's header: a copy of each page they share)
+        for number in handled:  # (blocked since before the fork: ignored before any is delivered)
+            signal.signal(number, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)
+        os.close(read)
+        if prctl is not None:  # (without it, a child whose trainer died finishes its save, then exits)
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # (the trainer died before prctl took effect)
+            os._exit(3)
+        live.write_staged(ort_state, staging)
+        report = b"ok"
+    except BaseException as e:
+        text = "".join(traceback.format_exception_only(type(e), e)).strip()
+        report = b"error:" + text.encode(errors="replace")[:_REPORT_LIMIT]
+    finally:
+        try:
+            os.write(write, report)
+        finally:
+            os._exit(0 if report == b"ok" else 1)
+
+
+def _prctl() -> Any:
+    """libc's ``prctl``, or None where it cannot be had."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _python_handled_signals() -> list[int]:
+    """The signals whose handler is a Python function (the preemption handler, SIGINT's)."""
+    handled = []
+    for number in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if callable(signal.getsignal(number)):
+                handled.append(int(number))
+    return handled
+
+
+@contextlib.contextmanager
+def _signals_blocked(numbers: list[int]) -> Iterator[None]:
+    """``numbers`` blocked in this thread for the block (a signal that comes meanwhile is
+    delivered when it ends: in the parent, to its handler; in the child, ignored)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def _fork_warning_silenced() -> Iterator[None]:
+    """CPython 3.12+'s DeprecationWarning on a fork in a process with threads, and only it
+    (the module docstring says why this fork is safe enough)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning
+        )
+        yield
