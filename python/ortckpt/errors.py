@@ -154,6 +154,17 @@ class ObjectStoreError(CheckpointError, OSError):
         super().__init__(f"{url}: {problem}")
 
 
+class ScanTimeoutError(CheckpointError, TimeoutError):
+    """A reader looked for a run's committed steps as long as it may (20 looks, 10 s at most), and
+    each look found the newest step it listed deleted under it and nothing committed (a writer's
+    retention deleting steps faster than this reader reads them): not "no checkpoint", which may
+    be false. ``filename`` is the run."""
+
+    def __init__(self, run: str, problem: str) -> None:
+        self.filename = run
+        super().__init__(f"{run}: {problem}")
+
+
 class InternalError(CheckpointError):
     """A bug in ortckpt, caught at the Rust boundary instead of crashing."""
 
@@ -171,6 +182,7 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "InvalidArgumentTypeError",
+    "ScanTimeoutError",
     "SpecialFileError",
     "UnsupportedDataTypeError",
     "UnsupportedPlatformError",

@@ -22,13 +22,18 @@ the server declares is over the caller's limit or is not the size the caller exp
 as more bytes arrive than it declared, or when fewer did; a whole read goes into one buffer of the
 declared size. :func:`get_checkpoint` also refuses an object that cannot be a checkpoint, from its
 size and its first chunk; :func:`download_to` and :func:`sha256_of` hold one chunk. A listing
-ends in an error at :data:`LIST_KEYS` keys or :data:`LIST_PAGES` pages, or at a key listed twice
-(a page repeated).
+ends in an error at :data:`LIST_KEYS` keys or :data:`LIST_PAGES` pages, at a key or continuation
+token listed twice (a page repeated), or after :data:`LIST_EMPTY_PAGES` pages in a row that hold
+nothing yet say more follow (a server that sends them for ever).
 
-Multipart uploads that killed writers left (invisible, but their parts are kept) are listed by
-:mod:`ortckpt.object_uploads` (``pending_uploads``, ``abort_upload``): obstore has neither, so
-these are requests of the standard library's, signed (SigV4) with the store's own configuration
-(static credentials only), their XML bounded (:data:`XML_LIMIT`) and without entities.
+Listings' pages (ListObjectsV2, for :func:`list_keys` and :func:`list_folders`) and the multipart
+uploads that killed writers left (invisible, but their parts are kept) are ortckpt's own requests
+(:mod:`ortckpt.object_requests`, :mod:`ortckpt.object_uploads`), signed (SigV4) with the store's
+own configuration, their XML bounded (:data:`XML_LIMIT`) and without entities: obstore has no call
+for the uploads, and its listing hides the pages (it asks for empty ones for ever). That takes
+static credentials (given, from the environment or a profile); a store without them (an
+instance's role, a web identity) is listed by obstore, its pages unbounded, and cannot list
+uploads.
 
 Configuration, as boto3 finds it: ``storage_options`` first (``endpoint_url``, ``region``,
 ``access_key_id``/``key``, ``secret_access_key``/``secret``, ``session_token``/``token``,
@@ -38,8 +43,8 @@ the ``AWS_*`` environment variables, then the profile (``AWS_PROFILE`` or ``defa
 ``connect_timeout`` (10 by default), ``timeout`` for the whole request (60 by default; a GET's
 body cut by it is resumed where it stopped) and, if given, ``read_timeout``, the longest wait for
 a byte (obstore's client options of those names; see :data:`DEADLINES`). A request that fails is
-retried by obstore, up to ``max_retries`` times within ``retry_timeout``; the multipart requests
-above are not retried.
+retried by obstore, up to ``max_retries`` times within ``retry_timeout``, and so is a page of a
+listing; the multipart requests above are not retried.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ from typing import Any
 
 from .errors import CheckpointFormatError, ObjectStoreError
 from .extras import require
+from .object_requests import DEADLINES, LIST_PAGE_KEYS, list_pages, signs
+from .object_requests import LIST_EMPTY_PAGES as LIST_EMPTY_PAGES  # (named here: the listing's bounds)
+from .object_requests import XML_LIMIT as XML_LIMIT
 
 # Multipart upload parts: S3 allows 10,000 per object, so up to 160 GiB per object.
 PART_BYTES = 16 << 20
@@ -65,16 +73,10 @@ STREAM_CHUNK = 4 << 20
 CHECKPOINT_LIMIT = 2**31
 CHECKPOINT_IDENTIFIER = b"ODTC"
 IDENTIFIED_BY = 8
-# Listings: keys a page (S3's most), and the bounds past which a listing is an error.
-LIST_PAGE_KEYS = 1000
+# Listings: the bounds past which a listing is an error (keys a page, pages in a row without
+# keys, the largest XML answer and every request's deadlines: ortckpt.object_requests).
 LIST_PAGES = 100_000
 LIST_KEYS = 1_000_000
-# The largest XML answer read (a page of 1000 multipart uploads is under 1 MiB).
-XML_LIMIT = 4 << 20
-# Every request's deadlines, in seconds (storage_options of the same names override them):
-# connecting, and the whole request (a part of an upload; a GET's body cut by it is resumed
-# from where it stopped, a retry of obstore's).
-DEADLINES = {"connect_timeout": 10.0, "timeout": 60.0}
 
 
 @dataclass(frozen=True)
@@ -469,34 +471,67 @@ def list_keys(location: Location, *, max_keys: int = LIST_KEYS, max_pages: int =
     """(key relative to ``location`` as a prefix, size) of every object under it.
 
     An :class:`ObjectStoreError` naming the prefix, rather than a listing without end, when the
-    listing passes ``max_keys`` keys or ``max_pages`` pages (obstore's: it hides the server's,
-    and hands over :data:`LIST_PAGE_KEYS` keys at a time), or when a key comes twice (a page
-    repeated: a server that repeats its continuation token)."""
-    import obstore
-
+    listing passes ``max_keys`` keys or ``max_pages`` pages, when a key or a continuation token
+    comes twice (a page repeated), or after :data:`LIST_EMPTY_PAGES` pages in a row without
+    keys (``IsTruncated`` and a new token each time, for ever). The pages are ortckpt's own
+    requests (ListObjectsV2: :func:`ortckpt.object_requests.list_pages`) where the store has
+    static credentials, each within the request deadlines and :data:`XML_LIMIT` bytes; otherwise
+    obstore's, which hides
+    them: it hands over :data:`LIST_PAGE_KEYS` keys at a time, each counted as a page, and a
+    server's pages without keys it asks for until it is stopped."""
     prefix = f"{location.key}/" if location.key else ""
-    pages = obstore.list(location.store, prefix or None, chunk_size=LIST_PAGE_KEYS)
-    return _calling(location, _listed, location, pages, prefix, max_keys, max_pages)
+    if signs(location.store):
+        batches: Iterable[Any] = (keys for keys, _ in list_pages(location, prefix, "", max_pages))
+    else:
+        import obstore
+
+        batches = (
+            {m["path"]: m["size"] for m in batch}
+            for batch in obstore.list(location.store, prefix or None, chunk_size=LIST_PAGE_KEYS)
+        )
+    return _calling(location, _listed, location, batches, prefix, max_keys, max_pages)
 
 
-def _listed(location: Location, pages: Any, prefix: str, max_keys: int, max_pages: int) -> list[tuple[str, int]]:
-    """The listing's pages, each a request (so their failures are mapped by the caller)."""
+def list_folders(location: Location, *, max_folders: int = LIST_KEYS, max_pages: int = LIST_PAGES) -> list[str]:
+    """The names of the folders directly under ``location`` taken as a prefix (a listing by
+    ``/``: S3's common prefixes), bounded as :func:`list_keys` is. It is the listing of one
+    folder, where :func:`list_keys` may be a walk of many: a server that walks a tree (SeaweedFS,
+    MinIO) lists each folder at another moment, each one after the first perhaps gone by then
+    and what replaced it not yet there when the walk began. With a store without static
+    credentials, obstore's listing (its pages hidden: one without end is not stopped)."""
+    prefix = f"{location.key}/" if location.key else ""
+    if not signs(location.store):
+        import obstore
+
+        listed = _calling(location, obstore.list_with_delimiter, location.store, prefix or None)
+        found = [str(p) for p in listed["common_prefixes"]]
+    else:
+        found = []
+        for _, folders in list_pages(location, prefix, "/", max_pages):
+            found += folders
+            if len(found) > max_folders:
+                raise ObjectStoreError(f"{location.url.rstrip('/')}/", f"listing: over {max_folders} folders")
+    return [name[len(prefix) :].strip("/") for name in found if name.startswith(prefix)]
+
+
+def _listed(location: Location, batches: Any, prefix: str, max_keys: int, max_pages: int) -> list[tuple[str, int]]:
+    """The listing's batches ({key: size}), each a request (so their failures are mapped by the
+    caller), checked: bounded, no key twice."""
 
     def failed(problem: str) -> ObjectStoreError:
         return ObjectStoreError(f"{location.url.rstrip('/')}/", f"listing: {problem}")
 
     out: list[tuple[str, int]] = []
     seen: set[str] = set()  # (S3 lists keys in order, but some servers not quite: a set, not a comparison)
-    for count, batch in enumerate(pages, 1):
+    for count, batch in enumerate(batches, 1):
         if count > max_pages:
             raise failed(f"over {max_pages} pages")
-        for meta in batch:
-            path = meta["path"]
+        for path, size in batch.items():
             if path in seen:
                 raise failed(f"{path!r} listed twice (a page repeated: the server repeats its continuation token)")
             seen.add(path)
             if path.startswith(prefix):
-                out.append((path[len(prefix) :], meta["size"]))
+                out.append((path[len(prefix) :], size))
         if len(seen) > max_keys:
             raise failed(f"over {max_keys} keys")
     return out

@@ -9,7 +9,8 @@ broken or malicious server can. What it does is chosen by the key or the prefix 
   answers), ``drip`` (declares 1 MiB, sends a byte every 0.2 s), anything else: :data:`SMALL`;
 - listings (ListObjectsV2 and ListMultipartUploads alike): prefix ``same/`` (the same page and the
   same continuation token forever), ``endless/`` (pages of new keys forever), ``empty/`` (empty
-  truncated pages forever), ``silent/``, anything else one honest page; for uploads also ``drip/``,
+  truncated pages forever), ``silent/``, ``flaky/`` (every other request answered 503, the others
+  one honest page), anything else one honest page; for uploads also ``drip/``,
   ``bomb/`` (an entity-expansion bomb), ``oversized/`` (``Content-Length: 2**40``) and
   ``unbounded/`` (a chunked body that never ends).
 
@@ -171,6 +172,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         prefix, token = query.get("prefix", ""), query.get("continuation-token", "")
         if prefix.startswith("silent/"):
             return self._silent()
+        if prefix.startswith("flaky/") and sum("flaky" in r for r in self.hostile.requests) % 2:
+            data = b"<Error><Code>SlowDown</Code></Error>"
+            self._headers(503, {"Content-Type": "application/xml", "Content-Length": len(data)})
+            self.wfile.write(data)
+            return None
         keys: list[str] = []
         following = "again"
         if prefix.startswith("same/"):

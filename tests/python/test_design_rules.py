@@ -272,8 +272,11 @@ def test_only_the_steps_module_spells_the_layout_of_a_run():
 def test_object_store_moves_bytes_and_knows_no_checkpoint_state():
     source = _package_modules()["object_store"]
     imported = {target for target, _ in _imports(source, "object_store") if target.startswith("ortckpt")}
-    assert imported <= {"ortckpt.errors", "ortckpt.extras"}, imported
+    assert imported <= {"ortckpt.errors", "ortckpt.extras", "ortckpt.object_requests"}, imported
     assert "_core_tensors" not in source and "core_state" not in source
+    # (its own signed requests, below it: the pages of a listing, and the uploads' requests)
+    requests = _package_modules()["object_requests"]
+    assert {t for t, _ in _imports(requests, "object_requests") if t.startswith("ortckpt")} <= {"ortckpt.errors"}
 
 
 # What asks which backend holds a run: a store's ``.local``, the backends' classes (chosen by

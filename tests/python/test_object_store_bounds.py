@@ -15,11 +15,13 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import ortckpt.object_requests as object_requests
 import ortckpt.object_store as object_store
 import ortckpt.object_uploads as object_uploads
 import pytest
 from hostile_s3 import HUGE, SMALL, HostileS3
-from ortckpt import targets
+from ortckpt import CheckpointManager, CheckpointState, targets
 from ortckpt.errors import CheckpointFormatError, ObjectStoreError
 from s3_server import kill_mid_upload
 
@@ -36,7 +38,8 @@ ATTEMPT = textwrap.dedent(
     location = targets.object_location(url, options)
     started = time.monotonic()
     try:
-        eval(call, {"object_store": object_store, "object_uploads": object_uploads, "location": location, "os": os})
+        globals_ = {"object_store": object_store, "object_uploads": object_uploads, "location": location, "os": os}
+        eval(call, {**globals_, "options": options})
         error, message = None, ""
     except Exception as e:
         error, message = type(e).__name__, str(e)
@@ -122,21 +125,47 @@ def test_a_body_shorter_than_declared_is_an_error(hostile, call):
     assert_refused(attempt(hostile, "s3://b/shorter", call), naming="s3://b/shorter")
 
 
+READER = "__import__('ortckpt').CheckpointManager(location.url, storage_options=options, read_only=True)"
+
+
 @pytest.mark.parametrize(
     ("prefix", "call", "problem"),
     [
         ("same", "object_store.list_keys(location)", "listed twice"),
         ("endless", "object_store.list_keys(location, max_keys=50_000)", "over 50000 keys"),
         ("endless", "object_store.list_keys(location, max_pages=3)", "over 3 pages"),
+        ("empty", "object_store.list_keys(location)", "100 pages in a row hold nothing"),
+        ("empty", "object_store.list_folders(location)", "100 pages in a row hold nothing"),
+        ("same", "object_store.list_folders(location)", "the continuation token 'again' repeats"),
+        ("empty", f"{READER}.all_steps()", "100 pages in a row hold nothing"),
     ],
-    ids=["repeated-token", "endless-keys", "endless-pages"],
+    ids=[
+        "repeated-token",
+        "endless-keys",
+        "endless-pages",
+        "empty-pages",
+        "empty-folder-pages",
+        "repeated-folder-pages",
+        "empty-pages-of-a-run",
+    ],
 )
 def test_a_listing_without_end_is_an_error(hostile, prefix, call, problem):
     """The original code listed each of these until it was killed (90 s), the repeated and the
-    endless pages' keys piling up."""
+    endless pages' keys piling up; truncated pages without keys (a new continuation token each
+    time) it listed for ever, as did every reader of a run there (issue 40, finding 14)."""
     outcome = attempt(hostile, f"s3://b/{prefix}", call)
     assert_refused(outcome, naming=f"s3://b/{prefix}/: listing")
     assert problem in outcome["message"]
+
+
+def test_a_listing_answered_503_is_tried_again(hostile):
+    """The listing's pages are ortckpt's own requests: a server error is tried again, as obstore
+    tries its own (with no retries allowed, it is the error, naming the prefix)."""
+    location = targets.object_location("s3://b/flaky", hostile.storage_options(max_retries=2))
+    assert object_store.list_keys(location) == [("only", 1)]  # (each answered 503 first)
+    assert object_store.list_folders(location) == []
+    with pytest.raises(ObjectStoreError, match=r"s3://b/flaky/: GET .*HTTP 503 SlowDown"):
+        object_store.list_keys(targets.object_location("s3://b/flaky", hostile.storage_options(max_retries=0)))
 
 
 @pytest.mark.parametrize(
@@ -188,11 +217,11 @@ def test_the_hostile_server_serves_honest_answers_too(hostile):
 
 def test_every_request_has_deadlines_by_default_and_storage_options_set_them():
     store = targets.object_location("s3://b/k", {"endpoint_url": "http://127.0.0.1:9"}).store
-    assert object_uploads._config_of(store)["timeout"] == object_store.DEADLINES["timeout"]
-    assert object_uploads._config_of(store)["connect_timeout"] == object_store.DEADLINES["connect_timeout"]
-    assert object_uploads._config_of(store)["read_timeout"] is None
+    assert object_requests.config_of(store)["timeout"] == object_store.DEADLINES["timeout"]
+    assert object_requests.config_of(store)["connect_timeout"] == object_store.DEADLINES["connect_timeout"]
+    assert object_requests.config_of(store)["read_timeout"] is None
     options = {"endpoint_url": "http://127.0.0.1:9", "timeout": 2.5, "connect_timeout": "1", "read_timeout": 7}
-    config = object_uploads._config_of(targets.object_location("s3://b/k", options).store)
+    config = object_requests.config_of(targets.object_location("s3://b/k", options).store)
     assert (config["timeout"], config["connect_timeout"], config["read_timeout"]) == (2.5, 1, 7)
     with pytest.raises(ValueError, match="s3://b"):
         targets.object_location("s3://b/k", {"timeout": "soon"})
@@ -325,6 +354,25 @@ def test_listing_bounds_on_the_real_server(s3_server, s3_url):
     with pytest.raises(ObjectStoreError, match=f"over {len(names) - 1} keys") as caught:
         object_store.list_keys(prefix, max_keys=len(names) - 1)
     assert caught.value.filename == f"{s3_url}/"
+
+
+def test_a_store_without_static_credentials_lists_through_obstore(s3_server, s3_url, monkeypatch):
+    """Where ortckpt cannot sign (an instance's role, a web identity), obstore lists: the same
+    keys and folders, and a run's steps."""
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=2) as manager:
+        for step in (1, 2, 3):
+            manager.save(CheckpointState.from_arrays({"w": np.full(8, step, np.float32)}), step)
+    prefix = targets.object_location(s3_url, options)
+    signed = (object_store.list_keys(prefix), object_store.list_folders(prefix))
+    monkeypatch.setattr(object_store, "signs", lambda store: False)
+    assert (object_store.list_keys(prefix), object_store.list_folders(prefix)) == signed
+    assert {key for key, _ in signed[0] if key.endswith("metadata.json")} == {
+        "step_00000002/metadata.json",
+        "step_00000003/metadata.json",
+    }
+    assert {"step_00000002", "step_00000003"} <= set(signed[1])  # (and step 1's, emptied, where a server keeps it)
+    assert CheckpointManager(s3_url, storage_options=options, read_only=True).all_steps() == [2, 3]
 
 
 def test_a_store_without_static_credentials_cannot_list_uploads(monkeypatch):

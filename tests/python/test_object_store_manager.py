@@ -388,13 +388,16 @@ def test_verify_and_inspect_take_object_urls(s3_server, s3_url, monkeypatch, cap
     assert "no such object" in capsys.readouterr().err
 
 
-def test_a_reader_whose_step_is_deleted_mid_load_restores_the_new_latest(s3_server, s3_url, monkeypatch):
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_reader_whose_step_is_deleted_mid_load_restores_the_new_latest(s3_server, s3_url, monkeypatch, read_only):
     """Retention deletes the step a reader is loading between its requests (after the checkpoint's
-    GET, before its data object's HEAD): the reader looks again and restores the new latest."""
+    GET, before its data object's HEAD): the reader looks again and restores the new latest. Also
+    a manager made without read_only=True (``CheckpointManager(url).restore()``): no lock keeps
+    other writers from an object store prefix (the original code raised FileNotFoundError)."""
     options = s3_server.storage_options()
     writer = CheckpointManager(s3_url, storage_options=options, max_to_keep=1, external_data_threshold=0)
     writer.save(CheckpointState.from_arrays(arrays(1)), 1)
-    reader = CheckpointManager(s3_url, storage_options=options, read_only=True)
+    reader = CheckpointManager(s3_url, storage_options=options, read_only=read_only)
     head = object_store.head
     raced = []
 

@@ -16,6 +16,7 @@ import ortckpt.object_store as object_store
 import pytest
 from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, targets
 from ortckpt.stepstore import ObjectStore
+from ortckpt.stepstore import base as stepstore_base
 from s3_server import kill_mid_upload
 from test_transactions import restore_while_retention_deletes
 
@@ -33,6 +34,68 @@ def test_a_reader_never_sees_no_checkpoint_while_retention_deletes_on_s3(s3_serv
     finds the newer one (today about 97 % of such restores said there was no checkpoint)."""
     restores, failures = restore_while_retention_deletes(s3_url, 40, **s3_server.storage_options())
     assert restores > 10 and failures == [], failures[:5]
+
+
+def overtaking_writer(s3_url: str, options: dict) -> tuple[CheckpointManager, CheckpointManager, list[int]]:
+    """A writer keeping one step, its step 0 saved, a read-only reader, and the steps saved."""
+    writer = CheckpointManager(s3_url, storage_options=options, max_to_keep=1)
+    writer.save(CheckpointState.from_arrays(arrays(0.0)), 0)
+    return writer, CheckpointManager(s3_url, storage_options=options, read_only=True), [0]
+
+
+def test_a_reader_whose_listing_missed_the_newest_step_still_finds_it(s3_server, s3_url, monkeypatch):
+    """A server that walks a tree (SeaweedFS, MinIO) takes the run's folders at a listing's start
+    and lists each one later: under load the step it took is retired by then, the newer one
+    committed meanwhile never taken, and the listing is empty (seen here with three readers and
+    a writer keeping one step: 19 of 98 restores, latest_step() and all_steps() said there was no
+    checkpoint). Modelled exactly: each listing of the run is overtaken by a save whose retention
+    deletes the step listed, and keeps only what is still there. The original code looked three
+    times and said "no checkpoint to restore" while a step was committed."""
+    options = s3_server.storage_options()
+    writer, reader, saved = overtaking_writer(s3_url, options)
+    run = reader.store.prefix.key
+    real = object_store.list_keys
+
+    def overtaken(location, **kwargs):
+        listed = real(location, **kwargs)
+        if location.key != run:
+            return listed
+        saved.append(saved[-1] + 1)
+        writer.save(CheckpointState.from_arrays(arrays(float(saved[-1]))), saved[-1])
+        still = {key for key, _ in real(location, **kwargs)}
+        return [(key, size) for key, size in listed if key in still]
+
+    monkeypatch.setattr(object_store, "list_keys", overtaken)
+    for _ in range(3):
+        assert reader.restore().parameters["w"].data[0] == saved[-1]
+        assert reader.latest_step() == saved[-1]
+        assert reader.all_steps() == [saved[-1]]
+    monkeypatch.undo()
+    writer.close()
+
+
+def test_a_reader_that_retention_outruns_until_its_deadline_is_told_so(s3_server, s3_url, monkeypatch):
+    """Every step a reader lists is deleted before it reads it: at its deadline the reader says
+    steps are retired faster than it reads them (ScanTimeoutError), never that there is no
+    checkpoint (the original code said so after 20 looks)."""
+    options = s3_server.storage_options()
+    writer, reader, saved = overtaking_writer(s3_url, options)
+    real = ObjectStore._read
+
+    def outrun(store, number, *args, **kwargs):  # a save, retention with it, before each read
+        if store is reader.store:
+            saved.append(saved[-1] + 1)
+            writer.save(CheckpointState.from_arrays(arrays(float(saved[-1]))), saved[-1])
+        return real(store, number, *args, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "_read", outrun)
+    monkeypatch.setattr(stepstore_base, "SCAN_SECONDS", 1.0)
+    with pytest.raises(ortckpt.ScanTimeoutError, match="retired faster than they can be read") as raised:
+        reader.latest_step()
+    assert raised.value.filename == s3_url and len(saved) > 3
+    monkeypatch.undo()
+    assert reader.latest_step() == saved[-1]
+    writer.close()
 
 
 def test_a_restored_state_outlives_its_step_on_s3(s3_server, s3_url):

@@ -403,7 +403,7 @@ class CheckpointManager(Saving):
         """``read(info)`` of the checkpoint of ``step`` (default: the latest). A reader whose step
         retention deletes meanwhile (a race, not damage: any failure, once the step is gone) looks
         again: the new latest, or for a step asked by number, the news that it is gone."""
-        attempts = 10 if self.read_only else 1
+        attempts = 10 if self.read_only or self.store.shared_with_writers else 1
         for attempt in range(attempts):
             info = self._info(step)
             try:

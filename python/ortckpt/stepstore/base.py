@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from .. import documents, targets
+from ..errors import ScanTimeoutError
 
 if TYPE_CHECKING:
     from .._boundary import CoreState
@@ -22,9 +23,12 @@ if TYPE_CHECKING:
 # storage. Only the store that made it reads it: everyone else hands it back to that store.
 Folder: TypeAlias = "Path | Location"
 
-# A reader's scan that finds steps deleted under it looks again, at most this many times:
-# retention deletes a step only after a newer one is committed, so a fresh look finds the newer one.
+# A reader's scan that finds steps deleted under it looks again, at most this many times and for
+# at most this many seconds: retention deletes a step only after a newer one is committed, so a
+# fresh look finds the newer one. One whose every look found its newest step gone, and nothing
+# older committed, raises ScanTimeoutError: never "no checkpoint" while one may exist.
 SCAN_ATTEMPTS = 20
+SCAN_SECONDS = 10.0
 # A scan that finds nothing at all looks again this many times: neither a directory's listing nor an
 # object store's is a snapshot, so one that began before the newest step appeared and reached the
 # step retention deleted after it was gone saw neither (and cannot tell: nothing of it is left).
@@ -136,6 +140,9 @@ class StepStore(abc.ABC):
     # Whether a save's bytes are written by the core, so that a Ctrl-C can be held until the
     # step commits (a directory); not when Python streams them (an upload: a Ctrl-C stops it).
     holds_interrupts: ClassVar[bool]
+    # Whether other writers may save and retire steps beside this one's (an object store: no lock
+    # keeps them away), so that any manager's read of a step deleted meanwhile looks again.
+    shared_with_writers: ClassVar[bool]
 
     @classmethod
     @abc.abstractmethod
@@ -180,12 +187,22 @@ class StepStore(abc.ABC):
         damaged is reported in ``damaged`` (and kept, for a person to look at); one without it is
         not this document's (e.g. a save_sharded step seen by a manager) and is ignored. A look
         that may have missed a committed step (see :func:`missed`) is taken again."""
+        deadline = time.monotonic() + SCAN_SECONDS
         for attempt in range(SCAN_ATTEMPTS):
             scan, vanished = self._look(document)
             if not missed(scan.steps, vanished, attempt):
+                return scan
+            if time.monotonic() > deadline:
                 break
-            time.sleep(0.001 * attempt)
-        return scan
+            time.sleep(min(0.001 * attempt, 0.05))
+        if scan.steps or vanished < 0:
+            return scan  # (committed steps, read: the newer one the looks kept missing aside)
+        raise ScanTimeoutError(
+            self.name,
+            f"each of {attempt + 1} looks found the newest step it listed (step {vanished}) deleted or being "
+            "retired, and no step committed: steps are retired faster than they can be read (or a retirement "
+            "was left half done: remove_leftovers() finishes it)",
+        )
 
     @abc.abstractmethod
     def _look(self, document: str) -> tuple[Scan, int]:
@@ -337,6 +354,7 @@ class StepStore(abc.ABC):
 __all__ = [
     "EMPTY_RESCANS",
     "SCAN_ATTEMPTS",
+    "SCAN_SECONDS",
     "Attempt",
     "Folder",
     "LocalStep",

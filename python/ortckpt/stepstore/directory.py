@@ -67,6 +67,7 @@ class DirectoryStore(StepStore):
     """A run of steps in ``directory`` (see the module's description)."""
 
     holds_interrupts = True
+    shared_with_writers = False  # (the writer lock keeps every other writer away)
 
     def __init__(self, directory: Path, *, writer: bool, create: bool = False) -> None:
         self.directory = directory

@@ -13,6 +13,11 @@
   attempt), also by a retried save of the step by the same writer; an error is not proof
   that it failed, so its objects stay for the sweep. A commit that landed but whose check
   after it could not be made (server errors) counts, with a warning.
+- **Reading.** A scan lists the prefix and reads the documents it lists. A listing is no snapshot
+  (a server that walks a tree lists each folder at another moment), so a scan that finds a step
+  gone or being retired looks again (see :meth:`StepStore.scan`), and one whose listing shows no
+  committed step reads the step folders a listing of the prefix's folders alone shows, newest
+  first, up to the first committed one (see :meth:`ObjectStore._look`).
 - **Retiring a step** first creates ``step_<n>/retired-<attempt>``, which hides it from every
   reader at once, then deletes its document, its objects and last the marker: a deletion that
   fails is finished by the next :meth:`ObjectStore.remove_leftovers`.
@@ -53,6 +58,7 @@ class ObjectStore(StepStore):
     """A run of steps under ``prefix`` (see the module's description)."""
 
     holds_interrupts = False  # (Python streams every upload: a Ctrl-C stops it at once)
+    shared_with_writers = True  # (no lock on a prefix)
 
     def __init__(self, prefix: Location) -> None:
         self.prefix = prefix
@@ -103,7 +109,30 @@ class ObjectStore(StepStore):
     # --- reading -------------------------------------------------------------------------
 
     def _look(self, document: str) -> tuple[Scan, int]:
-        listing = object_store.list_keys(self.prefix)
+        scan, vanished = self._steps_listed(object_store.list_keys(self.prefix), document)
+        if scan.steps:
+            return scan, vanished
+        # A listing is no snapshot: a server that walks a tree (SeaweedFS, MinIO) takes the
+        # prefix's folders at its start and lists each one later; the step it took may be retired
+        # by then and the newer one, committed meanwhile, never taken. One folder's listing of the
+        # prefix shows a step committed while it ran, or the newer one whose commit retention's
+        # deletion of it proves (a newer step sorts after it): each step folder is then read on its
+        # own, newest first, up to the first committed one (SeaweedFS keeps emptied folders listed).
+        numbers = (steps.step_of(name) for name in object_store.list_folders(self.prefix))
+        for number in sorted((n for n in numbers if n is not None and n not in scan.damaged), reverse=True):
+            name = steps.step_directory_name(number)
+            listed = [(f"{name}/{key}", size) for key, size in object_store.list_keys(self._folder(number))]
+            probe, gone = self._steps_listed(listed, document)
+            scan.damaged.update(probe.damaged)
+            vanished = max(vanished, gone)
+            if probe.steps:
+                scan.steps.update(probe.steps)
+                break
+        return scan, vanished
+
+    def _steps_listed(self, listing: list[tuple[str, int]], document: str) -> tuple[Scan, int]:
+        """The steps ``document`` commits in a listing of the prefix, and the newest step found
+        gone or being retired meanwhile (-1: none)."""
         retired = _retired(listing)
         found: dict[int, Step] = {}
         damaged: dict[int, str] = {}
