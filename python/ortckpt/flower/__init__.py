@@ -8,6 +8,7 @@ from .aggregate import Failure
 from .convert import OPTIMIZER_PREFIX, ArrayRecordError, from_arrayrecord, to_arrayrecord
 from .optimizers import FedAdam, FedAvgM, FedYogi
 from .strategy import FedAvg
+from .client import OrtClient
 
 __all__ = [
     "OPTIMIZER_PREFIX",
@@ -17,6 +18,7 @@ __all__ = [
     "FedAvg",
     "FedAvgM",
     "FedYogi",
+    "OrtClient",
     "from_arrayrecord",
     "to_arrayrecord",
 ]

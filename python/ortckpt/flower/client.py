@@ -84,7 +84,7 @@ class OrtClient:
         training model's user inputs, e.g. ``(x, target)``), ``num-examples`` (the rows of the
         batches' first inputs) and ``train_loss`` (the mean of the steps' losses)."""
         server_round = int(message.content["config"]["server-round"])
-        state, module, optimizer, trainable_only = self._session(message.content["arrays"])
+        state, module, optimizer, trainable_only = self._session(message.content["arrays"], self._base(server_round))
         C = _training_api()
         examples, losses = 0, []
         for batch in batches:
@@ -104,7 +104,7 @@ class OrtClient:
     def evaluate(self, message: Any, batches: Iterable[Sequence[np.ndarray]]) -> Any:
         """The reply to an ``evaluate`` message: ``num-examples`` and ``eval_loss`` (the mean of
         the eval model's losses over ``batches``) of the message's arrays."""
-        _, module, _, _ = self._session(message.content["arrays"])
+        _, module, _, _ = self._session(message.content["arrays"], CheckpointState.load_checkpoint(self.checkpoint))
         C = _training_api()
         examples, losses = 0, []
         for batch in batches:
@@ -115,10 +115,22 @@ class OrtClient:
         metrics = flwr_app.MetricRecord({"num-examples": examples, "eval_loss": _mean(losses)})
         return flwr_app.Message(flwr_app.RecordDict({"metrics": metrics}), reply_to=message)
 
-    def _session(self, record: Any) -> tuple[CheckpointState, Any, Any, bool]:
-        """(state, Module, Optimizer, trainable_only) with ``record``'s arrays as the parameters."""
-        latest = self.manager.latest() if self.manager is not None else None
-        state = latest.load() if latest is not None else CheckpointState.load_checkpoint(self.checkpoint)
+    def _base(self, server_round: int) -> CheckpointState:
+        """The state a train round starts from: the client's commit of the latest earlier round
+        (its optimizer state), else the checkpoint. Commits of this round or later are deleted:
+        the server runs such a round again only when it never committed it (it was killed), and
+        the run must go on as if that attempt had not been."""
+        if self.manager is None:
+            return CheckpointState.load_checkpoint(self.checkpoint)
+        for step in self.manager.all_steps():
+            if step >= server_round:
+                self.manager.delete(step)
+        latest = self.manager.latest()
+        return latest.load() if latest is not None else CheckpointState.load_checkpoint(self.checkpoint)
+
+    def _session(self, record: Any, state: CheckpointState) -> tuple[CheckpointState, Any, Any, bool]:
+        """(state, Module, Optimizer, trainable_only): ``state`` in ONNX Runtime, ``record``'s
+        arrays as its parameters."""
         C = _training_api()
         device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
         options = C.SessionOptions()
