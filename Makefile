@@ -90,7 +90,7 @@ $(FLOWER_VENV)/.ok: $(UV)
 	$(UV_INSTALL) $(FLOWER_VENV)/bin/python $(FLOWER_DEPS) "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1"
 	touch $@
 
-test-flower: build $(FLOWER_VENV)/.ok $(ORT_VENV)/.ok
+test-flower: build $(FLOWER_VENV)/.ok $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok
 	PYTHONPATH=$(CURDIR)/python $(FLOWER_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/flower
 
 $(MLFLOW_VENV)/.ok: $(UV)

@@ -32,7 +32,7 @@ def ort_loop(ort_artifacts, arrays, rounds_of_batches):
         str(ort_artifacts / "training_model.onnx"), state, str(ort_artifacts / "eval_model.onnx"), device, options
     )
     optimizer = C.Optimizer(str(ort_artifacts / "optimizer_model.onnx"), state, device, options)
-    for name in arrays.keys():
+    for name in arrays:
         state.copy_parameter_from(name, C.OrtValue.ortvalue_from_numpy(arrays[name].numpy().copy(), device))
     for batch in (b for bs in rounds_of_batches for b in bs):
         fetches = C.OrtValueVector()
@@ -63,14 +63,14 @@ def test_a_client_manager_keeps_the_optimizer_state_from_round_to_round(ort_arti
     kept = OrtClient(ort_artifacts, manager=CheckpointManager(tmp_path / "kept"))
     fresh = OrtClient(ort_artifacts)
     first = kept.train(message(record, 1), batches(0, 1))
-    assert fresh.train(message(record, 1), batches(0, 1)).content["arrays"]["w1"].data == first.content["arrays"][
-        "w1"
-    ].data
+    assert (
+        fresh.train(message(record, 1), batches(0, 1)).content["arrays"]["w1"].data
+        == first.content["arrays"]["w1"].data
+    )
     second = kept.train(message(first.content["arrays"], 2), batches(0, 2))
     without = fresh.train(message(first.content["arrays"], 2), batches(0, 2))
     # ONNX Runtime's loop over both rounds' batches, one Optimizer throughout: the kept client's bits.
-    module, state = ort_loop(ort_artifacts, record, [batches(0, 1), batches(0, 2)])
-    _, C = training_api()
+    _, state = ort_loop(ort_artifacts, record, [batches(0, 1), batches(0, 2)])
     for name in TRAINABLE + FROZEN:
         expected = state.get_parameter(name).data.numpy()
         assert second.content["arrays"][name].numpy().tobytes() == expected.tobytes(), name
@@ -90,7 +90,7 @@ def test_a_round_trained_again_replaces_the_clients_commit_of_it(ort_artifacts, 
     second = client.train(message(first.content["arrays"], 2), batches(1, 2))
     # The server died before committing round 2 and sends it again: it starts from round 1's state.
     again = client.train(message(first.content["arrays"], 2), batches(1, 2))
-    for key in record.keys():
+    for key in record:
         assert again.content["arrays"][key].data == second.content["arrays"][key].data, key
     committed = CheckpointManager(tmp_path / "client", read_only=True)
     assert committed.all_steps() == [1, 2]
@@ -103,7 +103,7 @@ def test_trainable_arrays_alone_go_into_a_complete_checkpoint(ort_artifacts):
     client = OrtClient(ort_artifacts, checkpoint=ort_artifacts / "checkpoint")
     reply = client.train(message(record, 1), batches(2, 1))
     assert list(reply.content["arrays"].keys()) == TRAINABLE
-    module, state = ort_loop(ort_artifacts, record, [batches(2, 1)])
+    _, state = ort_loop(ort_artifacts, record, [batches(2, 1)])
     for name in TRAINABLE:
         assert reply.content["arrays"][name].numpy().tobytes() == state.get_parameter(name).data.numpy().tobytes()
 
@@ -132,6 +132,8 @@ def test_arrays_the_module_cannot_take_are_refused_by_name(ort_artifacts):
     missing = ArrayRecord({k: v for k, v in record.items() if k != "w2"})
     with pytest.raises(ArrayRecordError, match=r"missing \['w2'\]"):
         client.train(message(missing, 1), [])
-    wrong_shape = ArrayRecord({k: Array(v.numpy().reshape(-1)[:-1].copy()) if k == "w1" else v for k, v in record.items()})
+    wrong_shape = ArrayRecord(
+        {k: Array(v.numpy().reshape(-1)[:-1].copy()) if k == "w1" else v for k, v in record.items()}
+    )
     with pytest.raises(Exception, match="size"):
         client.train(message(wrong_shape, 1), [])
