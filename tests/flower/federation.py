@@ -53,7 +53,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, process: subprocess.Popen, log: Path, deadline: float = 60) -> None:
+def wait_for_port(port: int, process: subprocess.Popen, log: Path, deadline: float = 180) -> None:
     end = time.monotonic() + deadline
     while time.monotonic() < end:
         if process.poll() is not None:
@@ -93,11 +93,22 @@ def sigkill(pids: list[int]) -> None:
 
 
 class Federation:
-    """A SuperLink on a free port and one SuperNode per partition (``partition-id``), an app in
-    ``tmp_path/app`` (its files given by the test), and the processes' logs in ``tmp_path``."""
+    """A SuperLink on a free port (or ``port``) and one SuperNode per partition (``partition-id``),
+    an app in ``tmp_path/app`` (its files given by the test; a pyproject.toml of ours with its run
+    ``config`` unless one is given), the processes started in ``cwd`` and their logs in ``tmp_path``."""
 
-    def __init__(self, tmp_path: Path, files: dict[str, str], config: str, partitions: int = 2, **env: str) -> None:
-        self.tmp_path, self.partitions = tmp_path, partitions
+    def __init__(
+        self,
+        tmp_path: Path,
+        files: dict[str, str],
+        config: str = "",
+        partitions: int = 2,
+        *,
+        port: int | None = None,
+        cwd: Path | None = None,
+        **env: str,
+    ) -> None:
+        self.tmp_path, self.partitions, self.cwd = tmp_path, partitions, cwd
         # (sys.path but tests/ itself, whose folder torch would pass for the torch package in the apps)
         path = [p for p in sys.path if p and Path(p).resolve() != TESTS]
         self.env = {
@@ -108,7 +119,7 @@ class Federation:
             "PYTHONPATH": os.pathsep.join(path),
             **env,
         }
-        self.port = free_port()
+        self.port = port or free_port()
         self.started: list[subprocess.Popen] = []
         self.below: set[int] = set()
         self.app = tmp_path / "app"
@@ -128,6 +139,7 @@ class Federation:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                cwd=self.cwd,
             )
         self.started.append(process)
         return process
@@ -178,7 +190,13 @@ class Federation:
     def run(self, rounds: int, *config: str) -> str:
         """``flwr run`` to the end of the run: its output (it streams the run's log)."""
         done = subprocess.run(
-            self.run_command(rounds, *config), env=self.env, capture_output=True, text=True, timeout=300, check=False
+            self.run_command(rounds, *config),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            cwd=self.cwd,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done.stdout + done.stderr

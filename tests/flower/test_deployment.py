@@ -87,7 +87,7 @@ def test_a_serverapp_killed_by_sigkill_on_flowers_engine_resumes_bit_identical(f
     with open(tmp_path / "first-run.log", "wb") as log:
         first = subprocess.Popen(federation.run_command(3), env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600
         while not (checkpoints / "step_00000001").exists():  # round 1 committed: kill the ServerApp
             assert time.monotonic() < deadline and first.poll() is None, (tmp_path / "first-run.log").read_text()
             time.sleep(0.1)

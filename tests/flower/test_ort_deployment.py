@@ -148,7 +148,7 @@ def start_run(federation, name: str, *config: str) -> subprocess.Popen:
         )
 
 
-def wait_for(condition, run: subprocess.Popen, log: Path, deadline: float = 240) -> None:
+def wait_for(condition, run: subprocess.Popen, log: Path, deadline: float = 600) -> None:
     end = time.monotonic() + deadline
     while not condition():
         assert time.monotonic() < end and run.poll() is None, log.read_text()[-3000:]

@@ -5,10 +5,10 @@ server optimizers :class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi` over it.
 See docs/flower.md."""
 
 from .aggregate import Failure
+from .client import OrtClient
 from .convert import OPTIMIZER_PREFIX, ArrayRecordError, from_arrayrecord, to_arrayrecord
 from .optimizers import FedAdam, FedAvgM, FedYogi
 from .strategy import FedAvg
-from .client import OrtClient
 
 __all__ = [
     "OPTIMIZER_PREFIX",

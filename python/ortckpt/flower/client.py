@@ -182,7 +182,7 @@ class OrtClient:
         """The Module's parameters as an ``ArrayRecord`` of ``record``'s keys, order and shapes."""
         C = _training_api()
         weights = self.weight_names()
-        names = [name for name in weights if name in record.keys()] if trainable_only else weights
+        names = [name for name in weights if name in record] if trainable_only else weights
         size = int(module.get_parameters_size(trainable_only))
         buffer = np.empty(size, np.float32)
         device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
@@ -193,7 +193,7 @@ class OrtClient:
             count = int(np.prod(shape, dtype=np.int64))
             values[name] = buffer[offset : offset + count].reshape(shape)
             offset += count
-        return flwr_app.ArrayRecord({key: flwr_app.Array(values[key]) for key in record.keys()})
+        return flwr_app.ArrayRecord({key: flwr_app.Array(values[key]) for key in record})
 
 
 def _mean(values: list[float]) -> float:
