@@ -73,7 +73,7 @@ def test_the_runnable_example_runs_three_supernodes_a_kill_and_a_resume(tmp_path
         committed = CheckpointManager("server-checkpoints", read_only=True).all_steps()
         assert committed and committed == list(range(1, len(committed) + 1)) and len(committed) < 3
         again = subprocess.run(
-            command, check=False, env=federation.env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+            command, check=False, env=federation.env, cwd=tmp_path, capture_output=True, text=True, timeout=600
         )
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert f"Resuming FedAvg at round {len(committed) + 1}" in again.stdout + again.stderr
