@@ -21,6 +21,7 @@ refuses ``trainable_only`` there), so the server then sends the frozen ones too.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -190,7 +191,7 @@ class OrtClient:
         values, offset = {}, 0
         for name in names:
             shape = tuple(record[name].shape)
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)
             values[name] = buffer[offset : offset + count].reshape(shape)
             offset += count
         return flwr_app.ArrayRecord({key: flwr_app.Array(values[key]) for key in record})
