@@ -102,8 +102,9 @@ def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     if size < 2:  # (CPython shares its empty and one-byte objects)
         return bytes(size), memoryview(bytearray(size))
     data = _bytes_of_size(None, size)
-    view = memoryview((ctypes.c_char * size).from_address(_contents_of(data))).cast("B")
-    return data, view
+    contents = (ctypes.c_char * size).from_address(_contents_of(data))
+    contents.owner = data  # type: ignore[attr-defined]  # (the view keeps the bytes alive)
+    return data, memoryview(contents).cast("B")
 
 
 def _count(shape: tuple[int, ...]) -> int:
