@@ -150,7 +150,7 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
         offsets[key] = offset
         if _is_float(dtype) and dtype not in KERNEL_CODES:  # (the kernel's types: see nonfinite)
             values = np.frombuffer(array.data, np.uint8, offset=offset).view(dtype)
-            if not np.isfinite(values.astype(np.float32)).all():
+            if not _all_finite(values, np.float32):
                 raise ArrayRecordError(f"{key}: NaN or infinite values", key)
     return float(weight), record, offsets, layout if layout is not None else found
 
@@ -179,9 +179,22 @@ def nonfinite_keys(result: Any, layout: Layout) -> list[str]:
             values = np.frombuffer(
                 result[key].data, np.uint8, offset=len(result[key].data) - dtype.itemsize * _count(shape)
             )
-            if not np.isfinite(values.view(dtype)).all():
+            if not _all_finite(values.view(dtype)):
                 keys.append(key)
     return keys
+
+
+# Elements per np.isfinite call: its bool temporary stays at 8 MiB (a 1 GiB tensor's would be 256 MiB).
+_FINITE_CHUNK = 1 << 23
+
+
+def _all_finite(values: np.ndarray, as_type: Any = None) -> bool:
+    """Whether every value is finite (checked ``as_type`` where NumPy's isfinite needs a wider type)."""
+    for start in range(0, values.size, _FINITE_CHUNK):
+        chunk = values[start : start + _FINITE_CHUNK]
+        if not np.isfinite(chunk if as_type is None else chunk.astype(as_type)).all():
+            return False
+    return True
 
 
 def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: Sequence[float], layout: Layout) -> Any:
