@@ -1,7 +1,8 @@
 """ortckpt inside Flower (``pip install 'ortckpt[flower]'``, ``flwr`` 1.42): conversions between
 a :class:`~ortckpt.CheckpointState` and Flower's ``ArrayRecord``; :class:`FedAvg`, Flower's
 Message-API FedAvg aggregated by ortckpt's kernels, with server checkpoints and resume; and the
-server optimizers :class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi` over it.
+server optimizers :class:`FedAvgM`, :class:`FedAdam`, :class:`FedYogi` over it; and
+:class:`OrtClient`, a client trained by ONNX Runtime's Module/Optimizer (onnxruntime-training).
 See docs/flower.md."""
 
 from .aggregate import Failure
