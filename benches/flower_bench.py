@@ -10,6 +10,11 @@ round by round (paired ratios, medians).
 Runs in flwr's venv (`make .venv-flower/.ok`, ortckpt from the source tree's build):
 
     PYTHONPATH=python .venv-flower/bin/python benches/flower_bench.py --replies 10 --mib 100 --tensors 25
+    PYTHONPATH=python .venv-flower/bin/python benches/flower_bench.py --replies 10 --mib 100 --tensors 1000
+    PYTHONPATH=python .venv-flower/bin/python benches/flower_bench.py --replies 3 --mib 1024 --tensors 1 --rounds 3
+
+(the last: a model of one 1 GiB tensor, 3 replies: 10 would hold 10 GiB of replies, and Flower's
+child about 13 GiB, more than a shared 24 GiB machine spares).
 """
 
 from __future__ import annotations

@@ -3,10 +3,16 @@ grid that plays deterministic clients, and Flower messages built outside a run."
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+
+# tests/ is on sys.path (the suite's root conftest), where the folder tests/torch would pass for a
+# namespace package torch: ONNX Runtime's import probes torch and would fail on it (this venv has no torch).
+sys.modules.setdefault("torch", None)
 
 # Messages built outside a run need a task identity (a run sets it).
 TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
@@ -87,3 +93,23 @@ def model():
         "emb": rng.standard_normal((5, 2)).astype(np.float64),
         "steps": np.array([3, 4], np.int64),
     }
+
+
+class MessageGrid(FakeGrid):
+    """A Grid whose nodes answer Flower's messages themselves: ``handler(node, message) -> reply``
+    (e.g. an OrtClient's train/evaluate), in the order of the nodes."""
+
+    def __init__(self, nodes, handler):
+        super().__init__(nodes, client=None)
+        self.handler = handler
+
+    def send_and_receive(self, messages, timeout=None):
+        return [self.handler(message.metadata.dst_node_id, message) for message in messages]
+
+
+@pytest.fixture(scope="session")
+def ort_artifacts(tmp_path_factory):
+    """ONNX Runtime's training artifacts of a small MLP (ort_model.py), made once per session."""
+    from ort_model import make_artifacts
+
+    return make_artifacts(tmp_path_factory.mktemp("ort-artifacts"))

@@ -47,6 +47,22 @@ def test_the_average_equals_flowers_fedavg_and_a_float64_reference(model):
     assert dict(metrics) == pytest.approx(dict(flower_metrics))
 
 
+def test_each_average_is_bytes_of_its_own_that_later_rounds_leave_alone(model):
+    """The kernel writes each result into a new bytes object (made in place, not copied)."""
+    floats = {k: v for k, v in model.items() if v.dtype.kind == "f"}
+    first, _ = FedAvg().aggregate_train(1, [reply(n, a, 1) for n, a in enumerate(client_arrays(floats, 3, seed=1))])
+    kept = {key: bytes(array.data) for key, array in first.items()}  # (a copy, to compare with)
+    second, _ = FedAvg().aggregate_train(2, [reply(n, a, 1) for n, a in enumerate(client_arrays(floats, 3, seed=2))])
+    for key in floats:
+        assert type(first[key].data) is bytes and first[key].data is not second[key].data
+        assert first[key].data == kept[key] != second[key].data, key
+        assert hash(first[key].data) == hash(kept[key])  # (an ordinary bytes object: hashes as its copy)
+        np.testing.assert_array_equal(
+            first[key].numpy(),
+            np.frombuffer(kept[key][-floats[key].nbytes :], floats[key].dtype).reshape(floats[key].shape),
+        )
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn], ids=str)
 def test_narrow_floats_are_averaged_in_float32_and_rounded_once(dtype):
     rng = np.random.default_rng(3)

@@ -48,6 +48,9 @@ RUN_BY = {
     "report-python": HERE + "test_the_reports_python_example_writes_the_page",
     "report-mlflow": HERE + "test_the_reports_mlflow_example_uploads_each_steps_report",
     "flower": FLOWER + "test_the_flower_docs_example_runs_and_resumes",
+    "flower-artifacts": FLOWER + "test_the_runnable_example_runs_three_supernodes_a_kill_and_a_resume",
+    "flower-server-app": FLOWER + "test_the_runnable_example_runs_three_supernodes_a_kill_and_a_resume",
+    "flower-client-app": FLOWER + "test_the_runnable_example_runs_three_supernodes_a_kill_and_a_resume",
 }
 
 FENCE = re.compile(r"^( *)```(?:python3?|py|pycon)$", re.M)  # what renders as Python

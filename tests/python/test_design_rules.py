@@ -393,6 +393,7 @@ def test_the_rules_scans_find_what_they_look_for():
 FOREIGN_PRIVATE_NAMES_ALLOWED = {
     ("_boundary", "_release"): "the core's own MappedFile, which only _boundary talks to",
     ("live", "_ortvalue"): "ONNX Runtime's OrtValue, handed over as ONNX Runtime's Parameters.__setitem__ does",
+    ("client", "_state"): "ONNX Runtime's state behind ortckpt's, as ONNX Runtime's Module takes it (state._state)",
     ("preemption", "_exit"): "os._exit: the standard library's end of a process that runs no cleanup",
     ("forked_save", "_exit"): "os._exit: a forked child leaves without the parent's atexit handlers and buffers",
 }

@@ -13,14 +13,16 @@ one reads each reply once.
 The float16, bfloat16, float32 and float64 tensors are averaged by ``_core.combine`` (the
 kernels of :func:`ortckpt.average`: float64 accumulation for float32/float64, float32 for the
 narrower ones, rounded once), each reply's values read in place from its ``Array.data`` (a
-view past the ``.npy`` header): memory does not grow with the number of replies. The result
-of each tensor is written after its header into a buffer of its own, then copied once into
-the ``bytes`` an ``Array`` holds. The float8 types are averaged by NumPy with the same
+view past the ``.npy`` header): memory does not grow with the number of replies. The kernel
+writes each tensor's result straight into the ``bytes`` its ``Array`` holds (after the header),
+made as CPython's C API makes a bytes object it fills (:func:`_new_bytes`): the result is the
+one model of extra memory, with no copy of it. The float8 types are averaged by NumPy with the same
 arithmetic; integer and bool tensors are not averaged: the first accepted reply's are taken.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from collections.abc import Sequence
@@ -85,8 +87,28 @@ def _as_expected(array: Any, dtype: np.dtype, shape: tuple[int, ...]) -> int | N
     return None
 
 
+# CPython's C API for a bytes object filled after it is made (PyBytes_FromStringAndSize(NULL, n)).
+_bytes_of_size = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_of_size.restype, _bytes_of_size.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
+_contents_of = ctypes.pythonapi.PyBytes_AsString
+_contents_of.restype, _contents_of.argtypes = ctypes.c_void_p, [ctypes.py_object]
+
+
+def _new_bytes(size: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` object of ``size`` bytes (uninitialised) and a writable view of them: the C
+    API's way to build a bytes object in place, valid while the object is new and held here only
+    (not hashed, not shared). Flower's ``Array`` takes ``bytes`` alone, so this spares the copy of
+    the whole result that ``bytes(bytearray)`` costs. Every byte must be written before it is used."""
+    if size < 2:  # (CPython shares its empty and one-byte objects)
+        return bytes(size), memoryview(bytearray(size))
+    data = _bytes_of_size(None, size)
+    contents = (ctypes.c_char * size).from_address(_contents_of(data))
+    contents.owner = data  # type: ignore[attr-defined]  # (the view keeps the bytes alive)
+    return data, memoryview(contents).cast("B")
+
+
 def _count(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)  # (exact: Python ints; np.prod costs microseconds a call)
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -128,7 +150,7 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
         offsets[key] = offset
         if _is_float(dtype) and dtype not in KERNEL_CODES:  # (the kernel's types: see nonfinite)
             values = np.frombuffer(array.data, np.uint8, offset=offset).view(dtype)
-            if not np.isfinite(values.astype(np.float32)).all():
+            if not _all_finite(values, np.float32):
                 raise ArrayRecordError(f"{key}: NaN or infinite values", key)
     return float(weight), record, offsets, layout if layout is not None else found
 
@@ -157,9 +179,22 @@ def nonfinite_keys(result: Any, layout: Layout) -> list[str]:
             values = np.frombuffer(
                 result[key].data, np.uint8, offset=len(result[key].data) - dtype.itemsize * _count(shape)
             )
-            if not np.isfinite(values.view(dtype)).all():
+            if not _all_finite(values.view(dtype)):
                 keys.append(key)
     return keys
+
+
+# Elements per np.isfinite call: its bool temporary stays at 8 MiB (a 1 GiB tensor's would be 256 MiB).
+_FINITE_CHUNK = 1 << 23
+
+
+def _all_finite(values: np.ndarray, as_type: Any = None) -> bool:
+    """Whether every value is finite (checked ``as_type`` where NumPy's isfinite needs a wider type)."""
+    for start in range(0, values.size, _FINITE_CHUNK):
+        chunk = values[start : start + _FINITE_CHUNK]
+        if not np.isfinite(chunk if as_type is None else chunk.astype(as_type)).all():
+            return False
+    return True
 
 
 def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: Sequence[float], layout: Layout) -> Any:
@@ -169,28 +204,29 @@ def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: 
     w = np.ldexp(w, -np.frexp(w.max())[1])
     total = w.sum()
     headers = {key: _header(dtype, shape)[0] for key, (dtype, shape) in layout.items()}
-    sinks: dict[str, bytearray] = {}
+    sinks: dict[str, bytes] = {}
     jobs = []
     kernel_keys = []
     for key, (dtype, shape) in layout.items():
         size = dtype.itemsize * _count(shape)
         if dtype not in KERNEL_CODES or size == 0:
             continue
-        sink = bytearray(len(headers[key]) + size)
-        sink[: len(headers[key])] = headers[key]
-        sinks[key] = sink
+        sinks[key], view = _new_bytes(len(headers[key]) + size)
+        view[: len(headers[key])] = headers[key]
         inputs = [np.frombuffer(r[key].data, np.uint8, offset=o[key]) for r, o in zip(records, offsets, strict=True)]
-        jobs.append((KERNEL_CODES[dtype], inputs, [None] * len(inputs), memoryview(sink)[len(headers[key]) :]))
+        jobs.append((KERNEL_CODES[dtype], inputs, [None] * len(inputs), view[len(headers[key]) :]))
         kernel_keys.append(key)
     if jobs:
         overflow, _ = _boundary.combine("average", [*map(float, w), float(total)], jobs, None)
+        for job in jobs:
+            job[3].release()  # (the kernel wrote every value: the bytes are whole now)
         del jobs
         if overflow is not None:  # (a mean of finite values fits its type: the kernel's own guard)
             raise ArrayRecordError(f"{kernel_keys[overflow[0]]}: the average does not fit its type")
     result = flwr_app.ArrayRecord()
     for key, (dtype, shape) in layout.items():
         if key in sinks:
-            data = bytes(sinks.pop(key))  # (the one copy: an Array holds bytes)
+            data = sinks.pop(key)
         elif _is_float(dtype) and _count(shape):
             pairs = zip(records, offsets, strict=True)
             parts = [np.frombuffer(r[key].data, np.uint8, offset=o[key]).view(dtype) for r, o in pairs]

@@ -27,6 +27,7 @@ Fortran-ordered ``.npy``, which Flower never writes, is converted: a copy).
 from __future__ import annotations
 
 import ast
+import math
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, unquote
@@ -142,7 +143,7 @@ def parse(array: Any, key: str) -> tuple[np.dtype, tuple[int, ...], int, np.dtyp
     if stored.itemsize != dtype.itemsize or (stored.kind != "V" and stored.newbyteorder("<") != dtype):
         raise ArrayRecordError(f"{key}: Array.dtype {array.dtype!r} but the .npy header says {stored.str!r}", key)
     offset = start + length
-    expected = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    expected = dtype.itemsize * math.prod(shape)
     if len(data) - offset != expected:
         raise ArrayRecordError(
             f"{key}: {len(data) - offset} bytes of values for {expected} ({array.dtype} {shape})", key
