@@ -9,6 +9,8 @@ plain ``OSError`` subclasses such as ``FileNotFoundError``, with ``filename`` se
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class CheckpointError(RuntimeError):
     """Base class. ``filename`` and ``tensor`` name the file and tensor concerned, when known."""
@@ -163,6 +165,40 @@ class ScanTimeoutError(CheckpointError, TimeoutError):
     def __init__(self, run: str, problem: str) -> None:
         self.filename = run
         super().__init__(f"{run}: {problem}")
+
+
+class ConversionError(CheckpointError, ValueError):
+    """A conversion that cannot be done as asked (unknown format, a missing template model)."""
+
+
+class ArrayRecordError(CheckpointStateError):
+    """An ``ArrayRecord`` (or a state) that cannot be converted; ``tensor`` names the key."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+class MissingArtifacts(InvalidArgumentError, FileNotFoundError):
+    """The ``artifacts`` given are not on this machine (the folder, or a file of the mapping)."""
+
+
+class NotACheckpointError(CheckpointFormatError):
+    """The name is neither a checkpoint nor a step folder (a bucket, a run, another directory)."""
+
+
+class ShardedCheckpointError(CheckpointError):
+    """A collective save or load failed on one or more ranks; raised on every rank alike.
+    ``failures`` maps each failed rank to its error. A failed save commits nothing."""
+
+    def __init__(self, what: str, failures: Mapping[int, str]) -> None:
+        self.failures = dict(failures)
+        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on {len(self.failures)} rank(s):\n{lines}")
+
+
+class DocumentError(CheckpointFormatError):
+    """A JSON document that is malformed, too large, too deep, or not of its schema."""
 
 
 class InternalError(CheckpointError):

@@ -27,16 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from . import object_store, safe_io, steps, targets
-from .errors import CheckpointFormatError
+from .errors import NotACheckpointError
 from .stepstore import Step, StepStore, open_store
 
 # The temporary copies made: their path -> the name the user gave (kept after the copy is gone:
 # the error that ended its block is reported after it).
 _copies: dict[str, str] = {}
-
-
-class NotACheckpointError(CheckpointFormatError):
-    """The name is neither a checkpoint nor a step folder (a bucket, a run, another directory)."""
 
 
 @dataclass(frozen=True)

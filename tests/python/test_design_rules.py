@@ -481,3 +481,37 @@ def test_no_module_is_longer_than_700_lines():
         if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     )
     assert long == [], "split where a newcomer would look:\n" + "\n".join(long)
+
+
+def checkpoint_error_classes(source: str) -> list[str]:
+    """The classes a module defines that derive, by name, from an exception ortckpt raises
+    (``...Error``), its own or the standard library's (``ValueError``, ``OSError``...)."""
+    return [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(base).split(".")[-1].endswith("Error") for base in node.bases)
+        and not node.name.startswith("_")
+    ]
+
+
+# Raised only inside the module that defines it and caught there or by its one caller: a signal
+# between two functions, never an error a user sees.
+INTERNAL_SIGNALS = {("forked_save", "ForkFailed"): "caught by the manager's save, which falls back to a thread"}
+
+
+def test_every_exception_lives_in_errors_py():
+    """A user looks for the exceptions in one place (errors.py, each documented in docs/api.md)."""
+    elsewhere = sorted(
+        f"{module}.{name}"
+        for module, source in _package_modules().items()
+        if module != "errors"
+        for name in checkpoint_error_classes(source)
+        if (module.split(".")[-1], name) not in INTERNAL_SIGNALS
+    )
+    assert elsewhere == []
+
+
+def test_the_exception_scan_finds_what_it_looks_for():
+    source = "class A(CheckpointError):\n    pass\nclass B(errors.X, OSError): ...\nclass _C(ValueError): ...\n"
+    assert checkpoint_error_classes(source) == ["A", "B"]

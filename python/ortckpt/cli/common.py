@@ -168,7 +168,8 @@ def local_only(value: str | None, hint: str) -> None:
 def checked_format(path: str, given: str | None, hint: str, *, must_exist: bool) -> str:
     """The format of ``path``: ``given``, or detected (a file's contents, else its extension);
     one that object storage does not hold is bad usage."""
-    from ..convert.files import ConversionError, format_of
+    from ..convert.files import format_of
+    from ..errors import ConversionError
 
     if given not in (None, "ortckpt") and targets.is_object_url(path):
         raise click.BadParameter(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .. import _boundary, safe_io, targets
 from ..checkpoint_state import CheckpointState
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConversionError
 
 # Format name -> file extensions that imply it.
 FORMATS = {
@@ -18,10 +18,6 @@ FORMATS = {
     "torch": (".pt", ".pth"),
 }
 ODTC_IDENTIFIER = b"ODTC"
-
-
-class ConversionError(CheckpointError, ValueError):
-    """A conversion that cannot be done as asked (unknown format, a missing template model)."""
 
 
 def format_of(path: str | os.PathLike[str], *, must_exist: bool = False) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from ..errors import CheckpointError
+from ..errors import ShardedCheckpointError
 
 Local = TypeVar("Local")
 Decision = TypeVar("Decision")
@@ -157,16 +157,6 @@ def communicator(comm: Any = None) -> Communicator:
 def _launched_by_mpi() -> bool:
     # Open MPI and MPICH/Hydra set these in every rank they start; a world of one needs no MPI.
     return any(os.environ.get(v, "1") != "1" for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
-
-
-class ShardedCheckpointError(CheckpointError):
-    """A collective save or load failed on one or more ranks; raised on every rank alike.
-    ``failures`` maps each failed rank to its error. A failed save commits nothing."""
-
-    def __init__(self, what: str, failures: Mapping[int, str]) -> None:
-        self.failures = dict(failures)
-        lines = "\n".join(f"  rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
-        super().__init__(f"{what} failed on {len(self.failures)} rank(s):\n{lines}")
 
 
 def gather_decide_broadcast(

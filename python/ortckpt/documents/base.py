@@ -13,11 +13,7 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any
 
-from ..errors import CheckpointFormatError
-
-
-class DocumentError(CheckpointFormatError):
-    """A JSON document that is malformed, too large, too deep, or not of its schema."""
+from ..errors import DocumentError
 
 
 @dataclass

@@ -33,7 +33,8 @@ import ml_dtypes
 import numpy as np
 
 from .. import _boundary
-from .convert import ArrayRecordError, flwr_app, npy_header, parse
+from ..errors import ArrayRecordError
+from .convert import flwr_app, npy_header, parse
 
 # The types the core's kernels average (ONNX codes).
 KERNEL_CODES = {

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint_state import CheckpointState
+from ..errors import ArrayRecordError
 from ..extras import require
-from .convert import ArrayRecordError, flwr_app, values_of
+from .convert import flwr_app, values_of
 
 # The files generate_artifacts writes into its artifact directory.
 TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL = "training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..checkpoint_state import CheckpointState, OptimizerGroup
 from ..dtypes import PackedBits, name_of, numpy_dtype
-from ..errors import CheckpointStateError, UnsupportedDataTypeError
+from ..errors import ArrayRecordError, UnsupportedDataTypeError
 from ..extras import require
 
 flwr_app: Any = require("flwr.app", "ortckpt.flower")
@@ -49,14 +49,6 @@ OPTIMIZER_PREFIX = "ortckpt:optimizer/"
 _MAGIC = b"\x93NUMPY"
 # The longest .npy header read (NumPy's own default limit for untrusted files).
 _MAX_HEADER = 10_000
-
-
-class ArrayRecordError(CheckpointStateError):
-    """An ``ArrayRecord`` (or a state) that cannot be converted; ``tensor`` names the key."""
-
-    def __init__(self, message: str, tensor: str | None = None) -> None:
-        super().__init__(message)
-        self.tensor = tensor
 
 
 def dtype_named(name: str, key: str) -> np.dtype:

@@ -28,9 +28,10 @@ from logging import INFO, WARNING
 from typing import Any
 
 from ..checkpoint_state import CheckpointState, OptimizerGroup
+from ..errors import ArrayRecordError
 from ..extras import require
 from .aggregate import Failure, Layout, average, layout_of, nonfinite, nonfinite_keys, screen
-from .convert import ArrayRecordError, flwr_app, from_arrayrecord, to_arrayrecord
+from .convert import flwr_app, from_arrayrecord, to_arrayrecord
 
 _strategies: Any = require("flwr.serverapp.strategy", "ortckpt.flower")
 _log: Any = require("flwr.common.logger", "ortckpt.flower").log

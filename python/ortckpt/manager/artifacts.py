@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import documents, safe_io, steps
-from ..errors import InvalidArgumentError, InvalidArgumentTypeError
+from ..errors import InvalidArgumentError, InvalidArgumentTypeError, MissingArtifacts
 from ..stepstore import Step, StepStore
 
 # A folder of training artifacts names its graphs so (generate_artifacts' names; its checkpoint is
@@ -36,10 +36,6 @@ _PROVIDERS = {
     "rocm": "ROCMExecutionProvider",
     "dml": "DmlExecutionProvider",
 }
-
-
-class MissingArtifacts(InvalidArgumentError, FileNotFoundError):
-    """The ``artifacts`` given are not on this machine (the folder, or a file of the mapping)."""
 
 
 def resolve(artifacts: Any) -> dict[str, Path]:
