@@ -65,7 +65,10 @@ run: build
 test:
 	$(MAKE) --no-print-directory --output-sync=target -j 2 test-wheel test-checks
 
-test-checks: lint cargo-test test-devbuild fuzz-smoke
+# The checks one after another, a lane of their own (-j1: with make test's two job slots to share, make
+# ran two of them at once and held the suites back until one ended).
+test-checks: $(UV)
+	$(MAKE) --no-print-directory -j1 lint cargo-test test-devbuild fuzz-smoke
 
 # What only the development build can show (its test hooks): a panic in the core is an InternalError.
 test-devbuild: build-debug

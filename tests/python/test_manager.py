@@ -386,7 +386,7 @@ def test_manager_checkpoints_load_in_the_checkpoint_state_api_unchanged(tmp_path
 # It reads "save DIRECTORY START MODE" (the saver answers "ready PID") and "reap PID" (it answers "reaped"
 # once the killed saver is gone: a zombie would still answer kill(pid, 0), as a live writer does).
 SAVER = """
-import os, sys
+import os, sys, time
 import numpy as np
 from ortckpt import CheckpointManager, CheckpointState
 
@@ -405,10 +405,18 @@ def save_until_killed(directory, start, mode):
             a += 1.0  # each step's checkpoint differs from the last
         manager.save(state, step, metrics={"loss": 1.0 / step})
 
-# One save first, so that what a process does once (lazy imports, the git lookup) is done before the
-# forks and the kills land in the savers' saves (a sync manager: no thread is left running to fork beside).
-with CheckpointManager(sys.argv[1], durable=False) as warm_up:
-    warm_up.save(CheckpointState.from_arrays({"w": np.zeros(4, np.float32)}), 1)
+# Saves first, so that what a process does once (lazy imports, the git lookup) is done before the forks
+# and the kills land in the savers' saves (a sync manager: no thread is left running to fork beside); the
+# slowest after the first, a saver's step on this machine now, is the first line.
+like = CheckpointState.from_arrays({f"t{i}": np.zeros(50_000 + i, np.float32) for i in range(8)})
+with CheckpointManager(sys.argv[1], max_to_keep=2, durable=False) as warm_up:
+    warm_up.save(like, 1)
+    took = []
+    for step in (2, 3, 4):
+        began = time.perf_counter()
+        warm_up.save(like, step)
+        took.append(time.perf_counter() - began)
+print("warm", max(took), flush=True)
 for line in sys.stdin:
     command, *args = line.split()
     if command == "save":
@@ -426,8 +434,9 @@ for line in sys.stdin:
 
 
 class Savers:
-    """The forking process of SAVER (its one save in ``warm_up`` done): ``start`` forks a saver
-    and returns its pid once it is ready; ``kill`` SIGKILLs it and returns once it is gone."""
+    """The forking process of SAVER (its saves in ``warm_up`` done, the slowest ``step_seconds``):
+    ``start`` forks a saver and returns its pid once it is ready; ``kill`` SIGKILLs it and returns
+    once it is gone."""
 
     def __init__(self, script: Path, warm_up: Path):
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # no thread to fork beside
@@ -438,6 +447,9 @@ class Savers:
             text=True,
             env=env,
         )
+        answer = self.process.stdout.readline().split()
+        assert answer[0] == "warm", answer
+        self.step_seconds = float(answer[1])
 
     def ask(self, line: str) -> str:
         self.process.stdin.write(line + "\n")
@@ -493,7 +505,9 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
     for trial in range(trials):
         start = latest_steps[-1] if latest_steps else 0
         saver = savers.start(directory, start, mode)
-        time.sleep(rng.uniform(0.0, 0.15))
+        # At random in the first 0.15 s, or in three steps' time where a step takes longer (a loaded
+        # machine): else every kill would come before the saver's first commit, and test nothing.
+        time.sleep(rng.uniform(0.0, max(0.15, 3 * savers.step_seconds)))
         savers.kill(saver)
         mid_save += any(p.name.startswith(".step") for p in directory.iterdir()) if directory.exists() else 0
         with CheckpointManager(directory) as manager:  # the killed writer's lock is free again
