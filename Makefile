@@ -61,7 +61,7 @@ run: build
 # runs it against the source tree, for development). Two lanes side by side, each target's output printed
 # whole when it ends: the wheel and its suites (the longest: it starts first), and the checks (lint,
 # cargo test, the development build's tests, the fuzz smoke), which fill the cores the suites leave
-# idle while they wait on processes and servers. Run one after the other they took five minutes more.
+# idle while they wait on processes and servers.
 test:
 	$(MAKE) --no-print-directory --output-sync=target -j 2 test-wheel test-checks
 
