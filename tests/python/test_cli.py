@@ -218,14 +218,12 @@ def test_convert_from_and_to_onnx_models(capsys, tmp_path):
 
 def test_ctrl_c_exits_130_not_the_code_that_says_differ(ckpt, tmp_path):
     # A real SIGINT, delivered while the command works (its inputs being opened), in the program
-    # as installed (`ortckpt` is cli.console) and as `python -m ortckpt`. Raised in the main thread:
-    # os.kill(getpid()) may be taken by another thread (NumPy's), and on a loaded machine the main one
-    # was then in signal.pause() before the flag was seen, waiting for a second signal (the test hung).
+    # as installed (`ortckpt` is cli.console) and as `python -m ortckpt`.
     interrupt = (
-        "import signal, sys\n"
+        "import os, signal, sys\n"
         "from ortckpt.cli import commands\n"
         "def interrupted(*args, **kwargs):\n"
-        "    signal.raise_signal(signal.SIGINT)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    signal.pause()\n"
         "commands.resolve.checkpoints = interrupted\n"
     )
