@@ -390,12 +390,15 @@ import os, sys, time
 import numpy as np
 from ortckpt import CheckpointManager, CheckpointState
 
-def save_until_killed(directory, start, mode):
+def state_of(mode, start):
     rng = np.random.default_rng(start)
     arrays = {f"t{i}": rng.standard_normal(50_000 + i).astype(np.float32) for i in range(8)}
     # "frozen": a larger part that never changes, so that steps share it (share_unchanged)
     frozen = {f"f{i}": np.full(100_000 + i, i, np.float32) for i in range(8)} if mode == "frozen" else {}
-    state = CheckpointState.from_arrays(arrays, frozen)
+    return arrays, CheckpointState.from_arrays(arrays, frozen)
+
+def save_until_killed(directory, start, mode):
+    arrays, state = state_of(mode, start)
     manager = CheckpointManager(directory, max_to_keep=2, durable=False, async_save=mode == "async")
     step = start
     print("ready", os.getpid(), flush=True)
@@ -405,18 +408,18 @@ def save_until_killed(directory, start, mode):
             a += 1.0  # each step's checkpoint differs from the last
         manager.save(state, step, metrics={"loss": 1.0 / step})
 
-# Saves first, so that what a process does once (lazy imports, the git lookup) is done before the forks
-# and the kills land in the savers' saves (a sync manager: no thread is left running to fork beside); the
-# slowest after the first, a saver's step on this machine now, is the first line.
-like = CheckpointState.from_arrays({f"t{i}": np.zeros(50_000 + i, np.float32) for i in range(8)})
-with CheckpointManager(sys.argv[1], max_to_keep=2, durable=False) as warm_up:
-    warm_up.save(like, 1)
-    took = []
-    for step in (2, 3, 4):
+# Saves first, as a saver makes them (a new manager's first save of the mode's state), so that what a
+# process does once (lazy imports, the git lookup) is done before the forks and the kills land in the
+# savers' saves (sync managers, closed: no thread is left running to fork beside); the slowest after the
+# first, the time from a saver's "ready" to its first commit on this machine now, is the first line.
+took = []
+for step in (1, 2, 3, 4):
+    arrays, state = state_of(sys.argv[2], step)
+    with CheckpointManager(sys.argv[1], max_to_keep=2, durable=False) as warm_up:
         began = time.perf_counter()
-        warm_up.save(like, step)
+        warm_up.save(state, step)
         took.append(time.perf_counter() - began)
-print("warm", max(took), flush=True)
+print("warm", max(took[1:]), flush=True)
 for line in sys.stdin:
     command, *args = line.split()
     if command == "save":
@@ -438,10 +441,10 @@ class Savers:
     ``start`` forks a saver and returns its pid once it is ready; ``kill`` SIGKILLs it and returns
     once it is gone."""
 
-    def __init__(self, script: Path, warm_up: Path):
+    def __init__(self, script: Path, warm_up: Path, mode: str):
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # no thread to fork beside
         self.process = subprocess.Popen(
-            [sys.executable, str(script), str(warm_up)],
+            [sys.executable, str(script), str(warm_up), mode],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -501,11 +504,11 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
     script.write_text(SAVER)
     directory = tmp_path / "ckpts"
     latest_steps, mid_save, shared_steps = [], 0, 0
-    savers = Savers(script, tmp_path / "warm-up")
+    savers = Savers(script, tmp_path / "warm-up", mode)
     for trial in range(trials):
         start = latest_steps[-1] if latest_steps else 0
         saver = savers.start(directory, start, mode)
-        # At random in the first 0.15 s, or in three steps' time where a step takes longer (a loaded
+        # At random in the first 0.15 s, or in three first saves' time where one takes longer (a loaded
         # machine): else every kill would come before the saver's first commit, and test nothing.
         time.sleep(rng.uniform(0.0, max(0.15, 3 * savers.step_seconds)))
         savers.kill(saver)
