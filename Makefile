@@ -51,23 +51,38 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
+.PHONY: test-checks build-debug test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
 	$(PY) benches/demo.py
 
 # The Python suite runs against the installed wheel, once per interpreter in PYTHONS (`make pytest`
-# runs it against the source tree, for development).
-test: lint cargo-test test-devbuild fuzz-smoke test-wheel
+# runs it against the source tree, for development). Two lanes side by side, each target's output printed
+# whole when it ends: the wheel and its suites (the longest: it starts first), and the checks (lint,
+# cargo test, the development build's tests, the fuzz smoke), which fill the cores the suites leave
+# idle while they wait on processes and servers.
+test:
+	$(MAKE) --no-print-directory --output-sync=target -j 2 test-wheel test-checks
+
+# The checks one after another, a lane of their own (-j1: with make test's two job slots to share, make
+# ran two of them at once and held the suites back until one ended).
+test-checks: $(UV)
+	$(MAKE) --no-print-directory -j1 lint cargo-test test-devbuild fuzz-smoke
 
 # What only the development build can show (its test hooks): a panic in the core is an InternalError.
-test-devbuild: build
+test-devbuild: build-debug
 	$(PY) -m pytest -q -p no:cacheprovider tests/devbuild
 
 # The development build adds the test hooks (`_core._panic_for_test`); the wheel never has them.
 build: $(VENV)/.ok
 	maturin develop --release --quiet --features test-hooks
+
+# The same in Rust's dev profile, for make test's hooks tests and fuzz smoke: it compiles in a fraction of
+# the release build's time (the release profile's thin LTO in one codegen unit, which the wheel pays
+# already), with the debug assertions and overflow checks on.
+build-debug: $(VENV)/.ok
+	maturin develop --quiet --features test-hooks
 
 $(UV):
 	$(PYTHON) -m venv $(UV_VENV)
@@ -129,7 +144,7 @@ FUZZ_SECONDS ?= 600
 fuzz: build $(VENV)/.fuzz-ok
 	tests/fuzz/run.sh $(FUZZ_SECONDS)
 
-fuzz-smoke: build $(VENV)/.fuzz-ok
+fuzz-smoke: build-debug $(VENV)/.fuzz-ok
 	tests/fuzz/run.sh 10
 
 $(VENV)/.fuzz-ok: $(VENV)/.ok
@@ -193,12 +208,14 @@ ort-loop-venv-from-dist:
 # One interpreter's suite against the installed wheel, with no Rust on PATH (`make test-wheel PYTHONS=3.12`
 # builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.
 WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR))
-WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=15
+WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=25
 # The whole suite runs on the first interpreter of PYTHONS: the interop tests (ONNX Runtime's own
 # interpreter is the oracle, whatever the suite's), the MPI ranks and the `once` runs among them. The
 # package is pure Python over an abi3 extension, so what can differ between interpreters is import, the
 # stubs (stubtest), buffers crossing the boundary and the entry point: the files marked every_python run
 # on each of the others. Each run prints its slowest tests (--durations), so the time has a record.
+# On the first interpreter two jobs share the work, about evenly: tests/python but the `once` runs, and
+# test-wheel-once (the `once` runs, the interop and the MPI tests).
 FIRST_ONLY := tests/interop tests/distributed
 test-wheel-%:
 	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) sh -c '\
@@ -206,7 +223,7 @@ test-wheel-%:
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		$(WHEEL_PYTEST) tests/python $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_ONLY) -m "not large and not once",-m "every_python and not large and not once")'
+		$(WHEEL_PYTEST) tests/python -m "$(if $(filter $*,$(firstword $(PYTHONS))),,every_python and )not large and not once"'
 
 # The wheel with its [flower] extra (flwr, its pins) and onnxruntime-training (ORT-trained clients) on
 # ONNX Runtime's interpreter (3.11 or 3.12), for tests/flower.
@@ -220,8 +237,9 @@ test-flower-wheel:
 		$(WHEEL_PYTEST) tests/flower
 
 test-wheel-once:
-	@echo "== the once runs on CPython $(firstword $(PYTHONS))" && \
-	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) tests/python $(FIRST_ONLY) -m once
+	@echo "== the once runs, the interop and the MPI tests on CPython $(firstword $(PYTHONS))" && \
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large" && \
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) tests/python -m once
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok

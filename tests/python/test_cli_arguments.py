@@ -1,10 +1,14 @@
 """The ortckpt command as a user runs it (a subprocess: exit codes, stdout, stderr): every
 checkpoint argument takes a manager's step folder (local or s3://, plain, compressed or
 sharded) as well as a checkpoint; bad usage is exit 2 before any work; every error is one line
-naming the user's file or URL; every command takes --json."""
+naming the user's file or URL; every command takes --json. The walks of every command over each
+kind of step folder run the command in this process (``cli.run``, what the console script calls):
+what they test is what each command reads, and a process per command cost them two minutes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -15,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, object_store, targets
-from ortckpt.cli import FAILED, OK, USAGE
+from ortckpt.cli import FAILED, OK, USAGE, run
 from ortckpt.distributed import SingleProcess, save_sharded
 
-# About a minute of subprocesses, each a `python -m ortckpt` run whose behaviour is the package's, not the
-# interpreter's (test_cli.py runs the command on every interpreter): on the first interpreter only.
+# Subprocesses, each a `python -m ortckpt` run whose behaviour is the package's, not the interpreter's
+# (test_cli.py runs the command on every interpreter): on the first interpreter only.
 pytestmark = pytest.mark.once
 
 WEIGHT = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -35,6 +39,15 @@ def ortckpt(*args, cwd=None) -> subprocess.CompletedProcess:
         timeout=300,
         check=False,
     )
+
+
+def in_process(*args) -> subprocess.CompletedProcess:
+    """The command run by ``cli.run`` in this process, its exit code and output captured as
+    :func:`ortckpt`'s are (AWS_* from this process's environment)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def one_line_naming(done: subprocess.CompletedProcess, name: object) -> str:
@@ -104,7 +117,7 @@ def every_command_reads(step: str, tmp: Path) -> None:
     model = eval_model(tmp / "eval.onnx")
 
     def ok(*args):
-        done = ortckpt(*args)
+        done = in_process(*args)
         assert done.returncode == OK, (args, done.stderr)
         return done
 
@@ -119,7 +132,7 @@ def every_command_reads(step: str, tmp: Path) -> None:
     assert all(step in name for name in info["files"]), info["files"]  # the step's files, not a copy
     assert step in ok("inspect", step).stdout.splitlines()[0]
     assert json.loads(ok("verify", "--json", step).stdout)["ok"]
-    compared = json.loads(ortckpt("diff", "--json", step, original).stdout)
+    compared = json.loads(in_process("diff", "--json", step, original).stdout)
     assert (compared["tensors"], compared["only_in_a"], compared["only_in_b"]) == ([], [], [])
     assert sorted(c["name"] for c in compared["changes"]) == [
         "group0/layer.bias/momentum0",
@@ -152,7 +165,7 @@ def every_command_reads(step: str, tmp: Path) -> None:
     ok("compress", step, tmp / "kept.zst")
     ok("decompress", tmp / "kept.zst", tmp / "back.ckpt")
     for written in ("upgraded.ckpt", "back.ckpt"):
-        assert ortckpt("diff", "--json", tmp / written, step).returncode == OK, written
+        assert in_process("diff", "--json", tmp / written, step).returncode == OK, written
     ok("report", step, "--against", original, "-o", tmp / "report.html")
     page = (tmp / "report.html").read_text()
     assert f"<h1>{step}</h1>" in page and "<p>No tensor changed (4 compared).</p>" in page

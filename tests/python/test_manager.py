@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import ortckpt
@@ -379,25 +380,97 @@ def test_manager_checkpoints_load_in_the_checkpoint_state_api_unchanged(tmp_path
     assert state.properties["step"] == 42 and state.properties["epoch"] == 7
 
 
+# A process that forks the savers: each trial's saver is a process of its own, killed by SIGKILL, but
+# forked from one that has imported ortckpt already (no thread started), so a trial costs the kill, not
+# an interpreter's start and imports (two thirds of the test's time when each saver was a new interpreter).
+# It reads "save DIRECTORY START MODE" (the saver answers "ready PID") and "reap PID" (it answers "reaped"
+# once the killed saver is gone: a zombie would still answer kill(pid, 0), as a live writer does).
 SAVER = """
-import sys
+import os, sys, time
 import numpy as np
 from ortckpt import CheckpointManager, CheckpointState
-directory, start, async_save = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "async"
-rng = np.random.default_rng(start)
-arrays = {f"t{i}": rng.standard_normal(50_000 + i).astype(np.float32) for i in range(8)}
-# "frozen": a larger part that never changes, so that steps share it (share_unchanged)
-frozen = {f"f{i}": np.full(100_000 + i, i, np.float32) for i in range(8)} if sys.argv[3] == "frozen" else {}
-state = CheckpointState.from_arrays(arrays, frozen)
-manager = CheckpointManager(directory, max_to_keep=2, durable=False, async_save=async_save)
-step = start
-print("ready", flush=True)
-while True:
-    step += 1
-    for a in arrays.values():
-        a += 1.0  # each step's checkpoint differs from the last
-    manager.save(state, step, metrics={"loss": 1.0 / step})
+
+def state_of(mode, start):
+    rng = np.random.default_rng(start)
+    arrays = {f"t{i}": rng.standard_normal(50_000 + i).astype(np.float32) for i in range(8)}
+    # "frozen": a larger part that never changes, so that steps share it (share_unchanged)
+    frozen = {f"f{i}": np.full(100_000 + i, i, np.float32) for i in range(8)} if mode == "frozen" else {}
+    return arrays, CheckpointState.from_arrays(arrays, frozen)
+
+def save_until_killed(directory, start, mode):
+    arrays, state = state_of(mode, start)
+    manager = CheckpointManager(directory, max_to_keep=2, durable=False, async_save=mode == "async")
+    step = start
+    print("ready", os.getpid(), flush=True)
+    while True:
+        step += 1
+        for a in arrays.values():
+            a += 1.0  # each step's checkpoint differs from the last
+        manager.save(state, step, metrics={"loss": 1.0 / step})
+
+# Saves first, as a saver makes them (a new manager's first save of the mode's state), so that what a
+# process does once (lazy imports, the git lookup) is done before the forks and the kills land in the
+# savers' saves (sync managers, closed: no thread is left running to fork beside); the slowest after the
+# first, the time from a saver's "ready" to its first commit on this machine now, is the first line.
+took = []
+for step in (1, 2, 3, 4):
+    arrays, state = state_of(sys.argv[2], step)
+    with CheckpointManager(sys.argv[1], max_to_keep=2, durable=False) as warm_up:
+        began = time.perf_counter()
+        warm_up.save(state, step)
+        took.append(time.perf_counter() - began)
+print("warm", max(took[1:]), flush=True)
+for line in sys.stdin:
+    command, *args = line.split()
+    if command == "save":
+        if os.fork() == 0:
+            try:
+                save_until_killed(args[0], int(args[1]), args[2])
+            except BaseException as e:  # (never: it saves until killed) said, not left to a blocked read
+                print("failed", repr(e), flush=True)
+            finally:
+                os._exit(1)
+    else:
+        os.waitpid(int(args[0]), 0)
+        print("reaped", flush=True)
 """
+
+
+class Savers:
+    """The forking process of SAVER (its saves in ``warm_up`` done, the slowest ``step_seconds``):
+    ``start`` forks a saver and returns its pid once it is ready; ``kill`` SIGKILLs it and returns
+    once it is gone."""
+
+    def __init__(self, script: Path, warm_up: Path, mode: str):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # no thread to fork beside
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), str(warm_up), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        answer = self.process.stdout.readline().split()
+        assert answer[0] == "warm", answer
+        self.step_seconds = float(answer[1])
+
+    def ask(self, line: str) -> str:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        return self.process.stdout.readline().strip()
+
+    def start(self, directory: Path, start: int, mode: str) -> int:
+        answer = self.ask(f"save {directory} {start} {mode}").split()
+        assert answer[0] == "ready", answer
+        return int(answer[1])
+
+    def kill(self, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        assert self.ask(f"reap {pid}") == "reaped"
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        assert self.process.wait(timeout=60) == 0
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -431,15 +504,14 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
     script.write_text(SAVER)
     directory = tmp_path / "ckpts"
     latest_steps, mid_save, shared_steps = [], 0, 0
+    savers = Savers(script, tmp_path / "warm-up", mode)
     for trial in range(trials):
         start = latest_steps[-1] if latest_steps else 0
-        child = subprocess.Popen(
-            [sys.executable, str(script), str(directory), str(start), mode], stdout=subprocess.PIPE
-        )
-        assert child.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.0, 0.15))
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+        saver = savers.start(directory, start, mode)
+        # At random in the first 0.15 s, or in three first saves' time where one takes longer (a loaded
+        # machine): else every kill would come before the saver's first commit, and test nothing.
+        time.sleep(rng.uniform(0.0, max(0.15, 3 * savers.step_seconds)))
+        savers.kill(saver)
         mid_save += any(p.name.startswith(".step") for p in directory.iterdir()) if directory.exists() else 0
         with CheckpointManager(directory) as manager:  # the killed writer's lock is free again
             leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".") and p.name != WRITER_LOCK_NAME]
@@ -460,6 +532,7 @@ def test_sigkill_during_saves_leaves_latest_complete_and_verifiable(tmp_path, mo
                 ).st_nlink > 1
             assert len(manager.all_steps()) <= 3  # max_to_keep=2, plus one if killed between commit and retention
             latest_steps.append(latest.step)
+    savers.close()
     print(f"{mode}: {trials} kills, {mid_save} inside a save or deletion, latest steps reached {latest_steps[-1]}")
     assert len(latest_steps) > trials // 2, "the kills came too early to test anything"
     assert mid_save > trials // 10, "too few kills landed inside a save to test anything"
