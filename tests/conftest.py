@@ -2,12 +2,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent / "interop"
+
+# A launcher that ignores SIGINT (a non-interactive shell's background job) passes that on to every
+# process the tests start, and a Python started so never raises KeyboardInterrupt: the Ctrl-C tests
+# would test the launcher. With Python's own handler here, each child starts with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
