@@ -434,10 +434,20 @@ def _changes(opened_a: _Opened, opened_b: _Opened, on_bytes: Progress | None) ->
 
 def histogram(value: Any, bins: int = 32, range: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(counts, edges)`` of ``value``'s finite values in ``bins`` equal bins over ``range``
-    (default: their min and max), as ``numpy.histogram``."""
+    (default: their min and max), or in the bins between the increasing edges ``bins`` gives
+    (``range`` then unused), as ``numpy.histogram``."""
     kernel = _kernel_input(value)
-    if kernel is None or not isinstance(bins, (int, np.integer)):
+    if kernel is None:
         return _histogram_numpy(value, bins, range)
+    if not isinstance(bins, (int, np.integer)):
+        given = np.asarray(bins, dtype=np.float64)
+        if given.ndim != 1 or given.size < 2:
+            raise ValueError("`bins` must be 1d, when an array")
+        if np.any(given[:-1] > given[1:]):
+            raise ValueError("`bins` must increase monotonically, when an array")
+        if not np.all(np.isfinite(given)):
+            raise ValueError(f"`bins` must be finite edges, got {given.tolist()}")
+        return np.array(_boundary.histogram(*kernel, given.tolist()), dtype=np.intp), given
     if range is None:
         _nan, _pos, _neg, (finite,), (lo,), (hi,), *_ = _boundary.stats_columns(*_columns([kernel]), [], None)
         range = (lo, hi) if finite else (0.0, 1.0)

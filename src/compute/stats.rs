@@ -233,9 +233,13 @@ pub fn histogram(tensor: &Tensor<'_>, edges: &[f64], threads: usize) -> Result<V
     let (Some(&first), Some(&last)) = (edges.first(), edges.last()) else {
         return Err(Error::invalid_state("histogram: no edges"));
     };
-    if bins == 0 || !edges.iter().all(|e| e.is_finite()) || !(last - first).is_finite() {
+    if bins == 0
+        || !edges.iter().all(|e| e.is_finite())
+        || !(last - first).is_finite()
+        || edges.windows(2).any(|pair| pair[1] < pair[0])
+    {
         return Err(Error::invalid_state(format!(
-            "histogram: edges {first}..{last} ({bins} bins) are not finite bins"
+            "histogram: edges {first}..{last} ({bins} bins) are not finite, increasing bins"
         )));
     }
     let denominator = last - first;
@@ -249,12 +253,14 @@ pub fn histogram(tensor: &Tensor<'_>, edges: &[f64], threads: usize) -> Result<V
                 if !(x >= first && x <= last) {
                     continue; // NaN, infinities and values outside the range
                 }
-                // NumPy's steps exactly: the bin by arithmetic, then set right by the edges.
+                // NumPy's steps: the bin by arithmetic, then set right by the edges (one step for
+                // equal bins; as many as it takes for edges of any widths, as its searchsorted).
                 let mut i = (((x - first) / denominator) * bins as f64) as usize;
                 i = i.min(bins - 1);
-                if x < edges[i] {
-                    i = i.saturating_sub(1);
-                } else if i != bins - 1 && x >= edges[i + 1] {
+                while i > 0 && x < edges[i] {
+                    i -= 1;
+                }
+                while i != bins - 1 && x >= edges[i + 1] {
                     i += 1;
                 }
                 counts[i] += 1;

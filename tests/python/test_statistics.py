@@ -432,6 +432,28 @@ def test_histogram_counts_as_numpy_histogram(dtype, bins, range_):
     assert got_counts.dtype == want_counts.dtype
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, np.int16])
+def test_histogram_of_given_edges_runs_in_the_kernel_as_numpy_counts(dtype, monkeypatch):
+    """Edges of any widths (repeated ones too, values on them, outside them) counted by the kernel
+    exactly as numpy.histogram counts them: no whole-tensor widening for any dtype."""
+    x = values(dtype, 20_000, seed=5)
+    wide = np.asarray(x, np.float64)
+    finite = wide[np.isfinite(wide)]
+    picked = np.sort(np.random.default_rng(1).choice(finite, 6, replace=False))
+    edges = [float(finite.min()) - 1.0, *picked.tolist(), float(picked[-1]), float(finite.max())]
+    want_counts, want_edges = np.histogram(finite, bins=np.asarray(edges))
+
+    def widened(*args, **kwargs):
+        raise AssertionError("the NumPy fallback")
+
+    monkeypatch.setattr(st, "_histogram_numpy", widened)
+    got_counts, got_edges = st.histogram(x, edges, (0.0, 1.0))  # (a range beside edges is unused, as NumPy's)
+    assert np.array_equal(got_counts, want_counts) and np.array_equal(got_edges, want_edges)
+    for bad in ([1.0, 0.0], [0.0], [[0.0, 1.0]], [0.0, np.inf]):
+        with pytest.raises(ValueError):
+            st.histogram(x, bad)
+
+
 def test_histogram_edges_exactly_and_edge_cases():
     x = np.array([0.0, 0.1, 0.2, 0.3, 1.0, 1.0, np.nan, np.inf, -0.5, 2.0], np.float64)
     counts, _ = st.histogram(x, 10, (0.0, 1.0))
