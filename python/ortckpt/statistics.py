@@ -120,7 +120,17 @@ def _numeric(value: Any) -> np.ndarray | None:
     if isinstance(value, PackedBits):
         return value.unpack().astype(np.float32 if value.data_type == _dt.FLOAT4E2M1 else np.int8)
     array = np.asarray(value)
+    if array.dtype.kind == "c":
+        return _components(array)
     return None if array.dtype == object or array.dtype.kind in "SU" else array
+
+
+def _components(array: np.ndarray) -> np.ndarray:
+    """A complex tensor's real and imaginary parts, side by side, as the floats its figures are
+    computed over (a NaN or infinity in either part counts; the L2 norm is the tensor's own): a
+    view where the tensor is contiguous and native."""
+    part = np.dtype(array.dtype.char.lower()).newbyteorder("=")  # complex64 -> float32, complex128 -> float64
+    return np.ascontiguousarray(array, array.dtype.newbyteorder("=")).reshape(-1).view(part)
 
 
 def _dtype_name(value: Any) -> str:
@@ -147,7 +157,8 @@ _KernelInput = tuple[int, Any, int | None]
 
 
 def _kernel_input(value: Any) -> _KernelInput | None:
-    """``value`` as the core's kernels take it, or None for a string or complex tensor."""
+    """``value`` as the core's kernels take it (a complex tensor as its two parts), or None for a
+    string tensor."""
     if type(value) is np.ndarray:  # the common case: the array itself, no copy
         code = _NATIVE_CODES.get(value.dtype)
         if code is not None and value.flags.c_contiguous:
@@ -160,6 +171,8 @@ def _kernel_input(value: Any) -> _KernelInput | None:
     array = np.asarray(value)
     if array.dtype == object or array.dtype.kind in "SU":
         return None
+    if array.dtype.kind == "c":  # its two parts, as floats
+        array = _components(array)
     try:
         code = _dt.code_of(array)
     except UnsupportedDataTypeError:

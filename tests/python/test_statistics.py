@@ -264,7 +264,7 @@ def test_packed_and_one_byte_change_figures_and_histograms_match_the_numpy_oracl
         assert np.array_equal(got_edges, want_edges) and np.array_equal(got_counts, want_counts)
 
 
-def test_no_stored_type_goes_through_the_numpy_fallback_but_strings_and_complex(monkeypatch, tmp_path):
+def test_no_stored_type_goes_through_the_numpy_fallback_but_strings(monkeypatch, tmp_path):
     """Every numeric type ortckpt stores is computed by the kernels (the NumPy oracle widened a
     whole tensor to float64): a state with all of them, from memory and from its file."""
     arrays = {np.dtype(d).name: values(d, 3001, seed=i) for i, d in enumerate(KERNEL_DTYPES)}
@@ -355,7 +355,7 @@ def test_the_kernels_refuse_ragged_buffers_counts_that_do_not_fit_and_unknown_ty
         _boundary.tensor_stats([(1, x.view(np.uint8)[:7], None)], None)
     with pytest.raises(CheckpointError, match="no kernel"):
         _boundary.tensor_stats([(8, x.view(np.uint8), None)], None)
-    with pytest.raises(CheckpointError, match="no kernel"):  # complex: left to NumPy
+    with pytest.raises(CheckpointError, match="no kernel"):  # complex: its parts go to the kernels as floats
         _boundary.stats_columns([14], [x], [None], [], None)
     packed = np.zeros(3, np.uint8)
     for elements in (None, 4, 7, 3, 0):  # 3 bytes of INT4 hold 5 or 6 elements; None: for whole bytes only
@@ -762,3 +762,29 @@ def test_the_garbage_collector_is_paused_for_a_pass_and_left_as_it_was(tmp_path)
         assert not gc.isenabled()  # a collector the caller paused stays paused
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+def test_a_complex_tensors_figures_are_those_of_its_two_parts_nan_in_either_counts(dtype, monkeypatch):
+    """A NaN or infinity in the imaginary part is counted (NumPy's cast to float64 dropped that
+    part, with a warning, and said "no NaN"), the L2 norm is the tensor's, in the kernels."""
+    x = (np.arange(1000) - 500j).astype(dtype)
+    x[3] = complex(1.0, np.nan)
+    x[4] = complex(np.inf, 2.0)
+    y = x.copy()
+    y[9] = complex(x[9].real, 7.0)
+
+    def widened(*args, **kwargs):
+        raise AssertionError("the NumPy fallback")
+
+    for fallback in ("_stats_numpy", "_change_numpy", "_histogram_numpy"):
+        monkeypatch.setattr(st, fallback, widened)
+    found = tensor_stats(CheckpointState.from_arrays({"c": x}))["c"]
+    finite = np.stack([x.real, x.imag], axis=-1).reshape(-1)
+    finite = finite[np.isfinite(finite)].astype(np.float64)
+    assert (found.dtype, found.elements, found.nan, found.posinf) == (np.dtype(dtype).name, 1000, 1, 1)
+    assert (found.min, found.max) == (finite.min(), finite.max())
+    assert found.l2 == pytest.approx(float(np.sqrt(np.sum(finite**2))), rel=1e-12)
+    change = tensor_changes(CheckpointState.from_arrays({"c": x}), CheckpointState.from_arrays({"c": y}))["c"]
+    assert change.changed == 1 and change.max_abs == pytest.approx(abs(7.0 - x[9].imag))
+    assert st.histogram(x, 4)[0].sum() == finite.size
