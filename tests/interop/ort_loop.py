@@ -610,8 +610,8 @@ def preempt_run(artifacts: str, directory: str, steps: str, async_save: str, gra
         done = step + 1
         if manager.should_save(done) or done == int(steps):
             manager.save(state, done)
-        if manager.preempted:
-            break
+            if manager.preempted:
+                break
     if done == int(steps):  # (ONNX Runtime's own saver: the properties are the state's own)
         C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
     print("trained", file=sys.stderr, flush=True)

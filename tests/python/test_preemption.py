@@ -34,8 +34,8 @@ LOOP = textwrap.dedent(
         done = step + 1
         if manager.should_save(done) or done == steps:
             manager.save(state, done)
-        if manager.preempted:
-            break
+            if manager.preempted:
+                break
     manager.close()
     print("result", done, manager.latest_step(), manager.preempted, flush=True)
     """

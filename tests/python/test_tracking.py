@@ -996,8 +996,8 @@ with ortckpt.CheckpointManager(directory, save_every=25, async_save=True, track=
         sum(range(20000))
         if manager.should_save(step):
             manager.save(state, step, metrics={"loss": 1.0 / step})
-        if manager.preempted:
-            break
+            if manager.preempted:
+                break
 print("result", step, manager.latest_step(), flush=True)
 """
 

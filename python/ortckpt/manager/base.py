@@ -132,7 +132,9 @@ class ManagerBase:
     @property
     def preempted(self) -> bool:
         """Whether a preemption signal (``preemption=``) came, or :meth:`preempt` was called:
-        the loop should stop once :meth:`should_save`'s save is done."""
+        the loop should stop once :meth:`should_save`'s save is done. Ask it right after that
+        save (inside the ``if``): a signal can land between a false ``should_save`` and the
+        question, and the step the loop stops at would then not be saved."""
         return self._preemption.noticed
 
     def preempt(self) -> None:

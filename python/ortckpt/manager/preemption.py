@@ -11,8 +11,11 @@ tells the loop to stop::
         ...
         if manager.should_save(step):
             manager.save(state, step)
-        if manager.preempted:
-            break                       # the step it was at is committed: exit 0
+            if manager.preempted:
+                break                   # the step it was at is committed: exit 0
+
+``preempted`` is asked right after a save: asked after the ``if``, a signal that lands between
+``should_save`` (false) and the question would stop the loop one step past its last save.
 
 What the handler does with each signal:
 
