@@ -234,43 +234,35 @@ class Saving(ManagerBase):
         self, state: CheckpointState | _ForkedStep, step: int, meta: dict[str, Any], include_optimizer_state: bool
     ) -> None:
         """The step transaction of one save: stage, write, verify, metadata, commit; then
-        retention and the tracker's report."""
+        retention and the tracker's report. A forked save's checkpoint is the child's (waited for
+        with its deadline, then sealed); any other is written here."""
         if isinstance(state, _ForkedStep):
-            self._commit_forked(state, meta)
-            return
-        with self._naming_step(step):
-            core = state.core_state(include_optimizer_state)
-        attempt = self.store.begin(step)
-        previous = self.latest() if self.share_unchanged else None
-        try:
-            self.store.write_checkpoint(
-                attempt,
-                steps.CHECKPOINT_NAME,
-                core,
-                external_data_threshold=self.external_data_threshold,
-                durable=self.durable,
-                progress=self.progress,
-                share_with=None if previous is None else previous.step_record,
-            )
-            for role, source in self.artifacts.items():
-                self.store.store_graph(attempt, role, source, durable=self.durable)
-            committed = self._commit(attempt, meta)
-        except OSError as e:
-            self.store.abandon(attempt)
-            raise self._named_by_step(e, attempt) from None
-        except BaseException:
-            self.store.abandon(attempt)
-            raise
-        self._committed(committed)
+            attempt = state.attempt
+            child = state.child
 
-    def _commit_forked(self, forked: _ForkedStep, meta: dict[str, Any]) -> None:
-        """The rest of a forked save's step transaction, in the background thread: the child
-        waited for (its deadline), its checkpoint sealed and committed into the attempt, then
-        as any save (graphs, verify, metadata, commit, retention, report)."""
-        attempt = forked.attempt
+            def write() -> None:
+                child.finish(durable=self.durable)
+                self.store.record_checkpoint(attempt, steps.CHECKPOINT_NAME)
+
+        else:
+            with self._naming_step(step):
+                core = state.core_state(include_optimizer_state)
+            attempt = self.store.begin(step)
+            previous = self.latest() if self.share_unchanged else None
+
+            def write() -> None:
+                self.store.write_checkpoint(
+                    attempt,
+                    steps.CHECKPOINT_NAME,
+                    core,
+                    external_data_threshold=self.external_data_threshold,
+                    durable=self.durable,
+                    progress=self.progress,
+                    share_with=None if previous is None else previous.step_record,
+                )
+
         try:
-            forked.child.finish(durable=self.durable)
-            self.store.record_checkpoint(attempt, steps.CHECKPOINT_NAME)
+            write()
             for role, source in self.artifacts.items():
                 self.store.store_graph(attempt, role, source, durable=self.durable)
             committed = self._commit(attempt, meta)
