@@ -223,8 +223,8 @@ SAVE = textwrap.dedent(
     import sys, numpy as np, ortckpt
     path = sys.argv[1]
     state = ortckpt.CheckpointState.from_arrays({"w": np.full(24 << 20, 2.0, np.float32)})
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # (in the try: a SIGINT landing as it returns is one before the save)
         ortckpt.save_checkpoint(state, path)
     except KeyboardInterrupt:
         print("raised", flush=True)
