@@ -18,6 +18,7 @@
 mod floats;
 pub mod stats;
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::ops::{Add, Div, Mul, Sub};
 use std::path::Path;
@@ -246,9 +247,11 @@ impl<'j, 'a> Pass<'j, 'a> {
             let done = piece_of(operation, &mut piece, &mut scratch).and_then(|found| {
                 if found.is_none() {
                     if let Out::File { .. } = piece.out {
-                        // What finished() just wrote is still in its staging buffer.
-                        let written = &scratch.out[..piece.bytes() as usize];
-                        self.sums.add(piece.job, piece.start / CHUNK, written);
+                        // What finished() just wrote is still in its staging buffer (exactly
+                        // the piece's bytes).
+                        debug_assert_eq!(scratch.out.len() as u64, piece.bytes());
+                        self.sums
+                            .add(piece.job, piece.start / CHUNK, &mut scratch.out);
                     }
                     (progress.lock().unwrap_or_else(|p| p.into_inner()))(piece.bytes())?;
                 }
@@ -287,17 +290,29 @@ impl<'j, 'a> Pass<'j, 'a> {
 }
 
 /// The checksums of the results written to files. XXH3 sums bytes in order only, and the
-/// chunks finish in any order across threads: a chunk waits for its turn (the chunks before
-/// it in its tensor summed), which is short, as the queue hands chunks out in order. Summing
-/// is fast next to computing a chunk, so one lock serves every tensor.
+/// chunks finish in any order across threads: a chunk whose turn has not come (the chunks
+/// before it in its tensor not yet summed) is kept, and summed by whichever thread sums the
+/// chunk before it, so its own thread goes on at once. A thread waits only when [`AHEAD`]
+/// chunks are kept already (one thread far behind the other, descheduled on a busy machine),
+/// which bounds the memory. Summing is fast next to computing a chunk, so one lock serves
+/// every tensor.
 struct Sums {
     state: Mutex<Summing>,
     turn: Condvar,
 }
 
+/// Chunks kept for their turn at most, over every tensor: a few MiB (a chunk's result is at
+/// most [`CHUNK`] float64 values, 512 KiB), whatever the sources and tensors.
+const AHEAD: usize = 16;
+
 struct Summing {
     /// For each job with a file sink: its chunks, the next one to sum, and the sum so far.
     jobs: Vec<Option<(usize, usize, Running)>>,
+    /// The bytes of chunks that came before their turn, by (job, chunk).
+    ahead: HashMap<(usize, usize), Vec<u8>>,
+    /// Buffers of kept chunks once summed: the next staging buffers of the threads that
+    /// leave theirs here.
+    spare: Vec<Vec<u8>>,
     /// An overflow or error ended the pass: chunks no longer wait (some never come).
     stopped: bool,
 }
@@ -311,26 +326,42 @@ impl Sums {
         Sums {
             state: Mutex::new(Summing {
                 jobs,
+                ahead: HashMap::new(),
+                spare: Vec::new(),
                 stopped: false,
             }),
             turn: Condvar::new(),
         }
     }
 
-    /// Adds `bytes`, chunk `chunk` of job `job`'s result, to its sum once the chunks before
-    /// it are added.
-    fn add(&self, job: usize, chunk: usize, bytes: &[u8]) {
+    /// Adds `bytes`, chunk `chunk` of job `job`'s result, to its sum: at once when its turn
+    /// has come (with the kept chunks that follow it), else kept for its turn, `bytes` then
+    /// replaced by a spare buffer (its contents are not the chunk's).
+    fn add(&self, job: usize, chunk: usize, bytes: &mut Vec<u8>) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if state.stopped {
                 return;
             }
-            match &mut state.jobs[job] {
+            let Summing {
+                jobs, ahead, spare, ..
+            } = &mut *state;
+            match &mut jobs[job] {
                 None => return,
                 Some((_, next, running)) if *next == chunk => {
                     running.update(bytes);
                     *next += 1;
+                    while let Some(kept) = ahead.remove(&(job, *next)) {
+                        running.update(&kept);
+                        *next += 1;
+                        spare.push(kept);
+                    }
                     break;
+                }
+                Some(_) if ahead.len() < AHEAD => {
+                    let buffer = spare.pop().unwrap_or_default();
+                    ahead.insert((job, chunk), std::mem::replace(bytes, buffer));
+                    return;
                 }
                 Some(_) => {}
             }

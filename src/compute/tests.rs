@@ -277,3 +277,76 @@ fn an_overflow_ends_the_pass_with_no_sums_and_no_thread_waiting() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Chunk `c` of a test result: bytes that differ from chunk to chunk.
+fn chunk_bytes(c: usize) -> Vec<u8> {
+    (0..1000).map(|i| (i * 7 + c * 13) as u8).collect()
+}
+
+#[test]
+fn chunks_summed_out_of_turn_give_the_sum_of_the_bytes_in_order() {
+    let chunks = 6;
+    let whole: Vec<u8> = (0..chunks).flat_map(chunk_bytes).collect();
+    let sums = Sums::new(vec![Some(chunks), None]);
+    // Every chunk but the first comes before its turn: kept, its thread handed another buffer.
+    for c in (1..chunks).rev() {
+        let mut bytes = chunk_bytes(c);
+        sums.add(0, c, &mut bytes);
+        assert_ne!(
+            bytes,
+            chunk_bytes(c),
+            "a kept chunk's buffer stays with the sums"
+        );
+    }
+    let mut first = chunk_bytes(0);
+    sums.add(0, 0, &mut first);
+    assert_eq!(
+        first,
+        chunk_bytes(0),
+        "a chunk summed in turn keeps its buffer"
+    );
+    // A result in memory has no sum, whatever is added for it.
+    sums.add(1, 0, &mut chunk_bytes(0));
+    let state = sums.state.lock().unwrap();
+    assert!(state.ahead.is_empty());
+    assert_eq!(
+        state.spare.len(),
+        chunks - 1,
+        "the kept chunks' buffers are spares again"
+    );
+    drop(state);
+    assert_eq!(
+        sums.finish(),
+        [Some(crate::seal::checksums::sum(&whole)), None]
+    );
+}
+
+#[test]
+fn a_thread_far_ahead_waits_once_the_kept_chunks_are_at_their_bound() {
+    let chunks = AHEAD + 3;
+    let whole: Vec<u8> = (0..chunks).flat_map(chunk_bytes).collect();
+    let sums = Sums::new(vec![Some(chunks)]);
+    let finished = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        // This thread adds chunks 1.. : the first AHEAD are kept, the next one waits for
+        // chunk 0, which comes from the other thread.
+        scope.spawn(|| {
+            for c in 1..chunks {
+                sums.add(0, c, &mut chunk_bytes(c));
+            }
+            finished.store(1, Ordering::SeqCst);
+        });
+        while sums.state.lock().unwrap().ahead.len() < AHEAD {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(
+            finished.load(Ordering::SeqCst),
+            0,
+            "past the bound, a thread waits"
+        );
+        sums.add(0, 0, &mut chunk_bytes(0));
+    });
+    assert!(sums.state.lock().unwrap().ahead.len() <= AHEAD);
+    assert_eq!(sums.finish(), [Some(crate::seal::checksums::sum(&whole))]);
+}
