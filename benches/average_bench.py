@@ -79,11 +79,11 @@ import numpy as np
 paths, out, save = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 files = [f for p in paths for f in (p, p + ".data") if os.path.exists(f)]
 {setup}
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 {body}
 # VmHWM, not ru_maxrss: the latter survives exec, so it would include the parent's peak.
 peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-print(json.dumps({{"seconds": time.perf_counter() - start, "peak_rss": peak}}))
+print(json.dumps({{"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu, "peak_rss": peak}}))
 """
 
 
@@ -153,19 +153,22 @@ def main() -> None:
     lines = [
         f"Average of {args.count} checkpoints of {nbytes / 2**30:.2f} GiB (float32, 16 tensors each, {layout}) in "
         f"{args.dir or tempfile.gettempdir()}; {args.repeat} shuffled rounds, each contender in a fresh process; "
-        "medians (ranges) over rounds, ratios paired by round; peak RSS is the process's VmHWM.",
+        "medians (ranges) over rounds, ratios paired by round; CPU s: the process's, every thread; peak RSS "
+        "is the process's VmHWM.",
         "",
-        "| contender | seconds | input GiB/s | throughput vs readinto() | time vs NumPy loop | peak RSS |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| contender | seconds | CPU s | input GiB/s | throughput vs readinto() | time vs NumPy loop | peak RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, runs in results.items():
         seconds = [r["seconds"] for r in runs]
         median = statistics.median(seconds)
+        cpu = statistics.median(r["cpu"] for r in runs)
         rss = max(r["peak_rss"] for r in runs)
         throughput = spread([b / t for b, t in zip(reads, seconds, strict=True)])
         time_ratio = spread([t / b for t, b in zip(seconds, loops, strict=True)])
         lines.append(
-            f"| {name} | {median:.3f} ({min(seconds):.3f}-{max(seconds):.3f}) | {total / median:.2f} | {throughput}x "
+            f"| {name} | {median:.3f} ({min(seconds):.3f}-{max(seconds):.3f}) | {cpu:.3f} | {total / median:.2f} | "
+            f"{throughput}x "
             f"| {time_ratio}x | {rss / 2**20:,.0f} MiB |"
         )
     table = "\n".join(lines)
