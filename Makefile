@@ -138,14 +138,15 @@ ort-loop-venv: wheel $(UV)
 	$(UV_INSTALL) $(ORT_LOOP_VENV)/bin/python $(ORT_DEPS) dist/*.whl
 
 # Fuzzing (cargo-fuzz targets load_bytes and roundtrip, atheris over the Python API):
-# `make fuzz FUZZ_SECONDS=3600` for long runs; `make test` runs each for 10 s (a smoke: the seeds,
-# every past finding and a short search; the search itself is `make fuzz`).
+# `make fuzz FUZZ_SECONDS=3600` for long runs (the release build); `make test` runs each for 5 s (a smoke:
+# the seeds, every past finding and a short search; the search itself is `make fuzz`), the Rust targets
+# built in the dev profile (ASan, debug assertions, overflow checks): half the release build's CPU.
 FUZZ_SECONDS ?= 600
 fuzz: build $(VENV)/.fuzz-ok
 	tests/fuzz/run.sh $(FUZZ_SECONDS)
 
 fuzz-smoke: build-debug $(VENV)/.fuzz-ok
-	tests/fuzz/run.sh 10
+	tests/fuzz/run.sh 5 --dev
 
 $(VENV)/.fuzz-ok: $(VENV)/.ok
 	$(UV_INSTALL) $(PY) "atheris==3.0.0"

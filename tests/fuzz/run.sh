@@ -10,19 +10,30 @@
 # per target; exits non-zero on the first finding (libFuzzer writes the input to
 # target/fuzz-artifacts: add it to tests/fuzz/regressions with a test).
 #
-#   tests/fuzz/run.sh [SECONDS]     (make fuzz, make fuzz-smoke)
+#   tests/fuzz/run.sh [SECONDS] [--dev]     (make fuzz; make fuzz-smoke: 5 --dev)
+#
+# --dev builds the Rust targets in the dev profile (ASan, debug assertions and overflow checks, no
+# optimisation): half the CPU of the release build, which make fuzz's long runs want for the speed of
+# each input. A smoke runs every seed and past finding either way, then a short search.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SECONDS_EACH=${1:-60}
+PROFILE=release
+BUILD=(-O)
+if [ "${2:-}" = --dev ]; then
+    PROFILE=debug
+    BUILD=(--dev)
+fi
 PY=${PY:-.venv/bin/python}
 CORPUS=target/fuzz-corpus
 ARTIFACTS=target/fuzz-artifacts/
-BIN=tests/fuzz/target/x86_64-unknown-linux-gnu/release
+BIN=tests/fuzz/target/x86_64-unknown-linux-gnu/$PROFILE
 mkdir -p "$CORPUS" "$ARTIFACTS"
 
 command -v cargo-fuzz >/dev/null || cargo install --quiet --locked cargo-fuzz@0.13.2
 # cargo-fuzz builds with sanitizer flags that stable rustc accepts only with RUSTC_BOOTSTRAP.
-RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O >/dev/null 2>&1 || RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz -O
+RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz "${BUILD[@]}" >/dev/null 2>&1 ||
+    RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir tests/fuzz "${BUILD[@]}"
 
 for target in load_bytes roundtrip atheris atheris-safetensors atheris-index atheris-metadata atheris-compressed; do
     mkdir -p "$CORPUS/$target"

@@ -25,10 +25,6 @@ from pathlib import Path
 import ortckpt
 import pytest
 
-# Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
-# crossing the boundary, imports, the program's entry point.
-pytestmark = pytest.mark.every_python
-
 PACKAGE = Path(ortckpt.__file__).resolve().parent
 OWNERS = {
     "create": {"safe_io.py"},  # os.open with O_CREAT, open() for writing
@@ -153,6 +149,9 @@ def test_no_private_name_crosses_a_module_line():
     assert crossings == []
 
 
+# The rules read the package's source, which is the same on every interpreter (they run on the first of
+# PYTHONS); what importing it loads is the interpreter's doing.
+@pytest.mark.every_python
 def test_import_ortckpt_loads_only_the_checkpoint_state():
     """The manager, the sharded writer, the converters and the CLI load on first use."""
     import subprocess

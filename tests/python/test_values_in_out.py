@@ -155,6 +155,7 @@ json_values = st.recursive(
 json_objects = st.dictionaries(st.text(st.characters(codec="utf-8"), max_size=6), json_values, max_size=4)
 
 
+@pytest.mark.once  # 300 random documents through the manager's JSON (pure Python): one interpreter
 @settings(max_examples=300, deadline=None)
 @given(config=json_objects, user=json_objects)
 def test_any_json_value_with_any_float_reads_back_as_it_was_given(config, user):
