@@ -35,6 +35,14 @@ impl FileId {
         fs::symlink_metadata(path).ok().map(|m| FileId::of(&m))
     }
 
+    /// The file of device `major:minor` and inode `inode` (as `/proc/self/maps` names it).
+    pub fn from_parts(major: u32, minor: u32, inode: u64) -> FileId {
+        FileId {
+            dev: libc::makedev(major, minor),
+            ino: inode,
+        }
+    }
+
     /// The file an open file descriptor refers to.
     pub fn of_file(file: &File) -> Option<FileId> {
         file.metadata().ok().map(|m| FileId::of(&m))

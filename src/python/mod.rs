@@ -262,7 +262,8 @@ fn save_staged(
 /// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
 /// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
 /// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
-/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts. Of
+/// wherever kept; bytes of values in all; bytes of values compared byte for byte).
+/// `compare_only`: never writes, only counts. Of
 /// `options`, the threshold and holes play no part: sharing decides where values go.
 #[pyfunction]
 #[pyo3(signature = (path, previous, checkpoint, options, *, compare_only = false))]
@@ -273,7 +274,7 @@ fn save_sharing(
     checkpoint: CheckpointIn<'_>,
     options: WriteOptionsIn<'_>,
     compare_only: bool,
-) -> PyResult<(bool, u64, u64)> {
+) -> PyResult<(bool, u64, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
         let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
@@ -283,7 +284,12 @@ fn save_sharing(
                 crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
             })
             .map_err(|e| to_py_err(py, e))?;
-        Ok((sharing.shared, sharing.unchanged, sharing.values))
+        Ok((
+            sharing.shared,
+            sharing.unchanged,
+            sharing.values,
+            sharing.compared,
+        ))
     })
 }
 
