@@ -303,6 +303,14 @@ def save_sharing(
     )
 
 
+def file_span(array: np.ndarray) -> tuple[int, int, int] | None:
+    """(st_dev, st_ino, offset) of the file whose current bytes ``array``'s are, proven by the
+    kernel's records (a mapping of that file none of whose pages this process wrote), else None."""
+    if array.nbytes == 0 or not array.flags.c_contiguous:
+        return None
+    return _core.file_span(as_bytes(array))
+
+
 def save_staged(
     path: str | os.PathLike[str], state: CoreState, **options: Any
 ) -> tuple[Staging, dict[int, tuple[int, bool]]]:

@@ -43,6 +43,11 @@ impl FileId {
         }
     }
 
+    /// (device, inode), as `stat` gives them (`st_dev`, `st_ino`).
+    pub fn dev_and_inode(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
     /// The file an open file descriptor refers to.
     pub fn of_file(file: &File) -> Option<FileId> {
         file.metadata().ok().map(|m| FileId::of(&m))

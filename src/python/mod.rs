@@ -293,6 +293,28 @@ fn save_sharing(
     })
 }
 
+/// Where the bytes of `data` (a contiguous buffer) are the current bytes of a file, proven
+/// (see `crate::io::FileBacked`): (st_dev, st_ino, offset of its first byte in the file), or
+/// None where nothing proves it.
+#[pyfunction]
+fn file_span(py: Python<'_>, data: Bound<'_, PyAny>) -> PyResult<Option<(u64, u64, u64)>> {
+    guarded(py, || {
+        let buffer = PyBuffer::<u8>::get(&data)?;
+        if !buffer.is_c_contiguous() {
+            return Err(to_py_err(
+                py,
+                crate::Error::invalid_state("the buffer is not contiguous bytes"),
+            ));
+        }
+        let bytes = buffer_bytes(&buffer);
+        let span = crate::io::FileBacked::read().and_then(|backed| backed.span(bytes));
+        Ok(span.map(|(file, offset)| {
+            let (dev, ino) = file.dev_and_inode();
+            (dev, ino, offset)
+        }))
+    })
+}
+
 /// Encodes a checkpoint into a new `bytes`: each tensor's bytes are copied once, from its
 /// array into the result.
 #[pyfunction]
@@ -460,6 +482,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_staged, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
+    m.add_function(wrap_pyfunction!(file_span, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;

@@ -11,8 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, _boundary, verify
-from test_shared_steps import FROZEN, assert_same, data_of, frozen_arrays, step_dir, training_state, where
+from ortckpt import CheckpointManager, CheckpointState, _boundary, unchanged, verify
+from test_shared_steps import (
+    FROZEN,
+    assert_same,
+    data_of,
+    frozen_arrays,
+    offset_of,
+    step_dir,
+    training_state,
+    where,
+)
 
 FROZEN_BYTES = FROZEN * 16384 * 4
 HEAD_BYTES = 3 * (64 * 16 + 16) * 4  # the head and its two moments
@@ -194,3 +203,24 @@ def test_frozen_views_swapped_between_names_are_compared_and_saved_as_swapped(
         swapped = frozen_arrays()
         swapped["frozen0"], swapped["frozen1"] = swapped["frozen1"], swapped["frozen0"]
         assert_whole(manager, tmp_path, 4, expected(4, swapped))
+
+
+def test_file_span_proves_a_restored_view_is_its_data_file_until_it_is_written(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(training_state(step), step)
+        state = manager.restore(3)
+    data = step_dir(tmp_path, 3) / "checkpoint.data"
+    at = offset_of(step_dir(tmp_path, 3) / "checkpoint", "frozen4")
+    view = state.parameters["frozen4"].data
+    assert unchanged.file_span(view) == unchanged.FileSpan(data.stat().st_dev, data.stat().st_ino, at)
+    assert unchanged.is_file_bytes(view, data, at) and unchanged.is_file_bytes(view[10:20], data, at + 40)
+    assert not unchanged.is_file_bytes(view, data, at + 4)
+    assert not unchanged.is_file_bytes(view, step_dir(tmp_path, 2) / "checkpoint", at)
+    assert unchanged.file_span(view[::2]) is None  # (strided: its bytes would be a copy)
+    assert unchanged.file_span(view.copy()) is None  # this process's own memory
+    assert unchanged.file_span(frozen_arrays()["frozen4"]) is None
+    assert unchanged.file_span(view[:0]) is None
+    view[8192] = view[8192]  # written with the value it held: this process's own page now
+    assert unchanged.file_span(view) is None
+    assert unchanged.is_file_bytes(view[:1024], data, at)  # (the pages before it are still the file's)
