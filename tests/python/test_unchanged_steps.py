@@ -7,15 +7,17 @@ step holds the new bytes and restores and verifies on its own."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, _boundary, unchanged, verify
+from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, _boundary, unchanged, verify
 from test_shared_steps import (
     FROZEN,
     assert_same,
     data_of,
+    flip_byte,
     frozen_arrays,
     offset_of,
     step_dir,
@@ -224,3 +226,20 @@ def test_file_span_proves_a_restored_view_is_its_data_file_until_it_is_written(t
     view[8192] = view[8192]  # written with the value it held: this process's own page now
     assert unchanged.file_span(view) is None
     assert unchanged.is_file_bytes(view[:1024], data, at)  # (the pages before it are still the file's)
+
+
+def test_a_shared_file_changed_outside_under_a_restored_state_makes_the_next_step_fail_verify(
+    tmp_path: Path,
+) -> None:
+    """The restored state reads the file itself, so a byte changed in the file from outside (its
+    owner through another link) is the state's too. The step after shares that file unread, with
+    the checksum the file's bytes had when written: verify names the tensor, never a silent pass."""
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(training_state(step), step)
+        state = manager.restore(3)
+        os.link(step_dir(tmp_path, 3) / "checkpoint.data", tmp_path / "outside")
+        flip_byte(tmp_path / "outside", offset_of(step_dir(tmp_path, 3) / "checkpoint", "frozen6") + 8)
+        manager.save(trained(state, 4), 4)
+        with pytest.raises(CheckpointIntegrityError, match="frozen6"):
+            manager.verify(4)
