@@ -11,7 +11,12 @@
 //!
 //! "Equal" is decided by comparing bytes against the data file that gets linked (the inode
 //! mapped is the inode linked, checked after linking): never by a checksum, never by trusting
-//! what the previous checkpoint says. Nothing is ever written to the shared file.
+//! what the previous checkpoint says. Or, where a tensor's bytes are not compared at all, by
+//! identity: bytes that *are* that data file's at the very offset the previous checkpoint keeps
+//! the tensor at (a mapping of it never written in this process, see [`io::FileBacked`]: a
+//! frozen part restored from the previous step and not touched since) cannot have changed.
+//! A value found unchanged either way takes the previous checkpoint's checksum for it (of the
+//! same bytes) rather than being summed again. Nothing is ever written to the shared file.
 
 use std::collections::HashMap;
 use std::fs::{self, OpenOptions};
@@ -24,8 +29,9 @@ use crate::format::encode::{encode_sharing, EXTERNAL_MIN_BYTES, MAX_INLINE_LEN};
 use crate::format::{Checkpoint, Payload, Stored, Tensor};
 use crate::io;
 use crate::save::SaveOptions;
+use crate::seal::checksums::{self, Sum};
 use crate::seal::external_data_path;
-use crate::seal::{checksums, pairing};
+use crate::seal::pairing;
 
 /// What a sharing save found and did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +45,9 @@ pub struct Sharing {
     pub unchanged: u64,
     /// Bytes of values in all.
     pub values: u64,
+    /// Bytes of values compared byte for byte with the previous checkpoint's (the others were
+    /// proven the same bytes, or had no counterpart to compare with).
+    pub compared: u64,
 }
 
 /// Which tensor of a checkpoint: a parameter by name, or a momentum by group, parameter and name.
@@ -112,6 +121,7 @@ pub fn save_sharing(
         shared: false,
         unchanged: 0,
         values,
+        compared: 0,
     };
     if ckpt.is_nominal {
         return Ok(sharing);
@@ -119,7 +129,7 @@ pub fn save_sharing(
     let Some(before) = Previous::open(previous) else {
         return Ok(sharing);
     };
-    let offsets = before.unchanged(ckpt, &mut sharing.unchanged);
+    let (offsets, sums) = before.unchanged(ckpt, &mut sharing);
     let Some((data, data_id, pair_id)) = before.data.as_ref().filter(|_| !compare_only) else {
         return Ok(sharing); // nothing external to share (an inline checkpoint), or not asked to
     };
@@ -135,14 +145,15 @@ pub fn save_sharing(
     if shared_len == 0 || 2 * shared_len < data.len() as u64 || inline_len > MAX_INLINE_LEN {
         return Ok(sharing);
     }
-    let mut encoded = match encode_sharing(ckpt, pair_id, &offsets) {
+    let mut encoded = match encode_sharing(ckpt, pair_id, &offsets, &sums) {
         Ok(encoded) => encoded,
         // Past the inline limit once the tables are counted too: saved whole instead.
         Err(_) if inline_len + (64 << 20) > MAX_INLINE_LEN => return Ok(sharing),
         Err(e) => return Err(e.in_file(path)),
     };
     // The checksums of the values, shared and inline, from the caller's bytes (the shared ones
-    // equal the data file's: compared above), before the checkpoint file is written.
+    // equal the data file's: compared or proven above, and their sums the previous checkpoint's
+    // where it has them), before the checkpoint file is written.
     encoded.seal_from_memory();
     let segments = encoded.segments();
     let unobserved = io::Progress::default();
@@ -232,6 +243,9 @@ struct Previous {
     map: memmap2::MmapMut,
     checkpoint: Checkpoint<Stored>,
     data: Option<(memmap2::MmapMut, io::FileId, pairing::PairId)>,
+    /// Its checksum block's sum of each tensor (in [`Checkpoint::tensors`] order), when it has
+    /// one whose own root checks.
+    sums: Option<Vec<Sum>>,
 }
 
 impl Previous {
@@ -250,10 +264,16 @@ impl Previous {
                 data = pair.map(|p| (mapped, id, p));
             }
         }
+        let sums = checksums::find(&map, map.len() as u64)
+            .ok()
+            .flatten()
+            .map(|block| block.tensors)
+            .filter(|sums| sums.len() == checkpoint.tensors().count());
         Some(Previous {
             map,
             checkpoint,
             data,
+            sums,
         })
     }
 
@@ -278,25 +298,49 @@ impl Previous {
     }
 
     /// For each tensor of `ckpt` (in [`Checkpoint::tensors`] order) whose bytes, type and dims
-    /// equal the previous checkpoint's, and which it keeps in its data file: that offset. The
-    /// bytes of all the equal ones (inline too) are added to `unchanged`.
-    fn unchanged(&self, ckpt: &Checkpoint<Payload<'_>>, unchanged: &mut u64) -> Vec<Option<u64>> {
-        let before: HashMap<Key<'_>, &Tensor<Stored>> = keyed(&self.checkpoint).collect();
+    /// equal the previous checkpoint's, and which it keeps in its data file: that offset, and
+    /// the previous checkpoint's checksum of it when it has one. Bytes that are the data file's
+    /// own at that offset ([`io::FileBacked`]) are equal without being compared. The bytes of
+    /// all the equal ones (inline too) are added to `sharing.unchanged`, those compared to
+    /// `sharing.compared`.
+    fn unchanged(
+        &self,
+        ckpt: &Checkpoint<Payload<'_>>,
+        sharing: &mut Sharing,
+    ) -> (Vec<Option<u64>>, Vec<Option<Sum>>) {
+        let before: HashMap<Key<'_>, (usize, &Tensor<Stored>)> = keyed(&self.checkpoint)
+            .enumerate()
+            .map(|(index, (key, t))| (key, (index, t)))
+            .collect();
+        let data_id = self.data.as_ref().map(|(_, id, _)| *id);
+        // (only asked where a data file could hold a tensor's own bytes)
+        let backed = data_id.and_then(|_| io::FileBacked::read());
         keyed(ckpt)
             .map(|(key, t)| {
                 let bytes = bytes_of(t).filter(|b| b.len() >= EXTERNAL_MIN_BYTES)?;
-                let was = before.get(&key)?;
+                let &(index, was) = before.get(&key)?;
                 if was.data_type != t.data_type || was.dims != t.dims {
                     return None;
                 }
                 let (was_bytes, offset) = self.bytes(was)?;
-                if was_bytes != bytes {
-                    return None;
+                let the_same_bytes = match (&backed, data_id, offset) {
+                    (Some(backed), Some(id), Some(offset)) => {
+                        was_bytes.len() == bytes.len() && backed.span(bytes) == Some((id, offset))
+                    }
+                    _ => false,
+                };
+                if !the_same_bytes {
+                    sharing.compared += bytes.len() as u64;
+                    if was_bytes != bytes {
+                        return None;
+                    }
                 }
-                *unchanged += bytes.len() as u64;
-                offset
+                sharing.unchanged += bytes.len() as u64;
+                let sum = self.sums.as_ref().map(|sums| sums[index]);
+                Some((offset?, sum))
             })
-            .collect()
+            .map(|found| (found.map(|(o, _)| o), found.and_then(|(_, s)| s)))
+            .unzip()
     }
 }
 
@@ -347,6 +391,7 @@ mod tests {
             shared: true,
             unchanged: 100_000,
             values: 101_000,
+            compared: 101_000,
         };
         assert_eq!(sharing.unwrap(), expected);
         let (a, b) = (external_data_path(&first), external_data_path(&second));
@@ -401,6 +446,81 @@ mod tests {
         fs::copy(external_data_path(&other), external_data_path(&first)).unwrap();
         let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
         assert!(!sharing.shared && !second.exists());
+    }
+
+    /// The previous checkpoint's data file mapped privately, as a restored state maps it, and
+    /// where its frozen tensor's bytes lie in it.
+    fn mapped_frozen(first: &Path) -> (memmap2::MmapMut, std::ops::Range<usize>) {
+        let loaded = crate::load(first).unwrap();
+        let Stored::External { offset, len } = loaded.checkpoint().frozen[0].data else {
+            panic!("the frozen tensor is external");
+        };
+        let file = fs::File::open(external_data_path(first)).unwrap();
+        let map = unsafe { memmap2::MmapOptions::new().map_copy(&file) }.unwrap();
+        (map, offset as usize..(offset + len) as usize)
+    }
+
+    #[test]
+    fn bytes_that_are_the_previous_data_files_are_shared_without_comparing() {
+        let dir = tempfile::tempdir().unwrap();
+        let [first, second, third] = ["a", "b", "c"].map(|n| dir.path().join(n));
+        let frozen: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
+        let (map, at) = mapped_frozen(&first);
+        let ckpt = checkpoint(&map[at.clone()], &[2; 1000]);
+        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        let expected = Sharing {
+            shared: true,
+            unchanged: 100_000,
+            values: 101_000,
+            compared: 1000, // the trainable values only
+        };
+        assert_eq!(sharing, expected);
+        // Whole on its own: the shared bytes and the checksum taken from the first checkpoint.
+        let loaded = crate::load(&second).unwrap();
+        loaded.verify_checksums().unwrap();
+        assert_eq!(
+            loaded.bytes(&loaded.checkpoint().frozen[0]).unwrap(),
+            &frozen[..]
+        );
+        // The same mapping against the second checkpoint: the same data file (a hard link).
+        let sharing = save_sharing(&third, &ckpt, &second, false, &external()).unwrap();
+        assert_eq!((sharing.shared, sharing.compared), (true, 1000));
+        crate::load(&third).unwrap().verify_checksums().unwrap();
+    }
+
+    #[test]
+    fn a_written_page_of_the_mapped_data_file_is_compared_and_its_new_bytes_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let [first, second, third] = ["a", "b", "c"].map(|n| dir.path().join(n));
+        let frozen = vec![7u8; 100_000];
+        crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
+        let (mut map, at) = mapped_frozen(&first);
+        // Written with the byte it held: a private copy now, no longer the file's own page.
+        map[at.start + 50_000] = 7;
+        let ckpt = checkpoint(&map[at.clone()], &[1; 1000]);
+        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        assert_eq!((sharing.shared, sharing.compared), (true, 101_000));
+        crate::load(&second).unwrap().verify_checksums().unwrap();
+        // A changed byte: compared, found changed, never shared.
+        map[at.start + 50_000] = 8;
+        let ckpt = checkpoint(&map[at.clone()], &[1; 1000]);
+        let sharing = save_sharing(&third, &ckpt, &first, false, &external()).unwrap();
+        assert_eq!((sharing.shared, sharing.unchanged), (false, 1000));
+        assert!(!third.exists());
+        // Another file's mapping of equal bytes is no proof either: compared.
+        let other = dir.path().join("o");
+        crate::save(&other, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
+        let (map, at) = mapped_frozen(&other);
+        let ckpt = checkpoint(&map[at], &[1; 1000]);
+        let sharing = save_sharing(&third, &ckpt, &first, false, &external()).unwrap();
+        assert_eq!((sharing.shared, sharing.compared), (true, 101_000));
+        let loaded = crate::load(&third).unwrap();
+        loaded.verify_checksums().unwrap();
+        assert_eq!(
+            loaded.bytes(&loaded.checkpoint().frozen[0]).unwrap(),
+            &frozen[..]
+        );
     }
 
     #[test]

@@ -267,6 +267,21 @@ def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None
     _core.save(os.fspath(path), state, WriteOptions(**options))
 
 
+class Sharing(NamedTuple):
+    """What :func:`save_sharing` found and did."""
+
+    shared: bool
+    """Whether it wrote the checkpoint sharing the previous data file (else nothing was
+    written and the caller saves whole)."""
+    unchanged: int
+    """Bytes of values unchanged since ``previous``, wherever it keeps them."""
+    values: int
+    """Bytes of values in all."""
+    compared: int
+    """Bytes of values compared byte for byte: the others were proven the previous data
+    file's own bytes (a mapping of it never written), or had nothing to compare with."""
+
+
 def save_sharing(
     path: str | os.PathLike[str],
     previous: str | os.PathLike[str],
@@ -274,18 +289,26 @@ def save_sharing(
     *,
     compare_only: bool = False,
     **options: Any,
-) -> tuple[bool, int, int]:
+) -> Sharing:
     """Writes the new checkpoint ``path`` sharing, with the checkpoint ``previous``, its data
     file for the values that are byte-identical there (hard-linked as ``path``'s own; the rest
-    inline): (whether it did, else nothing was written and the caller saves whole; bytes of
-    values unchanged since ``previous``, wherever it keeps them; bytes of values in all).
-    ``compare_only``: write nothing, only count; ``options``: :class:`WriteOptions`' durable,
-    progress, lock_timeout."""
+    inline), and says what it found (:class:`Sharing`). ``compare_only``: write nothing, only
+    count; ``options``: :class:`WriteOptions`' durable, progress, lock_timeout."""
     if state.nominal:
-        return False, 0, 0
-    return _core.save_sharing(
-        os.fspath(path), os.fspath(previous), state, WriteOptions(**options), compare_only=compare_only
+        return Sharing(False, 0, 0, 0)
+    return Sharing(
+        *_core.save_sharing(
+            os.fspath(path), os.fspath(previous), state, WriteOptions(**options), compare_only=compare_only
+        )
     )
+
+
+def file_span(array: np.ndarray) -> tuple[int, int, int] | None:
+    """(st_dev, st_ino, offset) of the file whose current bytes ``array``'s are, proven by the
+    kernel's records (a mapping of that file none of whose pages this process wrote), else None."""
+    if array.nbytes == 0 or not array.flags.c_contiguous:
+        return None
+    return _core.file_span(as_bytes(array))
 
 
 def save_staged(

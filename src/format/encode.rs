@@ -79,6 +79,9 @@ enum Source<'a> {
     External(usize),
     /// In a data file that is not written (shared): the caller's bytes, equal to it.
     Memory(&'a [u8]),
+    /// In a data file that is not written (shared), its sum known already (the checkpoint
+    /// that shares it with this one has it).
+    Known(Sum),
 }
 
 impl<'a> Encoded<'a> {
@@ -168,6 +171,7 @@ impl<'a> Encoded<'a> {
                 Source::Inline(i) => inline_sums[i],
                 Source::External(i) => external_sums[i],
                 Source::Memory(bytes) => checksums::sum(bytes),
+                Source::Known(sum) => sum,
             })
             .collect();
         let mut metadata = Running::default();
@@ -216,6 +220,7 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
         placement,
         &checksums::marked(pairing::new_pair_id()),
         &[],
+        &[],
     )
 }
 
@@ -223,6 +228,7 @@ pub fn encode<'a>(ckpt: &Checkpoint<Payload<'a>>, placement: Placement) -> Resul
 /// with an offset in `shared` (by [`Checkpoint::tensors`] order) are external at that offset
 /// of it, every other value is inline, and no data file is to be written
 /// ([`Encoded::external_data`] is then only the trailer, which the data file already ends with).
+/// A shared tensor with a sum in `sums` (same order) is sealed with it, not summed again.
 ///
 /// # Errors
 /// As [`encode`].
@@ -230,8 +236,9 @@ pub fn encode_sharing<'a>(
     ckpt: &Checkpoint<Payload<'a>>,
     pair_id: &pairing::PairId,
     shared: &[Option<u64>],
+    sums: &[Option<Sum>],
 ) -> Result<Encoded<'a>> {
-    encode_planned(ckpt, Placement::Inline, pair_id, shared)
+    encode_planned(ckpt, Placement::Inline, pair_id, shared, sums)
 }
 
 fn encode_planned<'a>(
@@ -239,6 +246,7 @@ fn encode_planned<'a>(
     placement: Placement,
     pair_id: &pairing::PairId,
     shared: &[Option<u64>],
+    sums: &[Option<Sum>],
 ) -> Result<Encoded<'a>> {
     validate(ckpt)?;
     let plan = plan(ckpt, placement, pair_id, shared)?;
@@ -258,7 +266,10 @@ fn encode_planned<'a>(
             (Slot::External(_), Payload::Bytes(bytes))
                 if shared.get(i).copied().flatten().is_some() =>
             {
-                Source::Memory(bytes)
+                match sums.get(i).copied().flatten() {
+                    Some(sum) => Source::Known(sum),
+                    None => Source::Memory(bytes),
+                }
             }
             (Slot::External(_), _) => {
                 external_count += 1;

@@ -35,6 +35,19 @@ impl FileId {
         fs::symlink_metadata(path).ok().map(|m| FileId::of(&m))
     }
 
+    /// The file of device `major:minor` and inode `inode` (as `/proc/self/maps` names it).
+    pub fn from_parts(major: u32, minor: u32, inode: u64) -> FileId {
+        FileId {
+            dev: libc::makedev(major, minor),
+            ino: inode,
+        }
+    }
+
+    /// (device, inode), as `stat` gives them (`st_dev`, `st_ino`).
+    pub fn dev_and_inode(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
     /// The file an open file descriptor refers to.
     pub fn of_file(file: &File) -> Option<FileId> {
         file.metadata().ok().map(|m| FileId::of(&m))

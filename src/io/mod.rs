@@ -4,6 +4,7 @@
 
 mod atomic;
 pub mod commit;
+mod file_backed;
 pub mod locks;
 mod mapped;
 mod progress;
@@ -15,6 +16,7 @@ pub use atomic::{
     write_at_parallel, write_segments, PendingFile, TEMP_MARKER,
 };
 pub use commit::{rename_directory, write_file, CommitOptions, Staged};
+pub use file_backed::FileBacked;
 pub use locks::{LockFile, PathLock};
 pub use mapped::{map_private, map_private_any, open as open_regular, FileId};
 pub use progress::Progress;

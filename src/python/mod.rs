@@ -262,7 +262,8 @@ fn save_staged(
 /// Saves a checkpoint at the new `path` sharing, with the checkpoint at `previous`, the data
 /// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
 /// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
-/// wherever kept; bytes of values in all). `compare_only`: never writes, only counts. Of
+/// wherever kept; bytes of values in all; bytes of values compared byte for byte).
+/// `compare_only`: never writes, only counts. Of
 /// `options`, the threshold and holes play no part: sharing decides where values go.
 #[pyfunction]
 #[pyo3(signature = (path, previous, checkpoint, options, *, compare_only = false))]
@@ -273,7 +274,7 @@ fn save_sharing(
     checkpoint: CheckpointIn<'_>,
     options: WriteOptionsIn<'_>,
     compare_only: bool,
-) -> PyResult<(bool, u64, u64)> {
+) -> PyResult<(bool, u64, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
         let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
@@ -283,7 +284,34 @@ fn save_sharing(
                 crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
             })
             .map_err(|e| to_py_err(py, e))?;
-        Ok((sharing.shared, sharing.unchanged, sharing.values))
+        Ok((
+            sharing.shared,
+            sharing.unchanged,
+            sharing.values,
+            sharing.compared,
+        ))
+    })
+}
+
+/// Where the bytes of `data` (a contiguous buffer) are the current bytes of a file, proven
+/// (see `crate::io::FileBacked`): (st_dev, st_ino, offset of its first byte in the file), or
+/// None where nothing proves it.
+#[pyfunction]
+fn file_span(py: Python<'_>, data: Bound<'_, PyAny>) -> PyResult<Option<(u64, u64, u64)>> {
+    guarded(py, || {
+        let buffer = PyBuffer::<u8>::get(&data)?;
+        if !buffer.is_c_contiguous() {
+            return Err(to_py_err(
+                py,
+                crate::Error::invalid_state("the buffer is not contiguous bytes"),
+            ));
+        }
+        let bytes = buffer_bytes(&buffer);
+        let span = crate::io::FileBacked::read().and_then(|backed| backed.span(bytes));
+        Ok(span.map(|(file, offset)| {
+            let (dev, ino) = file.dev_and_inode();
+            (dev, ino, offset)
+        }))
     })
 }
 
@@ -454,6 +482,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_staged, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
+    m.add_function(wrap_pyfunction!(file_span, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;

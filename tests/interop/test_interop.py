@@ -263,6 +263,46 @@ def test_manager_steps_that_share_unchanged_tensors_load_in_onnx_runtime_exactly
                 assert sha256(group.momentums[param][m]) == sha256(value), (info.step, param, m)
 
 
+def test_steps_of_a_resumed_run_sharing_its_file_unread_load_in_onnx_runtime_exactly(ort, tmp_path):
+    """Issue 41: a run resumed from its latest step (its frozen part mapped from that step's data
+    file and never written: shared without being compared), one frozen value then changed in place
+    through the restored view. Every kept step loads in ONNX Runtime on its own with exact values,
+    once the steps that wrote and first shared the file are deleted."""
+    from ortckpt import CheckpointManager
+
+    rng = np.random.default_rng(6)
+    frozen = {f"frozen{i}": rng.standard_normal(4096).astype(np.float32) for i in range(6)}
+    head = {"head.weight": rng.standard_normal((32, 8)).astype(np.float32), "head.bias": np.zeros(8, np.float32)}
+    state = CheckpointState.from_arrays(head, frozen, {"run": "resumed"})
+    state.optimizer_groups["group0"] = OptimizerGroup(
+        step=0, initial_learning_rate=1e-3, momentums={n: {"momentum0": a * 0.5} for n, a in head.items()}
+    )
+    expected = {}
+    with CheckpointManager(tmp_path / "run", max_to_keep=3) as manager:
+        for step in range(1, 8):
+            if step == 4:
+                state = manager.restore(3)  # resumed: the frozen part is step 3's data file, mapped
+            if step == 6:
+                state.parameters["frozen2"].data[1000] = 42.0  # in place, through the restored view
+            state.parameters["head.bias"].data[...] = step
+            state.optimizer_groups["group0"].momentums["head.bias"]["momentum0"][...] = step / 2
+            manager.save(state, step)
+            expected[step] = {n: sha256(p.data) for n, p in state.parameters}
+        assert manager.all_steps() == [5, 6, 7]
+        infos = manager.all()
+    data = [os.stat(info.directory / "checkpoint.data") for info in infos]
+    assert len({d.st_ino for d in data}) == 1 and data[0].st_nlink == 3  # step 2 wrote it and is gone
+    for info in infos:
+        seen = ort("describe", info.path)
+        assert {p["name"]: p["sha256"] for p in seen["parameters"]} == expected[info.step]
+        assert seen["properties"]["step"] == info.step
+        again = tmp_path / f"resaved{info.step}.ckpt"
+        ort("resave", info.path, again)
+        moment = CheckpointState.load_checkpoint(again).optimizer_groups["group0"].momentums["head.bias"]
+        assert moment["momentum0"].tolist() == [info.step / 2] * 8
+    assert expected[6]["frozen2"] != expected[5]["frozen2"] == sha256(frozen["frozen2"])
+
+
 def test_onnx_runtimes_saver_pointed_at_a_step_changes_no_step_silently(ort, tmp_path):
     """ONNX Runtime's own saver pointed at a step's checkpoint rewrites it and its checkpoint.data
     in place, the very file earlier steps share by hard link (share_unchanged). A step's files are

@@ -269,7 +269,7 @@ class DirectoryStore(StepStore):
             return False, 0, 0
         # Only a data file its metadata records is shared (its entry is copied from there).
         compare_only = data_name not in files
-        shared, unchanged, values = _boundary.save_sharing(
+        shared, unchanged, values, _ = _boundary.save_sharing(
             path, folder / path.name, state, compare_only=compare_only, durable=durable
         )
         if shared:
