@@ -109,10 +109,11 @@ impl FileBacked {
 }
 
 /// A line of `/proc/self/maps` that maps a file (`start-end perms offset major:minor inode
-/// path`); `None` for anonymous memory (inode 0) and anything unparsable.
+/// path`); `None` for anonymous memory (inode 0), a shared writable mapping and anything
+/// unparsable.
 fn parse_line(line: &str) -> Option<Mapping> {
     let mut fields = line.split_ascii_whitespace();
-    let (range, _perms, offset, device, inode) = (
+    let (range, perms, offset, device, inode) = (
         fields.next()?,
         fields.next()?,
         fields.next()?,
@@ -122,7 +123,11 @@ fn parse_line(line: &str) -> Option<Mapping> {
     let (start, end) = range.split_once('-')?;
     let (major, minor) = device.split_once(':')?;
     let inode: u64 = inode.parse().ok()?;
-    if inode == 0 {
+    // A shared writable mapping writes into the file's own pages, so its pages stay "file
+    // pages" after a write: only private (copy-on-write) or read-only mappings prove anything.
+    let perms = perms.as_bytes();
+    let shared_writable = perms.get(1) != Some(&b'-') && perms.get(3) != Some(&b'p');
+    if inode == 0 || perms.len() < 4 || shared_writable {
         return None;
     }
     Some(Mapping {
@@ -170,6 +175,28 @@ mod tests {
         let heap = vec![3u8; 4 * 4096];
         assert_eq!(backed.span(&heap), None);
         assert_eq!(backed.span(&[]), None);
+    }
+
+    #[test]
+    fn a_shared_writable_mapping_proves_nothing() {
+        // Its written pages stay the file's own pages: the page map cannot tell them apart.
+        let (f, _) = file_of(&vec![3u8; 2 * 4096]);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(f.path())
+            .unwrap();
+        let mut map = unsafe { MmapOptions::new().map_mut(&file) }.unwrap();
+        map[7] = 9;
+        let backed = FileBacked::read().unwrap();
+        assert_eq!(backed.span(&map[..]), None);
+        assert_eq!(
+            parse_line("7f1c2a000000-7f1c2a400000 rw-s 00000000 fd:01 1234567    /tmp/x.data"),
+            None
+        );
+        assert!(
+            parse_line("7f1c2a000000-7f1c2a400000 r--s 00000000 fd:01 1234567    /tmp/x").is_some()
+        );
     }
 
     #[test]
