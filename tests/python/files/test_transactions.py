@@ -1,8 +1,8 @@
 """The edges of the one commit (issue 28): every way ortckpt publishes bytes goes through the
 core's commit, and each edge an adversarial round broke is held here: raw streams, a user's own
 ``<name>.data``, killed and concurrent arithmetic, decompressing a damaged archive, locks held
-too long or by another user, readers that would keep a crashed trainer from resuming, and
-readers that must never see a hole while retention deletes."""
+too long or by another user, readers that would keep a crashed trainer from resuming, the core's
+staging. (Readers that must never see a hole while retention deletes: manager/test_conformance.py.)"""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ from ortckpt import (
 )
 from ortckpt.steps import WRITER_LOCK_NAME
 from privileges import needs_root
-from retention_race import restore_while_retention_deletes
 
 NOBODY = 65534
 
@@ -372,23 +371,6 @@ def test_a_reader_with_read_access_cannot_keep_a_crashed_trainer_from_resuming()
             reader.wait()
     finally:
         shutil.rmtree(directory)
-
-
-# --- readers never see a hole ---------------------------------------------------------------------
-
-
-def test_a_reader_never_sees_no_checkpoint_while_retention_deletes_in_a_directory(tmp_path):
-    restores, failures = restore_while_retention_deletes(str(tmp_path / "run"), 300)
-    assert restores > 50 and failures == [], failures[:5]
-
-
-def test_a_restored_state_stays_usable_after_retention_deletes_its_step(tmp_path):
-    with CheckpointManager(tmp_path, max_to_keep=1, external_data_threshold=0) as manager:
-        manager.save(state_of(1.0, n=1 << 16), 1)
-        restored = manager.restore()
-        manager.save(state_of(2.0, n=1 << 16), 2)  # step 1 deleted
-        assert manager.all_steps() == [2]
-        assert np.all(restored.parameters["w"].data == 1.0)  # first read after the deletion
 
 
 def test_the_core_staging_is_the_only_way_files_replace_each_other(tmp_path):
