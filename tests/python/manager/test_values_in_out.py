@@ -30,6 +30,7 @@ from ortckpt import (
 )
 from ortckpt.distributed.comm import SingleProcess
 from ortckpt.manager import metadata as manager_metadata
+from surrogates import PLACES, SURROGATE, no_bare_unicode_error, surrogate_in
 
 # Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
 # crossing the boundary, imports, the program's entry point.
@@ -236,14 +237,6 @@ def test_int_keys_are_written_as_their_digits(tmp_path):
     assert meta["config"] == {"3": "layers", str(10**30): "big"}
 
 
-SURROGATE = "a\udc80b"
-
-
-def no_bare_unicode_error(error: BaseException) -> None:
-    assert not isinstance(error, UnicodeError), repr(error)
-    str(error).encode("utf-8")  # the message itself prints on any terminal
-
-
 @pytest.mark.parametrize("async_save", [False, True])
 @pytest.mark.parametrize(
     ("save", "key"),
@@ -264,24 +257,6 @@ def test_a_lone_surrogate_in_metadata_is_refused_at_save_naming_the_key_and_file
         assert str(caught.value).startswith(f"{tmp_path / 'step_00000001' / 'metadata.json'}: {key} ")
         manager.wait()
         assert manager.all_steps() == []
-
-
-def surrogate_in(where: str) -> CheckpointState:
-    """A state that holds a lone surrogate where only save() can see it (intake refuses the rest)."""
-    vocab = np.array(["a", "b"], dtype=object)
-    s = CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"vocab": vocab})
-    if where == "string element":
-        vocab[1] = SURROGATE  # changed after intake
-    elif where == "optimizer group name":
-        s.optimizer_groups = {SURROGATE: OptimizerGroup(1, 0.1, {"w": {"momentum0": np.zeros(2, np.float32)}})}
-    elif where == "momentum name":
-        s.optimizer_groups = {"group0": OptimizerGroup(1, 0.1, {"w": {SURROGATE: np.zeros(2, np.float32)}})}
-    elif where == "momentum's parameter name":
-        s.optimizer_groups = {"group0": OptimizerGroup(1, 0.1, {SURROGATE: {"momentum0": np.zeros(2, np.float32)}})}
-    return s
-
-
-PLACES = ["string element", "optimizer group name", "momentum name", "momentum's parameter name"]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

@@ -17,10 +17,10 @@ from ortckpt import (
     CheckpointManager,
     CheckpointState,
     CheckpointStateError,
-    OptimizerGroup,
     UnsupportedDataTypeError,
     ValueOverflowError,
 )
+from surrogates import PLACES, SURROGATE, no_bare_unicode_error, surrogate_in
 
 # Run on every interpreter of PYTHONS (the rest of the suite runs on the first): the API, buffers
 # crossing the boundary, imports, the program's entry point.
@@ -127,32 +127,6 @@ INF, NAN = math.inf, math.nan
 
 def state() -> CheckpointState:
     return CheckpointState.from_arrays({"w": np.arange(4, dtype=np.float32)})
-
-
-SURROGATE = "a\udc80b"
-
-
-def no_bare_unicode_error(error: BaseException) -> None:
-    assert not isinstance(error, UnicodeError), repr(error)
-    str(error).encode("utf-8")  # the message itself prints on any terminal
-
-
-def surrogate_in(where: str) -> CheckpointState:
-    """A state that holds a lone surrogate where only save() can see it (intake refuses the rest)."""
-    vocab = np.array(["a", "b"], dtype=object)
-    s = CheckpointState.from_arrays({"w": np.ones(2, np.float32)}, {"vocab": vocab})
-    if where == "string element":
-        vocab[1] = SURROGATE  # changed after intake
-    elif where == "optimizer group name":
-        s.optimizer_groups = {SURROGATE: OptimizerGroup(1, 0.1, {"w": {"momentum0": np.zeros(2, np.float32)}})}
-    elif where == "momentum name":
-        s.optimizer_groups = {"group0": OptimizerGroup(1, 0.1, {"w": {SURROGATE: np.zeros(2, np.float32)}})}
-    elif where == "momentum's parameter name":
-        s.optimizer_groups = {"group0": OptimizerGroup(1, 0.1, {SURROGATE: {"momentum0": np.zeros(2, np.float32)}})}
-    return s
-
-
-PLACES = ["string element", "optimizer group name", "momentum name", "momentum's parameter name"]
 
 
 @pytest.mark.parametrize("where", PLACES)
