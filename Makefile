@@ -113,7 +113,7 @@ $(MLFLOW_VENV)/.ok: $(UV)
 	$(UV_INSTALL) $(MLFLOW_VENV)/bin/python "mlflow==3.17.2"
 	touch $@
 
-# The report's browser test (tests/python/test_report_browser.py) runs headless Chromium: found on
+# The report's browser test (tests/python/report/test_report_browser.py) runs headless Chromium: found on
 # PATH (or ORTCKPT_CHROMIUM), else Debian's package installed when we are root with apt-get (~12 s).
 chromium:
 	@if [ -n "$$ORTCKPT_CHROMIUM" ] || command -v chromium >/dev/null; then :; \

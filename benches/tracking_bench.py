@@ -1,7 +1,7 @@
 """What track="mlflow" adds to a CheckpointManager save: durable saves of a model's weights with
 no tracker (the baseline), reported to a real MLflow server (metrics, tags, metadata.json), and
 with log_artifacts=True (the checkpoint uploaded too), in shuffled rounds (measure.py). The
-server is the tests' (tests/python/mlflow_server.py: SQLite backend, local artifact store, on
+server is the tests' (tests/python/helpers/mlflow_server.py: SQLite backend, local artifact store, on
 127.0.0.1), started here; ORTCKPT_MLFLOW names its executable (make sets it).
 
     python benches/tracking_bench.py [--mib 64] [--rounds 5] [--out benches/out/tracking.md]
@@ -20,7 +20,7 @@ from measure import added_table, report, time_rounds
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.manager.tracking import MlflowTracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python" / "helpers"))
 from mlflow_server import MlflowServer  # the tests' server helper
 
 

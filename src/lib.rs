@@ -25,7 +25,7 @@
 //! Runtime) keep them in an external data file, `<checkpoint>.data`.
 //!
 //! Layout, in layers, each module using only the layers below its own
-//! (tests/python/test_design_rules_rust.py holds it, and no circle between files):
+//! (tests/python/design/test_design_rules_rust.py holds it, and no circle between files):
 //! 1. [`error`] and `random`;
 //! 2. [`seal`]: the pair trailer, the checksum block, the data file's name;
 //! 3. `generated`: flatc's output;

@@ -1,6 +1,6 @@
 //! What a save stopped at any point leaves behind: the old checkpoint or the new
 //! one, never a mix, and leftovers that readers ignore and the next save removes.
-//! (tests/python/test_crash_safety.py kills real saving processes.)
+//! (tests/python/files/test_crash_safety.py kills real saving processes.)
 
 use std::path::{Path, PathBuf};
 

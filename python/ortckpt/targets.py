@@ -3,7 +3,7 @@
 The public API takes a path, an ``s3://bucket/key`` URL or a binary file object wherever it
 takes a checkpoint, and a directory or an ``s3://bucket/prefix`` wherever it takes a run of
 steps (a manager, a sharded save). :func:`checkpoint` and :func:`run` turn each into a target,
-once; below this module nothing asks what a name is (``tests/python/test_design_rules.py``
+once; below this module nothing asks what a name is (``tests/python/design/test_design_rules.py``
 holds every other module to it):
 
 - :class:`LocalFile`: a checkpoint file (and ``<path>.data``), written through the core's one

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "helpers"))
 from distributed_model import whole_tensors
 from ortckpt import CheckpointState
 from ortckpt.distributed import INDEX_NAME, committed_steps, latest_step, merge, step_directory

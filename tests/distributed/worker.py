@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "helpers"))
 from distributed_model import check_part, rank_state
 from ortckpt import CheckpointManager
 from ortckpt.distributed import Slice, latest_step, load_sharded, save_sharded

@@ -16,7 +16,7 @@ from conftest import FakeGrid, deterministic_client
 from federation import BIN, Federation, free_port
 from ortckpt import CheckpointManager, CheckpointState
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "helpers"))
 from readme_blocks import ROOT, block
 
 

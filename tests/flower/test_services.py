@@ -17,7 +17,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.flower import FedAdam
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "helpers"))
 from mlflow_server import MlflowServer
 from s3_server import BUCKET, S3Server
 

@@ -39,7 +39,7 @@ def seeds():
 
 
 class _ThreadWorld:
-    """Two ranks as threads, for a real two-shard checkpoint (as tests/python/test_distributed.py)."""
+    """Two ranks as threads, for a real two-shard checkpoint (as tests/python/sharded/test_distributed.py)."""
 
     def __init__(self, size: int) -> None:
         self.size, self.barrier_ = size, threading.Barrier(size, timeout=30)

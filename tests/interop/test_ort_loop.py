@@ -29,7 +29,7 @@ from ortckpt import CheckpointState, verify
 pytestmark = pytest.mark.once
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python"))  # the documentation's examples, by name
+sys.path.insert(0, str(HERE.parent / "python" / "helpers"))  # the documentation's examples, by name
 sys.path.insert(0, str(HERE))  # preempt_trials
 from readme_blocks import block  # noqa: E402
 

@@ -2,13 +2,20 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from goldens import GOLDEN
-from mlflow_server import MlflowServer
-from s3_server import BUCKET, S3Server
+
+# The suite's helper modules (servers, golden files, workers) live in helpers/ and are imported by their
+# plain names (``import s3_server``) from every test folder: this conftest is imported first.
+HELPERS = Path(__file__).resolve().parent / "helpers"
+sys.path.insert(0, str(HELPERS))
+
+from goldens import GOLDEN  # noqa: E402
+from mlflow_server import MlflowServer  # noqa: E402
+from s3_server import BUCKET, S3Server  # noqa: E402
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def test_a_converted_torch_model_loads_in_onnx_runtime(tmp_path):
 
 
 def test_the_readme_torch_example_runs(tmp_path, monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "helpers"))
     from readme_blocks import block
 
     example = block("torch")

@@ -15,7 +15,7 @@ and every reader lists (:meth:`StepStore.scan`) and opens steps (:meth:`StepStor
 same way. :func:`backend` picks the backend (:mod:`.directory` or :mod:`.objects`) by
 :func:`ortckpt.targets.is_object_url`, the one place a name is parsed as an ``s3://`` URL; what
 differs between backends is behind :class:`StepStore`'s methods, and nowhere outside this package
-(``tests/python/test_design_rules.py`` holds it).
+(``tests/python/design/test_design_rules.py`` holds it).
 """
 
 from __future__ import annotations
