@@ -1,29 +1,45 @@
 """Steps of a mostly frozen model on s3:// share their unchanged values (ortckpt.stepstore.objects):
 a step uploads only what changed, its checkpoint object reading the rest from a data object of the
-run's shared folder that earlier steps uploaded; every step restores, verifies and loads on its own,
-and a shared object goes only when no kept step names it. Against a real S3 server (SeaweedFS)."""
+run's shared folder that an earlier step uploaded; every step restores, verifies and loads in ONNX
+Runtime on its own, a shared object goes only when no kept step names it, and a save killed between
+its data object and its commit leaves no step and garbage that the sweep collects. Against a real
+S3 server (SeaweedFS)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
 import numpy as np
+import ortckpt
 import ortckpt.object_store as object_store
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, targets
+from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, documents, resolve, targets
 from ortckpt.stepstore import objects
 
-FROZEN = 72 << 20  # past objects.SHARE_MIN_BYTES: the values go to a shared data object
-TRAINABLE = 1 << 20
+SMALL = 1 << 20  # the share threshold the tests set (objects.SHARE_MIN_BYTES), so that models stay small
+TRAINABLE = 16 << 10
+
+
+def frozen_part(version: int, nbytes: int = 4 * SMALL) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(version)
+    return {f"layer{i}": rng.standard_normal(nbytes // 4 // 8, dtype=np.float32) for i in range(8)}
 
 
 def model(step: int, frozen: dict[str, np.ndarray]) -> CheckpointState:
-    """A frozen part that never changes, and a trainable part that does at every step."""
-    trainable = {"head": np.full(TRAINABLE // 4, float(step), dtype=np.float32)}
-    return CheckpointState.from_arrays(trainable, frozen)
+    """The frozen part given, and a trainable part that changes at every step."""
+    return CheckpointState.from_arrays({"head": np.full(TRAINABLE // 4, float(step), np.float32)}, frozen)
 
 
-def frozen_part() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(7)
-    return {f"layer{i}": rng.standard_normal(FROZEN // 4 // 8, dtype=np.float32) for i in range(8)}
+def assert_is(state: CheckpointState, step: int, frozen: dict[str, np.ndarray]) -> None:
+    np.testing.assert_array_equal(state.parameters["head"].data, np.full(TRAINABLE // 4, float(step), np.float32))
+    for name, value in frozen.items():
+        np.testing.assert_array_equal(state.parameters[name].data, value)
 
 
 def shared_keys(url: str, options: dict) -> list[str]:
@@ -31,9 +47,16 @@ def shared_keys(url: str, options: dict) -> list[str]:
     return sorted(key for key, _ in listed if key.startswith("shared/"))
 
 
+@pytest.fixture
+def small_share(monkeypatch):
+    monkeypatch.setattr(objects, "SHARE_MIN_BYTES", SMALL)
+
+
 def test_steps_upload_only_what_changed_and_each_restores_alone(s3_server, s3_url):
+    """At the default threshold (64 MiB): step 1 uploads the model, each later step its changed
+    tensor (and its tables): about 1/70 of step 1 here."""
     options = s3_server.storage_options()
-    frozen = frozen_part()
+    frozen = frozen_part(7, nbytes=72 << 20)
     uploaded = []
     with CheckpointManager(s3_url, storage_options=options, max_to_keep=3) as manager:
         for step in range(1, 6):
@@ -41,15 +64,202 @@ def test_steps_upload_only_what_changed_and_each_restores_alone(s3_server, s3_ur
             manager.save(model(step, frozen), step)
             uploaded.append(object_store.bytes_put() - before)
         assert manager.all_steps() == [3, 4, 5]
-    print("uploaded per step:", uploaded)
-    assert uploaded[0] > FROZEN
-    assert all(later < 0.1 * uploaded[0] for later in uploaded[1:]), uploaded
-    # One data object, uploaded by step 1 (retired), named by every kept step.
-    assert len(shared_keys(s3_url, options)) == 1
+        files = manager.latest().metadata["files"]
+    assert uploaded[0] > 72 << 20
+    assert all(later < 0.01 * uploaded[0] for later in uploaded[1:]), uploaded
+    # One data object, uploaded by step 1 (retired since), named by every kept step.
+    assert shared_keys(s3_url, options) == [files["checkpoint.data"]["object"]]
     with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
         for step in reader.all_steps():
-            restored = reader.restore(step)
-            np.testing.assert_array_equal(restored.parameters["head"].data, np.full(TRAINABLE // 4, float(step)))
-            for name, value in frozen.items():
-                np.testing.assert_array_equal(restored.parameters[name].data, value)
-            assert reader.verify(step)
+            assert_is(reader.restore(step), step, frozen)
+            assert set(reader.verify(step).files) == {"checkpoint", "checkpoint.data"}
+
+
+def test_a_step_loads_in_onnx_runtime_after_its_neighbours_are_deleted(
+    s3_server, s3_url, small_share, ort, aws_environment
+):
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        for step in range(1, 5):
+            manager.save(model(step, frozen), step)
+        for step in (1, 2, 4):  # step 1 uploaded the data object: step 3 alone names it now
+            manager.delete(step)
+        assert manager.all_steps() == [3] and len(shared_keys(s3_url, options)) == 1
+        step_url = f"{s3_url}/step_00000003"
+        with resolve.checkpoint(step_url) as resolved:  # (a copy: its data is not beside its object)
+            assert resolved.copy
+            described = ort("describe", resolved.path)
+        digests = {p["name"]: p["sha256"] for p in described["parameters"]}
+        values = {"head": np.full(TRAINABLE // 4, 3.0, np.float32), **frozen}
+        assert digests == {name: hashlib.sha256(value.tobytes()).hexdigest() for name, value in values.items()}
+        assert ortckpt.verify(step_url, storage_options=options).step == 3
+        # Its checkpoint object alone does not hold its values: a plain load says where they were looked for.
+        with pytest.raises(FileNotFoundError, match="external data"):
+            CheckpointState.load_checkpoint(f"{manager.latest().folder}/checkpoint", storage_options=options)
+        manager.delete(3)  # the last step that names it: the data object goes with it
+        assert shared_keys(s3_url, options) == []
+
+
+def test_a_shared_object_goes_when_no_kept_step_names_it(s3_server, s3_url, small_share):
+    """Steps 1-2 share step 1's object; step 3 changes the frozen part (saved whole, a new object),
+    step 4 shares that one. Keeping two steps, step 1's object goes once steps 1 and 2 are retired."""
+    options = s3_server.storage_options()
+    old, new = frozen_part(1), frozen_part(2)
+    uploaded = []
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=2) as manager:
+        for step, frozen in ((1, old), (2, old), (3, new), (4, new)):
+            before = object_store.bytes_put()
+            manager.save(model(step, frozen), step)
+            uploaded.append(object_store.bytes_put() - before)
+            objects_now = [entry.get("object") for entry in manager.latest().metadata["files"].values()]
+        assert uploaded[2] > 4 * SMALL > 10 * uploaded[3] and 10 * uploaded[1] < 4 * SMALL, uploaded
+        assert manager.all_steps() == [3, 4]
+        assert shared_keys(s3_url, options) == [key for key in objects_now if key]
+        assert_is(manager.restore(3), 3, new)
+        assert_is(manager.restore(4), 4, new)
+
+
+def test_a_changed_or_swapped_shared_object_is_refused(s3_server, s3_url, small_share):
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(model(1, frozen), 1)
+        manager.save(model(2, frozen), 2)
+        key = manager.latest().metadata["files"]["checkpoint.data"]["object"]
+        where = targets.object_location(f"{s3_url}/{key}", options)
+        data = bytearray(object_store.get(where))
+        data[100] ^= 1  # (the same size: caught by its SHA-256, and by the checksums on load)
+        object_store.put(where, bytes(data))
+        for step in (1, 2):
+            with pytest.raises(CheckpointIntegrityError, match=key):
+                manager.restore(step)
+            with pytest.raises(CheckpointIntegrityError, match=key):
+                manager.verify(step)
+
+
+@pytest.mark.parametrize("named", ["../step_00000001/x.data", "shared/../../other/run.data", "shared/abc.data", 7])
+def test_a_metadata_entry_naming_an_object_outside_the_shared_folder_is_refused(named):
+    document = {
+        "step": 1,
+        "format": "ortckpt-metadata/1",
+        "files": {"checkpoint.data": {"bytes": 10, "sha256": "0" * 64, "object": named}},
+    }
+    with pytest.raises(documents.DocumentError, match="object"):
+        documents.parse(documents.METADATA, json.dumps(document).encode(), "metadata.json")
+
+
+KILLED_BEFORE_COMMIT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import numpy as np
+    from ortckpt import CheckpointManager, CheckpointState
+    from ortckpt.stepstore import objects
+
+    objects.SHARE_MIN_BYTES = 1 << 20
+    url, options = sys.argv[1], json.loads(sys.argv[2])
+
+    def frozen(version):
+        rng = np.random.default_rng(version)
+        return {f"layer{i}": rng.standard_normal((4 << 20) // 4 // 8, dtype=np.float32) for i in range(8)}
+
+    def model(step, frozen):
+        return CheckpointState.from_arrays({"head": np.full(4096, float(step), np.float32)}, frozen)
+
+    def killed(self, attempt, document, data, *, durable):
+        os.kill(os.getpid(), signal.SIGKILL)  # its data object and checkpoint uploaded, nothing committed
+
+    manager = CheckpointManager(url, storage_options=options)
+    manager.save(model(1, frozen(1)), 1)
+    objects.ObjectStore.commit = killed
+    manager.save(model(2, frozen(2)), 2)  # (the frozen part changed: a new data object)
+    """
+)
+
+
+def test_a_save_killed_before_its_commit_leaves_no_step_and_garbage_the_sweep_collects(s3_server, s3_url, small_share):
+    options = s3_server.storage_options()
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_COMMIT, s3_url, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert child.returncode == -9, child.stderr[-2000:]
+    assert len(shared_keys(s3_url, options)) == 2  # step 1's, and the killed save's
+    with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
+        assert reader.all_steps() == [1]
+        assert_is(reader.restore(), 1, frozen_part(1))
+    with CheckpointManager(s3_url, storage_options=options) as writer:
+        kept = writer.latest().metadata["files"]["checkpoint.data"]["object"]
+        removed = writer.remove_leftovers()
+        assert any(url.endswith(".data") and "/shared/" in url for url in removed), removed
+        assert shared_keys(s3_url, options) == [kept]
+        assert_is(writer.restore(), 1, frozen_part(1))
+        writer.verify()
+
+
+def test_readers_restore_whole_steps_while_retention_collects_shared_objects(s3_server, s3_url, small_share):
+    """A writer keeping one step changes its frozen part every third step (so shared objects are
+    uploaded and collected) while readers restore the latest step as fast as they can: every
+    restore is one step's values, whole (never a missing object, never a mix of two steps)."""
+    options = s3_server.storage_options()
+    versions = {version: frozen_part(version, nbytes=2 * SMALL) for version in range(4)}
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=1) as writer:
+        writer.save(model(0, versions[0]), 0)
+        done = threading.Event()
+        seen: list[int] = []
+        failures: list[str] = []
+
+        def read() -> None:
+            with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
+                while not done.is_set():
+                    try:
+                        state = reader.restore()
+                        step = int(state.parameters["head"].data[0])
+                        assert_is(state, step, versions[step // 3])
+                        seen.append(step)
+                    except Exception as e:  # (any: what the test reports)
+                        failures.append(f"{type(e).__name__}: {e}")
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for thread in readers:
+            thread.start()
+        try:
+            for step in range(1, 12):
+                writer.save(model(step, versions[step // 3]), step)
+        finally:
+            done.set()
+            for thread in readers:
+                thread.join()
+        assert failures == [], failures[:3]
+        assert len(seen) > 5 and len(set(seen)) > 2, seen
+        assert shared_keys(s3_url, options) == [writer.latest().metadata["files"]["checkpoint.data"]["object"]]
+
+
+def test_a_resumed_writer_uploads_its_first_step_whole_then_shares(s3_server, s3_url, small_share):
+    """The digests a step shares by are this writer's, taken as its values went up: a writer
+    resumed in a new process uploads its first step whole (a new data object), then shares."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(model(1, frozen), 1)
+    uploaded = []
+    with CheckpointManager(s3_url, storage_options=options, max_to_keep=2) as resumed:
+        for step in (2, 3):
+            before = object_store.bytes_put()
+            resumed.save(model(step, frozen), step)
+            uploaded.append(object_store.bytes_put() - before)
+        assert resumed.all_steps() == [2, 3]
+    assert uploaded[0] > 4 * SMALL > 10 * uploaded[1], uploaded
+    assert len(shared_keys(s3_url, options)) == 1  # step 1's went with it
+
+
+def test_small_checkpoints_and_shards_stay_one_object(s3_server, s3_url):
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(model(1, frozen_part(1)), 1)  # 4 MiB: under SHARE_MIN_BYTES
+        assert sorted(manager.latest().metadata["files"]) == ["checkpoint"]
+    assert shared_keys(s3_url, options) == []
+    assert os.environ.get("ORTCKPT_NEVER_SET_BY_TESTS") is None

@@ -226,11 +226,19 @@ class ObjectStore(StepStore):
         the bytes come, and checked against its entry (:func:`_download_recorded`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            if recorded is None:
-                self.file(folder, name).download(path)
-            else:
-                _download_recorded(_location(folder), name, recorded, path, self._run)
+            self.download(folder, name, path, recorded=recorded)
             return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+
+    def download(
+        self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
+        """Streams the checkpoint ``name`` of a step's folder into the new file ``path`` (and its
+        data, from the run's shared folder when the step shares it, into ``path.data``); with
+        ``recorded``, checked as :meth:`load` checks it."""
+        if recorded is None:
+            self.file(folder, name).download(path)
+        else:
+            _download_recorded(_location(folder), name, recorded, path, self._run)
 
     def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
         return self.load(folder, name, recorded={file: {"bytes": size} for file, size in sizes.items()})
@@ -243,10 +251,13 @@ class ObjectStore(StepStore):
         else:  # a sharded step without a manager: its index is the document
             sizes = {name: size for shard in step.document["shards"] for name, size in shard["files"].items()}
         recorded = step.document.get("files", {})
+        places = {}
         with safe_io.scratch_directory() as scratch:
             hashed: dict[str, tuple[int, str] | BaseException] = {}
             for name, size in sorted(sizes.items()):
                 source = self.shared_object(folder, name, recorded.get(name, {}))
+                if "object" in recorded.get(name, {}):
+                    places[name] = source.url
                 hashed[name] = _download_hashed(source, safe_io.member(scratch, name), size)
             for role, entry in sorted(step.document.get("artifacts", {}).items()):
                 # (the run's stored graph, by digest: no more bytes read than the metadata records)
@@ -256,7 +267,7 @@ class ObjectStore(StepStore):
                     os.link(graph, safe_io.member(scratch, entry["name"]))
                 except (OSError, CheckpointError) as e:
                     hashed[entry["name"]] = e
-            yield LocalStep(scratch, hashed, folder.url)
+            yield LocalStep(scratch, hashed, folder.url, places)
 
     def read_document(self, folder: Folder, name: str) -> bytes:
         where = _location(folder).child(name)
