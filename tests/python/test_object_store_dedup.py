@@ -1,4 +1,4 @@
-"""Steps of a mostly frozen model on s3:// share their unchanged values (ortckpt.stepstore.objects):
+"""Steps of a mostly frozen model on s3:// share their unchanged values (ortckpt.stepstore.shared):
 a step uploads only what changed, its checkpoint object reading the rest from a data object of the
 run's shared folder that an earlier step uploaded; every step restores, verifies and loads in ONNX
 Runtime on its own, a shared object goes only when no kept step names it, and a save killed between
@@ -20,9 +20,9 @@ import ortckpt
 import ortckpt.object_store as object_store
 import pytest
 from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, documents, resolve, targets
-from ortckpt.stepstore import objects
+from ortckpt.stepstore import shared
 
-SMALL = 1 << 20  # the share threshold the tests set (objects.SHARE_MIN_BYTES), so that models stay small
+SMALL = 1 << 20  # the share threshold the tests set (shared.SHARE_MIN_BYTES), so that models stay small
 TRAINABLE = 16 << 10
 
 
@@ -49,7 +49,7 @@ def shared_keys(url: str, options: dict) -> list[str]:
 
 @pytest.fixture
 def small_share(monkeypatch):
-    monkeypatch.setattr(objects, "SHARE_MIN_BYTES", SMALL)
+    monkeypatch.setattr(shared, "SHARE_MIN_BYTES", SMALL)
 
 
 def test_steps_upload_only_what_changed_and_each_restores_alone(s3_server, s3_url):
@@ -154,9 +154,9 @@ KILLED_BEFORE_COMMIT = textwrap.dedent(
     import json, os, signal, sys
     import numpy as np
     from ortckpt import CheckpointManager, CheckpointState
-    from ortckpt.stepstore import objects
+    from ortckpt.stepstore import objects, shared
 
-    objects.SHARE_MIN_BYTES = 1 << 20
+    shared.SHARE_MIN_BYTES = 1 << 20
     url, options = sys.argv[1], json.loads(sys.argv[2])
 
     def frozen(version):

@@ -38,40 +38,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import _boundary, documents, object_store, object_uploads, safe_io, steps, targets
+from .. import documents, object_store, object_uploads, safe_io, steps, targets
 from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from . import entries
+from . import downloads, shared
 from .base import Attempt, Folder, LocalStep, Scan, SourceDigests, Step, StepStore, check_graph_size
+from .shared import SharedObjects
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
-
-# A manager's checkpoint whose values reach this many bytes is uploaded as a pair: its values in a
-# data object of the run's shared folder, which the next steps share for what does not change.
-# Below it, one object (a pair costs a second PUT and GET, and there is little to share).
-SHARE_MIN_BYTES = 64 << 20
-# Values under this many bytes are always inline (the core's rule): never shared.
-EXTERNAL_MIN_BYTES = 64
-
-
-@dataclass(frozen=True)
-class SharedData:
-    """A data object of the run's shared folder that this store uploaded, and where each value
-    it holds is in it, by the SHA-256 of the value's bytes (taken from the very buffers that went
-    up): what the next step shares, tensor by tensor, by content."""
-
-    entry: dict[str, Any]  # its metadata.json entry: bytes, sha256, etag, pair, object
-    pair: bytes  # the pair id its trailer carries (a checkpoint sharing it takes it)
-    offsets: dict[str, int]  # SHA-256 of a value's bytes -> its offset in the object
 
 
 class ObjectStore(StepStore):
@@ -89,14 +70,7 @@ class ObjectStore(StepStore):
         # Attempts whose commit was sent but not known to have landed (an error answered it), by
         # step: a later save of the step that finds one of them committed takes it as its own.
         self._unsure: dict[int, set[str]] = {}
-        # The shared data object of the last step this store committed uploading it: what the
-        # next save shares from; and, by attempt, the one an attempt uploaded (promoted when it commits).
-        self._basis: SharedData | None = None
-        self._uploaded: dict[str, SharedData] = {}
-        # Shared data objects that saves in flight use, by attempt: never collected while they
-        # are, so that a step never commits naming one that the collection removed.
-        self._held: dict[str, list[str]] = {}
-        self._held_lock = threading.Lock()
+        self._shared = SharedObjects()  # the data objects the run's steps share (see .shared)
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -238,7 +212,7 @@ class ObjectStore(StepStore):
         if recorded is None:
             self.file(folder, name).download(path)
         else:
-            _download_recorded(_location(folder), name, recorded, path, self._run)
+            downloads.recorded(_location(folder), name, recorded, path, self._run)
 
     def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
         return self.load(folder, name, recorded={file: {"bytes": size} for file, size in sizes.items()})
@@ -258,7 +232,7 @@ class ObjectStore(StepStore):
                 source = self.shared_object(folder, name, recorded.get(name, {}))
                 if "object" in recorded.get(name, {}):
                     places[name] = source.url
-                hashed[name] = _download_hashed(source, safe_io.member(scratch, name), size)
+                hashed[name] = downloads.hashed(source, safe_io.member(scratch, name), size)
             for role, entry in sorted(step.document.get("artifacts", {}).items()):
                 # (the run's stored graph, by digest: no more bytes read than the metadata records)
                 try:
@@ -296,103 +270,20 @@ class ObjectStore(StepStore):
         progress: bool = False,
         share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
-        """A manager's checkpoint (``checkpoint``) of values of SHARE_MIN_BYTES or more goes up as
-        a pair whose data object is in the run's shared folder (see :meth:`_write_sharing`); any
-        other (a small one, a shard) as before, whole into the attempt's folder."""
-        values = _value_buffers(state) if name == steps.CHECKPOINT_NAME and not state.nominal else []
-        if sum(memoryview(v).nbytes for v in values) < SHARE_MIN_BYTES:
-            target = self.file(attempt.folder, name)
-            written = target.upload(state, external_data_threshold=external_data_threshold, progress=progress)
-            attempt.written.update(written)
-            return written
-        return self._write_sharing(attempt, name, state, values, share_with, progress=progress)
-
-    def _write_sharing(
-        self, attempt: Attempt, name: str, state: CoreState, values: list[Any], previous: Step | None, *, progress: bool
-    ) -> dict[str, dict[str, Any]]:
-        """Uploads the checkpoint sharing, with the previous step, the data object it reads
-        from, for every value whose bytes are there (found by their SHA-256: content-addressed,
-        whatever tensor held them), the rest inline in the checkpoint object: only what changed
-        goes up. Shared when the previous step names the data object this store uploaded last
-        (whose values' digests it took as they went), that object is still there, and the
-        values found in it fill at least half of it (so that an object mostly stale is not kept
-        alive step after step); else the checkpoint goes up whole, its values in a new shared
-        data object, which the next steps share. The data object's entry is in
-        ``attempt.shared`` (metadata.json records it with the key, ``object``, it is under)."""
-        data_name = f"{name}.data"
-        basis = self._basis
-        if basis is not None and not _names_shared(previous, data_name, basis.entry):
-            basis = None  # (not the previous step's: e.g. another writer's, or a step restored from elsewhere)
-        if basis is not None:
-            self._hold(attempt, basis.entry["object"])
-            written = self._upload_sharing(attempt, name, state, values, basis, progress=progress)
-            if written is not None:
-                attempt.shared[data_name] = dict(basis.entry)
-                return written
-            self._release(attempt)
-        return self._upload_whole(attempt, name, state, values, progress=progress)
-
-    def _upload_sharing(
-        self, attempt: Attempt, name: str, state: CoreState, values: list[Any], basis: SharedData, *, progress: bool
-    ) -> dict[str, dict[str, Any]] | None:
-        """The checkpoint object, uploaded sharing ``basis`` (see :meth:`_write_sharing`), or
-        None when it should not (nothing uploaded)."""
-        found = object_store.head(self._run.child(basis.entry["object"]))
-        if found is None or found.size != basis.entry["bytes"]:
-            return None  # (removed meanwhile, e.g. by another job's sweep: the next step shares the new one)
-        shared: dict[tuple[int, int], int] = {}
-        for value in values:
-            offset = basis.offsets.get(hashlib.sha256(value).hexdigest())
-            if offset is not None:
-                shared[_boundary.buffer_key(value)] = offset
-        shared_bytes = sum(length for (_, length) in shared)
-        if 2 * shared_bytes < basis.entry["bytes"]:
-            return None
-        try:
-            main = _boundary.encode_sharing_segments(state, basis.pair, shared)
-        except CheckpointError:
-            return None  # (the changed values pass ONNX Runtime's 2 GiB inline: whole)
-        where = _location(attempt.folder).child(name)
-        written = {name: _put_hashed(where, main, progress)}
+        """A manager's checkpoint of values of SHARE_MIN_BYTES or more goes up sharing what did
+        not change with the previous step (see :mod:`.shared`); any other (a small one, a shard)
+        whole into the attempt's folder."""
+        values = SharedObjects.values_to_share(name, state)
+        if values is not None:
+            return self._shared.write(self._run, attempt, name, state, values, share_with, progress=progress)
+        target = self.file(attempt.folder, name)
+        written = target.upload(state, external_data_threshold=external_data_threshold, progress=progress)
         attempt.written.update(written)
         return written
-
-    def _upload_whole(
-        self, attempt: Attempt, name: str, state: CoreState, values: list[Any], *, progress: bool
-    ) -> dict[str, dict[str, Any]]:
-        """The checkpoint uploaded whole: its values in a new data object of the run's shared
-        folder (every value of EXTERNAL_MIN_BYTES or more), its tables in the attempt's folder.
-        The SHA-256 of every value is taken (for the next step to share by), then the object's
-        as it goes up."""
-        main, external = _boundary.encode_segments(state, external_data_threshold=0)
-        assert external is not None  # (values of SHARE_MIN_BYTES: external with a threshold of 0)
-        size, parts = external
-        pair = bytes(_tail(main, targets.PAIR_TRAILER_BYTES))[16:]
-        offsets = {hashlib.sha256(piece).hexdigest(): offset for offset, piece in parts if _is_value(piece)}
-        key = steps.shared_data_name(pair.hex())
-        self._hold(attempt, key)  # (from before its first byte: a collection meanwhile leaves it)
-        entry = _put_hashed(self._run.child(key), targets.filled(size, parts), progress)
-        entry.update(pair=pair.hex(), object=key)
-        attempt.shared[f"{name}.data"] = entry  # (abandon() removes it unless the commit was sent)
-        self._uploaded[attempt.where] = SharedData(dict(entry), pair, offsets)
-        written = {name: _put_hashed(_location(attempt.folder).child(name), main, progress)}
-        attempt.written.update(written)
-        return written
-
-    def _hold(self, attempt: Attempt, key: str) -> None:
-        with self._held_lock:
-            self._held.setdefault(attempt.where, []).append(key)
-
-    def _release(self, attempt: Attempt) -> None:
-        """Gives up the shared data objects the attempt held (its save committed or failed)."""
-        with self._held_lock:
-            self._held.pop(attempt.where, None)
 
     def shared_object(self, folder: Folder, name: str, entry: Mapping[str, Any]) -> Location:
-        """Where the file ``name`` of a step (or attempt) folder is: in the run's shared folder
-        when its entry says so (``object``), else in the folder."""
-        key = entry.get("object")
-        return self._run.child(key) if isinstance(key, str) else _location(folder).child(name)
+        """Where the file ``name`` of a step's (or attempt's) folder is (see :func:`.shared.where`)."""
+        return shared.where(self._run, _location(folder), name, entry)
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         object_store.put(_location(attempt.folder).child(name), data)
@@ -510,10 +401,7 @@ class ObjectStore(StepStore):
 
     def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
         step = self._commit(attempt, document, data)
-        if step.document.get("attempt") == attempt.where and attempt.where in self._uploaded:
-            self._basis = self._uploaded.pop(attempt.where)  # (its data object: what the next step shares)
-        self._uploaded.pop(attempt.where, None)
-        self._release(attempt)
+        self._shared.committed(attempt, step)
         return step
 
     def _commit(self, attempt: Attempt, document: str, data: bytes) -> Step:
@@ -608,13 +496,12 @@ class ObjectStore(StepStore):
             raise CheckpointIntegrityError(self._folder(attempt.step).url, problems)
 
     def abandon(self, attempt: Attempt) -> None:
-        self._release(attempt)
-        uploaded = self._uploaded.pop(attempt.where, None)
+        uploaded = self._shared.abandoned(attempt)
         if attempt.sent:
             return  # the commit may have landed: its objects stay (remove_leftovers judges them)
         _remove_quietly(_location(attempt.folder))
         if uploaded is not None:  # (its own new data object: no step names it)
-            _remove_quietly(self._run.child(uploaded.entry["object"]))
+            _remove_quietly(self._run.child(uploaded))
 
     def retire(self, step: Step) -> None:
         folder = self._folder(step.number)
@@ -631,8 +518,11 @@ class ObjectStore(StepStore):
         object_store.remove_under(_location(step.folder) if attempt else folder)
         if marker is not None:
             object_store.remove([marker])
-        if any("object" in entry for entry in step.document.get("files", {}).values()):
-            self.remove_unused_shared()  # (the step is gone: the data objects only it named go too)
+        if shared.objects_named(step.document):
+            # (the step is gone: the data objects only it named go too; what a failing server leaves
+            # now, the next retirement or remove_leftovers() collects)
+            with contextlib.suppress(OSError, CheckpointError):
+                self.remove_unused_shared()
 
     def remove_unused_shared(self) -> list[str]:
         """Removes the data objects of the run's shared folder that no committed step names and
@@ -640,25 +530,12 @@ class ObjectStore(StepStore):
         first, so no reader is shown a step whose objects are missing: one that read it before
         finds it retired, as it would its own objects). A step whose document is damaged may
         name any: then nothing is removed. Returns the URLs removed."""
+        began = self._shared.collection_began()
         scan = self.scan(steps.METADATA_NAME)
         if scan.damaged:
             return []
-        used = {
-            entry["object"]
-            for step in scan.steps.values()
-            for entry in step.document.get("files", {}).values()
-            if "object" in entry
-        }
-        folder = self._run.child(steps.SHARED_FOLDER)
-        with self._held_lock:  # (a save that holds one from now on finds it here, or uploads it anew)
-            held = {key for keys in self._held.values() for key in keys}
-            unused = [
-                name
-                for name, _ in object_store.list_keys(folder)
-                if steps.SHARED_DATA.fullmatch(name) and f"{steps.SHARED_FOLDER}/{name}" not in used | held
-            ]
-            object_store.remove([folder.child(name) for name in unused])
-        return [folder.child(name).url for name in unused]
+        named = {key for step in scan.steps.values() for key in shared.objects_named(step.document)}
+        return self._shared.collect(self._run, named, began)
 
     def remove_proven_leftovers(self) -> list[str]:
         return []  # nothing on an object store proves a writer gone: remove_leftovers() is the caller's call
@@ -743,83 +620,10 @@ class ObjectStore(StepStore):
         return keep
 
 
-def _value_buffers(state: CoreState) -> list[Any]:
-    """Every tensor value of ``state`` that a data file may hold (a buffer of EXTERNAL_MIN_BYTES
-    or more: strings and nominal values never)."""
-    tensors = [*state.trainable, *state.frozen]
-    for _group, _step, _rate, parameters in state.groups:
-        for _parameter, momentums in parameters:
-            tensors += momentums
-    return [
-        values
-        for _name, _code, _dims, values in tensors
-        if values is not None and not isinstance(values, list) and memoryview(values).nbytes >= EXTERNAL_MIN_BYTES
-    ]
-
-
-def _is_value(piece: Any) -> bool:
-    """Whether a piece of an encoded data file is a tensor's values (not the trailer's bytes)."""
-    return not isinstance(piece, bytes) or len(piece) != targets.PAIR_TRAILER_BYTES
-
-
-def _names_shared(step: Step | None, name: str, entry: Mapping[str, Any]) -> bool:
-    """Whether ``step`` records its file ``name`` as the shared data object ``entry`` records."""
-    if step is None:
-        return False
-    found = step.document.get("files", {}).get(name, {})
-    return all(found.get(kind) == entry[kind] for kind in ("object", "bytes", "sha256", "pair"))
-
-
-def _tail(pieces: list[Any], count: int) -> bytes:
-    """The last ``count`` bytes of the concatenated ``pieces``."""
-    tail = b""
-    for piece in reversed(pieces):
-        tail = bytes(memoryview(piece).cast("B")[-(count - len(tail)) :]) + tail
-        if len(tail) >= count:
-            break
-    return tail
-
-
-def _put_hashed(where: Location, pieces: Iterable[Any], progress: bool) -> dict[str, Any]:
-    """Uploads ``pieces`` as ``where``: its entry ({"bytes", "sha256", and the "etag" the server
-    gave}: a restore's proof of this object), the SHA-256 taken as the bytes go."""
-    from ..progress import maybe_bar
-
-    pieces = list(pieces)
-    with maybe_bar(progress, f"uploading {where.key.rsplit('/', 1)[-1]}", targets.size_of(pieces)) as bar:
-        digest = hashlib.sha256()
-        put = object_store.put_stream(where, pieces, digest, bar.update)
-    entry: dict[str, Any] = {"bytes": put.size, "sha256": digest.hexdigest()}
-    if put.etag is not None and documents.is_etag(put.etag):
-        entry["etag"] = put.etag
-    return entry
-
-
 def _location(folder: Folder) -> Location:
     """A folder of this store: an object store's steps and attempts are Locations."""
     assert isinstance(folder, Location), folder
     return folder
-
-
-def _download_hashed(source: Location, local: Path, recorded: int) -> tuple[int, str] | BaseException:
-    """Streams an object into the new file ``local``: its (size, SHA-256), or the error (the
-    file then absent). One the server declares of another size than the ``recorded`` one is
-    refused before a byte of it is read (no download is larger than its step records)."""
-    digest = hashlib.sha256()
-    fd = safe_io.create_exclusive(local)
-    try:
-        found = object_store.head(source)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", source.url)
-        if found.size != recorded:
-            raise CheckpointIntegrityError(source.url, [f"{source.url}: {found.size} bytes, metadata says {recorded}"])
-        size = object_store.download_to(source, fd, expected_size=recorded, etag=found.etag, digest=digest)
-    except (OSError, CheckpointError) as e:
-        os.close(fd)
-        os.unlink(local)
-        return e
-    os.close(fd)
-    return size, digest.hexdigest()
 
 
 def _sha256_of_file(f: Any) -> tuple[int, str]:
@@ -847,52 +651,6 @@ def _upload_file(source: Path, where: Location, digest: str) -> None:
     if size and sent.hexdigest() != digest:
         object_store.remove([where])
         raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
-
-
-def _download_recorded(
-    folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path, run: Location
-) -> None:
-    """Streams the checkpoint object ``name`` of a step's ``folder`` (and its data object, when
-    metadata.json records one) into ``path`` (and ``path.data``), refusing, with
-    :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
-    recorded: another size (refused before a byte is read: no download is larger than its
-    entry), another checksum root or pair id (its last bytes). Its content is proven by the ETag
-    its upload recorded, the one the server declares, and the GET conditional on it (free); an
-    object without that (another ETag: copied over, or the same bytes copied from elsewhere; an
-    older step's entry) by its SHA-256, taken as the bytes come (no second read). A missing
-    object is FileNotFoundError naming it. A data object the steps share is read from the run's
-    shared folder (``run``), where its entry says (``object``)."""
-    problems = []
-    for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
-        entry = recorded.get(file)
-        if entry is None:
-            continue
-        key = entry.get("object")
-        source = run.child(key) if isinstance(key, str) else folder.child(file)
-        found = object_store.head(source)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", source.url)
-        if found.size != entry["bytes"]:
-            problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
-            continue
-        proven = found.etag is not None and entry.get("etag") == found.etag
-        digest = None if proven or "sha256" not in entry else hashlib.sha256()
-        fd = safe_io.create_exclusive(local)
-        try:
-            object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
-        finally:
-            os.close(fd)
-        if digest is not None and "sha256" in entry and digest.hexdigest() != entry["sha256"]:
-            problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
-            continue
-        problem = entries.check_cheaply(local, dict(entry))  # (a step uploaded from a directory: root, pair id)
-        if problem is not None:
-            problems.append(f"{source.url}: {problem}")
-    if problems:
-        raise CheckpointIntegrityError(
-            folder.child(name).url,
-            [f"{p} (not the object its step records: refused)" for p in problems],
-        )
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
