@@ -420,10 +420,12 @@ fn encode_sharing_segments<'py>(
             .collect();
         let main = PyList::empty(py);
         for bytes in encoded.segments() {
-            main.append(match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
-                Some(owner) => (*owner).clone(),
-                None => PyBytes::new(py, bytes).into_any(),
-            })?;
+            main.append(
+                match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
+                    Some(owner) => (*owner).clone(),
+                    None => PyBytes::new(py, bytes).into_any(),
+                },
+            )?;
         }
         Ok(main)
     })
