@@ -49,7 +49,9 @@ class SharedData:
 
     entry: dict[str, Any]  # its metadata.json entry: bytes, sha256, etag, pair, object
     pair: bytes  # the pair id its trailer carries (a checkpoint sharing it takes it)
-    offsets: dict[str, int]  # SHA-256 of a value's bytes -> its offset in the object
+    # SHA-256 of a value's bytes -> its offsets in the object (one per value that had them: no two
+    # tensors of a checkpoint may read the same bytes, which a load refuses as overlapping)
+    offsets: dict[str, list[int]]
 
 
 class SharedObjects:
@@ -121,10 +123,15 @@ class SharedObjects:
         if found is None or found.size != basis.entry["bytes"]:
             return None  # (removed meanwhile, e.g. by another job's sweep: the next step shares the new one)
         shared: dict[tuple[int, int], int] = {}
-        for value in values:
-            offset = basis.offsets.get(hashlib.sha256(value).hexdigest())
-            if offset is not None:
-                shared[_boundary.buffer_key(value)] = offset
+        free = {digest: list(offsets) for digest, offsets in basis.offsets.items()}
+        keys = [_boundary.buffer_key(value) for value in values]
+        # (the core finds a value by its buffer: one that two tensors hand over stays inline, and
+        # each place is taken once: no two tensors may read the same bytes, a load refuses that)
+        once = {key for key in keys if keys.count(key) == 1} if len(set(keys)) < len(keys) else set(keys)
+        for key, value in zip(keys, values, strict=True):
+            places = free.get(hashlib.sha256(value).hexdigest())
+            if places and key in once:
+                shared[key] = places.pop()
         if 2 * sum(length for (_, length) in shared) < basis.entry["bytes"]:
             return None
         try:
@@ -145,7 +152,10 @@ class SharedObjects:
         assert external is not None  # (values of SHARE_MIN_BYTES: external with a threshold of 0)
         size, parts = external
         pair = _tail(main, targets.PAIR_TRAILER_BYTES)[16:]
-        offsets = {hashlib.sha256(piece).hexdigest(): offset for offset, piece in parts if _is_value(piece)}
+        offsets: dict[str, list[int]] = {}
+        for offset, piece in parts:
+            if _is_value(piece):
+                offsets.setdefault(hashlib.sha256(piece).hexdigest(), []).append(offset)
         key = steps.shared_data_name(pair.hex())
         self._hold(attempt, key)  # (from before its first byte: a collection meanwhile leaves it)
         entry = put_hashed(run.child(key), targets.filled(size, parts), progress)
