@@ -294,3 +294,30 @@ def test_every_kind_of_value_shares_by_its_bytes(s3_server, s3_url, small_share,
             assert_is(restored, step, {k: v for k, v in frozen.items() if k != "names"})
             assert list(restored.parameters["names"].data) == ["a", "bc", "def"]
     assert 5 * uploaded[1] < uploaded[0] and 5 * uploaded[2] < uploaded[0], uploaded  # (the tied pair: inline)
+
+
+def test_a_shared_object_swept_away_before_the_commit_withdraws_the_step(s3_server, s3_url, small_share, monkeypatch):
+    """Another job's sweep removes the data object a save shares just before its commit: the save
+    fails (its step is never shown naming a missing object), and the next save, finding the object
+    gone, uploads whole again."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(model(1, frozen), 1)
+        key = manager.latest().metadata["files"]["checkpoint.data"]["object"]
+        real_put_new = object_store.put_new
+
+        def swept_then_put(location, data):
+            object_store.remove([targets.object_location(f"{s3_url}/{key}", options)])
+            return real_put_new(location, data)
+
+        monkeypatch.setattr(object_store, "put_new", swept_then_put)
+        with pytest.raises(CheckpointIntegrityError, match="shared data object is gone"):
+            manager.save(model(2, frozen), 2)
+        monkeypatch.undo()
+        with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
+            assert reader.all_steps() == [1]
+        before = object_store.bytes_put()
+        manager.save(model(3, frozen), 3)
+        assert object_store.bytes_put() - before > 4 * SMALL  # (whole: a new data object)
+        assert_is(manager.restore(3), 3, frozen)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +128,7 @@ class SharedObjects:
         keys = [_boundary.buffer_key(value) for value in values]
         # (the core finds a value by its buffer: one that two tensors hand over stays inline, and
         # each place is taken once: no two tensors may read the same bytes, a load refuses that)
-        once = {key for key in keys if keys.count(key) == 1} if len(set(keys)) < len(keys) else set(keys)
+        once = {key for key, count in Counter(keys).items() if count == 1}
         for key, value in zip(keys, values, strict=True):
             places = free.get(hashlib.sha256(value).hexdigest())
             if places and key in once:
