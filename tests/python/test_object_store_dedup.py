@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -52,6 +51,7 @@ def small_share(monkeypatch):
     monkeypatch.setattr(shared, "SHARE_MIN_BYTES", SMALL)
 
 
+@pytest.mark.once  # (72 MiB through the server: over 10 s on a loaded machine)
 def test_steps_upload_only_what_changed_and_each_restores_alone(s3_server, s3_url):
     """At the default threshold (64 MiB): step 1 uploads the model, each later step its changed
     tensor (and its tables): about 1/70 of step 1 here."""
@@ -256,13 +256,20 @@ def test_a_resumed_writer_uploads_its_first_step_whole_then_shares(s3_server, s3
     assert len(shared_keys(s3_url, options)) == 1  # step 1's went with it
 
 
-def test_small_checkpoints_and_shards_stay_one_object(s3_server, s3_url):
+def test_small_checkpoints_and_shards_stay_whole_in_their_step(s3_server, s3_url, monkeypatch):
+    """Under SHARE_MIN_BYTES a manager's checkpoint is one object, as before; a sharded save's
+    shards (with or without a manager) never share: each stays whole in its step's folder."""
+    from ortckpt.distributed import SingleProcess, load_sharded, save_sharded
+
     options = s3_server.storage_options()
     with CheckpointManager(s3_url, storage_options=options) as manager:
         manager.save(model(1, frozen_part(1)), 1)  # 4 MiB: under SHARE_MIN_BYTES
         assert sorted(manager.latest().metadata["files"]) == ["checkpoint"]
+    monkeypatch.setattr(shared, "SHARE_MIN_BYTES", SMALL)
+    for step in (7, 8):
+        save_sharded(model(step, frozen_part(1)), s3_url, step=step, comm=SingleProcess(), storage_options=options)
+        assert_is(load_sharded(s3_url, step=step, storage_options=options)[0], step, frozen_part(1))
     assert shared_keys(s3_url, options) == []
-    assert os.environ.get("ORTCKPT_NEVER_SET_BY_TESTS") is None
 
 
 @pytest.mark.parametrize("async_save", [False, True])
