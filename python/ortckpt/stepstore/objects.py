@@ -25,6 +25,10 @@
   objects of saves that never committed, and multipart uploads that killed writers left, are
   removed only by :meth:`ObjectStore.remove_leftovers`, which its caller runs when no other
   writer is saving under the prefix. It never runs by itself.
+- **Steps share their unchanged values** (:mod:`.shared`): a manager's checkpoint of 64 MiB of
+  values or more keeps them in a data object of the run's ``shared/`` folder that its
+  metadata.json names; later steps upload only the values not in it. Such an object is deleted
+  only when no committed step names it (after a retirement, and by the sweep).
 - **The run's graphs** are objects ``artifacts/<sha256>.onnx`` under the prefix, one per distinct
   content, uploaded by the first save that records it; a step's metadata.json names them by
   digest. A save checks they are there before and after its commit, as for its own objects.
@@ -197,7 +201,7 @@ class ObjectStore(StepStore):
         stream, so memory stays bounded, and usable whatever later retention deletes. With
         ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
         server declares the size recorded (nothing more is ever written), its SHA-256 taken as
-        the bytes come, and checked against its entry (:func:`_download_recorded`)."""
+        the bytes come, and checked against its entry (:func:`.downloads.recorded`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
             self.download(folder, name, path, recorded=recorded)
