@@ -341,6 +341,23 @@ def encode_segments(
     return main, external
 
 
+def encode_sharing_segments(state: CoreState, pair_id: bytes, shared: Mapping[tuple[int, int], int]) -> list[Segment]:
+    """The checkpoint file's segments, in order, of ``state`` saved sharing an existing data file
+    (whose pair id is ``pair_id``): each tensor whose values buffer, by :func:`buffer_key`, is in
+    ``shared`` is external at that offset there, every other value inline. The caller vouches
+    that those bytes are equal (the checksums are summed from its own). CheckpointError when the
+    inline values pass ONNX Runtime's 2 GiB."""
+    return _core.encode_sharing_segments(state, pair_id, dict(shared))
+
+
+def buffer_key(values: Any) -> tuple[int, int]:
+    """(address, length) of a tensor's values buffer: how :func:`encode_sharing_segments` knows it."""
+    view = memoryview(values)
+    if view.nbytes == 0:
+        return 0, 0
+    return np.frombuffer(view.cast("B"), np.uint8, 1).__array_interface__["data"][0], view.nbytes
+
+
 def _mapped_base(array: Any) -> Any:
     """The object at the bottom of an array's chain of bases."""
     base = array

@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension module ortckpt._core (checked by mypy's stubtest in `make test-wheel`).
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, final
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "checksum_root",
     "combine",
     "encode_segments",
+    "encode_sharing_segments",
     "histogram",
     "load",
     "load_buffer",
@@ -133,6 +134,9 @@ def views(
 def encode_segments(
     checkpoint: _CheckpointIn, *, external_data_threshold: int = ...
 ) -> tuple[list[Any], tuple[int, list[tuple[int, Any]]] | None]: ...
+def encode_sharing_segments(
+    checkpoint: _CheckpointIn, pair_id: bytes, shared: Mapping[tuple[int, int], int]
+) -> list[Any]: ...
 def save(path: str, checkpoint: _CheckpointIn, options: _WriteOptionsIn) -> None: ...
 def save_staged(
     path: str, checkpoint: _CheckpointIn, options: _WriteOptionsIn

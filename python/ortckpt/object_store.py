@@ -53,6 +53,7 @@ import configparser
 import datetime
 import mmap
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -225,6 +226,23 @@ def _calling(location: Location, call: Any, *args: Any, **kwargs: Any) -> Any:
         raise _failure(location, e) from e
 
 
+# Bytes of object content this process sent by PUT (every upload, part and document): what a
+# step costs on the wire, read by bytes_put().
+_put_total = [0]
+_put_lock = threading.Lock()
+
+
+def bytes_put() -> int:
+    """Bytes of object content this process has uploaded so far (a running total: a step's
+    upload is the difference taken around it)."""
+    return _put_total[0]
+
+
+def _count_put(size: int) -> None:
+    with _put_lock:
+        _put_total[0] += size
+
+
 def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on_bytes: Any = None) -> Head:
     """Uploads the concatenated ``pieces`` (buffers) as ``location``: one PUT when they fit in
     a part, else a multipart upload that the object appears with when it completes (aborted if
@@ -240,6 +258,7 @@ def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on
         if digest is not None:
             digest.update(data)
         put = _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+        _count_put(size)
         if on_bytes is not None:
             on_bytes(size)
         return Head(size, put.get("e_tag"))
@@ -253,6 +272,7 @@ def put_stream(location: Location, pieces: Iterable[Any], digest: Any = None, on
         chunk_size=PART_BYTES,
         max_concurrency=PARTS_IN_FLIGHT,
     )
+    _count_put(size)
     return Head(size, put.get("e_tag"))
 
 
@@ -273,6 +293,7 @@ def put(location: Location, data: bytes) -> None:
     import obstore
 
     _calling(location, obstore.put, location.store, location.key, data, use_multipart=False)
+    _count_put(len(data))
 
 
 def put_new(location: Location, data: bytes) -> bool:
@@ -296,6 +317,7 @@ def put_new(location: Location, data: bytes) -> bool:
             return False
     except (BaseError, FileNotFoundError) as e:
         raise _failure(location, e) from e
+    _count_put(len(data))
     return True
 
 

@@ -178,11 +178,11 @@ def checkpoint(given: str, *, local: bool = False) -> Iterator[Resolved]:
             if not os.path.lexists(here):
                 raise FileNotFoundError(2, "missing (the step folder holds no checkpoint)", os.fspath(here))
             yield Resolved(os.fspath(here), found)
-        elif local:
-            target = store.file(folder, steps.CHECKPOINT_NAME)
-            assert isinstance(target, targets.ObjectFile)  # (a step not on this machine: an object)
+        elif local or store.shares_data(found.step):
+            # (a step not on this machine: its objects, its data from the run's shared folder when it
+            # shares one, which no reader of the checkpoint object alone would find beside it)
             with _copy(given) as path:
-                target.download(path)
+                store.download(folder, steps.CHECKPOINT_NAME, path, recorded=found.step.document.get("files"))
                 yield Resolved(os.fspath(path), found, True)
         else:
             yield Resolved(os.fspath(store.user_path(folder, steps.CHECKPOINT_NAME)), found)

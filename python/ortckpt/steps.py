@@ -48,6 +48,17 @@ ARTIFACTS_FOLDER = "artifacts"  # the run's graphs, one file (or object) per dis
 STORED_GRAPH = re.compile(r"[0-9a-f]{64}\.onnx")
 
 
+# On object storage, the data objects that a run's steps share (each step's metadata.json names
+# the one its checkpoint reads from): named by the pair id their trailer carries, fresh for each.
+SHARED_FOLDER = "shared"
+SHARED_DATA = re.compile(r"[0-9a-f]{32}\.data")
+
+
+def shared_data_name(pair: str) -> str:
+    """The key, under the run's prefix, of the shared data object whose pair id is ``pair`` (hex)."""
+    return f"{SHARED_FOLDER}/{pair}.data"
+
+
 def stored_graph_name(sha256: str) -> str:
     """The name of a stored graph in the run's artifacts folder: its content's digest."""
     return f"{sha256}.onnx"

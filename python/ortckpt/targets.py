@@ -181,7 +181,7 @@ class ObjectFile:
 
         replaced = _trailer_of(self.location)
         main, external = _boundary.encode_segments(state, external_data_threshold=external_data_threshold)
-        main_bytes = _size_of(main)
+        main_bytes = size_of(main)
         total = main_bytes if external is None else 2 * main_bytes + external[0]
         with maybe_bar(progress, f"uploading {self.location.key.rpartition('/')[2]}", total) as bar:
             on_bytes = bar.update
@@ -195,7 +195,7 @@ class ObjectFile:
             pending = self.location.beside(f"{self._pending_name()}{secrets.token_hex(16)}")
             object_store.put_stream(pending, main, on_bytes=on_bytes)
             size, parts = external
-            object_store.put_stream(self.data, _filled(size, parts), on_bytes=on_bytes)
+            object_store.put_stream(self.data, filled(size, parts), on_bytes=on_bytes)
             object_store.put_stream(self.location, main, on_bytes=on_bytes)
             object_store.remove([pending])  # (a killed save's stays: small, it names a data object no longer there)
 
@@ -238,8 +238,8 @@ class ObjectFile:
         uploads: list[tuple[Location, str, Iterable[Any]]] = [(self.location, name, main)]
         if external is not None:
             size, parts = external
-            uploads.insert(0, (self.data, name + ".data", _filled(size, parts)))
-        total = _size_of(main) + (external[0] if external is not None else 0)
+            uploads.insert(0, (self.data, name + ".data", filled(size, parts)))
+        total = size_of(main) + (external[0] if external is not None else 0)
         uploaded: dict[str, dict[str, Any]] = {}
         with maybe_bar(progress, f"uploading {name}", total) as bar:
             for where, file, pieces in uploads:
@@ -352,11 +352,11 @@ def _paired(tail: Any) -> bool:
     return bytes(tail[:16]) == PAIR_MAGIC
 
 
-def _size_of(pieces: list[Any]) -> int:
+def size_of(pieces: list[Any]) -> int:
     return sum(memoryview(p).nbytes for p in pieces)
 
 
-def _filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
+def filled(size: int, parts: list[tuple[int, Any]]) -> Iterator[Any]:
     """The external data file's pieces in order, zeros where nothing is placed."""
     at = 0
     for offset, piece in parts:
@@ -411,9 +411,11 @@ __all__ = [
     "ObjectFile",
     "StreamFile",
     "checkpoint",
+    "filled",
     "is_object_url",
     "is_stream",
     "object_location",
     "output",
     "run",
+    "size_of",
 ]

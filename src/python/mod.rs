@@ -401,6 +401,64 @@ fn encode_segments<'py>(
     })
 }
 
+/// Encodes a checkpoint for streaming that shares an existing data file (the one whose pair id
+/// is `pair_id`): each tensor whose buffer, by (address, length), is a key of `shared` is
+/// external at that offset there, every other value inline. Returns the checkpoint file's
+/// segments in order, as [`encode_segments`] does (no data file is written: it exists). The
+/// caller vouches that the shared bytes equal its own (the checksums are summed from them):
+/// an object store's writer proves it by their SHA-256s. A checkpoint whose inline values
+/// would pass ONNX Runtime's 2 GiB is an error (saved whole instead).
+#[pyfunction]
+fn encode_sharing_segments<'py>(
+    py: Python<'py>,
+    checkpoint: CheckpointIn<'py>,
+    pair_id: [u8; 16],
+    shared: std::collections::HashMap<(usize, usize), u64>,
+) -> PyResult<Bound<'py, PyList>> {
+    guarded(py, || {
+        let owners: Vec<Bound<'py, PyAny>> = checkpoint.values().cloned().collect();
+        let mut buffers = Vec::new();
+        let payloads = payloads_in(
+            py,
+            std::path::Path::new("<stream>"),
+            checkpoint,
+            &mut buffers,
+        )?;
+        crate::format::endian::ensure_host_little_endian().map_err(|e| to_py_err(py, e))?;
+        let offsets: Vec<Option<u64>> = payloads
+            .tensors()
+            .map(|t| match t.data {
+                crate::format::Payload::Bytes(bytes)
+                    if bytes.len() >= crate::format::encode::EXTERNAL_MIN_BYTES =>
+                {
+                    shared.get(&(bytes.as_ptr() as usize, bytes.len())).copied()
+                }
+                _ => None,
+            })
+            .collect();
+        let mut encoded = crate::format::encode::encode_sharing(&payloads, &pair_id, &offsets)
+            .map_err(|e| to_py_err(py, e))?;
+        py.detach(|| encoded.seal_from_memory());
+        let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
+            .iter()
+            .filter_map(|owner| {
+                let buffer = PyBuffer::<u8>::get(owner).ok()?;
+                Some(((buffer.buf_ptr() as usize, buffer.len_bytes()), owner))
+            })
+            .collect();
+        let main = PyList::empty(py);
+        for bytes in encoded.segments() {
+            main.append(
+                match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
+                    Some(owner) => (*owner).clone(),
+                    None => PyBytes::new(py, bytes).into_any(),
+                },
+            )?;
+        }
+        Ok(main)
+    })
+}
+
 /// Bytes a running save has written, for a progress bar polling from another
 /// Python thread (the save releases the GIL).
 #[pyclass(frozen, module = "ortckpt._core")]
@@ -487,6 +545,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(views::views, m)?)?;
     m.add_function(wrap_pyfunction!(save_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(encode_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_sharing_segments, m)?)?;
     m.add_function(wrap_pyfunction!(stage, m)?)?;
     m.add_function(wrap_pyfunction!(rename_directory, m)?)?;
     m.add_function(wrap_pyfunction!(acquire_lock, m)?)?;

@@ -133,7 +133,8 @@ def is_etag(value: Any) -> bool:
 def _file_entries(value: Any, where: str, at: str) -> None:
     """{plain file name: {"bytes": size, and one or more of "sha256": hex digest, "xxh3": the
     checkpoint's checksum root, "pair": its data file's pair id; on object storage "etag": the
-    object's ETag, as its upload got it}}."""
+    object's ETag, as its upload got it; for a data object the steps share, "object": its key under
+    the run's prefix}}."""
     for name, raw_entry in check_object(value, where, at).items():
         if not is_plain_name(name):
             raise DocumentError(f"{where}: {at} names {key_shown(name)!r}, which is not a file of the step directory")
@@ -146,6 +147,15 @@ def _file_entries(value: Any, where: str, at: str) -> None:
                 raise bad_value(where, f"{at}.{name}.{kind}", entry[kind], said)
         if "etag" in entry and not is_etag(entry["etag"]):
             raise bad_value(where, f"{at}.{name}.etag", entry["etag"], "1 to 200 printable ASCII characters")
+        if "object" in entry and not (
+            isinstance(entry["object"], str) and _SHARED_OBJECT.fullmatch(entry["object"]) and name.endswith(".data")
+        ):
+            raise bad_value(where, f"{at}.{name}.object", entry["object"], "'shared/<32 hexadecimal digits>.data'")
+
+
+# Where a data file shared by several steps on object storage is, under the run's prefix (an entry's
+# "object"; see ortckpt.steps.shared_data_name): nowhere else, so no step names another run's objects.
+_SHARED_OBJECT = re.compile(r"shared/[0-9a-f]{32}\.data")
 
 
 def encode_non_finite(document: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

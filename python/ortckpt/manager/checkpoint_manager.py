@@ -144,8 +144,10 @@ class CheckpointManager(Saving):
             half of the previous data file would be shared, or the changed tensors would pass ONNX Runtime's 2 GiB
             inline limit, or the previous step has no data file; a whole step with at least half of its values unchanged
             since the previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``), for the next
-            step to share. Directories only (on object storage, or with ``comm``, every step is written whole); False:
-            every step written whole.
+            step to share. On object storage, a checkpoint of 64 MiB of values or more keeps them in a data object
+            of the run's ``shared/`` folder, and the next steps upload only the tensors whose bytes (by SHA-256) are
+            not in it (see docs/object-storage.md); with ``comm`` every step is written whole; False: every step
+            written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
             Every rank creates the manager and calls save, restore and wait together; each

@@ -91,7 +91,7 @@ def verify_step(store: StepStore, step: Step, on_bytes: Any = None) -> Verified:
     """Checks a committed (or staged) step of ``store``: see :func:`verify`. A step on object
     storage is checked in the scratch folder its files are downloaded into."""
     with store.local_step(step) as here:
-        return _verify_folder(here.folder, step, here.hashed, on_bytes, name=here.name)
+        return _verify_folder(here.folder, step, here.hashed, on_bytes, name=here.name, places=here.places)
 
 
 def _verify_object(store: StepStore) -> Verified:
@@ -124,9 +124,11 @@ def _verify_folder(
     on_bytes: Any,
     *,
     name: Any,
+    places: Mapping[str, str] | None = None,
 ) -> Verified:
     """The checks of one step whose files are in ``directory``. ``hashed``: sizes and
-    SHA-256s already taken (as a download came), by file name; ``name``: the step in messages."""
+    SHA-256s already taken (as a download came), by file name; ``name``: the step in messages;
+    ``places``: files kept elsewhere, as messages name them."""
     problems: list[str] = []
     files: dict[str, str] = {}
     later: list[str] = []  # reported with the rest, after decoding
@@ -134,7 +136,7 @@ def _verify_folder(
     index: dict[str, Any] | None = step.document if "shards" in step.document else None
 
     def shown(file: str) -> str:
-        return f"{name}/{file}"
+        return (places or {}).get(file) or f"{name}/{file}"
 
     if meta is not None and steps.INDEX_NAME in meta["files"]:
         try:

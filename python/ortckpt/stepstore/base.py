@@ -77,6 +77,9 @@ class LocalStep:
     # The files already hashed on their way here (downloaded): (size, SHA-256), or the error.
     hashed: Mapping[str, tuple[int, str] | BaseException]
     name: Path | str  # the step as messages name it
+    # The files kept elsewhere than the step's folder (a data object the steps share), as
+    # messages name them: by file name.
+    places: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,6 +238,18 @@ class StepStore(abc.ABC):
         are first checked against their entries, by what costs no second read: sizes, checksum
         root and pair id (see each store's ``load``); one that is not the file the step saved is
         refused, :class:`~ortckpt.CheckpointIntegrityError` naming it."""
+
+    def download(
+        self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
+        """A step's checkpoint copied to the new local file ``path`` (and its data file): where
+        the store's files are not on this machine (object storage; a directory's are read in place)."""
+        raise NotImplementedError(f"{self.name}: its steps' files are read in place")
+
+    def shares_data(self, step: Step) -> bool:
+        """Whether the step's checkpoint reads values from a data file other steps share outside
+        its folder (on object storage), so that only a copy (:meth:`download`) is whole on its own."""
+        return any("object" in entry for entry in step.document.get("files", {}).values())
 
     @abc.abstractmethod
     def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:

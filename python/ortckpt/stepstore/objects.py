@@ -25,6 +25,10 @@
   objects of saves that never committed, and multipart uploads that killed writers left, are
   removed only by :meth:`ObjectStore.remove_leftovers`, which its caller runs when no other
   writer is saving under the prefix. It never runs by itself.
+- **Steps share their unchanged values** (:mod:`.shared`): a manager's checkpoint of 64 MiB of
+  values or more keeps them in a data object of the run's ``shared/`` folder that its
+  metadata.json names; later steps upload only the values not in it. Such an object is deleted
+  only when no committed step names it (after a retirement, and by the sweep).
 - **The run's graphs** are objects ``artifacts/<sha256>.onnx`` under the prefix, one per distinct
   content, uploaded by the first save that records it; a step's metadata.json names them by
   digest. A save checks they are there before and after its commit, as for its own objects.
@@ -48,8 +52,9 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from . import entries
+from . import downloads, shared
 from .base import Attempt, Folder, LocalStep, Scan, SourceDigests, Step, StepStore, check_graph_size
+from .shared import SharedObjects
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
 
@@ -69,6 +74,7 @@ class ObjectStore(StepStore):
         # Attempts whose commit was sent but not known to have landed (an error answered it), by
         # step: a later save of the step that finds one of them committed takes it as its own.
         self._unsure: dict[int, set[str]] = {}
+        self._shared = SharedObjects()  # the data objects the run's steps share (see .shared)
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -195,14 +201,22 @@ class ObjectStore(StepStore):
         stream, so memory stays bounded, and usable whatever later retention deletes. With
         ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
         server declares the size recorded (nothing more is ever written), its SHA-256 taken as
-        the bytes come, and checked against its entry (:func:`_download_recorded`)."""
+        the bytes come, and checked against its entry (:func:`.downloads.recorded`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            if recorded is None:
-                self.file(folder, name).download(path)
-            else:
-                _download_recorded(_location(folder), name, recorded, path)
+            self.download(folder, name, path, recorded=recorded)
             return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+
+    def download(
+        self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None
+    ) -> None:
+        """Streams the checkpoint ``name`` of a step's folder into the new file ``path`` (and its
+        data, from the run's shared folder when the step shares it, into ``path.data``); with
+        ``recorded``, checked as :meth:`load` checks it."""
+        if recorded is None:
+            self.file(folder, name).download(path)
+        else:
+            downloads.recorded(_location(folder), name, recorded, path, self._run)
 
     def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
         return self.load(folder, name, recorded={file: {"bytes": size} for file, size in sizes.items()})
@@ -214,10 +228,15 @@ class ObjectStore(StepStore):
             sizes = {name: entry["bytes"] for name, entry in step.document["files"].items()}
         else:  # a sharded step without a manager: its index is the document
             sizes = {name: size for shard in step.document["shards"] for name, size in shard["files"].items()}
+        recorded = step.document.get("files", {})
+        places = {}
         with safe_io.scratch_directory() as scratch:
             hashed: dict[str, tuple[int, str] | BaseException] = {}
             for name, size in sorted(sizes.items()):
-                hashed[name] = _download_hashed(folder.child(name), safe_io.member(scratch, name), size)
+                source = self.shared_object(folder, name, recorded.get(name, {}))
+                if "object" in recorded.get(name, {}):
+                    places[name] = source.url
+                hashed[name] = downloads.hashed(source, safe_io.member(scratch, name), size)
             for role, entry in sorted(step.document.get("artifacts", {}).items()):
                 # (the run's stored graph, by digest: no more bytes read than the metadata records)
                 try:
@@ -226,7 +245,7 @@ class ObjectStore(StepStore):
                     os.link(graph, safe_io.member(scratch, entry["name"]))
                 except (OSError, CheckpointError) as e:
                     hashed[entry["name"]] = e
-            yield LocalStep(scratch, hashed, folder.url)
+            yield LocalStep(scratch, hashed, folder.url, places)
 
     def read_document(self, folder: Folder, name: str) -> bytes:
         where = _location(folder).child(name)
@@ -255,12 +274,20 @@ class ObjectStore(StepStore):
         progress: bool = False,
         share_with: Step | None = None,
     ) -> dict[str, dict[str, Any]]:
-        # Objects cannot be hard-linked, and a server-side copy would still be a second copy
-        # stored: every step is uploaded whole (share_with is not used).
+        """A manager's checkpoint of values of SHARE_MIN_BYTES or more goes up sharing what did
+        not change with the previous step (see :mod:`.shared`); any other (a small one, a shard)
+        whole into the attempt's folder."""
+        values = SharedObjects.values_to_share(name, state)
+        if values is not None:
+            return self._shared.write(self._run, attempt, name, state, values, share_with, progress=progress)
         target = self.file(attempt.folder, name)
         written = target.upload(state, external_data_threshold=external_data_threshold, progress=progress)
         attempt.written.update(written)
         return written
+
+    def shared_object(self, folder: Folder, name: str, entry: Mapping[str, Any]) -> Location:
+        """Where the file ``name`` of a step's (or attempt's) folder is (see :func:`.shared.where`)."""
+        return shared.where(self._run, _location(folder), name, entry)
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         object_store.put(_location(attempt.folder).child(name), data)
@@ -372,10 +399,16 @@ class ObjectStore(StepStore):
 
     def describe(self, attempt: Attempt, on_bytes: Any = None, *, sha256: bool = False) -> dict[str, dict[str, Any]]:
         """What was uploaded, with the SHA-256s taken as the bytes went (on object storage a
-        step is verified by downloading it, SHA-256 as it comes: kept whatever ``sha256``)."""
-        return dict(attempt.written)
+        step is verified by downloading it, SHA-256 as it comes: kept whatever ``sha256``); a data
+        object in the run's shared folder with its key (``object``)."""
+        return {**attempt.written, **attempt.shared}
 
     def commit(self, attempt: Attempt, document: str, data: bytes, *, durable: bool) -> Step:
+        step = self._commit(attempt, document, data)
+        self._shared.committed(attempt, step)
+        return step
+
+    def _commit(self, attempt: Attempt, document: str, data: bytes) -> Step:
         folder = self._folder(attempt.step)
         where = folder.child(document)
         self._check_present(attempt, "before its commit")
@@ -447,6 +480,14 @@ class ObjectStore(StepStore):
                     f"{shown}: {'gone' if found is None else f'{found.size} bytes'} "
                     f"{when} (written: {entry['bytes']} bytes); another job's sweep may have removed it"
                 )
+        for name, entry in sorted(attempt.shared.items()):
+            where = self.shared_object(attempt.folder, name, entry)
+            found = object_store.head(where)
+            if found is None or found.size != entry["bytes"]:
+                problems.append(
+                    f"{where.url}: the shared data object is {'gone' if found is None else f'{found.size} bytes'} "
+                    f"{when} (written: {entry['bytes']} bytes); another job's sweep may have removed it"
+                )
         for role, entry in sorted(attempt.graphs.items()):
             where = self._graph(entry["sha256"])
             found = object_store.head(where)
@@ -459,9 +500,12 @@ class ObjectStore(StepStore):
             raise CheckpointIntegrityError(self._folder(attempt.step).url, problems)
 
     def abandon(self, attempt: Attempt) -> None:
+        uploaded = self._shared.abandoned(attempt)
         if attempt.sent:
             return  # the commit may have landed: its objects stay (remove_leftovers judges them)
         _remove_quietly(_location(attempt.folder))
+        if uploaded is not None:  # (its own new data object: no step names it)
+            _remove_quietly(self._run.child(uploaded))
 
     def retire(self, step: Step) -> None:
         folder = self._folder(step.number)
@@ -478,6 +522,24 @@ class ObjectStore(StepStore):
         object_store.remove_under(_location(step.folder) if attempt else folder)
         if marker is not None:
             object_store.remove([marker])
+        if shared.objects_named(step.document):
+            # (the step is gone: the data objects only it named go too; what a failing server leaves
+            # now, the next retirement or remove_leftovers() collects)
+            with contextlib.suppress(OSError, CheckpointError):
+                self.remove_unused_shared()
+
+    def remove_unused_shared(self) -> list[str]:
+        """Removes the data objects of the run's shared folder that no committed step names and
+        no save of this store in flight uses. Runs after a retirement (the step's document gone
+        first, so no reader is shown a step whose objects are missing: one that read it before
+        finds it retired, as it would its own objects). A step whose document is damaged may
+        name any: then nothing is removed. Returns the URLs removed."""
+        began = self._shared.collection_began()
+        scan = self.scan(steps.METADATA_NAME)
+        if scan.damaged:
+            return []
+        named = {key for step in scan.steps.values() for key in shared.objects_named(step.document)}
+        return self._shared.collect(self._run, named, began)
 
     def remove_proven_leftovers(self) -> list[str]:
         return []  # nothing on an object store proves a writer gone: remove_leftovers() is the caller's call
@@ -505,7 +567,7 @@ class ObjectStore(StepStore):
         for key, upload_id, _began in object_uploads.pending_uploads(self.prefix):
             object_uploads.abort_upload(self.prefix.child(key), upload_id)
             removed.append(f"{self.prefix.child(key).url} (multipart upload {upload_id})")
-        return removed + self.remove_unused_graphs()
+        return removed + self.remove_unused_shared() + self.remove_unused_graphs()
 
     def _remove_unnamed(self, number: int, names: list[str]) -> list[str]:
         """Removes the objects ``names`` of step ``number`` that the listing found no document
@@ -568,27 +630,6 @@ def _location(folder: Folder) -> Location:
     return folder
 
 
-def _download_hashed(source: Location, local: Path, recorded: int) -> tuple[int, str] | BaseException:
-    """Streams an object into the new file ``local``: its (size, SHA-256), or the error (the
-    file then absent). One the server declares of another size than the ``recorded`` one is
-    refused before a byte of it is read (no download is larger than its step records)."""
-    digest = hashlib.sha256()
-    fd = safe_io.create_exclusive(local)
-    try:
-        found = object_store.head(source)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", source.url)
-        if found.size != recorded:
-            raise CheckpointIntegrityError(source.url, [f"{source.url}: {found.size} bytes, metadata says {recorded}"])
-        size = object_store.download_to(source, fd, expected_size=recorded, etag=found.etag, digest=digest)
-    except (OSError, CheckpointError) as e:
-        os.close(fd)
-        os.unlink(local)
-        return e
-    os.close(fd)
-    return size, digest.hexdigest()
-
-
 def _sha256_of_file(f: Any) -> tuple[int, str]:
     digest = hashlib.sha256()
     size = 0
@@ -614,48 +655,6 @@ def _upload_file(source: Path, where: Location, digest: str) -> None:
     if size and sent.hexdigest() != digest:
         object_store.remove([where])
         raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
-
-
-def _download_recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path) -> None:
-    """Streams the checkpoint object ``name`` of a step's ``folder`` (and its data object, when
-    metadata.json records one) into ``path`` (and ``path.data``), refusing, with
-    :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
-    recorded: another size (refused before a byte is read: no download is larger than its
-    entry), another checksum root or pair id (its last bytes). Its content is proven by the ETag
-    its upload recorded, the one the server declares, and the GET conditional on it (free); an
-    object without that (another ETag: copied over, or the same bytes copied from elsewhere; an
-    older step's entry) by its SHA-256, taken as the bytes come (no second read). A missing
-    object is FileNotFoundError naming it."""
-    problems = []
-    for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
-        entry = recorded.get(file)
-        if entry is None:
-            continue
-        source = folder.child(file)
-        found = object_store.head(source)
-        if found is None:
-            raise FileNotFoundError(2, "no such object", source.url)
-        if found.size != entry["bytes"]:
-            problems.append(f"{source.url}: {found.size} bytes, metadata says {entry['bytes']}")
-            continue
-        proven = found.etag is not None and entry.get("etag") == found.etag
-        digest = None if proven or "sha256" not in entry else hashlib.sha256()
-        fd = safe_io.create_exclusive(local)
-        try:
-            object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
-        finally:
-            os.close(fd)
-        if digest is not None and "sha256" in entry and digest.hexdigest() != entry["sha256"]:
-            problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
-            continue
-        problem = entries.check_cheaply(local, dict(entry))  # (a step uploaded from a directory: root, pair id)
-        if problem is not None:
-            problems.append(f"{source.url}: {problem}")
-    if problems:
-        raise CheckpointIntegrityError(
-            folder.child(name).url,
-            [f"{p} (not the object its step records: refused)" for p in problems],
-        )
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:

@@ -1,0 +1,119 @@
+"""Steps of a mostly frozen model on ``s3://`` (issue 41, item 6): the bytes each step uploads,
+and its time, when steps share their unchanged values (a checkpoint object reading the rest from
+a data object of the run's shared folder: ``ortckpt.stepstore.shared``) against the same steps
+each uploaded whole (the baseline: ``SHARE_MIN_BYTES`` past the model, as every step went before),
+to a local S3 server (SeaweedFS ``weed mini``, started here, its data on disk).
+
+A frozen part, a trainable part and its AdamW moments (both changed at every step), ``--steps``
+manager saves keeping 2. Bytes are counted where the store PUTs them (``object_store.bytes_put``,
+documents included); the contenders alternate in shuffled order each round, ``os.sync()`` between.
+
+    python benches/s3_dedup_bench.py --frozen-mib 1024 --trainable-mib 32 --steps 10 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "python"))  # the tests' S3 server, shared
+
+from measure import report, shuffled  # noqa: E402
+
+MiB = 1 << 20
+
+
+def model(frozen_mib: int, trainable_mib: int) -> tuple[object, dict, dict]:
+    from ortckpt import CheckpointState, OptimizerGroup
+
+    rng = np.random.default_rng(0)
+    frozen = {f"layer{i}.weight": rng.standard_normal(frozen_mib * MiB // 16 // 4, dtype=np.float32) for i in range(16)}
+    per = trainable_mib * MiB // 4 // 4
+    trainable = {f"head{i}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(4)}
+    momentums = {n: {"momentum0": np.zeros_like(a), "momentum1": np.zeros_like(a)} for n, a in trainable.items()}
+    state = CheckpointState.from_arrays(trainable, frozen)
+    state.optimizer_groups["group0"] = OptimizerGroup(step=0, initial_learning_rate=1e-3, momentums=momentums)
+    return state, trainable, momentums
+
+
+def run(url: str, options: dict, state, trainable: dict, momentums: dict, steps: int, share: bool) -> dict:
+    """One contender's run of ``steps`` saves: bytes uploaded and seconds, by step."""
+    from ortckpt import CheckpointManager, object_store
+    from ortckpt.stepstore import shared
+
+    shared.SHARE_MIN_BYTES = (64 * MiB) if share else (1 << 62)
+    uploaded, seconds = [], []
+    with CheckpointManager(url, storage_options=options, max_to_keep=2) as manager:
+        for step in range(1, steps + 1):
+            for n, a in trainable.items():  # a training step: the trainable part and its moments change
+                np.add(a, 1.0, out=a)
+                momentums[n]["momentum0"] += 0.5
+                momentums[n]["momentum1"] += 0.25
+            os.sync()
+            before, began = object_store.bytes_put(), time.perf_counter()
+            manager.save(state, step)
+            seconds.append(time.perf_counter() - began)
+            uploaded.append(object_store.bytes_put() - before)
+        restored = manager.restore(steps)  # (the last step, whole: its values are the arrays')
+        for n, a in trainable.items():
+            np.testing.assert_array_equal(restored.parameters[n].data, a)
+        for step in manager.all_steps():
+            manager.delete(step)
+    if not share:  # (the baseline really uploads every step whole)
+        assert all(b > 0.9 * uploaded[0] for b in uploaded), uploaded
+    return {"bytes": uploaded, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frozen-mib", type=int, default=1024)
+    parser.add_argument("--trainable-mib", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from s3_server import BUCKET, S3Server
+
+    server = S3Server()
+    try:
+        options = server.storage_options()
+        state, trainable, momentums = model(args.frozen_mib, args.trainable_mib)
+        results: dict[str, list[dict]] = {"shared": [], "whole": []}
+        for round_ in range(args.rounds):
+            for name in shuffled(results, ("s3_dedup", round_)):
+                url = f"s3://{BUCKET}/dedup-{name}-{round_}"
+                results[name].append(run(url, options, state, trainable, momentums, args.steps, name == "shared"))
+    finally:
+        server.stop(keep_data=False)
+    lines = [
+        f"## {args.steps} manager steps to s3:// (SeaweedFS): {args.frozen_mib} MiB frozen + "
+        f"{args.trainable_mib} MiB trainable + AdamW moments, {args.rounds} rounds",
+        "",
+        "| contender | step 1 MiB | steps 2-N MiB each (max) | bytes 2-N each / step 1 (max) | "
+        "time 2-N / step 1 (median of steps, rounds' range) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        first = runs[0]["bytes"][0]
+        later = max(b for r in runs for b in r["bytes"][1:])
+        times = [statistics.median(r["seconds"][1:]) / r["seconds"][0] for r in runs]
+        lines.append(
+            f"| {name} | {first / MiB:.1f} | {later / MiB:.1f} | {later / first:.3f} | "
+            f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) |"
+        )
+    whole = statistics.median(statistics.median(r["seconds"][1:]) for r in results["whole"])
+    shared = statistics.median(statistics.median(r["seconds"][1:]) for r in results["shared"])
+    lines += ["", f"steps 2-N, seconds per step (median): shared {shared:.2f}, whole {whole:.2f}"]
+    report(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
