@@ -436,8 +436,11 @@ fn encode_sharing_segments<'py>(
                 _ => None,
             })
             .collect();
-        let mut encoded = crate::format::encode::encode_sharing(&payloads, &pair_id, &offsets)
-            .map_err(|e| to_py_err(py, e))?;
+        // No known sums: each shared value is summed from the caller's (equal) bytes.
+        let sums = vec![None; offsets.len()];
+        let mut encoded =
+            crate::format::encode::encode_sharing(&payloads, &pair_id, &offsets, &sums)
+                .map_err(|e| to_py_err(py, e))?;
         py.detach(|| encoded.seal_from_memory());
         let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
             .iter()
