@@ -56,11 +56,22 @@ class Loaded:
     nominal: bool
     # (checkpoint, external data): the maps the stored offsets point into; views keep them alive.
     mappings: tuple[Any, Any]
-    trainable: list[CoreTensor]
-    frozen: list[CoreTensor]
+    # The parameters as the core decoded them (trainable, then frozen): nothing is made per
+    # parameter until asked (names, one entry, every view: see ``_core.ParameterIndex``).
+    parameters: Any
     optimizer_groups: list[CoreGroup]
     # As stored: one list per type; for a name repeated the last entry wins (as in ONNX Runtime).
     properties: list[tuple[str, PropertyValue]]
+
+    @property
+    def trainable(self) -> list[CoreTensor]:
+        """The trainable parameters' entries, in the file's order (made on each call)."""
+        return self.parameters.entries(0, self.parameters.trainable_count)
+
+    @property
+    def frozen(self) -> list[CoreTensor]:
+        """The frozen parameters' entries, in the file's order (made on each call)."""
+        return self.parameters.entries(self.parameters.trainable_count, len(self.parameters))
 
     def tensors(self) -> Iterator[tuple[TensorKey, CoreTensor]]:
         """Every tensor with its key, in the file's order."""
@@ -78,8 +89,7 @@ class Loaded:
             version=raw["version"],
             nominal=raw["nominal"],
             mappings=(raw["mapping"], raw["external_mapping"]),
-            trainable=raw["trainable"],
-            frozen=raw["frozen"],
+            parameters=raw["parameters"],
             optimizer_groups=raw["optimizer_groups"],
             properties=[*raw["ints"], *raw["floats"], *raw["strings"]],
         )
@@ -117,6 +127,15 @@ def views(entries: list[Any], mappings: tuple[Any, Any]) -> list[np.ndarray | No
     types, empty or nominal tensors, and a mapping that is no buffer (an object store's
     data file, read a tensor at a time on first use)."""
     return _core.views(entries, (_buffer_of(mappings[0]), _buffer_of(mappings[1])), _VIEW_DTYPES)
+
+
+def parameter_views(loaded: Loaded, positions: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The views (as :func:`views` makes them) of the parameters of ``loaded`` that
+    ``positions`` (name -> position, as ``loaded.parameters.positions()`` gives it) still maps
+    to their position, in one core call that reads the decoded parameters themselves: name ->
+    view, without those the caller makes itself (see :func:`views`)."""
+    buffers = (_buffer_of(loaded.mappings[0]), _buffer_of(loaded.mappings[1]))
+    return loaded.parameters.views(positions, buffers, _VIEW_DTYPES)
 
 
 def _buffer_of(mapping: Any) -> memoryview | None:

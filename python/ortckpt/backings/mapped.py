@@ -1,6 +1,7 @@
-"""A state over a loaded checkpoint file or buffer: every tensor stays the raw entry the load gave
-(a plain tuple) until it is used, then becomes a view over the file's private (copy-on-write)
-mapping; writing into it changes the state, never the file."""
+"""A state over a loaded checkpoint file or buffer: every tensor stays where the load decoded it
+(the core's ``ParameterIndex``; the state holds its position) until it is used, then becomes a
+view over the file's private (copy-on-write) mapping; writing into it changes the state, never
+the file."""
 
 from __future__ import annotations
 
@@ -16,20 +17,20 @@ from .tensors import OptimizerGroup, Tensor, TensorValue
 
 class MappedBacking(ArraysBacking):
     def __init__(self, loaded: _boundary.Loaded) -> None:
-        tensors: dict[str, Any] = {entry[0]: entry for entry in loaded.trainable}
-        frozen = {entry[0]: entry for entry in loaded.frozen}
-        tensors.update(frozen)
+        # name -> its position in the load's index (an int) until used, then its Tensor.
+        tensors: dict[str, Any] = loaded.parameters.positions()
         # (a repeated property name: the last entry read wins, as in ONNX Runtime)
-        super().__init__(tensors, set(frozen), dict(loaded.properties), loaded.nominal)
+        super().__init__(tensors, loaded.parameters.frozen_names(), dict(loaded.properties), loaded.nominal)
         self.format_version = loaded.version  # (1: ONNX Runtime 1.16's; saves always write version 2)
+        self._loaded = loaded
         # The loaded file's mappings (checkpoint, external data), which views keep alive.
         self.mappings: tuple[Any, Any] = loaded.mappings
         # Optimizer groups as loaded, turned into arrays on first access.
         self._pending_groups: list[Any] | None = loaded.optimizer_groups
-        # Views of tensors still held as raw entries, made all at once by prepare_values (plain
-        # arrays: nothing the garbage collector walks); None where made on first use. A tensor
-        # used since is a Tensor that took its view along, and its view left this dict.
-        self._views: dict[str, np.ndarray | None] = {}
+        # Views of tensors not used yet, made all at once by prepare_values (plain arrays:
+        # nothing the garbage collector walks); absent where made on first use. A tensor used
+        # since is a Tensor that took its view along, and its view left this dict.
+        self._views: dict[str, np.ndarray] = {}
         self._views_made = False
 
     @property
@@ -38,8 +39,8 @@ class MappedBacking(ArraysBacking):
 
     def tensor(self, name: str) -> Tensor:
         entry = self.tensors[name]
-        if isinstance(entry, tuple):
-            _name, code, dims, stored = entry
+        if type(entry) is int:  # its position in the load's index: not used yet
+            _name, code, dims, stored = self._loaded.parameters.entry(entry)
             entry = Tensor.from_file(name, code, dims, stored, self.mappings, view=self._views.pop(name, None))
             self.tensors[name] = entry  # (published whole)
         tensor: Tensor = entry
@@ -61,9 +62,8 @@ class MappedBacking(ArraysBacking):
             return
         self._views_made = True
         if not self.nominal:
-            # (Tensor entries, the tensors used already, come back None: as all the core leaves to Python)
-            views = _boundary.views(list(self.tensors.values()), self.mappings)
-            self._views = dict(zip(self.tensors, views, strict=True))
+            # (the tensors used already are Tensors, not positions: the core leaves them out)
+            self._views = _boundary.parameter_views(self._loaded, self.tensors)
 
     @property
     def optimizer_groups(self) -> dict[str, OptimizerGroup]:
