@@ -129,13 +129,12 @@ def views(entries: list[Any], mappings: tuple[Any, Any]) -> list[np.ndarray | No
     return _core.views(entries, (_buffer_of(mappings[0]), _buffer_of(mappings[1])), _VIEW_DTYPES)
 
 
-def parameter_views(loaded: Loaded, positions: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The views (as :func:`views` makes them) of the parameters of ``loaded`` that
-    ``positions`` (name -> position, as ``loaded.parameters.positions()`` gives it) still maps
-    to their position, in one core call that reads the decoded parameters themselves: name ->
-    view, without those the caller makes itself (see :func:`views`)."""
+def parameter_views(loaded: Loaded) -> list[np.ndarray | None]:
+    """The views (as :func:`views` makes them) of every parameter of ``loaded``, by position
+    (``loaded.parameters.positions()``), in one core call that reads the decoded parameters
+    themselves; None where the caller makes the value itself (see :func:`views`)."""
     buffers = (_buffer_of(loaded.mappings[0]), _buffer_of(loaded.mappings[1]))
-    return loaded.parameters.views(positions, buffers, _VIEW_DTYPES)
+    return loaded.parameters.views(buffers, _VIEW_DTYPES)
 
 
 def _buffer_of(mapping: Any) -> memoryview | None:

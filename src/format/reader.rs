@@ -9,8 +9,10 @@
 //! as UTF-8 once copied. Tensor values are never read, only located.
 //!
 //! The checks repeat the flatbuffers verifier's (see `verify.rs`), field by field and
-//! under the same limits, so on bytes that stay put they pass wherever it passed: after
-//! it, a failed check here means the bytes changed.
+//! under the same limits, so on bytes that stay put they pass exactly where it passes (the
+//! decoder visits the fields a checkpoint does not use too): the load is this one pass, and
+//! the verifier runs only after a failed check, to word the error (if it passes then, the
+//! bytes changed).
 
 use std::marker::PhantomData;
 

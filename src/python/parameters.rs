@@ -5,10 +5,10 @@
 //! `views`, and freed, for 16k small tensors more than a third of a load and pass. Now a
 //! load gives Python this index and nothing per tensor; the state asks it for the names
 //! (`positions`), one tensor's entry when that tensor is used (`entry`), or every view at
-//! once (`views`), which reads the decoded records directly.
+//! once (`views`, by position), which reads the decoded records directly.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyList, PySet, PyTuple};
+use pyo3::types::{PyDict, PyList, PySet, PyTuple};
 
 use super::views::Cutter;
 use crate::format::{Stored, Tensor};
@@ -93,58 +93,50 @@ impl ParameterIndex {
         )
     }
 
-    /// The NumPy views of the parameters that `positions` (a dict of name to position, as
-    /// [`ParameterIndex::positions`] makes it) still maps to a position, cut as `views` cuts
-    /// them (`mappings` and `dtypes` as it takes them): a dict of name to view, without the
-    /// parameters Python makes itself (strings, packed sub-byte types, empty or nominal
-    /// tensors, a mapping that is no buffer) and those not mapped to an int.
+    /// The NumPy views of every parameter, by position, cut as `views` cuts them (`mappings`
+    /// and `dtypes` as it takes them): a list with None for the parameters Python makes itself
+    /// (strings, packed sub-byte types, empty or nominal tensors, a mapping that is no buffer).
     fn views<'py>(
         &self,
         py: Python<'py>,
-        positions: &Bound<'py, PyDict>,
         mappings: (Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>),
         dtypes: Vec<Option<(Bound<'py, PyAny>, usize)>>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyList>> {
         super::guarded(py, || {
             let cutter = Cutter::new(py, mappings, &dtypes)?;
-            let out = PyDict::new(py);
+            let none = py.None().into_bound(py);
             let mut dims = Vec::new();
-            for (name, position) in positions.iter() {
-                // (a tensor used already is no int: it has its own value)
-                let Ok(position) = position.cast_exact::<PyInt>() else {
-                    continue;
-                };
-                let Some(t) = position
-                    .extract::<usize>()
-                    .ok()
-                    .and_then(|i| self.tensors.get(i))
-                else {
-                    continue;
-                };
-                let place = match t.data {
-                    Stored::Inline { offset, len } => (offset, len, false),
-                    Stored::External { offset, len } => {
-                        match (usize::try_from(offset), usize::try_from(len)) {
-                            (Ok(offset), Ok(len)) => (offset, len, true),
-                            _ => continue,
-                        }
-                    }
-                    Stored::Strings(_) | Stored::Absent => continue,
-                };
-                // (a negative dim: left to Python, which refuses it as before)
-                dims.clear();
-                dims.extend(t.dims.iter().map_while(|&d| usize::try_from(d).ok()));
-                if dims.len() != t.dims.len() {
-                    continue;
-                }
-                let code = usize::try_from(t.data_type.code()).unwrap_or(usize::MAX);
-                if let Some(view) = cutter.view(code, place, &dims)? {
-                    out.set_item(name, view)?;
-                }
+            let mut out = Vec::with_capacity(self.tensors.len());
+            for t in &self.tensors {
+                out.push(view_of(&cutter, t, &mut dims)?.unwrap_or_else(|| none.clone()));
             }
-            Ok(out)
+            PyList::new(py, out)
         })
     }
+}
+
+/// The view of `t`, or None where Python makes its value; `dims`: scratch space.
+fn view_of<'py>(
+    cutter: &Cutter<'_, 'py>,
+    t: &Tensor<Stored>,
+    dims: &mut Vec<usize>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let place = match t.data {
+        Stored::Inline { offset, len } => (offset, len, false),
+        Stored::External { offset, len } => match (usize::try_from(offset), usize::try_from(len)) {
+            (Ok(offset), Ok(len)) => (offset, len, true),
+            _ => return Ok(None),
+        },
+        Stored::Strings(_) | Stored::Absent => return Ok(None),
+    };
+    // (a negative dim: left to Python, which refuses it as before)
+    dims.clear();
+    dims.extend(t.dims.iter().map_while(|&d| usize::try_from(d).ok()));
+    if dims.len() != t.dims.len() {
+        return Ok(None);
+    }
+    let code = usize::try_from(t.data_type.code()).unwrap_or(usize::MAX);
+    cutter.view(code, place, dims)
 }
 
 /// (name, code, dims, stored) of one tensor, untracked by the garbage collector when it

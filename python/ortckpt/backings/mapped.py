@@ -27,11 +27,10 @@ class MappedBacking(ArraysBacking):
         self.mappings: tuple[Any, Any] = loaded.mappings
         # Optimizer groups as loaded, turned into arrays on first access.
         self._pending_groups: list[Any] | None = loaded.optimizer_groups
-        # Views of tensors not used yet, made all at once by prepare_values (plain arrays:
-        # nothing the garbage collector walks); absent where made on first use. A tensor used
-        # since is a Tensor that took its view along, and its view left this dict.
-        self._views: dict[str, np.ndarray] = {}
-        self._views_made = False
+        # Every tensor's view by position, made all at once by prepare_values (plain arrays:
+        # nothing the garbage collector walks), None where made on first use; read only for
+        # tensors not used yet (a Tensor, once made, took its view along).
+        self._views: list[np.ndarray | None] = []
 
     @property
     def has_external_data(self) -> bool:  # type: ignore[override]
@@ -41,29 +40,28 @@ class MappedBacking(ArraysBacking):
         entry = self.tensors[name]
         if type(entry) is int:  # its position in the load's index: not used yet
             _name, code, dims, stored = self._loaded.parameters.entry(entry)
-            entry = Tensor.from_file(name, code, dims, stored, self.mappings, view=self._views.pop(name, None))
+            view = self._views[entry] if self._views else None
+            entry = Tensor.from_file(name, code, dims, stored, self.mappings, view=view)
             self.tensors[name] = entry  # (published whole)
         tensor: Tensor = entry
         return tensor
 
     def value(self, name: str) -> TensorValue:
-        """Without making the Tensor while the entry is raw and its view at hand (a pass over 16k
-        tensors comes through here)."""
-        view = self._views.get(name)
-        if view is not None:
-            return view
+        """Without making the Tensor while the tensor is not used yet and its view at hand (a pass
+        over 16k tensors comes through here)."""
+        entry = self.tensors[name]
+        if type(entry) is int and self._views:
+            view = self._views[entry]
+            if view is not None:
+                return view
         return self.tensor(name).value()
 
     def prepare_values(self) -> None:
-        """The views of every tensor not used yet, made in one core call (which reads none of their
-        bytes; an object store's data file is still read a tensor at a time, on first use). Once: a
-        tensor used since has its own view."""
-        if self._views_made:
-            return
-        self._views_made = True
-        if not self.nominal:
-            # (the tensors used already are Tensors, not positions: the core leaves them out)
-            self._views = _boundary.parameter_views(self._loaded, self.tensors)
+        """The views of every tensor, made in one core call (which reads none of their bytes; an
+        object store's data file is still read a tensor at a time, on first use). Once: a tensor
+        used since has its own view."""
+        if not self._views and not self.nominal and self.tensors:
+            self._views = _boundary.parameter_views(self._loaded)
 
     @property
     def optimizer_groups(self) -> dict[str, OptimizerGroup]:
