@@ -359,14 +359,25 @@ def maps_of(values: Iterable[Any]) -> tuple[list[tuple[int, int] | None], list[A
     """For many values over a few maps, each looked at once: :func:`mapping_of` of each value,
     and the maps themselves (for :func:`release_all_of`)."""
     found: dict[int, tuple[Any, tuple[int, int] | None]] = {}
+    # The map under each value's own base, by that base's id: the views a load cut in one call
+    # share theirs (the mapping's memoryview), so 16k of them walk one chain, not 16k.
+    under: dict[int, tuple[int, int] | None] = {}
     mappings = []
     for value in values:
-        base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
+        array = value.packed if isinstance(value, PackedBits) else value
+        first = array.base if type(array) is np.ndarray else None
+        if first is not None and id(first) in under:
+            mappings.append(under[id(first)])
+            continue
+        base = _mapped_base(array)
         if id(base) not in found:
             mapped = isinstance(base, MappedFile) and len(base) > 0
             address = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0] if mapped else 0
             found[id(base)] = (base, (address, len(base)) if mapped else None)
-        mappings.append(found[id(base)][1])
+        mapping = found[id(base)][1]
+        if first is not None:
+            under[id(first)] = mapping  # (alive as long as the value: ids stay unique meanwhile)
+        mappings.append(mapping)
     return mappings, [base for base, mapping in found.values() if mapping is not None]
 
 
