@@ -201,33 +201,30 @@ def _figures(key: TensorKey, value: Any, given: _KernelInput, figures: _boundary
     else:
         dtype, shape = _dtype_name(value), _shape(value)
         elements = math.prod(shape)
-    # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): its
-    # dict given whole, the same fields, for each of 16k tensors.
+    # Made without the dataclass's __init__ (fourteen object.__setattr__ calls of a frozen one): the
+    # fields stored into its own __dict__, in the order __init__ sets them, so that it stays a
+    # dict sharing the class's keys (a third of the size of a dict given whole, made in half the
+    # time), for each of 16k tensors.
     stats = _new_stats(TensorStats)
-    _set_dict(
-        stats,
-        "__dict__",
-        {
-            "name": key.label,
-            "role": key.role,
-            "dtype": dtype,
-            "shape": shape,
-            "elements": elements,
-            "nan": nan,
-            "posinf": posinf,
-            "neginf": neginf,
-            "min": low if finite else None,
-            "max": high if finite else None,
-            "mean": mean if finite else None,
-            "std": std if finite else None,
-            "l2": l2 if finite else None,
-            "key": key,
-        },
-    )
+    fields = stats.__dict__
+    fields["name"] = key.label
+    fields["role"] = key.role
+    fields["dtype"] = dtype
+    fields["shape"] = shape
+    fields["elements"] = elements
+    fields["nan"] = nan
+    fields["posinf"] = posinf
+    fields["neginf"] = neginf
+    finite_only = finite != 0
+    fields["min"] = low if finite_only else None
+    fields["max"] = high if finite_only else None
+    fields["mean"] = mean if finite_only else None
+    fields["std"] = std if finite_only else None
+    fields["l2"] = l2 if finite_only else None
+    fields["key"] = key
     return stats
 
 
-_set_dict = object.__setattr__
 _new_stats = object.__new__
 
 
@@ -332,13 +329,13 @@ def tensor_stats(
             kernel = [i for i in inputs if i is not None]
             # Every tensor in one call, the figures back as columns: one row of them a tensor.
             rows = zip(*_boundary.stats_columns(*_columns(kernel), opened.maps, on_bytes), strict=True)
-            found: TensorTable[TensorStats] = TensorTable()
-            for key, value, given in zip(opened.keys, opened.values, inputs, strict=True):
-                if given is None:
-                    found[key] = _stats_numpy(key.label, key.role, value, key)
-                else:
-                    found[key] = _figures(key, value, given, next(rows))
-            return found
+            found = [
+                _stats_numpy(key.label, key.role, value, key)
+                if given is None
+                else _figures(key, value, given, next(rows))
+                for key, value, given in zip(opened.keys, opened.values, inputs, strict=True)
+            ]
+            return TensorTable(zip(opened.keys, found, strict=True))  # (one call: no __setitem__ a tensor)
         finally:
             opened.release()
 
