@@ -72,9 +72,10 @@ def bench(tensors: int, tensor_bytes: int, rounds: int, shm: Path) -> list[str]:
     lines = []
     for name in ("open + every array", "open only", "open + one array"):
         median = statistics.median(times[name])
+        per_round = [b / t for b, t in zip(base, times[name], strict=True)]
         lines.append(
             f"| {size} | {name} | {median:.5f} | {median / tensors * 1e6:.2f} | {statistics.median(base):.5f} | "
-            f"{paired_ratio(times[name], base):.2f} |"
+            f"{paired_ratio(times[name], base):.2f} ({min(per_round):.2f}-{max(per_round):.2f}) |"
         )
     return lines
 
@@ -88,7 +89,7 @@ def main() -> None:
     shm = Path(tempfile.mkdtemp(prefix="ortckpt-views-", dir=SHM))
     lines = [
         "| tensors | contender | median s | µs per tensor | safetensors load_file median s | "
-        "load_file's time / this (paired) |",
+        "load_file's time / this (paired: median, range of rounds) |",
         "|---|---|---:|---:|---:|---:|",
     ]
     try:

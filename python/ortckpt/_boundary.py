@@ -56,11 +56,22 @@ class Loaded:
     nominal: bool
     # (checkpoint, external data): the maps the stored offsets point into; views keep them alive.
     mappings: tuple[Any, Any]
-    trainable: list[CoreTensor]
-    frozen: list[CoreTensor]
+    # The parameters as the core decoded them (trainable, then frozen): nothing is made per
+    # parameter until asked (names, one entry, every view: see ``_core.ParameterIndex``).
+    parameters: Any
     optimizer_groups: list[CoreGroup]
     # As stored: one list per type; for a name repeated the last entry wins (as in ONNX Runtime).
     properties: list[tuple[str, PropertyValue]]
+
+    @property
+    def trainable(self) -> list[CoreTensor]:
+        """The trainable parameters' entries, in the file's order (made on each call)."""
+        return self.parameters.entries(0, self.parameters.trainable_count)
+
+    @property
+    def frozen(self) -> list[CoreTensor]:
+        """The frozen parameters' entries, in the file's order (made on each call)."""
+        return self.parameters.entries(self.parameters.trainable_count, len(self.parameters))
 
     def tensors(self) -> Iterator[tuple[TensorKey, CoreTensor]]:
         """Every tensor with its key, in the file's order."""
@@ -78,8 +89,7 @@ class Loaded:
             version=raw["version"],
             nominal=raw["nominal"],
             mappings=(raw["mapping"], raw["external_mapping"]),
-            trainable=raw["trainable"],
-            frozen=raw["frozen"],
+            parameters=raw["parameters"],
             optimizer_groups=raw["optimizer_groups"],
             properties=[*raw["ints"], *raw["floats"], *raw["strings"]],
         )
@@ -117,6 +127,14 @@ def views(entries: list[Any], mappings: tuple[Any, Any]) -> list[np.ndarray | No
     types, empty or nominal tensors, and a mapping that is no buffer (an object store's
     data file, read a tensor at a time on first use)."""
     return _core.views(entries, (_buffer_of(mappings[0]), _buffer_of(mappings[1])), _VIEW_DTYPES)
+
+
+def parameter_views(loaded: Loaded) -> list[np.ndarray | None]:
+    """The views (as :func:`views` makes them) of every parameter of ``loaded``, by position
+    (``loaded.parameters.positions()``), in one core call that reads the decoded parameters
+    themselves; None where the caller makes the value itself (see :func:`views`)."""
+    buffers = (_buffer_of(loaded.mappings[0]), _buffer_of(loaded.mappings[1]))
+    return loaded.parameters.views(buffers, _VIEW_DTYPES)
 
 
 def _buffer_of(mapping: Any) -> memoryview | None:
@@ -381,14 +399,25 @@ def maps_of(values: Iterable[Any]) -> tuple[list[tuple[int, int] | None], list[A
     """For many values over a few maps, each looked at once: :func:`mapping_of` of each value,
     and the maps themselves (for :func:`release_all_of`)."""
     found: dict[int, tuple[Any, tuple[int, int] | None]] = {}
+    # The map under each value's own base, by that base's id: the views a load cut in one call
+    # share theirs (the mapping's memoryview), so 16k of them walk one chain, not 16k.
+    under: dict[int, tuple[int, int] | None] = {}
     mappings = []
     for value in values:
-        base = _mapped_base(value.packed if isinstance(value, PackedBits) else value)
+        array = value.packed if isinstance(value, PackedBits) else value
+        first = array.base if type(array) is np.ndarray else None
+        if first is not None and id(first) in under:
+            mappings.append(under[id(first)])
+            continue
+        base = _mapped_base(array)
         if id(base) not in found:
             mapped = isinstance(base, MappedFile) and len(base) > 0
             address = np.frombuffer(memoryview(base), np.uint8, 1).__array_interface__["data"][0] if mapped else 0
             found[id(base)] = (base, (address, len(base)) if mapped else None)
-        mappings.append(found[id(base)][1])
+        mapping = found[id(base)][1]
+        if first is not None:
+            under[id(first)] = mapping  # (alive as long as the value: ids stay unique meanwhile)
+        mappings.append(mapping)
     return mappings, [base for base, mapping in found.values() if mapping is not None]
 
 

@@ -9,6 +9,7 @@ Runtime, without ever touching the file.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
@@ -140,12 +141,15 @@ class Parameters:
         state = self._state
         backing = state._backing
         if backing.is_nominal:
-            for name in backing.sorted_names():
-                yield name, self[name]  # (raises, as in ONNX Runtime)
-            return
+            return self._nominal()
         backing.prepare_values()  # (all at once, before the first is used)
-        for name in backing.sorted_names():
-            yield name, Parameter(state, name)
+        names = backing.sorted_names()
+        # (zip and map, not a generator: a pass over 16k parameters resumes no frame per item)
+        return zip(names, map(Parameter, itertools.repeat(state), names), strict=True)
+
+    def _nominal(self) -> Iterator[tuple[str, Parameter]]:
+        for name in self._state._backing.sorted_names():
+            yield name, self[name]  # (raises, as in ONNX Runtime)
 
     def __len__(self) -> int:
         return len(self._state._backing)

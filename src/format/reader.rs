@@ -9,8 +9,10 @@
 //! as UTF-8 once copied. Tensor values are never read, only located.
 //!
 //! The checks repeat the flatbuffers verifier's (see `verify.rs`), field by field and
-//! under the same limits, so on bytes that stay put they pass wherever it passed: after
-//! it, a failed check here means the bytes changed.
+//! under the same limits, so on bytes that stay put they pass exactly where it passes (the
+//! decoder visits the fields a checkpoint does not use too): the load is this one pass, and
+//! the verifier runs only after a failed check, to word the error (if it passes then, the
+//! bytes changed).
 
 use std::marker::PhantomData;
 
@@ -56,6 +58,10 @@ pub(crate) struct Reader<'a> {
     apparent_size: usize,
     max_tables: usize,
     max_apparent_size: usize,
+    /// What decoding may allocate (strings, dims, tensors), when bounded (see `within`), and
+    /// what it has: past it, every read fails and `over_budget` says why.
+    budget: Option<usize>,
+    spent: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -68,6 +74,8 @@ impl<'a> Reader<'a> {
             apparent_size: 0,
             max_tables: limits.max_tables,
             max_apparent_size: limits.max_apparent_size,
+            budget: None,
+            spent: 0,
         }
     }
 
@@ -92,12 +100,37 @@ impl<'a> Reader<'a> {
     }
 
     /// Copies the `size` bytes at `pos` (strings).
-    fn copy_bytes(&self, pos: usize, size: usize) -> Result<Vec<u8>> {
+    fn copy_bytes(&mut self, pos: usize, size: usize) -> Result<Vec<u8>> {
         self.in_bounds(pos, size)?;
+        self.charge(size)?;
         // SAFETY: every i is in pos..pos + size, inside the buffer (checked just above).
         Ok((pos..pos + size)
             .map(|i| unsafe { self.ptr.add(i).read_volatile() })
             .collect())
+    }
+
+    /// This reader, failing once decoding has allocated more than `budget` bytes (strings,
+    /// dims and tensors, as counted by `charge`).
+    pub fn within(mut self, budget: usize) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Whether a read failed because the budget was spent (not because of the bytes).
+    pub fn over_budget(&self) -> bool {
+        self.budget.is_some_and(|budget| self.spent > budget)
+    }
+
+    /// Counts `size` more bytes allocated, failing past the budget.
+    #[inline]
+    pub fn charge(&mut self, size: usize) -> Result<()> {
+        self.spent = self.spent.saturating_add(size);
+        if self.over_budget() {
+            return Err(Error::malformed(
+                "decoding the checkpoint exceeded its allocation budget",
+            ));
+        }
+        Ok(())
     }
 
     /// The verifier's `range_in_buffer`: in bounds, and counted against the size limit.
@@ -326,6 +359,7 @@ impl<'a> Reader<'a> {
             return Ok(None);
         };
         let (start, count) = self.vector_at(pos, 8, 4)?;
+        self.charge(count.saturating_mul(8))?;
         // start + 8 * count <= len: vector_at checked it.
         (0..count)
             .map(|i| self.copy(start + 8 * i).map(i64::from_le_bytes))

@@ -8,6 +8,7 @@
 mod compute;
 mod errors;
 mod mapped;
+mod parameters;
 mod records;
 mod signals;
 mod staging;
@@ -73,7 +74,7 @@ fn load<'py>(
             .map(|d| Py::new(py, MappedFile::new(d)))
             .transpose()?
             .map(Py::into_any);
-        let out = described(py, &ckpt, mapping, external)?;
+        let out = described(py, ckpt, mapping, external)?;
         out.set_item("checksums", checksums)?;
         Ok(out)
     })
@@ -150,15 +151,16 @@ fn load_buffer<'py>(
         // write a shared mmap meanwhile, and the decoder checks every read as it makes it.
         let ckpt = crate::decode_buffer_paired(buffer_bytes(&buffer), paired)
             .map_err(|e| to_py_err(py, e))?;
-        described(py, &ckpt, data.unbind(), external.map(Bound::unbind))
+        described(py, ckpt, data.unbind(), external.map(Bound::unbind))
     })
 }
 
-/// The dict `load` returns: the mappings, the metadata, and every tensor as
-/// (name, code, dims, stored) where stored indexes the mappings.
+/// The dict `load` returns: the mappings, the metadata, the parameters as a
+/// [`parameters::ParameterIndex`] (nothing made per parameter until asked), and every
+/// momentum as (name, code, dims, stored) where stored indexes the mappings.
 fn described<'py>(
     py: Python<'py>,
-    ckpt: &Checkpoint<Stored>,
+    ckpt: Checkpoint<Stored>,
     mapping: Py<PyAny>,
     external: Option<Py<PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -167,8 +169,6 @@ fn described<'py>(
     out.set_item("external_mapping", external)?;
     out.set_item("version", ckpt.version)?;
     out.set_item("nominal", ckpt.is_nominal)?;
-    out.set_item("trainable", tensors_out(py, &ckpt.trainable)?)?;
-    out.set_item("frozen", tensors_out(py, &ckpt.frozen)?)?;
     let groups = PyList::empty(py);
     for g in &ckpt.optimizer_groups {
         let states = PyList::empty(py);
@@ -178,33 +178,22 @@ fn described<'py>(
         groups.append((g.name.as_str(), g.step, g.initial_learning_rate, states))?;
     }
     out.set_item("optimizer_groups", groups)?;
-    out.set_item("ints", ckpt.properties.ints.clone())?;
-    out.set_item("floats", ckpt.properties.floats.clone())?;
-    out.set_item("strings", ckpt.properties.strings.clone())?;
+    out.set_item("ints", ckpt.properties.ints)?;
+    out.set_item("floats", ckpt.properties.floats)?;
+    out.set_item("strings", ckpt.properties.strings)?;
+    let index = parameters::ParameterIndex::new(ckpt.trainable, ckpt.frozen);
+    out.set_item("parameters", Py::new(py, index)?)?;
     Ok(out)
 }
 
 fn tensors_out<'py>(py: Python<'py>, tensors: &[Tensor<Stored>]) -> PyResult<Bound<'py, PyList>> {
-    let list = PyList::empty(py);
-    for t in tensors {
-        let dims = untracked(PyTuple::new(py, &t.dims)?);
-        // (offset, length, in the external data file?) | [str] | None (nominal)
-        let (data, atomic) = match &t.data {
-            Stored::Inline { offset, len } => {
-                let place = (*offset as u64, *len as u64, false).into_pyobject(py)?;
-                (untracked(place).into_any(), true)
-            }
-            Stored::External { offset, len } => (
-                untracked((*offset, *len, true).into_pyobject(py)?).into_any(),
-                true,
-            ),
-            Stored::Strings(values) => (values.into_pyobject(py)?.into_any(), false),
-            Stored::Absent => (py.None().into_bound(py), true),
-        };
-        let entry = (t.name.as_str(), t.data_type.code(), dims, data).into_pyobject(py)?;
-        list.append(if atomic { untracked(entry) } else { entry })?;
-    }
-    Ok(list)
+    PyList::new(
+        py,
+        tensors
+            .iter()
+            .map(|t| parameters::entry_of(py, t))
+            .collect::<PyResult<Vec<_>>>()?,
+    )
 }
 
 /// `tuple`, no longer tracked by the cyclic garbage collector: for tuples of str, ints and
@@ -559,6 +548,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
     m.add_class::<MappedFile>()?;
+    m.add_class::<parameters::ParameterIndex>()?;
     m.add_class::<SaveProgress>()?;
     m.add_class::<Staging>()?;
     m.add_class::<Lock>()?;

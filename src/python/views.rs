@@ -136,18 +136,126 @@ pub fn views<'py>(
     dtypes: Vec<Option<(Bound<'py, PyAny>, usize)>>,
 ) -> PyResult<Bound<'py, PyList>> {
     super::guarded(py, || {
-        let numpy = numpy(py)?;
-        let sources = [Source::of(mappings.0)?, Source::of(mappings.1)?];
+        let cutter = Cutter::new(py, mappings, &dtypes)?;
         let none = py.None().into_bound(py);
         let mut out = Vec::with_capacity(entries.len());
         for entry in entries.iter() {
-            out.push(match planned(&entry, &dtypes, &sources) {
-                Some(plan) => plan.make(py, numpy)?,
-                None => none.clone(),
-            });
+            out.push(
+                cutter
+                    .view_of_entry(&entry)?
+                    .unwrap_or_else(|| none.clone()),
+            );
         }
         PyList::new(py, out)
     })
+}
+
+/// Cuts views out of a load's mappings: what every view of one call shares.
+pub(super) struct Cutter<'a, 'py> {
+    py: Python<'py>,
+    numpy: &'static NumPy,
+    dtypes: &'a [Option<(Bound<'py, PyAny>, usize)>],
+    sources: [Option<Source<'py>>; 2],
+}
+
+impl<'a, 'py> Cutter<'a, 'py> {
+    /// `mappings` and `dtypes` as [`views`] takes them.
+    pub(super) fn new(
+        py: Python<'py>,
+        mappings: (Option<Bound<'py, PyAny>>, Option<Bound<'py, PyAny>>),
+        dtypes: &'a [Option<(Bound<'py, PyAny>, usize)>],
+    ) -> PyResult<Self> {
+        Ok(Cutter {
+            py,
+            numpy: numpy(py)?,
+            dtypes,
+            sources: [Source::of(mappings.0)?, Source::of(mappings.1)?],
+        })
+    }
+
+    /// The view of a (name, code, dims, stored) tuple, or None when Python should make it
+    /// (any field not as a load gives it).
+    fn view_of_entry(&self, entry: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some((code, place, dims, ndim)) = entry_parts(entry) else {
+            return Ok(None);
+        };
+        self.view(code, place, &dims[..ndim])
+    }
+
+    /// The view of `code`'s values at `place` ((offset, nbytes, in the external data
+    /// file?)) with C-order `dims`, or None when Python should make it: a type without a
+    /// plain dtype, no bytes, bytes that are not the dims' worth, or a range outside its
+    /// mapping.
+    pub(super) fn view(
+        &self,
+        code: usize,
+        place: (usize, usize, bool),
+        dims: &[usize],
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match self.planned(code, place, dims) {
+            Some(plan) => plan.make(self.py, self.numpy).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn planned(
+        &self,
+        code: usize,
+        (offset, nbytes, external): (usize, usize, bool),
+        dims: &[usize],
+    ) -> Option<Plan<'_, 'py>> {
+        let (dtype, itemsize) = self.dtypes.get(code)?.as_ref()?;
+        let source = self.sources[usize::from(external)].as_ref()?;
+        if nbytes == 0 || *itemsize == 0 || offset.checked_add(nbytes)? > source.len {
+            return None;
+        }
+        let ndim = dims.len();
+        if ndim > MAX_DIMS {
+            return None;
+        }
+        let mut plan = Plan {
+            dtype,
+            ndim,
+            dims: [0; MAX_DIMS],
+            strides: [0; MAX_DIMS],
+            // SAFETY: offset + nbytes <= len (checked above): inside the buffer.
+            data: unsafe { source.start.add(offset) },
+            source,
+        };
+        // C order: the last dim's items are adjacent; the dims must hold exactly nbytes.
+        let mut step = *itemsize;
+        for i in (0..ndim).rev() {
+            plan.dims[i] = NpyIntp::try_from(dims[i]).ok()?;
+            plan.strides[i] = NpyIntp::try_from(step).ok()?;
+            step = step.checked_mul(dims[i])?;
+        }
+        (step == nbytes).then_some(plan)
+    }
+}
+
+/// (code, (offset, nbytes, external), dims, ndim) of a (name, code, dims, stored) tuple as
+/// a load gives it, or None for anything else (strings and nominal tensors included).
+#[allow(clippy::type_complexity)]
+fn entry_parts(
+    entry: &Bound<'_, PyAny>,
+) -> Option<(usize, (usize, usize, bool), [usize; MAX_DIMS], usize)> {
+    let entry = entry.cast::<PyTuple>().ok()?;
+    if entry.len() != 4 {
+        return None;
+    }
+    let code: usize = entry.get_borrowed_item(1).ok()?.extract().ok()?;
+    let place: (usize, usize, bool) = entry.get_borrowed_item(3).ok()?.extract().ok()?;
+    let dims = entry.get_borrowed_item(2).ok()?;
+    let dims = dims.cast::<PyTuple>().ok()?;
+    let ndim = dims.len();
+    if ndim > MAX_DIMS {
+        return None;
+    }
+    let mut out = [0; MAX_DIMS];
+    for (i, d) in out.iter_mut().enumerate().take(ndim) {
+        *d = dims.get_borrowed_item(i).ok()?.extract().ok()?;
+    }
+    Some((code, place, out, ndim))
 }
 
 /// What one view needs: its dtype, shape, strides, first byte and base.
@@ -158,53 +266,6 @@ struct Plan<'a, 'py> {
     strides: [NpyIntp; MAX_DIMS],
     data: *mut u8,
     source: &'a Source<'py>,
-}
-
-/// The view of `entry`, or None when Python should make it: any field not as a load
-/// gives it, a type without a plain dtype, no bytes, bytes that are not the dims' worth,
-/// or a range outside its mapping.
-fn planned<'a, 'py>(
-    entry: &Bound<'py, PyAny>,
-    dtypes: &'a [Option<(Bound<'py, PyAny>, usize)>],
-    sources: &'a [Option<Source<'py>>; 2],
-) -> Option<Plan<'a, 'py>> {
-    let entry = entry.cast::<PyTuple>().ok()?;
-    if entry.len() != 4 {
-        return None;
-    }
-    let code: usize = entry.get_borrowed_item(1).ok()?.extract().ok()?;
-    let (dtype, itemsize) = dtypes.get(code)?.as_ref()?;
-    // (offset, nbytes, in the external data file?); strings and nominal tensors are not.
-    let (offset, nbytes, external): (usize, usize, bool) =
-        entry.get_borrowed_item(3).ok()?.extract().ok()?;
-    let source = sources[usize::from(external)].as_ref()?;
-    if nbytes == 0 || *itemsize == 0 || offset.checked_add(nbytes)? > source.len {
-        return None;
-    }
-    let dims = entry.get_borrowed_item(2).ok()?;
-    let dims = dims.cast::<PyTuple>().ok()?;
-    let ndim = dims.len();
-    if ndim > MAX_DIMS {
-        return None;
-    }
-    let mut plan = Plan {
-        dtype,
-        ndim,
-        dims: [0; MAX_DIMS],
-        strides: [0; MAX_DIMS],
-        // SAFETY: offset + nbytes <= len (checked above): inside the buffer.
-        data: unsafe { source.start.add(offset) },
-        source,
-    };
-    // C order: the last dim's items are adjacent; the dims must hold exactly nbytes.
-    let mut step = *itemsize;
-    for i in (0..ndim).rev() {
-        let d: usize = dims.get_borrowed_item(i).ok()?.extract().ok()?;
-        plan.dims[i] = NpyIntp::try_from(d).ok()?;
-        plan.strides[i] = NpyIntp::try_from(step).ok()?;
-        step = step.checked_mul(d)?;
-    }
-    (step == nbytes).then_some(plan)
 }
 
 impl Plan<'_, '_> {

@@ -1,6 +1,7 @@
-"""A state over a loaded checkpoint file or buffer: every tensor stays the raw entry the load gave
-(a plain tuple) until it is used, then becomes a view over the file's private (copy-on-write)
-mapping; writing into it changes the state, never the file."""
+"""A state over a loaded checkpoint file or buffer: every tensor stays where the load decoded it
+(the core's ``ParameterIndex``; the state holds its position) until it is used, then becomes a
+view over the file's private (copy-on-write) mapping; writing into it changes the state, never
+the file."""
 
 from __future__ import annotations
 
@@ -16,21 +17,20 @@ from .tensors import OptimizerGroup, Tensor, TensorValue
 
 class MappedBacking(ArraysBacking):
     def __init__(self, loaded: _boundary.Loaded) -> None:
-        tensors: dict[str, Any] = {entry[0]: entry for entry in loaded.trainable}
-        frozen = {entry[0]: entry for entry in loaded.frozen}
-        tensors.update(frozen)
+        # name -> its position in the load's index (an int) until used, then its Tensor.
+        tensors: dict[str, Any] = loaded.parameters.positions()
         # (a repeated property name: the last entry read wins, as in ONNX Runtime)
-        super().__init__(tensors, set(frozen), dict(loaded.properties), loaded.nominal)
+        super().__init__(tensors, loaded.parameters.frozen_names(), dict(loaded.properties), loaded.nominal)
         self.format_version = loaded.version  # (1: ONNX Runtime 1.16's; saves always write version 2)
+        self._loaded = loaded
         # The loaded file's mappings (checkpoint, external data), which views keep alive.
         self.mappings: tuple[Any, Any] = loaded.mappings
         # Optimizer groups as loaded, turned into arrays on first access.
         self._pending_groups: list[Any] | None = loaded.optimizer_groups
-        # Views of tensors still held as raw entries, made all at once by prepare_values (plain
-        # arrays: nothing the garbage collector walks); None where made on first use. A tensor
-        # used since is a Tensor that took its view along, and its view left this dict.
-        self._views: dict[str, np.ndarray | None] = {}
-        self._views_made = False
+        # Every tensor's view by position, made all at once by prepare_values (plain arrays:
+        # nothing the garbage collector walks), None where made on first use; read only for
+        # tensors not used yet (a Tensor, once made, took its view along).
+        self._views: list[np.ndarray | None] = []
 
     @property
     def has_external_data(self) -> bool:  # type: ignore[override]
@@ -38,32 +38,30 @@ class MappedBacking(ArraysBacking):
 
     def tensor(self, name: str) -> Tensor:
         entry = self.tensors[name]
-        if isinstance(entry, tuple):
-            _name, code, dims, stored = entry
-            entry = Tensor.from_file(name, code, dims, stored, self.mappings, view=self._views.pop(name, None))
+        if type(entry) is int:  # its position in the load's index: not used yet
+            _name, code, dims, stored = self._loaded.parameters.entry(entry)
+            view = self._views[entry] if self._views else None
+            entry = Tensor.from_file(name, code, dims, stored, self.mappings, view=view)
             self.tensors[name] = entry  # (published whole)
         tensor: Tensor = entry
         return tensor
 
     def value(self, name: str) -> TensorValue:
-        """Without making the Tensor while the entry is raw and its view at hand (a pass over 16k
-        tensors comes through here)."""
-        view = self._views.get(name)
-        if view is not None:
-            return view
+        """Without making the Tensor while the tensor is not used yet and its view at hand (a pass
+        over 16k tensors comes through here)."""
+        entry = self.tensors[name]
+        if type(entry) is int and self._views:
+            view = self._views[entry]
+            if view is not None:
+                return view
         return self.tensor(name).value()
 
     def prepare_values(self) -> None:
-        """The views of every tensor not used yet, made in one core call (which reads none of their
-        bytes; an object store's data file is still read a tensor at a time, on first use). Once: a
-        tensor used since has its own view."""
-        if self._views_made:
-            return
-        self._views_made = True
-        if not self.nominal:
-            # (Tensor entries, the tensors used already, come back None: as all the core leaves to Python)
-            views = _boundary.views(list(self.tensors.values()), self.mappings)
-            self._views = dict(zip(self.tensors, views, strict=True))
+        """The views of every tensor, made in one core call (which reads none of their bytes; an
+        object store's data file is still read a tensor at a time, on first use). Once: a tensor
+        used since has its own view."""
+        if not self._views and not self.nominal and self.tensors:
+            self._views = _boundary.parameter_views(self._loaded)
 
     @property
     def optimizer_groups(self) -> dict[str, OptimizerGroup]:

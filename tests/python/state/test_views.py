@@ -184,13 +184,13 @@ def test_setting_a_parameter_after_a_pass_shows_in_the_next_pass_and_in_paramete
 def test_opening_makes_no_view_and_one_pass_makes_them_all_in_one_call(saved, monkeypatch):
     path, values = saved
     calls = []
-    real = _boundary.views
+    real = _boundary.parameter_views
 
-    def counting(entries, mappings):
-        calls.append(len(entries))
-        return real(entries, mappings)
+    def counting(loaded):
+        calls.append(len(loaded.parameters))
+        return real(loaded)
 
-    monkeypatch.setattr(_boundary, "views", counting)
+    monkeypatch.setattr(_boundary, "parameter_views", counting)
     state = CheckpointState.load_checkpoint(path)
     assert calls == []
     _same(state.parameters["t.float64"].data, values["t.float64"])  # one tensor: no bulk call
@@ -208,6 +208,31 @@ def test_the_loaded_entries_are_not_left_for_the_garbage_collector(saved):
     assert loaded.trainable and not any(gc.is_tracked(entry) for entry in loaded.trainable if entry[0] != "text")
     assert not any(gc.is_tracked(entry[2]) or gc.is_tracked(entry[3]) for entry in loaded.frozen)
     assert gc.is_tracked(next(e for e in loaded.trainable if e[0] == "text"))  # (holds a list)
+
+
+def test_opening_makes_no_python_objects_per_parameter_but_its_name_and_position(tmp_path):
+    # The parameters stay in the core's index until used (issue 41): opening makes a name and
+    # a position a parameter (two blocks), no longer its (name, code, dims, stored) tuple and
+    # what that holds (five).
+    import sys
+
+    path = tmp_path / "many.ckpt"
+    arrays = {f"w{i}": np.full(3, i, np.float32) for i in range(2000)}
+    CheckpointState.save_checkpoint(CheckpointState.from_arrays(arrays), path)
+    CheckpointState.load_checkpoint(path)  # (anything made once per process, made here)
+    gc.collect()
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        before = sys.getallocatedblocks()
+        state = CheckpointState.load_checkpoint(path)
+        made = sys.getallocatedblocks() - before
+    finally:
+        if paused:
+            gc.enable()
+    assert made < 2.5 * len(arrays)
+    values = {name: p.data for name, p in state.parameters}
+    assert all(np.array_equal(values[name], want) for name, want in arrays.items())
 
 
 def test_momentums_and_external_data_are_cut_in_bulk_too(tmp_path):
