@@ -11,6 +11,7 @@ __all__ = [
     "TEMP_MARKER",
     "Lock",
     "MappedFile",
+    "ParameterIndex",
     "SaveProgress",
     "SignalOnDrop",
     "Staging",
@@ -20,6 +21,7 @@ __all__ = [
     "combine",
     "encode_segments",
     "encode_sharing_segments",
+    "file_span",
     "histogram",
     "load",
     "load_buffer",
@@ -48,6 +50,20 @@ class MappedFile:
     def _release(self, offset: int, len: int) -> None: ...
     if sys.version_info >= (3, 12):
         def __buffer__(self, flags: int, /) -> memoryview: ...
+
+@final
+class ParameterIndex:
+    """A loaded checkpoint's parameters, decoded and kept in the core until used (trainable first)."""
+    def __len__(self) -> int: ...
+    @property
+    def trainable_count(self) -> int: ...
+    def positions(self) -> dict[str, int]: ...
+    def frozen_names(self) -> set[str]: ...
+    def entry(self, position: int) -> tuple[Any, ...]: ...
+    def entries(self, start: int, stop: int) -> list[tuple[Any, ...]]: ...
+    def views(
+        self, mappings: tuple[Any | None, Any | None], dtypes: Sequence[tuple[Any, int] | None]
+    ) -> list[Any | None]: ...
 
 @final
 class SaveProgress:
