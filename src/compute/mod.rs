@@ -625,8 +625,10 @@ fn finished<E: Element>(
 ) -> Result<Option<(u64, f64)>> {
     let (start, len) = (piece.start, piece.len);
     let span = start * E::SIZE..(start + len) * E::SIZE;
+    // Sources whose pages are dropped once read go one at a time (a group's would be held
+    // together: the peak grew with the number of sources).
     let a_pass = match operation {
-        Operation::Average { .. } => E::GROUP,
+        Operation::Average { .. } if piece.inputs.iter().all(|i| i.release.is_none()) => E::GROUP,
         _ => 1,
     };
     for (g, group) in piece.inputs.chunks(a_pass).enumerate() {
