@@ -27,7 +27,9 @@ use std::sync::{Condvar, Mutex};
 use crate::format::DataType;
 use crate::seal::checksums::{Running, Sum};
 use crate::{Error, Result};
-use floats::{bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits};
+use floats::{
+    bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, f32_to_f8_bits, Float8,
+};
 
 /// Elements made at a time: the accumulator chunk (float64: 512 KiB) stays in the cache
 /// while every source passes through it.
@@ -111,11 +113,18 @@ pub enum Outcome {
     Overflow(Overflow),
 }
 
-/// Whether [`run`] computes tensors of this type (the float8 types are left to the caller).
+/// Whether [`run`] computes tensors of this type (E8M0, a scale, is left to the caller).
 pub fn covers(data_type: DataType) -> bool {
     matches!(
         data_type,
-        DataType::Float | DataType::Double | DataType::Float16 | DataType::Bfloat16
+        DataType::Float
+            | DataType::Double
+            | DataType::Float16
+            | DataType::Bfloat16
+            | DataType::Float8E4M3Fn
+            | DataType::Float8E4M3Fnuz
+            | DataType::Float8E5M2
+            | DataType::Float8E5M2Fnuz
     )
 }
 
@@ -542,6 +551,44 @@ impl Element for Bf16 {
     }
 }
 
+/// The float8 types: computed in float32 (every float8 value is one), rounded once to nearest
+/// even as ml_dtypes rounds (beyond the largest value: infinity, or NaN where there is none).
+macro_rules! float8 {
+    ($name:ident, $data_type:ident, $format:expr) => {
+        struct $name;
+
+        impl Element for $name {
+            type Work = f32;
+            const SIZE: usize = 1;
+            #[inline(always)]
+            fn load(bytes: &[u8]) -> f32 {
+                static VALUES: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+                let values = VALUES.get_or_init(|| {
+                    let table = stats::float8_table(DataType::$data_type);
+                    std::array::from_fn(|b| table[b] as f32)
+                });
+                values[usize::from(bytes[0])]
+            }
+            #[inline(always)]
+            fn store(value: f32, out: &mut [u8]) -> bool {
+                const FORMAT: Float8 = $format;
+                let bits = f32_to_f8_bits(value, FORMAT);
+                out[0] = bits;
+                if FORMAT.fnuz {
+                    bits != 0x80
+                } else {
+                    bits & 0x7f <= FORMAT.largest
+                }
+            }
+        }
+    };
+}
+
+float8!(F8E4M3Fn, Float8E4M3Fn, floats::E4M3FN);
+float8!(F8E4M3Fnuz, Float8E4M3Fnuz, floats::E4M3FNUZ);
+float8!(F8E5M2, Float8E5M2, floats::E5M2);
+float8!(F8E5M2Fnuz, Float8E5M2Fnuz, floats::E5M2FNUZ);
+
 /// The element `at` of `input`.
 fn element<E: Element>(input: &Input<'_>, at: usize) -> E::Work {
     E::load(&input.bytes[at * E::SIZE..(at + 1) * E::SIZE])
@@ -593,6 +640,10 @@ fn piece_by_type(
         DataType::Double => chunk::<F64>(operation, piece, scratch),
         DataType::Float16 => chunk::<F16>(operation, piece, scratch),
         DataType::Bfloat16 => chunk::<Bf16>(operation, piece, scratch),
+        DataType::Float8E4M3Fn => chunk::<F8E4M3Fn>(operation, piece, scratch),
+        DataType::Float8E4M3Fnuz => chunk::<F8E4M3Fnuz>(operation, piece, scratch),
+        DataType::Float8E5M2 => chunk::<F8E5M2>(operation, piece, scratch),
+        DataType::Float8E5M2Fnuz => chunk::<F8E5M2Fnuz>(operation, piece, scratch),
         other => Err(Error::invalid_state(format!(
             "arithmetic does not compute {} tensors here",
             other.name()

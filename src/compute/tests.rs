@@ -368,3 +368,32 @@ fn an_overflow_ends_the_pass_with_no_sums_and_no_thread_waiting() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Every finite float8 value rounds to itself, for each of the four types (the values as the
+/// statistics kernel's tables give them); what lies beyond the largest value overflows.
+#[test]
+fn float8_rounding_keeps_every_value() {
+    for (data_type, format) in [
+        (DataType::Float8E4M3Fn, E4M3FN),
+        (DataType::Float8E4M3Fnuz, E4M3FNUZ),
+        (DataType::Float8E5M2, E5M2),
+        (DataType::Float8E5M2Fnuz, E5M2FNUZ),
+    ] {
+        let table = super::stats::float8_table(data_type);
+        for bits in 0..=255u8 {
+            let value = table[usize::from(bits)];
+            if value.is_finite() {
+                assert_eq!(
+                    f32_to_f8_bits(value as f32, format),
+                    bits,
+                    "{data_type:?} {bits:#04x}"
+                );
+            }
+        }
+        let largest = table[usize::from(format.largest)] as f32;
+        assert_eq!(
+            f32_to_f8_bits(largest * 2.0, format) & 0x7f,
+            format.too_large & 0x7f
+        );
+    }
+}

@@ -10,13 +10,14 @@ it is not finite, the replies' tensors there are, and those that hold one are dr
 average made again. So one client's NaN never reaches the global model, and a round without
 one reads each reply once.
 
-The float16, bfloat16, float32 and float64 tensors are averaged by ``_core.combine`` (the
+The float16, bfloat16, float32, float64 and float8 tensors are averaged by ``_core.combine`` (the
 kernels of :func:`ortckpt.average`: float64 accumulation for float32/float64, float32 for the
 narrower ones, rounded once), each reply's values read in place from its ``Array.data`` (a
 view past the ``.npy`` header): memory does not grow with the number of replies. The kernel
 writes each tensor's result straight into the ``bytes`` its ``Array`` holds (after the header),
 made as CPython's C API makes a bytes object it fills (:func:`_new_bytes`): the result is the
-one model of extra memory, with no copy of it. The float8 types are averaged by NumPy with the same
+one model of extra memory, with no copy of it. The float8 types but E8M0 go through the same
+kernel (float32, rounded once as ml_dtypes rounds); E8M0 is averaged by NumPy with the same
 arithmetic; integer and bool tensors are not averaged: the first accepted reply's are taken.
 """
 
@@ -42,6 +43,10 @@ KERNEL_CODES = {
     np.dtype("<f8"): 11,
     np.dtype("<f2"): 10,
     np.dtype(ml_dtypes.bfloat16): 16,
+    np.dtype(ml_dtypes.float8_e4m3fn): 17,
+    np.dtype(ml_dtypes.float8_e4m3fnuz): 18,
+    np.dtype(ml_dtypes.float8_e5m2): 19,
+    np.dtype(ml_dtypes.float8_e5m2fnuz): 20,
 }
 
 # key -> (dtype, shape): what every reply must hold.
