@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import _boundary
 from ..errors import ArrayRecordError
-from .convert import flwr_app, npy_header, parse
+from .convert import dtype_named, flwr_app, npy_header, parse
 
 # The types the core's kernels average (ONNX codes).
 KERNEL_CODES = {
@@ -113,6 +113,15 @@ def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     return data, memoryview(contents).cast("B")
 
 
+def _declared(array: Any, key: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The dtype and shape an ``Array`` says it holds, or None where they name none (then its
+    header is parsed, which says why)."""
+    try:
+        return dtype_named(array.dtype, key), tuple(int(n) for n in array.shape)
+    except (ArrayRecordError, TypeError, ValueError):
+        return None
+
+
 def _count(shape: tuple[int, ...]) -> int:
     return math.prod(shape)  # (exact: Python ints; np.prod costs microseconds a call)
 
@@ -142,9 +151,13 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
     offsets: dict[str, int] = {}
     found: Layout = {}
     for key, array in record.items():
-        offset = _as_expected(array, *layout[key]) if layout is not None else None
-        if layout is not None and offset is not None:  # (np.save's header for the global model's type and shape)
-            dtype = layout[key][0]
+        # The global model's type and shape, or (the first reply, without one) the Array's own.
+        want = layout[key] if layout is not None else _declared(array, key)
+        offset = _as_expected(array, *want) if want is not None else None
+        if want is not None and offset is not None:  # (np.save's header for that type and shape)
+            dtype = want[0]
+            if layout is None:
+                found[key] = want
         else:
             dtype, shape, offset, stored, fortran = parse(array, key)
             if layout is not None and (dtype, shape) != layout[key]:
@@ -210,6 +223,7 @@ def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: 
     w = np.ldexp(w, -np.frexp(w.max())[1])
     total = w.sum()
     headers = {key: _header(dtype, shape)[0] for key, (dtype, shape) in layout.items()}
+    held = [dict(record.items()) for record in records]  # (a plain dict's lookups: 1,000s a round)
     sinks: dict[str, bytes] = {}
     jobs = []
     kernel_keys = []
@@ -219,7 +233,7 @@ def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: 
             continue
         sinks[key], view = _new_bytes(len(headers[key]) + size)
         view[: len(headers[key])] = headers[key]
-        inputs = [np.frombuffer(r[key].data, np.uint8, offset=o[key]) for r, o in zip(records, offsets, strict=True)]
+        inputs = [memoryview(r[key].data)[o[key] :] for r, o in zip(held, offsets, strict=True)]
         jobs.append((KERNEL_CODES[dtype], inputs, [None] * len(inputs), view[len(headers[key]) :]))
         kernel_keys.append(key)
     if jobs:
