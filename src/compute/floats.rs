@@ -163,3 +163,13 @@ pub fn f32_to_f8_bits(x: f32, format: Float8) -> u8 {
         signed(code as u8)
     }
 }
+
+/// Whether a float8 of `format` is finite (not NaN, not infinity).
+#[inline(always)]
+pub fn f8_is_finite(bits: u8, format: Float8) -> bool {
+    if format.fnuz {
+        bits != 0x80
+    } else {
+        bits & 0x7f <= format.largest
+    }
+}

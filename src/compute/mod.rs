@@ -28,7 +28,8 @@ use crate::format::DataType;
 use crate::seal::checksums::{Running, Sum};
 use crate::{Error, Result};
 use floats::{
-    bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, f32_to_f8_bits, Float8,
+    bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, f32_to_f8_bits,
+    f8_is_finite, Float8,
 };
 
 /// Elements made at a time: the accumulator chunk (float64: 512 KiB) stays in the cache
@@ -572,13 +573,8 @@ macro_rules! float8 {
             #[inline(always)]
             fn store(value: f32, out: &mut [u8]) -> bool {
                 const FORMAT: Float8 = $format;
-                let bits = f32_to_f8_bits(value, FORMAT);
-                out[0] = bits;
-                if FORMAT.fnuz {
-                    bits != 0x80
-                } else {
-                    bits & 0x7f <= FORMAT.largest
-                }
+                out[0] = f32_to_f8_bits(value, FORMAT);
+                f8_is_finite(out[0], FORMAT)
             }
         }
     };

@@ -122,7 +122,7 @@ fn grouped_averages_sum_every_element_in_source_order() {
     let value = |s: usize, i: usize| -> f64 {
         match (i * 31 + s * 17) % 7 {
             0 => -0.0,
-            1 => 1e30 * if s % 2 == 0 { 1.0 } else { -1.0 },
+            1 => 1e30 * if s.is_multiple_of(2) { 1.0 } else { -1.0 },
             2 => 1e-30,
             _ => ((i * 7919 + s * 104_729) % 10_007) as f64 * 0.001_37 - 6.0,
         }
@@ -168,7 +168,7 @@ fn grouped_averages_sum_every_element_in_source_order() {
                             };
                             let mut acc = load(x(0)) * weights[0];
                             for (s, w) in weights.iter().enumerate().skip(1) {
-                                acc = acc + load(x(s)) * w;
+                                acc += load(x(s)) * w;
                             }
                             encode(acc / total)
                         }
@@ -182,7 +182,7 @@ fn grouped_averages_sum_every_element_in_source_order() {
                             };
                             let mut acc = load(x(0)) * weights[0] as f32;
                             for (s, w) in weights.iter().enumerate().skip(1) {
-                                acc = acc + load(x(s)) * *w as f32;
+                                acc += load(x(s)) * *w as f32;
                             }
                             let mean = acc / total as f32;
                             match data_type {
