@@ -14,7 +14,8 @@ Runs in flwr's venv (`make .venv-flower/.ok`, ortckpt from the source tree's bui
     PYTHONPATH=python .venv-flower/bin/python benches/flower_bench.py --replies 3 --mib 1024 --tensors 1 --rounds 3
 
 (the last: a model of one 1 GiB tensor, 3 replies: 10 would hold 10 GiB of replies, and Flower's
-child about 13 GiB, more than a shared 24 GiB machine spares).
+child about 13 GiB, more than a shared 24 GiB machine spares; ortckpt and the copy alone at 10:
+``--replies 10 --mib 1024 --tensors 1 --rounds 3 --without-flower``, with 14 GiB free).
 """
 
 from __future__ import annotations
@@ -104,10 +105,16 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--without-flower",
+        action="store_true",
+        help="ortckpt and the copy only (10 replies of 1 GiB: Flower's child needs about 13 GiB)",
+    )
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS}
+    contenders = {k: v for k, v in CONTENDERS.items() if not (args.without_flower and k == "flower")}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
     for r in range(args.rounds):
-        for name in shuffled(CONTENDERS, f"flower {args.replies} {args.mib} {args.tensors} {r}"):
+        for name in shuffled(contenders, f"flower {args.replies} {args.mib} {args.tensors} {r}"):
             results[name].append(run_once(name, args))
     times = {name: [run["seconds"] for run in runs] for name, runs in results.items()}
     lines = [
@@ -117,10 +124,11 @@ def main() -> None:
         "| peak extra MiB (median) |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name, label in CONTENDERS.items():
+    for name, label in contenders.items():
         peak = statistics.median(run["peak_extra_mib"] for run in results[name])
+        versus_flower = f"{paired_ratio(times[name], times['flower']):.2f}" if "flower" in times else "not run"
         lines.append(
-            f"| {label} | {statistics.median(times[name]):.3f} | {paired_ratio(times[name], times['flower']):.2f} | "
+            f"| {label} | {statistics.median(times[name]):.3f} | {versus_flower} | "
             f"{1 / paired_ratio(times[name], times['copy']):.2f} | {peak:.0f} |"
         )
     text = "\n".join(lines)

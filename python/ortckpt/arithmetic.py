@@ -25,11 +25,11 @@ Rules, the same for every function:
   has it (each a finite number of 0 or more, the sum within what a property holds), and has
   none otherwise. Optimizer state is left out unless asked for.
 
-Kernels: float16, bfloat16, float32 and float64 tensors are computed by the core
-(``_core.combine``, src/compute) in one pass with the GIL released: for each chunk of a
-result, the sources are added one after the other into one accumulator, the result is rounded
-once and its bytes go out once. The float8 types, and arrays not stored little-endian, are
-combined here by NumPy a chunk at a time, with the same arithmetic.
+Kernels: float16, bfloat16, float32, float64 and float8 (E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ)
+tensors are computed by the core (``_core.combine``, src/compute) in one pass with the GIL
+released: for each chunk of a result, the sources are added one after the other into one
+accumulator, the result is rounded once and its bytes go out once. E8M0 tensors, and arrays
+not stored little-endian, are combined here by NumPy a chunk at a time, with the same arithmetic.
 
 Streaming: with ``out=PATH``, sources given as paths are read through their memory maps a
 chunk at a time (pages dropped once used, and after loading) and the result is written into
@@ -85,12 +85,16 @@ _NARROW_FLOATS = {
 Combine = Callable[[list[np.ndarray]], np.ndarray]
 
 # The tensor types the core's kernels compute (ONNX codes), little-endian as stored; the others
-# (the float8 types, arrays of another byte order) are combined here by NumPy, chunk by chunk.
+# (float8 E8M0, arrays of another byte order) are combined here by NumPy, chunk by chunk.
 _KERNEL_CODES = {
     np.dtype("<f4"): 1,
     np.dtype("<f8"): 11,
     np.dtype("<f2"): 10,
     np.dtype(ml_dtypes.bfloat16): 16,
+    np.dtype(ml_dtypes.float8_e4m3fn): 17,
+    np.dtype(ml_dtypes.float8_e4m3fnuz): 18,
+    np.dtype(ml_dtypes.float8_e5m2): 19,
+    np.dtype(ml_dtypes.float8_e5m2fnuz): 20,
 }
 
 

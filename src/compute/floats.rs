@@ -75,3 +75,101 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
     let lsb = (f >> 16) & 1;
     (f.wrapping_add(0x7fff + lsb) >> 16) as u16
 }
+
+/// A float8 type's encoding, for rounding a float32 into it as ml_dtypes does (ONNX's four
+/// types; see `stats::float8_value` for their values).
+#[derive(Clone, Copy, Debug)]
+pub struct Float8 {
+    /// Mantissa bits.
+    pub mantissa: u32,
+    pub bias: i32,
+    /// The largest finite magnitude's bits.
+    pub largest: u8,
+    /// What a magnitude above `largest` becomes (infinity, or NaN where there is none).
+    pub too_large: u8,
+    /// The NaN a NaN becomes.
+    pub nan: u8,
+    /// FNUZ: no negative zero, and NaN (0x80) has no sign.
+    pub fnuz: bool,
+}
+
+pub const E4M3FN: Float8 = Float8 {
+    mantissa: 3,
+    bias: 7,
+    largest: 0x7e,
+    too_large: 0x7f,
+    nan: 0x7f,
+    fnuz: false,
+};
+pub const E4M3FNUZ: Float8 = Float8 {
+    mantissa: 3,
+    bias: 8,
+    largest: 0x7f,
+    too_large: 0x80,
+    nan: 0x80,
+    fnuz: true,
+};
+pub const E5M2: Float8 = Float8 {
+    mantissa: 2,
+    bias: 15,
+    largest: 0x7b,
+    too_large: 0x7c,
+    nan: 0x7e,
+    fnuz: false,
+};
+pub const E5M2FNUZ: Float8 = Float8 {
+    mantissa: 2,
+    bias: 16,
+    largest: 0x7f,
+    too_large: 0x80,
+    nan: 0x80,
+    fnuz: true,
+};
+
+/// A float32 rounded to the nearest value of `format`, ties to even (one rounding, from the
+/// float32's value); beyond its largest value: `too_large`; a NaN: its NaN.
+#[inline(always)]
+pub fn f32_to_f8_bits(x: f32, format: Float8) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let signed = |magnitude: u8| {
+        if format.fnuz && (magnitude == 0 || magnitude == 0x80) {
+            magnitude // (no negative zero; NaN is 0x80 whatever the sign)
+        } else {
+            sign | magnitude
+        }
+    };
+    if x.is_nan() {
+        return signed(format.nan);
+    }
+    if x.is_infinite() {
+        return signed(format.too_large);
+    }
+    let m = format.mantissa as i32;
+    let smallest_normal = 1 - format.bias;
+    // The value's exponent, no lower than the smallest normal's (below it the grid is the
+    // subnormals'): the value in units of that exponent's last mantissa place, rounded.
+    let exponent = ((x.to_bits() >> 23) & 0xff) as i32 - 127;
+    let e = exponent.max(smallest_normal);
+    let units = (f64::from(x.abs()) * f64::powi(2.0, m - e)).round_ties_even() as u32;
+    let code = if e == smallest_normal && units < (1 << m) {
+        units // a subnormal (or zero)
+    } else {
+        // Exponent field e + bias, then the mantissa; units == 2^(m+1) carries into the exponent.
+        (((e + format.bias) as u32) << m) + units - (1 << m)
+    };
+    if code > u32::from(format.largest) {
+        signed(format.too_large)
+    } else {
+        signed(code as u8)
+    }
+}
+
+/// Whether a float8 of `format` is finite (not NaN, not infinity).
+#[inline(always)]
+pub fn f8_is_finite(bits: u8, format: Float8) -> bool {
+    if format.fnuz {
+        bits != 0x80
+    } else {
+        bits & 0x7f <= format.largest
+    }
+}

@@ -608,7 +608,7 @@ fn sub_byte_value(data_type: DataType, field: u8) -> f64 {
 }
 
 /// The 256 values of a float8 type, as float64 (exactly: every float8 value is one), built once.
-fn float8_table(data_type: DataType) -> &'static [f64; 256] {
+pub(crate) fn float8_table(data_type: DataType) -> &'static [f64; 256] {
     static TABLES: OnceLock<[[f64; 256]; 5]> = OnceLock::new();
     let tables = TABLES.get_or_init(|| {
         use DataType::*;

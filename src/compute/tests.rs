@@ -112,6 +112,97 @@ fn average_of_many_sources_crosses_chunks_in_source_order() {
     }
 }
 
+/// Averages summed [`GROUP`] sources a pass give, element for element, the sum taken source by
+/// source (`x_0*w_0`, then `+ x_i*w_i` in order, then `/ total`, rounded once): for 1 to 19
+/// sources (groups and a remainder), lengths that end mid-lane, each float type, and values
+/// where the order shows (large and small mixed, signed zeros: `-0*w` alone stays -0).
+#[test]
+fn grouped_averages_sum_every_element_in_source_order() {
+    let n = CHUNK + 8 * 3 + 5;
+    let value = |s: usize, i: usize| -> f64 {
+        match (i * 31 + s * 17) % 7 {
+            0 => -0.0,
+            1 => 1e30 * if s.is_multiple_of(2) { 1.0 } else { -1.0 },
+            2 => 1e-30,
+            _ => ((i * 7919 + s * 104_729) % 10_007) as f64 * 0.001_37 - 6.0,
+        }
+    };
+    for count in [1, 2, 3, 7, 8, 9, 16, 19] {
+        let weights: Vec<f64> = (0..count).map(|s| 0.25 + s as f64 * 0.375).collect();
+        let total: f64 = weights.iter().sum();
+        let operation = Operation::Average {
+            weights: weights.clone(),
+            total,
+        };
+        for data_type in [
+            DataType::Float,
+            DataType::Double,
+            DataType::Float16,
+            DataType::Bfloat16,
+        ] {
+            let encode = |v: f64| -> Vec<u8> {
+                match data_type {
+                    DataType::Float => (v as f32).to_le_bytes().to_vec(),
+                    DataType::Double => v.to_le_bytes().to_vec(),
+                    DataType::Float16 => f32_to_f16_bits(v as f32).to_le_bytes().to_vec(),
+                    _ => f32_to_bf16_bits(v as f32).to_le_bytes().to_vec(),
+                }
+            };
+            let sources: Vec<Vec<u8>> = (0..count)
+                .map(|s| (0..n).flat_map(|i| encode(value(s, i))).collect())
+                .collect();
+            let (out, overflow) = run_memory(&operation, data_type, &sources);
+            assert_eq!(overflow, None);
+            let size = sources[0].len() / n;
+            let expected: Vec<u8> = (0..n)
+                .flat_map(|i| {
+                    let at = i * size..(i + 1) * size;
+                    let x = |s: usize| -> Vec<u8> { sources[s][at.clone()].to_vec() };
+                    match data_type {
+                        DataType::Float | DataType::Double => {
+                            let load = |b: Vec<u8>| match data_type {
+                                DataType::Float => {
+                                    f64::from(f32::from_le_bytes(b.try_into().unwrap()))
+                                }
+                                _ => f64::from_le_bytes(b.try_into().unwrap()),
+                            };
+                            let mut acc = load(x(0)) * weights[0];
+                            for (s, w) in weights.iter().enumerate().skip(1) {
+                                acc += load(x(s)) * w;
+                            }
+                            encode(acc / total)
+                        }
+                        _ => {
+                            let load = |b: Vec<u8>| {
+                                let bits = u16::from_le_bytes(b.try_into().unwrap());
+                                match data_type {
+                                    DataType::Float16 => f16_bits_to_f32(bits),
+                                    _ => bf16_bits_to_f32(bits),
+                                }
+                            };
+                            let mut acc = load(x(0)) * weights[0] as f32;
+                            for (s, w) in weights.iter().enumerate().skip(1) {
+                                acc += load(x(s)) * *w as f32;
+                            }
+                            let mean = acc / total as f32;
+                            match data_type {
+                                DataType::Float16 => f32_to_f16_bits(mean).to_le_bytes().to_vec(),
+                                _ => f32_to_bf16_bits(mean).to_le_bytes().to_vec(),
+                            }
+                        }
+                    }
+                })
+                .collect();
+            if out != expected {
+                let i = (0..n)
+                    .find(|i| out[i * size..(i + 1) * size] != expected[i * size..(i + 1) * size])
+                    .unwrap();
+                panic!("{data_type:?}, {count} sources: element {i} differs");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_result_that_does_not_fit_is_reported_at_its_first_element_but_non_finite_inputs_pass() {
     let a = f32_bytes(&[1.0, f32::INFINITY, 3e38, 3e38]);
@@ -349,4 +440,33 @@ fn a_thread_far_ahead_waits_once_the_kept_chunks_are_at_their_bound() {
     });
     assert!(sums.state.lock().unwrap().ahead.len() <= AHEAD);
     assert_eq!(sums.finish(), [Some(crate::seal::checksums::sum(&whole))]);
+}
+
+/// Every finite float8 value rounds to itself, for each of the four types (the values as the
+/// statistics kernel's tables give them); what lies beyond the largest value overflows.
+#[test]
+fn float8_rounding_keeps_every_value() {
+    for (data_type, format) in [
+        (DataType::Float8E4M3Fn, E4M3FN),
+        (DataType::Float8E4M3Fnuz, E4M3FNUZ),
+        (DataType::Float8E5M2, E5M2),
+        (DataType::Float8E5M2Fnuz, E5M2FNUZ),
+    ] {
+        let table = super::stats::float8_table(data_type);
+        for bits in 0..=255u8 {
+            let value = table[usize::from(bits)];
+            if value.is_finite() {
+                assert_eq!(
+                    f32_to_f8_bits(value as f32, format),
+                    bits,
+                    "{data_type:?} {bits:#04x}"
+                );
+            }
+        }
+        let largest = table[usize::from(format.largest)] as f32;
+        assert_eq!(
+            f32_to_f8_bits(largest * 2.0, format) & 0x7f,
+            format.too_large & 0x7f
+        );
+    }
 }

@@ -76,6 +76,29 @@ def test_narrow_floats_are_averaged_in_float32_and_rounded_once(dtype):
     np.testing.assert_allclose(values.astype(np.float64), exact, rtol=2e-2 if dtype != np.float16 else 2e-3, atol=0.07)
 
 
+FLOAT8 = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8, ids=str)
+@pytest.mark.parametrize("weights", [(1, 1), (3, 5), (7, 2), (1, 1000)], ids=str)
+def test_float8_averages_are_the_float32_rule_bit_for_bit(dtype, weights):
+    """Every pair of finite float8 values (ties, subnormals, signed zeros, the largest), averaged
+    by the core's kernel: ``x_0*w_0 + x_1*w_1`` in float32, divided by the total, rounded once
+    to the type as ml_dtypes rounds (here: the weights' scaling by a power of two as FedAvg's)."""
+    every = np.arange(256, dtype=np.uint8).view(dtype)
+    finite = every[np.isfinite(every.astype(np.float32))]
+    a, b = np.repeat(finite, finite.size), np.tile(finite, finite.size)
+    got = FedAvg().aggregate_train(1, [reply(0, {"w": a}, weights[0]), reply(1, {"w": b}, weights[1])])[0]["w"]
+    values = np.frombuffer(got.data[-a.size :], np.uint8)
+    w = np.asarray(weights, np.float64)
+    w = np.ldexp(w, -np.frexp(w.max())[1])
+    acc = a.astype(np.float32) * np.float32(w[0])
+    acc += b.astype(np.float32) * np.float32(w[1])
+    expected = (acc / np.float32(w.sum())).astype(dtype).view(np.uint8)
+    differ = np.flatnonzero(values != expected)
+    assert differ.size == 0, f"{differ.size} differ, first: {a[differ[0]]}, {b[differ[0]]}"
+
+
 def test_integer_tensors_are_taken_from_the_first_accepted_reply(model):
     arrays = client_arrays(model, 3)
     arrays[1]["steps"] = np.array([9, 9], np.int64)

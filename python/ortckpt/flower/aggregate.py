@@ -10,13 +10,14 @@ it is not finite, the replies' tensors there are, and those that hold one are dr
 average made again. So one client's NaN never reaches the global model, and a round without
 one reads each reply once.
 
-The float16, bfloat16, float32 and float64 tensors are averaged by ``_core.combine`` (the
+The float16, bfloat16, float32, float64 and float8 tensors are averaged by ``_core.combine`` (the
 kernels of :func:`ortckpt.average`: float64 accumulation for float32/float64, float32 for the
 narrower ones, rounded once), each reply's values read in place from its ``Array.data`` (a
 view past the ``.npy`` header): memory does not grow with the number of replies. The kernel
 writes each tensor's result straight into the ``bytes`` its ``Array`` holds (after the header),
 made as CPython's C API makes a bytes object it fills (:func:`_new_bytes`): the result is the
-one model of extra memory, with no copy of it. The float8 types are averaged by NumPy with the same
+one model of extra memory, with no copy of it. The float8 types but E8M0 go through the same
+kernel (float32, rounded once as ml_dtypes rounds); E8M0 is averaged by NumPy with the same
 arithmetic; integer and bool tensors are not averaged: the first accepted reply's are taken.
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from .. import _boundary
 from ..errors import ArrayRecordError
-from .convert import flwr_app, npy_header, parse
+from .convert import dtype_named, flwr_app, npy_header, parse
 
 # The types the core's kernels average (ONNX codes).
 KERNEL_CODES = {
@@ -42,6 +43,10 @@ KERNEL_CODES = {
     np.dtype("<f8"): 11,
     np.dtype("<f2"): 10,
     np.dtype(ml_dtypes.bfloat16): 16,
+    np.dtype(ml_dtypes.float8_e4m3fn): 17,
+    np.dtype(ml_dtypes.float8_e4m3fnuz): 18,
+    np.dtype(ml_dtypes.float8_e5m2): 19,
+    np.dtype(ml_dtypes.float8_e5m2fnuz): 20,
 }
 
 # key -> (dtype, shape): what every reply must hold.
@@ -108,6 +113,15 @@ def _new_bytes(size: int) -> tuple[bytes, memoryview]:
     return data, memoryview(contents).cast("B")
 
 
+def _declared(array: Any, key: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The dtype and shape an ``Array`` says it holds, or None where they name none (then its
+    header is parsed, which says why)."""
+    try:
+        return dtype_named(array.dtype, key), tuple(int(n) for n in array.shape)
+    except (ArrayRecordError, TypeError, ValueError):
+        return None
+
+
 def _count(shape: tuple[int, ...]) -> int:
     return math.prod(shape)  # (exact: Python ints; np.prod costs microseconds a call)
 
@@ -137,9 +151,13 @@ def screen(content: Any, layout: Layout | None, weight_key: str) -> tuple[float,
     offsets: dict[str, int] = {}
     found: Layout = {}
     for key, array in record.items():
-        offset = _as_expected(array, *layout[key]) if layout is not None else None
-        if layout is not None and offset is not None:  # (np.save's header for the global model's type and shape)
-            dtype = layout[key][0]
+        # The global model's type and shape, or (the first reply, without one) the Array's own.
+        want = layout[key] if layout is not None else _declared(array, key)
+        offset = _as_expected(array, *want) if want is not None else None
+        if want is not None and offset is not None:  # (np.save's header for that type and shape)
+            dtype = want[0]
+            if layout is None:
+                found[key] = want
         else:
             dtype, shape, offset, stored, fortran = parse(array, key)
             if layout is not None and (dtype, shape) != layout[key]:
@@ -205,6 +223,7 @@ def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: 
     w = np.ldexp(w, -np.frexp(w.max())[1])
     total = w.sum()
     headers = {key: _header(dtype, shape)[0] for key, (dtype, shape) in layout.items()}
+    held = [dict(record.items()) for record in records]  # (a plain dict's lookups: 1,000s a round)
     sinks: dict[str, bytes] = {}
     jobs = []
     kernel_keys = []
@@ -214,7 +233,7 @@ def average(records: Sequence[Any], offsets: Sequence[dict[str, int]], weights: 
             continue
         sinks[key], view = _new_bytes(len(headers[key]) + size)
         view[: len(headers[key])] = headers[key]
-        inputs = [np.frombuffer(r[key].data, np.uint8, offset=o[key]) for r, o in zip(records, offsets, strict=True)]
+        inputs = [memoryview(r[key].data)[o[key] :] for r, o in zip(held, offsets, strict=True)]
         jobs.append((KERNEL_CODES[dtype], inputs, [None] * len(inputs), view[len(headers[key]) :]))
         kernel_keys.append(key)
     if jobs:

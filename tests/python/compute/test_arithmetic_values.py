@@ -245,3 +245,25 @@ def test_num_samples_weigh_the_mean_and_are_left_out_unless_every_source_has_one
     zeros = [saved(tmp_path, f"z{i}", [1.0], np.float32, {"num_samples": 0}) for i in range(2)]
     with pytest.raises(InvalidArgumentError, match=r"num_samples must be .* not all 0"):
         ortckpt.average(zeros)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz],
+    ids=str,
+)
+@pytest.mark.parametrize("to_file", [False, True], ids=["memory", "file"])
+def test_float8_averages_in_the_kernel_are_numpys_float32_rule_bit_for_bit(dtype, to_file, tmp_path):
+    """Every pair of finite values of a float8 type, averaged with weights 3 and 5 by the core's
+    kernel: NumPy's ``x_0*w_0 + x_1*w_1`` in float32, ``/ total``, then ml_dtypes' rounding."""
+    every = np.arange(256, dtype=np.uint8).view(dtype)
+    finite = every[np.isfinite(every.astype(np.float32))]
+    a, b = np.repeat(finite, finite.size), np.tile(finite, finite.size)
+    states = [CheckpointState.from_arrays({"w": x}) for x in (a, b)]
+    out = tmp_path / "mean.ckpt" if to_file else None
+    got = ortckpt.average(states, [3, 5], out=out).parameters["w"].data
+    w = np.ldexp(np.array([3.0, 5.0]), -3)  # (scaled: the largest in [0.5, 1))
+    acc = a.astype(np.float32) * np.float32(w[0])
+    acc += b.astype(np.float32) * np.float32(w[1])
+    expected = (acc / np.float32(w.sum())).astype(dtype)
+    assert np.asarray(got).view(np.uint8).tobytes() == expected.view(np.uint8).tobytes()
