@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ortckpt import CheckpointState, OptimizerGroup, _core
+from ortckpt import CheckpointState, OptimizerGroup, _boundary
 
 pytestmark = pytest.mark.large
 
@@ -77,7 +77,8 @@ def test_onnxblock_save_checkpoint_goes_external_where_onnx_runtimes_tensorproto
     del trainable, frozen
     assert Path(f"{ours}.data").exists() == Path(f"{theirs}.data").exists() == (mib > 1800)
     a, b = CheckpointState.load_checkpoint(ours), CheckpointState.load_checkpoint(theirs)
-    order = [[[t[0] for t in _core.load(str(p))[role]] for role in ("trainable", "frozen")] for p in (ours, theirs)]
+    loaded = [_boundary.load(p) for p in (ours, theirs)]
+    order = [[[t[0] for t in getattr(one, role)] for role in ("trainable", "frozen")] for one in loaded]
     assert order[0] == order[1]  # the protos' order, not sorted
     assert {n: sha256(p.data) for n, p in a.parameters} == written["sha256"]
     assert [p.requires_grad for _, p in a.parameters] == [p.requires_grad for _, p in b.parameters]

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from ortckpt import CheckpointState, _core
+from ortckpt import CheckpointState, _boundary
 from ortckpt.compare import compare
 from ortckpt.convert.onnx_model import export_model
 from ortckpt.onnxblock import load_checkpoint_to_model, save_checkpoint
@@ -39,15 +39,16 @@ def protos() -> tuple[list[TensorProto], list[TensorProto]]:
 
 def decoded(path) -> dict:
     """Everything a checkpoint holds, in file order, bytes included."""
-    raw = _core.load(str(path))
-    out = {"nominal": raw["nominal"], "external": raw["external_mapping"] is not None}
+    loaded = _boundary.load(path)
+    main, external_data = loaded.mappings
+    out = {"nominal": loaded.nominal, "external": external_data is not None}
     for role in ("trainable", "frozen"):
         entries = []
-        for name, code, dims, stored in raw[role]:
+        for name, code, dims, stored in getattr(loaded, role):
             data = None
             if stored is not None:
                 offset, nbytes, external = stored
-                mapping = raw["external_mapping"] if external else raw["mapping"]
+                mapping = external_data if external else main
                 data = bytes(memoryview(mapping)[offset : offset + nbytes])
             entries.append((name, code, list(dims), data))
         out[role] = entries
