@@ -17,12 +17,16 @@ from ..tensor_keys import TensorKey
 class Staging:
     """Where an async save's copy of the state goes: one array per tensor, reused from one
     save to the next while its shape and dtype match, so a copy is a plain memcpy into
-    memory already mapped (fresh memory costs a page fault per 4 KiB)."""
+    memory already mapped (fresh memory costs a page fault per 4 KiB). A value that cannot
+    change is not copied: a read-only view of a Python ``bytes`` object (immutable, and NumPy
+    refuses to make such a view writeable), as a Flower ``Array``'s values are."""
 
     def __init__(self) -> None:
         self.arrays: dict[TensorKey, np.ndarray] = {}
 
     def copy(self, key: TensorKey, value: Any) -> Any:
+        if is_immutable(value):
+            return value
         if isinstance(value, PackedBits) or value.dtype == object:  # rare types: a fresh copy
             return value.copy()
         target = self.arrays.get(key)
@@ -30,6 +34,16 @@ class Staging:
             target = self.arrays[key] = np.empty(value.shape, value.dtype)
         np.copyto(target, value)
         return target
+
+
+def is_immutable(value: Any) -> bool:
+    """Whether ``value`` is an array whose bytes nothing can change: read-only views all the
+    way down to a ``bytes`` object."""
+    while isinstance(value, np.ndarray):
+        if value.flags.writeable:
+            return False
+        value = value.base
+    return isinstance(value, bytes)
 
 
 def as_step(step: Any) -> int:

@@ -597,3 +597,27 @@ def test_a_manager_of_an_empty_directory_name_is_refused(tmp_path, monkeypatch):
             CheckpointManager("", read_only=read_only)
         assert refused.value.argument == "directory"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_async_save_does_not_copy_values_that_cannot_change(tmp_path):
+    """Read-only views of ``bytes`` (a Flower Array's values) are written from where they are;
+    any other value (writable, or read-only over writable memory) is copied, so changing it after
+    ``save`` returns never reaches the step."""
+    immutable = np.arange(64, dtype=np.float32).tobytes()
+    frozen_view = np.frombuffer(immutable, dtype=np.uint8, offset=16).view(np.float32)
+    writable = np.ones(8, np.float32)
+    owner = np.full(8, 2.0, np.float32)
+    readonly_over_writable = owner.view()
+    readonly_over_writable.flags.writeable = False
+    state = CheckpointState.from_arrays({"b": frozen_view, "w": writable, "r": readonly_over_writable})
+    with CheckpointManager(tmp_path / "run", async_save=True) as manager:
+        manager.save(state, 1)
+        staged = set(manager._staging.arrays)
+        writable[:] = 7.0
+        owner[:] = 9.0  # (a read-only view's owner may still write it)
+        manager.wait()
+        restored = manager.restore(1)
+    assert {key.parameter for key in staged} == {"w", "r"}  # "b" was not copied
+    np.testing.assert_array_equal(restored.parameters["b"].data, np.arange(4, 64, dtype=np.float32))
+    np.testing.assert_array_equal(restored.parameters["w"].data, np.ones(8, np.float32))
+    np.testing.assert_array_equal(restored.parameters["r"].data, np.full(8, 2.0, np.float32))
