@@ -62,6 +62,11 @@ def write_loop(path: str, seconds: float, mode: str, sources: list[str]) -> None
             else:
                 os.pwrite(f.fileno(), data, at)
 
+        # Start once the reader reads (under load one process may start seconds after the other:
+        # a reader that only ever saw the file after the writer had stopped saw nothing change).
+        started = time.monotonic()
+        while not os.path.exists(path + ".reading") and time.monotonic() < started + 60:
+            time.sleep(0.001)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             # Another valid checkpoint over the file, in place: never truncated, so a mapping of
@@ -104,6 +109,7 @@ def read_loop(path: str, seconds: float, mode: str) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     report = time.monotonic()
     with open(path, "rb") as f:
+        Path(path + ".reading").touch()  # (the writer starts changing the file now)
         while time.monotonic() < deadline:
             if time.monotonic() > report:  # so far, in case of a crash
                 print(json.dumps({"outcomes": outcomes}), flush=True)
