@@ -333,6 +333,26 @@ fn save_bytes<'py>(
     })
 }
 
+/// A stream's segment as a Python object: the very object a tensor's values were handed over
+/// as, found by its exported buffer's address and length (tensor bytes are never copied), or
+/// `bytes` copied out of the encoder (the metadata).
+fn segment_objects<'py, 'a>(
+    py: Python<'py>,
+    owners: &'a [Bound<'py, PyAny>],
+) -> impl Fn(&[u8]) -> Bound<'py, PyAny> + 'a {
+    let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
+        .iter()
+        .filter_map(|owner| {
+            let buffer = PyBuffer::<u8>::get(owner).ok()?;
+            Some(((buffer.buf_ptr() as usize, buffer.len_bytes()), owner))
+        })
+        .collect();
+    move |bytes: &[u8]| match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
+        Some(owner) => (*owner).clone(),
+        None => PyBytes::new(py, bytes).into_any(),
+    }
+}
+
 /// Encodes a checkpoint for writing as a stream: returns (checkpoint file, external data) where
 /// the checkpoint file is its segments in order, and the external data None or (its length,
 /// [(offset, segment)]), zeros between. A segment is `bytes` (the metadata, copied out of the
@@ -358,20 +378,7 @@ fn encode_segments<'py>(
             .map_err(|e| to_py_err(py, e))?;
         // The stream's consumer writes the values: they are summed here, from memory, first.
         py.detach(|| encoded.seal_from_memory());
-        // Which object each exported buffer came from, by its address and length.
-        let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
-            .iter()
-            .filter_map(|owner| {
-                let buffer = PyBuffer::<u8>::get(owner).ok()?;
-                Some(((buffer.buf_ptr() as usize, buffer.len_bytes()), owner))
-            })
-            .collect();
-        let segment = |bytes: &[u8]| -> Bound<'py, PyAny> {
-            match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
-                Some(owner) => (*owner).clone(),
-                None => PyBytes::new(py, bytes).into_any(),
-            }
-        };
+        let segment = segment_objects(py, &owners);
         let main = PyList::empty(py);
         for bytes in encoded.segments() {
             main.append(segment(bytes))?;
@@ -431,21 +438,10 @@ fn encode_sharing_segments<'py>(
             crate::format::encode::encode_sharing(&payloads, &pair_id, &offsets, &sums)
                 .map_err(|e| to_py_err(py, e))?;
         py.detach(|| encoded.seal_from_memory());
-        let by_address: std::collections::HashMap<(usize, usize), &Bound<'py, PyAny>> = owners
-            .iter()
-            .filter_map(|owner| {
-                let buffer = PyBuffer::<u8>::get(owner).ok()?;
-                Some(((buffer.buf_ptr() as usize, buffer.len_bytes()), owner))
-            })
-            .collect();
+        let segment = segment_objects(py, &owners);
         let main = PyList::empty(py);
         for bytes in encoded.segments() {
-            main.append(
-                match by_address.get(&(bytes.as_ptr() as usize, bytes.len())) {
-                    Some(owner) => (*owner).clone(),
-                    None => PyBytes::new(py, bytes).into_any(),
-                },
-            )?;
+            main.append(segment(bytes))?;
         }
         Ok(main)
     })

@@ -9,6 +9,7 @@ and test_object_store_manager.py / test_object_store_transactions.py."""
 
 from __future__ import annotations
 
+import abc
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ortckpt import (
 from retention_race import restore_while_retention_deletes
 
 
-class Backend:
+class Backend(abc.ABC):
     """Where a run lives, and what the shared tests need to do to its files behind the manager's back."""
 
     name: str
@@ -44,31 +45,36 @@ class Backend:
     def manager(self, **kwargs: Any) -> CheckpointManager:
         return CheckpointManager(self.where, storage_options=self.options, **kwargs)
 
+    @abc.abstractmethod
     def at(self, relative: str) -> Any:
         """A file or folder of the run, as the manager names it (a Path, or an s3:// URL)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def run(self, name: str) -> Backend:
         """Another run of the same backend beside this one."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def names(self) -> list[str]:
         """Every file of the run, relative to it (a directory's writer lock too, while a writer holds it)."""
-        raise NotImplementedError
+        ...
 
-    def read(self, where: Any) -> bytes:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def read(self, where: Any) -> bytes: ...
 
+    @abc.abstractmethod
     def replace(self, where: Any, data: bytes) -> None:
         """A file's bytes replaced, as a user or another program would (a step's files are read-only)."""
-        raise NotImplementedError
+        ...
 
-    def remove(self, where: Any) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def remove(self, where: Any) -> None: ...
 
+    @abc.abstractmethod
     def fail_writes(self, monkeypatch: pytest.MonkeyPatch) -> type[Exception]:
         """Every write of a step's files fails from now on (until monkeypatch.undo()): the error's type."""
-        raise NotImplementedError
+        ...
 
 
 class Directory(Backend):
