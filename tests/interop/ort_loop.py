@@ -46,6 +46,7 @@ Each command prints one JSON object on its last line of stdout.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -765,7 +766,15 @@ def backings_alike(artifacts: str, out: str) -> dict:
     return report
 
 
+# A run still going after this long is stuck: it prints every thread's stack and exits 1, so a
+# test that waits for it fails with where it hung, instead of waiting forever (SIGABRT, sent by a
+# test that gave up on it, prints the same).
+DEADLINE = float(os.environ.get("ORTCKPT_LOOP_DEADLINE", "290"))
+
+
 def main(argv: list[str]) -> None:
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(DEADLINE, exit=True)
     command, *args = argv
     commands = {
         "manager_run": manager_run,

@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 ARTIFACTS = HERE.parent / "data" / "ort-vectors" / "artifacts"
 STEPS = 200
 GRACE = 20.0
+DEADLINE = 300.0  # (a run's longest wait for a line or its end: ort_loop.py's own ends it at 290 s)
 
 
 def _command(python: str, directory: Path, async_save: str) -> list[str]:
@@ -53,11 +54,80 @@ def run_to_end(python: str, directory: Path, async_save: str = "1") -> dict:
         capture_output=True,
         text=True,
         env=_environment(),
-        timeout=300,
+        timeout=DEADLINE,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class _Run:
+    """A started run whose stderr a thread reads: waits for its lines with deadlines; a run that
+    misses one is made to print its threads' stacks (SIGABRT: ort_loop.py enables faulthandler),
+    killed, and reported with its stderr."""
+
+    def __init__(self, python: str, directory: Path, async_save: str) -> None:
+        self.process = subprocess.Popen(
+            _command(python, directory, async_save),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_environment(),
+        )
+        self.errors: list[str] = []
+        self._out: list[str] = []
+        self._seen: dict[str, threading.Event] = {"ready": threading.Event(), "trained": threading.Event()}
+        self._readers = [threading.Thread(target=self._read), threading.Thread(target=self._read_out)]
+        for reader in self._readers:
+            reader.daemon = True
+            reader.start()
+
+    def _read_out(self) -> None:
+        assert self.process.stdout is not None
+        self._out.append(self.process.stdout.read())
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.errors.append(line)
+            if line.strip() in self._seen:
+                self._seen[line.strip()].set()
+        for event in self._seen.values():  # (it ended: nobody waits for what it will not print)
+            event.set()
+
+    def seen(self, line: str) -> bool:
+        return self._seen[line].is_set() and line in (e.strip() for e in self.errors)
+
+    def wait_for(self, line: str, timeout: float = DEADLINE) -> None:
+        if not self._seen[line].wait(timeout):
+            self.fail(f'printed no "{line}" within {timeout:g} s')
+        if not self.seen(line):
+            self.finish(timeout)
+            self.fail(f'ended (status {self.process.returncode}) without printing "{line}"')
+
+    def finish(self, timeout: float = DEADLINE) -> tuple[int, str]:
+        """Waits for the run's end: (its status, its stdout)."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"still running after {timeout:g} s")
+        self._join()
+        return self.process.returncode, "".join(self._out)
+
+    def _join(self) -> None:
+        for reader in self._readers:
+            reader.join(timeout=10)
+
+    def fail(self, why: str) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGABRT)  # (its stacks, into stderr)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._join()
+        raise AssertionError(f"the run {why}; its stderr:\n{''.join(self.errors)[-6000:]}")
 
 
 def interrupted(
@@ -67,40 +137,17 @@ def interrupted(
     each (gap, signal): (its exit status, its result if it printed one, whether it had finished
     training, its "trained", before the first signal was sent: a signal then may find the
     manager closed and SIGTERM's default action back)."""
-    process = subprocess.Popen(
-        _command(python, directory, async_save),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_environment(),
-    )
-    assert process.stderr is not None
-    for line in process.stderr:
-        if line.strip() == "ready":
-            break
-    trained = threading.Event()
-    errors: list[str] = []
-
-    def read() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            errors.append(line)
-            if line.strip() == "trained":
-                trained.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    run = _Run(python, directory, async_save)
+    run.wait_for("ready")
     time.sleep(delay)
-    late = trained.is_set()
+    late = run.seen("trained")
     for gap, signum in signals:
         time.sleep(gap)
-        if process.poll() is None:
-            process.send_signal(signum)
-    out = process.stdout.read() if process.stdout is not None else ""
-    process.wait(timeout=GRACE + 60)
-    reader.join(timeout=10)
+        if run.process.poll() is None:
+            run.process.send_signal(signum)
+    status, out = run.finish(GRACE + 60)
     lines = out.strip().splitlines()
-    return process.returncode, (json.loads(lines[-1]) if lines else None), late
+    return status, (json.loads(lines[-1]) if lines else None), late
 
 
 def trial(
@@ -136,24 +183,13 @@ def trial(
 
 def reference_run(python: str, directory: Path, async_save: str = "1") -> tuple[bytes, float]:
     """The uninterrupted run: its final file, and how long it trained (from "ready" to "trained")."""
-    process = subprocess.Popen(
-        _command(python, directory, async_save),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_environment(),
-    )
-    assert process.stderr is not None
-    for line in process.stderr:
-        if line.strip() == "ready":
-            break
+    run = _Run(python, directory, async_save)
+    run.wait_for("ready")
     began = time.monotonic()
-    for line in process.stderr:
-        if line.strip() == "trained":
-            break
+    run.wait_for("trained")
     trained = time.monotonic() - began
-    _, err = process.communicate(timeout=300)
-    assert process.returncode == 0, err[-3000:]
+    status, _ = run.finish()
+    assert status == 0, "".join(run.errors)[-3000:]
     return (directory / "final.ckpt").read_bytes(), trained
 
 
