@@ -5,6 +5,7 @@ verifies and reshards on its own. Ranks are threads of this process (distributed
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,32 @@ def test_each_step_restores_and_verifies_after_the_other_is_deleted(tmp_path: Pa
         assert_whole_state(info.load(), kept, 2)
     assert restore_on_ranks(tmp_path, kept, 2, 2) == [[], []]
     assert restore_on_ranks(tmp_path, kept, 2, 3) == [[], [], []]  # resharded
+
+
+def test_shared_shards_load_in_onnx_runtime_on_their_own(ort: Any, tmp_path: Path) -> None:
+    """Each shard of a step that shares is an ordinary checkpoint ONNX Runtime loads, with its
+    values (parameters by SHA-256, momentums through ONNX Runtime's re-save), once the step that
+    wrote the shared data files is deleted."""
+    assert save_steps(tmp_path, 2, [1, 2]) == [None, None]
+    assert [p.stat().st_nlink for p in sorted(step_dir(tmp_path, 2).glob("*.data"))] == [2, 2]  # shared
+    with CheckpointManager(tmp_path) as manager:
+        manager.delete(1)
+    for rank in range(2):
+        shard = step_dir(tmp_path, 2) / shard_file_name(rank, 2)
+        assert Path(f"{shard}.data").stat().st_nlink == 1
+        state, _ = rank_state(2, rank, 2, extra_frozen=frozen_part(rank))
+        held = {name: p for name, p in state.parameters if not (rank and name == "bias")}  # (rank 0 wrote it)
+        described = ort("describe", shard)
+        assert {p["name"]: p["sha256"] for p in described["parameters"]} == {
+            name: hashlib.sha256(np.ascontiguousarray(p.data).tobytes()).hexdigest() for name, p in held.items()
+        }
+        ort("resave", shard, tmp_path / f"resaved{rank}")
+        resaved = CheckpointState.load_checkpoint(tmp_path / f"resaved{rank}").optimizer_groups["group0"]
+        for param, moms in resaved.momentums.items():
+            for m, value in moms.items():
+                expected = state.optimizer_groups["group0"].momentums[param][m]
+                assert np.asarray(value).tobytes() == np.asarray(expected).tobytes(), (rank, param, m)
+        assert sorted(resaved.momentums) == sorted(name for name, p in held.items() if p.requires_grad)
 
 
 # --- when nothing is shared -------------------------------------------------------------------------
