@@ -286,3 +286,20 @@ def test_a_changed_layout_is_written_whole_and_restores(tmp_path: Path) -> None:
         for info in reader.all():
             reader.verify(info.step)
             assert_whole_state(info.load(), info.step, 2)
+
+
+def test_a_previous_shard_not_proven_is_not_shared_and_the_others_are(tmp_path: Path) -> None:
+    """Rank 1's shard of step 1 made writable (0600: not a step file's permissions, so it may
+    change under the steps sharing it): rank 1 writes its shard whole, rank 0 still shares."""
+    assert save_steps(tmp_path, 2, [1]) == [None, None]
+    first = step_dir(tmp_path, 1)
+    (first / f"{shard_file_name(1, 2)}.data").chmod(0o600)
+    assert save_steps(tmp_path, 2, [2]) == [None, None]
+    second = step_dir(tmp_path, 2)
+    zero, one = (f"{shard_file_name(r, 2)}.data" for r in range(2))
+    assert (second / zero).stat().st_ino == (first / zero).stat().st_ino
+    assert (second / one).stat().st_ino != (first / one).stat().st_ino
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        for info in reader.all():
+            reader.verify(info.step)
+            assert_whole_state(info.load(), info.step, 2)
