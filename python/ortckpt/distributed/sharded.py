@@ -178,11 +178,14 @@ def write_shards(
     include_optimizer_state: bool,
     durable: bool,
     external_data_threshold: int,
+    share_with: Step | None = None,
 ) -> None:
     """The collective save in two rounds, one step transaction of ``store``: every rank
     describes what it holds and rank 0 plans it and stages the step (``begin``); every rank
     writes its shard into the attempt, and rank 0 commits them (``commit``, with the index), or
-    removes them when some rank failed (``abandon``)."""
+    removes them when some rank failed (``abandon``). ``share_with``: the previous committed
+    step (a manager's, ``share_unchanged``), whose shard of the same name each rank's shares
+    its unchanged values with where the store can (see :meth:`StepStore.write_checkpoint`)."""
     rank, world = comm.rank, comm.world_size
     on_root: dict[str, Any] = {}  # what only rank 0 keeps: the plan's tables, its attempt
 
@@ -200,10 +203,12 @@ def write_shards(
         deciding="planning",
     )
 
-    def index_and_commit(written: list[dict[str, Any]]) -> None:
+    def index_and_commit(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
         attempt: Attempt = on_root["attempt"]
-        for files in written:
+        for files, shared in results:
             attempt.written.update(files)  # every rank's files: what the commit checks and records
+            attempt.shared.update(shared)  # (data files linked from the previous step: its entries)
+        written = [files for files, _ in results]
         index = {
             "format": documents.SHARDED_FORMAT,
             "version": documents.SHARDED_VERSION,
@@ -233,6 +238,7 @@ def write_shards(
             include_optimizer_state,
             durable,
             external_data_threshold,
+            share_with,
         ),
         index_and_commit,
         deciding="committing",
@@ -301,11 +307,13 @@ def _write_own_shard(
     include_optimizer_state: bool,
     durable: bool,
     threshold: int,
-) -> dict[str, Any]:
+    share_with: Step | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Writes the tensors the plan gave this rank into the attempt; returns its files
-    {name: {"bytes", ...}}, empty if none."""
+    {name: {"bytes", ...}}, empty if none, and the entries of those it shares with
+    ``share_with`` (hard-linked: that step's entries, which rank 0 records as this step's)."""
     if not names:
-        return {}
+        return {}, {}
     wanted = set(names)
     trainable = {record.name for record in state.tensor_records() if record.requires_grad}
     values = {name: state.tensor_value(name) for name in names}
@@ -321,13 +329,15 @@ def _write_own_shard(
             )
             for group_name, group in state.optimizer_groups.items()
         }
-    return store.write_checkpoint(
+    files = store.write_checkpoint(
         attempt,
         shard_file_name(rank, world),
         shard.core_state(include_optimizer_state),
         external_data_threshold=threshold,
         durable=durable,
+        share_with=share_with,
     )
+    return files, {name: entry for name, entry in attempt.shared.items() if name in files}
 
 
 # --- loading -------------------------------------------------------------------------------------

@@ -146,8 +146,9 @@ class CheckpointManager(Saving):
             since the previous step keeps them in ``checkpoint.data`` (as ``external_data_threshold=0``), for the next
             step to share. On object storage, a checkpoint of 64 MiB of values or more keeps them in a data object
             of the run's ``shared/`` folder, and the next steps upload only the tensors whose bytes (by SHA-256) are
-            not in it (see docs/object-storage.md); with ``comm`` every step is written whole; False: every step
-            written whole.
+            not in it (see docs/object-storage.md); with ``comm``, in a directory, each rank's shard shares so with its
+            shard of the previous step (same world size: a shard of another is written whole), on object storage
+            every sharded step is written whole; False: every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
             Every rank creates the manager and calls save, restore and wait together; each
@@ -323,8 +324,9 @@ class CheckpointManager(Saving):
         if writer:
             self.store.remove_proven_leftovers()
         self.directory = self.store.run_folder
-        # Steps share what is unchanged where a store can (see write_checkpoint), and not sharded.
-        self.share_unchanged = share_unchanged and self.comm is None
+        # Steps share what is unchanged where a store can (see write_checkpoint); a sharded step's
+        # shards, each with its shard of the previous step, in a directory.
+        self.share_unchanged = share_unchanged
         self.url = self.store.name
         self._where = self.store.name
         self._lock = threading.Lock()  # guards _checkpoints: the background thread commits into it

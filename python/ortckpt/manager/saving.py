@@ -355,12 +355,14 @@ class Saving(ManagerBase):
         include_optimizer_state: bool,
         slices: Mapping[str, Any] | None,
     ) -> None:
-        """Every rank writes its shard into rank 0's attempt; rank 0 adds the index inside it
+        """Every rank writes its shard into rank 0's attempt (sharing what did not change with its
+        shard of the previous step, as ``share_unchanged`` says); rank 0 adds the index inside it
         and commits the step's metadata.json once all have succeeded."""
         from ..distributed.sharded import encode_index, write_shards
 
         assert self.comm is not None
         committed: list[CheckpointInfo] = []
+        previous = self.latest() if self.share_unchanged else None
 
         def commit(attempt: Attempt, index: dict[str, Any]) -> None:
             self.store.write_document(
@@ -380,6 +382,7 @@ class Saving(ManagerBase):
             include_optimizer_state=include_optimizer_state,
             durable=self.durable,
             external_data_threshold=self.external_data_threshold,
+            share_with=None if previous is None else previous.step_record,
         )
         # Rank 0 knows what it committed; the other ranks read it back.
         info = committed[0] if committed else self._read_step(step)
