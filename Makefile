@@ -51,7 +51,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: test-checks build-debug test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-interop test-wheel-others regen corpus bench clean
+.PHONY: test-checks build-debug test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -192,15 +192,9 @@ WHEEL_TEST_DEPS := "pytest>=8" "pytest-timeout==2.4.0" "hypothesis>=6" "tqdm>=4.
 # temporary files in memory (/dev/shm, where it has 8 GB free): on a shared disk, three suites'
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
-# The lanes that run side by side once the wheel and its venvs are made (each one's output printed
-# whole when it ends): the first interpreter's tests/python in two halves, its interop and MPI tests,
-# the other interpreters' every_python sets with the `once` runs, and Flower. They are split by where
-# the time goes (`--durations`): most of it is waiting (servers, processes, deadlines), not the CPUs.
-TEST_LANES := test-wheel-$(firstword $(PYTHONS)) test-wheel-$(firstword $(PYTHONS))-rest test-wheel-interop \
-	test-wheel-others test-flower-wheel
 test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV) chromium
 	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist flower-venv-wheel
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(TEST_LANES)) $(TEST_LANES)
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once test-flower-wheel
 
 # A fresh virtualenv of one interpreter with the wheel in dist/ and the test dependencies.
 wheel-venv-%:
@@ -221,21 +215,16 @@ WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=25
 # package is pure Python over an abi3 extension, so what can differ between interpreters is import, the
 # stubs (stubtest), buffers crossing the boundary and the entry point: the files marked every_python run
 # on each of the others. Each run prints its slowest tests (--durations), so the time has a record.
-# The first interpreter's tests/python (but the `once` runs) is two lanes: the manager, tracking and CLI
-# parts (FIRST_HALF) in test-wheel-FIRST, the other parts in test-wheel-FIRST-rest.
+# On the first interpreter two jobs share the work, about evenly: tests/python but the `once` runs, and
+# test-wheel-once (the `once` runs, the interop and the MPI tests).
 FIRST_ONLY := tests/interop tests/distributed
-FIRST_HALF := tests/python/manager tests/python/tracking tests/python/cli
-test-wheel-%-rest:
-	@echo "== the wheel on CPython $*, the rest of tests/python" && $(call WHEEL_ENV,$*) \
-		$(WHEEL_PYTEST) tests/python $(addprefix --ignore=,$(FIRST_HALF)) -m "not large and not once"
-
 test-wheel-%:
 	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		$(WHEEL_PYTEST) $(if $(filter $*,$(firstword $(PYTHONS))),$(FIRST_HALF) -m "not large and not once",tests/python -m "every_python and not large and not once")'
+		$(WHEEL_PYTEST) tests/python -m "$(if $(filter $*,$(firstword $(PYTHONS))),,every_python and )not large and not once"'
 
 # The wheel with its [flower] extra (flwr, its pins) and onnxruntime-training (ORT-trained clients) on
 # ONNX Runtime's interpreter (3.11 or 3.12), for tests/flower.
@@ -248,15 +237,9 @@ test-flower-wheel:
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-flower/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) \
 		$(WHEEL_PYTEST) tests/flower
 
-# The interop and MPI tests, on the first interpreter.
-test-wheel-interop:
-	@echo "== the interop and the MPI tests on CPython $(firstword $(PYTHONS))" && \
-	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large"
-
-# The other interpreters' lanes one after the other, then the `once` runs (on the first interpreter).
-test-wheel-others:
-	@$(if $(wordlist 2,$(words $(PYTHONS)),$(PYTHONS)),$(MAKE) --no-print-directory $(addprefix test-wheel-,$(wordlist 2,$(words $(PYTHONS)),$(PYTHONS))) && ,)\
-	echo "== the once runs on CPython $(firstword $(PYTHONS))" && \
+test-wheel-once:
+	@echo "== the once runs, the interop and the MPI tests on CPython $(firstword $(PYTHONS))" && \
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large" && \
 	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) tests/python -m once
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
