@@ -231,13 +231,20 @@ class StepStore(abc.ABC):
 
     @abc.abstractmethod
     def load(
-        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+        self,
+        folder: Folder,
+        name: str,
+        *,
+        recorded: Mapping[str, dict[str, Any]] | None = None,
+        resuming: Step | None = None,
     ) -> CheckpointState:
         """A checkpoint of a step, loaded; it stays usable whatever later retention deletes.
         With ``recorded`` (the step's metadata.json entries), the checkpoint and its data file
         are first checked against their entries, by what costs no second read: sizes, checksum
         root and pair id (see each store's ``load``); one that is not the file the step saved is
-        refused, :class:`~ortckpt.CheckpointIntegrityError` naming it."""
+        refused, :class:`~ortckpt.CheckpointIntegrityError` naming it. ``resuming``: the step,
+        when its writer restores it to go on saving (an object store's writer then shares the
+        step's data object from its next save: see :mod:`.shared`)."""
 
     def download(
         self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None

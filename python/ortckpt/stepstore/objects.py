@@ -65,8 +65,9 @@ class ObjectStore(StepStore):
     holds_interrupts = False  # (Python streams every upload: a Ctrl-C stops it at once)
     shared_with_writers = True  # (no lock on a prefix)
 
-    def __init__(self, prefix: Location) -> None:
+    def __init__(self, prefix: Location, *, writer: bool = False) -> None:
         self.prefix = prefix
+        self.writer = writer  # (a manager's writer: its restores give its next save a basis, see .shared)
         self.name = prefix.url
         self._sources = SourceDigests()
         self._stored: set[str] = set()  # digests of graphs this store uploaded or checked under the prefix
@@ -195,17 +196,30 @@ class ObjectStore(StepStore):
         return targets.ObjectFile(_location(folder).child(name))
 
     def load(
-        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+        self,
+        folder: Folder,
+        name: str,
+        *,
+        recorded: Mapping[str, dict[str, Any]] | None = None,
+        resuming: Step | None = None,
     ) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
         stream, so memory stays bounded, and usable whatever later retention deletes. With
         ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
         server declares the size recorded (nothing more is ever written), its SHA-256 taken as
-        the bytes come, and checked against its entry (:func:`.downloads.recorded`)."""
+        the bytes come, and checked against its entry (:func:`.downloads.recorded`). With
+        ``resuming`` (the step, restored by this store's writer), the data object it shares is
+        hashed, value by value, for the next save to share from (:meth:`.SharedObjects.restored`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            self.download(folder, name, path, recorded=recorded)
-            return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+            if recorded is None:
+                self.download(folder, name, path)
+                return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+            etags = downloads.recorded(_location(folder), name, recorded, path, self._run)
+            state = open_checkpoint(path, follow_symlinks=False)
+            if resuming is not None and self.writer and name == steps.CHECKPOINT_NAME:
+                self._shared.restored(resuming, path, etags.get(f"{name}.data"))
+            return state
 
     def download(
         self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None
