@@ -197,10 +197,13 @@ class SharedObjects:
         data read by a GET conditional on ``etag``. Each value the checkpoint reads from that
         object is hashed at its offset, from the bytes downloaded: the basis of a save whose
         previous step is ``step`` (see the module's description). A step sharing none: nothing."""
+        self._restored = None  # (another step restored: not the one restored before)
         entry = step.document.get("files", {}).get(f"{steps.CHECKPOINT_NAME}.data")
         if entry is None or "object" not in entry or "pair" not in entry:
             return
         loaded = _boundary.load(checkpoint, follow_symlinks=False)
+        if loaded.mappings[1] is None:
+            return
         data = memoryview(loaded.mappings[1]).cast("B")
         offsets: dict[str, list[int]] = {}
         for _key, (_name, _code, _dims, stored) in loaded.tensors():
