@@ -27,7 +27,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "python"))  # the tests' S3 server, shared
+sys.path.insert(0, str(HERE.parent / "tests" / "python" / "helpers"))  # the tests' S3 server, shared
 
 from measure import report, shuffled  # noqa: E402
 
