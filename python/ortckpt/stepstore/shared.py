@@ -70,7 +70,8 @@ class SharedData:
 class SharedObjects:
     """One writer's side of the run's shared data objects (see the module's description)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: bool) -> None:
+        self._writer = writer  # (a reader's restores hash nothing: it never saves)
         # The object of the last step this writer committed uploading it: what the next save
         # shares from; and, by attempt, the one an attempt uploaded (promoted when it commits).
         self._basis: SharedData | None = None
@@ -199,7 +200,7 @@ class SharedObjects:
         previous step is ``step`` (see the module's description). A step sharing none: nothing."""
         self._restored = None  # (another step restored: not the one restored before)
         entry = step.document.get("files", {}).get(f"{steps.CHECKPOINT_NAME}.data")
-        if entry is None or "object" not in entry or "pair" not in entry:
+        if not self._writer or entry is None or "object" not in entry or "pair" not in entry:
             return
         loaded = _boundary.load(checkpoint, follow_symlinks=False)
         if loaded.mappings[1] is None:
