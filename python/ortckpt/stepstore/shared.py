@@ -24,7 +24,8 @@ frozen model uploads is what changed.
   writer's step committed since, a reader) the first step goes up whole, as it always did.
 - **Checks at each save**, whichever writer hashed the object: the previous step still names it
   (key, size, SHA-256, pair id), and it is still there with that size and the ETag it had when
-  hashed (an object replaced meanwhile, even by one of the same size, is not shared from).
+  hashed, where the server gives ETags (an object replaced meanwhile, even by one of the same
+  size, is not shared from).
 - **Collection.** A data object is deleted only when no committed step names it, no save of this
   writer in flight holds it, and no step this writer committed since the collection's scan began
   names it: after a retirement (the step's document gone first, so a reader is never shown a step
@@ -146,7 +147,7 @@ class SharedObjects:
         found = object_store.head(run.child(basis.entry["object"]))
         if found is None or found.size != basis.entry["bytes"]:
             return None  # (removed meanwhile, e.g. by another job's sweep: the next step shares the new one)
-        if basis.etag is not None and found.etag != basis.etag:
+        if None not in (basis.etag, found.etag) and found.etag != basis.etag:
             return None  # (replaced since its values were hashed, whatever its size: not shared from)
         shared: dict[tuple[int, int], int] = {}
         free = {digest: list(offsets) for digest, offsets in basis.offsets.items()}

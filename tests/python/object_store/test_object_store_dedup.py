@@ -18,7 +18,15 @@ import numpy as np
 import ortckpt
 import ortckpt.object_store as object_store
 import pytest
-from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, documents, resolve, targets
+from ortckpt import (
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointState,
+    documents,
+    resolve,
+    targets,
+)
 from ortckpt.stepstore import shared
 
 SMALL = 1 << 20  # the share threshold the tests set (shared.SHARE_MIN_BYTES), so that models stay small
@@ -319,6 +327,40 @@ def test_a_data_object_replaced_after_the_restore_is_not_shared_from(s3_server, 
         assert uploaded > 4 * SMALL and data_object(resumed, 2) != key, uploaded
         assert_is(resumed.restore(2), 2, frozen)
         resumed.verify(2)
+
+
+def test_two_resumed_writers_of_one_step_leave_the_shared_object_to_the_winner(
+    s3_server, s3_url, small_share, monkeypatch
+):
+    """Two writers resume from the same step and save the next one, both sharing its data object,
+    the winner committing while the loser's save is about to: the loser's fails
+    (CheckpointExistsError) and its cleanup removes its own attempt only, never the object the
+    winner's step reads its values from."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as first:
+        first.save(model(1, frozen), 1)
+    with (
+        CheckpointManager(s3_url, storage_options=options) as winner,
+        CheckpointManager(s3_url, storage_options=options) as loser,
+    ):
+        winner.restore()
+        loser.restore()
+        commit, uploaded = loser.store.commit, []
+
+        def winner_first(*args, **kwargs):
+            uploaded.append(uploaded_by(lambda: winner.save(model(2, frozen), 2)))
+            return commit(*args, **kwargs)
+
+        monkeypatch.setattr(loser.store, "commit", winner_first)
+        with pytest.raises(CheckpointExistsError):
+            before = object_store.bytes_put()
+            loser.save(model(2, frozen), 2)
+        uploaded.append(object_store.bytes_put() - before - uploaded[0])
+        assert all(10 * size < 4 * SMALL for size in uploaded), uploaded  # (both shared)
+        assert shared_keys(s3_url, options) == [data_object(winner, 1)] == [data_object(winner, 2)]
+        assert_is(winner.restore(2), 2, frozen)
+        winner.verify(2)
 
 
 @pytest.mark.parametrize("case", ["an older step", "another writer's step since", "a reader's restore"])
