@@ -7,6 +7,9 @@ to a local S3 server (SeaweedFS ``weed mini``, started here, its data on disk).
 A frozen part, a trainable part and its AdamW moments (both changed at every step), ``--steps``
 manager saves keeping 2. Bytes are counted where the store PUTs them (``object_store.bytes_put``,
 documents included); the contenders alternate in shuffled order each round, ``os.sync()`` between.
+``resumed``: the shared steps, their writer replaced half way by a new manager (a resumed process:
+no digests of its own) that restores the latest step first, as after a preemption; its restore is
+timed against a reader's restore of the same step (what the writer's hashing of the values costs).
 
     python benches/s3_dedup_bench.py --frozen-mib 1024 --trainable-mib 32 --steps 10 --rounds 2
 """
@@ -24,7 +27,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "python"))  # the tests' S3 server, shared
+sys.path.insert(0, str(HERE.parent / "tests" / "python" / "helpers"))  # the tests' S3 server, shared
 
 from measure import report, shuffled  # noqa: E402
 
@@ -44,15 +47,25 @@ def model(frozen_mib: int, trainable_mib: int) -> tuple[object, dict, dict]:
     return state, trainable, momentums
 
 
-def run(url: str, options: dict, state, trainable: dict, momentums: dict, steps: int, share: bool) -> dict:
-    """One contender's run of ``steps`` saves: bytes uploaded and seconds, by step."""
+def run(
+    url: str, options: dict, state, trainable: dict, momentums: dict, steps: int, share: bool, resume: bool
+) -> dict:
+    """One contender's run of ``steps`` saves: bytes uploaded and seconds, by step (with
+    ``resume``, the writer replaced before step ``steps // 2 + 1``: its restore's seconds too)."""
     from ortckpt import CheckpointManager, object_store
     from ortckpt.stepstore import shared
 
     shared.SHARE_MIN_BYTES = (64 * MiB) if share else (1 << 62)
-    uploaded, seconds = [], []
-    with CheckpointManager(url, storage_options=options, max_to_keep=2) as manager:
+    uploaded, seconds, restores = [], [], {}
+    manager = CheckpointManager(url, storage_options=options, max_to_keep=2)
+    try:
         for step in range(1, steps + 1):
+            if resume and step == steps // 2 + 1:  # a new process's writer, as after a preemption
+                manager.close()
+                with CheckpointManager(url, storage_options=options, read_only=True) as reader:
+                    restores["reader"] = timed(reader.restore)
+                manager = CheckpointManager(url, storage_options=options, max_to_keep=2)
+                restores["writer"] = timed(manager.restore)
             for n, a in trainable.items():  # a training step: the trainable part and its moments change
                 np.add(a, 1.0, out=a)
                 momentums[n]["momentum0"] += 0.5
@@ -67,9 +80,18 @@ def run(url: str, options: dict, state, trainable: dict, momentums: dict, steps:
             np.testing.assert_array_equal(restored.parameters[n].data, a)
         for step in manager.all_steps():
             manager.delete(step)
+    finally:
+        manager.close()  # (the one writing now: the first, or the resumed one)
     if not share:  # (the baseline really uploads every step whole)
         assert all(b > 0.9 * uploaded[0] for b in uploaded), uploaded
-    return {"bytes": uploaded, "seconds": seconds}
+    return {"bytes": uploaded, "seconds": seconds, "restores": restores}
+
+
+def timed(call) -> float:
+    os.sync()
+    began = time.perf_counter()
+    call()
+    return time.perf_counter() - began
 
 
 def main() -> None:
@@ -86,11 +108,12 @@ def main() -> None:
     try:
         options = server.storage_options()
         state, trainable, momentums = model(args.frozen_mib, args.trainable_mib)
-        results: dict[str, list[dict]] = {"shared": [], "whole": []}
+        results: dict[str, list[dict]] = {"shared": [], "whole": [], "resumed": []}
         for round_ in range(args.rounds):
             for name in shuffled(results, ("s3_dedup", round_)):
                 url = f"s3://{BUCKET}/dedup-{name}-{round_}"
-                results[name].append(run(url, options, state, trainable, momentums, args.steps, name == "shared"))
+                share, resume = name != "whole", name == "resumed"
+                results[name].append(run(url, options, state, trainable, momentums, args.steps, share, resume))
     finally:
         server.stop(keep_data=False)
     lines = [
@@ -112,6 +135,16 @@ def main() -> None:
     whole = statistics.median(statistics.median(r["seconds"][1:]) for r in results["whole"])
     shared = statistics.median(statistics.median(r["seconds"][1:]) for r in results["shared"])
     lines += ["", f"steps 2-N, seconds per step (median): shared {shared:.2f}, whole {whole:.2f}"]
+    first_resumed = args.steps // 2  # (index of the resumed writer's first step)
+    resumed = [r["bytes"][first_resumed] / r["bytes"][0] for r in results["resumed"]]
+    reader = statistics.median(r["restores"]["reader"] for r in results["resumed"])
+    writer = statistics.median(r["restores"]["writer"] for r in results["resumed"])
+    lines += [
+        f"resumed writer's first step (step {first_resumed + 1}): "
+        f"{max(r['bytes'][first_resumed] for r in results['resumed']) / MiB:.1f} MiB (max), "
+        f"{max(resumed):.3f} of step 1 (max of rounds); restore seconds (median): writer {writer:.2f} "
+        f"(hashing the shared values), reader {reader:.2f}, ratio {writer / reader:.2f}",
+    ]
     report(lines, args.out)
 
 

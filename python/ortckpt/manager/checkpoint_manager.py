@@ -401,7 +401,7 @@ class CheckpointManager(Saving):
         retention deletes later."""
         if self.comm is not None:
             return self.restore_sharded(step)[0]
-        return self._reading(step, lambda info: info.load())
+        return self._reading(step, lambda info: info.load(resuming=not self.read_only))
 
     def _reading(self, step: int | None, read: Any) -> Any:
         """``read(info)`` of the checkpoint of ``step`` (default: the latest). A reader whose step
@@ -438,7 +438,9 @@ class CheckpointManager(Saving):
         def session(info: CheckpointInfo) -> tuple[CheckpointState, Any, Any]:
             graphs = info.artifacts
             chosen = device or self.device or info.metadata.get("device")
-            return _artifacts.training_session(info.load(), graphs, chosen, os.fspath(info.url))
+            return _artifacts.training_session(
+                info.load(resuming=not self.read_only), graphs, chosen, os.fspath(info.url)
+            )
 
         return self._reading(step, session)
 

@@ -87,10 +87,13 @@ class CheckpointInfo:
         archive; ``ortckpt decompress`` writes the checkpoint back)."""
         return "compressed" in self.metadata
 
-    def load(self) -> CheckpointState:
+    def load(self, *, resuming: bool = False) -> CheckpointState:
         """The whole state, in this process (a sharded checkpoint's pieces assembled, a
         compressed one decompressed). On object storage, a local copy: it stays usable
-        whatever retention deletes later, as the mapped files of a directory do."""
+        whatever retention deletes later, as the mapped files of a directory do. ``resuming``:
+        its writer's restore (:meth:`CheckpointManager.restore`), whose next save on object
+        storage shares the values of the data object this step shares (see
+        :mod:`ortckpt.stepstore.shared`)."""
         if self.sharded:
             from ..distributed.sharded import assemble_step
 
@@ -98,7 +101,12 @@ class CheckpointInfo:
         try:
             # (checked against what its metadata.json records: a step holding another save's
             # files, or files changed since, is refused, naming the file)
-            return self.store.load(self._files, steps.CHECKPOINT_NAME, recorded=self.metadata["files"])
+            return self.store.load(
+                self._files,
+                steps.CHECKPOINT_NAME,
+                recorded=self.metadata["files"],
+                resuming=self.step_record if resuming else None,
+            )
         except FileNotFoundError:
             # Compressed (perhaps since this info was read: the archive is written before the
             # checkpoint goes, so it is there whenever the checkpoint is not; compress_kept is

@@ -45,7 +45,7 @@ def open_store(
     run = targets.run(where, storage_options)
     if isinstance(run, Path):
         return DirectoryStore(run, writer=writer, create=create)
-    return ObjectStore(run)
+    return ObjectStore(run, writer=writer)
 
 
 __all__ = [

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # Where a step's (or an attempt's) files are: a Path in a directory, a Location on object
 # storage. Only the store that made it reads it: everyone else hands it back to that store.
 Folder: TypeAlias = "Path | Location"
+# What a step's metadata.json records of its files, by name (see .entries).
+Recorded: TypeAlias = Mapping[str, dict[str, Any]]
 
 # A reader's scan that finds steps deleted under it looks again, at most this many times and for
 # at most this many seconds: retention deletes a step only after a newer one is committed, so a
@@ -231,17 +233,17 @@ class StepStore(abc.ABC):
 
     @abc.abstractmethod
     def load(
-        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+        self, folder: Folder, name: str, *, recorded: Recorded | None = None, resuming: Step | None = None
     ) -> CheckpointState:
         """A checkpoint of a step, loaded; it stays usable whatever later retention deletes.
         With ``recorded`` (the step's metadata.json entries), the checkpoint and its data file
         are first checked against their entries, by what costs no second read: sizes, checksum
         root and pair id (see each store's ``load``); one that is not the file the step saved is
-        refused, :class:`~ortckpt.CheckpointIntegrityError` naming it."""
+        refused, :class:`~ortckpt.CheckpointIntegrityError` naming it. ``resuming``: the step,
+        when its writer restores it to go on saving (an object store's writer then shares the
+        step's data object from its next save: see :mod:`.shared`)."""
 
-    def download(
-        self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None
-    ) -> None:
+    def download(self, folder: Folder, name: str, path: Path, *, recorded: Recorded | None = None) -> None:
         """A step's checkpoint copied to the new local file ``path`` (and its data file): where
         the store's files are not on this machine (object storage; a directory's are read in place)."""
         raise NotImplementedError(f"{self.name}: its steps' files are read in place")

@@ -51,6 +51,7 @@ from .base import (
     Attempt,
     Folder,
     LocalStep,
+    Recorded,
     Scan,
     SourceDigests,
     Step,
@@ -179,9 +180,10 @@ class DirectoryStore(StepStore):
         return targets.LocalFile(safe_io.member(_path(folder), name))
 
     def load(
-        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+        self, folder: Folder, name: str, *, recorded: Recorded | None = None, resuming: Step | None = None
     ) -> CheckpointState:
-        """The checkpoint, mapped; with ``recorded``, checked first (:func:`check_recorded`)."""
+        """The checkpoint, mapped; with ``recorded``, checked first (:func:`check_recorded`).
+        (``resuming`` changes nothing: a directory's steps share by comparing bytes.)"""
         if recorded is not None:
             check_recorded(_path(folder), name, recorded)
         # (documents name plain files inside the step: never followed through a symlink)

@@ -37,7 +37,9 @@ def hashed(source: Location, local: Path, recorded: int) -> tuple[int, str] | Ba
     return size, digest.hexdigest()
 
 
-def recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path, run: Location) -> None:
+def recorded(
+    folder: Location, name: str, recorded: Mapping[str, dict[str, Any]], path: Path, run: Location
+) -> dict[str, str | None]:
     """Streams the checkpoint object ``name`` of a step's ``folder`` (and its data object, when
     metadata.json records one) into ``path`` (and ``path.data``), refusing, with
     :class:`~ortckpt.CheckpointIntegrityError` naming the object, one that is not what the step
@@ -47,8 +49,10 @@ def recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]]
     object without that (another ETag: copied over, or the same bytes copied from elsewhere; an
     older step's entry) by its SHA-256, taken as the bytes come (no second read). A missing
     object is FileNotFoundError naming it. A data object the steps share is read from the run's
-    shared folder (``run``), where its entry says (``object``)."""
+    shared folder (``run``), where its entry says (``object``). Returns, by file, the ETag its GET
+    was conditional on (None: the server gave none)."""
     problems = []
+    etags: dict[str, str | None] = {}
     for file, local in ((name, path), (f"{name}.data", Path(f"{path}.data"))):
         entry = recorded.get(file)
         if entry is None:
@@ -68,6 +72,7 @@ def recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]]
             object_store.download_to(source, fd, expected_size=entry["bytes"], etag=found.etag, digest=digest)
         finally:
             os.close(fd)
+        etags[file] = found.etag
         if digest is not None and "sha256" in entry and digest.hexdigest() != entry["sha256"]:
             problems.append(f"{source.url}: SHA-256 {digest.hexdigest()} differs from metadata's {entry['sha256']}")
             continue
@@ -79,6 +84,7 @@ def recorded(folder: Location, name: str, recorded: Mapping[str, dict[str, Any]]
             folder.child(name).url,
             [f"{p} (not the object its step records: refused)" for p in problems],
         )
+    return etags
 
 
 __all__ = ["hashed", "recorded"]

@@ -53,7 +53,7 @@ from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
 from . import downloads, shared
-from .base import Attempt, Folder, LocalStep, Scan, SourceDigests, Step, StepStore, check_graph_size
+from .base import Attempt, Folder, LocalStep, Recorded, Scan, SourceDigests, Step, StepStore, check_graph_size
 from .shared import SharedObjects
 
 KINDS = {steps.METADATA_NAME: documents.METADATA, steps.INDEX_NAME: documents.SHARDED_INDEX}
@@ -65,7 +65,7 @@ class ObjectStore(StepStore):
     holds_interrupts = False  # (Python streams every upload: a Ctrl-C stops it at once)
     shared_with_writers = True  # (no lock on a prefix)
 
-    def __init__(self, prefix: Location) -> None:
+    def __init__(self, prefix: Location, *, writer: bool = False) -> None:
         self.prefix = prefix
         self.name = prefix.url
         self._sources = SourceDigests()
@@ -74,7 +74,7 @@ class ObjectStore(StepStore):
         # Attempts whose commit was sent but not known to have landed (an error answered it), by
         # step: a later save of the step that finds one of them committed takes it as its own.
         self._unsure: dict[int, set[str]] = {}
-        self._shared = SharedObjects()  # the data objects the run's steps share (see .shared)
+        self._shared = SharedObjects(writer)  # the data objects the run's steps share (see .shared)
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -195,21 +195,24 @@ class ObjectStore(StepStore):
         return targets.ObjectFile(_location(folder).child(name))
 
     def load(
-        self, folder: Folder, name: str, *, recorded: Mapping[str, dict[str, Any]] | None = None
+        self, folder: Folder, name: str, *, recorded: Recorded | None = None, resuming: Step | None = None
     ) -> CheckpointState:
         """A local copy of the checkpoint (an unlinked temporary file, mapped): downloaded as a
         stream, so memory stays bounded, and usable whatever later retention deletes. With
-        ``recorded`` (the step's metadata.json entries), each object is downloaded only if the
-        server declares the size recorded (nothing more is ever written), its SHA-256 taken as
-        the bytes come, and checked against its entry (:func:`.downloads.recorded`)."""
+        ``recorded`` (the step's entries), each object checked as it comes (:func:`.downloads.recorded`);
+        a writer ``resuming`` from the step hashes its data object's values (:meth:`.SharedObjects.restored`)."""
         with safe_io.scratch_directory() as scratch:  # (a restore killed mid-download leaves it for the next to sweep)
             path = scratch / steps.CHECKPOINT_NAME
-            self.download(folder, name, path, recorded=recorded)
-            return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+            if recorded is None:
+                self.download(folder, name, path)
+                return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+            etags = downloads.recorded(_location(folder), name, recorded, path, self._run)
+            state = open_checkpoint(path, follow_symlinks=False)
+            if resuming is not None and name == steps.CHECKPOINT_NAME:  # (a writer's: see .shared)
+                self._shared.restored(resuming, path, etags.get(f"{name}.data"))
+            return state
 
-    def download(
-        self, folder: Folder, name: str, path: Path, *, recorded: Mapping[str, dict[str, Any]] | None = None
-    ) -> None:
+    def download(self, folder: Folder, name: str, path: Path, *, recorded: Recorded | None = None) -> None:
         """Streams the checkpoint ``name`` of a step's folder into the new file ``path`` (and its
         data, from the run's shared folder when the step shares it, into ``path.data``); with
         ``recorded``, checked as :meth:`load` checks it."""

@@ -13,8 +13,19 @@ frozen model uploads is what changed.
   the object this writer uploaded last, it is still there with its size, the values found fill
   at least half of it (an object mostly stale is not kept alive step after step) and the rest
   fit ONNX Runtime's 2 GiB inline; else the step goes up whole with a new data object, which the
-  next steps share. The digests live in this writer's memory (a resumed writer's first step
-  goes up whole).
+  next steps share. The digests live in this writer's memory, each taken from bytes it had: no
+  document is trusted for them.
+- **A resumed writer** (a new process after a preemption, a crash, a redeploy) has none, until
+  it restores: the values its restore downloads from the data object a step shares (the object
+  proven to be the one the step records, by its ETag or SHA-256, and read by a GET conditional
+  on the ETag the server declared) are hashed at their offsets, and that object becomes the
+  basis, as if this writer had uploaded it, for a save whose previous step is the very step
+  restored (same number, same attempt). Else (no restore, an older step restored, another
+  writer's step committed since, a reader) the first step goes up whole, as it always did.
+- **Checks at each save**, whichever writer hashed the object: the previous step still names it
+  (key, size, SHA-256, pair id), and it is still there with that size and the ETag it had when
+  hashed, where the server gives ETags (an object replaced meanwhile, even by one of the same
+  size, is not shared from).
 - **Collection.** A data object is deleted only when no committed step names it, no save of this
   writer in flight holds it, and no step this writer committed since the collection's scan began
   names it: after a retirement (the step's document gone first, so a reader is never shown a step
@@ -28,6 +39,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .. import _boundary, documents, object_store, steps, targets
@@ -53,16 +65,21 @@ class SharedData:
     # SHA-256 of a value's bytes -> its offsets in the object (one per value that had them: no two
     # tensors of a checkpoint may read the same bytes, which a load refuses as overlapping)
     offsets: dict[str, list[int]]
+    etag: str | None = None  # the ETag the server gave for the bytes hashed (None: not given)
 
 
 class SharedObjects:
     """One writer's side of the run's shared data objects (see the module's description)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: bool) -> None:
+        self._writer = writer  # (a reader's restores hash nothing: it never saves)
         # The object of the last step this writer committed uploading it: what the next save
         # shares from; and, by attempt, the one an attempt uploaded (promoted when it commits).
         self._basis: SharedData | None = None
         self._uploaded: dict[str, SharedData] = {}
+        # The object of the step this writer last restored, hashed from the bytes downloaded, by
+        # (step, attempt): the basis of a save whose previous step is that one.
+        self._restored: tuple[tuple[int, Any], SharedData] | None = None
         # Objects that saves in flight use, by attempt: never collected while they are.
         self._held: dict[str, list[str]] = {}
         self._lock = threading.Lock()
@@ -98,6 +115,13 @@ class SharedObjects:
         basis = self._basis
         if basis is not None and not _names_shared(previous, data_name, basis.entry):
             basis = None  # (not the previous step's: e.g. another writer's, or a step restored from elsewhere)
+        restored = self._restored
+        if basis is None and restored is not None and previous is not None:
+            step, data = restored
+            if step == (previous.number, previous.document.get("attempt")) and _names_shared(
+                previous, data_name, data.entry
+            ):
+                basis = self._basis = data  # (the restored step is the previous one: as if uploaded here)
         if basis is not None:
             self._hold(attempt, basis.entry["object"])
             written = self._upload_sharing(run, attempt, name, state, values, basis, progress=progress)
@@ -123,6 +147,8 @@ class SharedObjects:
         found = object_store.head(run.child(basis.entry["object"]))
         if found is None or found.size != basis.entry["bytes"]:
             return None  # (removed meanwhile, e.g. by another job's sweep: the next step shares the new one)
+        if None not in (basis.etag, found.etag) and found.etag != basis.etag:
+            return None  # (replaced since its values were hashed, whatever its size: not shared from)
         shared: dict[tuple[int, int], int] = {}
         free = {digest: list(offsets) for digest, offsets in basis.offsets.items()}
         keys = [_boundary.buffer_key(value) for value in values]
@@ -162,10 +188,32 @@ class SharedObjects:
         entry = put_hashed(run.child(key), targets.filled(size, parts), progress)
         entry.update(pair=pair.hex(), object=key)
         attempt.shared[f"{name}.data"] = entry
-        self._uploaded[attempt.where] = SharedData(dict(entry), pair, offsets)
+        self._uploaded[attempt.where] = SharedData(dict(entry), pair, offsets, entry.get("etag"))
         written = {name: put_hashed(_folder(attempt).child(name), main, progress)}
         attempt.written.update(written)
         return written
+
+    def restored(self, step: Step, checkpoint: Path, etag: str | None) -> None:
+        """This writer restored ``step``, its checkpoint downloaded to ``checkpoint`` and the data
+        object it shares to ``checkpoint.data``, both proven to be the ones the step records, the
+        data read by a GET conditional on ``etag``. Each value the checkpoint reads from that
+        object is hashed at its offset, from the bytes downloaded: the basis of a save whose
+        previous step is ``step`` (see the module's description). A step sharing none: nothing."""
+        self._restored = None  # (another step restored: not the one restored before)
+        entry = step.document.get("files", {}).get(f"{steps.CHECKPOINT_NAME}.data")
+        if not self._writer or entry is None or "object" not in entry or "pair" not in entry:
+            return
+        loaded = _boundary.load(checkpoint, follow_symlinks=False)
+        if loaded.mappings[1] is None:
+            return
+        data = memoryview(loaded.mappings[1]).cast("B")
+        offsets: dict[str, list[int]] = {}
+        for _key, (_name, _code, _dims, stored) in loaded.tensors():
+            if isinstance(stored, tuple) and stored[2] and stored[1] >= EXTERNAL_MIN_BYTES:
+                offset, nbytes, _external = stored
+                offsets.setdefault(hashlib.sha256(data[offset : offset + nbytes]).hexdigest(), []).append(offset)
+        basis = SharedData(dict(entry), bytes.fromhex(entry["pair"]), offsets, etag)
+        self._restored = ((step.number, step.document.get("attempt")), basis)
 
     def _hold(self, attempt: Attempt, key: str) -> None:
         with self._lock:

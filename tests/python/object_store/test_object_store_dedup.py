@@ -18,7 +18,15 @@ import numpy as np
 import ortckpt
 import ortckpt.object_store as object_store
 import pytest
-from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, documents, resolve, targets
+from ortckpt import (
+    CheckpointExistsError,
+    CheckpointIntegrityError,
+    CheckpointManager,
+    CheckpointState,
+    documents,
+    resolve,
+    targets,
+)
 from ortckpt.stepstore import shared
 
 SMALL = 1 << 20  # the share threshold the tests set (shared.SHARE_MIN_BYTES), so that models stay small
@@ -254,6 +262,138 @@ def test_a_resumed_writer_uploads_its_first_step_whole_then_shares(s3_server, s3
         assert resumed.all_steps() == [2, 3]
     assert uploaded[0] > 4 * SMALL > 10 * uploaded[1], uploaded
     assert len(shared_keys(s3_url, options)) == 1  # step 1's went with it
+
+
+def uploaded_by(save) -> int:
+    before = object_store.bytes_put()
+    save()
+    return object_store.bytes_put() - before
+
+
+def data_object(manager: CheckpointManager, step: int | None = None) -> str:
+    info = manager.latest() if step is None else next(info for info in manager.all() if info.step == step)
+    assert info is not None
+    return info.metadata["files"]["checkpoint.data"]["object"]
+
+
+def test_a_resumed_writer_that_restores_shares_from_its_first_step(
+    s3_server, s3_url, small_share, ort, aws_environment
+):
+    """A new writer (a new manager: no digests of its own) restores the latest step, changes its
+    trainable part and saves: the step uploads only that change, sharing the data object the
+    restored step names, hashed from the bytes the restore downloaded; so does the next. The
+    step restores bit-identically and loads in ONNX Runtime alone, its neighbours deleted."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as first:
+        whole = uploaded_by(lambda: first.save(model(1, frozen), 1))
+        first.save(model(2, frozen), 2)  # (shares step 1's object: restored, it is the one hashed)
+    with CheckpointManager(s3_url, storage_options=options) as resumed:
+        state = resumed.restore()
+        assert_is(state, 2, frozen)
+        state.parameters["head"] = np.full(TRAINABLE // 4, 3.0, np.float32)  # (a training step's change)
+        uploaded = [uploaded_by(lambda: resumed.save(state, 3))]
+        uploaded.append(uploaded_by(lambda: resumed.save(model(4, frozen), 4)))
+        assert whole > 4 * SMALL and all(10 * later < 4 * SMALL for later in uploaded), (whole, uploaded)
+        assert data_object(resumed, 3) == data_object(resumed, 4) == data_object(resumed, 2)
+        assert_is(resumed.restore(3), 3, frozen)
+        for step in (1, 2, 4):
+            resumed.delete(step)
+        assert resumed.all_steps() == [3] and len(shared_keys(s3_url, options)) == 1
+        assert_is(resumed.restore(3), 3, frozen)
+        with resolve.checkpoint(f"{s3_url}/step_00000003") as resolved:
+            described = ort("describe", resolved.path)
+    values = {"head": np.full(TRAINABLE // 4, 3.0, np.float32), **frozen}
+    digests = {p["name"]: p["sha256"] for p in described["parameters"]}
+    assert digests == {name: hashlib.sha256(value.tobytes()).hexdigest() for name, value in values.items()}
+
+
+def test_a_data_object_replaced_after_the_restore_is_not_shared_from(s3_server, s3_url, small_share):
+    """The restored step's data object is replaced, by one of the same size, between the restore
+    and the save: the ETag it had when hashed differs, so the step goes up whole (a new data
+    object), and restores as saved (shared by the size alone, it would read the planted bytes)."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as first:
+        first.save(model(1, frozen), 1)
+    with CheckpointManager(s3_url, storage_options=options) as resumed:
+        resumed.restore()
+        key = data_object(resumed)
+        where = targets.object_location(f"{s3_url}/{key}", options)
+        data = bytearray(object_store.get(where))
+        data[100] ^= 1  # (inside layer0's values: a value the restore hashed)
+        object_store.put(where, bytes(data))
+        uploaded = uploaded_by(lambda: resumed.save(model(2, frozen), 2))
+        assert uploaded > 4 * SMALL and data_object(resumed, 2) != key, uploaded
+        assert_is(resumed.restore(2), 2, frozen)
+        resumed.verify(2)
+
+
+def test_two_resumed_writers_of_one_step_leave_the_shared_object_to_the_winner(
+    s3_server, s3_url, small_share, monkeypatch
+):
+    """Two writers resume from the same step and save the next one, both sharing its data object,
+    the winner committing while the loser's save is about to: the loser's fails
+    (CheckpointExistsError) and its cleanup removes its own attempt only, never the object the
+    winner's step reads its values from."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as first:
+        first.save(model(1, frozen), 1)
+    with (
+        CheckpointManager(s3_url, storage_options=options) as winner,
+        CheckpointManager(s3_url, storage_options=options) as loser,
+    ):
+        winner.restore()
+        loser.restore()
+        commit, uploaded = loser.store.commit, []
+
+        def winner_first(*args, **kwargs):
+            uploaded.append(uploaded_by(lambda: winner.save(model(2, frozen), 2)))
+            return commit(*args, **kwargs)
+
+        monkeypatch.setattr(loser.store, "commit", winner_first)
+        with pytest.raises(CheckpointExistsError):
+            before = object_store.bytes_put()
+            loser.save(model(2, frozen), 2)
+        uploaded.append(object_store.bytes_put() - before - uploaded[0])
+        assert all(10 * size < 4 * SMALL for size in uploaded), uploaded  # (both shared)
+        assert shared_keys(s3_url, options) == [data_object(winner, 1)] == [data_object(winner, 2)]
+        assert_is(winner.restore(2), 2, frozen)
+        winner.verify(2)
+
+
+@pytest.mark.parametrize("case", ["an older step", "another writer's step since", "a reader's restore"])
+def test_a_resumed_writer_shares_only_after_restoring_the_previous_step(
+    s3_server, s3_url, small_share, monkeypatch, case
+):
+    """Its first step shares only when the step it restored is the one it follows: an older step
+    restored (even one naming the same object), or a step another writer committed since the
+    restore, and it goes up whole, as without a restore; a reader's restore hashes nothing."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1)
+    with CheckpointManager(s3_url, storage_options=options) as first:
+        first.save(model(1, frozen), 1)
+        first.save(model(2, frozen), 2)  # (names step 1's object too)
+    with CheckpointManager(s3_url, storage_options=options) as resumed:
+        if case == "an older step":
+            assert_is(resumed.restore(1), 1, frozen)
+        elif case == "another writer's step since":
+            resumed.restore()
+            with CheckpointManager(s3_url, storage_options=options) as other:
+                other.save(model(3, frozen), 3)
+            resumed.reload()
+        else:
+            with (
+                CheckpointManager(s3_url, storage_options=options, read_only=True) as reader,
+                monkeypatch.context() as patched,
+            ):
+                patched.setattr(shared.SharedObjects, "restored", lambda *_: pytest.fail("a reader hashed"))
+                assert_is(reader.restore(), 2, frozen)
+        step = resumed.latest().step + 1
+        assert uploaded_by(lambda: resumed.save(model(step, frozen), step)) > 4 * SMALL
+        assert 10 * uploaded_by(lambda: resumed.save(model(step + 1, frozen), step + 1)) < 4 * SMALL
+        assert_is(resumed.restore(step), step, frozen)
 
 
 def test_small_checkpoints_and_shards_stay_whole_in_their_step(s3_server, s3_url, monkeypatch):
