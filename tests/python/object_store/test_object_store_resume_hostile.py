@@ -41,3 +41,24 @@ def test_a_metadata_entry_naming_another_object_of_the_run_is_refused(s3_server,
         assert uploaded_by(lambda: resumed.save(model(3, new), 3)) > 4 * SMALL
         assert_is(resumed.restore(3), 3, new)
         resumed.verify(3)
+
+
+def test_the_shared_object_put_again_with_its_own_bytes_after_the_restore(s3_server, s3_url, small_share, monkeypatch):  # noqa: F811
+    """The restored step's data object uploaded again, the same bytes in parts (another ETag): not
+    the object hashed, so the next step goes up whole; it restores and verifies alone."""
+    options = s3_server.storage_options()
+    frozen = frozen_part(1, 12 * SMALL)  # (in 5 MiB parts, the server's least)
+    with CheckpointManager(s3_url, storage_options=options) as first:
+        first.save(model(1, frozen), 1)
+    with CheckpointManager(s3_url, storage_options=options) as resumed:
+        resumed.restore()
+        where = targets.object_location(f"{s3_url}/{data_object(resumed)}", options)
+        before = object_store.head(where)
+        with monkeypatch.context() as parts:
+            parts.setattr(object_store, "PART_BYTES", 5 << 20)
+            again = object_store.put_stream(where, [bytes(object_store.get(where))])
+        assert before is not None and again.etag != before.etag and again.size == before.size
+        assert uploaded_by(lambda: resumed.save(model(2, frozen), 2)) > 12 * SMALL
+        resumed.delete(1)
+        assert_is(resumed.restore(2), 2, frozen)
+        resumed.verify(2)
