@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from distributed_model import ThreadComm, on_ranks, rank_state
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.distributed import shard_file_name
@@ -150,3 +151,29 @@ def test_plain_and_sharded_steps_in_turn_share_nothing_across_and_restore(tmp_pa
         plain.verify(3)
         info = next(i for i in plain.all() if i.step == 3)
         assert_whole_state(info.load(), 3, 2)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "missing"])
+def test_a_damaged_previous_shard_never_blocks_the_next_save(tmp_path: Path, how: str) -> None:
+    """Rank 1's shard checkpoint of step 1 (not its data file) overwritten with garbage of its size,
+    truncated, or removed: step 2 still saves, that shard whole, and restores bit for bit."""
+    assert save_steps(tmp_path, 2, [1]) == [None, None]
+    first = step_dir(tmp_path, 1)
+    shard = first / shard_file_name(1, 2)
+    mode, folder_mode = stat.S_IMODE(shard.stat().st_mode), stat.S_IMODE(first.stat().st_mode)
+    first.chmod(stat.S_IRWXU)
+    if how == "missing":
+        shard.unlink()
+    else:
+        shard.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        data = shard.read_bytes()
+        shard.write_bytes(os.urandom(len(data)) if how == "garbage" else data[: len(data) // 2])
+        shard.chmod(mode)
+    first.chmod(folder_mode)
+    assert save_steps(tmp_path, 2, [2]) == [None, None]
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        reader.verify(2)
+        info = reader.latest()
+        assert info is not None and info.step == 2
+        assert_whole_state(info.load(), 2, 2)
+    assert restore_on_ranks(tmp_path, 2, 2, 2) == [[], []]
