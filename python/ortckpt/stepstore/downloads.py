@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import object_store, safe_io
+from ..checkpoint_state import CheckpointState, open_checkpoint
 from ..errors import CheckpointError, CheckpointIntegrityError
 from ..object_store import Location
 from . import entries
@@ -87,4 +88,15 @@ def recorded(
     return etags
 
 
-__all__ = ["hashed", "recorded"]
+def opened(path: Path, url: str) -> CheckpointState:
+    """The checkpoint downloaded to ``path``, mapped (the maps keep the bytes); an error in it
+    names the object (``url``) the user knows, not the scratch copy."""
+    try:
+        return open_checkpoint(path, follow_symlinks=False)
+    except CheckpointError as e:
+        e.filename = url
+        e.args = (str(e).replace(str(path), url),)
+        raise
+
+
+__all__ = ["hashed", "opened", "recorded"]

@@ -49,7 +49,7 @@ from typing import Any
 
 from .. import documents, object_store, object_uploads, safe_io, steps, targets
 from .._boundary import CoreState
-from ..checkpoint_state import CheckpointState, open_checkpoint
+from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
 from . import downloads, shared
@@ -205,9 +205,9 @@ class ObjectStore(StepStore):
             path = scratch / steps.CHECKPOINT_NAME
             if recorded is None:
                 self.download(folder, name, path)
-                return open_checkpoint(path, follow_symlinks=False)  # the maps keep the bytes
+                return downloads.opened(path, _location(folder).child(name).url)
             etags = downloads.recorded(_location(folder), name, recorded, path, self._run)
-            state = open_checkpoint(path, follow_symlinks=False)
+            state = downloads.opened(path, _location(folder).child(name).url)
             if resuming is not None and name == steps.CHECKPOINT_NAME:  # (a writer's: see .shared)
                 self._shared.restored(resuming, path, etags.get(f"{name}.data"))
             return state

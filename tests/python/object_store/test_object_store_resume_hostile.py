@@ -36,8 +36,10 @@ def test_a_metadata_entry_naming_another_object_of_the_run_is_refused(s3_server,
     document["files"]["checkpoint.data"] = entry
     object_store.put(where, json.dumps(document).encode())
     with CheckpointManager(s3_url, storage_options=options) as resumed:
-        with pytest.raises(CheckpointError, match="different saves"):  # (the pair ids differ)
+        with pytest.raises(CheckpointError, match="different saves") as refused:  # (the pair ids differ)
             resumed.restore(2)
+        # (named as the step's object, not as the scratch copy it was downloaded to)
+        assert refused.value.filename.startswith("s3://") and "step_00000002" in str(refused.value), refused.value
         assert uploaded_by(lambda: resumed.save(model(3, new), 3)) > 4 * SMALL
         assert_is(resumed.restore(3), 3, new)
         resumed.verify(3)
