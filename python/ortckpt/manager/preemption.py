@@ -32,6 +32,12 @@ What the handler does with each signal:
   ended), what the scheduler's SIGKILL would do a little later. Steps are transactions: a save
   cut there leaves the previous step, whole.
 
+The handler takes no lock that the code it interrupts may hold, and starts no thread: it runs
+between two bytecodes of the main thread, which may be inside ``threading``'s own code (a
+watchdog Timer's cancel, in ``close()``, held its Event's lock when a second SIGTERM came, and the
+handler, cancelling it again, waited for that lock forever: seen in CI). So the watchdog is a
+thread started with the manager that waits on a pipe, which the handler only writes a byte to.
+
 Handlers are installed when the manager is created and put back by ``close()`` (if nobody
 replaced them meanwhile); Python lets only the main thread install them, so a manager created
 in another thread with ``preemption`` raises ``ValueError``: create it in the main thread, or
@@ -41,10 +47,13 @@ preemption (a thread polling the cloud's metadata service, say).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -103,13 +112,13 @@ class Preemption:
         self.signal: int | None = None  # the first signal noticed (0: manager.preempt())
         self.saving = False
         self._previous: dict[signal.Signals, Any] = {}
-        self._watchdog: threading.Timer | None = None
         self._lock = threading.RLock()  # (the handler may run in the main thread while it holds it)
         if signals and threading.current_thread() is not threading.main_thread():
             raise ValueError(
                 f"{where}: preemption= installs signal handlers, which Python allows only in the main thread: "
                 "create the manager there, or leave preemption off and call manager.preempt() yourself"
             )
+        self._watchdog = _Watchdog(grace, self._expire) if grace is not None else None
         self._handler = _Handler(self)
         try:
             for sig in signals:
@@ -141,10 +150,8 @@ class Preemption:
             if self.signal is not None:
                 return
             self.signal = signum
-            if self.grace is not None:
-                self._watchdog = threading.Timer(self.grace, self._expire)
-                self._watchdog.daemon = True
-                self._watchdog.start()
+            if self._watchdog is not None:
+                self._watchdog.start_grace()
 
     def _escalate(self, signum: int, frame: Any) -> None:
         """A second signal before the save: the handler installed before, as if the manager
@@ -154,8 +161,11 @@ class Preemption:
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
-            self.restore()
-            signal.raise_signal(sig)  # the default action (SIGTERM, SIGINT's SIG_DFL: the process ends)
+            # The default action (SIGTERM, SIGINT's SIG_DFL: the process ends), before anything else:
+            # this may have interrupted close() itself.
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+            self.restore()  # (a signal whose default is to be ignored: the manager's handlers go)
 
     def _expire(self) -> None:
         """The grace period is over and the manager is not closed: the process ends."""
@@ -172,14 +182,66 @@ class Preemption:
     def restore(self) -> None:
         """Stops the watchdog; puts back each handler this one replaced, where it is still ours."""
         if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+            self._watchdog.stop()
         if threading.current_thread() is not threading.main_thread():
             return  # (Python cannot: they stay, and a signal still marks this run preempted)
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             if signal.getsignal(sig) is self._handler:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+class _Watchdog:
+    """The grace period's watchdog: a daemon thread, started with the manager, that waits on a
+    pipe. ``start_grace`` (the signal handler's: it writes a byte, no more) starts the grace
+    period, ``stop`` ends the thread; if the grace period ends first, ``expire`` is called."""
+
+    _GRACE = b"g"
+    _STOP = b"s"
+
+    def __init__(self, grace: float, expire: Any) -> None:
+        self._grace = grace
+        self._expire = expire
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # (a full pipe: the watchdog has a byte to read already)
+        # Reentrant: the handler may run in the main thread while stop() holds it there (and then
+        # finds it stopped, or writes before the close); another thread's call waits for stop().
+        self._lock = threading.RLock()
+        self._stopped = False
+        threading.Thread(target=self._run, name="ortckpt-preemption-watchdog", daemon=True).start()
+
+    def start_grace(self) -> None:
+        with self._lock:
+            if not self._stopped:
+                self._send(self._GRACE)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True  # (first: a handler running from here on writes nothing)
+            self._send(self._STOP)
+            os.close(self._write)  # (the read end is the thread's, closed as it ends)
+
+    def _send(self, byte: bytes) -> None:
+        with contextlib.suppress(OSError):  # (full: the watchdog has a byte to read already)
+            os.write(self._write, byte)
+
+    def _run(self) -> None:
+        try:
+            deadline: float | None = None
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not select.select([self._read], [], [], wait)[0]:
+                    self._expire()
+                    return
+                news = os.read(self._read, 64)
+                if not news or self._STOP in news:  # (end of file: stopped with a full pipe)
+                    return
+                if deadline is None:
+                    deadline = time.monotonic() + self._grace
+        finally:
+            os.close(self._read)
 
 
 class _Handler:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -115,6 +116,59 @@ def test_grace_period_ends_a_run_that_never_saves(tmp_path: Path) -> None:
     _, err = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM
     assert "preemption_grace" in err
+
+
+CLOSE_SWEEP = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    import ortckpt
+    manager = ortckpt.CheckpointManager(sys.argv[1], preemption=True, preemption_grace=60)
+    os.kill(os.getpid(), signal.SIGTERM)  # the first signal: the run is preempted
+    assert manager.preempted
+    outcomes = {}
+    for k in range(1, 100_000):
+        pid = os.fork()
+        if pid == 0:  # a child closes the manager, and gets the second SIGTERM at close's k-th event
+            seen = 0
+            def hook(frame, event, arg):
+                global seen
+                seen += 1
+                if seen == k:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            sys.setprofile(hook)
+            manager.close()
+            sys.setprofile(None)
+            os._exit(0 if seen >= k else 3)  # 3: close() ended before its k-th event
+        deadline = time.monotonic() + 10
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if done[0] == 0:  # stuck: killed, and told
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            outcomes[k] = "stuck"
+            break
+        if os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 3:
+            break
+        outcomes[k] = f"signal {os.WTERMSIG(done[1])}" if os.WIFSIGNALED(done[1]) else f"exit {os.WEXITSTATUS(done[1])}"
+    print(json.dumps([sorted(set(outcomes.values())), len(outcomes), [k for k, v in outcomes.items() if v == "stuck"]]))
+    """
+)
+
+
+def test_a_second_signal_at_any_moment_of_close_ends_the_process(tmp_path: Path) -> None:
+    """Once preempted, a second SIGTERM that lands anywhere inside close() ends the process by
+    its default action (or close() finishes first): never a hang. Each forked child gets it at
+    the next of close()'s profile events. (The handler once cancelled the watchdog Timer that
+    close() was cancelling, inside its Event's lock, and waited for that lock forever.)"""
+    script = tmp_path / "sweep.py"
+    script.write_text(CLOSE_SWEEP)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    kinds, events, stuck = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stuck == [] and events > 10, done.stdout
+    assert set(kinds) <= {f"signal {int(signal.SIGTERM)}", "exit 0"}, kinds
 
 
 def test_handlers_chain_and_are_restored(tmp_path: Path) -> None:
