@@ -32,6 +32,7 @@ import numpy as np
 from ..checkpoint_state import CheckpointState
 from ..errors import ArrayRecordError
 from ..extras import require
+from ..live import ort_state_of
 from .convert import flwr_app, values_of
 
 # The files generate_artifacts writes into its artifact directory.
@@ -136,7 +137,7 @@ class OrtClient:
         C = _training_api()
         device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
         options = C.SessionOptions()
-        ort_state = state._state  # (ONNX Runtime's state behind ortckpt's, as its Module takes it)
+        ort_state = ort_state_of(state)  # (ONNX Runtime's state behind ortckpt's, as its Module takes it)
         module = C.Module(
             str(self.artifacts / TRAINING_MODEL), ort_state, str(self.artifacts / EVAL_MODEL), device, options
         )
