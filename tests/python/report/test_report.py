@@ -18,13 +18,15 @@ import numpy as np
 import ortckpt
 import ortckpt.report
 import pytest
-from mlflow import MlflowClient
+from lazy_modules import lazy_module
 from ortckpt import CheckpointInfo, CheckpointManager, CheckpointState, OptimizerGroup
 from ortckpt.cli import FAILED, OK, USAGE, run
 from ortckpt.errors import InvalidArgumentError
 from ortckpt.manager.tracking import MlflowTracker
 from ortckpt.statistics import histogram, tensor_changes, tensor_stats
 from ortckpt.tensor_keys import TensorTable
+
+mlflow = lazy_module("mlflow")  # (imported at a test's first use: 3 CPU s that collection need not pay)
 
 TIMES, MINUS = "\u00d7", "\u2212"  # as the page writes a shape and -Inf
 
@@ -392,7 +394,7 @@ def test_the_report_of_a_step_folder_names_the_steps_files(tmp_path, capsys):
     assert listed == [f"{steps[1]}/{name}" for name in sorted(files)]
 
 
-def published(client: MlflowClient, run_id: str, step: int, into: Path) -> Node:
+def published(client: mlflow.MlflowClient, run_id: str, step: int, into: Path) -> Node:
     path = client.download_artifacts(run_id, f"checkpoints/step_{step:08d}/report.html", str(into))
     return parse(Path(path).read_text())
 
@@ -403,7 +405,7 @@ def test_the_manager_attaches_each_steps_report_to_mlflow(tmp_path, mlflow_uri):
         manager.save(model(1), step=1, metrics={"loss": 1.0})
         manager.save(model(2, nan=True), step=2, metrics={"loss": 0.5})
         directories = [str(info.directory) for info in manager.all()]
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     first = published(client, tracker.mlflow_run_id, 1, tmp_path / "1")
     assert first.find("h1")[0].text() == directories[0] and not first.find("table", id="changes")
     second = published(client, tracker.mlflow_run_id, 2, tmp_path / "2")
@@ -435,7 +437,7 @@ def test_a_save_never_waits_for_its_report_and_close_waits_for_it(tmp_path, mlfl
     manager.save(model(1), step=1, metrics={"loss": 1.0})
     assert entered.wait(120)  # the report is being made...
     manager.save(model(2), step=2, metrics={"loss": 0.5})  # ...and the saves go on, their metrics logged
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert [m.step for m in client.get_metric_history(tracker.mlflow_run_id, "loss")] == [1, 2]
     assert not release.is_set()
     release.set()
@@ -459,7 +461,7 @@ def test_a_report_that_cannot_be_made_is_a_warning_and_the_step_is_reported(tmp_
         f"{tmp_path / 'run' / 'step_00000001'}: step 1's report is not uploaded: "
         "OSError: [Errno 28] No space left on device: 'report.html'"
     ]
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert [m.step for m in client.get_metric_history(tracker.mlflow_run_id, "loss")] == [1]
     assert [
         a.path.rsplit("/", 1)[1] for a in client.list_artifacts(tracker.mlflow_run_id, "checkpoints/step_00000001")
@@ -520,6 +522,6 @@ def test_a_step_deleted_before_its_report_is_a_warning_and_the_next_report_stand
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1, messages
     assert messages[0].startswith(f"{tmp_path / 'run' / 'step_00000001'}: step 1's report is not uploaded: ")
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     second = published(client, tracker.mlflow_run_id, 2, tmp_path / "2")
     assert second.find("h1") and not second.find("table", id="changes")  # step 1 is gone: nothing to compare

@@ -5,6 +5,7 @@ handoff; and the Tracker interface another tracker plugs into."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -22,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlflow
-import mlflow.onnx
 import numpy as np
 import onnxruntime
 import ortckpt
@@ -31,7 +30,7 @@ import ortckpt.manager.tracking
 import pytest
 from goldens import ARTIFACTS, EVAL_MODEL, INPUTS, LOSS
 from http_proxy import Proxy
-from mlflow import MlflowClient
+from lazy_modules import lazy_module
 from ortckpt import CheckpointManager, CheckpointState
 from ortckpt.cli import OK, USAGE, run
 from ortckpt.errors import InvalidArgumentError
@@ -47,6 +46,8 @@ from ortckpt.manager.tracking import (
     TrackedRun,
     flatten,
 )
+
+mlflow = lazy_module("mlflow")  # (imported at a test's first use: 3 CPU s that collection need not pay)
 
 
 def scaled(factor: float) -> CheckpointState:
@@ -76,14 +77,14 @@ def experiment() -> str:
     return f"ortckpt-{uuid.uuid4().hex[:12]}"  # each test its own experiment on the shared server
 
 
-def the_run(client: MlflowClient, experiment: str, run_id: str) -> Any:
+def the_run(client: mlflow.MlflowClient, experiment: str, run_id: str) -> Any:
     exp = client.get_experiment_by_name(experiment)
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{TAG_RUN_ID}` = '{run_id}'")
     assert len(runs) == 1, [r.info.run_id for r in runs]  # one MLflow run per training run, resumed or not
     return runs[0]
 
 
-def history(client: MlflowClient, mlflow_run_id: str, key: str) -> list[tuple[int, float]]:
+def history(client: mlflow.MlflowClient, mlflow_run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run_id, key))
 
 
@@ -98,7 +99,7 @@ def test_each_save_logs_metrics_at_its_step_config_params_once_and_lineage_tags(
         for step, loss in [(10, 0.9), (20, 0.5), (30, 0.7)]:
             manager.save(small(step), step, metrics={"loss": loss, "accuracy": 1 - loss})
         latest = manager.latest()
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     found = the_run(client, experiment, manager.run_id)
     assert found.info.run_id == tracker.mlflow_run_id and found.info.run_name == "tiny"
     assert found.info.status == "FINISHED"  # the manager was closed
@@ -130,7 +131,7 @@ def test_a_resumed_run_continues_its_mlflow_run(tmp_path, mlflow_uri, experiment
     resumed = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
     with pytest.warns(RuntimeWarning, match=r"config 'lr' is '0.2', but the MLflow run logged '0.1'"):
         manager = CheckpointManager(tmp_path, track=resumed, config={"lr": 0.2, "warmup": 5})
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert resumed.mlflow_run_id == first and client.get_run(first).info.status == "RUNNING"
     manager.save(small(3), 3, metrics={"loss": 0.6})
     manager.close()
@@ -145,7 +146,7 @@ def test_log_artifacts_uploads_each_checkpoints_files(tmp_path, mlflow_uri, expe
         manager.save(small(7), 7, metrics={"loss": 0.1})
         step = manager.latest()
     assert sorted(step.metadata["files"]) == ["checkpoint", "checkpoint.data"]
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     downloaded = Path(client.download_artifacts(tracker.mlflow_run_id, "checkpoints/step_00000007", str(tmp_path)))
     assert sorted(p.name for p in downloaded.iterdir()) == ["checkpoint", "checkpoint.data", "metadata.json"]
     for name in ("checkpoint", "checkpoint.data", "metadata.json"):
@@ -204,7 +205,7 @@ def test_a_server_that_is_down_costs_seconds_at_start_save_and_close_and_what_it
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         CheckpointManager(tmp_path, track=tracker).close()
-    assert history(MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+    assert history(mlflow.MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
 
 
 @pytest.fixture
@@ -217,7 +218,7 @@ def proxy(mlflow_uri: str) -> Iterator[Proxy]:
 
 def test_a_report_past_its_deadline_reaches_the_server_once_it_answers(tmp_path, mlflow_uri, proxy, experiment):
     tracker = MlflowTracker(proxy.url, experiment=experiment, timeout=1)
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (a busy machine's first calls may take longer than 1 s)
         manager = CheckpointManager(tmp_path, track=tracker)
@@ -255,7 +256,7 @@ def test_close_waits_for_a_large_config_while_the_server_answers_its_requests(tm
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no "did not close within its deadline"
         manager.close()
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     run = client.get_run(tracker.mlflow_run_id)
     assert len(run.data.params) == 3000
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0)]
@@ -280,7 +281,7 @@ def test_a_report_that_fails_midway_is_sent_again_at_the_next_save(tmp_path, mlf
             RuntimeWarning, match=r"could not report step 2, to be retried.*ConnectionError: server gone"
         ):
             manager.save(small(2), 2, metrics={"loss": 0.7})
-        client = MlflowClient(mlflow_uri)
+        client = mlflow.MlflowClient(mlflow_uri)
         assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9)]
         manager.save(small(3), 3, metrics={"loss": 0.5})
         assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.7), (3, 0.5)]
@@ -307,7 +308,7 @@ def test_an_upload_the_proxy_refuses_is_given_up_its_metrics_logged_and_later_st
             warnings.simplefilter("error", RuntimeWarning)  # given up: not tried again, nothing held back
             manager.save(small(3), 3, metrics={"loss": 0.25})
             manager.save(small(4), 4, metrics={"loss": 0.125})
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     run_id = tracker.mlflow_run_id
     assert history(client, run_id, "loss") == [(1, 1.0), (2, 0.5), (3, 0.25), (4, 0.125)]
     assert client.get_run(run_id).data.tags[TAG_STEP] == "4"
@@ -331,7 +332,7 @@ def test_an_upload_that_fails_for_now_is_sent_again_and_holds_back_the_steps_aft
         # (step 2's report fails on step 1's upload: it goes first)
         with pytest.warns(RuntimeWarning, match=r"could not report step 2, to be retried.*step_00000001.*503"):
             manager.save(small(2), 2, metrics={"loss": 0.5})
-        client = MlflowClient(mlflow_uri)
+        client = mlflow.MlflowClient(mlflow_uri)
         assert history(client, tracker.mlflow_run_id, "loss") == []  # in order: step 2 waits behind step 1
         del proxy.outage["PUT"]
         manager.save(small(3), 3, metrics={"loss": 0.25})
@@ -352,7 +353,7 @@ def test_an_upload_whose_connection_is_reset_is_given_up_after_3_tries_while_the
             manager.save(big(1), 1, metrics={"loss": 1.0})
         with pytest.warns(RuntimeWarning, match=r"could not report step 2, to be retried at the next save"):
             manager.save(small(2), 2, metrics={"loss": 0.5})
-        client = MlflowClient(mlflow_uri)
+        client = mlflow.MlflowClient(mlflow_uri)
         assert history(client, tracker.mlflow_run_id, "loss") == []  # in order: step 2 waits behind step 1
         expected = r"step 1's files are not uploaded: 3 tries failed, the server answering otherwise.*\(given up"
         with pytest.warns(RuntimeWarning, match=expected):
@@ -376,7 +377,7 @@ def test_a_name_mlflow_refuses_drops_only_that_item(tmp_path, mlflow_uri, experi
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             manager.save(small(2), 2, metrics={"loss": 0.5})
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.5)]
     assert history(client, tracker.mlflow_run_id, "accuracy") == [(1, 0.5)]
     assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
@@ -404,7 +405,7 @@ def test_a_step_sent_again_after_a_refused_item_logs_each_metric_once(tmp_path, 
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # what was refused is not sent again
             manager.save(small(2), 2, metrics={"loss": 0.5})
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     # Step 1's loss was logged alone, then again with its batch: the server keeps one of identical points.
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.9), (2, 0.5)]
     assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
@@ -419,7 +420,7 @@ def test_a_large_config_reaches_the_server_through_a_proxy_that_refuses_bodies_o
     expected = r"step 1's files are not uploaded: .*HTTP 413.*\(given up: its metrics are logged\)"
     with CheckpointManager(tmp_path, track=tracker, config=config) as manager, pytest.warns(match=expected):
         manager.save(small(1), 1, metrics={"loss": 0.5})
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert client.get_run(tracker.mlflow_run_id).data.params == config
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.5)]
     [(method, path, status)] = proxy.answered
@@ -453,7 +454,7 @@ def test_a_step_deleted_before_its_report_is_reported_without_its_files(tmp_path
         with CheckpointManager(tmp_path / "next") as manager:  # the next step, whole, flows
             manager.save(small(2), 2, metrics={"loss": 0.5})
             tracker.log_checkpoint(manager.latest())
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 1.0), (2, 0.5)]
     assert client.get_run(tracker.mlflow_run_id).data.tags[TAG_STEP] == "2"
 
@@ -479,7 +480,7 @@ def test_a_flattening_collision_logs_the_first_key_as_the_param(tmp_path, mlflow
     tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
     with pytest.warns(RuntimeWarning, match=re.escape("config['a']['b'] and config['a.b'] are both the MLflow param")):
         CheckpointManager(tmp_path, track=tracker, config={"a": {"b": 1}, "a.b": 2, "c": 3}).close()
-    assert MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id).data.params == {"a.b": "1", "c": "3"}
+    assert mlflow.MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id).data.params == {"a.b": "1", "c": "3"}
 
 
 def test_any_run_id_finds_its_mlflow_run_again(tmp_path, mlflow_uri, experiment):
@@ -488,7 +489,7 @@ def test_any_run_id_finds_its_mlflow_run_again(tmp_path, mlflow_uri, experiment)
         tracker = MlflowTracker(mlflow_uri, timeout=PATIENT, experiment=experiment)
         with CheckpointManager(tmp_path, track=tracker, run_id=run_id) as manager:
             manager.save(small(step), step, metrics={"loss": 1.0 / step})
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     [found] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert found.data.tags[TAG_RUN_ID] == run_id
     assert history(client, found.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
@@ -510,14 +511,14 @@ def test_a_file_planted_in_a_step_is_not_uploaded_and_its_metrics_still_are(tmp_
     expected = r"step 1's files are not uploaded: .*(Too many levels of symbolic links|a FIFO, not a regular file)"
     with pytest.warns(RuntimeWarning, match=expected):
         CheckpointManager(tmp_path / "run", track=tracker).close()
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert history(client, tracker.mlflow_run_id, "loss") == [(1, 0.25)]
     assert client.list_artifacts(tracker.mlflow_run_id, "checkpoints/step_00000001") == []
 
 
 def test_an_active_mlflow_run_is_the_one_reported_to(tmp_path, mlflow_uri, experiment, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)  # track="mlflow": MLflow's own configuration
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     experiment_id = client.create_experiment(experiment)
     with mlflow.start_run(experiment_id=experiment_id) as active:
         mlflow.log_param("model", "tiny")
@@ -537,7 +538,7 @@ def test_an_active_run_on_another_server_is_left_alone(tmp_path, mlflow_uri, exp
             with CheckpointManager(tmp_path / "run", track=tracker) as manager:
                 manager.save(small(1), 1, metrics={"loss": 0.3})
     assert tracker.mlflow_run_id != elsewhere.info.run_id
-    assert history(MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 0.3)]
+    assert history(mlflow.MlflowClient(mlflow_uri), tracker.mlflow_run_id, "loss") == [(1, 0.3)]
 
 
 def trained_run(directory: Path, tracker: Any) -> tuple[CheckpointManager, dict[int, float]]:
@@ -558,7 +559,7 @@ def test_register_best_hands_the_best_checkpoint_to_the_model_registry(tmp_path,
     name = f"{experiment}-model"
     version = manager.register_best(name, EVAL_MODEL, output_names=[LOSS])
     manager.close()
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     registered = client.get_model_version(name, version.version)
     assert registered.version == "1" and registered.run_id == tracker.mlflow_run_id
     assert registered.source.startswith(client.get_run(tracker.mlflow_run_id).info.artifact_uri + "/models/")
@@ -570,7 +571,7 @@ def test_register_best_hands_the_best_checkpoint_to_the_model_registry(tmp_path,
     assert f"step {best_step} of ortckpt run {manager.run_id}" in registered.description
     # The registered model is an MLflow ONNX model with the best step's weights.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)  # where models:/ URIs resolve
-    model = mlflow.onnx.load_model(f"models:/{name}/1")
+    model = importlib.import_module("mlflow.onnx").load_model(f"models:/{name}/1")
     assert loss_of(model.SerializeToString()) == pytest.approx(losses[best_step], rel=1e-6)
     # Registering again is a new version with its own source, the first one unchanged.
     again = CheckpointManager(
@@ -591,7 +592,7 @@ def test_two_processes_registering_one_new_name_at_once_both_get_a_version(tmp_p
     outs = [json.loads(racer.communicate(timeout=300)[0]) for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0]
     assert sorted(out["version"] for out in outs) == ["1", "2"]  # the name created once, by one of them
-    assert len(MlflowClient(mlflow_uri).search_model_versions(f"name = '{name}'")) == 2
+    assert len(mlflow.MlflowClient(mlflow_uri).search_model_versions(f"name = '{name}'")) == 2
 
 
 def test_the_register_best_command(tmp_path, mlflow_uri, experiment, capsys):
@@ -604,7 +605,7 @@ def test_the_register_best_command(tmp_path, mlflow_uri, experiment, capsys):
     out = json.loads(capsys.readouterr().out)
     best_step = min(losses, key=losses.__getitem__)
     assert out["step"] == best_step and out["version"] == "1" and out["metric"] == "loss"
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     assert the_run(client, experiment, manager.run_id).info.run_id == out["mlflow_run_id"]
     assert client.get_model_version(name, "1").tags[TAG_STEP] == str(best_step)
     assert run(["register-best", str(tmp_path / "empty"), name, str(EVAL_MODEL), "--tracking-uri", mlflow_uri]) == 3
@@ -630,7 +631,7 @@ def test_register_best_from_a_shell_without_the_runs_experiment_uses_the_runs_ml
     for _ in range(2):
         assert run([*args, "--tracking-uri", mlflow_uri]) == OK
         assert json.loads(capsys.readouterr().out)["mlflow_run_id"] == tracker.mlflow_run_id
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     default = client.search_runs(["0"], filter_string=f"tags.`{TAG_RUN_ID}` = '{manager.run_id}'")
     assert default == []  # no second MLflow run in the Default experiment
 
@@ -914,7 +915,7 @@ def test_warnings_made_errors_do_not_fail_the_trackers_work(tmp_path, mlflow_uri
         with CheckpointManager(tmp_path, track=tracker, config={"a": {"b": 1}, "a.b": 2}) as manager:
             manager.save(scaled(1.0), 1, metrics={"loss": 0.5})
     assert "are both the MLflow param 'a.b'" in caplog.text
-    run = MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id)
+    run = mlflow.MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id)
     assert run.data.params == {"a.b": "1"}
     assert run.data.metrics == {"loss": 0.5}
     assert run.data.tags[TAG_STEP] == "1"
@@ -957,8 +958,8 @@ def test_a_run_directory_whose_name_is_not_utf8_is_tracked(tmp_path, mlflow_uri,
         with CheckpointManager(directory, track=tracker) as manager:
             manager.save(small(1), 1, metrics={"loss": 1.0})
             manager.save(small(2), 2, metrics={"loss": 0.5})
-    found = the_run(MlflowClient(mlflow_uri), experiment, manager.run_id)
-    assert history(MlflowClient(mlflow_uri), found.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
+    found = the_run(mlflow.MlflowClient(mlflow_uri), experiment, manager.run_id)
+    assert history(mlflow.MlflowClient(mlflow_uri), found.info.run_id, "loss") == [(1, 1.0), (2, 0.5)]
     assert found.data.tags[TAG_DIRECTORY] == str(tmp_path.absolute()) + "/run-\\xff\\xfe"
     assert found.data.tags[TAG_CHECKPOINT].startswith(str(tmp_path.absolute()) + "/run-\\xff\\xfe/")
 
@@ -970,7 +971,7 @@ def test_the_sha256_tag_holds_no_null(tmp_path, mlflow_uri, experiment):
         with CheckpointManager(directory, track=tracker, digest=digest) as manager:
             manager.save(small(1), 1)
             latest = manager.latest()
-        tags = MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id).data.tags
+        tags = mlflow.MlflowClient(mlflow_uri).get_run(tracker.mlflow_run_id).data.tags
         files = latest.metadata["files"]
         expected = (
             {name: entry["sha256"] for name, entry in files.items()}
@@ -1020,7 +1021,7 @@ def test_preemption_with_tracking_reports_the_preempted_step(tmp_path, mlflow_ur
     _, step, latest = [line for line in out.splitlines() if line.startswith("result")][-1].split()
     assert step == latest
     manager = CheckpointManager(tmp_path / "run", read_only=True)
-    client = MlflowClient(mlflow_uri)
+    client = mlflow.MlflowClient(mlflow_uri)
     found = the_run(client, experiment, manager.run_id)
     assert found.info.status == "FINISHED"
     assert history(client, found.info.run_id, "loss")[-1] == (int(step), pytest.approx(1.0 / int(step)))
