@@ -210,21 +210,30 @@ ort-loop-venv-from-dist:
 # builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.
 WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR))
 WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=25
-# The whole suite runs on the first interpreter of PYTHONS: the interop tests (ONNX Runtime's own
-# interpreter is the oracle, whatever the suite's), the MPI ranks and the `once` runs among them. The
+# The tests that need one interpreter run once, spread over the lanes of PYTHONS by tests/python's part
+# folders (TEST_PARTS_n for the n-th interpreter; the first takes the parts of any missing one), so that
+# the lanes end about together: the interop tests (ONNX Runtime's own interpreter is the oracle, whatever
+# the suite's), the MPI ranks and the `once` runs in a lane of their own on the first interpreter. The
 # package is pure Python over an abi3 extension, so what can differ between interpreters is import, the
-# stubs (stubtest), buffers crossing the boundary and the entry point: the files marked every_python run
-# on each of the others. Each run prints its slowest tests (--durations), so the time has a record.
-# On the first interpreter two jobs share the work, about evenly: tests/python but the `once` runs, and
-# test-wheel-once (the `once` runs, the interop and the MPI tests).
+# stubs (stubtest), buffers crossing the boundary and the entry point: every lane runs the tests marked
+# every_python (tests/python/conftest.py reads ORTCKPT_TEST_PARTS). Each run prints its slowest tests
+# (--durations), so the time has a record. A design rule holds every part folder in one TEST_PARTS_n.
+TEST_PARTS_1 := manager sharded state format convert compute documents
+TEST_PARTS_2 := tracking report design cli
+TEST_PARTS_3 := object_store files
 FIRST_ONLY := tests/interop tests/distributed
+# (one interpreter: every part; else the n-th's parts, the first's with those of any interpreter missing)
+lane_parts = $(if $(word 2,$(PYTHONS)),ORTCKPT_TEST_PARTS="$(strip \
+	$(if $(filter $(1),$(word 1,$(PYTHONS))),$(TEST_PARTS_1) $(if $(word 3,$(PYTHONS)),,$(TEST_PARTS_3)),\
+	$(if $(filter $(1),$(word 2,$(PYTHONS))),$(TEST_PARTS_2),\
+	$(if $(filter $(1),$(word 3,$(PYTHONS))),$(TEST_PARTS_3)))))")
 test-wheel-%:
-	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) sh -c '\
+	@echo "== the wheel on CPython $*" && $(call WHEEL_ENV,$*) $(call lane_parts,$*) sh -c '\
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		$(WHEEL_PYTEST) tests/python -m "$(if $(filter $*,$(firstword $(PYTHONS))),,every_python and )not large and not once"'
+		$(WHEEL_PYTEST) tests/python -m "not large and not once"'
 
 # The wheel with its [flower] extra (flwr, its pins) and onnxruntime-training (ORT-trained clients) on
 # ONNX Runtime's interpreter (3.11 or 3.12), for tests/flower.

@@ -23,6 +23,32 @@ def trained_path() -> Path:
     return GOLDEN / "trained_with_optimizer.ckpt"
 
 
+# `make test` spreads the tests that run on one interpreter only over its interpreters' lanes, by part
+# folder, so that the lanes end together: each lane names its parts in ORTCKPT_TEST_PARTS (the
+# Makefile's TEST_PARTS_n) and runs their tests and the every_python tests of every part. Unset, every
+# selected test runs.
+PARTS = HELPERS.parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    named = os.environ.get("ORTCKPT_TEST_PARTS")
+    if named is None:
+        return
+    parts = set(named.split())
+    folders = {path.name for path in PARTS.iterdir() if path.is_dir() and path != HELPERS}
+    if not parts <= folders:
+        raise pytest.UsageError(f"ORTCKPT_TEST_PARTS names no part folder of {PARTS}: {sorted(parts - folders)}")
+    kept, dropped = [], []
+    for item in items:
+        path = Path(item.path)
+        part = path.relative_to(PARTS).parts[0] if path.is_relative_to(PARTS) else None
+        ours = part is None or part in parts or item.get_closest_marker("every_python") is not None
+        (kept if ours else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 _server: list[MlflowServer] = []  # started once collection shows a test will use it
 
 
