@@ -28,7 +28,8 @@
 - **Steps share their unchanged values** (:mod:`.shared`): a manager's checkpoint of 64 MiB of
   values or more keeps them in a data object of the run's ``shared/`` folder that its
   metadata.json names; later steps upload only the values not in it. Such an object is deleted
-  only when no committed step names it (after a retirement, and by the sweep).
+  only when no committed step names it (after a retirement, by the sweep, and when the save
+  that uploaded it fails before its commit).
 - **The run's graphs** are objects ``artifacts/<sha256>.onnx`` under the prefix, one per distinct
   content, uploaded by the first save that records it; a step's metadata.json names them by
   digest. A save checks they are there before and after its commit, as for its own objects.
@@ -52,7 +53,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from . import downloads, shared
+from . import downloads, graph_uploads, shared
 from .base import Attempt, Folder, LocalStep, Recorded, Scan, SourceDigests, Step, StepStore, check_graph_size
 from .shared import SharedObjects
 
@@ -311,7 +312,7 @@ class ObjectStore(StepStore):
             identity = SourceDigests.identity(source)
             check_graph_size(source, identity[2])
             with safe_io.open_regular(source) as f:  # (a FIFO or a directory refused unread)
-                known = _sha256_of_file(f)
+                known = graph_uploads.sha256_of_file(f)
             self._sources.put(source, identity, *known)
         size, digest = known
         check_graph_size(source, size)
@@ -319,7 +320,7 @@ class ObjectStore(StepStore):
         if digest not in self._stored:
             found = object_store.head(where)
             if found is None or found.size != size or object_store.sha256_of(where, expected_size=size)[1] != digest:
-                _upload_file(source, where, digest)
+                graph_uploads.upload_file(source, where, digest)
             self._stored.add(digest)
         entry = {"name": steps.artifact_name(role), "bytes": size, "sha256": digest}
         attempt.graphs[role] = entry
@@ -507,8 +508,23 @@ class ObjectStore(StepStore):
         if attempt.sent:
             return  # the commit may have landed: its objects stay (remove_leftovers judges them)
         _remove_quietly(_location(attempt.folder))
-        if uploaded is not None:  # (its own new data object: no step names it)
-            _remove_quietly(self._run.child(uploaded))
+        if uploaded is not None:  # (its own new data object: an object, not a folder)
+            self._remove_own_upload(uploaded)
+
+    def _remove_own_upload(self, key: str) -> None:
+        """Removes the data object ``key`` that a failed save uploaded, unless a committed step
+        names it (a hostile or copied document may: never delete what a step reads) or a damaged
+        one may; what stays is for the sweep."""
+        try:
+            named = self._named_shared()
+            if named is not None and key not in named:
+                object_store.remove([self._run.child(key)])
+        except (OSError, CheckpointError) as e:
+            warnings.warn(
+                f"{self._run.child(key).url}: could not remove a failed save's data object: {e}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def retire(self, step: Step) -> None:
         folder = self._folder(step.number)
@@ -538,11 +554,16 @@ class ObjectStore(StepStore):
         finds it retired, as it would its own objects). A step whose document is damaged may
         name any: then nothing is removed. Returns the URLs removed."""
         began = self._shared.collection_began()
+        named = self._named_shared()
+        return [] if named is None else self._shared.collect(self._run, named, began)
+
+    def _named_shared(self) -> set[str] | None:
+        """The shared data objects that committed steps name; None when a step's document is
+        damaged (it may name any)."""
         scan = self.scan(steps.METADATA_NAME)
         if scan.damaged:
-            return []
-        named = {key for step in scan.steps.values() for key in shared.objects_named(step.document)}
-        return self._shared.collect(self._run, named, began)
+            return None
+        return {key for step in scan.steps.values() for key in shared.objects_named(step.document)}
 
     def remove_proven_leftovers(self) -> list[str]:
         return []  # nothing on an object store proves a writer gone: remove_leftovers() is the caller's call
@@ -631,33 +652,6 @@ def _location(folder: Folder) -> Location:
     """A folder of this store: an object store's steps and attempts are Locations."""
     assert isinstance(folder, Location), folder
     return folder
-
-
-def _sha256_of_file(f: Any) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    while chunk := f.read(8 << 20):
-        digest.update(chunk)
-        size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _upload_file(source: Path, where: Location, digest: str) -> None:
-    """Uploads the graph file ``source`` as ``where`` (mapped, streamed), hashing what goes up:
-    a file changed since it was hashed is not left under another content's name."""
-    import mmap
-
-    sent = hashlib.sha256()
-    with safe_io.open_regular(source) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            object_store.put(where, b"")
-        else:
-            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
-                object_store.put_stream(where, [mapped], digest=sent)
-    if size and sent.hexdigest() != digest:
-        object_store.remove([where])
-        raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
 
 
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
