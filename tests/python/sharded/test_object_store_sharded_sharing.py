@@ -227,12 +227,14 @@ def put_failing_for(monkeypatch: pytest.MonkeyPatch, ending: str, failures: list
     monkeypatch.setattr(shared, "put_hashed", put_hashed)
 
 
+@pytest.mark.parametrize("failing", [0, 1])
 def test_a_rank_failing_after_its_data_object_went_up_leaves_none_of_the_attempts_objects(
-    s3_server, s3_url, monkeypatch
+    s3_server, s3_url, monkeypatch, failing
 ) -> None:
-    """Step 2 changes the frozen part (new data objects on both ranks); rank 1's shard object
-    fails to go up after its data object did: no step 2, neither rank's new object left (rank
-    1's own, rank 0's by the abandon), step 1 whole; the next save goes up and shares again."""
+    """Step 2 changes the frozen part (new data objects on both ranks); one rank's shard object
+    fails to go up after its data object did: no step 2, neither rank's new object left (the
+    failing rank's removed by itself, the other's by rank 0's abandon), step 1 whole; the next
+    save goes up and shares again."""
     options = s3_server.storage_options()
     failures: list[str] = []
     before: list[list[str]] = []
@@ -240,13 +242,15 @@ def test_a_rank_failing_after_its_data_object_went_up_leaves_none_of_the_attempt
     def body(save: Any) -> list[Any]:
         sizes = [save(1)]
         before.append(all_keys(s3_url, options))
-        put_failing_for(monkeypatch, shard_file_name(1, 2), failures)
+        put_failing_for(monkeypatch, shard_file_name(failing, 2), failures)
         text = failing_once(save, 2, version=1)
         assert "No space left" in text, text
         return [*sizes, all_keys(s3_url, options), save(3, version=1), save(4, version=1)]
 
     results = in_one_session(s3_url, options, 2, body)
-    assert failures == [f"{s3_url.split('/', 3)[3]}/step_00000002/{failures[0].split('/')[-2]}/{shard_file_name(1, 2)}"]
+    assert len(failures) == 1 and failures[0].endswith(
+        f"/step_00000002/{failures[0].split('/')[-2]}/{shard_file_name(failing, 2)}"
+    )
     assert not isinstance(results[0], BaseException) and not isinstance(results[1], BaseException), results
     assert results[0][1] == before[0]  # (after the failed save: what step 1 left, nothing more)
     assert results[0][2] > 2 * FROZEN_BYTES and 10 * results[0][3] < 2 * FROZEN_BYTES, results[0]
@@ -338,3 +342,43 @@ def test_a_metadata_document_naming_another_object_is_refused(s3_server, s3_url,
         assert_whole_state(steps[1].load(), 1, 2)
         assert_whole_state(steps[4].load(), 4, 2, version=1)
     assert restore_on_ranks(s3_url, options, 1, 2, 2) == [[], []]
+
+
+def test_readers_restore_whole_sharded_steps_while_retention_collects_shared_objects(s3_server, s3_url) -> None:
+    """Two ranks keeping one step change their frozen part every third step (so data objects are
+    uploaded and collected) while a reader restores the latest step as fast as it can: every
+    restore is one step's values, whole (never a missing object, never a mix of two steps)."""
+    import threading
+
+    options = s3_server.storage_options()
+    saved(save_steps(s3_url, options, 2, [0], max_to_keep=1))
+    done = threading.Event()
+    seen: list[int] = []
+    failures: list[str] = []
+
+    def read() -> None:
+        with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
+            while not done.is_set():
+                try:
+                    state = reader.restore()
+                    step = round(float(state.parameters["scale_0"].data) * 1000)
+                    assert_whole_state(state, step, 2, version=step // 3)
+                    seen.append(step)
+                except Exception as e:  # (any: what the test reports)
+                    failures.append(f"{type(e).__name__}: {e}")
+
+    def body(save: Any) -> None:
+        for step in range(1, 10):
+            save(step, version=step // 3)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        results = in_one_session(s3_url, options, 2, body, max_to_keep=1)
+    finally:
+        done.set()
+        reader.join()
+    assert results == [None, None], results
+    assert failures == [], failures[:3]
+    assert len(seen) > 3 and len(set(seen)) > 2, seen
+    assert shared_keys(s3_url, options) == sorted(data_objects(s3_url, options, 9, 2))
