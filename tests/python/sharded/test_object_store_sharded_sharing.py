@@ -153,6 +153,18 @@ def test_each_step_restores_reshards_verifies_and_loads_in_onnx_runtime_alone(s3
         for name, value in whole.items()
         if "/" not in name
     }
+    # Each shard, downloaded with its data object (checked against metadata.json), is an ordinary
+    # checkpoint ONNX Runtime loads on its own, with the values of the tensors its rank wrote.
+    with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
+        record = reader.latest().step_record
+        for rank in range(2):
+            shard = tmp_path / shard_file_name(rank, 2)
+            reader.store.download(record.folder, shard.name, shard, recorded=record.document["files"])
+            state, _ = rank_state(kept, rank, 2, extra_frozen=frozen_part(rank))
+            held = {name: p for name, p in state.parameters if not (rank and name == "bias")}  # (rank 0 wrote it)
+            assert {p["name"]: p["sha256"] for p in ort("describe", shard)["parameters"]} == {
+                name: hashlib.sha256(np.ascontiguousarray(p.data).tobytes()).hexdigest() for name, p in held.items()
+            }
     with CheckpointManager(s3_url, storage_options=options) as manager:
         manager.delete(kept)
     assert shared_keys(s3_url, options) == []
