@@ -28,8 +28,8 @@ frozen model uploads is what changed.
   on the ETag the server declared) are hashed at their offsets, and that object becomes the
   basis, as if this writer had uploaded it, for a save whose previous step is the very step
   restored (same number, same attempt; a manager's checkpoint only, not a shard). Else (no
-  restore, an older step restored, another
-  writer's step committed since, a reader) the first step goes up whole, as it always did.
+  restore, an older step restored, another writer's step committed since, a reader) the first
+  step goes up whole, as it always did.
 - **Checks at each save**, whichever writer hashed the object: the previous step still names it
   (key, size, SHA-256, pair id), and it is still there with that size and the ETag it had when
   hashed, where the server gives ETags (an object replaced meanwhile, even by one of the same
