@@ -10,8 +10,13 @@ documents included); the contenders alternate in shuffled order each round, ``os
 ``resumed``: the shared steps, their writer replaced half way by a new manager (a resumed process:
 no digests of its own) that restores the latest step first, as after a preemption; its restore is
 timed against a reader's restore of the same step (what the writer's hashing of the values costs).
+``--ranks N`` (N > 1): sharded manager steps instead (``comm=``, ranks as threads of this process,
+each holding 1/N of every part as tensors of its own), shared against whole; the bytes are every
+rank's together, counted by rank 0 from before its save to after it (a rank uploads only once rank 0
+entered the save, and rank 0's save returns once every rank's upload is done).
 
     python benches/s3_dedup_bench.py --frozen-mib 1024 --trainable-mib 32 --steps 10 --rounds 2
+    python benches/s3_dedup_bench.py --frozen-mib 256 --trainable-mib 8 --steps 6 --rounds 1 --ranks 2
 """
 
 from __future__ import annotations
@@ -34,13 +39,15 @@ from measure import report, shuffled  # noqa: E402
 MiB = 1 << 20
 
 
-def model(frozen_mib: int, trainable_mib: int) -> tuple[object, dict, dict]:
+def model(frozen_mib: int, trainable_mib: int, ranks: int = 1, rank: int = 0) -> tuple[object, dict, dict]:
+    """The state (of ``rank``'s share of every part, as tensors of its own, when ``ranks`` > 1)."""
     from ortckpt import CheckpointState, OptimizerGroup
 
-    rng = np.random.default_rng(0)
-    frozen = {f"layer{i}.weight": rng.standard_normal(frozen_mib * MiB // 16 // 4, dtype=np.float32) for i in range(16)}
-    per = trainable_mib * MiB // 4 // 4
-    trainable = {f"head{i}.weight": rng.standard_normal(per, dtype=np.float32) for i in range(4)}
+    rng = np.random.default_rng(rank)
+    size = frozen_mib * MiB // 16 // 4 // ranks
+    frozen = {f"layer{i}.weight.{rank}": rng.standard_normal(size, dtype=np.float32) for i in range(16)}
+    per = trainable_mib * MiB // 4 // 4 // ranks
+    trainable = {f"head{i}.weight.{rank}": rng.standard_normal(per, dtype=np.float32) for i in range(4)}
     momentums = {n: {"momentum0": np.zeros_like(a), "momentum1": np.zeros_like(a)} for n, a in trainable.items()}
     state = CheckpointState.from_arrays(trainable, frozen)
     state.optimizer_groups["group0"] = OptimizerGroup(step=0, initial_learning_rate=1e-3, momentums=momentums)
@@ -87,6 +94,58 @@ def run(
     return {"bytes": uploaded, "seconds": seconds, "restores": restores}
 
 
+def run_sharded(url: str, options: dict, args: argparse.Namespace, share: bool) -> dict:
+    """One contender's run of ``args.steps`` sharded saves on ``args.ranks`` threads: rank 0's
+    count of the bytes every rank uploaded, and its seconds, by step."""
+    import threading
+
+    from distributed_model import ThreadWorld
+    from ortckpt import CheckpointManager, object_store
+    from ortckpt.stepstore import shared
+
+    shared.SHARE_MIN_BYTES = (64 * MiB) if share else (1 << 62)
+    world = ThreadWorld(args.ranks)
+    world._barrier = threading.Barrier(args.ranks, timeout=600)  # (a whole step of a big model: past 30 s)
+    out: dict = {"bytes": [], "seconds": [], "restores": {}}
+    failures: list[BaseException] = []
+
+    def rank(number: int) -> None:
+        comm = world.comm(number)
+        state, trainable, momentums = model(args.frozen_mib, args.trainable_mib, args.ranks, number)
+        try:
+            with CheckpointManager(url, comm=comm, storage_options=options, max_to_keep=2) as manager:
+                for step in range(1, args.steps + 1):
+                    for n, a in trainable.items():  # a training step: the trainable part and its moments change
+                        np.add(a, 1.0, out=a)
+                        momentums[n]["momentum0"] += 0.5
+                        momentums[n]["momentum1"] += 0.25
+                    comm.barrier()
+                    before, began = object_store.bytes_put(), time.perf_counter()
+                    manager.save(state, step)
+                    if number == 0:
+                        out["seconds"].append(time.perf_counter() - began)
+                        out["bytes"].append(object_store.bytes_put() - before)
+                restored, _ = manager.restore_sharded(args.steps)  # (the last step: its values are the arrays')
+                for n, a in trainable.items():
+                    np.testing.assert_array_equal(restored.parameters[n].data, a)
+                if number == 0:
+                    for step in manager.all_steps():
+                        manager.delete(step)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=rank, args=(n,)) for n in range(args.ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    if not share:
+        assert all(b > 0.9 * out["bytes"][0] for b in out["bytes"]), out["bytes"]
+    return out
+
+
 def timed(call) -> float:
     os.sync()
     began = time.perf_counter()
@@ -100,6 +159,7 @@ def main() -> None:
     parser.add_argument("--trainable-mib", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=1, help="sharded manager steps on this many ranks (threads)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from s3_server import BUCKET, S3Server
@@ -107,17 +167,24 @@ def main() -> None:
     server = S3Server()
     try:
         options = server.storage_options()
-        state, trainable, momentums = model(args.frozen_mib, args.trainable_mib)
+        state, trainable, momentums = model(args.frozen_mib, args.trainable_mib) if args.ranks == 1 else (None, {}, {})
         results: dict[str, list[dict]] = {"shared": [], "whole": [], "resumed": []}
+        if args.ranks > 1:
+            del results["resumed"]  # (a resumed job's first sharded step goes up whole)
         for round_ in range(args.rounds):
             for name in shuffled(results, ("s3_dedup", round_)):
                 url = f"s3://{BUCKET}/dedup-{name}-{round_}"
                 share, resume = name != "whole", name == "resumed"
-                results[name].append(run(url, options, state, trainable, momentums, args.steps, share, resume))
+                os.sync()
+                if args.ranks > 1:
+                    results[name].append(run_sharded(url, options, args, share))
+                else:
+                    results[name].append(run(url, options, state, trainable, momentums, args.steps, share, resume))
     finally:
         server.stop(keep_data=False)
+    sharded = f", sharded on {args.ranks} ranks" if args.ranks > 1 else ""
     lines = [
-        f"## {args.steps} manager steps to s3:// (SeaweedFS): {args.frozen_mib} MiB frozen + "
+        f"## {args.steps} manager steps{sharded} to s3:// (SeaweedFS): {args.frozen_mib} MiB frozen + "
         f"{args.trainable_mib} MiB trainable + AdamW moments, {args.rounds} rounds",
         "",
         "| contender | step 1 MiB | steps 2-N MiB each (max) | bytes 2-N each / step 1 (max) | "
@@ -135,6 +202,9 @@ def main() -> None:
     whole = statistics.median(statistics.median(r["seconds"][1:]) for r in results["whole"])
     shared = statistics.median(statistics.median(r["seconds"][1:]) for r in results["shared"])
     lines += ["", f"steps 2-N, seconds per step (median): shared {shared:.2f}, whole {whole:.2f}"]
+    if "resumed" not in results:
+        report(lines, args.out)
+        return
     first_resumed = args.steps // 2  # (index of the resumed writer's first step)
     resumed = [r["bytes"][first_resumed] / r["bytes"][0] for r in results["resumed"]]
     reader = statistics.median(r["restores"]["reader"] for r in results["resumed"])

@@ -166,14 +166,15 @@ def gather_decide_broadcast(
     decide: Callable[[list[Local]], Decision],
     *,
     deciding: str,
-    on_failure: Callable[[], None] | None = None,
+    on_failure: Callable[[list[Local]], None] | None = None,
 ) -> Decision:
     """One collective round, as torch.distributed.checkpoint's ``_DistWrapper`` runs them: every
     rank runs ``local()``; rank 0 gathers the results in rank order and, when no rank failed,
     runs ``decide()`` on them; every rank returns what it decided. A failure anywhere raises a
     :class:`ShardedCheckpointError` naming each failed rank on every rank (chained to the rank's
     own error), so no rank is left waiting in a collective the others skipped. ``on_failure``
-    runs on rank 0 first (to remove what the round left); ``deciding`` names rank 0's part."""
+    runs on rank 0 first, with the results of the ranks that succeeded (to remove what the round
+    left); ``deciding`` names rank 0's part."""
     failure: BaseException | None = None  # this rank's own error, chained to what it raises
     mine: tuple[bool, Any]
     try:
@@ -193,7 +194,7 @@ def gather_decide_broadcast(
         if failures:
             verdict = (False, failures)
             if on_failure is not None:
-                on_failure()
+                on_failure([value for ok, value in gathered if ok])
     verdict = comm.broadcast(verdict)
     assert verdict is not None
     if not verdict[0]:

@@ -32,7 +32,13 @@ from .. import dtypes as _dt
 from .._boundary import TensorRecord
 from ..checkpoint_state import CheckpointState, OptimizerGroup, TensorSource
 from ..dtypes import PackedBits
-from ..errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointStateError
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointIntegrityError,
+    CheckpointStateError,
+)
 from ..stepstore import Attempt, Folder, Step, StepStore, open_store
 from .comm import Communicator, communicator, gather_decide_broadcast, root_decides
 from .layout import (
@@ -179,13 +185,16 @@ def write_shards(
     durable: bool,
     external_data_threshold: int,
     share_with: Step | None = None,
+    shareable: bool = False,
 ) -> None:
     """The collective save in two rounds, one step transaction of ``store``: every rank
     describes what it holds and rank 0 plans it and stages the step (``begin``); every rank
     writes its shard into the attempt, and rank 0 commits them (``commit``, with the index), or
-    removes them when some rank failed (``abandon``). ``share_with``: the previous committed
-    step (a manager's, ``share_unchanged``), whose shard of the same name each rank's shares
-    its unchanged values with where the store can (see :meth:`StepStore.write_checkpoint`)."""
+    removes them when some rank failed (``abandon``, the attempt holding what the ranks that
+    succeeded wrote). ``share_with``: the previous committed step (a manager's,
+    ``share_unchanged``), whose shard of the same name each rank's shares its unchanged values
+    with where the store can; ``shareable``: a manager's step, whose shards may keep their
+    values in objects the steps share (see :meth:`StepStore.write_checkpoint`)."""
     rank, world = comm.rank, comm.world_size
     on_root: dict[str, Any] = {}  # what only rank 0 keeps: the plan's tables, its attempt
 
@@ -203,12 +212,16 @@ def write_shards(
         deciding="planning",
     )
 
-    def index_and_commit(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    def record(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> Attempt:
         attempt: Attempt = on_root["attempt"]
         for files, shared in results:
             attempt.written.update(files)  # every rank's files: what the commit checks and records
-            attempt.shared.update(shared)  # (data files linked from the previous step: its entries)
-        written = [files for files, _ in results]
+            attempt.shared.update(shared)  # (data files shared with the previous step: their entries)
+        return attempt
+
+    def index_and_commit(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        attempt = record(results)
+        written = [{**files, **shared} for files, shared in results]  # (the index lists a shard's data too)
         index = {
             "format": documents.SHARDED_FORMAT,
             "version": documents.SHARDED_VERSION,
@@ -239,10 +252,11 @@ def write_shards(
             durable,
             external_data_threshold,
             share_with,
+            shareable,
         ),
         index_and_commit,
         deciding="committing",
-        on_failure=lambda: abandon(on_root["attempt"]),
+        on_failure=lambda results: abandon(record(results)),
     )
 
 
@@ -308,10 +322,12 @@ def _write_own_shard(
     durable: bool,
     threshold: int,
     share_with: Step | None,
+    shareable: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Writes the tensors the plan gave this rank into the attempt; returns its files
-    {name: {"bytes", ...}}, empty if none, and the entries of those it shares with
-    ``share_with`` (hard-linked: that step's entries, which rank 0 records as this step's)."""
+    {name: {"bytes", ...}}, empty if none, and the entries of its data files kept apart from
+    them (hard-linked from ``share_with``: that step's entries; on object storage, a data object
+    of the run's shared folder), which rank 0 records as this step's."""
     if not names:
         return {}, {}
     wanted = set(names)
@@ -336,8 +352,9 @@ def _write_own_shard(
         external_data_threshold=threshold,
         durable=durable,
         share_with=share_with,
+        shareable=shareable,
     )
-    return files, {name: entry for name, entry in attempt.shared.items() if name in files}
+    return files, {name: entry for name, entry in attempt.shared.items() if name.removesuffix(".data") in files}
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -375,8 +392,10 @@ def load_sharded(
     """
     comm = communicator(comm)
     store = open_store(directory, storage_options, writer=False)
-    folder, index = root_decides(comm, "sharded load (reading the index)", lambda: read_committed(store, step))
-    return _load_part(store, folder, index, comm, slices, include_optimizer_state)
+    folder, index, recorded = root_decides(
+        comm, "sharded load (reading the index)", lambda: read_committed(store, step)
+    )
+    return _load_part(store, folder, index, comm, slices, include_optimizer_state, recorded)
 
 
 def load_step(
@@ -385,7 +404,7 @@ def load_step(
     """:func:`load_sharded` of one committed step of a store (a manager's restore_sharded)."""
     comm = communicator(comm)
     folder, index = root_decides(comm, "sharded load (reading the index)", lambda: (step.folder, index_of(store, step)))
-    return _load_part(store, folder, index, comm, slices, True)
+    return _load_part(store, folder, index, comm, slices, True, step.document.get("files", {}))
 
 
 def _load_part(
@@ -395,21 +414,22 @@ def _load_part(
     comm: Communicator,
     slices: Mapping[str, Slice | None] | None,
     include_optimizer_state: bool,
+    recorded: Mapping[str, dict[str, Any]],
 ) -> tuple[CheckpointState, dict[str, Slice]]:
     entries = tensor_entries(index)
     if slices is None:
         layout = default_layout(entries.values(), index["world_size"], comm.rank, comm.world_size)
     else:
         layout = _requested_layout(store.name, entries, slices)
-    return assemble(store, folder, index, entries, layout, include_optimizer_state), layout
+    return assemble(store, folder, index, entries, layout, include_optimizer_state, recorded), layout
 
 
-def assemble_step(store: StepStore, folder: Folder) -> CheckpointState:
-    """A sharded step's whole state, in one process."""
+def assemble_step(store: StepStore, folder: Folder, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
+    """A sharded step's whole state, in one process (``recorded``: its metadata.json's files)."""
     index = _parse_index(store.read_document(folder, INDEX_NAME), f"{store.file(folder, INDEX_NAME).name}")
     entries = tensor_entries(index)
     layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
-    return assemble(store, folder, index, entries, layout, True)
+    return assemble(store, folder, index, entries, layout, True, recorded)
 
 
 def merge(
@@ -431,10 +451,10 @@ def merge(
     ``storage_options``).
     """
     store = open_store(directory, storage_options, writer=False)
-    folder, index = read_committed(store, step)
+    folder, index, recorded = read_committed(store, step)
     entries = tensor_entries(index)
     layout = {name: Slice.whole(e.shape) for name, e in entries.items()}
-    state = assemble(store, folder, index, entries, layout, include_optimizer_state)
+    state = assemble(store, folder, index, entries, layout, include_optimizer_state, recorded)
     CheckpointState.save_checkpoint(
         state,
         out,
@@ -446,8 +466,9 @@ def merge(
     return out if targets.is_object_url(out) else Path(out)
 
 
-def read_committed(store: StepStore, step: int | None) -> tuple[Folder, dict[str, Any]]:
-    """(where its shards are, its index) of a committed sharded checkpoint of ``store`` (the
+def read_committed(store: StepStore, step: int | None) -> tuple[Folder, dict[str, Any], dict[str, Any]]:
+    """(where its shards are, its index, what its metadata.json records of its files: a
+    manager's step, else nothing) of a committed sharded checkpoint of ``store`` (the
     store's own folder when it is one step's, else ``step``, else the latest), the index
     validated (:mod:`ortckpt.documents`: shard files are plain names of their rank, pieces
     inside their tensors and tiling them). CheckpointFormatError, naming the index, when it is
@@ -471,7 +492,7 @@ def read_committed(store: StepStore, step: int | None) -> tuple[Folder, dict[str
                 f"{store.name}/{steps.step_directory_name(step)}: no committed sharded checkpoint of step {step} "
                 f"(no {INDEX_NAME}: never saved, or its save did not finish)"
             )
-    return found.folder, index_of(store, found)
+    return found.folder, index_of(store, found), found.document.get("files", {})
 
 
 def index_of(store: StepStore, step: Step) -> dict[str, Any]:
@@ -516,11 +537,12 @@ def assemble(
     entries: Mapping[str, TensorEntry],
     layout: Mapping[str, Slice],
     include_optimizer_state: bool,
+    recorded: Mapping[str, dict[str, Any]],
 ) -> CheckpointState:
     """A state of the pieces ``layout`` asks for, read from the shards (in ``folder`` of
     ``store``) that hold them. Every piece read must have the type and shape the index gives it
     (CheckpointFormatError, naming the shard and the tensor, if not)."""
-    shards = _Shards(store, folder, index)
+    shards = _Shards(store, folder, index, recorded)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
     groups = (
@@ -547,14 +569,34 @@ class _Shards:
     """The shard files of one sharded step, opened when first needed (only by the plain names
     the index gives, never through a symlink), and the pieces read from them, checked."""
 
-    def __init__(self, store: StepStore, folder: Folder, index: Mapping[str, Any]) -> None:
+    def __init__(
+        self, store: StepStore, folder: Folder, index: Mapping[str, Any], recorded: Mapping[str, dict[str, Any]]
+    ) -> None:
         self.store = store
         self.folder = folder
         self.names = {s["rank"]: s["file"] for s in index["shards"]}  # (plain names: the index was validated)
-        self.sizes = {s["rank"]: s["files"] for s in index["shards"]}  # {file: bytes}: what a load checks
+        # {file: entry}: what a load checks, the index's sizes, with what metadata.json records of
+        # the file (a manager's step: its SHA-256, and where a data object the steps share is)
+        # when it records that size
+        self.entries = {
+            s["rank"]: {file: self._entry(file, recorded.get(file), size) for file, size in s["files"].items()}
+            for s in index["shards"]
+        }
         self.files = {rank: store.file(folder, name).name for rank, name in self.names.items()}
         self.opened: dict[int, CheckpointState] = {}
         self.records: dict[int, dict[str, TensorRecord]] = {}
+
+    def _entry(self, file: str, recorded: dict[str, Any] | None, size: int) -> dict[str, Any]:
+        """A shard file's entry: the one metadata.json records (none: a step without one), which
+        must give the size the index gives."""
+        if recorded is None:
+            return {"bytes": size}
+        if recorded.get("bytes") != size:
+            where = self.store.file(self.folder, file).name
+            raise CheckpointIntegrityError(
+                where, [f"{where}: metadata.json records {recorded.get('bytes')} bytes, {INDEX_NAME} {size}"]
+            )
+        return dict(recorded)
 
     def shard(self, rank: int) -> CheckpointState:
         if rank not in self.opened:
@@ -562,7 +604,7 @@ class _Shards:
                 raise CheckpointFormatError(f"{self.store.name}: the index names no shard of rank {rank}")
             # On object storage no shard is downloaded past the sizes its index records; a local
             # shard is mapped, and its pieces checked as they are read.
-            self.opened[rank] = self.store.load_shard(self.folder, self.names[rank], self.sizes[rank])
+            self.opened[rank] = self.store.load_shard(self.folder, self.names[rank], self.entries[rank])
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 
@@ -602,7 +644,7 @@ class _Shards:
 def check_shards(store: StepStore, folder: Folder, index: Mapping[str, Any]) -> list[str]:
     """What :func:`assemble` would refuse, for :func:`ortckpt.verify`: every piece of every
     tensor and momentum the index lists, read from its shard and checked against the index."""
-    shards = _Shards(store, folder, index)
+    shards = _Shards(store, folder, index, {})
     problems = []
     for entry in tensor_entries(index).values():
         for piece in entry.pieces:

@@ -148,7 +148,8 @@ class CheckpointManager(Saving):
             of the run's ``shared/`` folder, and the next steps upload only the tensors whose bytes (by SHA-256) are
             not in it (see docs/object-storage.md); with ``comm``, in a directory, each rank's shard shares so with its
             shard of the previous step (same world size: a shard of another is written whole), on object storage
-            every sharded step is written whole; False: every step written whole.
+            each rank's shard keeps its values in a data object of its own in ``shared/`` (64 MiB of values or
+            more) that the rank's next shards share by content; False: every step written whole.
         comm: Sharded saves across the ranks of a distributed job: an mpi4py communicator, a
             torch.distributed process group or an :class:`ortckpt.distributed.Communicator`.
             Every rank creates the manager and calls save, restore and wait together; each

@@ -97,7 +97,7 @@ class CheckpointInfo:
         if self.sharded:
             from ..distributed.sharded import assemble_step
 
-            return assemble_step(self.store, self._files)
+            return assemble_step(self.store, self._files, self.metadata.get("files", {}))
         try:
             # (checked against what its metadata.json records: a step holding another save's
             # files, or files changed since, is refused, naming the file)

@@ -383,6 +383,7 @@ class Saving(ManagerBase):
             durable=self.durable,
             external_data_threshold=self.external_data_threshold,
             share_with=None if previous is None else previous.step_record,
+            shareable=self.share_unchanged,
         )
         # Rank 0 knows what it committed; the other ranks read it back.
         info = committed[0] if committed else self._read_step(step)

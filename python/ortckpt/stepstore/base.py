@@ -254,10 +254,11 @@ class StepStore(abc.ABC):
         return any("object" in entry for entry in step.document.get("files", {}).values())
 
     @abc.abstractmethod
-    def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
+    def load_shard(self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
         """A shard of a sharded step, loaded: a directory's mapped (its pieces checked as they
-        are read); on object storage downloaded no further than the ``sizes`` (file -> bytes)
-        its index records."""
+        are read); on object storage downloaded no further than the sizes its ``recorded``
+        entries (file -> {"bytes", ...}) give, each checked against its entry, a data object
+        the steps share read from where its entry says (``object``)."""
 
     @abc.abstractmethod
     def local_step(self, step: Step) -> AbstractContextManager[LocalStep]:
@@ -291,11 +292,14 @@ class StepStore(abc.ABC):
         durable: bool,
         progress: bool = False,
         share_with: Step | None = None,
+        shareable: bool = False,
     ) -> dict[str, dict[str, Any]]:
         """Writes a checkpoint into the attempt; returns its files: {name: {"bytes": size,
         "sha256": hex digest}} (also recorded in ``attempt.written``). ``share_with``: the
-        previous step, whose data file a store may share for the values that are unchanged
-        (a directory does; an object store uploads every step whole)."""
+        previous step, whose data file a store may share for the values that are unchanged (a
+        directory links it; an object store shares a data object of the run's shared folder,
+        recorded in ``attempt.shared``). ``shareable``: a shard that may share so (a manager's
+        sharded step: its metadata.json names every file); a manager's checkpoint always may."""
 
     def staged_checkpoint(self, attempt: Attempt, name: str) -> Path | None:
         """Where another writer (a forked save: :mod:`ortckpt.forked_save`) may put the checkpoint

@@ -189,7 +189,7 @@ class DirectoryStore(StepStore):
         # (documents name plain files inside the step: never followed through a symlink)
         return open_checkpoint(safe_io.member(_path(folder), name), follow_symlinks=False)
 
-    def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
+    def load_shard(self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
         return self.load(folder, name)  # (mapped: its pieces are checked as they are read)
 
     @contextlib.contextmanager
@@ -226,6 +226,7 @@ class DirectoryStore(StepStore):
         durable: bool,
         progress: bool = False,
         share_with: Step | None = None,
+        shareable: bool = False,
     ) -> dict[str, dict[str, Any]]:
         path = safe_io.member(_path(attempt.folder), name)
         shared, unchanged, values = False, 0, 0

@@ -25,10 +25,12 @@
   objects of saves that never committed, and multipart uploads that killed writers left, are
   removed only by :meth:`ObjectStore.remove_leftovers`, which its caller runs when no other
   writer is saving under the prefix. It never runs by itself.
-- **Steps share their unchanged values** (:mod:`.shared`): a manager's checkpoint of 64 MiB of
-  values or more keeps them in a data object of the run's ``shared/`` folder that its
-  metadata.json names; later steps upload only the values not in it. Such an object is deleted
-  only when no committed step names it (after a retirement, and by the sweep).
+- **Steps share their unchanged values** (:mod:`.shared`): a manager's checkpoint (or each
+  rank's shard of a manager's sharded step) of 64 MiB of values or more keeps them in a data
+  object of the run's ``shared/`` folder that its metadata.json names; later steps upload only
+  the values not in it. Such an object is deleted
+  only when no committed step names it (after a retirement, by the sweep, and when the save
+  that uploaded it fails before its commit).
 - **The run's graphs** are objects ``artifacts/<sha256>.onnx`` under the prefix, one per distinct
   content, uploaded by the first save that records it; a step's metadata.json names them by
   digest. A save checks they are there before and after its commit, as for its own objects.
@@ -52,7 +54,7 @@ from .._boundary import CoreState
 from ..checkpoint_state import CheckpointState
 from ..errors import CheckpointError, CheckpointExistsError, CheckpointIntegrityError
 from ..object_store import Location
-from . import downloads, shared
+from . import downloads, graph_uploads, object_documents, shared
 from .base import Attempt, Folder, LocalStep, Recorded, Scan, SourceDigests, Step, StepStore, check_graph_size
 from .shared import SharedObjects
 
@@ -161,7 +163,7 @@ class ObjectStore(StepStore):
     def _read(self, number: int, document: str, size: int | None = None) -> Step:
         folder = self._folder(number)
         where = folder.child(document)
-        parsed = _document(where, KINDS[document], size)
+        parsed = object_documents.read(where, KINDS[document], size)
         if parsed["step"] != number:
             raise documents.DocumentError(f"{where.url}: step {parsed['step']}, but the folder is of step {number}")
         return Step(number, parsed, self._files_of(folder, parsed))
@@ -183,7 +185,7 @@ class ObjectStore(StepStore):
         """The step whose folder is this store's prefix itself, if it is one."""
         for document in steps.COMMIT_DOCUMENTS:
             try:
-                parsed = _document(self.prefix.child(document), KINDS[document])
+                parsed = object_documents.read(self.prefix.child(document), KINDS[document])
             except FileNotFoundError:
                 continue
             # (a step folder named on its own: the run's graphs are beside it, in its run's prefix)
@@ -221,8 +223,8 @@ class ObjectStore(StepStore):
         else:
             downloads.recorded(_location(folder), name, recorded, path, self._run)
 
-    def load_shard(self, folder: Folder, name: str, sizes: Mapping[str, int]) -> CheckpointState:
-        return self.load(folder, name, recorded={file: {"bytes": size} for file, size in sizes.items()})
+    def load_shard(self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
+        return self.load(folder, name, recorded=recorded)
 
     @contextlib.contextmanager
     def local_step(self, step: Step) -> Iterator[LocalStep]:
@@ -253,7 +255,7 @@ class ObjectStore(StepStore):
     def read_document(self, folder: Folder, name: str) -> bytes:
         where = _location(folder).child(name)
         kind = KINDS.get(name, documents.SHARDED_INDEX)
-        return bytes(_bounded_get(where, kind))
+        return bytes(object_documents.bounded_get(where, kind))
 
     # --- writing -------------------------------------------------------------------------
 
@@ -276,13 +278,20 @@ class ObjectStore(StepStore):
         durable: bool,
         progress: bool = False,
         share_with: Step | None = None,
+        shareable: bool = False,
     ) -> dict[str, dict[str, Any]]:
-        """A manager's checkpoint of values of SHARE_MIN_BYTES or more goes up sharing what did
-        not change with the previous step (see :mod:`.shared`); any other (a small one, a shard)
-        whole into the attempt's folder."""
-        values = SharedObjects.values_to_share(name, state)
+        """A manager's checkpoint (or ``shareable`` shard) of values of SHARE_MIN_BYTES or more
+        goes up sharing what did not change with the previous step (see :mod:`.shared`); any
+        other (a small one, a shard of a step without metadata) whole into the attempt's folder."""
+        values = SharedObjects.values_to_share(name, state, shareable)
         if values is not None:
-            return self._shared.write(self._run, attempt, name, state, values, share_with, progress=progress)
+            try:
+                return self._shared.write(self._run, attempt, name, state, values, share_with, progress=progress)
+            except Exception:
+                # (its new data object went up, then this failed: on a rank of a sharded save, no
+                # one else knows the object; on any, it goes now rather than at the next sweep)
+                self._remove_unnamed_shared(self._shared.failed(attempt, name))
+                raise
         target = self.file(attempt.folder, name)
         written = target.upload(state, external_data_threshold=external_data_threshold, progress=progress)
         attempt.written.update(written)
@@ -311,7 +320,7 @@ class ObjectStore(StepStore):
             identity = SourceDigests.identity(source)
             check_graph_size(source, identity[2])
             with safe_io.open_regular(source) as f:  # (a FIFO or a directory refused unread)
-                known = _sha256_of_file(f)
+                known = graph_uploads.sha256_of_file(f)
             self._sources.put(source, identity, *known)
         size, digest = known
         check_graph_size(source, size)
@@ -319,7 +328,7 @@ class ObjectStore(StepStore):
         if digest not in self._stored:
             found = object_store.head(where)
             if found is None or found.size != size or object_store.sha256_of(where, expected_size=size)[1] != digest:
-                _upload_file(source, where, digest)
+                graph_uploads.upload_file(source, where, digest)
             self._stored.add(digest)
         entry = {"name": steps.artifact_name(role), "bytes": size, "sha256": digest}
         attempt.graphs[role] = entry
@@ -507,8 +516,22 @@ class ObjectStore(StepStore):
         if attempt.sent:
             return  # the commit may have landed: its objects stay (remove_leftovers judges them)
         _remove_quietly(_location(attempt.folder))
-        if uploaded is not None:  # (its own new data object: no step names it)
-            _remove_quietly(self._run.child(uploaded))
+        if uploaded:  # (its data objects: objects, not folders)
+            self._remove_unnamed_shared(uploaded)
+
+    def _remove_unnamed_shared(self, keys: set[str]) -> None:
+        """Removes the data objects ``keys`` of a failed save (its ranks' new ones, and those it
+        shared), but none that a committed step names (a hostile or copied document may: never
+        delete what a step reads), nor when a damaged one may, nor one that a save of this writer
+        in flight holds; what stays is for the sweep."""
+        try:
+            named = self._named_shared()
+            if named is not None:
+                object_store.remove([self._run.child(key) for key in sorted(keys - named - self._shared.holds())])
+        except (OSError, CheckpointError) as e:
+            warnings.warn(
+                f"{self._run.url}: could not remove a failed save's data objects: {e}", RuntimeWarning, stacklevel=4
+            )
 
     def retire(self, step: Step) -> None:
         folder = self._folder(step.number)
@@ -538,11 +561,16 @@ class ObjectStore(StepStore):
         finds it retired, as it would its own objects). A step whose document is damaged may
         name any: then nothing is removed. Returns the URLs removed."""
         began = self._shared.collection_began()
+        named = self._named_shared()
+        return [] if named is None else self._shared.collect(self._run, named, began)
+
+    def _named_shared(self) -> set[str] | None:
+        """The shared data objects that committed steps name; None when a step's document is
+        damaged (it may name any)."""
         scan = self.scan(steps.METADATA_NAME)
         if scan.damaged:
-            return []
-        named = {key for step in scan.steps.values() for key in shared.objects_named(step.document)}
-        return self._shared.collect(self._run, named, began)
+            return None
+        return {key for step in scan.steps.values() for key in shared.objects_named(step.document)}
 
     def remove_proven_leftovers(self) -> list[str]:
         return []  # nothing on an object store proves a writer gone: remove_leftovers() is the caller's call
@@ -607,7 +635,7 @@ class ObjectStore(StepStore):
             if document not in names:
                 continue
             try:
-                parsed = _document(self._folder(number).child(document), KINDS[document])
+                parsed = object_documents.read(self._folder(number).child(document), KINDS[document])
             except FileNotFoundError:
                 continue
             except (CheckpointError, OSError):
@@ -633,33 +661,6 @@ def _location(folder: Folder) -> Location:
     return folder
 
 
-def _sha256_of_file(f: Any) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    while chunk := f.read(8 << 20):
-        digest.update(chunk)
-        size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _upload_file(source: Path, where: Location, digest: str) -> None:
-    """Uploads the graph file ``source`` as ``where`` (mapped, streamed), hashing what goes up:
-    a file changed since it was hashed is not left under another content's name."""
-    import mmap
-
-    sent = hashlib.sha256()
-    with safe_io.open_regular(source) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            object_store.put(where, b"")
-        else:
-            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
-                object_store.put_stream(where, [mapped], digest=sent)
-    if size and sent.hexdigest() != digest:
-        object_store.remove([where])
-        raise OSError(f"{source}: changed while it was uploaded (recorded again at the next save)")
-
-
 def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
     """(step, attempt) of every retirement marker in a listing."""
     found = set()
@@ -668,25 +669,6 @@ def _retired(listing: Iterable[tuple[str, int]]) -> set[tuple[int, Any]]:
         if parts is not None and parts[1].startswith(steps.RETIRED_PREFIX):
             found.add((parts[0], parts[1].removeprefix(steps.RETIRED_PREFIX)))
     return found
-
-
-def _document(where: Location, kind: documents.Kind, size: int | None = None) -> Any:
-    """A document object, validated; refused unread when over its kind's cap (by the size a
-    listing gave, or the size the GET declares)."""
-    if size is not None and size > kind.max_bytes:
-        raise documents.DocumentError(f"{where.url}: {size} bytes, more than a {kind.name} may have")
-    return documents.parse(kind, bytes(_bounded_get(where, kind)), where.url)
-
-
-def _bounded_get(where: Location, kind: documents.Kind) -> Any:
-    """A document's bytes: refused (DocumentError) before a byte is read when the server
-    declares more than its kind's cap."""
-    found = object_store.head(where)
-    if found is None:
-        raise FileNotFoundError(2, "no such object", where.url)
-    if found.size > kind.max_bytes:
-        raise documents.DocumentError(f"{where.url}: {found.size} bytes, more than a {kind.name} may have")
-    return object_store.get(where, found.etag, expected_size=found.size)
 
 
 def _remove_quietly(folder: Location) -> None:

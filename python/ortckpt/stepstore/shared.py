@@ -1,7 +1,9 @@
 """The data objects that an object store's steps share (:mod:`.objects`): what a step of a mostly
 frozen model uploads is what changed.
 
-- **Layout.** A manager's checkpoint of SHARE_MIN_BYTES of values or more goes up as a pair: its
+- **Layout.** A manager's checkpoint of SHARE_MIN_BYTES of values or more (and each rank's shard
+  of such values in a manager's sharded step: ``shard-RRRRR-of-WWWWW.data`` entries, one object
+  per rank, which that rank's shard of the next step shares) goes up as a pair: its
   values in a data object of the run's shared folder, ``shared/<pair id>.data``, its tables (and
   the values not in that object) in the checkpoint object of the attempt's folder, whose pair
   trailer is the data object's. The step's metadata.json entry for ``checkpoint.data`` names the
@@ -15,13 +17,19 @@ frozen model uploads is what changed.
   fit ONNX Runtime's 2 GiB inline; else the step goes up whole with a new data object, which the
   next steps share. The digests live in this writer's memory, each taken from bytes it had: no
   document is trusted for them.
+- **A rank's shard** is committed by rank 0, not by the rank's own store: the object a rank
+  uploaded becomes its basis when the previous step of its next save (read from the store,
+  committed) names it exactly (key, size, SHA-256, pair id). A rank whose upload fails after its
+  data object went up removes that object itself; rank 0's abandon removes the data objects of
+  the ranks that succeeded (none that a committed step names).
 - **A resumed writer** (a new process after a preemption, a crash, a redeploy) has none, until
   it restores: the values its restore downloads from the data object a step shares (the object
   proven to be the one the step records, by its ETag or SHA-256, and read by a GET conditional
   on the ETag the server declared) are hashed at their offsets, and that object becomes the
   basis, as if this writer had uploaded it, for a save whose previous step is the very step
-  restored (same number, same attempt). Else (no restore, an older step restored, another
-  writer's step committed since, a reader) the first step goes up whole, as it always did.
+  restored (same number, same attempt; a manager's checkpoint only, not a shard). Else (no
+  restore, an older step restored, another writer's step committed since, a reader) the first
+  step goes up whole, as it always did.
 - **Checks at each save**, whichever writer hashed the object: the previous step still names it
   (key, size, SHA-256, pair id), and it is still there with that size and the ETag it had when
   hashed, where the server gives ETags (an object replaced meanwhile, even by one of the same
@@ -53,6 +61,7 @@ from .base import Attempt, Step
 SHARE_MIN_BYTES = 64 << 20
 # Values under this many bytes are always inline (the core's rule): never shared.
 EXTERNAL_MIN_BYTES = 64
+_CHECKPOINT_DATA = f"{steps.CHECKPOINT_NAME}.data"  # (a manager's checkpoint's: what a restore hashes)
 
 
 @dataclass(frozen=True)
@@ -73,10 +82,12 @@ class SharedObjects:
 
     def __init__(self, writer: bool) -> None:
         self._writer = writer  # (a reader's restores hash nothing: it never saves)
-        # The object of the last step this writer committed uploading it: what the next save
-        # shares from; and, by attempt, the one an attempt uploaded (promoted when it commits).
-        self._basis: SharedData | None = None
-        self._uploaded: dict[str, SharedData] = {}
+        # By data file name ("checkpoint.data", or a shard's): the object of the last step that
+        # names the one this writer uploaded, what the next save shares from; and the one it
+        # uploaded last, with its attempt (promoted when a step naming it is committed: by this
+        # store, or, for a rank's shard, by rank 0's, which the next save's previous step shows).
+        self._basis: dict[str, SharedData] = {}
+        self._uploaded: dict[str, tuple[str, SharedData]] = {}
         # The object of the step this writer last restored, hashed from the bytes downloaded, by
         # (step, attempt): the basis of a save whose previous step is that one.
         self._restored: tuple[tuple[int, Any], SharedData] | None = None
@@ -89,10 +100,12 @@ class SharedObjects:
         self._named_at: dict[str, int] = {}
 
     @staticmethod
-    def values_to_share(name: str, state: CoreState) -> list[Any] | None:
-        """The values of the checkpoint ``name`` if it goes up sharing (a manager's, with values
-        of SHARE_MIN_BYTES or more), else None (whole, into the attempt's folder, as before)."""
-        if name != steps.CHECKPOINT_NAME or state.nominal:
+    def values_to_share(name: str, state: CoreState, shareable: bool) -> list[Any] | None:
+        """The values of the checkpoint ``name`` if it goes up sharing (a manager's checkpoint, or
+        a ``shareable`` shard: a manager's sharded step, whose metadata.json names every object it
+        reads, with values of SHARE_MIN_BYTES or more), else None (whole, into the attempt's
+        folder, as before)."""
+        if not (name == steps.CHECKPOINT_NAME or shareable) or state.nominal:
             return None
         values = _value_buffers(state)
         return values if sum(memoryview(v).nbytes for v in values) >= SHARE_MIN_BYTES else None
@@ -112,16 +125,20 @@ class SharedObjects:
         object it names when it can, else whole with a new one. Its data object's entry goes in
         ``attempt.shared``; returns the checkpoint object's entry (also in ``attempt.written``)."""
         data_name = f"{name}.data"
-        basis = self._basis
+        basis = self._basis.get(data_name)
         if basis is not None and not _names_shared(previous, data_name, basis.entry):
             basis = None  # (not the previous step's: e.g. another writer's, or a step restored from elsewhere)
+        uploaded = self._uploaded.get(data_name)
+        if basis is None and uploaded is not None and _names_shared(previous, data_name, uploaded[1].entry):
+            # (a rank's shard: rank 0 committed the step naming it, and the previous step is that one)
+            basis = self._basis[data_name] = uploaded[1]
         restored = self._restored
-        if basis is None and restored is not None and previous is not None:
+        if basis is None and restored is not None and previous is not None and data_name == _CHECKPOINT_DATA:
             step, data = restored
             if step == (previous.number, previous.document.get("attempt")) and _names_shared(
                 previous, data_name, data.entry
             ):
-                basis = self._basis = data  # (the restored step is the previous one: as if uploaded here)
+                basis = self._basis[data_name] = data  # (the restored step is the previous one: as if uploaded here)
         if basis is not None:
             self._hold(attempt, basis.entry["object"])
             written = self._upload_sharing(run, attempt, name, state, values, basis, progress=progress)
@@ -188,7 +205,7 @@ class SharedObjects:
         entry = put_hashed(run.child(key), targets.filled(size, parts), progress)
         entry.update(pair=pair.hex(), object=key)
         attempt.shared[f"{name}.data"] = entry
-        self._uploaded[attempt.where] = SharedData(dict(entry), pair, offsets, entry.get("etag"))
+        self._uploaded[f"{name}.data"] = (attempt.where, SharedData(dict(entry), pair, offsets, entry.get("etag")))
         written = {name: put_hashed(_folder(attempt).child(name), main, progress)}
         attempt.written.update(written)
         return written
@@ -200,7 +217,7 @@ class SharedObjects:
         object is hashed at its offset, from the bytes downloaded: the basis of a save whose
         previous step is ``step`` (see the module's description). A step sharing none: nothing."""
         self._restored = None  # (another step restored: not the one restored before)
-        entry = step.document.get("files", {}).get(f"{steps.CHECKPOINT_NAME}.data")
+        entry = step.document.get("files", {}).get(_CHECKPOINT_DATA)
         if not self._writer or entry is None or "object" not in entry or "pair" not in entry:
             return
         loaded = _boundary.load(checkpoint, follow_symlinks=False)
@@ -225,10 +242,12 @@ class SharedObjects:
             self._held.pop(attempt.where, None)
 
     def committed(self, attempt: Attempt, step: Step) -> None:
-        """The attempt's save committed ``step``: the object it uploaded is the next step's basis."""
-        uploaded = self._uploaded.pop(attempt.where, None)
-        if uploaded is not None and step.document.get("attempt") == attempt.where:
-            self._basis = uploaded
+        """The attempt's save committed ``step``: the objects it uploaded are the next step's basis."""
+        for data_name, (where, uploaded) in list(self._uploaded.items()):
+            if where == attempt.where:
+                del self._uploaded[data_name]
+                if step.document.get("attempt") == attempt.where:
+                    self._basis[data_name] = uploaded
         with self._lock:
             self._commits += 1
             for entry in step.document.get("files", {}).values():
@@ -236,12 +255,39 @@ class SharedObjects:
                     self._named_at[entry["object"]] = self._commits
         self.release(attempt)
 
-    def abandoned(self, attempt: Attempt) -> str | None:
-        """The attempt's save failed: the key of the object it uploaded, if any (the caller
-        removes it when no commit naming it may have landed)."""
+    def abandoned(self, attempt: Attempt) -> set[str]:
+        """The attempt's save failed: the keys of the objects this writer uploaded for it and of
+        those its entries name (another rank's, recorded by rank 0), which the caller removes
+        when no commit naming them may have landed and no committed step names them."""
         self.release(attempt)
-        uploaded = self._uploaded.pop(attempt.where, None)
-        return None if uploaded is None else uploaded.entry["object"]
+        keys = {entry["object"] for entry in attempt.shared.values() if "object" in entry}
+        for data_name, (where, uploaded) in list(self._uploaded.items()):
+            if where == attempt.where:
+                del self._uploaded[data_name]
+                keys.add(uploaded.entry["object"])
+        return keys
+
+    def failed(self, attempt: Attempt, name: str) -> set[str]:
+        """The upload of the checkpoint ``name`` into the attempt failed: the key of the data
+        object it uploaded new for it, if any (forgotten here; the caller removes it when no
+        committed step names it)."""
+        data_name = f"{name}.data"
+        uploaded = self._uploaded.get(data_name)
+        if uploaded is None or uploaded[0] != attempt.where:
+            return set()
+        del self._uploaded[data_name]
+        attempt.shared.pop(data_name, None)
+        key = uploaded[1].entry["object"]
+        with self._lock:
+            held = self._held.get(attempt.where, [])
+            if key in held:
+                held.remove(key)
+        return {key}
+
+    def holds(self) -> set[str]:
+        """The objects that saves of this writer in flight use."""
+        with self._lock:
+            return {key for keys in self._held.values() for key in keys}
 
     def collection_began(self) -> int:
         with self._lock:

@@ -468,3 +468,58 @@ def test_a_shared_object_swept_away_before_the_commit_withdraws_the_step(s3_serv
         manager.save(model(3, frozen), 3)
         assert object_store.bytes_put() - before > 4 * SMALL  # (whole: a new data object)
         assert_is(manager.restore(3), 3, frozen)
+
+
+def test_a_save_failing_before_its_commit_leaves_none_of_its_objects(s3_server, s3_url, small_share, monkeypatch):
+    """A save whose data object and checkpoint went up fails before its commit (its graph cannot
+    be stored): its abandon removes its attempt and its own new data object (an object, not a
+    folder), and the previous step still restores and verifies."""
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(model(1, frozen_part(1)), 1)
+        before = sorted(key for key, _ in object_store.list_keys(targets.object_location(s3_url, options)))
+        uploaded: list[str] = []
+
+        def failing(attempt, *args, **kwargs):
+            uploaded.extend(entry["object"] for entry in attempt.shared.values())
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(manager.store, "commit", failing)
+        with pytest.raises(OSError, match="No space left"):
+            manager.save(model(2, frozen_part(2)), 2)  # (the frozen part changed: a new data object)
+        monkeypatch.undo()
+        assert len(uploaded) == 1 and uploaded[0] not in before
+        assert sorted(key for key, _ in object_store.list_keys(targets.object_location(s3_url, options))) == before
+        assert_is(manager.restore(), 1, frozen_part(1))
+        manager.verify(1)
+
+
+def test_a_failed_save_never_removes_a_data_object_a_committed_step_names(s3_server, s3_url, small_share, monkeypatch):
+    """A document committed meanwhile names the failed save's new data object (another writer's
+    copy of its entry, or a hostile one): the failed save's abandon leaves that object, which the
+    committed step reads; only when no step names it does it go (the sweep)."""
+    options = s3_server.storage_options()
+    with CheckpointManager(s3_url, storage_options=options) as manager:
+        manager.save(model(1, frozen_part(1)), 1)
+        first = manager.latest().metadata
+
+        def naming_then_failing(attempt, *args, **kwargs):
+            other = {**first, "step": 7, "files": {**first["files"], **attempt.shared}}
+            object_store.put(
+                targets.object_location(f"{s3_url}/step_00000007/metadata.json", options), json.dumps(other).encode()
+            )
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(manager.store, "commit", naming_then_failing)
+        with pytest.raises(OSError, match="No space left"):
+            manager.save(model(2, frozen_part(2)), 2)
+        monkeypatch.undo()
+        named = json.loads(
+            bytes(object_store.get(targets.object_location(f"{s3_url}/step_00000007/metadata.json", options)))
+        )["files"]["checkpoint.data"]["object"]
+        assert named in shared_keys(s3_url, options)  # kept: step 7 names it
+        object_store.remove([targets.object_location(f"{s3_url}/step_00000007/metadata.json", options)])
+        removed = manager.remove_leftovers()
+        assert any(url.endswith(named) for url in removed), removed
+        assert shared_keys(s3_url, options) == [first["files"]["checkpoint.data"]["object"]]
+        assert_is(manager.restore(1), 1, frozen_part(1))
