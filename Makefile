@@ -51,7 +51,7 @@ TORCH_VENV := .venv-torch
 TORCH_PY := $(CURDIR)/$(TORCH_VENV)/bin/python
 TORCH_DEPS := "torch==2.15.0" "numpy>=1.24"
 
-.PHONY: test-checks build-debug test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-once regen corpus bench clean
+.PHONY: test-checks build-debug test-flower flower-venv-wheel test-flower-wheel chromium ort-loop-venv ort-loop-venv-from-dist run test test-devbuild test-large test-torch build lint cargo-test pytest fuzz fuzz-smoke wheel test-wheel test-wheel-interop regen corpus bench clean
 
 run: build
 	$(PY) benches/resume_demo.py
@@ -193,8 +193,8 @@ WHEEL_TEST_DEPS := "pytest>=8" "pytest-timeout==2.4.0" "hypothesis>=6" "tqdm>=4.
 # fsyncs at once took longer than the suites one after another. The benchmarks use the disk.
 TEST_TMPDIR ?= $(shell [ -d /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR == 2 { print $$4 }')" -gt 8000000 ] && echo /dev/shm)
 test-wheel: wheel $(ORT_VENV)/.ok $(MLFLOW_VENV)/.ok $(UV) chromium
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist flower-venv-wheel
-	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) once flower) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-once test-flower-wheel
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) interop flower) $(addprefix wheel-venv-,$(PYTHONS)) ort-loop-venv-from-dist flower-venv-wheel
+	$(MAKE) --no-print-directory --output-sync=target -j $(words $(PYTHONS) interop flower) $(addprefix test-wheel-,$(PYTHONS)) test-wheel-interop test-flower-wheel
 
 # A fresh virtualenv of one interpreter with the wheel in dist/ and the test dependencies.
 wheel-venv-%:
@@ -207,15 +207,16 @@ ort-loop-venv-from-dist:
 	@$(MAKE) --no-print-directory ort-loop-venv -o wheel
 
 # One interpreter's suite against the installed wheel, with no Rust on PATH (`make test-wheel PYTHONS=3.12`
-# builds the wheel and its venv first). The `once` runs go beside them, on the first interpreter.
+# builds the wheel and its venv first).
 WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR))
 WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=25
-# The tests that need one interpreter run once, spread over the lanes of PYTHONS by tests/python's part
-# folders (TEST_PARTS_n for the n-th interpreter; the first takes the parts of any missing one), so that
-# the lanes end about together: the interop tests (ONNX Runtime's own interpreter is the oracle, whatever
-# the suite's), the MPI ranks and the `once` runs in a lane of their own on the first interpreter. The
-# package is pure Python over an abi3 extension, so what can differ between interpreters is import, the
-# stubs (stubtest), buffers crossing the boundary and the entry point: every lane runs the tests marked
+# The tests that need one interpreter run once (the `once` runs among them: SIGKILLs during saves, many
+# processes at once, the command line's subprocess runs), spread over the lanes of PYTHONS by tests/python's
+# part folders (TEST_PARTS_n for the n-th interpreter; the first takes the parts of any missing one), so
+# that the lanes end about together; the interop tests (ONNX Runtime's own interpreter is the oracle,
+# whatever the suite's) and the MPI ranks in a lane of their own on the first interpreter. The package is
+# pure Python over an abi3 extension, so what can differ between interpreters is import, the stubs
+# (stubtest), buffers crossing the boundary and the entry point: every lane runs the tests marked
 # every_python (tests/python/conftest.py reads ORTCKPT_TEST_PARTS). Each run prints its slowest tests
 # (--durations), so the time has a record. A design rule holds every part folder in one TEST_PARTS_n.
 TEST_PARTS_1 := manager sharded state format convert compute documents
@@ -233,7 +234,7 @@ test-wheel-%:
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
 		python -m mypy.stubtest ortckpt._core && \
-		$(WHEEL_PYTEST) tests/python -m "not large and not once"'
+		$(WHEEL_PYTEST) tests/python -m "not large"'
 
 # The wheel with its [flower] extra (flwr, its pins) and onnxruntime-training (ORT-trained clients) on
 # ONNX Runtime's interpreter (3.11 or 3.12), for tests/flower.
@@ -246,10 +247,9 @@ test-flower-wheel:
 	env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-flower/bin:/usr/bin:/bin" $(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) \
 		$(WHEEL_PYTEST) tests/flower
 
-test-wheel-once:
-	@echo "== the once runs, the interop and the MPI tests on CPython $(firstword $(PYTHONS))" && \
-	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large" && \
-	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) tests/python -m once
+test-wheel-interop:
+	@echo "== the interop and the MPI tests on CPython $(firstword $(PYTHONS))" && \
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large"
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok

@@ -25,8 +25,8 @@ def trained_path() -> Path:
 
 # `make test` spreads the tests that run on one interpreter only over its interpreters' lanes, by part
 # folder, so that the lanes end together: each lane names its parts in ORTCKPT_TEST_PARTS (the
-# Makefile's TEST_PARTS_n) and runs their tests and the every_python tests of every part. Unset, every
-# selected test runs.
+# Makefile's TEST_PARTS_n) and runs their tests (the `once` runs among them) and the every_python tests
+# of every part. Unset, every selected test runs.
 PARTS = HELPERS.parent
 
 
@@ -42,7 +42,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = Path(item.path)
         part = path.relative_to(PARTS).parts[0] if path.is_relative_to(PARTS) else None
-        ours = part is None or part in parts or item.get_closest_marker("every_python") is not None
+        everywhere = item.get_closest_marker("every_python") is not None and item.get_closest_marker("once") is None
+        ours = part is None or part in parts or everywhere
         (kept if ours else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
