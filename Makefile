@@ -212,16 +212,18 @@ WHEEL_ENV = env -u VIRTUAL_ENV PATH="$(CURDIR)/target/wheel-venv-$(1)/bin:/usr/b
 WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=25
 # The tests that need one interpreter run once (the `once` runs among them: SIGKILLs during saves, many
 # processes at once, the command line's subprocess runs), spread over the lanes of PYTHONS by tests/python's
-# part folders (TEST_PARTS_n for the n-th interpreter; the first takes the parts of any missing one), so
-# that the lanes end about together; the interop tests (ONNX Runtime's own interpreter is the oracle,
+# part folders (TEST_PARTS_n for the n-th interpreter; the first takes the parts of any missing one; with two
+# or more, TEST_PARTS_INTEROP beside the interop tests), so that the lanes end about together; the interop tests (ONNX Runtime's own interpreter is the oracle,
 # whatever the suite's) and the MPI ranks in a lane of their own on the first interpreter. The package is
 # pure Python over an abi3 extension, so what can differ between interpreters is import, the stubs
 # (stubtest), buffers crossing the boundary and the entry point: every lane runs the tests marked
 # every_python (tests/python/conftest.py reads ORTCKPT_TEST_PARTS). Each run prints its slowest tests
 # (--durations), so the time has a record. A design rule holds every part folder in one TEST_PARTS_n.
-TEST_PARTS_1 := manager sharded state format convert compute documents
-TEST_PARTS_2 := tracking report design cli
-TEST_PARTS_3 := object_store files
+TEST_PARTS_1 := manager sharded state format convert
+TEST_PARTS_2 := tracking report cli
+TEST_PARTS_3 := object_store files compute documents
+# (and one part beside the interop tests, whose lane ends first: with two interpreters or more)
+TEST_PARTS_INTEROP := design
 FIRST_ONLY := tests/interop tests/distributed
 # (one interpreter: every part; else the n-th's parts, the first's with those of any interpreter missing)
 lane_parts = $(if $(word 2,$(PYTHONS)),ORTCKPT_TEST_PARTS="$(strip \
@@ -248,8 +250,9 @@ test-flower-wheel:
 		$(WHEEL_PYTEST) tests/flower
 
 test-wheel-interop:
-	@echo "== the interop and the MPI tests on CPython $(firstword $(PYTHONS))" && \
-	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large"
+	@echo "== the interop and the MPI tests$(if $(word 2,$(PYTHONS)), and tests/python's $(TEST_PARTS_INTEROP)) on CPython $(firstword $(PYTHONS))" && \
+	$(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(FIRST_ONLY) -m "not large" \
+	$(if $(word 2,$(PYTHONS)),&& $(call WHEEL_ENV,$(firstword $(PYTHONS))) $(WHEEL_PYTEST) $(addprefix tests/python/,$(TEST_PARTS_INTEROP)) -m "not large and not every_python")
 
 # Tests that need torch (in .venv-torch, about 5 GB: never part of `make test`).
 test-torch: build $(ORT_VENV)/.ok $(TORCH_VENV)/.ok

@@ -66,11 +66,11 @@ def test_the_layout_page_names_every_test_folder():
 
 def test_every_part_folder_runs_in_exactly_one_lane_of_make_test():
     """make test spreads the one-interpreter tests over its lanes by part folder (the Makefile's
-    TEST_PARTS_n, read by conftest.py): a folder in no TEST_PARTS_n would run only its every_python
+    TEST_PARTS_n, read by conftest.py, and TEST_PARTS_INTEROP): a folder in no TEST_PARTS_n would run only its every_python
     tests, a folder in two would run twice."""
     makefile = (ROOT / "Makefile").read_text()
-    lanes = re.findall(r"^TEST_PARTS_\d+ := (.*)$", makefile, re.MULTILINE)
+    lanes = re.findall(r"^TEST_PARTS_\w+ := (.*)$", makefile, re.MULTILINE)
     named = [part for lane in lanes for part in lane.split()]
     parts = sorted(p.name for p in folders() if p != HELPERS)
     assert len(lanes) >= 2, "the Makefile's TEST_PARTS_n lines are gone"
-    assert sorted(named) == parts, f"each of {parts} in exactly one TEST_PARTS_n of the Makefile"
+    assert sorted(named) == parts, f"each of {parts} in exactly one TEST_PARTS_* of the Makefile"
