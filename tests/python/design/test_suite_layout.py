@@ -66,8 +66,8 @@ def test_the_layout_page_names_every_test_folder():
 
 def test_every_part_folder_runs_in_exactly_one_lane_of_make_test():
     """make test spreads the one-interpreter tests over its lanes by part folder (the Makefile's
-    TEST_PARTS_n, read by conftest.py, and TEST_PARTS_INTEROP): a folder in no TEST_PARTS_n would run only its every_python
-    tests, a folder in two would run twice."""
+    TEST_PARTS_n, read by conftest.py, and TEST_PARTS_INTEROP): a folder in none would run only its
+    every_python tests, a folder in two would run twice."""
     makefile = (ROOT / "Makefile").read_text()
     lanes = re.findall(r"^TEST_PARTS_\w+ := (.*)$", makefile, re.MULTILINE)
     named = [part for lane in lanes for part in lane.split()]
