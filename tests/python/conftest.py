@@ -30,14 +30,34 @@ def trained_path() -> Path:
 PARTS = HELPERS.parent
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def lane_parts() -> set[str] | None:
     named = os.environ.get("ORTCKPT_TEST_PARTS")
     if named is None:
-        return
+        return None
     parts = set(named.split())
     folders = {path.name for path in PARTS.iterdir() if path.is_dir() and path != HELPERS}
     if not parts <= folders:
         raise pytest.UsageError(f"ORTCKPT_TEST_PARTS names no part folder of {PARTS}: {sorted(parts - folders)}")
+    return parts
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A lane does not import the test files of another lane's parts that hold no every_python test
+    (a mark is spelled in its file: @pytest.mark.every_python or pytestmark): they would give it
+    nothing, and importing them is most of what collection costs."""
+    parts = lane_parts()
+    path = Path(collection_path)
+    if parts is None or not (path.name.startswith("test_") and path.suffix == ".py") or not path.is_relative_to(PARTS):
+        return None
+    if path.relative_to(PARTS).parts[0] in parts or "every_python" in path.read_text():
+        return None
+    return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parts = lane_parts()
+    if parts is None:
+        return
     kept, dropped = [], []
     for item in items:
         path = Path(item.path)
