@@ -74,3 +74,18 @@ def test_every_part_folder_runs_in_exactly_one_lane_of_make_test():
     parts = sorted(p.name for p in folders() if p != HELPERS)
     assert len(lanes) >= 2, "the Makefile's TEST_PARTS_n lines are gone"
     assert sorted(named) == parts, f"each of {parts} in exactly one TEST_PARTS_* of the Makefile"
+
+
+def test_the_every_python_mark_is_spelled_in_the_test_files_that_use_it():
+    """A lane skips collecting another lane's test files that do not spell every_python (conftest.py's
+    pytest_ignore_collect): so the mark may come from nowhere else, no helper or conftest hands it out."""
+    outside = [
+        str(p.relative_to(SUITE))
+        for p in sorted(SUITE.rglob("*.py"))
+        if not p.name.startswith("test_")
+        for node in ast.walk(ast.parse(p.read_text(), str(p)))
+        if isinstance(node, ast.Attribute) and node.attr == "every_python"
+    ]
+    assert outside == [], f"{outside}: mark each test (or file) with @pytest.mark.every_python where it is written"
+    users = [p for p in SUITE.glob("*/test_*.py") if "pytest.mark.every_python" in p.read_text()]
+    assert len(users) >= 5, "the every_python tests are gone"
