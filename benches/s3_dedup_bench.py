@@ -73,10 +73,7 @@ def run(
                     restores["reader"] = timed(reader.restore)
                 manager = CheckpointManager(url, storage_options=options, max_to_keep=2)
                 restores["writer"] = timed(manager.restore)
-            for n, a in trainable.items():  # a training step: the trainable part and its moments change
-                np.add(a, 1.0, out=a)
-                momentums[n]["momentum0"] += 0.5
-                momentums[n]["momentum1"] += 0.25
+            train_step(trainable, momentums)
             os.sync()
             before, began = object_store.bytes_put(), time.perf_counter()
             manager.save(state, step)
@@ -104,8 +101,7 @@ def run_sharded(url: str, options: dict, args: argparse.Namespace, share: bool) 
     from ortckpt.stepstore import shared
 
     shared.SHARE_MIN_BYTES = (64 * MiB) if share else (1 << 62)
-    world = ThreadWorld(args.ranks)
-    world._barrier = threading.Barrier(args.ranks, timeout=600)  # (a whole step of a big model: past 30 s)
+    world = ThreadWorld(args.ranks, timeout=600)  # (a whole step of a big model: past 30 s)
     out: dict = {"bytes": [], "seconds": [], "restores": {}}
     failures: list[BaseException] = []
 
@@ -115,10 +111,7 @@ def run_sharded(url: str, options: dict, args: argparse.Namespace, share: bool) 
         try:
             with CheckpointManager(url, comm=comm, storage_options=options, max_to_keep=2) as manager:
                 for step in range(1, args.steps + 1):
-                    for n, a in trainable.items():  # a training step: the trainable part and its moments change
-                        np.add(a, 1.0, out=a)
-                        momentums[n]["momentum0"] += 0.5
-                        momentums[n]["momentum1"] += 0.25
+                    train_step(trainable, momentums)
                     comm.barrier()
                     before, began = object_store.bytes_put(), time.perf_counter()
                     manager.save(state, step)
@@ -144,6 +137,14 @@ def run_sharded(url: str, options: dict, args: argparse.Namespace, share: bool) 
     if not share:
         assert all(b > 0.9 * out["bytes"][0] for b in out["bytes"]), out["bytes"]
     return out
+
+
+def train_step(trainable: dict, momentums: dict) -> None:
+    """A training step: the trainable part and its moments change (the frozen part does not)."""
+    for n, a in trainable.items():
+        np.add(a, 1.0, out=a)
+        momentums[n]["momentum0"] += 0.5
+        momentums[n]["momentum1"] += 0.25
 
 
 def timed(call) -> float:

@@ -68,6 +68,7 @@ class WarmOrt:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
         self.process = None
+        self.log.close()
 
     def run(self, args: tuple, timeout: float = 300) -> tuple[int, str, str]:
         with self.lock, tempfile.TemporaryDirectory(prefix="ortckpt-ort-") as scratch:
@@ -85,9 +86,7 @@ class WarmOrt:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
             try:
-                deadline = time.monotonic() + timeout
-                self.reply(deadline)  # the child started
-                returncode = self.reply(deadline)["returncode"]
+                returncode = self.reply(time.monotonic() + timeout)["returncode"]
             except TimeoutError:
                 self.stop()
                 raise AssertionError(
@@ -99,12 +98,12 @@ class WarmOrt:
             return returncode, stdout.read_text(), stderr.read_text()
 
     def close(self) -> None:
-        if self.process is not None and self.process.stdin is not None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.stop()
+        if self.process is None or self.process.stdin is None:
+            return
+        self.process.stdin.close()  # (the server ends when its stdin does)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
+        self.stop()
 
 
 @pytest.fixture(scope="session")

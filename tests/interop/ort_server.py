@@ -7,9 +7,9 @@ process of its own that no earlier command touched, with the caller's working di
 environment, its stdout and stderr in files the caller names, at the cost of a fork.
 
 Requests on stdin, one JSON object a line: {"argv": [...], "cwd": ..., "env": {...}, "stdout": path,
-"stderr": path}; each is answered on stdout with {"pid": ...} when the child starts (so the caller can
-kill it at its deadline) and {"returncode": ...} when it ends (negative: the signal that ended it, as
-subprocess gives it). The server ends when stdin closes.
+"stderr": path}; each is answered on stdout with {"returncode": ...} when its child ends (negative: the
+signal that ended it, as subprocess gives it). A caller past its deadline kills the server's process
+group, the child with it. The server ends when stdin closes.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             run_child(request, replies)
-        reply({"pid": pid})
         _, status = os.waitpid(pid, 0)
         reply({"returncode": os.waitstatus_to_exitcode(status)})
 

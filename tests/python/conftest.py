@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import sys
@@ -30,7 +31,8 @@ def trained_path() -> Path:
 PARTS = HELPERS.parent
 
 
-def lane_parts() -> set[str] | None:
+@functools.cache
+def lane_parts() -> frozenset[str] | None:
     named = os.environ.get("ORTCKPT_TEST_PARTS")
     if named is None:
         return None
@@ -38,7 +40,7 @@ def lane_parts() -> set[str] | None:
     folders = {path.name for path in PARTS.iterdir() if path.is_dir() and path != HELPERS}
     if not parts <= folders:
         raise pytest.UsageError(f"ORTCKPT_TEST_PARTS names no part folder of {PARTS}: {sorted(parts - folders)}")
-    return parts
+    return frozenset(parts)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

@@ -97,9 +97,9 @@ def check_part(state: CheckpointState, slices: dict[str, Slice], step: int, save
 class ThreadWorld:
     """Ranks as threads: collectives meet at a barrier; objects are pickled on the way, as MPI does."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, timeout: float = 30) -> None:
         self.size = size
-        self._barrier = threading.Barrier(size, timeout=30)
+        self._barrier = threading.Barrier(size, timeout=timeout)
         self._slots: list[Any] = [None] * size
 
     def comm(self, rank: int) -> ThreadComm:

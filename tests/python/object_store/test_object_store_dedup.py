@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
+from typing import Any
 
 import numpy as np
 import ortckpt
@@ -28,6 +28,7 @@ from ortckpt import (
     targets,
 )
 from ortckpt.stepstore import shared
+from restoring_readers import restoring_readers
 
 SMALL = 1 << 20  # the share threshold the tests set (shared.SHARE_MIN_BYTES), so that models stay small
 TRAINABLE = 16 << 10
@@ -216,31 +217,15 @@ def test_readers_restore_whole_steps_while_retention_collects_shared_objects(s3_
     versions = {version: frozen_part(version, nbytes=2 * SMALL) for version in range(4)}
     with CheckpointManager(s3_url, storage_options=options, max_to_keep=1) as writer:
         writer.save(model(0, versions[0]), 0)
-        done = threading.Event()
-        seen: list[int] = []
-        failures: list[str] = []
 
-        def read() -> None:
-            with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
-                while not done.is_set():
-                    try:
-                        state = reader.restore()
-                        step = int(state.parameters["head"].data[0])
-                        assert_is(state, step, versions[step // 3])
-                        seen.append(step)
-                    except Exception as e:  # (any: what the test reports)
-                        failures.append(f"{type(e).__name__}: {e}")
+        def check(state: Any) -> int:
+            step = int(state.parameters["head"].data[0])
+            assert_is(state, step, versions[step // 3])
+            return step
 
-        readers = [threading.Thread(target=read) for _ in range(2)]
-        for thread in readers:
-            thread.start()
-        try:
+        with restoring_readers(s3_url, options, check, count=2) as (seen, failures):
             for step in range(1, 12):
                 writer.save(model(step, versions[step // 3]), step)
-        finally:
-            done.set()
-            for thread in readers:
-                thread.join()
         assert failures == [], failures[:3]
         assert len(seen) > 5 and len(set(seen)) > 2, seen
         assert shared_keys(s3_url, options) == [writer.latest().metadata["files"]["checkpoint.data"]["object"]]

@@ -19,6 +19,7 @@ from ortckpt import CheckpointFormatError, CheckpointIntegrityError, CheckpointM
 from ortckpt.distributed import ShardedCheckpointError, merge, shard_file_name
 from ortckpt.distributed import sharded as sharded_module
 from ortckpt.stepstore import shared
+from restoring_readers import restoring_readers
 
 FROZEN = 6  # frozen tensors of 64 KiB per rank: most of each shard, the same at every step
 FROZEN_BYTES = FROZEN * 16384 * 4  # a rank's
@@ -360,36 +361,20 @@ def test_readers_restore_whole_sharded_steps_while_retention_collects_shared_obj
     """Two ranks keeping one step change their frozen part every third step (so data objects are
     uploaded and collected) while a reader restores the latest step as fast as it can: every
     restore is one step's values, whole (never a missing object, never a mix of two steps)."""
-    import threading
-
     options = s3_server.storage_options()
     saved(save_steps(s3_url, options, 2, [0], max_to_keep=1))
-    done = threading.Event()
-    seen: list[int] = []
-    failures: list[str] = []
 
-    def read() -> None:
-        with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
-            while not done.is_set():
-                try:
-                    state = reader.restore()
-                    step = round(float(state.parameters["scale_0"].data) * 1000)
-                    assert_whole_state(state, step, 2, version=step // 3)
-                    seen.append(step)
-                except Exception as e:  # (any: what the test reports)
-                    failures.append(f"{type(e).__name__}: {e}")
+    def check(state: Any) -> int:
+        step = round(float(state.parameters["scale_0"].data) * 1000)
+        assert_whole_state(state, step, 2, version=step // 3)
+        return step
 
     def body(save: Any) -> None:
         for step in range(1, 10):
             save(step, version=step // 3)
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
+    with restoring_readers(s3_url, options, check) as (seen, failures):
         results = in_one_session(s3_url, options, 2, body, max_to_keep=1)
-    finally:
-        done.set()
-        reader.join()
     assert results == [None, None], results
     assert failures == [], failures[:3]
     assert len(seen) > 3 and len(set(seen)) > 2, seen
