@@ -235,7 +235,7 @@ test-wheel-%:
 		! command -v cargo && ! command -v rustc && \
 		python -c "import ortckpt, sys; assert \"site-packages\" in ortckpt.__file__, ortckpt.__file__; print(\"testing\", ortckpt.__file__, \"on\", sys.version)" && \
 		ortckpt --version && python -m ortckpt --version && \
-		python -m mypy.stubtest ortckpt._core && \
+		python -m mypy.stubtest --mypy-config-file tests/stubtest.ini ortckpt._core && \
 		$(WHEEL_PYTEST) tests/python -m "not large"'
 
 # The wheel with its [flower] extra (flwr, its pins) and onnxruntime-training (ORT-trained clients) on

@@ -25,15 +25,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python" / "helpers"))
+from warm_python import WarmPython, close_all, warm  # noqa: E402
+
 ARTIFACTS = HERE.parent / "data" / "ort-vectors" / "artifacts"
 STEPS = 200
 GRACE = 20.0
 DEADLINE = 300.0  # (a run's longest wait for a line or its end: ort_loop.py's own ends it at 290 s)
 
 
-def _command(python: str, directory: Path, async_save: str) -> list[str]:
+def _command(directory: Path, async_save: str) -> list[str]:
     return [
-        python,
         str(HERE / "ort_loop.py"),
         "preempt_run",
         str(ARTIFACTS),
@@ -44,19 +46,22 @@ def _command(python: str, directory: Path, async_save: str) -> list[str]:
     ]
 
 
-def _environment() -> dict[str, str]:
+def loop_environment() -> dict[str, str]:
+    """ort_loop.py's: the torch stand-in on PYTHONPATH (onnxruntime.training imports torch)."""
     return dict(os.environ, PYTHONPATH=str(HERE / "torch_stub"), PYTHONWARNINGS="ignore")
 
 
+# What every ort_loop.py command imports, imported once by a warm interpreter (helpers/warm_python.py):
+# each command runs in a child it forks, a process no earlier command touched, signals and all.
+LOOP_PRELOAD = ("numpy", "ortckpt", "onnxruntime.capi._pybind_state", "onnxruntime.training.api")
+
+
+def loop_interpreter(python: str) -> WarmPython:
+    return warm(python, LOOP_PRELOAD, loop_environment())
+
+
 def run_to_end(python: str, directory: Path, async_save: str = "1") -> dict:
-    done = subprocess.run(
-        _command(python, directory, async_save),
-        capture_output=True,
-        text=True,
-        env=_environment(),
-        timeout=DEADLINE,
-        check=False,
-    )
+    done = loop_interpreter(python).run(_command(directory, async_save), env=loop_environment(), timeout=DEADLINE)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -67,12 +72,12 @@ class _Run:
     killed, and reported with its stderr."""
 
     def __init__(self, python: str, directory: Path, async_save: str) -> None:
-        self.process = subprocess.Popen(
-            _command(python, directory, async_save),
+        self.process = loop_interpreter(python).popen(
+            _command(directory, async_save),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_environment(),
+            env=loop_environment(),
         )
         self.errors: list[str] = []
         self._out: list[str] = []
@@ -227,4 +232,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    main()
+    try:
+        main()
+    finally:
+        close_all()

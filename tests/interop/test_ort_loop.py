@@ -31,6 +31,7 @@ pytestmark = pytest.mark.once
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python" / "helpers"))  # the documentation's examples, by name
 sys.path.insert(0, str(HERE))  # preempt_trials
+from preempt_trials import loop_environment, loop_interpreter  # noqa: E402
 from readme_blocks import block  # noqa: E402
 
 ARTIFACTS = HERE.parent / "data" / "ort-vectors" / "artifacts"
@@ -38,22 +39,21 @@ SWAP_FROM = "from onnxruntime.training.api import CheckpointState\n"
 SWAP_TO = "from ortckpt import CheckpointState\n"
 
 
-def loop_environment() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(HERE / "torch_stub"), PYTHONWARNINGS="ignore")
-
-
-def run_loop(python: str, script: Path | str, *args: object, timeout: float = 300, tmpdir: Path | None = None) -> dict:
+def run_loop(
+    python: str, script: Path | str, *args: object, timeout: float = 300, tmpdir: Path | None = None, fresh=False
+) -> dict:
+    """``python script args`` in a child of the warm interpreter (preempt_trials.loop_interpreter), or in
+    an interpreter of its own when ``fresh``; its last line of stdout as JSON."""
     environment = loop_environment()
     if tmpdir is not None:
         environment["TMPDIR"] = str(tmpdir)
-    done = subprocess.run(
-        [python, str(script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=environment,
-        check=False,
-    )
+    argv = [str(script), *map(str, args)]
+    if fresh:
+        done = subprocess.run(
+            [python, *argv], capture_output=True, text=True, timeout=timeout, env=environment, check=False
+        )
+    else:
+        done = loop_interpreter(python).run(argv, env=environment, timeout=timeout)
     assert done.returncode == 0, f"{script} {args} failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -97,7 +97,8 @@ def test_the_same_script_with_the_import_swapped_trains_saves_and_resumes_bit_id
         (tmp_path / kind).mkdir()
         script = tmp_path / f"train_with_{kind}.py"
         script.write_text(text)
-        reports[kind] = run_loop(ort_loop_python, script, ARTIFACTS, tmp_path / kind)
+        # (each in an interpreter of its own, as the user who swaps the line runs it)
+        reports[kind] = run_loop(ort_loop_python, script, ARTIFACTS, tmp_path / kind, fresh=True)
     # The same losses, learning rates, and the same values seen through state.parameters and
     # state.properties while the Module trains; gradients shown as ONNX Runtime shows them.
     assert reports["ortckpt"] == reports["onnxruntime"]
@@ -239,9 +240,9 @@ def test_a_sigkilled_run_resumes_through_restore_to_the_uninterrupted_runs_state
     killed.mkdir()
     rng = random.Random(31)
     kills = resumes = 0
-    command = [ort_loop_python, str(HERE / "ort_loop.py"), "manager_run", str(ARTIFACTS), str(killed), str(steps)]
+    command = [str(HERE / "ort_loop.py"), "manager_run", str(ARTIFACTS), str(killed), str(steps)]
     for _attempt in range(60):
-        child = subprocess.Popen(
+        child = loop_interpreter(ort_loop_python).popen(
             [*command, "ortckpt", "1"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -348,10 +349,8 @@ def test_what_a_process_killed_while_binding_or_saving_leaves_is_removed_by_the_
     rng = random.Random(31)
     left: list[str] = []
     for _kill in range(20):  # (until a kill lands inside a bind or a save: most of the loop's time)
-        child = subprocess.Popen(
-            [ort_loop_python, str(HERE / "ort_loop.py"), "bind_forever"],
-            stdout=subprocess.PIPE,
-            env=environment,
+        child = loop_interpreter(ort_loop_python).popen(
+            [str(HERE / "ort_loop.py"), "bind_forever"], stdout=subprocess.PIPE, env=environment
         )
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
         time.sleep(rng.uniform(0.3, 1.0))
@@ -449,8 +448,8 @@ def test_a_forked_saves_child_dies_with_a_trainer_killed_outright_and_frees_the_
     run's writer lock, which would stay held while it lived), and the next writer opens the run."""
     from ortckpt import CheckpointManager
 
-    process = subprocess.Popen(
-        [ort_loop_python, str(HERE / "ort_loop.py"), "forked_orphan", str(ARTIFACTS), str(tmp_path)],
+    process = loop_interpreter(ort_loop_python).popen(
+        [str(HERE / "ort_loop.py"), "forked_orphan", str(ARTIFACTS), str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -3,16 +3,15 @@ from __future__ import annotations
 import functools
 import os
 import secrets
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 # The suite's helper modules (servers, golden files, workers) live in helpers/ and are imported by their
-# plain names (``import s3_server``) from every test folder: this conftest is imported first.
+# plain names (``import s3_server``) from every test folder: tests/conftest.py, imported first, puts the
+# folder on sys.path.
 HELPERS = Path(__file__).resolve().parent / "helpers"
-sys.path.insert(0, str(HELPERS))
 
 from goldens import GOLDEN  # noqa: E402
 from mlflow_server import MlflowServer  # noqa: E402

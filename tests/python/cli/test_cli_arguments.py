@@ -21,24 +21,23 @@ import pytest
 from ortckpt import CheckpointManager, CheckpointState, OptimizerGroup, object_store, targets
 from ortckpt.cli import FAILED, OK, USAGE, run
 from ortckpt.distributed import SingleProcess, save_sharded
+from warm_python import warm
 
 # Subprocesses, each a `python -m ortckpt` run whose behaviour is the package's, not the interpreter's
 # (test_cli.py runs the command on every interpreter): on the first interpreter only.
 pytestmark = pytest.mark.once
 
+# (what the commands import at their first use: paid once)
+CLI_PRELOAD = ("ortckpt", "ortckpt.cli", "ortckpt.cli.commands", "onnx", "obstore", "zstandard")
+
 WEIGHT = np.arange(12, dtype=np.float32).reshape(3, 4)
 
 
 def ortckpt(*args, cwd=None) -> subprocess.CompletedProcess:
-    """The command, in a process of its own (the AWS_* variables of the test's environment)."""
-    return subprocess.run(
-        [sys.executable, "-m", "ortckpt", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        check=False,
-    )
+    """``python -m ortckpt ARGS`` in a process of its own, with the test's environment (its AWS_*
+    variables): a child of a warm interpreter that imported ortckpt once (helpers/warm_python.py;
+    test_cli.py starts the command's own interpreter, on every interpreter)."""
+    return warm(sys.executable, CLI_PRELOAD).run(["-m", "ortckpt", *map(str, args)], cwd=cwd, timeout=300)
 
 
 def in_process(*args) -> subprocess.CompletedProcess:

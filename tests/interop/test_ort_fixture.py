@@ -1,6 +1,6 @@
-"""The `ort` fixture's warm ONNX Runtime process (tests/interop/ort_server.py) answers as a fresh
-interpreter would: a command that fails fails the test with ONNX Runtime's own message, and each
-command runs in the caller's working directory (and environment: ort_server.py sets both)."""
+"""The `ort` fixture's warm ONNX Runtime interpreter (helpers/warm_python.py) answers as a fresh
+one would: a command that fails fails the test with ONNX Runtime's own message, and each command
+runs in the caller's working directory (tests/python/design/test_warm_python.py tests the rest)."""
 
 from __future__ import annotations
 
