@@ -219,11 +219,11 @@ WHEEL_PYTEST := python -m pytest -q -p no:cacheprovider --durations=25
 # (stubtest), buffers crossing the boundary and the entry point: every lane runs the tests marked
 # every_python (tests/python/conftest.py reads ORTCKPT_TEST_PARTS). Each run prints its slowest tests
 # (--durations), so the time has a record. A design rule holds every part folder in one TEST_PARTS_n.
-TEST_PARTS_1 := manager sharded state format convert
-TEST_PARTS_2 := tracking report cli
-TEST_PARTS_3 := object_store files compute documents
-# (and one part beside the interop tests, whose lane ends first: with two interpreters or more)
-TEST_PARTS_INTEROP := design
+TEST_PARTS_1 := manager
+TEST_PARTS_2 := tracking report cli sharded state format convert
+TEST_PARTS_3 := files compute documents
+# (and parts beside the interop tests, whose lane ends first: with two interpreters or more)
+TEST_PARTS_INTEROP := design object_store
 FIRST_ONLY := tests/interop tests/distributed
 # (one interpreter: every part; else the n-th's parts, the first's with those of any interpreter missing)
 lane_parts = $(if $(word 2,$(PYTHONS)),ORTCKPT_TEST_PARTS="$(strip \

@@ -2,10 +2,11 @@
 installed (ORTCKPT_ORT_LOOP_PYTHON, the torch stand-in on PYTHONPATH), called by test_ort_loop.py.
 Each command prints one JSON object on its last line of stdout.
 
-  manager_run ARTIFACTS DIRECTORY STEPS CLASS ASYNC  a training run with a CheckpointManager in
-      DIRECTORY, saving every step (CLASS: "ortckpt" or "onnxruntime", whose CheckpointState
+  manager_run ARTIFACTS DIRECTORY STEPS CLASS ASYNC [PACED]  a training run with a CheckpointManager
+      in DIRECTORY, saving every step (CLASS: "ortckpt" or "onnxruntime", whose CheckpointState
       the run trains); resumes from the manager's latest step if there is one; at the end
-      saves DIRECTORY/final.ckpt with ONNX Runtime's own saver
+      saves DIRECTORY/final.ckpt with ONNX Runtime's own saver (PACED "1": after each save's
+      "saved N" line, waits for a line on stdin before the next step)
   own_state ARTIFACTS OUT  ONNX Runtime's own CheckpointState trained two steps, then saved by
       ortckpt's save_checkpoint, by a manager (sync and async) and by ONNX Runtime, same moment
   live_api ARTIFACTS OUT  what ortckpt's state shows and takes while a Module trains it
@@ -85,7 +86,7 @@ def _train_step(model: ort_api.Module, optimizer: ort_api.Optimizer, step: int) 
     return loss
 
 
-def manager_run(artifacts: str, directory: str, steps: str, cls: str, async_save: str) -> dict:
+def manager_run(artifacts: str, directory: str, steps: str, cls: str, async_save: str, paced: str = "0") -> dict:
     manager = ortckpt.CheckpointManager(
         os.path.join(directory, "run"), max_to_keep=3, async_save=async_save == "1", durable=False
     )
@@ -104,6 +105,8 @@ def manager_run(artifacts: str, directory: str, steps: str, cls: str, async_save
         state.properties["last_loss_step"] = step
         manager.save(state, step + 1)
         print(f"saved {step + 1}", file=sys.stderr, flush=True)
+        if paced == "1":  # (the caller's go-ahead: its kill lands where it chose, however busy the machine)
+            sys.stdin.readline()
     manager.close()
     C.save_checkpoint(state._state, os.path.join(directory, "final.ckpt"), True)
     return {"resumed_from": latest, "steps": manager.all_steps()}

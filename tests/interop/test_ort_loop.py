@@ -11,6 +11,7 @@ loops run on ONNX Runtime's interpreter whichever runs pytest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -242,37 +243,42 @@ def test_a_sigkilled_run_resumes_through_restore_to_the_uninterrupted_runs_state
     kills = resumes = 0
     command = [str(HERE / "ort_loop.py"), "manager_run", str(ARTIFACTS), str(killed), str(steps)]
     for _attempt in range(60):
+        # Paced: after each "saved N" the run waits for our line, so each kill lands where drawn (in the
+        # next step, or while the save runs in the background thread), not wherever a busy machine lets
+        # this reader catch up with the run.
         child = loop_interpreter(ort_loop_python).popen(
-            [*command, "ortckpt", "1"],
+            [*command, "ortckpt", "1", "1"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=loop_environment(),
         )
-        assert child.stderr is not None and child.stdout is not None
+        assert child.stdin is not None and child.stderr is not None and child.stdout is not None
         saves_before_kill = rng.randrange(0, 4)
-        finished = False
+        finished = True
         seen = 0
         lines = []
         for line in child.stderr:
             lines.append(line)
             if line.startswith("saved "):
                 seen += 1
+                child.stdin.write("go\n")
+                child.stdin.flush()
                 if seen > saves_before_kill:
+                    finished = False
                     break
-        else:
-            finished = True
         if not finished:
-            # Somewhere in the next step or save (a save runs in the background thread).
-            signal_delay = rng.choice([0, 0, 1e-4, 5e-4, 2e-3])
+            signal_delay = rng.choice([0, 0, 1e-4, 5e-4, 2e-3, 2e-2])
             if signal_delay:
                 time.sleep(signal_delay)
             child.send_signal(signal.SIGKILL)
         out = child.stdout.read()
         errors = "".join(lines) + child.stderr.read()
         child.wait(120)
-        child.stderr.close()
-        child.stdout.close()
+        for stream in (child.stdin, child.stderr, child.stdout):
+            with contextlib.suppress(BrokenPipeError):
+                stream.close()
         if child.returncode == 0:
             report = json.loads(out.strip().splitlines()[-1])
             resumes += report["resumed_from"] is not None
