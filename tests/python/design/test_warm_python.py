@@ -5,10 +5,13 @@ carried from one command to the next."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from warm_python import WarmPython
@@ -68,9 +71,21 @@ def test_signals_go_to_the_command_and_pipes_read_live(python):
     child.stdout.close()
 
 
-def test_a_command_past_its_deadline_is_killed_and_the_next_runs(python):
+def test_a_command_past_its_deadline_is_killed_and_the_next_runs(python, tmp_path):
+    pid_file = tmp_path / "pid"
+    hang = f"import os, time; os.setsid(); open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     with pytest.raises(subprocess.TimeoutExpired):
-        python.run(["-c", "import time; time.sleep(60)"], timeout=1)
+        python.run(["-c", hang], timeout=2)
+    pid = int(pid_file.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + 10
+    while stat.exists() and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # (dead: a zombie until its new parent reaps it, the server that forked it gone)
+        time.sleep(0.05)
+    else:
+        assert not stat.exists(), "the command outlived its deadline"
     assert python.run(["-c", "print('next')"]).stdout == "next\n"
 
 

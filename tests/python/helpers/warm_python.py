@@ -376,6 +376,7 @@ class WarmPython:
         try:
             out, err = process.communicate(timeout)
         except subprocess.TimeoutExpired:
+            process.kill()  # (in a session of its own, the server's group is not its)
             self.stop()
             self.lock.release()
             raise
