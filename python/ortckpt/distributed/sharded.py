@@ -592,9 +592,9 @@ class _Shards:
         if recorded is None:
             return {"bytes": size}
         if recorded.get("bytes") != size:
-            where = self.store.file(self.folder, file).name
+            where = self.store.place(self.folder, file, recorded)
             raise CheckpointIntegrityError(
-                where, [f"{where}: metadata.json records {recorded.get('bytes')} bytes, {INDEX_NAME} {size}"]
+                where, [f"{where}: metadata.json records {recorded.get('bytes')} bytes for {file}, {INDEX_NAME} {size}"]
             )
         return dict(recorded)
 
@@ -653,7 +653,8 @@ def check_shards(store: StepStore, folder: Folder, index: Mapping[str, Any]) -> 
                 for group, m in entry.momentums:
                     shards.momentum(entry, piece, group, m)
             except (CheckpointError, OSError) as e:
-                problems.append(str(e))
+                if str(e) not in problems:  # (a shard that fails to open fails every piece it holds: once)
+                    problems.append(str(e))
     return problems
 
 

@@ -138,6 +138,13 @@ def _verify_folder(
     def shown(file: str) -> str:
         return (places or {}).get(file) or f"{name}/{file}"
 
+    def as_named(problem: str) -> str:
+        """A problem found in ``directory`` (a scratch folder for a step on object storage) with
+        each file named where the step keeps it (a shared data object by its own URL)."""
+        for file in sorted(places or {}, key=len, reverse=True):  # (a checkpoint's name prefixes its .data's)
+            problem = problem.replace(str(directory / file), shown(file))
+        return problem.replace(str(directory), str(name))
+
     if meta is not None and steps.INDEX_NAME in meta["files"]:
         try:
             data = safe_io.read_regular(
@@ -175,7 +182,7 @@ def _verify_folder(
         if index is not None:
             from ..distributed.sharded import check_shards
 
-            problems += check_shards(open_store(directory, writer=False), directory, index)
+            problems += [as_named(p) for p in check_shards(open_store(directory, writer=False), directory, index)]
         no_checksums = []
         for checkpoint in checkpoints:
             try:
@@ -189,10 +196,10 @@ def _verify_folder(
                 sha_read = len(files.get(checkpoint, "")) == 64
                 count, nbytes, saved_step = read_everything(state, checked is None and not sha_read, on_bytes)
             except CheckpointIntegrityError as e:
-                problems += [p.replace(str(directory), str(name)) for p in e.problems]
+                problems += [as_named(p) for p in e.problems]
                 continue
             except (CheckpointError, OSError) as e:
-                problems.append(_problem(shown(checkpoint), e).replace(str(directory), str(name)))
+                problems.append(as_named(_problem(str(directory / checkpoint), e)))
                 continue
             if checked is None:
                 no_checksums.append(checkpoint)
@@ -200,8 +207,8 @@ def _verify_folder(
             if meta is not None and saved_step is not None and saved_step != meta["step"]:
                 problems.append(f"{shown(checkpoint)}: property step={saved_step}, metadata says step={meta['step']}")
     problems += later
-    if problems:
-        raise CheckpointIntegrityError(name, problems)
+    if problems:  # (a shard that fails to open fails its check and its decoding alike: said once)
+        raise CheckpointIntegrityError(name, list(dict.fromkeys(problems)))
     number = step.number if meta is not None else None
     return Verified(name, number, tensors, tensor_bytes, files, checksums=not no_checksums)
 

@@ -231,6 +231,11 @@ class StepStore(abc.ABC):
     def file(self, folder: Folder, name: str) -> targets.LocalFile | targets.ObjectFile:
         """A file of a step (or an attempt), as a checkpoint target."""
 
+    def place(self, folder: Folder, name: str, entry: Mapping[str, Any]) -> str:
+        """Where the file ``name`` of a step's folder is kept, as messages name it: given its
+        metadata.json ``entry``, which on object storage may put it in the run's shared folder."""
+        return str(self.file(folder, name).name)
+
     @abc.abstractmethod
     def load(
         self, folder: Folder, name: str, *, recorded: Recorded | None = None, resuming: Step | None = None

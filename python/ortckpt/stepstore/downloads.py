@@ -88,14 +88,14 @@ def recorded(
     return etags
 
 
-def opened(path: Path, url: str) -> CheckpointState:
+def opened(path: Path, url: str, data: str | None = None) -> CheckpointState:
     """The checkpoint downloaded to ``path``, mapped (the maps keep the bytes); an error in it
-    names the object (``url``) the user knows, not the scratch copy."""
+    names the objects the user knows (``url``, its data object ``data``), not the scratch copy."""
     try:
         return open_checkpoint(path, follow_symlinks=False)
     except CheckpointError as e:
         e.filename = url
-        e.args = (str(e).replace(str(path), url),)
+        e.args = (str(e).replace(f"{path}.data", data or f"{url}.data").replace(str(path), url),)
         raise
 
 

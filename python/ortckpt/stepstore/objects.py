@@ -209,7 +209,8 @@ class ObjectStore(StepStore):
                 self.download(folder, name, path)
                 return downloads.opened(path, _location(folder).child(name).url)
             etags = downloads.recorded(_location(folder), name, recorded, path, self._run)
-            state = downloads.opened(path, _location(folder).child(name).url)
+            data = self.place(folder, f"{name}.data", recorded.get(f"{name}.data", {}))
+            state = downloads.opened(path, _location(folder).child(name).url, data)
             if resuming is not None and name == steps.CHECKPOINT_NAME:  # (a writer's: see .shared)
                 self._shared.restored(resuming, path, etags.get(f"{name}.data"))
             return state
@@ -300,6 +301,9 @@ class ObjectStore(StepStore):
     def shared_object(self, folder: Folder, name: str, entry: Mapping[str, Any]) -> Location:
         """Where the file ``name`` of a step's (or attempt's) folder is (see :func:`.shared.where`)."""
         return shared.where(self._run, _location(folder), name, entry)
+
+    def place(self, folder: Folder, name: str, entry: Mapping[str, Any]) -> str:
+        return self.shared_object(folder, name, entry).url
 
     def write_document(self, attempt: Attempt, name: str, data: bytes, *, durable: bool) -> dict[str, Any]:
         object_store.put(_location(attempt.folder).child(name), data)

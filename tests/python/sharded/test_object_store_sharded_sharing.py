@@ -346,12 +346,22 @@ def test_a_metadata_document_naming_another_object_is_refused(s3_server, s3_url,
     )
     where = targets.object_location(f"{s3_url}/step_00000002/metadata.json", options)
     object_store.put(where, json.dumps(document).encode())
+    named_object = f"{s3_url}/{document['files'][zero]['object']}"  # (the object the hostile entry names)
     with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
         steps = {info.step: info for info in reader.all()}
-        with pytest.raises((CheckpointIntegrityError, CheckpointFormatError), match=shard_file_name(0, 2)):
+        with pytest.raises((CheckpointIntegrityError, CheckpointFormatError), match=shard_file_name(0, 2)) as loaded:
             steps[2].load()
-        with pytest.raises(CheckpointIntegrityError):
+        with pytest.raises(CheckpointIntegrityError) as verified:
             reader.verify(2)
+    # Each message names the objects where the run keeps them (the shared data object by its URL, not a
+    # .data beside the shard that does not exist), each problem once, and no scratch copy.
+    for message in (str(loaded.value), *verified.value.problems):
+        assert "ortckpt-scratch" not in message and f"/{shard_file_name(0, 2)}.data" not in message, message
+    assert named_object in str(loaded.value)
+    assert any(named_object in p for p in verified.value.problems), verified.value.problems
+    assert len(verified.value.problems) == len(set(verified.value.problems)) <= 3, verified.value.problems
+    with CheckpointManager(s3_url, storage_options=options, read_only=True) as reader:
+        steps = {info.step: info for info in reader.all()}
         assert_whole_state(steps[1].load(), 1, 2)
         assert_whole_state(steps[4].load(), 4, 2, version=1)
     assert restore_on_ranks(s3_url, options, 1, 2, 2) == [[], []]
