@@ -404,7 +404,8 @@ def load_step(
     """:func:`load_sharded` of one committed step of a store (a manager's restore_sharded)."""
     comm = communicator(comm)
     folder, index = root_decides(comm, "sharded load (reading the index)", lambda: (step.folder, index_of(store, step)))
-    return _load_part(store, folder, index, comm, slices, True, step.document.get("files", {}))
+    # (a writer's restore: the shards it downloads are hashed, for its next save to share: see stepstore.shared)
+    return _load_part(store, folder, index, comm, slices, True, step.document.get("files", {}), resuming=step)
 
 
 def _load_part(
@@ -415,13 +416,15 @@ def _load_part(
     slices: Mapping[str, Slice | None] | None,
     include_optimizer_state: bool,
     recorded: Mapping[str, dict[str, Any]],
+    *,
+    resuming: Step | None = None,
 ) -> tuple[CheckpointState, dict[str, Slice]]:
     entries = tensor_entries(index)
     if slices is None:
         layout = default_layout(entries.values(), index["world_size"], comm.rank, comm.world_size)
     else:
         layout = _requested_layout(store.name, entries, slices)
-    return assemble(store, folder, index, entries, layout, include_optimizer_state, recorded), layout
+    return assemble(store, folder, index, entries, layout, include_optimizer_state, recorded, resuming=resuming), layout
 
 
 def assemble_step(store: StepStore, folder: Folder, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
@@ -538,11 +541,13 @@ def assemble(
     layout: Mapping[str, Slice],
     include_optimizer_state: bool,
     recorded: Mapping[str, dict[str, Any]],
+    *,
+    resuming: Step | None = None,
 ) -> CheckpointState:
     """A state of the pieces ``layout`` asks for, read from the shards (in ``folder`` of
     ``store``) that hold them. Every piece read must have the type and shape the index gives it
     (CheckpointFormatError, naming the shard and the tensor, if not)."""
-    shards = _Shards(store, folder, index, recorded)
+    shards = _Shards(store, folder, index, recorded, resuming)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
     groups = (
@@ -570,9 +575,15 @@ class _Shards:
     the index gives, never through a symlink), and the pieces read from them, checked."""
 
     def __init__(
-        self, store: StepStore, folder: Folder, index: Mapping[str, Any], recorded: Mapping[str, dict[str, Any]]
+        self,
+        store: StepStore,
+        folder: Folder,
+        index: Mapping[str, Any],
+        recorded: Mapping[str, dict[str, Any]],
+        resuming: Step | None = None,
     ) -> None:
         self.store = store
+        self.resuming = resuming
         self.folder = folder
         self.names = {s["rank"]: s["file"] for s in index["shards"]}  # (plain names: the index was validated)
         # {file: entry}: what a load checks, the index's sizes, with what metadata.json records of
@@ -604,7 +615,9 @@ class _Shards:
                 raise CheckpointFormatError(f"{self.store.name}: the index names no shard of rank {rank}")
             # On object storage no shard is downloaded past the sizes its index records; a local
             # shard is mapped, and its pieces checked as they are read.
-            self.opened[rank] = self.store.load_shard(self.folder, self.names[rank], self.entries[rank])
+            self.opened[rank] = self.store.load_shard(
+                self.folder, self.names[rank], self.entries[rank], resuming=self.resuming
+            )
             self.records[rank] = {record.name: record for record in self.opened[rank].tensor_records()}
         return self.opened[rank]
 

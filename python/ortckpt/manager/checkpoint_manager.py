@@ -321,7 +321,7 @@ class CheckpointManager(Saving):
             # a child forked while the lock is held shares it until it execs, and a writer killed
             # in that moment would leave its directory locked after it is gone.
             _metadata.git_commit()
-        self.store = open_store(directory, storage_options, writer=writer, create=writer)
+        self.store = open_store(directory, storage_options, writer=writer, create=writer, saves=not read_only)
         if writer:
             self.store.remove_proven_leftovers()
         self.directory = self.store.run_folder

@@ -37,15 +37,23 @@ def backend(where: Any) -> type[DirectoryStore] | type[ObjectStore]:
 
 
 def open_store(
-    where: Any, storage_options: Mapping[str, Any] | None = None, *, writer: bool, create: bool = False
+    where: Any,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    writer: bool,
+    create: bool = False,
+    saves: bool | None = None,
 ) -> StepStore:
     """The step store of a run (a directory or an ``s3://`` prefix). A ``writer`` of a
     directory holds its writer lock from now until :meth:`StepStore.close` (creating the
-    directory first with ``create``) and sweeps what dead writers left."""
+    directory first with ``create``) and sweeps what dead writers left. ``saves`` (default: a
+    ``writer``): whether this process writes checkpoints into the run, as a rank other than 0 of a
+    sharded manager does without being its writer (an object store then hashes what it restores,
+    for its next save to share: see :mod:`.shared`)."""
     run = targets.run(where, storage_options)
     if isinstance(run, Path):
         return DirectoryStore(run, writer=writer, create=create)
-    return ObjectStore(run, writer=writer)
+    return ObjectStore(run, writer=writer, saves=writer if saves is None else saves)
 
 
 __all__ = [

@@ -259,11 +259,14 @@ class StepStore(abc.ABC):
         return any("object" in entry for entry in step.document.get("files", {}).values())
 
     @abc.abstractmethod
-    def load_shard(self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
+    def load_shard(
+        self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]], *, resuming: Step | None = None
+    ) -> CheckpointState:
         """A shard of a sharded step, loaded: a directory's mapped (its pieces checked as they
         are read); on object storage downloaded no further than the sizes its ``recorded``
         entries (file -> {"bytes", ...}) give, each checked against its entry, a data object
-        the steps share read from where its entry says (``object``)."""
+        the steps share read from where its entry says (``object``). ``resuming``: the step,
+        when a writer restores it to go on saving (as :meth:`load`'s)."""
 
     @abc.abstractmethod
     def local_step(self, step: Step) -> AbstractContextManager[LocalStep]:

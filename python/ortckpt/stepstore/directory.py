@@ -189,7 +189,9 @@ class DirectoryStore(StepStore):
         # (documents name plain files inside the step: never followed through a symlink)
         return open_checkpoint(safe_io.member(_path(folder), name), follow_symlinks=False)
 
-    def load_shard(self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
+    def load_shard(
+        self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]], *, resuming: Step | None = None
+    ) -> CheckpointState:
         return self.load(folder, name)  # (mapped: its pieces are checked as they are read)
 
     @contextlib.contextmanager

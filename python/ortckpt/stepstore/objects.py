@@ -67,7 +67,7 @@ class ObjectStore(StepStore):
     holds_interrupts = False  # (Python streams every upload: a Ctrl-C stops it at once)
     shared_with_writers = True  # (no lock on a prefix)
 
-    def __init__(self, prefix: Location, *, writer: bool = False) -> None:
+    def __init__(self, prefix: Location, *, writer: bool = False, saves: bool | None = None) -> None:
         self.prefix = prefix
         self.name = prefix.url
         self._sources = SourceDigests()
@@ -76,7 +76,8 @@ class ObjectStore(StepStore):
         # Attempts whose commit was sent but not known to have landed (an error answered it), by
         # step: a later save of the step that finds one of them committed takes it as its own.
         self._unsure: dict[int, set[str]] = {}
-        self._shared = SharedObjects(writer)  # the data objects the run's steps share (see .shared)
+        # The data objects the run's steps share (see .shared): a restore hashed by whoever saves.
+        self._shared = SharedObjects(writer if saves is None else saves)
 
     def _folder(self, step: int) -> Location:
         return self.prefix.child(steps.step_directory_name(step))
@@ -211,8 +212,8 @@ class ObjectStore(StepStore):
             etags = downloads.recorded(_location(folder), name, recorded, path, self._run)
             data = self.place(folder, f"{name}.data", recorded.get(f"{name}.data", {}))
             state = downloads.opened(path, _location(folder).child(name).url, data)
-            if resuming is not None and name == steps.CHECKPOINT_NAME:  # (a writer's: see .shared)
-                self._shared.restored(resuming, path, etags.get(f"{name}.data"))
+            if resuming is not None:  # (a writer's: see .shared)
+                self._shared.restored(resuming, name, path, etags.get(f"{name}.data"))
             return state
 
     def download(self, folder: Folder, name: str, path: Path, *, recorded: Recorded | None = None) -> None:
@@ -224,8 +225,10 @@ class ObjectStore(StepStore):
         else:
             downloads.recorded(_location(folder), name, recorded, path, self._run)
 
-    def load_shard(self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]]) -> CheckpointState:
-        return self.load(folder, name, recorded=recorded)
+    def load_shard(
+        self, folder: Folder, name: str, recorded: Mapping[str, dict[str, Any]], *, resuming: Step | None = None
+    ) -> CheckpointState:
+        return self.load(folder, name, recorded=recorded, resuming=resuming)
 
     @contextlib.contextmanager
     def local_step(self, step: Step) -> Iterator[LocalStep]:

@@ -27,9 +27,10 @@ frozen model uploads is what changed.
   proven to be the one the step records, by its ETag or SHA-256, and read by a GET conditional
   on the ETag the server declared) are hashed at their offsets, and that object becomes the
   basis, as if this writer had uploaded it, for a save whose previous step is the very step
-  restored (same number, same attempt; a manager's checkpoint only, not a shard). Else (no
-  restore, an older step restored, another writer's step committed since, a reader) the first
-  step goes up whole, as it always did.
+  restored (same number, same attempt): a manager's checkpoint, and each shard a rank's restore
+  of a sharded step downloads (its own, on the world size it was saved with). Else (no restore,
+  an older step restored, another writer's step committed since, a reader) the first step goes
+  up whole, as it always did.
 - **Checks at each save**, whichever writer hashed the object: the previous step still names it
   (key, size, SHA-256, pair id), and it is still there with that size and the ETag it had when
   hashed, where the server gives ETags (an object replaced meanwhile, even by one of the same
@@ -61,7 +62,6 @@ from .base import Attempt, Step
 SHARE_MIN_BYTES = 64 << 20
 # Values under this many bytes are always inline (the core's rule): never shared.
 EXTERNAL_MIN_BYTES = 64
-_CHECKPOINT_DATA = f"{steps.CHECKPOINT_NAME}.data"  # (a manager's checkpoint's: what a restore hashes)
 
 
 @dataclass(frozen=True)
@@ -81,16 +81,16 @@ class SharedObjects:
     """One writer's side of the run's shared data objects (see the module's description)."""
 
     def __init__(self, writer: bool) -> None:
-        self._writer = writer  # (a reader's restores hash nothing: it never saves)
+        self._writer = writer  # (whether its process saves: a reader's restores hash nothing)
         # By data file name ("checkpoint.data", or a shard's): the object of the last step that
         # names the one this writer uploaded, what the next save shares from; and the one it
         # uploaded last, with its attempt (promoted when a step naming it is committed: by this
         # store, or, for a rank's shard, by rank 0's, which the next save's previous step shows).
         self._basis: dict[str, SharedData] = {}
         self._uploaded: dict[str, tuple[str, SharedData]] = {}
-        # The object of the step this writer last restored, hashed from the bytes downloaded, by
-        # (step, attempt): the basis of a save whose previous step is that one.
-        self._restored: tuple[tuple[int, Any], SharedData] | None = None
+        # By data file name: the object of the step this writer last restored, hashed from the bytes
+        # downloaded, with the step's (number, attempt): the basis of a save whose previous step is that one.
+        self._restored: dict[str, tuple[tuple[int, Any], SharedData]] = {}
         # Objects that saves in flight use, by attempt: never collected while they are.
         self._held: dict[str, list[str]] = {}
         self._lock = threading.Lock()
@@ -132,8 +132,8 @@ class SharedObjects:
         if basis is None and uploaded is not None and _names_shared(previous, data_name, uploaded[1].entry):
             # (a rank's shard: rank 0 committed the step naming it, and the previous step is that one)
             basis = self._basis[data_name] = uploaded[1]
-        restored = self._restored
-        if basis is None and restored is not None and previous is not None and data_name == _CHECKPOINT_DATA:
+        restored = self._restored.get(data_name)
+        if basis is None and restored is not None and previous is not None:
             step, data = restored
             if step == (previous.number, previous.document.get("attempt")) and _names_shared(
                 previous, data_name, data.entry
@@ -210,14 +210,17 @@ class SharedObjects:
         attempt.written.update(written)
         return written
 
-    def restored(self, step: Step, checkpoint: Path, etag: str | None) -> None:
-        """This writer restored ``step``, its checkpoint downloaded to ``checkpoint`` and the data
-        object it shares to ``checkpoint.data``, both proven to be the ones the step records, the
-        data read by a GET conditional on ``etag``. Each value the checkpoint reads from that
-        object is hashed at its offset, from the bytes downloaded: the basis of a save whose
-        previous step is ``step`` (see the module's description). A step sharing none: nothing."""
-        self._restored = None  # (another step restored: not the one restored before)
-        entry = step.document.get("files", {}).get(_CHECKPOINT_DATA)
+    def restored(self, step: Step, name: str, checkpoint: Path, etag: str | None) -> None:
+        """This writer restored ``step``, its checkpoint ``name`` (a manager's, or a shard's)
+        downloaded to ``checkpoint`` and the data object it shares to ``checkpoint.data``, both
+        proven to be the ones the step records, the data read by a GET conditional on ``etag``.
+        Each value the checkpoint reads from that object is hashed at its offset, from the bytes
+        downloaded: the basis of a save whose previous step is ``step`` (see the module's
+        description). A checkpoint sharing none: nothing."""
+        key = (step.number, step.document.get("attempt"))
+        # (another step restored: what was restored of any before is no basis any more)
+        self._restored = {k: v for k, v in self._restored.items() if v[0] == key and k != f"{name}.data"}
+        entry = step.document.get("files", {}).get(f"{name}.data")
         if not self._writer or entry is None or "object" not in entry or "pair" not in entry:
             return
         loaded = _boundary.load(checkpoint, follow_symlinks=False)
@@ -229,8 +232,7 @@ class SharedObjects:
             if isinstance(stored, tuple) and stored[2] and stored[1] >= EXTERNAL_MIN_BYTES:
                 offset, nbytes, _external = stored
                 offsets.setdefault(hashlib.sha256(data[offset : offset + nbytes]).hexdigest(), []).append(offset)
-        basis = SharedData(dict(entry), bytes.fromhex(entry["pair"]), offsets, etag)
-        self._restored = ((step.number, step.document.get("attempt")), basis)
+        self._restored[f"{name}.data"] = (key, SharedData(dict(entry), bytes.fromhex(entry["pair"]), offsets, etag))
 
     def _hold(self, attempt: Attempt, key: str) -> None:
         with self._lock:

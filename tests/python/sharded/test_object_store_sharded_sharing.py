@@ -133,6 +133,39 @@ def test_steps_after_the_first_upload_only_what_changed(s3_server, s3_url) -> No
             assert f"{shard_file_name(1, 2)}.data" in reader.verify(info.step).files
 
 
+def test_a_resumed_jobs_first_step_shares_what_its_restore_downloaded(s3_server, s3_url) -> None:
+    """A new job (a preemption, a redeploy) restores step 2 on its ranks, then saves step 3: each rank's
+    shard shares the data object its restore downloaded (hashed as it came, proven by its ETag), as a
+    plain manager's restore does. Without the restore, or having restored another step than the
+    previous one, the step goes up whole."""
+    options = s3_server.storage_options()
+    saved(save_steps(s3_url, options, 2, [1, 2]))
+    first = data_objects(s3_url, options, 1, 2)
+
+    def resume(restore: int | None, step: int) -> Any:
+        def work(comm: ThreadComm) -> int | None:
+            with CheckpointManager(s3_url, comm=comm, storage_options=options) as manager:
+                if restore is not None:
+                    manager.restore_sharded(restore)
+                state, slices = rank_state(step, comm.rank, 2, extra_frozen=frozen_part(comm.rank))
+                before = object_store.bytes_put()
+                manager.save(state, step, slices=slices)
+                return object_store.bytes_put() - before if comm.rank == 0 else None
+
+        return on_ranks(2, work)
+
+    shared_step = resume(2, 3)
+    assert shared_step[1:] == [None] and 10 * shared_step[0] < 2 * FROZEN_BYTES, shared_step
+    assert data_objects(s3_url, options, 3, 2) == first
+    whole_step = resume(None, 4)  # (no restore: no basis)
+    assert whole_step[1:] == [None] and whole_step[0] > 2 * FROZEN_BYTES, whole_step
+    older = resume(3, 5)  # (step 3 restored, but step 4 is the previous one: whole)
+    assert older[1:] == [None] and older[0] > 2 * FROZEN_BYTES, older
+    for step in (3, 4, 5):
+        assert restore_on_ranks(s3_url, options, step, 2, 2) == [[], []]
+        assert restore_on_ranks(s3_url, options, step, 2, 3) == [[], [], []]
+
+
 @pytest.mark.parametrize("kept", [1, 2])
 def test_each_step_restores_reshards_verifies_and_loads_in_onnx_runtime_alone(s3_server, s3_url, tmp_path, ort, kept):
     options = s3_server.storage_options()
