@@ -1,4 +1,5 @@
-"""Where each tensor of a sharded checkpoint lives: slices, the save plan, and the index.
+"""Where each tensor of a sharded checkpoint lives: slices, the save plan, and the index; and a
+slice of a tensor cut from the saved pieces it overlaps (:func:`region`).
 
 Pure data and rules, no I/O and no collectives, so that every check a sharded save makes
 (ranks agreeing on types and shapes, pieces tiling each tensor exactly) runs on rank 0
@@ -8,11 +9,14 @@ before any rank writes a byte.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointStateError
+import numpy as np
+
+from ..dtypes import PackedBits
+from ..errors import CheckpointFormatError, CheckpointStateError
 from ..steps import INDEX_NAME as INDEX_NAME  # a step directory's names: ortckpt.steps
 from ..steps import shard_file_name as shard_file_name
 
@@ -271,3 +275,29 @@ def split_dimension(entry: TensorEntry) -> int | None:
     """The one dimension along which the pieces divide the tensor, if they do."""
     dims = {d for p in entry.pieces for d, (s, g) in enumerate(zip(p.slice.shape, entry.shape, strict=True)) if s != g}
     return dims.pop() if len(dims) == 1 else None
+
+
+def region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> Any:
+    """The ``want`` part of a tensor, from the saved pieces it overlaps: the piece's own mapped
+    array when it is exactly that piece, else a new array filled from each overlap."""
+    for piece in entry.pieces:
+        if piece.slice == want:
+            return read(piece)
+    out = None
+    filled = 0
+    for piece in entry.pieces:
+        overlap = piece.slice.intersection(want)
+        if overlap is None:
+            continue
+        source = read(piece)
+        if isinstance(source, PackedBits):
+            raise CheckpointStateError(f"{entry.name}: sub-byte tensors load only as the pieces they were saved in")
+        if out is None:
+            out = np.empty(want.shape, dtype=source.dtype)
+        out[overlap.within(want)] = source[overlap.within(piece.slice)]
+        filled += overlap.size
+    if out is None or filled != want.size:
+        raise CheckpointFormatError(
+            f"{entry.name}: the saved pieces cover {filled} of the {want.size} elements asked for"
+        )
+    return out

@@ -50,6 +50,7 @@ from .layout import (
     TensorEntry,
     default_layout,
     plan,
+    region,
     shard_file_name,
     tensor_entries,
 )
@@ -560,11 +561,11 @@ def assemble(
     )
     for name, want in layout.items():
         entry = entries[name]
-        (trainable if entry.trainable else frozen)[name] = _region(entry, want, functools.partial(shards.tensor, entry))
+        (trainable if entry.trainable else frozen)[name] = region(entry, want, functools.partial(shards.tensor, entry))
         if include_optimizer_state:
             for group, m in entry.momentums:
                 read = functools.partial(shards.momentum, entry, group=group, m=m)
-                groups[group].momentums.setdefault(name, {})[m] = _region(entry, want, read)
+                groups[group].momentums.setdefault(name, {})[m] = region(entry, want, read)
     state = CheckpointState.from_arrays(trainable, frozen, index.get("properties", {}))
     state.optimizer_groups = groups
     return state
@@ -669,32 +670,6 @@ def check_shards(store: StepStore, folder: Folder, index: Mapping[str, Any]) -> 
                 if str(e) not in problems:  # (a shard that fails to open fails every piece it holds: once)
                     problems.append(str(e))
     return problems
-
-
-def _region(entry: TensorEntry, want: Slice, read: Callable[[Piece], Any]) -> Any:
-    """The ``want`` part of a tensor, from the saved pieces it overlaps: the piece's own mapped
-    array when it is exactly that piece, else a new array filled from each overlap."""
-    for piece in entry.pieces:
-        if piece.slice == want:
-            return read(piece)
-    out = None
-    filled = 0
-    for piece in entry.pieces:
-        overlap = piece.slice.intersection(want)
-        if overlap is None:
-            continue
-        source = read(piece)
-        if isinstance(source, PackedBits):
-            raise CheckpointStateError(f"{entry.name}: sub-byte tensors load only as the pieces they were saved in")
-        if out is None:
-            out = np.empty(want.shape, dtype=source.dtype)
-        out[overlap.within(want)] = source[overlap.within(piece.slice)]
-        filled += overlap.size
-    if out is None or filled != want.size:
-        raise CheckpointFormatError(
-            f"{entry.name}: the saved pieces cover {filled} of the {want.size} elements asked for"
-        )
-    return out
 
 
 # --- small helpers -------------------------------------------------------------------------------
