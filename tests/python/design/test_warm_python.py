@@ -214,6 +214,12 @@ def test_a_server_that_dies_mid_command_fails_that_command_and_the_next_runs(pyt
         child.wait(30)
     child.stdout.close()
     assert python.run(["-c", "print('next')"], timeout=30).stdout == "next\n"
+    # Dead between two commands: the next starts another, the dead one's socket closed.
+    dead, channel = python.process, python.channel
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait(30)
+    assert python.run(["-c", "print('after')"], timeout=30).stdout == "after\n"
+    assert channel.fileno() == -1
 
 
 def test_a_second_command_while_one_runs_runs_at_once_as_with_subprocess(python):
