@@ -237,3 +237,24 @@ def test_what_a_child_cannot_be_is_refused(python):
         python.run(["-u", "-c", "pass"])  # (an interpreter's options are its start's)
     with pytest.raises(ValueError, match="LC_ALL"):  # (the locale is read at an interpreter's start)
         python.run(["-c", "pass"], env=dict(os.environ, LC_ALL="C"))
+
+
+def test_the_umask_signal_mask_and_ignored_signals_are_the_callers_of_the_moment(python):
+    # What exec passes from the caller: its umask, its thread's blocked signals, its ignored ones.
+    code = (
+        "import os, signal\nmask = os.umask(0)\n"
+        "print(oct(mask), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),"
+        " [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)])"
+    )
+    python.run(["-c", "pass"])  # (the server started before the caller changes them)
+    old_mask = os.umask(0o027)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    try:
+        changed = python.run(["-c", code]).stdout, fresh(["-c", code]).stdout
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
+        signal.signal(signal.SIGHUP, previous)
+        os.umask(old_mask)
+    assert changed[0] == changed[1]
+    assert python.run(["-c", code]).stdout == fresh(["-c", code]).stdout  # (and back)

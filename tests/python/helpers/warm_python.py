@@ -4,29 +4,29 @@ Starting an interpreter that imports NumPy and ortckpt costs about 0.35 CPU s, O
 API with them about 0.7, more than most of the commands the tests run take. ``WarmPython(python,
 preload)`` starts ``python`` once on this file (the server), which imports ``preload`` and then forks a
 child per command. Each child is a process of its own that no earlier command touched: the caller's
-working directory, environment (TMPDIR and TZ read again) and stdin/stdout/stderr (the descriptors
-themselves, passed over a UNIX socket, so pipes read live; no other descriptor of the server's), streams
-buffered as an interpreter buffers them, ``python``'s own argument forms (``-m MODULE``, ``-c CODE``,
-``SCRIPT``) in a ``__main__`` of its own, random, numpy.random and tempfile's names seeded anew, and the
-end an interpreter has: its own, the server's interpreter finalized in the child (``SystemExit``'s code,
-1 and ``sys.excepthook`` for an exception, death by SIGINT for an unhandled KeyboardInterrupt,
-non-daemon threads joined, ``atexit`` run, open files flushed, objects finalized). The caller gets its
-pid (signals go to it directly) and its exit status, as from ``subprocess``.
+working directory, environment (TMPDIR and TZ read again), umask, ignored signals and signal mask, and
+stdin/stdout/stderr (the descriptors themselves, passed over a UNIX socket, so pipes read live; no other
+descriptor of the server's), streams buffered as an interpreter buffers them, ``python``'s own argument
+forms (``-m MODULE``, ``-c CODE``, ``SCRIPT``) in a ``__main__`` of its own, random, numpy.random and
+tempfile's names seeded anew, and the end an interpreter has: its own, the server's interpreter
+finalized in the child (``SystemExit``'s code, 1 and ``sys.excepthook`` for an exception, death by
+SIGINT for an unhandled KeyboardInterrupt, non-daemon threads joined, ``atexit`` run, open files
+flushed, objects finalized). The caller gets its pid (signals go to it directly) and its exit status,
+as from ``subprocess``.
 
 What a warm child cannot have is a fresh interpreter's start: the modules in ``preload`` are imported
 before the command's environment is set, and the hash seed (``str`` hashes, set order) is the server's,
 the same for every command. So the server is keyed by the variables an interpreter reads at its start
 (``PYTHON*``, the locale's): a command whose environment differs in them is refused, as is an option
-(``-u``, ``-X``) of the interpreter's, not run wrong. Its parent is the server, its signal dispositions
-and mask those the server started with. Tests of import-time behaviour, or of the interpreter's start
-itself, start their own.
+(``-u``, ``-X``) of the interpreter's, not run wrong. Its parent is the server, its resource limits the
+server's. Tests of import-time behaviour, or of the interpreter's start itself, start their own.
 
-Protocol: one request a line on the socket, ``{"argv", "cwd", "env", "new_session"}`` with three
-descriptors (stdin, stdout, stderr); the server answers ``{"pid": ...}`` when it has forked, then
-``{"returncode": ...}`` (negative: the signal that ended the child) when the child ends. One command at
-a time: one started while another's exit status is unread runs in a spare server. The server ends when
-the socket closes; a caller past a deadline, or interrupted while it waits, kills the command and the
-server's process group, and the next command starts a new server.
+Protocol: one request a line on the socket, ``{"argv", "cwd", "env", "new_session", "umask", "ignored",
+"mask"}`` with three descriptors (stdin, stdout, stderr); the server answers ``{"pid": ...}`` when it
+has forked, then ``{"returncode": ...}`` (negative: the signal that ended the child) when the child
+ends. One command at a time: one started while another's exit status is unread runs in a spare server.
+The server ends when the socket closes; a caller past a deadline, or interrupted while it waits, kills
+the command and the server's process group, and the next command starts a new server.
 """
 
 from __future__ import annotations
@@ -106,6 +106,22 @@ def _run_command(argv: list[str], cwd: str) -> None:
     exec(code, main.__dict__)
 
 
+# The signals whose disposition exec passes on (an ignored one stays ignored, a handled one is reset), but
+# those subprocess restores (SIGPIPE, SIGXFSZ) and python's start then sets again.
+_INHERITED_SIGNALS = sorted(
+    set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
+)
+
+
+def _signals_from(ignored: list[int], mask: list[int]) -> None:
+    """The caller's ignored signals and its thread's signal mask, as exec would leave them; SIGINT,
+    unless ignored, with python's own handler."""
+    for signum in _INHERITED_SIGNALS:
+        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, signal.SIG_IGN if signum in ignored else default)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _command_traceback(error: BaseException) -> types.TracebackType | None:
     """The traceback from the command's first frame, as an interpreter prints it (none of the server's)."""
     tb = error.__traceback__
@@ -129,6 +145,8 @@ def _child(request: dict, fds: list[int], channel: socket.socket) -> None:
     streams = [_std_stream(fd, name, sys.__stdout__) for fd, name in enumerate(("stdin", "stdout", "stderr"))]
     sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams  # type: ignore[misc]
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    _signals_from(request["ignored"], request["mask"])
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # (TMPDIR read again, from this environment)
@@ -192,6 +210,15 @@ STARTUP_VARIABLES = ("PYTHON", "LC_", "LANG")
 
 def startup_environment(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_VARIABLES)}
+
+
+def _exec_state() -> dict:
+    """What exec passes from the caller besides descriptors, directory and environment: the umask,
+    the ignored signals, this thread's signal mask."""
+    with open("/proc/self/status") as status:  # (read, not set and set back: another thread may create a file)
+        umask = int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    ignored = [s for s in _INHERITED_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    return {"umask": umask, "ignored": ignored, "mask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}
 
 
 class WarmProcess:
@@ -400,7 +427,7 @@ class WarmPython:
                 self.start()
             assert self.channel is not None
             request = {"argv": argv, "cwd": os.path.abspath(cwd or os.getcwd()), "env": env}
-            request["new_session"] = start_new_session
+            request.update(new_session=start_new_session, **_exec_state())
             socket.send_fds(self.channel, [(json.dumps(request) + "\n").encode()], ends)
             pid = self.reply(time.monotonic() + 120)["pid"]
         except BaseException:
