@@ -258,3 +258,14 @@ def test_the_umask_signal_mask_and_ignored_signals_are_the_callers_of_the_moment
         os.umask(old_mask)
     assert changed[0] == changed[1]
     assert python.run(["-c", code]).stdout == fresh(["-c", code]).stdout  # (and back)
+
+
+def test_what_c_code_printed_through_its_own_buffers_comes_out(tmp_path):
+    # C's stdio (printf, ONNX Runtime's logging) is block-buffered on a pipe unless -u: exit() flushes it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    server = WarmPython(sys.executable, ("ctypes",), env)
+    try:
+        code = "import ctypes\nctypes.CDLL(None).printf(b'from C\\n')"
+        assert server.run(["-c", code], env=env).stdout == "from C\n" == fresh(["-c", code], env=env).stdout
+    finally:
+        server.close()
