@@ -129,7 +129,7 @@ def test_the_main_module_lives_until_the_end_as_a_fresh_interpreters_does(python
 
 def test_streams_and_buffering_are_an_interpreters(python, tmp_path):
     code = (
-        "import os, sys\nprint(sys.stdin.name, sys.stdout.name, sys.stderr.name, sys.__stdout__ is sys.stdout,"
+        "import os, sys\nprint(sys.stdin, sys.stdout, sys.stderr, sys.stderr.errors, sys.__stdout__ is sys.stdout,"
         " type(sys.stdout.buffer).__name__, sys.stdout.write_through, repr(sys.stdin.read()))\n"
         "print('printed')\nos.write(1, b'written\\n')\nprint('last', end='')\nos._exit(0)\n"
     )

@@ -56,13 +56,13 @@ def _std_stream(fd: int, name: str, template: io.TextIOWrapper) -> io.TextIOWrap
     """A standard stream on ``fd`` as an interpreter's start makes one (create_stdio): named
     ``<stdin>``, no newline translation, stdin always buffered; with ``-u``/PYTHONUNBUFFERED stdout
     and stderr unbuffered (write-through), else stdout line-buffered only on a terminal and stderr
-    always (3.9+); the encoding and that choice of the server's own (``template``)."""
+    always (3.9+); the encoding, errors and that choice of the server's own stream (``template``)."""
     raw = io.FileIO(fd, "rb" if fd == 0 else "wb", closefd=False)
     raw.name = f"<{name}>"  # type: ignore[misc]
     buffered = fd == 0 or not template.write_through  # (sys.flags does not show -u)
     stream = (io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)) if buffered else raw
     line = buffered and fd != 0 and (fd == 2 or raw.isatty())
-    return io.TextIOWrapper(
+    text = io.TextIOWrapper(
         stream,  # type: ignore[arg-type]
         encoding=template.encoding,
         errors=template.errors,
@@ -70,6 +70,8 @@ def _std_stream(fd: int, name: str, template: io.TextIOWrapper) -> io.TextIOWrap
         line_buffering=line,
         write_through=not buffered,
     )
+    text.mode = "r" if fd == 0 else "w"  # type: ignore[misc]
+    return text
 
 
 def _main_module(**names: object) -> types.ModuleType:
@@ -142,7 +144,8 @@ def _child(request: dict, fds: list[int], channel: socket.socket) -> None:
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    streams = [_std_stream(fd, name, sys.__stdout__) for fd, name in enumerate(("stdin", "stdout", "stderr"))]
+    templates = (sys.__stdin__, sys.__stdout__, sys.__stderr__)  # (stderr's errors are backslashreplace)
+    streams = [_std_stream(fd, name, templates[fd]) for fd, name in enumerate(("stdin", "stdout", "stderr"))]
     sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams  # type: ignore[misc]
     os.chdir(request["cwd"])
     os.umask(request["umask"])
