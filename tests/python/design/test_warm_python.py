@@ -71,6 +71,25 @@ def test_signals_go_to_the_command_and_pipes_read_live(python):
     child.stdout.close()
 
 
+def test_a_pid_stays_the_commands_until_its_status_is_read(python):
+    # As subprocess's child, a zombie until reaped: a signal sent before the status is read cannot
+    # reach another process that took the pid.
+    child = python.popen(["-c", "pass"])
+    stat = Path(f"/proc/{child.pid}/stat")
+    deadline = time.monotonic() + 30
+    state = "running"
+    while state not in ("Z", "gone") and time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        time.sleep(0.01)
+    assert state == "Z"
+    assert child.wait(30) == 0
+    assert python.run(["-c", "pass"]).returncode == 0
+    assert not stat.exists()  # (reaped once the caller asked for the next command)
+
+
 def test_a_command_past_its_deadline_is_killed_and_the_next_runs(python, tmp_path):
     pid_file = tmp_path / "pid"
     hang = f"import os, time; os.setsid(); open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"

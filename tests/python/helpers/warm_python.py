@@ -184,6 +184,7 @@ def serve(channel_fd: int, preload: list[str]) -> None:
     gc.freeze()
     channel = socket.socket(fileno=channel_fd)
     pending = b""
+    ended: int | None = None
     while True:
         received: list[int] = []
         while b"\n" not in pending:
@@ -194,14 +195,20 @@ def serve(channel_fd: int, preload: list[str]) -> None:
             received += fds  # (they come with the request's first bytes)
         line, pending = pending.split(b"\n", 1)
         request = json.loads(line)
+        if ended is not None:  # (its status read: the caller asks for the next command)
+            os.waitpid(ended, 0)
         pid = os.fork()
         if pid == 0:
             _child(request, received, channel)  # (never returns: it raises the child's end)
         for fd in received:
             os.close(fd)
         _send(channel, {"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        _send(channel, {"returncode": os.waitstatus_to_exitcode(status)})
+        # Left a zombie until the caller has read its status (as subprocess's child is until reaped): a
+        # signal the caller sends meanwhile cannot reach another process given its pid.
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        assert info is not None  # (None only with WNOHANG)
+        ended = pid
+        _send(channel, {"returncode": info.si_status if info.si_code == os.CLD_EXITED else -info.si_status})
 
 
 # ---- the client ----------------------------------------------------------------------------------------
