@@ -9,6 +9,10 @@ VENV := .venv
 ORT_VENV := .venv-ort
 PY := $(CURDIR)/$(VENV)/bin/python
 ORT_PY := $(CURDIR)/$(ORT_VENV)/bin/python
+# The suite starts thousands of interpreters. With PYTHONDONTWRITEBYTECODE set (as container images often
+# set it) each one compiled every module it imports from source, every time: a start of Flower's ClientApp
+# cost 3.4 CPU s instead of 1.4, `import ortckpt` 0.36 instead of 0.17. Bytecode is written on first import.
+unexport PYTHONDONTWRITEBYTECODE
 # The project venv first on PATH: maturin, pytest and the pinned flatc come from there.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export VIRTUAL_ENV := $(CURDIR)/$(VENV)
