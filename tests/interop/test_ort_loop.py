@@ -41,7 +41,12 @@ SWAP_TO = "from ortckpt import CheckpointState\n"
 
 
 def run_loop(
-    python: str, script: Path | str, *args: object, timeout: float = 300, tmpdir: Path | None = None, fresh=False
+    python: str,
+    script: Path | str,
+    *args: object,
+    timeout: float = 300,
+    tmpdir: Path | None = None,
+    fresh: bool = False,
 ) -> dict:
     """``python script args`` in a child of the warm interpreter (preempt_trials.loop_interpreter), or in
     an interpreter of its own when ``fresh``; its last line of stdout as JSON."""

@@ -667,8 +667,7 @@ def check_shards(store: StepStore, folder: Folder, index: Mapping[str, Any]) -> 
                 for group, m in entry.momentums:
                     shards.momentum(entry, piece, group, m)
             except (CheckpointError, OSError) as e:
-                if str(e) not in problems:  # (a shard that fails to open fails every piece it holds: once)
-                    problems.append(str(e))
+                problems.append(str(e))  # (a shard that fails to open fails each piece: verify says it once)
     return problems
 
 

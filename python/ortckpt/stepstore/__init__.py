@@ -53,7 +53,7 @@ def open_store(
     run = targets.run(where, storage_options)
     if isinstance(run, Path):
         return DirectoryStore(run, writer=writer, create=create)
-    return ObjectStore(run, writer=writer, saves=writer if saves is None else saves)
+    return ObjectStore(run, writer=writer, saves=saves)
 
 
 __all__ = [

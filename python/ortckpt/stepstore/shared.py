@@ -80,8 +80,8 @@ class SharedData:
 class SharedObjects:
     """One writer's side of the run's shared data objects (see the module's description)."""
 
-    def __init__(self, writer: bool) -> None:
-        self._writer = writer  # (whether its process saves: a reader's restores hash nothing)
+    def __init__(self, saves: bool) -> None:
+        self._saves = saves  # (whether its process saves into the run: a reader's restores hash nothing)
         # By data file name ("checkpoint.data", or a shard's): the object of the last step that
         # names the one this writer uploaded, what the next save shares from; and the one it
         # uploaded last, with its attempt (promoted when a step naming it is committed: by this
@@ -221,7 +221,7 @@ class SharedObjects:
         # (another step restored: what was restored of any before is no basis any more)
         self._restored = {k: v for k, v in self._restored.items() if v[0] == key and k != f"{name}.data"}
         entry = step.document.get("files", {}).get(f"{name}.data")
-        if not self._writer or entry is None or "object" not in entry or "pair" not in entry:
+        if not self._saves or entry is None or "object" not in entry or "pair" not in entry:
             return
         loaded = _boundary.load(checkpoint, follow_symlinks=False)
         if loaded.mappings[1] is None:
