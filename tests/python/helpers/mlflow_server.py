@@ -37,9 +37,10 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32767 on 127.0.0.1")
 
 
-def stop_process_group(process: subprocess.Popen[bytes]) -> None:
-    """A server started with ``start_new_session`` and every process it started: politely, then not."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def stop_process_group(process: subprocess.Popen[bytes], *, politely: bool = True) -> None:
+    """A server started with ``start_new_session`` and every process it started: politely, then not
+    (or at once, when nothing it would write on its way out is wanted)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL) if politely else (signal.SIGKILL,):
         try:
             os.killpg(process.pid, sig)
             process.wait(15)
