@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from mlflow_server import free_port  # below the kernel's ephemeral range, which outgoing connections take from
+
 BIN = Path(sys.executable).parent
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -45,12 +47,6 @@ default = "local"
 address = "127.0.0.1:{port}"
 insecure = true
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, process: subprocess.Popen, log: Path, deadline: float = 180) -> None:
