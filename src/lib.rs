@@ -31,7 +31,8 @@
 //! 3. `generated`: flatc's output;
 //! 4. [`format`](mod@format) (bytes <-> [`format::Checkpoint`], no filesystem) and [`io`] (maps,
 //!    temporary files, locks, the one commit: byte ranges, not tensors), neither using the other;
-//! 5. [`compute`] (kernels), `load` and `save` (a checkpoint's files: format and io joined);
+//! 5. [`compute`] (kernels), `load` and `save` (a checkpoint's files: format and io joined),
+//!    `untouched` (values in memory proven the bytes a checkpoint keeps);
 //! 6. `integrity` (checksums checked, staged files resealed) and [`sharing`];
 //! 7. `python`: the PyO3 boundary (the `python` feature).
 //!
@@ -52,6 +53,7 @@ mod random;
 mod save;
 pub mod seal;
 pub mod sharing;
+mod untouched;
 
 pub use error::{Error, ErrorKind, Result};
 pub use integrity::{checksum_root_of_file, reseal, seal_written, Checked, Filled};

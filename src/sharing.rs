@@ -14,7 +14,10 @@
 //! what the previous checkpoint says. Or, where a tensor's bytes are not compared at all, by
 //! identity: bytes that *are* that data file's at the very offset the previous checkpoint keeps
 //! the tensor at (a mapping of it never written in this process, see [`io::FileBacked`]: a
-//! frozen part restored from the previous step and not touched since) cannot have changed.
+//! frozen part restored from the previous step and not touched since) cannot have changed; or
+//! by the page watch (with `options.watch_writes`, see [`crate::untouched`]): the caller's own
+//! memory, none of whose pages was written since a save recorded where the previous data file
+//! keeps its bytes, holds those bytes (only the part pages at either end are compared).
 //! A value found unchanged either way takes the previous checkpoint's checksum for it (of the
 //! same bytes) rather than being summed again. Nothing is ever written to the shared file.
 
@@ -32,6 +35,7 @@ use crate::save::SaveOptions;
 use crate::seal::checksums::{self, Sum};
 use crate::seal::external_data_path;
 use crate::seal::pairing;
+use crate::untouched;
 
 /// What a sharing save found and did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +82,9 @@ fn keyed<D>(ckpt: &Checkpoint<D>) -> impl Iterator<Item = (Key<'_>, &Tensor<D>)>
 /// Saves `ckpt` at `path` (which must not exist yet: a step's fresh directory), sharing what is
 /// unchanged with the checkpoint at `previous` (its data file, `<previous>.data`, hard-linked
 /// as `<path>.data`), or writes nothing and says so. With `compare_only`, nothing is written:
-/// it only says how much is unchanged.
+/// it only says how much is unchanged. `watched`: the values' pages, armed before this call
+/// (see [`crate::untouched`]), so that those proven unwritten since a save recorded where the
+/// previous data file keeps them need not be compared.
 ///
 /// Shared only when the unchanged values in the previous data file fill at least half of it
 /// (so a file that is mostly stale bytes is not kept alive step after step) and the changed ones
@@ -95,6 +101,7 @@ pub fn save_sharing(
     ckpt: &Checkpoint<Payload<'_>>,
     previous: &Path,
     compare_only: bool,
+    watched: Option<&untouched::Armed>,
     options: &SaveOptions,
 ) -> Result<Sharing> {
     crate::format::endian::ensure_host_little_endian()?;
@@ -129,7 +136,7 @@ pub fn save_sharing(
     let Some(before) = Previous::open(previous) else {
         return Ok(sharing);
     };
-    let (offsets, sums) = before.unchanged(ckpt, &mut sharing);
+    let (offsets, sums) = before.unchanged(ckpt, &mut sharing, watched);
     let Some((data, data_id, pair_id)) = before.data.as_ref().filter(|_| !compare_only) else {
         return Ok(sharing); // nothing external to share (an inline checkpoint), or not asked to
     };
@@ -212,6 +219,32 @@ pub fn save_sharing(
     linked.keep();
     sharing.shared = true;
     Ok(sharing)
+}
+
+/// Where the committed checkpoint at `path` keeps each value of `ckpt` (the checkpoint it was
+/// saved from) in its data file: the value's bytes in memory and that place, for
+/// [`untouched::record`]. Read back from the file itself; none without a data file of ours.
+pub fn stored_origins<'a>(
+    path: &Path,
+    ckpt: &Checkpoint<Payload<'a>>,
+) -> Vec<(&'a [u8], untouched::Origin)> {
+    let Some(Previous {
+        checkpoint,
+        data: Some((_, _, pair_id)),
+        ..
+    }) = Previous::open(path)
+    else {
+        return Vec::new();
+    };
+    let stored: HashMap<Key<'_>, u64> = keyed(&checkpoint)
+        .filter_map(|(key, t)| match t.data {
+            Stored::External { offset, .. } => Some((key, offset)),
+            _ => None,
+        })
+        .collect();
+    keyed(ckpt)
+        .filter_map(|(key, t)| Some((bytes_of(t)?, (pair_id, *stored.get(&key)?))))
+        .collect()
 }
 
 /// Removes the hard link it names when dropped, unless kept (the save committed).
@@ -307,12 +340,14 @@ impl Previous {
         &self,
         ckpt: &Checkpoint<Payload<'_>>,
         sharing: &mut Sharing,
+        armed: Option<&untouched::Armed>,
     ) -> (Vec<Option<u64>>, Vec<Option<Sum>>) {
         let before: HashMap<Key<'_>, (usize, &Tensor<Stored>)> = keyed(&self.checkpoint)
             .enumerate()
             .map(|(index, (key, t))| (key, (index, t)))
             .collect();
         let data_id = self.data.as_ref().map(|(_, id, _)| *id);
+        let pair_id = self.data.as_ref().map(|(_, _, pair)| *pair);
         // (only asked where a data file could hold a tensor's own bytes)
         let backed = data_id.and_then(|_| io::FileBacked::read());
         keyed(ckpt)
@@ -323,13 +358,28 @@ impl Previous {
                     return None;
                 }
                 let (was_bytes, offset) = self.bytes(was)?;
+                if was_bytes.len() != bytes.len() {
+                    return None;
+                }
                 let the_same_bytes = match (&backed, data_id, offset) {
                     (Some(backed), Some(id), Some(offset)) => {
-                        was_bytes.len() == bytes.len() && backed.span(bytes) == Some((id, offset))
+                        backed.span(bytes) == Some((id, offset))
                     }
                     _ => false,
                 };
-                if !the_same_bytes {
+                let watched = match (armed, pair_id, offset) {
+                    (Some(armed), Some(pair), Some(offset)) if !the_same_bytes => {
+                        armed.proves(bytes, (pair, offset))
+                    }
+                    _ => None,
+                };
+                if let Some((start, end)) = watched {
+                    // The whole pages in between are proven; the part pages at the ends are not.
+                    sharing.compared += (start + bytes.len() - end) as u64;
+                    if was_bytes[..start] != bytes[..start] || was_bytes[end..] != bytes[end..] {
+                        return None;
+                    }
+                } else if !the_same_bytes {
                     sharing.compared += bytes.len() as u64;
                     if was_bytes != bytes {
                         return None;
@@ -385,6 +435,7 @@ mod tests {
             &checkpoint(&frozen, &changed),
             &first,
             false,
+            None,
             &external(),
         );
         let expected = Sharing {
@@ -416,6 +467,7 @@ mod tests {
             &checkpoint(&frozen, &[1; 1000]),
             &first,
             false,
+            None,
             &external(),
         );
         // Only the 1000 trainable bytes are unchanged: not worth keeping 100 kB alive for.
@@ -436,7 +488,7 @@ mod tests {
         )
         .unwrap();
         let ckpt = checkpoint(&frozen, &[1; 100]);
-        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, false, None, &external()).unwrap();
         // Inline: all of it unchanged, nothing to share from.
         assert!(!sharing.shared && sharing.unchanged == 100_100 && !second.exists());
         // The previous checkpoint's data file from another save (its pair id differs).
@@ -444,7 +496,7 @@ mod tests {
         crate::save(&other, &ckpt, &external()).unwrap();
         crate::save(&first, &ckpt, &external()).unwrap();
         fs::copy(external_data_path(&other), external_data_path(&first)).unwrap();
-        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, false, None, &external()).unwrap();
         assert!(!sharing.shared && !second.exists());
     }
 
@@ -468,7 +520,7 @@ mod tests {
         crate::save(&first, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
         let (map, at) = mapped_frozen(&first);
         let ckpt = checkpoint(&map[at.clone()], &[2; 1000]);
-        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, false, None, &external()).unwrap();
         let expected = Sharing {
             shared: true,
             unchanged: 100_000,
@@ -484,7 +536,7 @@ mod tests {
             &frozen[..]
         );
         // The same mapping against the second checkpoint: the same data file (a hard link).
-        let sharing = save_sharing(&third, &ckpt, &second, false, &external()).unwrap();
+        let sharing = save_sharing(&third, &ckpt, &second, false, None, &external()).unwrap();
         assert_eq!((sharing.shared, sharing.compared), (true, 1000));
         crate::load(&third).unwrap().verify_checksums().unwrap();
     }
@@ -499,13 +551,13 @@ mod tests {
         // Written with the byte it held: a private copy now, no longer the file's own page.
         map[at.start + 50_000] = 7;
         let ckpt = checkpoint(&map[at.clone()], &[1; 1000]);
-        let sharing = save_sharing(&second, &ckpt, &first, false, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, false, None, &external()).unwrap();
         assert_eq!((sharing.shared, sharing.compared), (true, 101_000));
         crate::load(&second).unwrap().verify_checksums().unwrap();
         // A changed byte: compared, found changed, never shared.
         map[at.start + 50_000] = 8;
         let ckpt = checkpoint(&map[at.clone()], &[1; 1000]);
-        let sharing = save_sharing(&third, &ckpt, &first, false, &external()).unwrap();
+        let sharing = save_sharing(&third, &ckpt, &first, false, None, &external()).unwrap();
         assert_eq!((sharing.shared, sharing.unchanged), (false, 1000));
         assert!(!third.exists());
         // Another file's mapping of equal bytes is no proof either: compared.
@@ -513,7 +565,7 @@ mod tests {
         crate::save(&other, &checkpoint(&frozen, &[1; 1000]), &external()).unwrap();
         let (map, at) = mapped_frozen(&other);
         let ckpt = checkpoint(&map[at], &[1; 1000]);
-        let sharing = save_sharing(&third, &ckpt, &first, false, &external()).unwrap();
+        let sharing = save_sharing(&third, &ckpt, &first, false, None, &external()).unwrap();
         assert_eq!((sharing.shared, sharing.compared), (true, 101_000));
         let loaded = crate::load(&third).unwrap();
         loaded.verify_checksums().unwrap();
@@ -530,7 +582,7 @@ mod tests {
         let frozen = vec![7u8; 100_000];
         let ckpt = checkpoint(&frozen, &[1; 1000]);
         crate::save(&first, &ckpt, &external()).unwrap();
-        let sharing = save_sharing(&second, &ckpt, &first, true, &external()).unwrap();
+        let sharing = save_sharing(&second, &ckpt, &first, true, None, &external()).unwrap();
         assert!(!sharing.shared && sharing.unchanged == 101_000 && !second.exists());
     }
 
@@ -541,6 +593,62 @@ mod tests {
         let frozen = vec![7u8; 1000];
         let ckpt = checkpoint(&frozen, &[1; 100]);
         crate::save(&first, &ckpt, &external()).unwrap();
-        assert!(save_sharing(&first, &ckpt, &first, false, &external()).is_err());
+        assert!(save_sharing(&first, &ckpt, &first, false, None, &external()).is_err());
+    }
+
+    #[test]
+    fn watched_values_unwritten_since_recorded_are_not_compared_and_a_written_one_is() {
+        let _serial = untouched::TEST_SERIAL
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let path = |n: usize| dir.path().join(format!("step{n}"));
+        // Two values of the caller's own memory: "frozen" and (named so, never trained here)
+        // "trainable".
+        let frozen = vec![7u8; 64 * 4096 + 100];
+        let mut other = vec![9u8; 48 * 4096 + 10];
+        let edges = |v: &[u8]| {
+            let first = v.as_ptr() as usize;
+            let whole = ((first + v.len()) & !4095) - ((first + 4095) & !4095);
+            (v.len() - whole) as u64
+        };
+        let watched_save = |n: usize, other: &[u8]| {
+            let ckpt = checkpoint(&frozen, other);
+            let armed = untouched::arm(ckpt.tensors().filter_map(bytes_of)).expect("a watch");
+            let sharing = if n == 1 {
+                crate::save(&path(1), &ckpt, &external()).unwrap();
+                None
+            } else {
+                let sharing = save_sharing(
+                    &path(n),
+                    &ckpt,
+                    &path(n - 1),
+                    false,
+                    Some(&armed),
+                    &external(),
+                );
+                Some(sharing.unwrap())
+            };
+            untouched::record(&armed, stored_origins(&path(n), &ckpt).into_iter());
+            sharing
+        };
+
+        // Step 1, whole: armed before it is written, recorded once committed. Step 2: each
+        // value's whole pages are proven, only its part pages at either end compared.
+        watched_save(1, &other);
+        let sharing = watched_save(2, &other).unwrap();
+        assert!(sharing.shared);
+        assert_eq!(sharing.compared, edges(&frozen) + edges(&other));
+
+        // A byte of one written in its middle: that one compared whole, and saved with its
+        // new value; the other still proven.
+        other[30 * 4096 + 5] ^= 0xFF;
+        let sharing = watched_save(3, &other).unwrap();
+        assert!(sharing.shared);
+        assert_eq!(sharing.compared, edges(&frozen) + other.len() as u64);
+        let loaded = crate::load(&path(3)).unwrap();
+        let c = loaded.checkpoint();
+        assert_eq!(loaded.bytes(&c.trainable[0]).unwrap(), &other[..]);
+        assert_eq!(loaded.bytes(&c.frozen[0]).unwrap(), &frozen[..]);
     }
 }

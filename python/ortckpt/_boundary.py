@@ -285,6 +285,9 @@ def save(path: str | os.PathLike[str], state: CoreState, **options: Any) -> None
     _core.save(os.fspath(path), state, WriteOptions(**options))
 
 
+Watched = _core.Watched  # what watch_writes armed for one save
+
+
 class Sharing(NamedTuple):
     """What :func:`save_sharing` found and did."""
 
@@ -306,19 +309,41 @@ def save_sharing(
     state: CoreState,
     *,
     compare_only: bool = False,
+    watched: Watched | None = None,
     **options: Any,
 ) -> Sharing:
     """Writes the new checkpoint ``path`` sharing, with the checkpoint ``previous``, its data
     file for the values that are byte-identical there (hard-linked as ``path``'s own; the rest
     inline), and says what it found (:class:`Sharing`). ``compare_only``: write nothing, only
-    count; ``options``: :class:`WriteOptions`' durable, progress, lock_timeout."""
+    count; ``watched``: :func:`watch_writes` of ``state``; ``options``: :class:`WriteOptions`'
+    durable, progress, lock_timeout."""
     if state.nominal:
         return Sharing(False, 0, 0, 0)
     return Sharing(
         *_core.save_sharing(
-            os.fspath(path), os.fspath(previous), state, WriteOptions(**options), compare_only=compare_only
+            os.fspath(path),
+            os.fspath(previous),
+            state,
+            WriteOptions(**options),
+            compare_only=compare_only,
+            watched=watched,
         )
     )
+
+
+def watch_writes(state: CoreState) -> Watched:
+    """Protects the pages of ``state``'s values (those of 64 KiB or more in this process's private
+    memory) before a save reads them, so that the next sharing save need not compare the values
+    none of whose pages was written since (the core's untouched.rs: Linux's asynchronous
+    userfaultfd write protection, read with PAGEMAP_SCAN; nothing where the kernel lacks it).
+    Only for a save of the caller's own arrays, which it keeps between saves: never of a copy."""
+    return _core.watch_writes(state)
+
+
+def record_watched(watched: Watched, path: str | os.PathLike[str], state: CoreState) -> None:
+    """After the save ``watched`` was armed for committed ``path`` (from ``state``): records where
+    the checkpoint keeps each watched value, for the next sharing save to prove it unchanged."""
+    _core.record_watched(watched, os.fspath(path), state)
 
 
 def file_span(array: np.ndarray) -> tuple[int, int, int] | None:

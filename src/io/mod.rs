@@ -7,6 +7,7 @@ pub mod commit;
 mod file_backed;
 pub mod locks;
 mod mapped;
+pub mod page_watch;
 mod progress;
 mod siblings;
 mod writeback;

@@ -7,6 +7,7 @@
 
 mod compute;
 mod errors;
+mod lifelines;
 mod mapped;
 mod parameters;
 mod records;
@@ -252,10 +253,11 @@ fn save_staged(
 /// file whose bytes it still holds unchanged (see `crate::sharing`): (whether it did, else
 /// nothing was written and the caller saves whole; bytes of values unchanged since `previous`,
 /// wherever kept; bytes of values in all; bytes of values compared byte for byte).
-/// `compare_only`: never writes, only counts. Of
-/// `options`, the threshold and holes play no part: sharing decides where values go.
+/// `compare_only`: never writes, only counts. `watched`: what `watch_writes` armed for this
+/// checkpoint (its values proven unwritten are not compared). Of `options`, the threshold and
+/// holes play no part: sharing decides where values go.
 #[pyfunction]
-#[pyo3(signature = (path, previous, checkpoint, options, *, compare_only = false))]
+#[pyo3(signature = (path, previous, checkpoint, options, *, compare_only = false, watched = None))]
 fn save_sharing(
     py: Python<'_>,
     path: PathBuf,
@@ -263,14 +265,23 @@ fn save_sharing(
     checkpoint: CheckpointIn<'_>,
     options: WriteOptionsIn<'_>,
     compare_only: bool,
+    watched: Option<PyRef<'_, lifelines::Watched>>,
 ) -> PyResult<(bool, u64, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
         let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
         let options = options.save_options(py)?;
+        let armed = watched.as_ref().and_then(|w| w.armed());
         let sharing = py
             .detach(|| {
-                crate::sharing::save_sharing(&path, &payloads, &previous, compare_only, &options)
+                crate::sharing::save_sharing(
+                    &path,
+                    &payloads,
+                    &previous,
+                    compare_only,
+                    armed,
+                    &options,
+                )
             })
             .map_err(|e| to_py_err(py, e))?;
         Ok((
@@ -528,6 +539,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_staged, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
+    m.add_function(wrap_pyfunction!(lifelines::watch_writes, m)?)?;
+    m.add_function(wrap_pyfunction!(lifelines::record_watched, m)?)?;
+    m.add_class::<lifelines::Watched>()?;
     m.add_function(wrap_pyfunction!(file_span, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;

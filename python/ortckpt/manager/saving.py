@@ -119,7 +119,8 @@ class Saving(ManagerBase):
             self._save_sharded(snapshot, step, meta, include_optimizer_state, slices)
             return
         if not self.async_save or synchronous:
-            self._write_and_commit(snapshot, step, meta, include_optimizer_state)
+            # (the caller's own arrays, in place: their pages may be watched for the next step)
+            self._write_and_commit(snapshot, step, meta, include_optimizer_state, watch_writes=True)
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortckpt-save")
@@ -231,11 +232,18 @@ class Saving(ManagerBase):
         return _ForkedStep(attempt, child)
 
     def _write_and_commit(
-        self, state: CheckpointState | _ForkedStep, step: int, meta: dict[str, Any], include_optimizer_state: bool
+        self,
+        state: CheckpointState | _ForkedStep,
+        step: int,
+        meta: dict[str, Any],
+        include_optimizer_state: bool,
+        *,
+        watch_writes: bool = False,
     ) -> None:
         """The step transaction of one save: stage, write, verify, metadata, commit; then
         retention and the tracker's report. A forked save's checkpoint is the child's (waited for
-        with its deadline, then sealed); any other is written here."""
+        with its deadline, then sealed); any other is written here. ``watch_writes``: ``state``
+        holds the caller's own arrays (a synchronous save), whose pages the store may watch."""
         if isinstance(state, _ForkedStep):
             attempt = state.attempt
             child = state.child
@@ -259,6 +267,7 @@ class Saving(ManagerBase):
                     durable=self.durable,
                     progress=self.progress,
                     share_with=None if previous is None else previous.step_record,
+                    watch_writes=watch_writes and self.share_unchanged,
                 )
 
         try:

@@ -301,13 +301,18 @@ class StepStore(abc.ABC):
         progress: bool = False,
         share_with: Step | None = None,
         shareable: bool = False,
+        watch_writes: bool = False,
     ) -> dict[str, dict[str, Any]]:
         """Writes a checkpoint into the attempt; returns its files: {name: {"bytes": size,
         "sha256": hex digest}} (also recorded in ``attempt.written``). ``share_with``: the
         previous step, whose data file a store may share for the values that are unchanged (a
         directory links it; an object store shares a data object of the run's shared folder,
         recorded in ``attempt.shared``). ``shareable``: a shard that may share so (a manager's
-        sharded step: its metadata.json names every file); a manager's checkpoint always may."""
+        sharded step: its metadata.json names every file); a manager's checkpoint always may.
+        ``watch_writes``: ``state``'s values are the caller's own arrays, kept in place between
+        saves (a manager's synchronous save, never its copy): a store may watch their pages (see
+        :func:`ortckpt._boundary.watch_writes`) so that the next step need not compare the values
+        none of whose pages was written since (a directory does; an object store hashes)."""
 
     def staged_checkpoint(self, attempt: Attempt, name: str) -> Path | None:
         """Where another writer (a forked save: :mod:`ortckpt.forked_save`) may put the checkpoint

@@ -229,11 +229,15 @@ class DirectoryStore(StepStore):
         progress: bool = False,
         share_with: Step | None = None,
         shareable: bool = False,
+        watch_writes: bool = False,
     ) -> dict[str, dict[str, Any]]:
         path = safe_io.member(_path(attempt.folder), name)
         shared, unchanged, values = False, 0, 0
+        watched = _boundary.watch_writes(state) if watch_writes else None
         if share_with is not None:
-            shared, unchanged, values = self._save_sharing(attempt, path, state, share_with, durable=durable)
+            shared, unchanged, values = self._save_sharing(
+                attempt, path, state, share_with, durable=durable, watched=watched
+            )
         if not shared:
             if unchanged and 2 * unchanged >= values:
                 # Mostly unchanged, yet nothing (or too little) to share from: saved whole with its
@@ -242,6 +246,8 @@ class DirectoryStore(StepStore):
             targets.LocalFile(path).save(
                 state, external_data_threshold=external_data_threshold, durable=durable, progress=progress
             )
+        if watched is not None:
+            _boundary.record_watched(watched, path, state)
         return self.record_checkpoint(attempt, name)
 
     def staged_checkpoint(self, attempt: Attempt, name: str) -> Path:
@@ -254,7 +260,14 @@ class DirectoryStore(StepStore):
         return written
 
     def _save_sharing(
-        self, attempt: Attempt, path: Path, state: CoreState, previous: Step, *, durable: bool
+        self,
+        attempt: Attempt,
+        path: Path,
+        state: CoreState,
+        previous: Step,
+        *,
+        durable: bool,
+        watched: _boundary.Watched | None,
     ) -> tuple[bool, int, int]:
         """Saves the checkpoint sharing the previous step's data file for the values that are
         byte-identical there (see :func:`ortckpt._boundary.save_sharing`, which says whether it
@@ -275,7 +288,7 @@ class DirectoryStore(StepStore):
         # Only a data file its metadata records is shared (its entry is copied from there).
         compare_only = data_name not in files
         shared, unchanged, values, _ = _boundary.save_sharing(
-            path, folder / path.name, state, compare_only=compare_only, durable=durable
+            path, folder / path.name, state, compare_only=compare_only, durable=durable, watched=watched
         )
         if shared:
             entry = shared_file_entry(previous, data_name)

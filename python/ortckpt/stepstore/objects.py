@@ -283,6 +283,7 @@ class ObjectStore(StepStore):
         progress: bool = False,
         share_with: Step | None = None,
         shareable: bool = False,
+        watch_writes: bool = False,
     ) -> dict[str, dict[str, Any]]:
         """A manager's checkpoint (or ``shareable`` shard) of values of SHARE_MIN_BYTES or more
         goes up sharing what did not change with the previous step (see :mod:`.shared`); any

@@ -25,7 +25,8 @@ LAYERS = [
     ["seal"],  # pair trailer, checksum block, the data file's name: what format and io share
     ["generated"],  # flatc output
     ["format", "io"],  # bytes <-> checkpoint, no filesystem | maps, temporaries, locks, the one commit
-    ["compute", "load", "save"],  # kernels | a checkpoint's files mapped and decoded | written and committed
+    # kernels | a checkpoint's files mapped and decoded | written and committed | values proven unwritten
+    ["compute", "load", "save", "untouched"],
     ["integrity", "sharing"],  # checksums checked, staged files resealed | saves sharing a data file
     ["python"],  # the PyO3 boundary (feature `python`)
 ]

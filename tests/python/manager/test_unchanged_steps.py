@@ -172,18 +172,28 @@ def test_a_restored_state_of_a_deleted_step_still_shares_its_file_by_identity(
             assert_whole(manager, tmp_path, step, expected(step))
 
 
-def test_a_plain_state_is_still_compared_and_its_changes_kept(tmp_path: Path, compared: list[int]) -> None:
-    """Arrays of this process's own memory prove nothing: compared, as before."""
+def test_a_plain_state_written_in_place_is_compared_and_its_changes_kept(tmp_path: Path, compared: list[int]) -> None:
+    """Arrays of this process's own memory are watched page by page (test_watched_steps.py): the one
+    written is compared whole, the others only at their part pages, and the step keeps the new bytes."""
     frozen = frozen_arrays()
     with CheckpointManager(tmp_path) as manager:
         for step in (1, 2, 3):
             manager.save(training_state(step, frozen), step)
-        frozen["frozen5"][7] = 42.0  # in place, in the caller's own array
+        frozen["frozen5"][8000] = 42.0  # in place, in the caller's own array, a page in its middle
         compared.clear()
         manager.save(training_state(4, frozen), 4)
-        assert compared == [HEAD_BYTES + FROZEN_BYTES]
+        part_pages = sum(part_page_bytes(a) for n, a in frozen.items() if n != "frozen5")
+        assert compared == [HEAD_BYTES + frozen["frozen5"].nbytes + part_pages]
         assert where(step_dir(tmp_path, 4) / "checkpoint")["frozen5"] is False
         assert_whole(manager, tmp_path, 4, expected(4, frozen))
+
+
+def part_page_bytes(array: np.ndarray) -> int:
+    """The bytes of ``array`` outside its whole pages: what a watched value still compares."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = array.ctypes.data
+    whole = (first + array.nbytes) // page * page - (first + page - 1) // page * page
+    return array.nbytes - max(whole, 0)
 
 
 def test_frozen_views_swapped_between_names_are_compared_and_saved_as_swapped(

@@ -1,0 +1,274 @@
+//! Which values in this process's memory are, proven, the bytes a checkpoint already keeps: a
+//! trainer's frozen arrays, saved step after step, need not be compared with the previous step
+//! when no page of theirs was written since that step read them.
+//!
+//! The proof ([`io::page_watch`]): a save protects the pages of each value before it reads them
+//! ([`arm`]); once it has committed, it records where each value it watched now is in a data
+//! file (its pair id and offset: a file nothing ever writes again) if no page of the value was
+//! written meanwhile ([`record`]). A later save whose value has the same address and length,
+//! no page of which was written since, and whose previous checkpoint keeps that value at that
+//! very place, holds the recorded bytes: it compares only the part pages of either end, which
+//! the watch does not cover ([`Armed::proves`]).
+//!
+//! What is kept is per process, behind one lock. A scan that protects pages again takes away
+//! the record that they were written: it forgets every record those pages overlap, and a save
+//! records nothing if another took such a record after its own arm. Memory freed and reused
+//! between saves is the caller's to rule out: the Python layer forgets a value's record once
+//! the array that held it is gone ([`forget_unless`]).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::io::page_watch::{PageWatch, PrivateAnon};
+use crate::seal::pairing::PairId;
+
+/// Where a checkpoint keeps a value: its data file (by pair id) and the offset there.
+pub type Origin = (PairId, u64);
+
+/// A value's bytes in memory: (address, length).
+pub type Span = (usize, usize);
+
+/// Values smaller than this are compared (a few pages: the watch would save little).
+pub const MIN_WATCHED_BYTES: usize = 64 * 1024;
+/// At most this many values are watched (each is a mapping of its own to the kernel).
+const MAX_WATCHED: usize = 4096;
+
+#[derive(Default)]
+struct Registry {
+    opened: bool,
+    watch: Option<PageWatch>,
+    /// Values not written since a save recorded where a data file keeps their bytes.
+    recorded: HashMap<Span, Origin>,
+    /// Values written at the last save that armed them: not protected again (a tensor that
+    /// changes every step would pay a fault a page for nothing) until one is found unchanged.
+    changing: HashSet<Span>,
+    /// Values the last save armed (a value written since then is changing).
+    last_armed: HashSet<Span>,
+    /// Scans that found pages written and protected them again: taken records of writes.
+    takings: u64,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn registry() -> MutexGuard<'static, Option<Registry>> {
+    // A panic while it was held leaves nothing half-done that matters: records only ever
+    // shrink to be safe, so a poisoned lock's content is still sound.
+    REGISTRY
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// What one save armed: the values it protected before reading them, and the records still
+/// standing for them.
+#[derive(Debug, Default)]
+pub struct Armed {
+    armed: HashSet<Span>,
+    standing: HashMap<Span, Origin>,
+    takings: u64,
+    page: usize,
+}
+
+impl Armed {
+    /// For `bytes` (a value of the save that armed this), found where the previous checkpoint
+    /// keeps it (`origin`): the whole pages `[start, end)` of it that are proven those bytes,
+    /// leaving the parts before and after for the caller to compare. `None`: not proven.
+    pub fn proves(&self, bytes: &[u8], origin: Origin) -> Option<(usize, usize)> {
+        let span = (bytes.as_ptr() as usize, bytes.len());
+        if self.standing.get(&span) != Some(&origin) {
+            return None;
+        }
+        let first = span.0;
+        let start = first.checked_add(self.page - 1)? & !(self.page - 1);
+        let end = first.checked_add(bytes.len())? & !(self.page - 1);
+        (start < end).then_some((start - first, end - first))
+    }
+}
+
+/// Protects the pages of `values` (those of [`MIN_WATCHED_BYTES`] or more, in private
+/// anonymous memory) before a save reads them, and says which records still stand for them.
+/// `None` where the kernel offers no watch (the save compares as it always did).
+pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
+    let mut guard = registry();
+    let registry = guard.get_or_insert_with(Registry::default);
+    if !registry.opened {
+        registry.opened = true;
+        registry.watch = PageWatch::open();
+    }
+    let Registry {
+        watch,
+        recorded,
+        changing,
+        last_armed,
+        takings,
+        ..
+    } = registry;
+    let watch = watch.as_ref().filter(|w| w.is_ours())?;
+    let anon = PrivateAnon::read()?;
+    let page = watch.page();
+    let mut armed = Armed {
+        page,
+        ..Armed::default()
+    };
+    let mut seen = HashSet::new();
+    for bytes in values {
+        if bytes.len() < MIN_WATCHED_BYTES || armed.armed.len() >= MAX_WATCHED {
+            continue;
+        }
+        let span = (bytes.as_ptr() as usize, bytes.len());
+        if !seen.insert(span) || changing.contains(&span) {
+            continue; // (a changing value's pages were left as written: they say nothing)
+        }
+        let Some((start, end)) = watch.pages_within(bytes) else {
+            continue;
+        };
+        match watch.take_written(start, end, &anon) {
+            None => forget_overlapping(recorded, &[(start, end)], page),
+            Some(written) => {
+                if !written.is_empty() {
+                    *takings += 1;
+                    forget_overlapping(recorded, &written, page);
+                    if last_armed.contains(&span) {
+                        changing.insert(span);
+                    }
+                }
+                armed.armed.insert(span);
+            }
+        }
+    }
+    for span in &armed.armed {
+        if let Some(origin) = recorded.get(span) {
+            armed.standing.insert(*span, *origin);
+        }
+    }
+    last_armed.clone_from(&armed.armed);
+    armed.takings = *takings;
+    Some(armed)
+}
+
+/// After the save that armed `armed` committed: records `stored` (each value's bytes and where
+/// the committed checkpoint keeps them in its data file) for the values it armed that no page
+/// of was written since. Each stored value is protected again at the next save, a changing one
+/// included (see `Registry::changing`). Records nothing if another save took a record of
+/// writes meanwhile.
+pub fn record<'a>(armed: &Armed, stored: impl Iterator<Item = (&'a [u8], Origin)>) {
+    let mut guard = registry();
+    let Some(registry) = guard.as_mut() else {
+        return;
+    };
+    let stored: Vec<(&[u8], Origin)> = stored.collect();
+    for (bytes, _) in &stored {
+        registry
+            .changing
+            .remove(&(bytes.as_ptr() as usize, bytes.len()));
+    }
+    let Some(watch) = registry.watch.as_ref().filter(|w| w.is_ours()) else {
+        return;
+    };
+    if registry.takings != armed.takings {
+        return;
+    }
+    let mut found = Vec::new();
+    for (bytes, origin) in stored {
+        let span = (bytes.as_ptr() as usize, bytes.len());
+        if !armed.armed.contains(&span) {
+            continue;
+        }
+        let Some((start, end)) = watch.pages_within(bytes) else {
+            continue;
+        };
+        if watch.written(start, end).is_some_and(|w| w.is_empty()) {
+            found.push((span, origin));
+        } else {
+            registry.recorded.remove(&span);
+        }
+    }
+    for (span, origin) in found {
+        if registry.recorded.len() < MAX_WATCHED || registry.recorded.contains_key(&span) {
+            registry.recorded.insert(span, origin);
+        }
+    }
+}
+
+/// The values recorded now (for the caller to tie each to what keeps its memory alive).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub fn recorded() -> Vec<Span> {
+    registry()
+        .as_ref()
+        .map(|r| r.recorded.keys().copied().collect())
+        .unwrap_or_default()
+}
+
+/// Forgets the records of values `keep` says no: memory that may have been freed (and reused,
+/// perhaps zeroed by the kernel, with no write to see) since.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub fn forget_unless(mut keep: impl FnMut(Span) -> bool) {
+    if let Some(registry) = registry().as_mut() {
+        registry.recorded.retain(|span, _| keep(*span));
+    }
+}
+
+/// Forgets every record whose pages overlap one of `regions` (page-aligned spans).
+fn forget_overlapping(
+    recorded: &mut HashMap<Span, Origin>,
+    regions: &[(usize, usize)],
+    page: usize,
+) {
+    recorded.retain(|&(address, len), _| {
+        let (start, end) = (address & !(page - 1), address.saturating_add(len));
+        !regions.iter().any(|&(a, b)| a < end && start < b)
+    });
+}
+
+/// Held by each test that arms: the registry is the process's, tests run on its threads, and
+/// one's arm taking a record of writes makes another's record nothing.
+#[cfg(test)]
+pub(crate) static TEST_SERIAL: Mutex<()> = Mutex::new(());
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_is_proven_until_a_page_of_it_is_written() {
+        let _serial = TEST_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let mut frozen = vec![3u8; 40 * 4096 + 123];
+        let changing = vec![5u8; 20 * 4096];
+        let pair: PairId = [9; 16];
+        let armed = arm([&frozen[..], &changing[..]].into_iter()).expect("a watch");
+        assert!(armed.proves(&frozen, (pair, 64)).is_none()); // nothing recorded yet
+        record(
+            &armed,
+            [(&frozen[..], (pair, 64)), (&changing[..], (pair, 999_999))].into_iter(),
+        );
+        assert!(recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
+
+        let armed = arm([&frozen[..]].into_iter()).unwrap();
+        let (start, end) = armed.proves(&frozen, (pair, 64)).expect("proven");
+        assert!(start < 4096 && frozen.len() - end < 4096);
+        assert!(armed.proves(&frozen, (pair, 65)).is_none()); // not where the record says
+        assert!(armed.proves(&frozen, ([8; 16], 64)).is_none()); // nor in that data file
+        record(&armed, [(&frozen[..], (pair, 64))].into_iter());
+
+        frozen[20 * 4096] ^= 1; // written: proven no more, and never again by this record
+        let armed = arm([&frozen[..]].into_iter()).unwrap();
+        assert!(armed.proves(&frozen, (pair, 64)).is_none());
+        assert!(!recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
+        // Written at a second save in a row, it is taken for changing: the next save neither
+        // protects nor proves it, until a save stores it where the previous one kept it.
+        let again = arm([&frozen[..]].into_iter()).unwrap();
+        assert!(again.armed.is_empty());
+        record(&armed, [(&frozen[..], (pair, 64))].into_iter());
+
+        // A record whose memory the caller says may be gone is forgotten.
+        assert!(recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
+        forget_unless(|span| span.0 != frozen.as_ptr() as usize);
+        let armed = arm([&frozen[..]].into_iter()).unwrap();
+        assert!(armed.proves(&frozen, (pair, 64)).is_none());
+
+        // A value written between its arm and the record is not recorded.
+        frozen[30 * 4096] ^= 1;
+        record(&armed, [(&frozen[..], (pair, 64))].into_iter());
+        assert!(!recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
+        drop(changing);
+    }
+}
