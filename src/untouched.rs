@@ -44,6 +44,10 @@ struct Registry {
     changing: HashSet<Span>,
     /// Values the last save armed (a value written since then is changing).
     last_armed: HashSet<Span>,
+    /// The page ranges watched now. Each is a mapping of its own to the kernel (watching splits
+    /// the one it lies in): those no save wants any more are unwatched, so that a run whose
+    /// arrays come and go does not pile mappings up towards the kernel's limit.
+    watched: HashSet<(usize, usize)>,
     /// Scans that found pages written and protected them again: taken records of writes.
     takings: u64,
 }
@@ -99,28 +103,42 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
         recorded,
         changing,
         last_armed,
+        watched,
         takings,
         ..
     } = registry;
     let watch = watch.as_ref().filter(|w| w.is_ours())?;
-    let anon = PrivateAnon::read()?;
     let page = watch.page();
     let mut armed = Armed {
         page,
         ..Armed::default()
     };
+    let mut wanted: Vec<(Span, (usize, usize))> = Vec::new();
     let mut seen = HashSet::new();
     for bytes in values {
-        if bytes.len() < MIN_WATCHED_BYTES || armed.armed.len() >= MAX_WATCHED {
+        if bytes.len() < MIN_WATCHED_BYTES || wanted.len() >= MAX_WATCHED {
             continue;
         }
         let span = (bytes.as_ptr() as usize, bytes.len());
-        if !seen.insert(span) || changing.contains(&span) {
+        if let Some(pages) = watch.pages_within(bytes).filter(|_| seen.insert(span)) {
+            wanted.push((span, pages));
+        }
+    }
+    // Ranges no value of this save lies on are unwatched first (their records forgotten: the
+    // memory is no longer protected), then this save's are watched.
+    let keep: HashSet<(usize, usize)> = wanted.iter().map(|(_, pages)| *pages).collect();
+    let stale: Vec<(usize, usize)> = watched.difference(&keep).copied().collect();
+    for &(start, end) in &stale {
+        watch.unwatch(start, end);
+        watched.remove(&(start, end));
+    }
+    forget_overlapping(recorded, &stale, page);
+    let anon = PrivateAnon::read()?;
+    for (span, (start, end)) in wanted {
+        if changing.contains(&span) {
             continue; // (a changing value's pages were left as written: they say nothing)
         }
-        let Some((start, end)) = watch.pages_within(bytes) else {
-            continue;
-        };
+        watched.insert((start, end));
         match watch.take_written(start, end, &anon) {
             None => forget_overlapping(recorded, &[(start, end)], page),
             Some(written) => {
@@ -243,6 +261,12 @@ mod tests {
         assert!(recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
 
         let armed = arm([&frozen[..]].into_iter()).unwrap();
+        // A value no save wants any more is unwatched (its mapping given back to the kernel).
+        let guard = registry();
+        let watch = guard.as_ref().unwrap().watch.as_ref().unwrap();
+        let (a, b) = watch.pages_within(&changing).unwrap();
+        assert_eq!(watch.written(a, b), None);
+        drop(guard);
         let (start, end) = armed.proves(&frozen, (pair, 64)).expect("proven");
         assert!(start < 4096 && frozen.len() - end < 4096);
         assert!(armed.proves(&frozen, (pair, 65)).is_none()); // not where the record says

@@ -331,13 +331,14 @@ def save_sharing(
     )
 
 
-def watch_writes(state: CoreState) -> Watched:
+def watch_writes(path: str | os.PathLike[str], state: CoreState) -> Watched:
     """Protects the pages of ``state``'s values (those of 64 KiB or more in this process's private
-    memory) before a save reads them, so that the next sharing save need not compare the values
+    memory) before a save of it to ``path`` (which names it in errors) reads them, so that the
+    next sharing save need not compare the values
     none of whose pages was written since (the core's untouched.rs: Linux's asynchronous
     userfaultfd write protection, read with PAGEMAP_SCAN; nothing where the kernel lacks it).
     Only for a save of the caller's own arrays, which it keeps between saves: never of a copy."""
-    return _core.watch_writes(state)
+    return _core.watch_writes(os.fspath(path), state)
 
 
 def record_watched(watched: Watched, path: str | os.PathLike[str], state: CoreState) -> None:

@@ -73,6 +73,8 @@ struct PageRegion {
 
 const UFFDIO_API: libc::c_ulong = iowr(0xAA, 0x3F, std::mem::size_of::<UffdioApi>());
 const UFFDIO_REGISTER: libc::c_ulong = iowr(0xAA, 0x00, std::mem::size_of::<UffdioRegister>());
+/// `_IOR(0xAA, 0x01, struct uffdio_range)`: only read by the kernel.
+const UFFDIO_UNREGISTER: libc::c_ulong = (2 << 30) | (16 << 16) | (0xAA << 8) | 0x01;
 const PAGEMAP_SCAN: libc::c_ulong = iowr(b'f', 16, std::mem::size_of::<PmScanArg>());
 /// Protect the pages the scan matched (written ones) again, as it reports them.
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
@@ -183,6 +185,18 @@ impl PageWatch {
             return None;
         }
         self.scan(start, end, true)
+    }
+
+    /// Stops watching `[start, end)` (whatever memory is there now): the kernel merges its
+    /// mappings with their neighbours again. Best effort: nothing to stop is no error.
+    pub fn unwatch(&self, start: usize, end: usize) {
+        if !self.is_ours() {
+            return;
+        }
+        let range = [start as u64, (end - start) as u64];
+        // SAFETY: the ioctl reads `range` (a `struct uffdio_range`); unregistering only lifts
+        // protection (pages are left writable), never changes the memory.
+        unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_UNREGISTER, range.as_ptr()) };
     }
 
     /// Which parts of `[start, end)` were written since last protected, leaving them as they
@@ -394,6 +408,18 @@ mod tests {
         assert_eq!(w.written(start, end), None);
         // SAFETY: ours, unused from here on.
         unsafe { libc::munmap(at, len) };
+    }
+
+    #[test]
+    fn memory_unwatched_is_not_answered_for() {
+        let w = watch();
+        let memory = pages(8);
+        let (start, end) = w.pages_within(&memory).unwrap();
+        w.take_written(start, end, &PrivateAnon::read().unwrap())
+            .unwrap();
+        assert_eq!(w.written(start, end), Some(vec![]));
+        w.unwatch(start, end);
+        assert_eq!(w.written(start, end), None);
     }
 
     #[test]

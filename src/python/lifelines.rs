@@ -27,19 +27,18 @@ impl Watched {
     }
 }
 
-/// Protects the pages of `checkpoint`'s values before a save reads them (see
+/// Protects the pages of `checkpoint`'s values before a save of it to `path` reads them (see
 /// `crate::untouched`), first forgetting the records of values whose memory may be gone.
 #[pyfunction]
-pub(super) fn watch_writes(py: Python<'_>, checkpoint: CheckpointIn<'_>) -> PyResult<Watched> {
+pub(super) fn watch_writes(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    checkpoint: CheckpointIn<'_>,
+) -> PyResult<Watched> {
     guarded(py, || {
         prune(py);
         let mut buffers = Vec::new();
-        let payloads = payloads_in(
-            py,
-            std::path::Path::new("<watched>"),
-            checkpoint,
-            &mut buffers,
-        )?;
+        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
         let armed = py.detach(|| {
             untouched::arm(payloads.tensors().filter_map(|t| match t.data {
                 crate::format::Payload::Bytes(bytes) => Some(bytes),

@@ -233,7 +233,7 @@ class DirectoryStore(StepStore):
     ) -> dict[str, dict[str, Any]]:
         path = safe_io.member(_path(attempt.folder), name)
         shared, unchanged, values = False, 0, 0
-        watched = _boundary.watch_writes(state) if watch_writes else None
+        watched = _boundary.watch_writes(path, state) if watch_writes else None
         if share_with is not None:
             shared, unchanged, values = self._save_sharing(
                 attempt, path, state, share_with, durable=durable, watched=watched
