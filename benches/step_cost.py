@@ -6,7 +6,9 @@ Two trainers, each in a fresh process of each build (an interpreter whose ``impo
 build), in shuffled rounds with ``os.sync()`` before every step and between runs:
 
 - ``arrays``: the frozen part in the trainer's own arrays (``CheckpointState.from_arrays``), as after
-  a conversion: memory of the process's own, which proves nothing, so every step compares it;
+  a conversion: memory of the process's own, whose pages the manager's synchronous save watches
+  (userfaultfd's asynchronous write protection: ``src/untouched.rs``), so a step compares only the
+  part pages of the arrays none of whose pages was written since (before the watch: all of it);
 - ``resumed``: the run resumed from its step 2 (``manager.restore(2)``, as after a preemption) and
   trained on from there: its frozen part is step 2's data file, mapped and never written, which a
   step shares without comparing (the head and its moments are written in place, as a trainer does).
