@@ -187,6 +187,7 @@ def write_shards(
     external_data_threshold: int,
     share_with: Step | None = None,
     shareable: bool = False,
+    watch_writes: bool = False,
 ) -> None:
     """The collective save in two rounds, one step transaction of ``store``: every rank
     describes what it holds and rank 0 plans it and stages the step (``begin``); every rank
@@ -195,7 +196,8 @@ def write_shards(
     succeeded wrote). ``share_with``: the previous committed step (a manager's,
     ``share_unchanged``), whose shard of the same name each rank's shares its unchanged values
     with where the store can; ``shareable``: a manager's step, whose shards may keep their
-    values in objects the steps share (see :meth:`StepStore.write_checkpoint`)."""
+    values in objects the steps share (see :meth:`StepStore.write_checkpoint`); ``watch_writes``:
+    ``state`` holds the caller's own arrays (a manager's save), whose pages the store may watch."""
     rank, world = comm.rank, comm.world_size
     on_root: dict[str, Any] = {}  # what only rank 0 keeps: the plan's tables, its attempt
 
@@ -254,6 +256,7 @@ def write_shards(
             external_data_threshold,
             share_with,
             shareable,
+            watch_writes,
         ),
         index_and_commit,
         deciding="committing",
@@ -324,6 +327,7 @@ def _write_own_shard(
     threshold: int,
     share_with: Step | None,
     shareable: bool = False,
+    watch_writes: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Writes the tensors the plan gave this rank into the attempt; returns its files
     {name: {"bytes", ...}}, empty if none, and the entries of its data files kept apart from
@@ -354,6 +358,7 @@ def _write_own_shard(
         durable=durable,
         share_with=share_with,
         shareable=shareable,
+        watch_writes=watch_writes,
     )
     return files, {name: entry for name, entry in attempt.shared.items() if name.removesuffix(".data") in files}
 

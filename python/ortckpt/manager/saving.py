@@ -393,6 +393,7 @@ class Saving(ManagerBase):
             external_data_threshold=self.external_data_threshold,
             share_with=None if previous is None else previous.step_record,
             shareable=self.share_unchanged,
+            watch_writes=self.share_unchanged,  # (always synchronous: the caller's own arrays)
         )
         # Rank 0 knows what it committed; the other ranks read it back.
         info = committed[0] if committed else self._read_step(step)
