@@ -87,13 +87,26 @@ if TYPE_CHECKING:
 
 def load_checkpoint(checkpoint_uri: Any, **options: Any) -> CheckpointState:
     """:meth:`CheckpointState.load_checkpoint`: a path, an ``s3://`` URL, or a binary file object;
-    also a :class:`CheckpointManager` step folder (plain, sharded or compressed), read as the
-    command line reads one (:mod:`ortckpt.resolve`: a plain step's checkpoint checked against what
-    its metadata.json records)."""
-    if isinstance(checkpoint_uri, (str, os.PathLike)) and os.path.isdir(checkpoint_uri):
+    also a :class:`CheckpointManager` step folder (plain, sharded or compressed; local or
+    ``s3://``, where a step's checkpoint object names its step too: it holds no values of its own
+    when the step shares them), read as the command line reads one (:mod:`ortckpt.resolve`: a
+    plain step's checkpoint checked against what its metadata.json records)."""
+    from . import targets
+
+    if isinstance(checkpoint_uri, (str, os.PathLike)) and (
+        os.path.isdir(checkpoint_uri) or targets.is_object_url(checkpoint_uri)
+    ):
         from . import resolve
 
-        return resolve.load_step(os.fspath(checkpoint_uri), verify=bool(options.get("verify", False)))  # type: ignore[no-any-return]
+        unknown = set(options) - {"verify", "storage_options"}
+        if targets.is_object_url(checkpoint_uri):
+            targets.checkpoint(checkpoint_uri, options.get("storage_options"))  # (a bucket refused first)
+        if not unknown:
+            return resolve.load_step(  # type: ignore[no-any-return]
+                os.fspath(checkpoint_uri),
+                verify=bool(options.get("verify", False)),
+                storage_options=options.get("storage_options"),
+            )
     return CheckpointState.load_checkpoint(checkpoint_uri, **options)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,13 +68,14 @@ def shown(text: str) -> str:
     return text
 
 
-def step_folder(given: str) -> StepFolder | None:
-    """The step folder ``given`` names, or None when it names a file or an object (which the
-    library then reads, or refuses naming it). A directory or prefix that is neither is
-    refused (:class:`NotACheckpointError`); a step whose document is damaged raises the
-    document's error."""
+def step_folder(given: str, storage_options: Mapping[str, Any] | None = None) -> StepFolder | None:
+    """The step folder ``given`` names (on object storage also by the URL of its checkpoint
+    object, which holds no values of its own when the step shares them), or None when it names
+    a file or an object (which the library then reads, or refuses naming it). A directory or
+    prefix that is neither is refused (:class:`NotACheckpointError`); a step whose document is
+    damaged raises the document's error."""
     if targets.is_object_url(given):
-        return _object_step(given)
+        return _object_step(given, storage_options)
     path = Path(given)
     if not path.is_dir():
         return None
@@ -87,21 +88,40 @@ def step_folder(given: str) -> StepFolder | None:
     return StepFolder(given, store, step)
 
 
-def _object_step(given: str) -> StepFolder | None:
-    location = targets.object_location(given)
-    store = open_store(given, writer=False)
-    step = store.locate()
-    if step is not None:
-        return StepFolder(given, store, step)
+def _object_step(given: str, storage_options: Mapping[str, Any] | None) -> StepFolder | None:
+    location = targets.object_location(given, storage_options)
     if not location.key:
         raise NotACheckpointError(
             f"{given}: a bucket, not a checkpoint object or step folder ({targets.SCHEME}bucket/key)"
         )
-    if object_store.head(location) is None:
-        found = _committed_steps(store)
-        if found:
-            raise _not_a_checkpoint(given, found, "a prefix")
+    if object_store.head(location) is not None:  # an object: a plain one, or a step's checkpoint
+        return _step_of_checkpoint_object(given, location, storage_options)
+    store = open_store(given, storage_options, writer=False)
+    step = store.locate()
+    if step is not None:
+        return StepFolder(given, store, step)
+    found = _committed_steps(store)
+    if found:
+        raise _not_a_checkpoint(given, found, "a prefix")
     return None
+
+
+def _step_of_checkpoint_object(
+    given: str, location: object_store.Location, storage_options: Mapping[str, Any] | None
+) -> StepFolder | None:
+    """The committed step whose checkpoint ``location`` is (``step_<n>/<save>/checkpoint``: the
+    step's metadata.json names that save's folder), else None (a plain object, or the leftover of
+    a save that never committed)."""
+    if location.key.rpartition("/")[2] != steps.CHECKPOINT_NAME:
+        return None
+    step_url = location.parent().parent().url
+    if step_url == location.parent().url:  # (no folder above the save's: no step)
+        return None
+    store = open_store(step_url, storage_options, writer=False)
+    step = store.locate()
+    if step is None or store.user_path(step.folder, steps.CHECKPOINT_NAME) != location.url:
+        return None
+    return StepFolder(given, store, step)
 
 
 def _committed_steps(store: StepStore) -> list[int]:
@@ -188,17 +208,18 @@ def checkpoint(given: str, *, local: bool = False) -> Iterator[Resolved]:
             yield Resolved(os.fspath(store.user_path(folder, steps.CHECKPOINT_NAME)), found)
 
 
-def load_step(given: str, *, verify: bool = False) -> Any:
-    """The checkpoint state of the step folder ``given`` (a directory): a plain step's checkpoint
-    checked against what its metadata.json records (as a manager's restore checks it: sizes,
-    checksum root, pair id), a sharded or compressed one assembled in a temporary copy (mapped:
-    the state stays whole after the copy goes). Anything else is refused as :func:`step_folder`
-    refuses it."""
+def load_step(given: str, *, verify: bool = False, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The checkpoint state of the step folder ``given`` (a directory, an ``s3://`` step folder or
+    the checkpoint object of one): a plain step's checkpoint checked against what its
+    metadata.json records (as a manager's restore checks it: sizes, checksum root, pair id), a
+    sharded or compressed one assembled in a temporary copy (mapped: the state stays whole after
+    the copy goes). A file or a plain object is loaded as it is; anything else is refused as
+    :func:`step_folder` refuses it."""
     from .checkpoint_state import CheckpointState
 
-    found = step_folder(given)
-    if found is None:  # (a path, not a directory, after all: replaced meanwhile)
-        return CheckpointState.load_checkpoint(given, verify=verify)
+    found = step_folder(given, storage_options)
+    if found is None:  # (a file or an object, not a step)
+        return CheckpointState.load_checkpoint(given, verify=verify, storage_options=storage_options)
     if found.sharded or found.compressed or verify:
         with checkpoint(given) as resolved:
             return CheckpointState.load_checkpoint(resolved.path, verify=verify)

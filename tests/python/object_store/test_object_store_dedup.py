@@ -103,9 +103,18 @@ def test_a_step_loads_in_onnx_runtime_after_its_neighbours_are_deleted(
         values = {"head": np.full(TRAINABLE // 4, 3.0, np.float32), **frozen}
         assert digests == {name: hashlib.sha256(value.tobytes()).hexdigest() for name, value in values.items()}
         assert ortckpt.verify(step_url, storage_options=options).step == 3
-        # Its checkpoint object alone does not hold its values: a plain load says where they were looked for.
+        # Its checkpoint object alone does not hold its values: ONNX Runtime's load of a file (this class's)
+        # says where they were looked for; ortckpt.load_checkpoint knows the object for its step's.
+        checkpoint_url = f"{manager.latest().folder}/checkpoint"
         with pytest.raises(FileNotFoundError, match="external data"):
-            CheckpointState.load_checkpoint(f"{manager.latest().folder}/checkpoint", storage_options=options)
+            CheckpointState.load_checkpoint(checkpoint_url, storage_options=options)
+        assert_is(ortckpt.load_checkpoint(checkpoint_url, storage_options=options), 3, frozen)
+        assert_is(ortckpt.load_checkpoint(step_url, storage_options=options), 3, frozen)
+        # The same bytes in another folder of the step (a save that never committed) are no step's checkpoint.
+        stray = targets.object_location(f"{step_url}/{'0' * 32}/checkpoint", options)
+        object_store.put(stray, bytes(object_store.get(targets.object_location(checkpoint_url, options))))
+        with pytest.raises(FileNotFoundError, match="external data"):
+            ortckpt.load_checkpoint(stray.url, storage_options=options)
         manager.delete(3)  # the last step that names it: the data object goes with it
         assert shared_keys(s3_url, options) == []
 
