@@ -19,7 +19,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::io::page_watch::{PageWatch, PrivateAnon};
+use crate::io::page_watch::{pinned_memory, PageWatch, PrivateAnon};
 use crate::seal::pairing::PairId;
 
 /// Where a checkpoint keeps a value: its data file (by pair id) and the offset there.
@@ -133,7 +133,12 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
         watched.remove(&(start, end));
     }
     forget_overlapping(recorded, &stale, page);
-    let anon = PrivateAnon::read()?;
+    if pinned_memory() {
+        // A write through a pin is never seen: no record can be trusted while one is held.
+        recorded.clear();
+        return None;
+    }
+    let anon = PrivateAnon::read().filter(|anon| anon.room_for(3 * wanted.len()))?;
     for (span, (start, end)) in wanted {
         if changing.contains(&span) {
             continue; // (a changing value's pages were left as written: they say nothing)

@@ -208,7 +208,15 @@ impl PageWatch {
         self.scan(start, end, false)
     }
 
+    /// With these masks (written pages, exactly) the kernel takes its fast path, where every page
+    /// not marked protected counts as written: keep them so.
     fn scan(&self, start: usize, end: usize, protect: bool) -> Option<Vec<(usize, usize)>> {
+        // A range with no mapping at all scans clean, without an error (the check of
+        // registration sees no mapping to check): a range not wholly mapped is no answer.
+        // SAFETY: msync of an asynchronous kind only checks the range is mapped, here.
+        if unsafe { libc::msync(start as *mut libc::c_void, end - start, libc::MS_ASYNC) } != 0 {
+            return None;
+        }
         let mut found = Vec::new();
         let mut regions = [PageRegion::default(); 64];
         let mut from = start as u64;
@@ -244,9 +252,14 @@ impl PageWatch {
         Some(found)
     }
 
-    /// A write to a page of our own is seen, and only that page.
+    /// What the watch's answers rest on, proven on memory of our own: a part of a mapping that
+    /// has no page table yet reads as written (kernels without the fix of July 2026,
+    /// "fix PAGEMAP_SCAN written state for PMD holes", report it clean: a whole 2 MiB that
+    /// MADV_DONTNEED or reclaim gave back would then change unseen), a write is seen on its page
+    /// only, and memory unmapped is not answered for.
     fn works(&self) -> bool {
-        let len = 4 * self.page;
+        const TABLE: usize = 2 << 20; // what one page table maps (x86-64, AArch64 with 4 KiB pages)
+        let len = 2 * TABLE;
         // SAFETY: a fresh private anonymous mapping, unmapped below; nothing else uses it.
         let at = unsafe {
             libc::mmap(
@@ -261,27 +274,36 @@ impl PageWatch {
         if at == libc::MAP_FAILED {
             return false;
         }
-        let (start, end) = (at as usize, at as usize + len);
+        let start = (at as usize).next_multiple_of(TABLE);
+        let end = start + TABLE; // (inside: the mapping is two tables long)
         let works = PrivateAnon::read().is_some_and(|anon| {
-            self.take_written(start, end, &anon).is_some() && {
-                // SAFETY: inside the mapping made above.
-                unsafe { std::ptr::write_volatile((start + self.page) as *mut u8, 1) };
-                self.written(start, end) == Some(vec![(start + self.page, start + 2 * self.page)])
-            }
+            self.take_written(start, end, &anon) == Some(vec![(start, end)])
+                && self.written(start, end) == Some(vec![])
+                && {
+                    // SAFETY: inside the mapping made above.
+                    unsafe { std::ptr::write_volatile((start + self.page) as *mut u8, 1) };
+                    self.written(start, end)
+                        == Some(vec![(start + self.page, start + 2 * self.page)])
+                }
         });
         // SAFETY: the mapping made above, no longer used.
         unsafe { libc::munmap(at, len) };
-        works
+        works && self.written(start, end).is_none()
     }
 }
 
 /// This process's private anonymous mappings, from `/proc/self/maps`: read one per save.
-pub struct PrivateAnon(Vec<(usize, usize)>);
+pub struct PrivateAnon {
+    spans: Vec<(usize, usize)>,
+    /// Mappings of every kind (each watched range is one, and the kernel caps their number).
+    mappings: usize,
+}
 
 impl PrivateAnon {
     pub fn read() -> Option<PrivateAnon> {
         let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
         let mut spans: Vec<(usize, usize)> = Vec::new();
+        let mappings = maps.lines().count();
         for line in maps.lines() {
             let mut fields = line.split_ascii_whitespace();
             let (Some(range), Some(perms), Some(_offset), Some(dev), Some(inode)) = (
@@ -315,13 +337,33 @@ impl PrivateAnon {
                 _ => spans.push((a, b)),
             }
         }
-        Some(PrivateAnon(spans))
+        Some(PrivateAnon { spans, mappings })
     }
 
     /// Whether `[start, end)` lies wholly in private anonymous memory.
     pub fn covers(&self, start: usize, end: usize) -> bool {
-        self.0.iter().any(|&(a, b)| a <= start && end <= b)
+        self.spans.iter().any(|&(a, b)| a <= start && end <= b)
     }
+
+    /// Whether `more` mappings (up to three for each range watched: it splits the one it lies
+    /// in) leave at least half of the kernel's cap (`vm.max_map_count`) to the program.
+    pub fn room_for(&self, more: usize) -> bool {
+        let cap = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(65_530);
+        self.mappings.saturating_add(more) <= cap / 2
+    }
+}
+
+/// Whether some memory of this process is pinned for a device or the kernel to write into
+/// later, behind the page tables (RDMA memory regions, io_uring's registered buffers, vfio:
+/// `VmPin` in `/proc/self/status`): such writes are never seen.
+pub fn pinned_memory() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let pinned = status.lines().find_map(|l| l.strip_prefix("VmPin:"));
+    // (unreadable: taken as pinned)
+    pinned.is_none_or(|kb| kb.trim().trim_end_matches("kB").trim() != "0")
 }
 
 #[cfg(test)]
