@@ -350,9 +350,12 @@ impl Previous {
         let pair_id = self.data.as_ref().map(|(_, _, pair)| *pair);
         // (only asked where a data file could hold a tensor's own bytes)
         let backed = data_id.and_then(|_| io::FileBacked::read());
-        keyed(ckpt)
+        // What was found equal and what different, for the page watch (see untouched::settle).
+        let (mut equal, mut different) = (Vec::new(), Vec::new());
+        let found = keyed(ckpt)
             .map(|(key, t)| {
                 let bytes = bytes_of(t).filter(|b| b.len() >= EXTERNAL_MIN_BYTES)?;
+                different.push(bytes); // (until found equal below)
                 let &(index, was) = before.get(&key)?;
                 if was.data_type != t.data_type || was.dims != t.dims {
                     return None;
@@ -386,11 +389,16 @@ impl Previous {
                     }
                 }
                 sharing.unchanged += bytes.len() as u64;
+                equal.push(different.pop().unwrap_or(bytes));
                 let sum = self.sums.as_ref().map(|sums| sums[index]);
                 Some((offset?, sum))
             })
             .map(|found| (found.map(|(o, _)| o), found.and_then(|(_, s)| s)))
-            .unzip()
+            .unzip();
+        if armed.is_some() {
+            untouched::settle(equal.into_iter(), different.into_iter());
+        }
+        found
     }
 }
 
@@ -633,20 +641,24 @@ mod tests {
             sharing
         };
 
-        // Step 1, whole: armed before it is written, recorded once committed. Step 2: each
-        // value's whole pages are proven, only its part pages at either end compared.
+        // Step 1, whole; step 2 compares both values and finds them unchanged; step 3 watches
+        // them from before it reads them (compared still: nothing recorded yet) and records where
+        // they are; step 4 proves each value's whole pages, comparing only its part pages.
         watched_save(1, &other);
-        let sharing = watched_save(2, &other).unwrap();
+        let whole = (frozen.len() + other.len()) as u64;
+        assert_eq!(watched_save(2, &other).unwrap().compared, whole);
+        assert_eq!(watched_save(3, &other).unwrap().compared, whole);
+        let sharing = watched_save(4, &other).unwrap();
         assert!(sharing.shared);
         assert_eq!(sharing.compared, edges(&frozen) + edges(&other));
 
         // A byte of one written in its middle: that one compared whole, and saved with its
         // new value; the other still proven.
         other[30 * 4096 + 5] ^= 0xFF;
-        let sharing = watched_save(3, &other).unwrap();
+        let sharing = watched_save(5, &other).unwrap();
         assert!(sharing.shared);
         assert_eq!(sharing.compared, edges(&frozen) + other.len() as u64);
-        let loaded = crate::load(&path(3)).unwrap();
+        let loaded = crate::load(&path(5)).unwrap();
         let c = loaded.checkpoint();
         assert_eq!(loaded.bytes(&c.trainable[0]).unwrap(), &other[..]);
         assert_eq!(loaded.bytes(&c.frozen[0]).unwrap(), &frozen[..]);

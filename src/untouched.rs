@@ -10,6 +10,10 @@
 //! very place, holds the recorded bytes: it compares only the part pages of either end, which
 //! the watch does not cover ([`Armed::proves`]).
 //!
+//! Only values found unchanged at a save ([`settle`]: steady ones, a frozen part) are watched
+//! from the next save on: a value that changes every step is never protected, so its writes
+//! never fault and its huge pages are never split.
+//!
 //! What is kept is per process, behind one lock. A scan that protects pages again takes away
 //! the record that they were written: it forgets every record those pages overlap, and a save
 //! records nothing if another took such a record after its own arm. Memory freed and reused
@@ -39,11 +43,8 @@ struct Registry {
     watch: Option<PageWatch>,
     /// Values not written since a save recorded where a data file keeps their bytes.
     recorded: HashMap<Span, Origin>,
-    /// Values written at the last save that armed them: not protected again (a tensor that
-    /// changes every step would pay a fault a page for nothing) until one is found unchanged.
-    changing: HashSet<Span>,
-    /// Values the last save armed (a value written since then is changing).
-    last_armed: HashSet<Span>,
+    /// Values found unchanged at their last save: the ones the next save watches.
+    steady: HashSet<Span>,
     /// The page ranges watched now. Each is a mapping of its own to the kernel (watching splits
     /// the one it lies in): those no save wants any more are unwatched, so that a run whose
     /// arrays come and go does not pile mappings up towards the kernel's limit.
@@ -101,8 +102,7 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
     let Registry {
         watch,
         recorded,
-        changing,
-        last_armed,
+        steady,
         watched,
         takings,
         ..
@@ -120,7 +120,10 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
             continue;
         }
         let span = (bytes.as_ptr() as usize, bytes.len());
-        if let Some(pages) = watch.pages_within(bytes).filter(|_| seen.insert(span)) {
+        if !steady.contains(&span) || !seen.insert(span) {
+            continue;
+        }
+        if let Some(pages) = watch.pages_within(bytes) {
             wanted.push((span, pages));
         }
     }
@@ -140,19 +143,16 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
     }
     let anon = PrivateAnon::read().filter(|anon| anon.room_for(3 * wanted.len()))?;
     for (span, (start, end)) in wanted {
-        if changing.contains(&span) {
-            continue; // (a changing value's pages were left as written: they say nothing)
-        }
         watched.insert((start, end));
         match watch.take_written(start, end, &anon) {
-            None => forget_overlapping(recorded, &[(start, end)], page),
+            None => {
+                forget_overlapping(recorded, &[(start, end)], page);
+                steady.remove(&span);
+            }
             Some(written) => {
                 if !written.is_empty() {
                     *takings += 1;
                     forget_overlapping(recorded, &written, page);
-                    if last_armed.contains(&span) {
-                        changing.insert(span);
-                    }
                 }
                 armed.armed.insert(span);
             }
@@ -163,27 +163,42 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
             armed.standing.insert(*span, *origin);
         }
     }
-    last_armed.clone_from(&armed.armed);
     armed.takings = *takings;
     Some(armed)
 }
 
+/// What a save found: `equal` values (unchanged since the previous checkpoint, compared or
+/// proven) are watched from the next save on, `different` ones no more.
+pub fn settle<'a>(
+    equal: impl Iterator<Item = &'a [u8]>,
+    different: impl Iterator<Item = &'a [u8]>,
+) {
+    let mut guard = registry();
+    let Some(registry) = guard.as_mut() else {
+        return;
+    };
+    for bytes in different {
+        registry
+            .steady
+            .remove(&(bytes.as_ptr() as usize, bytes.len()));
+    }
+    for bytes in equal.filter(|b| b.len() >= MIN_WATCHED_BYTES) {
+        if registry.steady.len() < MAX_WATCHED {
+            registry
+                .steady
+                .insert((bytes.as_ptr() as usize, bytes.len()));
+        }
+    }
+}
+
 /// After the save that armed `armed` committed: records `stored` (each value's bytes and where
 /// the committed checkpoint keeps them in its data file) for the values it armed that no page
-/// of was written since. Each stored value is protected again at the next save, a changing one
-/// included (see `Registry::changing`). Records nothing if another save took a record of
-/// writes meanwhile.
+/// of was written since. Records nothing if another save took a record of writes meanwhile.
 pub fn record<'a>(armed: &Armed, stored: impl Iterator<Item = (&'a [u8], Origin)>) {
     let mut guard = registry();
     let Some(registry) = guard.as_mut() else {
         return;
     };
-    let stored: Vec<(&[u8], Origin)> = stored.collect();
-    for (bytes, _) in &stored {
-        registry
-            .changing
-            .remove(&(bytes.as_ptr() as usize, bytes.len()));
-    }
     let Some(watch) = registry.watch.as_ref().filter(|w| w.is_ours()) else {
         return;
     };
@@ -255,23 +270,33 @@ mod tests {
     fn a_value_is_proven_until_a_page_of_it_is_written() {
         let _serial = TEST_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let mut frozen = vec![3u8; 40 * 4096 + 123];
-        let changing = vec![5u8; 20 * 4096];
+        let other = vec![5u8; 20 * 4096];
         let pair: PairId = [9; 16];
-        let armed = arm([&frozen[..], &changing[..]].into_iter()).expect("a watch");
+        let span = |v: &[u8]| (v.as_ptr() as usize, v.len());
+        let record_of = |v: &[u8]| recorded().contains(&span(v));
+
+        // Not yet found unchanged by any save: not watched.
+        let armed = arm([&frozen[..], &other[..]].into_iter()).expect("a watch");
+        assert!(armed.armed.is_empty());
+        settle([&frozen[..], &other[..]].into_iter(), std::iter::empty());
+
+        // Found unchanged: watched from the next save, recorded once it commits.
+        let armed = arm([&frozen[..], &other[..]].into_iter()).unwrap();
         assert!(armed.proves(&frozen, (pair, 64)).is_none()); // nothing recorded yet
         record(
             &armed,
-            [(&frozen[..], (pair, 64)), (&changing[..], (pair, 999_999))].into_iter(),
+            [(&frozen[..], (pair, 64)), (&other[..], (pair, 999_999))].into_iter(),
         );
-        assert!(recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
+        assert!(record_of(&frozen) && record_of(&other));
 
         let armed = arm([&frozen[..]].into_iter()).unwrap();
         // A value no save wants any more is unwatched (its mapping given back to the kernel).
         let guard = registry();
         let watch = guard.as_ref().unwrap().watch.as_ref().unwrap();
-        let (a, b) = watch.pages_within(&changing).unwrap();
+        let (a, b) = watch.pages_within(&other).unwrap();
         assert_eq!(watch.written(a, b), None);
         drop(guard);
+        assert!(!record_of(&other));
         let (start, end) = armed.proves(&frozen, (pair, 64)).expect("proven");
         assert!(start < 4096 && frozen.len() - end < 4096);
         assert!(armed.proves(&frozen, (pair, 65)).is_none()); // not where the record says
@@ -281,23 +306,23 @@ mod tests {
         frozen[20 * 4096] ^= 1; // written: proven no more, and never again by this record
         let armed = arm([&frozen[..]].into_iter()).unwrap();
         assert!(armed.proves(&frozen, (pair, 64)).is_none());
-        assert!(!recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
-        // Written at a second save in a row, it is taken for changing: the next save neither
-        // protects nor proves it, until a save stores it where the previous one kept it.
-        let again = arm([&frozen[..]].into_iter()).unwrap();
-        assert!(again.armed.is_empty());
-        record(&armed, [(&frozen[..], (pair, 64))].into_iter());
+        assert!(!record_of(&frozen));
+        // Found different by that save's comparison: watched no more.
+        settle(std::iter::empty(), [&frozen[..]].into_iter());
+        assert!(arm([&frozen[..]].into_iter()).unwrap().armed.is_empty());
 
         // A record whose memory the caller says may be gone is forgotten.
-        assert!(recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
-        forget_unless(|span| span.0 != frozen.as_ptr() as usize);
+        settle([&frozen[..]].into_iter(), std::iter::empty());
+        let armed = arm([&frozen[..]].into_iter()).unwrap();
+        record(&armed, [(&frozen[..], (pair, 64))].into_iter());
+        assert!(record_of(&frozen));
+        forget_unless(|s| s.0 != frozen.as_ptr() as usize);
         let armed = arm([&frozen[..]].into_iter()).unwrap();
         assert!(armed.proves(&frozen, (pair, 64)).is_none());
 
         // A value written between its arm and the record is not recorded.
         frozen[30 * 4096] ^= 1;
         record(&armed, [(&frozen[..], (pair, 64))].into_iter());
-        assert!(!recorded().contains(&(frozen.as_ptr() as usize, frozen.len())));
-        drop(changing);
+        assert!(!record_of(&frozen));
     }
 }

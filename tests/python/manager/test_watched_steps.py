@@ -46,13 +46,17 @@ def test_own_frozen_arrays_are_compared_only_at_their_part_pages(tmp_path: Path,
     frozen = frozen_arrays()
     part_pages = sum(part_page_bytes(a) for a in frozen.values())
     with CheckpointManager(tmp_path) as manager:
-        for step in range(1, 7):
+        for step in range(1, 8):
             manager.save(training_state(step, frozen), step)
-        # Step 2 compares everything with step 1 (kept inline, nothing recorded) and is saved whole
-        # with its values in checkpoint.data, recording where; steps 3-6 share it unread.
-        assert compared[1:] == [HEAD_BYTES + part_pages] * 4
-        assert all(where(step_dir(tmp_path, 6) / "checkpoint")[n] for n in frozen)
-        saved_whole(manager, tmp_path, 6, training_state(6, frozen))
+        # Step 2 compares everything with step 1 (kept inline) and finds the frozen part unchanged:
+        # saved whole with its values in checkpoint.data. Step 3 watches the frozen arrays from
+        # before it reads them (compared still: nothing recorded yet) and records where step 2's
+        # data file keeps them; steps 4-7 share that file unread.
+        frozen_bytes = sum(a.nbytes for a in frozen.values())
+        assert compared[:2] == [HEAD_BYTES + frozen_bytes] * 2
+        assert compared[2:] == [HEAD_BYTES + part_pages] * 4
+        assert all(where(step_dir(tmp_path, 7) / "checkpoint")[n] for n in frozen)
+        saved_whole(manager, tmp_path, 7, training_state(7, frozen))
 
 
 def read_into(array: np.ndarray, index: int, value: float) -> None:
