@@ -15,6 +15,7 @@ __all__ = [
     "SaveProgress",
     "SignalOnDrop",
     "Staging",
+    "Watched",
     "__version__",
     "acquire_lock",
     "checksum_root",
@@ -25,6 +26,7 @@ __all__ = [
     "histogram",
     "load",
     "load_buffer",
+    "record_watched",
     "rename_directory",
     "save",
     "save_bytes",
@@ -35,6 +37,7 @@ __all__ = [
     "tensor_stats",
     "verify_checksums",
     "views",
+    "watch_writes",
 ]
 
 __version__: str

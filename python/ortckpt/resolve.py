@@ -28,7 +28,7 @@ from typing import Any
 
 from . import object_store, safe_io, steps, targets
 from .errors import NotACheckpointError
-from .stepstore import Step, StepStore, open_store
+from .stepstore import Step, StepStore, open_store, step_of_checkpoint_object
 
 # The temporary copies made: their path -> the name the user gave (kept after the copy is gone:
 # the error that ended its block is reported after it).
@@ -95,7 +95,8 @@ def _object_step(given: str, storage_options: Mapping[str, Any] | None) -> StepF
             f"{given}: a bucket, not a checkpoint object or step folder ({targets.SCHEME}bucket/key)"
         )
     if object_store.head(location) is not None:  # an object: a plain one, or a step's checkpoint
-        return _step_of_checkpoint_object(given, location, storage_options)
+        of_step = step_of_checkpoint_object(given, storage_options)
+        return None if of_step is None else StepFolder(given, *of_step)
     store = open_store(given, storage_options, writer=False)
     step = store.locate()
     if step is not None:
@@ -104,24 +105,6 @@ def _object_step(given: str, storage_options: Mapping[str, Any] | None) -> StepF
     if found:
         raise _not_a_checkpoint(given, found, "a prefix")
     return None
-
-
-def _step_of_checkpoint_object(
-    given: str, location: object_store.Location, storage_options: Mapping[str, Any] | None
-) -> StepFolder | None:
-    """The committed step whose checkpoint ``location`` is (``step_<n>/<save>/checkpoint``: the
-    step's metadata.json names that save's folder), else None (a plain object, or the leftover of
-    a save that never committed)."""
-    if location.key.rpartition("/")[2] != steps.CHECKPOINT_NAME:
-        return None
-    step_url = location.parent().parent().url
-    if step_url == location.parent().url:  # (no folder above the save's: no step)
-        return None
-    store = open_store(step_url, storage_options, writer=False)
-    step = store.locate()
-    if step is None or store.user_path(step.folder, steps.CHECKPOINT_NAME) != location.url:
-        return None
-    return StepFolder(given, store, step)
 
 
 def _committed_steps(store: StepStore) -> list[int]:

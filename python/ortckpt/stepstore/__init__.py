@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .. import targets
+from .. import steps, targets
 from .base import Attempt, Folder, LocalStep, Scan, Step, StepStore
 from .directory import DirectoryStore
 from .objects import ObjectStore
@@ -56,6 +56,26 @@ def open_store(
     return ObjectStore(run, writer=writer, saves=saves)
 
 
+def step_of_checkpoint_object(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[StepStore, Step] | None:
+    """The committed step (its store, and the step) whose checkpoint object ``url`` is, on object
+    storage (``step_<n>/<save>/checkpoint``: the step's metadata.json names that save's folder);
+    None for any other object (a plain one, the leftover of a save that never committed)."""
+    location = targets.object_location(url, storage_options)
+    if location.key.rpartition("/")[2] != steps.CHECKPOINT_NAME:
+        return None
+    save_folder = location.parent()
+    step_folder = save_folder.parent()
+    if step_folder.url == save_folder.url:  # (no folder above the save's: no step)
+        return None
+    store = open_store(step_folder.url, storage_options, writer=False)
+    step = store.locate()
+    if step is None or store.user_path(step.folder, steps.CHECKPOINT_NAME) != location.url:
+        return None
+    return store, step
+
+
 __all__ = [
     "Attempt",
     "DirectoryStore",
@@ -67,4 +87,5 @@ __all__ = [
     "StepStore",
     "backend",
     "open_store",
+    "step_of_checkpoint_object",
 ]
