@@ -22,8 +22,35 @@ use std::sync::{Mutex, MutexGuard};
 use crate::io::page_watch::{PageWatch, PrivateAnon};
 use crate::seal::pairing::PairId;
 
-/// Where a checkpoint keeps a value: its data file (by pair id) and the offset there.
-pub type Origin = (PairId, u64);
+/// Where a checkpoint keeps a value: its data file and the offset there.
+pub type Origin = (DataFile, u64);
+
+/// A data file as a record names it: its pair id, and the file itself as it was then (device,
+/// inode, length, modification time). A pair id alone would not do: the file may since have
+/// been written in place (through another link to it) or replaced by an altered copy, trailer
+/// and all, and a value proven unwritten would then be saved as those bytes, step after step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DataFile {
+    pub pair: PairId,
+    stamp: [i64; 5],
+}
+
+impl DataFile {
+    /// The data file of pair id `pair` whose metadata (of the open file) is `meta`.
+    pub fn of(pair: PairId, meta: &std::fs::Metadata) -> DataFile {
+        use std::os::unix::fs::MetadataExt;
+        DataFile {
+            pair,
+            stamp: [
+                meta.dev() as i64,
+                meta.ino() as i64,
+                meta.size() as i64,
+                meta.mtime(),
+                meta.mtime_nsec(),
+            ],
+        }
+    }
+}
 
 /// A value's bytes in memory: (address, length).
 pub type Span = (usize, usize);
@@ -251,7 +278,10 @@ mod tests {
         let _serial = TEST_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let mut frozen = vec![3u8; 40 * 4096 + 123];
         let changing = vec![5u8; 20 * 4096];
-        let pair: PairId = [9; 16];
+        let pair = DataFile {
+            pair: [9; 16],
+            stamp: [1, 2, 3, 4, 5],
+        };
         let armed = arm([&frozen[..], &changing[..]].into_iter()).expect("a watch");
         assert!(armed.proves(&frozen, (pair, 64)).is_none()); // nothing recorded yet
         record(
@@ -270,7 +300,24 @@ mod tests {
         let (start, end) = armed.proves(&frozen, (pair, 64)).expect("proven");
         assert!(start < 4096 && frozen.len() - end < 4096);
         assert!(armed.proves(&frozen, (pair, 65)).is_none()); // not where the record says
-        assert!(armed.proves(&frozen, ([8; 16], 64)).is_none()); // nor in that data file
+        assert!(armed
+            .proves(
+                &frozen,
+                (
+                    DataFile {
+                        pair: [8; 16],
+                        ..pair
+                    },
+                    64
+                )
+            )
+            .is_none()); // nor in that data file
+                         // Nor in the same pair's file changed (or replaced) since.
+        let changed = DataFile {
+            stamp: [1, 2, 3, 4, 6],
+            ..pair
+        };
+        assert!(armed.proves(&frozen, (changed, 64)).is_none());
         record(&armed, [(&frozen[..], (pair, 64))].into_iter());
 
         frozen[20 * 4096] ^= 1; // written: proven no more, and never again by this record
