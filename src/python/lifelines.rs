@@ -85,6 +85,9 @@ static LIFELINES: Mutex<Option<HashMap<Span, Lifeline>>> = Mutex::new(None);
 /// Before a watched save arms: forgets each record whose memory may have been freed since (its
 /// owner gone, or never tied to one).
 pub(super) fn prune(py: Python<'_>) {
+    if !untouched::this_process_watches() {
+        return; // (a forked child: no watch of its own, and its parent's lock may be held)
+    }
     let mut guard = LIFELINES.lock().unwrap_or_else(|p| p.into_inner());
     let lifelines = guard.get_or_insert_with(HashMap::new);
     lifelines.retain(|_, line| {
@@ -98,6 +101,9 @@ pub(super) fn prune(py: Python<'_>) {
 /// `exports`, the save's buffers), forgetting those it cannot tie; drops the lifelines of
 /// records gone.
 pub(super) fn attach(py: Python<'_>, exports: &[Export]) {
+    if !untouched::this_process_watches() {
+        return;
+    }
     let mut guard = LIFELINES.lock().unwrap_or_else(|p| p.into_inner());
     let lifelines = guard.get_or_insert_with(HashMap::new);
     let recorded = untouched::recorded();
