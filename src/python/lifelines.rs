@@ -3,8 +3,10 @@
 //! reference to the object at the root of its buffer (an array's last `base`, the one that owns
 //! the memory). The page watch sees writes, not memory freed and allocated again (the kernel
 //! may hand back zeroed pages with no write to see), so a record whose owner is gone, or whose
-//! owner's memory moved (`ndarray.resize`), is forgotten before the next watched save arms, and
-//! one whose owner cannot be referred to weakly is never kept.
+//! owner's memory moved, is forgotten before the next watched save arms, and one whose owner
+//! cannot be referred to weakly is never kept. (The weak reference has a cost: NumPy refuses to
+//! resize an array in place while one is held, so `ndarray.resize` of an array that owns its
+//! memory and was recorded raises `ValueError`, `refcheck=False` or not, until it is forgotten.)
 
 use std::collections::HashMap;
 use std::sync::Mutex;
