@@ -230,7 +230,7 @@ pub fn stored_origins<'a>(
 ) -> Vec<(&'a [u8], untouched::Origin)> {
     let Some(Previous {
         checkpoint,
-        data: Some((_, _, pair_id)),
+        data_file: Some(file),
         ..
     }) = Previous::open(path)
     else {
@@ -243,7 +243,7 @@ pub fn stored_origins<'a>(
         })
         .collect();
     keyed(ckpt)
-        .filter_map(|(key, t)| Some((bytes_of(t)?, (pair_id, *stored.get(&key)?))))
+        .filter_map(|(key, t)| Some((bytes_of(t)?, (file, *stored.get(&key)?))))
         .collect()
 }
 
@@ -276,6 +276,8 @@ struct Previous {
     map: memmap2::MmapMut,
     checkpoint: Checkpoint<Stored>,
     data: Option<(memmap2::MmapMut, io::FileId, pairing::PairId)>,
+    /// That data file as a record of the page watch names it (see [`untouched::DataFile`]).
+    data_file: Option<untouched::DataFile>,
     /// Its checksum block's sum of each tensor (in [`Checkpoint::tensors`] order), when it has
     /// one whose own root checks.
     sums: Option<Vec<Sum>>,
@@ -286,14 +288,18 @@ impl Previous {
         let (map, _, _) =
             io::map_private(path, false, 8, |_| Error::malformed("too short")).ok()?;
         let checkpoint = crate::format::decode(&map).ok()?;
-        let mut data = None;
+        let (mut data, mut data_file) = (None, None);
         if checkpoint.has_external_data {
-            if let Ok((Some(mapped), id, _)) = io::map_private_any(&external_data_path(path), false)
+            if let Ok((Some(mapped), id, file)) =
+                io::map_private_any(&external_data_path(path), false)
             {
                 // Only a data file whose id marks it as carrying checksums (a checkpoint sharing it
                 // takes its id, and a block's id must say so: see seal::checksums).
                 let pair = pairing::pair_id(&mapped)
                     .filter(|&p| pairing::pair_id(&map) == Some(p) && checksums::marked(p) == p);
+                data_file = pair
+                    .zip(file.metadata().ok())
+                    .map(|(p, meta)| untouched::DataFile::of(p, &meta));
                 data = pair.map(|p| (mapped, id, p));
             }
         }
@@ -306,6 +312,7 @@ impl Previous {
             map,
             checkpoint,
             data,
+            data_file,
             sums,
         })
     }
@@ -347,7 +354,6 @@ impl Previous {
             .map(|(index, (key, t))| (key, (index, t)))
             .collect();
         let data_id = self.data.as_ref().map(|(_, id, _)| *id);
-        let pair_id = self.data.as_ref().map(|(_, _, pair)| *pair);
         // (only asked where a data file could hold a tensor's own bytes)
         let backed = data_id.and_then(|_| io::FileBacked::read());
         // What was found equal and what different, for the page watch (see untouched::settle).
@@ -370,9 +376,9 @@ impl Previous {
                     }
                     _ => false,
                 };
-                let watched = match (armed, pair_id, offset) {
-                    (Some(armed), Some(pair), Some(offset)) if !the_same_bytes => {
-                        armed.proves(bytes, (pair, offset))
+                let watched = match (armed, self.data_file, offset) {
+                    (Some(armed), Some(file), Some(offset)) if !the_same_bytes => {
+                        armed.proves(bytes, (file, offset))
                     }
                     _ => None,
                 };

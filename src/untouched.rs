@@ -21,13 +21,41 @@
 //! the array that held it is gone ([`forget_unless`]).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::io::page_watch::{pinned_memory, PageWatch, PrivateAnon};
 use crate::seal::pairing::PairId;
 
-/// Where a checkpoint keeps a value: its data file (by pair id) and the offset there.
-pub type Origin = (PairId, u64);
+/// Where a checkpoint keeps a value: its data file and the offset there.
+pub type Origin = (DataFile, u64);
+
+/// A data file as a record names it: its pair id, and the file itself as it was then (device,
+/// inode, length, modification time). A pair id alone would not do: the file may since have
+/// been written in place (through another link to it) or replaced by an altered copy, trailer
+/// and all, and a value proven unwritten would then be saved as those bytes, step after step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DataFile {
+    pub pair: PairId,
+    stamp: [i64; 5],
+}
+
+impl DataFile {
+    /// The data file of pair id `pair` whose metadata (of the open file) is `meta`.
+    pub fn of(pair: PairId, meta: &std::fs::Metadata) -> DataFile {
+        use std::os::unix::fs::MetadataExt;
+        DataFile {
+            pair,
+            stamp: [
+                meta.dev() as i64,
+                meta.ino() as i64,
+                meta.size() as i64,
+                meta.mtime(),
+                meta.mtime_nsec(),
+            ],
+        }
+    }
+}
 
 /// A value's bytes in memory: (address, length).
 pub type Span = (usize, usize);
@@ -55,12 +83,30 @@ struct Registry {
 
 static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
 
-fn registry() -> MutexGuard<'static, Option<Registry>> {
+/// The process whose registry this is (0: none has used it yet).
+static OWNER: AtomicU32 = AtomicU32::new(0);
+
+/// Whether the registry is this process's: not in a forked child of the process that used it.
+/// The child must never take the lock: a thread of its parent may have held it when it forked
+/// (a save of another thread, arming), and the child would wait for it forever. (It has no
+/// watch of its own either: the parent's registrations and records are not its.)
+pub fn this_process_watches() -> bool {
+    let me = std::process::id();
+    match OWNER.compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst) {
+        Ok(_) => true,
+        Err(owner) => owner == me,
+    }
+}
+
+/// The registry, `None` in a forked child (see [`this_process_watches`]).
+fn registry() -> Option<MutexGuard<'static, Option<Registry>>> {
     // A panic while it was held leaves nothing half-done that matters: records only ever
     // shrink to be safe, so a poisoned lock's content is still sound.
-    REGISTRY
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    this_process_watches().then(|| {
+        REGISTRY
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    })
 }
 
 /// What one save armed: the values it protected before reading them, and the records still
@@ -93,7 +139,7 @@ impl Armed {
 /// anonymous memory) before a save reads them, and says which records still stand for them.
 /// `None` where the kernel offers no watch (the save compares as it always did).
 pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
-    let mut guard = registry();
+    let mut guard = registry()?;
     let registry = guard.get_or_insert_with(Registry::default);
     if !registry.opened {
         registry.opened = true;
@@ -173,7 +219,9 @@ pub fn settle<'a>(
     equal: impl Iterator<Item = &'a [u8]>,
     different: impl Iterator<Item = &'a [u8]>,
 ) {
-    let mut guard = registry();
+    let Some(mut guard) = registry() else {
+        return;
+    };
     let Some(registry) = guard.as_mut() else {
         return;
     };
@@ -195,7 +243,9 @@ pub fn settle<'a>(
 /// the committed checkpoint keeps them in its data file) for the values it armed that no page
 /// of was written since. Records nothing if another save took a record of writes meanwhile.
 pub fn record<'a>(armed: &Armed, stored: impl Iterator<Item = (&'a [u8], Origin)>) {
-    let mut guard = registry();
+    let Some(mut guard) = registry() else {
+        return;
+    };
     let Some(registry) = guard.as_mut() else {
         return;
     };
@@ -231,8 +281,10 @@ pub fn record<'a>(armed: &Armed, stored: impl Iterator<Item = (&'a [u8], Origin)
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn recorded() -> Vec<Span> {
     registry()
-        .as_ref()
-        .map(|r| r.recorded.keys().copied().collect())
+        .and_then(|guard| {
+            let keys = guard.as_ref()?.recorded.keys().copied().collect();
+            Some(keys)
+        })
         .unwrap_or_default()
 }
 
@@ -240,7 +292,7 @@ pub fn recorded() -> Vec<Span> {
 /// perhaps zeroed by the kernel, with no write to see) since.
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub fn forget_unless(mut keep: impl FnMut(Span) -> bool) {
-    if let Some(registry) = registry().as_mut() {
+    if let Some(registry) = registry().as_mut().and_then(|guard| guard.as_mut()) {
         registry.recorded.retain(|span, _| keep(*span));
     }
 }
@@ -271,7 +323,10 @@ mod tests {
         let _serial = TEST_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let mut frozen = vec![3u8; 40 * 4096 + 123];
         let other = vec![5u8; 20 * 4096];
-        let pair: PairId = [9; 16];
+        let pair = DataFile {
+            pair: [9; 16],
+            stamp: [1, 2, 3, 4, 5],
+        };
         let span = |v: &[u8]| (v.as_ptr() as usize, v.len());
         let record_of = |v: &[u8]| recorded().contains(&span(v));
 
@@ -291,7 +346,7 @@ mod tests {
 
         let armed = arm([&frozen[..]].into_iter()).unwrap();
         // A value no save wants any more is unwatched (its mapping given back to the kernel).
-        let guard = registry();
+        let guard = registry().unwrap();
         let watch = guard.as_ref().unwrap().watch.as_ref().unwrap();
         let (a, b) = watch.pages_within(&other).unwrap();
         assert_eq!(watch.written(a, b), None);
@@ -300,7 +355,17 @@ mod tests {
         let (start, end) = armed.proves(&frozen, (pair, 64)).expect("proven");
         assert!(start < 4096 && frozen.len() - end < 4096);
         assert!(armed.proves(&frozen, (pair, 65)).is_none()); // not where the record says
-        assert!(armed.proves(&frozen, ([8; 16], 64)).is_none()); // nor in that data file
+        let elsewhere = DataFile {
+            pair: [8; 16],
+            ..pair
+        };
+        assert!(armed.proves(&frozen, (elsewhere, 64)).is_none()); // nor in that data file
+                                                                   // Nor in the same pair's file changed (or replaced) since.
+        let changed = DataFile {
+            stamp: [1, 2, 3, 4, 6],
+            ..pair
+        };
+        assert!(armed.proves(&frozen, (changed, 64)).is_none());
         record(&armed, [(&frozen[..], (pair, 64))].into_iter());
 
         frozen[20 * 4096] ^= 1; // written: proven no more, and never again by this record
@@ -324,5 +389,32 @@ mod tests {
         frozen[30 * 4096] ^= 1;
         record(&armed, [(&frozen[..], (pair, 64))].into_iter());
         assert!(!record_of(&frozen));
+    }
+
+    #[test]
+    fn a_forked_child_never_waits_for_the_lock_its_parent_held() {
+        let _serial = TEST_SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let frozen = vec![3u8; 40 * 4096];
+        let _ = arm([&frozen[..]].into_iter()); // (this process's registry from here on)
+                                                // Held as another thread's save holds it while it arms, when this one forks.
+        let held = registry().unwrap();
+        // SAFETY: the child only calls what is tested (which takes no lock but the registry's:
+        // glibc's fork leaves the allocator's usable) and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: the alarm ends a child that waits (the failure), _exit ends it otherwise.
+            unsafe { libc::alarm(20) };
+            forget_unless(|_| false);
+            let none = arm([&frozen[..]].into_iter()).is_none() && recorded().is_empty();
+            unsafe { libc::_exit(if none { 0 } else { 1 }) };
+        }
+        drop(held);
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child waited or failed: {status:#x}"
+        );
     }
 }

@@ -3,8 +3,10 @@
 //! reference to the object at the root of its buffer (an array's last `base`, the one that owns
 //! the memory). The page watch sees writes, not memory freed and allocated again (the kernel
 //! may hand back zeroed pages with no write to see), so a record whose owner is gone, or whose
-//! owner's memory moved (`ndarray.resize`), is forgotten before the next watched save arms, and
-//! one whose owner cannot be referred to weakly is never kept.
+//! owner's memory moved, is forgotten before the next watched save arms, and one whose owner
+//! cannot be referred to weakly is never kept. (The weak reference has a cost: NumPy refuses to
+//! resize an array in place while one is held, so `ndarray.resize` of an array that owns its
+//! memory and was recorded raises `ValueError`, `refcheck=False` or not, until it is forgotten.)
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -85,6 +87,9 @@ static LIFELINES: Mutex<Option<HashMap<Span, Lifeline>>> = Mutex::new(None);
 /// Before a watched save arms: forgets each record whose memory may have been freed since (its
 /// owner gone, or never tied to one).
 pub(super) fn prune(py: Python<'_>) {
+    if !untouched::this_process_watches() {
+        return; // (a forked child: no watch of its own, and its parent's lock may be held)
+    }
     let mut guard = LIFELINES.lock().unwrap_or_else(|p| p.into_inner());
     let lifelines = guard.get_or_insert_with(HashMap::new);
     lifelines.retain(|_, line| {
@@ -98,6 +103,9 @@ pub(super) fn prune(py: Python<'_>) {
 /// `exports`, the save's buffers), forgetting those it cannot tie; drops the lifelines of
 /// records gone.
 pub(super) fn attach(py: Python<'_>, exports: &[Export]) {
+    if !untouched::this_process_watches() {
+        return;
+    }
     let mut guard = LIFELINES.lock().unwrap_or_else(|p| p.into_inner());
     let lifelines = guard.get_or_insert_with(HashMap::new);
     let recorded = untouched::recorded();

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ortckpt import CheckpointManager, CheckpointState, _boundary, verify
-from test_shared_steps import assert_same, frozen_arrays, step_dir, training_state, where
+from test_shared_steps import assert_same, flip_byte, frozen_arrays, offset_of, step_dir, training_state, where
 from test_unchanged_steps import HEAD_BYTES, part_page_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -172,3 +172,36 @@ def test_an_async_save_writes_its_copy_and_the_next_step_is_right(tmp_path: Path
         manager.save(training_state(4, frozen), 4)
         manager.wait()
         saved_whole(manager, tmp_path, 4, training_state(4, frozen))
+
+
+def _through_an_outside_link(data: Path, offset: int) -> None:
+    os.link(data, data.parent.parent / "outside")
+    flip_byte(data.parent.parent / "outside", offset)
+
+
+def _replaced_by_an_altered_copy(data: Path, offset: int) -> None:
+    values = bytearray(data.read_bytes())  # (pair trailer and all: the same pair id)
+    values[offset] ^= 1
+    data.unlink()
+    data.write_bytes(bytes(values))
+
+
+@pytest.mark.parametrize("damage", [_through_an_outside_link, _replaced_by_an_altered_copy])
+def test_a_previous_data_file_changed_since_its_record_proves_nothing(
+    tmp_path: Path, compared: list[int], damage
+) -> None:
+    """The record says where the previous data file keeps a value, not that the file still holds
+    it: one written in place (through another link) or replaced by an altered copy since must not
+    stand for the unwritten array, else every later step keeps the damaged bytes (and, with
+    verify_after_save, every later save fails)."""
+    frozen = frozen_arrays()
+    with CheckpointManager(tmp_path, verify_after_save=True) as manager:
+        for step in (1, 2, 3):
+            manager.save(training_state(step, frozen), step)
+        checkpoint = step_dir(tmp_path, 3) / "checkpoint"
+        damage(checkpoint.parent / "checkpoint.data", offset_of(checkpoint, "frozen3") + 20_000)
+        compared.clear()
+        for step in (4, 5):
+            manager.save(training_state(step, frozen), step)
+            saved_whole(manager, tmp_path, step, training_state(step, frozen))
+        assert compared[0] > frozen["frozen3"].nbytes  # (step 4 read it)
