@@ -16,9 +16,10 @@
 //!
 //! What is kept is per process, behind one lock. A scan that protects pages again takes away
 //! the record that they were written: it forgets every record those pages overlap, and a save
-//! records nothing if another took such a record after its own arm. Memory freed and reused
-//! between saves is the caller's to rule out: the Python layer forgets a value's record once
-//! the array that held it is gone ([`forget_unless`]).
+//! records nothing if another took such a record after its own arm. Memory freed and allocated
+//! again between saves is the kernel's to report: its new owner writes it, or it is given back
+//! and reads as zeros (a page with no page table counts as written: `PageWatch::open` checks the
+//! kernel says so), or it is a new mapping, which is not watched (no answer).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -90,7 +91,7 @@ static OWNER: AtomicU32 = AtomicU32::new(0);
 /// The child must never take the lock: a thread of its parent may have held it when it forked
 /// (a save of another thread, arming), and the child would wait for it forever. (It has no
 /// watch of its own either: the parent's registrations and records are not its.)
-pub fn this_process_watches() -> bool {
+fn this_process_watches() -> bool {
     let me = std::process::id();
     match OWNER.compare_exchange(0, me, Ordering::SeqCst, Ordering::SeqCst) {
         Ok(_) => true,
@@ -277,24 +278,15 @@ pub fn record<'a>(armed: &Armed, stored: impl Iterator<Item = (&'a [u8], Origin)
     }
 }
 
-/// The values recorded now (for the caller to tie each to what keeps its memory alive).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub fn recorded() -> Vec<Span> {
+/// The values recorded now.
+#[cfg(test)]
+fn recorded() -> Vec<Span> {
     registry()
         .and_then(|guard| {
             let keys = guard.as_ref()?.recorded.keys().copied().collect();
             Some(keys)
         })
         .unwrap_or_default()
-}
-
-/// Forgets the records of values `keep` says no: memory that may have been freed (and reused,
-/// perhaps zeroed by the kernel, with no write to see) since.
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub fn forget_unless(mut keep: impl FnMut(Span) -> bool) {
-    if let Some(registry) = registry().as_mut().and_then(|guard| guard.as_mut()) {
-        registry.recorded.retain(|span, _| keep(*span));
-    }
 }
 
 /// Forgets every record whose pages overlap one of `regions` (page-aligned spans).
@@ -376,16 +368,9 @@ mod tests {
         settle(std::iter::empty(), [&frozen[..]].into_iter());
         assert!(arm([&frozen[..]].into_iter()).unwrap().armed.is_empty());
 
-        // A record whose memory the caller says may be gone is forgotten.
+        // A value written between its arm and the record is not recorded.
         settle([&frozen[..]].into_iter(), std::iter::empty());
         let armed = arm([&frozen[..]].into_iter()).unwrap();
-        record(&armed, [(&frozen[..], (pair, 64))].into_iter());
-        assert!(record_of(&frozen));
-        forget_unless(|s| s.0 != frozen.as_ptr() as usize);
-        let armed = arm([&frozen[..]].into_iter()).unwrap();
-        assert!(armed.proves(&frozen, (pair, 64)).is_none());
-
-        // A value written between its arm and the record is not recorded.
         frozen[30 * 4096] ^= 1;
         record(&armed, [(&frozen[..], (pair, 64))].into_iter());
         assert!(!record_of(&frozen));
@@ -404,7 +389,7 @@ mod tests {
         if pid == 0 {
             // SAFETY: the alarm ends a child that waits (the failure), _exit ends it otherwise.
             unsafe { libc::alarm(20) };
-            forget_unless(|_| false);
+            settle(std::iter::empty(), std::iter::empty());
             let none = arm([&frozen[..]].into_iter()).is_none() && recorded().is_empty();
             unsafe { libc::_exit(if none { 0 } else { 1 }) };
         }

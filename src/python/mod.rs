@@ -7,7 +7,6 @@
 
 mod compute;
 mod errors;
-mod lifelines;
 mod mapped;
 mod parameters;
 mod records;
@@ -15,6 +14,7 @@ mod signals;
 mod staging;
 mod stats;
 mod views;
+mod watch;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -265,7 +265,7 @@ fn save_sharing(
     checkpoint: CheckpointIn<'_>,
     options: WriteOptionsIn<'_>,
     compare_only: bool,
-    watched: Option<PyRef<'_, lifelines::Watched>>,
+    watched: Option<PyRef<'_, watch::Watched>>,
 ) -> PyResult<(bool, u64, u64, u64)> {
     guarded(py, || {
         let mut buffers = Vec::new();
@@ -539,9 +539,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(save_staged, m)?)?;
     m.add_function(wrap_pyfunction!(save_sharing, m)?)?;
-    m.add_function(wrap_pyfunction!(lifelines::watch_writes, m)?)?;
-    m.add_function(wrap_pyfunction!(lifelines::record_watched, m)?)?;
-    m.add_class::<lifelines::Watched>()?;
+    m.add_function(wrap_pyfunction!(watch::watch_writes, m)?)?;
+    m.add_function(wrap_pyfunction!(watch::record_watched, m)?)?;
+    m.add_class::<watch::Watched>()?;
     m.add_function(wrap_pyfunction!(file_span, m)?)?;
     m.add_function(wrap_pyfunction!(load_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(views::views, m)?)?;

@@ -99,11 +99,11 @@ pub(super) fn payloads_in<'py, 'b>(
     py: Python<'py>,
     path: &std::path::Path,
     checkpoint: CheckpointIn<'py>,
-    buffers: &'b mut Vec<Export>,
+    buffers: &'b mut Vec<PyBuffer<u8>>,
 ) -> PyResult<Checkpoint<Payload<'b>>> {
     let keep_order = checkpoint.keep_order;
     let ckpt = checkpoint_in(py, path, checkpoint, buffers)?;
-    let buffers: &'b [Export] = buffers;
+    let buffers: &'b [PyBuffer<u8>] = buffers;
     Ok(sorted_unless(keep_order, payloads_of(&ckpt, buffers)?))
 }
 
@@ -120,19 +120,12 @@ fn sorted_unless(
     payloads
 }
 
-/// A value's buffer, exported (kept alive and unresizable while held), and the object it was
-/// exported from.
-pub(super) struct Export {
-    pub(super) buffer: PyBuffer<u8>,
-    pub(super) values: Py<PyAny>,
-}
-
 /// The checkpoint Python hands over, its buffers exported into `buffers`.
 fn checkpoint_in<'py>(
     py: Python<'py>,
     path: &std::path::Path,
     checkpoint: CheckpointIn<'py>,
-    buffers: &mut Vec<Export>,
+    buffers: &mut Vec<PyBuffer<u8>>,
 ) -> PyResult<Checkpoint<Intake>> {
     let CheckpointIn {
         trainable,
@@ -175,11 +168,11 @@ fn checkpoint_in<'py>(
 /// The checkpoint with its values borrowed from the exported buffers.
 fn payloads_of<'b>(
     ckpt: &Checkpoint<Intake>,
-    buffers: &'b [Export],
+    buffers: &'b [PyBuffer<u8>],
 ) -> PyResult<Checkpoint<Payload<'b>>> {
     ckpt.try_map_data(|t| -> PyResult<Payload<'b>> {
         Ok(match &t.data {
-            Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i].buffer)),
+            Intake::Buffer(i) => Payload::Bytes(buffer_bytes(&buffers[*i])),
             Intake::Strings(s) => Payload::Strings(s.clone()),
             Intake::Absent => Payload::Absent,
         })
@@ -196,7 +189,7 @@ enum Intake {
 fn tensors_in<'py>(
     py: Python<'py>,
     tensors: Vec<TensorIn<'py>>,
-    buffers: &mut Vec<Export>,
+    buffers: &mut Vec<PyBuffer<u8>>,
     path: &std::path::Path,
 ) -> PyResult<Vec<Tensor<Intake>>> {
     let py_err =
@@ -217,10 +210,7 @@ fn tensors_in<'py>(
                         &name,
                     ));
                 }
-                buffers.push(Export {
-                    buffer,
-                    values: values.clone().unbind(),
-                });
+                buffers.push(buffer);
                 Intake::Buffer(buffers.len() - 1)
             };
             Ok(Tensor {

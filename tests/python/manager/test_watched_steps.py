@@ -205,3 +205,17 @@ def test_a_previous_data_file_changed_since_its_record_proves_nothing(
             manager.save(training_state(step, frozen), step)
             saved_whole(manager, tmp_path, step, training_state(step, frozen))
         assert compared[0] > frozen["frozen3"].nbytes  # (step 4 read it)
+
+
+def test_an_array_resized_in_place_between_steps_is_saved_as_it_is_now(tmp_path: Path) -> None:
+    """Nothing holds a watched array between saves (not even weakly: NumPy would refuse the resize),
+    so it can be resized in place; its memory moved, the step saves what it holds now."""
+    frozen = frozen_arrays()
+    with CheckpointManager(tmp_path) as manager:
+        for step in (1, 2, 3, 4):
+            manager.save(training_state(step, frozen), step)
+        grown = frozen["frozen2"]
+        grown.resize(2 * grown.size, refcheck=False)  # (realloc: the old pages are freed, maybe reused)
+        grown[grown.size // 2 :] = 2.0
+        manager.save(training_state(5, frozen), 5)
+        saved_whole(manager, tmp_path, 5, training_state(5, frozen))
