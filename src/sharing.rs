@@ -356,12 +356,11 @@ impl Previous {
         let data_id = self.data.as_ref().map(|(_, id, _)| *id);
         // (only asked where a data file could hold a tensor's own bytes)
         let backed = data_id.and_then(|_| io::FileBacked::read());
-        // What was found equal and what different, for the page watch (see untouched::settle).
-        let (mut equal, mut different) = (Vec::new(), Vec::new());
+        // What was found equal, for the page watch (see untouched::settle).
+        let mut equal = Vec::new();
         let found = keyed(ckpt)
             .map(|(key, t)| {
                 let bytes = bytes_of(t).filter(|b| b.len() >= EXTERNAL_MIN_BYTES)?;
-                different.push(bytes); // (until found equal below)
                 let &(index, was) = before.get(&key)?;
                 if was.data_type != t.data_type || was.dims != t.dims {
                     return None;
@@ -395,14 +394,14 @@ impl Previous {
                     }
                 }
                 sharing.unchanged += bytes.len() as u64;
-                equal.push(different.pop().unwrap_or(bytes));
+                equal.push(bytes);
                 let sum = self.sums.as_ref().map(|sums| sums[index]);
                 Some((offset?, sum))
             })
             .map(|found| (found.map(|(o, _)| o), found.and_then(|(_, s)| s)))
             .unzip();
         if armed.is_some() {
-            untouched::settle(equal.into_iter(), different.into_iter());
+            untouched::settle(equal.into_iter());
         }
         found
     }

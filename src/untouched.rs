@@ -72,7 +72,7 @@ struct Registry {
     watch: Option<PageWatch>,
     /// Values not written since a save recorded where a data file keeps their bytes.
     recorded: HashMap<Span, Origin>,
-    /// Values found unchanged at their last save: the ones the next save watches.
+    /// Values the last comparing save found unchanged: the ones the next save watches.
     steady: HashSet<Span>,
     /// The page ranges watched now. Each is a mapping of its own to the kernel (watching splits
     /// the one it lies in): those no save wants any more are unwatched, so that a run whose
@@ -214,30 +214,21 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
     Some(armed)
 }
 
-/// What a save found: `equal` values (unchanged since the previous checkpoint, compared or
-/// proven) are watched from the next save on, `different` ones no more.
-pub fn settle<'a>(
-    equal: impl Iterator<Item = &'a [u8]>,
-    different: impl Iterator<Item = &'a [u8]>,
-) {
+/// What a save found: its `equal` values (unchanged since the previous checkpoint, compared or
+/// proven) are the ones the next save watches, and no others (a run whose arrays come and go
+/// keeps no stale ones).
+pub fn settle<'a>(equal: impl Iterator<Item = &'a [u8]>) {
     let Some(mut guard) = registry() else {
         return;
     };
     let Some(registry) = guard.as_mut() else {
         return;
     };
-    for bytes in different {
-        registry
-            .steady
-            .remove(&(bytes.as_ptr() as usize, bytes.len()));
-    }
-    for bytes in equal.filter(|b| b.len() >= MIN_WATCHED_BYTES) {
-        if registry.steady.len() < MAX_WATCHED {
-            registry
-                .steady
-                .insert((bytes.as_ptr() as usize, bytes.len()));
-        }
-    }
+    registry.steady = equal
+        .filter(|b| b.len() >= MIN_WATCHED_BYTES)
+        .map(|b| (b.as_ptr() as usize, b.len()))
+        .take(MAX_WATCHED)
+        .collect();
 }
 
 /// After the save that armed `armed` committed: records `stored` (each value's bytes and where
@@ -325,7 +316,7 @@ mod tests {
         // Not yet found unchanged by any save: not watched.
         let armed = arm([&frozen[..], &other[..]].into_iter()).expect("a watch");
         assert!(armed.armed.is_empty());
-        settle([&frozen[..], &other[..]].into_iter(), std::iter::empty());
+        settle([&frozen[..], &other[..]].into_iter());
 
         // Found unchanged: watched from the next save, recorded once it commits.
         let armed = arm([&frozen[..], &other[..]].into_iter()).unwrap();
@@ -365,11 +356,11 @@ mod tests {
         assert!(armed.proves(&frozen, (pair, 64)).is_none());
         assert!(!record_of(&frozen));
         // Found different by that save's comparison: watched no more.
-        settle(std::iter::empty(), [&frozen[..]].into_iter());
+        settle(std::iter::empty());
         assert!(arm([&frozen[..]].into_iter()).unwrap().armed.is_empty());
 
         // A value written between its arm and the record is not recorded.
-        settle([&frozen[..]].into_iter(), std::iter::empty());
+        settle([&frozen[..]].into_iter());
         let armed = arm([&frozen[..]].into_iter()).unwrap();
         frozen[30 * 4096] ^= 1;
         record(&armed, [(&frozen[..], (pair, 64))].into_iter());
@@ -389,7 +380,7 @@ mod tests {
         if pid == 0 {
             // SAFETY: the alarm ends a child that waits (the failure), _exit ends it otherwise.
             unsafe { libc::alarm(20) };
-            settle(std::iter::empty(), std::iter::empty());
+            settle(std::iter::empty());
             let none = arm([&frozen[..]].into_iter()).is_none() && recorded().is_empty();
             unsafe { libc::_exit(if none { 0 } else { 1 }) };
         }
