@@ -93,15 +93,14 @@ def load_checkpoint(checkpoint_uri: Any, **options: Any) -> CheckpointState:
     plain step's checkpoint checked against what its metadata.json records)."""
     from . import targets
 
-    if isinstance(checkpoint_uri, (str, os.PathLike)) and (
-        os.path.isdir(checkpoint_uri) or targets.is_object_url(checkpoint_uri)
-    ):
-        from . import resolve
-
-        unknown = set(options) - {"verify", "storage_options"}
-        if targets.is_object_url(checkpoint_uri):
+    if isinstance(checkpoint_uri, (str, os.PathLike)):
+        directory = os.path.isdir(checkpoint_uri)
+        an_object = not directory and targets.is_object_url(checkpoint_uri)
+        if an_object:
             targets.checkpoint(checkpoint_uri, options.get("storage_options"))  # (a bucket refused first)
-        if not unknown:
+        if directory or (an_object and set(options) <= {"verify", "storage_options"}):
+            from . import resolve
+
             return resolve.load_step(  # type: ignore[no-any-return]
                 os.fspath(checkpoint_uri),
                 verify=bool(options.get("verify", False)),
