@@ -219,3 +219,28 @@ def test_an_array_resized_in_place_between_steps_is_saved_as_it_is_now(tmp_path:
         grown[grown.size // 2 :] = 2.0
         manager.save(training_state(5, frozen), 5)
         saved_whole(manager, tmp_path, 5, training_state(5, frozen))
+
+
+def test_a_proven_step_loads_in_onnx_runtime_alone(tmp_path: Path, compared: list[int], ort) -> None:
+    """A step whose frozen part was proven (not compared), and one value of it written since, loads in
+    ONNX Runtime with every parameter's bytes once the steps before it are deleted."""
+    import hashlib
+
+    frozen = frozen_arrays()
+    with CheckpointManager(tmp_path) as manager:
+        for step in range(1, 6):
+            manager.save(training_state(step, frozen), step)
+        frozen["frozen3"][9000] = 3.25
+        compared.clear()
+        manager.save(training_state(6, frozen), 6)
+        others = sum(part_page_bytes(a) for n, a in frozen.items() if n != "frozen3")
+        assert compared == [HEAD_BYTES + frozen["frozen3"].nbytes + others]  # (the rest proven)
+        for step in range(1, 6):
+            manager.delete(step)
+    described = ort("describe", step_dir(tmp_path, 6) / "checkpoint")
+    digests = {p["name"]: p["sha256"] for p in described["parameters"]}
+    assert len(digests) == len(frozen) + 2  # the frozen part and the head
+    expected = training_state(6, frozen)
+    assert digests == {
+        name: hashlib.sha256(np.ascontiguousarray(p.data).tobytes()).hexdigest() for name, p in expected.parameters
+    }
