@@ -15,7 +15,7 @@
 //! identity: bytes that *are* that data file's at the very offset the previous checkpoint keeps
 //! the tensor at (a mapping of it never written in this process, see [`io::FileBacked`]: a
 //! frozen part restored from the previous step and not touched since) cannot have changed; or
-//! by the page watch (with `options.watch_writes`, see [`crate::untouched`]): the caller's own
+//! by the page watch (`watched`, see [`crate::untouched`]): the caller's own
 //! memory, none of whose pages was written since a save recorded where the previous data file
 //! keeps its bytes, holds those bytes (only the part pages at either end are compared).
 //! A value found unchanged either way takes the previous checkpoint's checksum for it (of the
@@ -137,7 +137,7 @@ pub fn save_sharing(
         return Ok(sharing);
     };
     let (offsets, sums) = before.unchanged(ckpt, &mut sharing, watched);
-    let Some((data, data_id, pair_id)) = before.data.as_ref().filter(|_| !compare_only) else {
+    let Some((data, data_id, file)) = before.data.as_ref().filter(|_| !compare_only) else {
         return Ok(sharing); // nothing external to share (an inline checkpoint), or not asked to
     };
     let (mut shared_len, mut inline_len) = (0u64, 0u64);
@@ -152,7 +152,7 @@ pub fn save_sharing(
     if shared_len == 0 || 2 * shared_len < data.len() as u64 || inline_len > MAX_INLINE_LEN {
         return Ok(sharing);
     }
-    let mut encoded = match encode_sharing(ckpt, pair_id, &offsets, &sums) {
+    let mut encoded = match encode_sharing(ckpt, &file.pair, &offsets, &sums) {
         Ok(encoded) => encoded,
         // Past the inline limit once the tables are counted too: saved whole instead.
         Err(_) if inline_len + (64 << 20) > MAX_INLINE_LEN => return Ok(sharing),
@@ -230,7 +230,7 @@ pub fn stored_origins<'a>(
 ) -> Vec<(&'a [u8], untouched::Origin)> {
     let Some(Previous {
         checkpoint,
-        data_file: Some(file),
+        data: Some((_, _, file)),
         ..
     }) = Previous::open(path)
     else {
@@ -271,13 +271,12 @@ fn bytes_of<'a>(t: &Tensor<Payload<'a>>) -> Option<&'a [u8]> {
 
 /// The previous checkpoint, mapped as it is now (never following a symlink): its file, its
 /// decoded tables, and its data file when it has one of ours (a pair trailer matching the
-/// checkpoint's): the mapping, its inode (the one to link) and its pair id.
+/// checkpoint's): the mapping, its inode (the one to link) and the file as it is now (its pair
+/// id, and what the page watch's records name it by: see [`untouched::DataFile`]).
 struct Previous {
     map: memmap2::MmapMut,
     checkpoint: Checkpoint<Stored>,
-    data: Option<(memmap2::MmapMut, io::FileId, pairing::PairId)>,
-    /// That data file as a record of the page watch names it (see [`untouched::DataFile`]).
-    data_file: Option<untouched::DataFile>,
+    data: Option<(memmap2::MmapMut, io::FileId, untouched::DataFile)>,
     /// Its checksum block's sum of each tensor (in [`Checkpoint::tensors`] order), when it has
     /// one whose own root checks.
     sums: Option<Vec<Sum>>,
@@ -288,7 +287,7 @@ impl Previous {
         let (map, _, _) =
             io::map_private(path, false, 8, |_| Error::malformed("too short")).ok()?;
         let checkpoint = crate::format::decode(&map).ok()?;
-        let (mut data, mut data_file) = (None, None);
+        let mut data = None;
         if checkpoint.has_external_data {
             if let Ok((Some(mapped), id, file)) =
                 io::map_private_any(&external_data_path(path), false)
@@ -297,10 +296,9 @@ impl Previous {
                 // takes its id, and a block's id must say so: see seal::checksums).
                 let pair = pairing::pair_id(&mapped)
                     .filter(|&p| pairing::pair_id(&map) == Some(p) && checksums::marked(p) == p);
-                data_file = pair
-                    .zip(file.metadata().ok())
-                    .map(|(p, meta)| untouched::DataFile::of(p, &meta));
-                data = pair.map(|p| (mapped, id, p));
+                // (named as it is now, for the page watch's records: see untouched::DataFile)
+                let named = pair.zip(file.metadata().ok());
+                data = named.map(|(p, meta)| (mapped, id, untouched::DataFile::of(p, &meta)));
             }
         }
         let sums = checksums::find(&map, map.len() as u64)
@@ -312,7 +310,6 @@ impl Previous {
             map,
             checkpoint,
             data,
-            data_file,
             sums,
         })
     }
@@ -354,6 +351,7 @@ impl Previous {
             .map(|(index, (key, t))| (key, (index, t)))
             .collect();
         let data_id = self.data.as_ref().map(|(_, id, _)| *id);
+        let data_file = self.data.as_ref().map(|(_, _, file)| *file);
         // (only asked where a data file could hold a tensor's own bytes)
         let backed = data_id.and_then(|_| io::FileBacked::read());
         // What was found equal, for the page watch (see untouched::settle).
@@ -375,7 +373,7 @@ impl Previous {
                     }
                     _ => false,
                 };
-                let watched = match (armed, self.data_file, offset) {
+                let watched = match (armed, data_file, offset) {
                     (Some(armed), Some(file), Some(offset)) if !the_same_bytes => {
                         armed.proves(bytes, (file, offset))
                     }

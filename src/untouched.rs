@@ -4,7 +4,7 @@
 //!
 //! The proof ([`io::page_watch`]): a save protects the pages of each value before it reads them
 //! ([`arm`]); once it has committed, it records where each value it watched now is in a data
-//! file (its pair id and offset: a file nothing ever writes again) if no page of the value was
+//! file (the file as it is then, [`DataFile`], and the offset) if no page of the value was
 //! written meanwhile ([`record`]). A later save whose value has the same address and length,
 //! no page of which was written since, and whose previous checkpoint keeps that value at that
 //! very place, holds the recorded bytes: it compares only the part pages of either end, which
@@ -121,6 +121,11 @@ pub struct Armed {
 }
 
 impl Armed {
+    /// Whether no value was armed (then the save has nothing to record).
+    pub fn is_empty(&self) -> bool {
+        self.armed.is_empty()
+    }
+
     /// For `bytes` (a value of the save that armed this), found where the previous checkpoint
     /// keeps it (`origin`): the whole pages `[start, end)` of it that are proven those bytes,
     /// leaving the parts before and after for the caller to compare. `None`: not proven.
@@ -183,6 +188,9 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
         watched.remove(&(start, end));
     }
     forget_overlapping(recorded, &stale, page);
+    if wanted.is_empty() {
+        return Some(armed); // (nothing steady: no proc file to read)
+    }
     if pinned_memory() {
         // A write through a pin is never seen: no record can be trusted while one is held.
         recorded.clear();
@@ -212,6 +220,12 @@ pub fn arm<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<Armed> {
     }
     armed.takings = *takings;
     Some(armed)
+}
+
+/// Whether no value is steady: the next save would watch nothing, so it need not look at its
+/// values (only say it is armed, for the comparison to settle what it finds).
+pub fn nothing_steady() -> bool {
+    registry().is_none_or(|guard| guard.as_ref().is_none_or(|r| r.steady.is_empty()))
 }
 
 /// What a save found: its `equal` values (unchanged since the previous checkpoint, compared or

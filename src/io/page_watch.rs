@@ -260,20 +260,9 @@ impl PageWatch {
     fn works(&self) -> bool {
         const TABLE: usize = 2 << 20; // what one page table maps (x86-64, AArch64 with 4 KiB pages)
         let len = 2 * TABLE;
-        // SAFETY: a fresh private anonymous mapping, unmapped below; nothing else uses it.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if at == libc::MAP_FAILED {
+        let Some(at) = map_anonymous(len) else {
             return false;
-        }
+        };
         let start = (at as usize).next_multiple_of(TABLE);
         let end = start + TABLE; // (inside: the mapping is two tables long)
         let works = PrivateAnon::read().is_some_and(|anon| {
@@ -290,6 +279,23 @@ impl PageWatch {
         unsafe { libc::munmap(at, len) };
         works && self.written(start, end).is_none()
     }
+}
+
+/// A fresh private anonymous mapping of `len` bytes, for the watch's own checks (its caller
+/// unmaps it).
+fn map_anonymous(len: usize) -> Option<*mut libc::c_void> {
+    // SAFETY: maps fresh memory, nothing else's.
+    let mapped = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    (mapped != libc::MAP_FAILED).then_some(mapped)
 }
 
 /// This process's private anonymous mappings, from `/proc/self/maps`: read one per save.
@@ -420,18 +426,7 @@ mod tests {
     fn memory_unmapped_and_mapped_again_is_not_answered_for() {
         let w = watch();
         let len = 8 * w.page;
-        // SAFETY: a fresh mapping of our own, unmapped and replaced below.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(at, libc::MAP_FAILED);
+        let at = map_anonymous(len).unwrap();
         let (start, end) = (at as usize, at as usize + len);
         w.take_written(start, end, &PrivateAnon::read().unwrap())
             .unwrap();

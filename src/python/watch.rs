@@ -7,7 +7,7 @@
 use pyo3::prelude::*;
 
 use super::guarded;
-use super::records::{payloads_in, CheckpointIn};
+use super::records::payloads_in;
 use crate::untouched;
 
 /// What `watch_writes` armed for one save (nothing where the kernel offers no watch).
@@ -20,17 +20,21 @@ impl Watched {
     }
 }
 
-/// Protects the pages of `checkpoint`'s values before a save of it to `path` reads them (see
-/// `crate::untouched`).
+/// Protects the pages of `checkpoint`'s values (a `_CheckpointIn`) before a save of it to `path`
+/// reads them (see `crate::untouched`). Its values are not even looked at while none is steady
+/// (a model of small tensors, a run's first steps): only the comparison's findings are wanted.
 #[pyfunction]
 pub(super) fn watch_writes(
     py: Python<'_>,
     path: std::path::PathBuf,
-    checkpoint: CheckpointIn<'_>,
+    checkpoint: Bound<'_, PyAny>,
 ) -> PyResult<Watched> {
     guarded(py, || {
+        if untouched::nothing_steady() {
+            return Ok(Watched(py.detach(|| untouched::arm(std::iter::empty()))));
+        }
         let mut buffers = Vec::new();
-        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let payloads = payloads_in(py, &path, checkpoint.extract()?, &mut buffers)?;
         let armed = py.detach(|| {
             untouched::arm(payloads.tensors().filter_map(|t| match t.data {
                 crate::format::Payload::Bytes(bytes) => Some(bytes),
@@ -42,20 +46,20 @@ pub(super) fn watch_writes(
 }
 
 /// After the save `watched` was armed for committed `path` (from `checkpoint`, the same state):
-/// records where it keeps each watched value.
+/// records where it keeps each watched value (nothing to do, nothing read, when none was).
 #[pyfunction]
 pub(super) fn record_watched(
     py: Python<'_>,
     watched: PyRef<'_, Watched>,
     path: std::path::PathBuf,
-    checkpoint: CheckpointIn<'_>,
+    checkpoint: Bound<'_, PyAny>,
 ) -> PyResult<()> {
     guarded(py, || {
-        let Some(armed) = watched.armed() else {
+        let Some(armed) = watched.armed().filter(|armed| !armed.is_empty()) else {
             return Ok(());
         };
         let mut buffers = Vec::new();
-        let payloads = payloads_in(py, &path, checkpoint, &mut buffers)?;
+        let payloads = payloads_in(py, &path, checkpoint.extract()?, &mut buffers)?;
         py.detach(|| {
             let stored = crate::sharing::stored_origins(&path, &payloads);
             untouched::record(armed, stored.into_iter());

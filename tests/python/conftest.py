@@ -23,6 +23,23 @@ def trained_path() -> Path:
     return GOLDEN / "trained_with_optimizer.ckpt"
 
 
+@pytest.fixture
+def compared(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes compared by each sharing save of a manager's steps (the core's own count), in order."""
+    from ortckpt import _boundary
+
+    counts: list[int] = []
+    real = _boundary.save_sharing
+
+    def counting(*args, **kwargs):
+        found = real(*args, **kwargs)
+        counts.append(found.compared)
+        return found
+
+    monkeypatch.setattr(_boundary, "save_sharing", counting)
+    return counts
+
+
 # `make test` spreads the tests that run on one interpreter only over its interpreters' lanes, by part
 # folder, so that the lanes end together: each lane names its parts in ORTCKPT_TEST_PARTS (the
 # Makefile's TEST_PARTS_n) and runs their tests (the `once` runs among them) and the every_python tests

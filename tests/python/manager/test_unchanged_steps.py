@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, _boundary, unchanged, verify
+from ortckpt import CheckpointIntegrityError, CheckpointManager, CheckpointState, unchanged, verify
 from test_shared_steps import (
     FROZEN,
     assert_same,
@@ -27,21 +27,6 @@ from test_shared_steps import (
 
 FROZEN_BYTES = FROZEN * 16384 * 4
 HEAD_BYTES = 3 * (64 * 16 + 16) * 4  # the head and its two moments
-
-
-@pytest.fixture
-def compared(monkeypatch) -> list[int]:
-    """Bytes compared by each sharing save (the core's own count), in order."""
-    counts: list[int] = []
-    real = _boundary.save_sharing
-
-    def counting(*args, **kwargs):
-        found = real(*args, **kwargs)
-        counts.append(found.compared)
-        return found
-
-    monkeypatch.setattr(_boundary, "save_sharing", counting)
-    return counts
 
 
 def trained(state: CheckpointState, step: int) -> CheckpointState:

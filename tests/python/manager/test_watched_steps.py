@@ -14,26 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ortckpt import CheckpointManager, CheckpointState, _boundary, verify
+from ortckpt import CheckpointManager, CheckpointState, verify
 from test_shared_steps import assert_same, flip_byte, frozen_arrays, offset_of, step_dir, training_state, where
 from test_unchanged_steps import HEAD_BYTES, part_page_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.fixture
-def compared(monkeypatch) -> list[int]:
-    """Bytes compared by each sharing save (the core's own count), in order."""
-    counts: list[int] = []
-    real = _boundary.save_sharing
-
-    def counting(*args, **kwargs):
-        found = real(*args, **kwargs)
-        counts.append(found.compared)
-        return found
-
-    monkeypatch.setattr(_boundary, "save_sharing", counting)
-    return counts
 
 
 def saved_whole(manager: CheckpointManager, root: Path, step: int, expected: CheckpointState) -> None:
