@@ -562,3 +562,86 @@ pub fn seal_written(staged: &mut io::Staged) -> Result<()> {
         .write_all_at(&bytes, map.len() as u64)
         .map_err(|e| in_file(e.into()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{DataType, OptimizerGroup, ParameterOptimizerState, Payload, Tensor};
+    use crate::io::both_ends::tests::FILLS;
+    use crate::save::{save, SaveOptions};
+    use std::os::unix::fs::PermissionsExt;
+
+    fn float<'a>(name: &str, data: &'a [u8]) -> Tensor<Payload<'a>> {
+        Tensor {
+            name: name.into(),
+            data_type: DataType::Float,
+            dims: vec![(data.len() / 4) as i64],
+            data: Payload::Bytes(data),
+        }
+    }
+
+    /// (Here, above both the save and the check.) A save of 24 MiB into a private directory on tmpfs fills its files from both ends; it
+    /// writes what the same save writes on disk, byte for byte where the save is deterministic
+    /// (one file), value for value and checksums verified with external data.
+    #[test]
+    fn a_save_into_tmpfs_from_both_ends_writes_what_a_save_on_disk_writes() {
+        let values: Vec<Vec<u8>> = (0..7)
+            .map(|i| (0..(3 << 20) + 4 * i).map(|j| (j * 13 + i) as u8).collect())
+            .collect();
+        let ckpt = Checkpoint {
+            trainable: values[..5]
+                .iter()
+                .enumerate()
+                .map(|(i, v)| float(&format!("w{i}"), v))
+                .collect(),
+            optimizer_groups: vec![OptimizerGroup {
+                name: "group0".into(),
+                step: 3,
+                initial_learning_rate: 0.1,
+                states: vec![ParameterOptimizerState {
+                    param_name: "w0".into(),
+                    momentums: vec![
+                        float("momentum0", &values[5]),
+                        float("momentum1", &values[6]),
+                    ],
+                }],
+            }],
+            ..Default::default()
+        };
+        let tmpfs =
+            tempfile::tempdir_in("/dev/shm").expect("/dev/shm, a tmpfs, is part of the machine");
+        std::fs::set_permissions(tmpfs.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        for threshold in [u64::MAX, 0] {
+            let options = SaveOptions {
+                external_data_threshold: threshold,
+                ..SaveOptions::default()
+            };
+            let (on_tmpfs, on_disk) = (tmpfs.path().join("c"), disk.path().join("c"));
+            let before = FILLS.with(std::cell::Cell::get);
+            save(&on_tmpfs, &ckpt, &options).unwrap();
+            assert_eq!(
+                FILLS.with(std::cell::Cell::get),
+                before + 1,
+                "threshold {threshold}"
+            );
+            save(&on_disk, &ckpt, &options).unwrap();
+            assert_eq!(FILLS.with(std::cell::Cell::get), before + 1, "not on disk");
+            if threshold == u64::MAX {
+                assert!(std::fs::read(&on_tmpfs).unwrap() == std::fs::read(&on_disk).unwrap());
+            }
+            let (a, b) = (
+                crate::load(&on_tmpfs).unwrap(),
+                crate::load(&on_disk).unwrap(),
+            );
+            assert!(matches!(
+                a.verify_checksums().unwrap(),
+                Checked::Verified { tensors: 7, .. }
+            ));
+            for (x, y) in a.checkpoint().tensors().zip(b.checkpoint().tensors()) {
+                assert_eq!(x.name, y.name);
+                assert!(a.bytes(x).unwrap() == b.bytes(y).unwrap(), "{}", x.name);
+            }
+        }
+    }
+}

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Checkpoint, Payload, Placement};
-use crate::io;
+use crate::io::{self, both_ends, both_ends::Placed};
 use crate::seal::{checksums, external_data_path};
 
 /// ONNX Runtime's default: above this many bytes of values, a checkpoint uses external data.
@@ -100,6 +100,56 @@ pub fn encode_in_memory<'a>(
     Ok(encoded)
 }
 
+/// Writes the checkpoint file's body (`segments`, back to back from the start; `value_of` says
+/// which inline value each one is, if any; `holes`: values left unwritten, as in
+/// [`SaveOptions::holes`]) and returns the inline values' checksums, taken as
+/// they are written. Leaves the file's position at the body's end, for the block after it.
+pub(crate) fn write_body(
+    file: &mut std::fs::File,
+    segments: &[&[u8]],
+    value_of: &[Option<usize>],
+    holes: &std::collections::HashSet<usize>,
+    threads: usize,
+    after: &io::AfterEachPiece<'_>,
+) -> std::io::Result<Vec<checksums::Sum>> {
+    let values = value_of.iter().flatten().count();
+    let len: usize = segments.iter().map(|s| s.len()).sum();
+    if holes.is_empty() && both_ends::pays_for(file, len as u64, threads) {
+        let mut at = 0;
+        let placed: Vec<Placed> = segments
+            .iter()
+            .zip(value_of)
+            .map(|(bytes, value)| {
+                let offset = at;
+                at += bytes.len() as u64;
+                Placed {
+                    offset,
+                    bytes,
+                    summed: value.is_some(),
+                }
+            })
+            .collect();
+        let sums = both_ends::write_from_both_ends(file, len as u64, &placed, after)?;
+        let mut inline_sums = vec![0; values];
+        for (sum, value) in sums.into_iter().zip(value_of) {
+            if let Some(i) = value {
+                inline_sums[*i] = sum;
+            }
+        }
+        std::io::Seek::seek(file, std::io::SeekFrom::Start(len as u64))?;
+        return Ok(inline_sums);
+    }
+    let hole = |bytes: &[u8]| holes.contains(&(bytes.as_ptr() as usize));
+    let mut inline_sums = vec![checksums::Running::default(); values];
+    let mut sum_values = |segment: usize, piece: &[u8]| {
+        if let Some(i) = value_of[segment] {
+            inline_sums[i].update(piece);
+        }
+    };
+    io::write_segments(file, segments, &hole, &mut sum_values, after)?;
+    Ok(inline_sums.iter().map(|s| s.finish()).collect())
+}
+
 /// Bytes of tensor values in `ckpt` (strings not counted).
 fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
     ckpt.tensors()
@@ -169,7 +219,21 @@ pub fn write_staged(
     if let (Some((len, values)), Some(data)) = (&external, staged.data()) {
         let written: Vec<(u64, &[u8])> = values.iter().copied().filter(|(_, b)| !hole(b)).collect();
         progress.add(values_len as u64 - written.iter().map(|(_, b)| b.len() as u64).sum::<u64>());
-        let mut sums = io::write_at_parallel(data.file(), *len, &written, options.threads, &after)
+        let file = data.file();
+        let sums = if both_ends::pays_for(file, *len, options.threads) {
+            let placed: Vec<Placed> = written
+                .iter()
+                .map(|&(offset, bytes)| Placed {
+                    offset,
+                    bytes,
+                    summed: true,
+                })
+                .collect();
+            both_ends::write_from_both_ends(file, *len, &placed, &after)
+        } else {
+            io::write_at_parallel(file, *len, &written, options.threads, &after)
+        };
+        let mut sums = sums
             .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?
             .into_iter();
         external_sums = values
@@ -180,15 +244,15 @@ pub fn write_staged(
     }
     let in_main = |e: std::io::Error| Error::from(e).in_file(path);
     let (body, value_of): (Vec<&[u8]>, Vec<Option<usize>>) = encoded.body().into_iter().unzip();
-    let mut inline_sums = vec![checksums::Running::default(); encoded.payload_ranges().count()];
-    let mut sum_values = |segment: usize, piece: &[u8]| {
-        if let Some(i) = value_of[segment] {
-            inline_sums[i].update(piece);
-        }
-    };
-    io::write_segments(staged.main().file(), &body, &hole, &mut sum_values, &after)
-        .map_err(in_main)?;
-    let inline_sums: Vec<_> = inline_sums.iter().map(|s| s.finish()).collect();
+    let inline_sums = write_body(
+        staged.main().file(),
+        &body,
+        &value_of,
+        &options.holes,
+        options.threads,
+        &after,
+    )
+    .map_err(in_main)?;
     encoded.seal(&inline_sums, &external_sums);
     io::write_segments(
         staged.main().file(),

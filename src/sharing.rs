@@ -203,11 +203,13 @@ pub fn save_sharing(
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::from(e).in_file(&data_path))?;
     }
-    io::write_segments(
+    // (Sealed above: nothing to sum as it goes.)
+    crate::save::write_body(
         staged.main().file(),
         &segments,
-        &|_| false,
-        &mut |_, _| {},
+        &vec![None; segments.len()],
+        &std::collections::HashSet::new(),
+        options.threads,
         &after,
     )
     .map_err(|e| Error::from(e).in_file(path))?;

@@ -3,6 +3,7 @@
 //! ones. Knows byte ranges, not tensors.
 
 mod atomic;
+pub mod both_ends;
 pub mod commit;
 mod file_backed;
 pub mod locks;

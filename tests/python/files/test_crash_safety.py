@@ -10,7 +10,9 @@ import random
 import select
 import signal
 import subprocess
+import shutil
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ortckpt import CheckpointState
+from privileges import needs_root
 
 TRIALS = 200
 
@@ -117,6 +120,52 @@ def test_sigkill_at_random_moments_leaves_the_old_or_the_new_checkpoint(external
     assert _temps(tmp_path) == []
     assert sorted(os.listdir(tmp_path)) == (["ckpt", "ckpt.data"] if external else ["ckpt"])
     assert _matches(CheckpointState.load_checkpoint(target), news)
+
+
+@needs_root
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
+def test_a_full_tmpfs_is_an_oserror_while_a_helper_copies_through_a_mapping(external):
+    """A save of 40 MiB into a private directory on a 24 MiB tmpfs: such a save is filled from
+    both ends, its second writer storing through a shared mapping, where a page that cannot be
+    had would be SIGBUS. Each save must fail with ENOSPC naming the file (in a child, so that a
+    signal shows as one), and leave the old checkpoint and nothing else."""
+    directory = Path(tempfile.mkdtemp(prefix="ortckpt-full-"))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24M,mode=0700", "tmpfs", str(directory)], check=False, capture_output=True
+    )
+    if mounted.returncode != 0:
+        shutil.rmtree(directory)
+        pytest.fail(f"a 24 MiB tmpfs could not be mounted (the suite runs as root): {mounted.stderr}")
+    try:
+        target = directory / "ckpt"
+        olds = _arrays(1)
+        threshold = 0 if external else 1 << 40
+        CheckpointState.save_checkpoint(CheckpointState.from_arrays(olds), target, external_data_threshold=threshold)
+        before = {p.name: p.read_bytes() for p in directory.iterdir()}
+        script = textwrap.dedent(f"""
+            import numpy as np
+            from ortckpt import CheckpointState
+            arrays = {{f"w{{i}}": np.full(1 << 20, i, np.float32) for i in range(10)}}  # 4 MiB each
+            for attempt in range(4):
+                try:
+                    CheckpointState.save_checkpoint(
+                        CheckpointState.from_arrays(arrays), {str(target)!r}, external_data_threshold={threshold}
+                    )
+                    raise SystemExit("a 40 MiB save fitted into 24 MiB")
+                except OSError as e:
+                    print(e.errno, e.filename)
+        """)
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 0, (run.returncode, run.stderr)
+        for line in run.stdout.splitlines():
+            code, filename = line.split()
+            assert int(code) == errno.ENOSPC and filename == str(target) + (".data" if external else ""), line
+        assert len(run.stdout.splitlines()) == 4
+        assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # no temporaries either
+        assert _matches(CheckpointState.load_checkpoint(target), olds)
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
