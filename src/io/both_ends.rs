@@ -5,8 +5,14 @@
 //! take the time of one (measured: two pwrite threads, the same wall time for twice the CPU).
 //! Page faults on a shared mapping take no inode lock, so the helper's copies run beside the
 //! writes. A page costs the mapping about twice what it costs write(2) (about 1.0 s against
-//! 0.46 s a GiB on this project's machine), so the two claim values from their ends and meet
-//! where their speeds put them: no fixed split to tune. Measured in benches/save_vs_write.py.
+//! 0.46 s a GiB on this project's machine), so the two claim pieces of 256 KiB from their ends
+//! and meet where their speeds put them, inside a large value too: no fixed split to tune.
+//! Measured in benches/save_vs_write.py.
+//!
+//! Checksums: each writer sums a value as it goes through it in order, while the bytes are in
+//! cache. The helper's runs go backwards, so a value it writes in several runs is summed whole
+//! once its first piece is written, and the one value where the two meet is summed after both
+//! are done: from the caller's bytes, the ones written.
 //!
 //! Why only tmpfs, and only a file no one else may write: a store into a mapping whose page
 //! cannot be had (a full filesystem, or the file truncated by another process) is SIGBUS, the
@@ -22,13 +28,12 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use memmap2::MmapRaw;
 
 use super::writeback::{AfterEachPiece, PIECE};
-use crate::seal::checksums::{Running, Sum};
+use crate::seal::checksums::{self, Running, Sum};
 
 /// One run of bytes to place in the file: where, and whether its checksum is wanted.
 #[derive(Clone, Copy, Debug)]
@@ -44,6 +49,14 @@ const MIN_BYTES: u64 = 16 << 20;
 
 /// Linux 5.14+: fault pages in writable, as a store would, without storing.
 const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+/// The largest value whose checksum the helper takes whole, from the caller's bytes, once it
+/// has written all of it in several runs (larger ones are left to the caller: see
+/// [`copy_from_the_back`]).
+const HELPER_SUMS_UP_TO: usize = 4 << 20;
+
+/// The helper lets go of the pages it copied into every this many bytes (see [`let_go`]).
+const LET_GO_EVERY: usize = 8 << 20;
 
 /// Most slices in one pwritev (the kernel's IOV_MAX).
 const MAX_IOV: usize = 1024;
@@ -73,8 +86,7 @@ fn writable_by_us_alone(file: &File) -> bool {
 /// Writes `values` (in file order, not overlapping) into `file` after sizing it to `len`
 /// (gaps read back as zeros): this thread from the front, a helper from the back through a
 /// shared mapping (see the module's comment for when that is safe: [`pays_for`]). `after`
-/// sees every piece once written. Returns each value's checksum (0 where not `summed`), taken
-/// piece by piece just before the piece is written, while it is in cache.
+/// sees every piece once written. Returns each value's checksum (0 where not `summed`).
 ///
 /// # Errors
 /// OS errors of either writer: the first one stops both. A page the helper cannot have (a full
@@ -140,15 +152,26 @@ fn fill(
             "the file shrank while it was being written",
         ));
     }
-    let claims = Claims {
-        ends: Mutex::new((0, values.len())),
-        failed: AtomicBool::new(false),
-    };
+    let pieces = pieces_of(values);
+    if u32::try_from(pieces.len()).is_err() {
+        return Err(io::Error::other(
+            "more than 2^32 pieces (1 PiB) in one file",
+        ));
+    }
+    let claims = Claims::new((0, pieces.len()));
     let target = Target(map.as_mut_ptr());
     let (front, back) = std::thread::scope(|scope| {
         let helper = writers.helper().then(|| {
             scope.spawn(|| {
-                let copied = copy_from_the_back(file, &target, values, &claims, after);
+                let copied = copy_from_the_back(
+                    file,
+                    &target,
+                    values,
+                    &pieces,
+                    &claims,
+                    after,
+                    writers.front(),
+                );
                 if copied.is_err() {
                     claims.failed.store(true, Ordering::Relaxed);
                 }
@@ -156,7 +179,7 @@ fn fill(
             })
         });
         let written = if writers.front() {
-            write_from_the_front(file, values, &claims, after)
+            write_from_the_front(file, values, &pieces, &claims, after)
         } else {
             Ok(Vec::new())
         };
@@ -170,47 +193,118 @@ fn fill(
         });
         (written, copied)
     });
-    let mut sums = vec![0; values.len()];
-    for (index, sum) in front?.into_iter().chain(back?) {
-        sums[index] = sum;
-    }
-    Ok(sums)
+    Ok(every_sum(values, front?.into_iter().chain(back?)))
 }
 
-/// Which values are still to be written: `ends.0..ends.1`; the front writer takes from the
-/// start, the helper from the end.
+/// Each value's checksum (0 where not summed): those the writers took as they went, and the
+/// value where the two met, written partly by each, summed here whole.
+fn every_sum(values: &[Placed<'_>], taken: impl Iterator<Item = (usize, Sum)>) -> Vec<Sum> {
+    let mut sums = vec![None; values.len()];
+    for (index, sum) in taken {
+        sums[index] = Some(sum);
+    }
+    values
+        .iter()
+        .zip(sums)
+        .map(|(value, sum)| match sum {
+            Some(sum) => sum,
+            None if value.summed => checksums::sum(value.bytes),
+            None => 0,
+        })
+        .collect()
+}
+
+/// A value's bytes cut into pieces of at most [`PIECE`] bytes (one empty piece for an empty
+/// value): the unit the two writers claim, so that they meet inside a large value too.
+#[derive(Clone, Copy)]
+struct Piece<'a> {
+    value: usize,
+    offset: u64,
+    bytes: &'a [u8],
+    first: bool,
+    last: bool,
+}
+
+fn pieces_of<'a>(values: &[Placed<'a>]) -> Vec<Piece<'a>> {
+    let mut pieces = Vec::new();
+    for (value, placed) in values.iter().enumerate() {
+        let count = placed.bytes.len().div_ceil(PIECE).max(1);
+        for k in 0..count {
+            let bytes = &placed.bytes[k * PIECE..placed.bytes.len().min((k + 1) * PIECE)];
+            pieces.push(Piece {
+                value,
+                offset: placed.offset + (k * PIECE) as u64,
+                bytes,
+                first: k == 0,
+                last: k + 1 == count,
+            });
+        }
+    }
+    pieces
+}
+
+/// Which pieces are still to be written, `front..back`, packed in one word: the front writer
+/// takes from the start, the helper from the end. Lock-free: a lock the helper held while
+/// preempted would stall the front writer.
 struct Claims {
-    ends: Mutex<(usize, usize)>,
+    ends: AtomicU64,
     failed: AtomicBool,
 }
 
 impl Claims {
-    /// The next run from the front: values up to [`PIECE`] bytes (at least one), or none left.
-    fn front(&self, values: &[Placed<'_>]) -> std::ops::Range<usize> {
-        let mut ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
-        let (start, stop) = *ends;
-        let mut taken = 0;
-        let mut next = start;
-        while next < stop && next - start < MAX_IOV && (next == start || taken < PIECE) {
-            taken += values[next].bytes.len();
-            next += 1;
+    /// `front..back` (piece indices; at most 2^32 pieces, 1 PiB: [`fill`] checks).
+    fn new((front, back): (usize, usize)) -> Claims {
+        Claims {
+            ends: AtomicU64::new(pack(front, back)),
+            failed: AtomicBool::new(false),
         }
-        ends.0 = next;
-        start..next
+    }
+
+    /// The next run from the front: pieces up to [`PIECE`] bytes (at least one), or none left.
+    fn front(&self, pieces: &[Piece<'_>]) -> std::ops::Range<usize> {
+        self.take(|start, stop| {
+            let mut taken = 0;
+            let mut next = start;
+            while next < stop && next - start < MAX_IOV && (next == start || taken < PIECE) {
+                taken += pieces[next].bytes.len();
+                next += 1;
+            }
+            (start..next, (next, stop))
+        })
     }
 
     /// The next run from the back, as [`Self::front`].
-    fn back(&self, values: &[Placed<'_>]) -> std::ops::Range<usize> {
-        let mut ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
-        let (stop, end) = *ends;
-        let mut taken = 0;
-        let mut first = end;
-        while first > stop && (first == end || taken < PIECE) {
-            first -= 1;
-            taken += values[first].bytes.len();
+    fn back(&self, pieces: &[Piece<'_>]) -> std::ops::Range<usize> {
+        self.take(|stop, end| {
+            let mut taken = 0;
+            let mut first = end;
+            while first > stop && (first == end || taken < PIECE) {
+                first -= 1;
+                taken += pieces[first].bytes.len();
+            }
+            (first..end, (stop, first))
+        })
+    }
+
+    /// Takes the run `choose` picks from the ends as they are, leaving the ends it returns.
+    fn take(
+        &self,
+        choose: impl Fn(usize, usize) -> (std::ops::Range<usize>, (usize, usize)),
+    ) -> std::ops::Range<usize> {
+        let mut now = self.ends.load(Ordering::Acquire);
+        loop {
+            let (front, back) = unpack(now);
+            let (run, left) = choose(front, back);
+            match self.ends.compare_exchange_weak(
+                now,
+                pack(left.0, left.1),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return run,
+                Err(changed) => now = changed,
+            }
         }
-        ends.1 = first;
-        first..end
     }
 
     fn failed(&self) -> bool {
@@ -218,58 +312,83 @@ impl Claims {
     }
 }
 
+fn pack(front: usize, back: usize) -> u64 {
+    ((front as u64) << 32) | back as u64
+}
+
+fn unpack(ends: u64) -> (usize, usize) {
+    ((ends >> 32) as usize, (ends & u64::from(u32::MAX)) as usize)
+}
+
 /// The start of the shared mapping, for the helper thread (which writes only the bytes of the
-/// values it claimed, which no one else writes).
+/// pieces it claimed, which no one else writes).
 struct Target(*mut u8);
 
 // SAFETY: the pointer is only used for the claimed, disjoint ranges of a mapping that outlives
 // the threads (it is unmapped after the scope ends).
 unsafe impl Sync for Target {}
 
-/// The front writer: positioned vectored writes of runs of values, summed as they go.
+/// A value's checksum taken piece by piece as a writer goes through it in order; complete when
+/// the writer reaches its last piece.
+#[derive(Default)]
+struct InPass(Option<(usize, Running)>);
+
+impl InPass {
+    /// Sums `piece` (just before it is written); the value's checksum once it is the last.
+    fn see(&mut self, piece: &Piece<'_>, summed: bool) -> Option<(usize, Sum)> {
+        if !summed {
+            return None;
+        }
+        if piece.first {
+            self.0 = Some((piece.value, Running::default()));
+        }
+        let (value, running) = self.0.as_mut().filter(|(v, _)| *v == piece.value)?;
+        running.update(piece.bytes);
+        let done = piece.last.then(|| (*value, running.finish()));
+        if done.is_some() {
+            self.0 = None;
+        }
+        done
+    }
+}
+
+/// The front writer: positioned vectored writes of runs of pieces, each value summed as it
+/// goes (all but the one where the writers meet, which the caller sums).
 fn write_from_the_front(
     file: &File,
     values: &[Placed<'_>],
+    pieces: &[Piece<'_>],
     claims: &Claims,
     after: &AfterEachPiece<'_>,
 ) -> io::Result<Vec<(usize, Sum)>> {
     let mut sums = Vec::new();
+    let mut in_pass = InPass::default();
     let mut batch: Vec<&[u8]> = Vec::with_capacity(MAX_IOV);
     let (mut at, mut batched) = (0u64, 0usize);
     loop {
         if claims.failed() {
             return Ok(sums); // the helper's error is the one reported
         }
-        let run = claims.front(values);
+        let run = claims.front(pieces);
         if run.is_empty() {
             break;
         }
-        for index in run {
-            let value = values[index];
-            let mut sum = Running::default();
-            for (k, piece) in value.bytes.chunks(PIECE).enumerate() {
-                let offset = value.offset + (k * PIECE) as u64;
-                if !batch.is_empty()
-                    && (offset != at + batched as u64
-                        || batch.len() == MAX_IOV
-                        || batched + piece.len() > PIECE)
-                {
-                    write_batch(file, at, &batch, after)?;
-                    batch.clear();
-                    batched = 0;
-                }
-                if batch.is_empty() {
-                    at = offset;
-                }
-                if value.summed {
-                    sum.update(piece);
-                }
-                batch.push(piece);
-                batched += piece.len();
+        for piece in &pieces[run] {
+            if !batch.is_empty()
+                && (piece.offset != at + batched as u64
+                    || batch.len() == MAX_IOV
+                    || batched + piece.bytes.len() > PIECE)
+            {
+                write_batch(file, at, &batch, after)?;
+                batch.clear();
+                batched = 0;
             }
-            if value.summed {
-                sums.push((index, sum.finish()));
+            if batch.is_empty() {
+                at = piece.offset;
             }
+            sums.extend(in_pass.see(piece, values[piece.value].summed));
+            batch.push(piece.bytes);
+            batched += piece.bytes.len();
         }
     }
     write_batch(file, at, &batch, after)?;
@@ -326,53 +445,131 @@ fn write_batch(
     Ok(())
 }
 
-/// The helper: runs of values from the back, each piece's pages populated (a full filesystem
-/// is an error here, not a signal later), summed, then copied into the mapping. Where the
-/// kernel cannot populate (before Linux 5.14) it writes with pwrite(2) instead: correct, and no
-/// faster than the front writer.
+/// The helper: runs of pieces from the back, each piece's pages populated (a full filesystem
+/// is an error here, not a signal later), then copied into the mapping. A value inside one run
+/// is summed as it goes; one spread over several (the helper's runs go backwards) is summed
+/// whole once its first piece is written, from the caller's bytes. Where the kernel cannot
+/// populate (before Linux 5.14) it writes with pwrite(2) instead: correct, and no faster than
+/// the front writer. It stops early when it has no core of its own ([`OwnCore`]) and `may_stop`
+/// (the front writer then writes the rest).
 fn copy_from_the_back(
     file: &File,
     target: &Target,
     values: &[Placed<'_>],
+    pieces: &[Piece<'_>],
     claims: &Claims,
     after: &AfterEachPiece<'_>,
+    may_stop: bool,
 ) -> io::Result<Vec<(usize, Sum)>> {
     let mut sums = Vec::new();
     let mut mapped = true;
-    while !claims.failed() {
-        let run = claims.back(values);
+    let mut held = (usize::MAX, 0); // the part of the mapping this helper mapped in, not let go
+    let mut core = OwnCore::new();
+    while !claims.failed() && (core.still_own() || !may_stop) {
+        let run = claims.back(pieces);
         if run.is_empty() {
             break;
         }
-        for index in run {
-            let value = values[index];
-            let mut sum = Running::default();
-            for (k, piece) in value.bytes.chunks(PIECE).enumerate() {
-                let offset = value.offset as usize + k * PIECE;
-                // SAFETY: `offset..offset + piece.len()` lies inside the mapping (checked against
-                // its length before the threads started) and belongs to this value alone.
-                let into = unsafe { target.0.add(offset) };
-                if mapped {
-                    mapped = populate(into, piece.len())?;
-                }
-                if value.summed {
-                    sum.update(piece);
-                }
-                if mapped {
-                    // SAFETY: as above; the pages are there (populated), and `piece` is the
-                    // caller's memory, which no mapping of this file can be.
-                    unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), into, piece.len()) };
-                } else {
-                    file.write_all_at(piece, offset as u64)?;
-                }
-                after.progress.add(piece.len() as u64);
+        let mut in_pass = InPass::default();
+        for piece in &pieces[run] {
+            let (offset, len) = (piece.offset as usize, piece.bytes.len());
+            // SAFETY: `offset..offset + len` lies inside the mapping (checked against its
+            // length before the threads started) and belongs to this piece alone.
+            let into = unsafe { target.0.add(offset) };
+            if mapped {
+                mapped = populate(into, len)?;
             }
-            if value.summed {
-                sums.push((index, sum.finish()));
+            sums.extend(in_pass.see(piece, values[piece.value].summed));
+            if mapped {
+                // SAFETY: as above; the pages are there (populated), and the piece is the
+                // caller's memory, which no mapping of this file can be.
+                unsafe { std::ptr::copy_nonoverlapping(piece.bytes.as_ptr(), into, len) };
+            } else {
+                file.write_all_at(piece.bytes, piece.offset)?;
+            }
+            after.progress.add(len as u64);
+            core.did(len);
+            held = (held.0.min(offset), held.1.max(offset + len));
+        }
+        if mapped && held.1.saturating_sub(held.0) >= LET_GO_EVERY {
+            let_go(target, held);
+            held = (usize::MAX, 0);
+        }
+        // A value begun in this run and not ended in it: its later pieces were this helper's
+        // earlier runs, so it is all written now. Summed here if small; a large one is summed
+        // by the caller (the front writer must not wait on this helper for long).
+        if let InPass(Some((value, _))) = in_pass {
+            let bytes = values[value].bytes;
+            if bytes.len() <= HELPER_SUMS_UP_TO {
+                sums.push((value, checksums::sum(bytes)));
             }
         }
     }
     Ok(sums)
+}
+
+/// Whether the helper still has a core of its own, judged over each window of its work: its
+/// thread's CPU time against the wall time. Where no core is idle, the helper takes its share
+/// of a core the front writer needs and spends it on page faults, which cost twice a write's
+/// work per page (measured: 0.70x `write()` with the other core busy, where the front writer
+/// alone ran at 0.95x), so it stops and leaves the rest to the front.
+struct OwnCore {
+    wall: std::time::Instant,
+    cpu: std::time::Duration,
+    bytes: usize,
+}
+
+impl OwnCore {
+    /// Bytes of work in one window.
+    const WINDOW: usize = 8 << 20;
+
+    fn new() -> OwnCore {
+        OwnCore {
+            wall: std::time::Instant::now(),
+            cpu: thread_cpu_time(),
+            bytes: 0,
+        }
+    }
+
+    fn did(&mut self, bytes: usize) {
+        self.bytes += bytes;
+    }
+
+    /// At the end of each window: whether the helper ran at least 3/4 of the wall time.
+    fn still_own(&mut self) -> bool {
+        if self.bytes < Self::WINDOW {
+            return true;
+        }
+        let cpu = thread_cpu_time().saturating_sub(self.cpu);
+        let own = cpu * 4 >= self.wall.elapsed() * 3;
+        *self = OwnCore::new();
+        own
+    }
+}
+
+/// The calling thread's CPU time.
+fn thread_cpu_time() -> std::time::Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the struct it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    std::time::Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+}
+
+/// Unmaps (MADV_DONTNEED) the pages of `range` of the mapping: on a shared mapping that drops
+/// only this process's page-table entries, never a byte of the file. Without it the pages the
+/// helper copied into would count in the process's resident size until the save ends, as if
+/// the save held a copy of the file (they are the file's own pages, there either way).
+fn let_go(target: &Target, (low, high): (usize, usize)) {
+    let page = page_size();
+    let first = low & !(page - 1);
+    let end = high.next_multiple_of(page);
+    // SAFETY: madvise on pages of our own shared mapping, which nothing reads through.
+    unsafe {
+        libc::madvise(target.0.add(first).cast(), end - first, libc::MADV_DONTNEED);
+    }
 }
 
 /// Faults in, writable, the pages holding `len` bytes from `start` (a shared mapping of a
@@ -513,6 +710,83 @@ pub(crate) mod tests {
             let value_bytes: usize = bytes.iter().map(Vec::len).sum();
             assert_eq!(progress.written(), value_bytes as u64);
         }
+    }
+
+    /// The writers meeting at every kind of place: inside a large value, at a value's edge, in a
+    /// run of small ones, at either end. The helper writes its part first, then the front.
+    #[test]
+    fn wherever_the_writers_meet_every_byte_and_checksum_is_right() {
+        let (bytes, places, len) = values();
+        let placed: Vec<Placed> = bytes
+            .iter()
+            .zip(&places)
+            .map(|(b, &(offset, summed))| Placed {
+                offset,
+                bytes: b,
+                summed,
+            })
+            .collect();
+        let pieces = pieces_of(&placed);
+        let dir = tmpfs_dir();
+        let progress = Progress::default();
+        let after = AfterEachPiece {
+            writeback: false,
+            progress: &progress,
+        };
+        let meetings = [
+            0,
+            1,
+            3,
+            4,
+            5,
+            7,
+            9,
+            12,
+            13,
+            20,
+            100,
+            pieces.len() - 3,
+            pieces.len(),
+        ];
+        for meet in meetings {
+            let _ = std::fs::remove_file(dir.path().join("f"));
+            let file = file_in(dir.path(), 0o600);
+            file.set_len(len).unwrap();
+            let map = MmapRaw::map_raw(&file).unwrap();
+            let target = Target(map.as_mut_ptr());
+            let helper = Claims::new((meet, pieces.len()));
+            let back = copy_from_the_back(&file, &target, &placed, &pieces, &helper, &after, false);
+            let front =
+                write_from_the_front(&file, &placed, &pieces, &Claims::new((0, meet)), &after);
+            let sums = every_sum(&placed, front.unwrap().into_iter().chain(back.unwrap()));
+            let mut expected = vec![0u8; len as usize];
+            for p in &placed {
+                let at = p.offset as usize;
+                expected[at..at + p.bytes.len()].copy_from_slice(p.bytes);
+            }
+            assert!(
+                std::fs::read(dir.path().join("f")).unwrap() == expected,
+                "meet at {meet}"
+            );
+            for (p, sum) in placed.iter().zip(&sums) {
+                let want = if p.summed {
+                    crate::seal::checksums::sum(p.bytes)
+                } else {
+                    0
+                };
+                assert_eq!(*sum, want, "meet at {meet}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_helper_that_gets_no_core_of_its_own_stops() {
+        let mut core = OwnCore::new();
+        core.did(OwnCore::WINDOW - 1);
+        assert!(core.still_own(), "judged only at a window's end");
+        core.did(OwnCore::WINDOW);
+        std::thread::sleep(std::time::Duration::from_millis(30)); // no CPU time for 30 ms
+        assert!(!core.still_own());
     }
 
     #[test]
