@@ -8,9 +8,9 @@ import errno
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
-import shutil
 import sys
 import tempfile
 import textwrap
