@@ -96,6 +96,9 @@ enum Writers {
     FrontOnly,
     #[cfg(test)]
     HelperOnly,
+    /// Both, the helper panicking at its start.
+    #[cfg(test)]
+    HelperPanics,
 }
 
 impl Writers {
@@ -106,6 +109,8 @@ impl Writers {
             Writers::FrontOnly => true,
             #[cfg(test)]
             Writers::HelperOnly => false,
+            #[cfg(test)]
+            Writers::HelperPanics => true,
         }
     }
 
@@ -116,6 +121,8 @@ impl Writers {
             Writers::FrontOnly => false,
             #[cfg(test)]
             Writers::HelperOnly => true,
+            #[cfg(test)]
+            Writers::HelperPanics => true,
         }
     }
 }
@@ -151,7 +158,13 @@ fn fill(
     let (front, back) = std::thread::scope(|scope| {
         let helper = writers.helper().then(|| {
             scope.spawn(|| {
-                let copied = copy_from_the_back(file, &target, values, &claims, after);
+                // A panic (a bug) is an error of the save, which stops the front writer too.
+                let copied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    #[cfg(test)]
+                    assert!(writers != Writers::HelperPanics, "a test's panic");
+                    copy_from_the_back(file, &target, values, &claims, after)
+                }))
+                .unwrap_or_else(|_| Err(io::Error::other("the helper writer panicked")));
                 if copied.is_err() {
                     claims.failed.store(true, Ordering::Relaxed);
                 }
@@ -533,6 +546,29 @@ pub(crate) mod tests {
                 .unwrap();
             assert!(!pays_for(&file, MIN_BYTES, 2), "{open_to_others:o}");
         }
+    }
+
+    #[test]
+    fn a_panic_of_the_helper_is_an_error_of_the_fill() {
+        let (bytes, places, len) = values();
+        let placed: Vec<Placed> = bytes
+            .iter()
+            .zip(&places)
+            .map(|(b, &(offset, summed))| Placed {
+                offset,
+                bytes: b,
+                summed,
+            })
+            .collect();
+        let dir = tmpfs_dir();
+        let file = file_in(dir.path(), 0o600);
+        let progress = Progress::default();
+        let after = AfterEachPiece {
+            writeback: false,
+            progress: &progress,
+        };
+        let e = fill(&file, len, &placed, &after, Writers::HelperPanics).unwrap_err();
+        assert_eq!(e.to_string(), "the helper writer panicked");
     }
 
     #[test]
