@@ -144,6 +144,12 @@ fn fill(
     // A mapping can be refused where writes are not (RLIMIT_AS, vm.max_map_count: the whole
     // file's length in address space): the helper then writes with pwrite(2), as where the
     // kernel cannot populate. Slower, and never a save failed that plain writes finish.
+    if end > len {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "values placed past the end of the file",
+        ));
+    }
     let map = MmapRaw::map_raw(file).ok();
     if map.as_ref().is_some_and(|map| (map.len() as u64) < end) {
         return Err(io::Error::other(
@@ -569,6 +575,26 @@ pub(crate) mod tests {
         };
         let e = fill(&file, len, &placed, &after, Writers::HelperPanics).unwrap_err();
         assert_eq!(e.to_string(), "the helper writer panicked");
+    }
+
+    #[test]
+    fn values_past_the_end_of_the_file_are_refused_before_a_byte_is_written() {
+        let dir = tmpfs_dir();
+        let file = file_in(dir.path(), 0o600);
+        let bytes = [7u8; 100];
+        let placed = [Placed {
+            offset: 8000,
+            bytes: &bytes,
+            summed: true,
+        }];
+        let progress = Progress::default();
+        let after = AfterEachPiece {
+            writeback: false,
+            progress: &progress,
+        };
+        let e = fill(&file, 8050, &placed, &after, Writers::Both).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(progress.written(), 0);
     }
 
     #[test]
