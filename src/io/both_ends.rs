@@ -162,8 +162,10 @@ fn fill(
     };
     let target = Target(map.as_ref().map(MmapRaw::as_mut_ptr));
     let (front, back) = std::thread::scope(|scope| {
-        let helper = writers.helper().then(|| {
-            scope.spawn(|| {
+        // No thread to be had (RLIMIT_NPROC, a cgroup's pids.max): this thread writes it all,
+        // as a plain save would, rather than panic as `scope.spawn` does.
+        let spawned = writers.helper().then(|| {
+            std::thread::Builder::new().spawn_scoped(scope, || {
                 // A panic (a bug) is an error of the save, which stops the front writer too.
                 let copied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     #[cfg(test)]
@@ -177,7 +179,8 @@ fn fill(
                 copied
             })
         });
-        let written = if writers.front() {
+        let helper = spawned.and_then(Result::ok);
+        let written = if writers.front() || helper.is_none() {
             write_from_the_front(file, values, &claims, after)
         } else {
             Ok(Vec::new())

@@ -4,6 +4,7 @@ such a save must survive too."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
+from ortckpt import CheckpointState
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
@@ -59,3 +62,41 @@ def test_a_save_into_tmpfs_fits_in_the_address_space_a_save_on_disk_fits_in(exte
         assert run.returncode == 0, (run.stdout, run.stderr)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
+@pytest.mark.parametrize("place", ["/dev/shm", tempfile.gettempdir()], ids=["tmpfs", "tempdir"])
+def test_a_save_with_no_thread_to_be_had_is_written_by_the_calling_thread(place, external):
+    """Under RLIMIT_NPROC (or a cgroup's pids.max) no thread can be started: the save's
+    writers (the both-ends helper on tmpfs, the parallel writers of external data) must leave
+    their work to the calling thread, not panic (an InternalError) where one thread would do."""
+    directory = Path(tempfile.mkdtemp(prefix="ortckpt-nproc-", dir=place))
+    if os.geteuid() == 0:  # RLIMIT_NPROC binds no root: the child drops to nobody
+        os.chown(directory, 65534, 65534)
+    script = textwrap.dedent(f"""
+        import os, resource
+        import numpy as np
+        from ortckpt import CheckpointState
+
+        directory = {str(directory)!r}
+        # A first save while root: what a save imports lazily is loaded where root can read it.
+        warm = CheckpointState.from_arrays({{"w": np.ones(4, np.float32)}})
+        CheckpointState.save_checkpoint(warm, directory + "/warm")
+        if os.geteuid() == 0:
+            os.setgid(65534)
+            os.setuid(65534)
+        state = CheckpointState.from_arrays({{f"w{{i}}": np.full(1 << 20, i, np.float32) for i in range(8)}})  # 32 MiB
+        resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
+        threshold = {0 if external else 1 << 40}
+        CheckpointState.save_checkpoint(state, directory + "/ckpt", external_data_threshold=threshold)
+    """)
+    try:
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 0, run.stderr[-2000:]
+        loaded = CheckpointState.load_checkpoint(directory / "ckpt")
+        for i in range(8):
+            assert np.array_equal(loaded.parameters[f"w{i}"].data, np.full(1 << 20, i, np.float32)), i
+        names = {"ckpt", "warm", ".ckpt.ortckpt-lock", ".warm.ortckpt-lock"} | ({"ckpt.data"} if external else set())
+        assert {p.name for p in directory.iterdir()} <= names  # no temporaries
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
