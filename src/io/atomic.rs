@@ -354,30 +354,47 @@ pub fn write_at_parallel(
     let threads = threads.clamp(1, values.len().max(1));
     let mut sums = vec![0; values.len()];
     // Deal the values out round-robin: neighbouring tensors go to different threads.
+    let share = |t: usize| -> io::Result<Vec<Sum>> {
+        let mut sums = Vec::new();
+        for &(offset, bytes) in values.iter().skip(t).step_by(threads) {
+            let mut at = offset;
+            let mut sum = Running::default();
+            for piece in bytes.chunks(PIECE) {
+                sum.update(piece);
+                file.write_all_at(piece, at)?;
+                after.written(file, at, piece.len() as u64);
+                at += piece.len() as u64;
+            }
+            sums.push(sum.finish());
+        }
+        Ok(sums)
+    };
     std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
+        // A share whose thread cannot be had (RLIMIT_NPROC, a cgroup's pids.max) is written
+        // by this thread after its own, rather than panic as `scope.spawn` does.
+        let workers: Vec<_> = (1..threads)
             .map(|t| {
-                scope.spawn(move || -> io::Result<Vec<Sum>> {
-                    let mut sums = Vec::new();
-                    for &(offset, bytes) in values.iter().skip(t).step_by(threads) {
-                        let mut at = offset;
-                        let mut sum = Running::default();
-                        for piece in bytes.chunks(PIECE) {
-                            sum.update(piece);
-                            file.write_all_at(piece, at)?;
-                            after.written(file, at, piece.len() as u64);
-                            at += piece.len() as u64;
-                        }
-                        sums.push(sum.finish());
-                    }
-                    Ok(sums)
-                })
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, move || share(t))
+                    .ok()
             })
             .collect();
-        for (t, worker) in workers.into_iter().enumerate() {
-            let of_worker = worker
-                .join()
-                .unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked")))?;
+        let own = share(0);
+        let others = workers.into_iter().enumerate().map(|(k, worker)| {
+            worker.map_or_else(
+                || share(k + 1),
+                |worker| {
+                    worker
+                        .join()
+                        .unwrap_or_else(|_| Err(io::Error::other("a writer thread panicked")))
+                },
+            )
+        });
+        // Every worker joined before any error returns (an unjoined one's panic would be the
+        // scope's).
+        let shares: Vec<_> = std::iter::once(own).chain(others).collect();
+        for (t, of_worker) in shares.into_iter().enumerate() {
+            let of_worker = of_worker?;
             for (k, sum) in of_worker.into_iter().enumerate() {
                 sums[t + k * threads] = sum;
             }
