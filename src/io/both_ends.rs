@@ -219,6 +219,7 @@ fn fill(
             claims.failed.store(true, Ordering::Relaxed);
         }
         let copied = helper.map_or(Ok(Vec::new()), |helper| {
+            helper.thread().unpark(); // a helper pausing for a core: nothing is left to claim
             helper
                 .join()
                 .unwrap_or_else(|_| Err(io::Error::other("the helper writer panicked")))
@@ -482,8 +483,8 @@ fn write_batch(
 /// is summed as it goes; one spread over several (the helper's runs go backwards) is summed
 /// whole once its first piece is written, from the caller's bytes. Where the kernel cannot
 /// populate (before Linux 5.14) it writes with pwrite(2) instead: correct, and no faster than
-/// the front writer. It stops early when it has no core of its own ([`OwnCore`]) and `may_stop`
-/// (the front writer then writes the rest).
+/// the front writer. It pauses when it has no core of its own ([`OwnCore`]) and `may_pause`
+/// (the front writer meanwhile writes what is left).
 fn copy_from_the_back(
     file: &File,
     target: &Target,
@@ -491,13 +492,26 @@ fn copy_from_the_back(
     pieces: &[Piece<'_>],
     claims: &Claims,
     after: &AfterEachPiece<'_>,
-    may_stop: bool,
+    may_pause: bool,
 ) -> io::Result<Vec<(usize, Sum)>> {
     let mut sums = Vec::new();
     let mut populates = true; // (false: a kernel before 5.14; this run is finished, then no more)
     let mut held = (usize::MAX, 0); // the part of the mapping this helper mapped in, not let go
     let mut core = OwnCore::new();
-    while !claims.failed() && populates && (core.still_own() || !may_stop) {
+    let mut pause = OwnCore::FIRST_PAUSE;
+    while !claims.failed() && populates {
+        match core.still_own() {
+            Some(false) if may_pause => {
+                // Sharing a core: pause (longer each time, until a window on a core of its
+                // own), leaving the pieces to the front writer, which wakes it when none is left.
+                std::thread::park_timeout(pause);
+                pause = (pause * 2).min(OwnCore::LONGEST_PAUSE);
+                core = OwnCore::new(); // the pause is no part of the next window
+                continue;
+            }
+            Some(_) => pause = OwnCore::FIRST_PAUSE,
+            None => {}
+        }
         let run = claims.back(pieces);
         if run.is_empty() {
             break;
@@ -548,11 +562,13 @@ fn copy_from_the_back(
     Ok(sums)
 }
 
-/// Whether the helper still has a core of its own, judged over each window of its work: its
-/// thread's CPU time against the wall time. Where no core is idle, the helper takes its share
-/// of a core the front writer needs and spends it on page faults, which cost twice a write's
-/// work per page (measured: 0.70x `write()` with the other core busy, where the front writer
-/// alone ran at 0.95x), so it stops and leaves the rest to the front.
+/// Whether the helper has a core of its own, judged over each window of its work: its thread's
+/// CPU time against the wall time. Where no core is idle, the helper takes its share of a core
+/// the front writer needs and spends it on page faults, which cost twice a write's work per
+/// page (measured: 0.70x `write()` with the other core busy, where the front writer alone ran
+/// at 0.95x), so it pauses and leaves the pieces to the front. It pauses rather than stops: a
+/// window can be shared for a moment (the new thread placed on the front's core, a kernel
+/// thread), and a helper that stopped for good made rounds bimodal.
 struct OwnCore {
     wall: std::time::Instant,
     cpu: std::time::Duration,
@@ -562,6 +578,8 @@ struct OwnCore {
 impl OwnCore {
     /// Bytes of work in one window.
     const WINDOW: usize = 8 << 20;
+    const FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(1);
+    const LONGEST_PAUSE: std::time::Duration = std::time::Duration::from_millis(32);
 
     fn new() -> OwnCore {
         OwnCore {
@@ -575,15 +593,16 @@ impl OwnCore {
         self.bytes += bytes;
     }
 
-    /// At the end of each window: whether the helper ran at least 3/4 of the wall time.
-    fn still_own(&mut self) -> bool {
+    /// At the end of each window (and then a new one starts): whether the helper ran at least
+    /// 3/4 of the wall time since the last. `None` within a window.
+    fn still_own(&mut self) -> Option<bool> {
         if self.bytes < Self::WINDOW {
-            return true;
+            return None;
         }
         let cpu = thread_cpu_time().saturating_sub(self.cpu);
         let own = cpu * 4 >= self.wall.elapsed() * 3;
         *self = OwnCore::new();
-        own
+        Some(own)
     }
 }
 
@@ -829,13 +848,14 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_helper_that_gets_no_core_of_its_own_stops() {
+    fn a_helper_that_gets_no_core_of_its_own_is_told_so() {
         let mut core = OwnCore::new();
         core.did(OwnCore::WINDOW - 1);
-        assert!(core.still_own(), "judged only at a window's end");
+        assert_eq!(core.still_own(), None, "judged only at a window's end");
         core.did(OwnCore::WINDOW);
         std::thread::sleep(std::time::Duration::from_millis(30)); // no CPU time for 30 ms
-        assert!(!core.still_own());
+        assert_eq!(core.still_own(), Some(false));
+        assert_eq!(core.still_own(), None, "a new window");
     }
 
     #[test]
