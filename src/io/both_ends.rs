@@ -156,7 +156,7 @@ fn fill(
     tests::FILLS.with(|fills| fills.set(fills.get() + 1));
     let end = values.iter().map(|v| v.offset + v.bytes.len() as u64).max();
     let Some(end) = end.filter(|&e| e > 0) else {
-        return Ok(vec![0; values.len()]);
+        return Ok(every_sum(values, std::iter::empty())); // empty values have a checksum too
     };
     if end > len {
         return Err(io::Error::new(
@@ -1002,6 +1002,161 @@ pub(crate) mod tests {
                 assert_eq!(*sum, crate::seal::checksums::sum(p.bytes), "round {round}");
             }
             std::fs::remove_file(dir.path().join("f")).unwrap();
+        }
+    }
+
+    fn after_for(progress: &Progress) -> AfterEachPiece<'_> {
+        AfterEachPiece {
+            writeback: false,
+            progress,
+        }
+    }
+
+    /// Nothing but empty values (an empty checkpoint, or one whose values are all holes): a
+    /// summed one still gets the checksum of no bytes, which is not 0.
+    #[test]
+    fn empty_values_alone_get_the_checksum_of_no_bytes() {
+        assert_ne!(crate::seal::checksums::sum(&[]), 0);
+        let dir = tmpfs_dir();
+        let progress = Progress::default();
+        for len in [0, 100] {
+            let _ = std::fs::remove_file(dir.path().join("f"));
+            let file = file_in(dir.path(), 0o600);
+            let placed = [
+                Placed {
+                    offset: 0,
+                    bytes: &[],
+                    summed: true,
+                },
+                Placed {
+                    offset: 0,
+                    bytes: &[],
+                    summed: false,
+                },
+            ];
+            let sums = fill(&file, len, &placed, &after_for(&progress), Writers::Both).unwrap();
+            assert_eq!(sums, [crate::seal::checksums::sum(&[]), 0], "len {len}");
+            assert_eq!(file.metadata().unwrap().len(), len);
+        }
+    }
+
+    /// A file of one piece, which either writer may take (raced many times), and one of two.
+    #[test]
+    fn a_file_of_one_or_two_pieces_is_whole_whoever_takes_them() {
+        let dir = tmpfs_dir();
+        let progress = Progress::default();
+        let bytes: Vec<u8> = (0..PIECE + 1).map(|i| (i * 13) as u8 | 1).collect();
+        for (n, round) in [PIECE, 5, PIECE + 1]
+            .into_iter()
+            .flat_map(|n| (0..40).map(move |r| (n, r)))
+        {
+            let _ = std::fs::remove_file(dir.path().join("f"));
+            let file = file_in(dir.path(), 0o600);
+            let placed = [Placed {
+                offset: 3,
+                bytes: &bytes[..n],
+                summed: true,
+            }];
+            let sums = fill(
+                &file,
+                n as u64 + 7,
+                &placed,
+                &after_for(&progress),
+                Writers::Both,
+            )
+            .unwrap();
+            let got = std::fs::read(dir.path().join("f")).unwrap();
+            assert!(
+                got[..3] == [0; 3] && got[3..3 + n] == bytes[..n] && got[3 + n..] == [0; 4],
+                "{n} {round}"
+            );
+            assert_eq!(
+                sums,
+                [crate::seal::checksums::sum(&bytes[..n])],
+                "{n} {round}"
+            );
+        }
+    }
+
+    /// The helper lets go of its pages every [`LET_GO_EVERY`] bytes, rounded out to whole pages,
+    /// so pages the front wrote (by pwrite, before or after) or the helper will write next are
+    /// let go too: not a byte lost, wherever the two meet, in either order and together.
+    #[test]
+    fn letting_go_of_the_helpers_pages_loses_no_byte() {
+        let dir = tmpfs_dir();
+        // Odd sizes and offsets, so that pieces and values share pages; over 2 x LET_GO_EVERY.
+        let sizes = [LET_GO_EVERY + 4097, 3, PIECE - 5, 4093, LET_GO_EVERY + 77];
+        let bytes: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|j| (j * 7 + i * 61) as u8 | 1).collect())
+            .collect();
+        let mut at = 1;
+        let placed: Vec<Placed> = bytes
+            .iter()
+            .map(|b| {
+                let p = Placed {
+                    offset: at,
+                    bytes: b,
+                    summed: b.len() < LET_GO_EVERY, // (large ones unsummed: a debug build's xxh3 is slow)
+                };
+                at += b.len() as u64;
+                p
+            })
+            .collect();
+        let len = at + 11;
+        let mut expected = vec![0u8; len as usize];
+        for p in &placed {
+            expected[p.offset as usize..][..p.bytes.len()].copy_from_slice(p.bytes);
+        }
+        let pieces = pieces_of(&placed);
+        let progress = Progress::default();
+        let after = after_for(&progress);
+        let check = |sums: Vec<Sum>, what: &str| {
+            let got = std::fs::read(dir.path().join("f")).unwrap();
+            if got != expected {
+                let wrong = got.iter().zip(&expected).position(|(a, b)| a != b);
+                panic!("{what}: {} bytes, first wrong at {wrong:?}", got.len());
+            }
+            for (p, sum) in placed.iter().zip(&sums) {
+                let want = if p.summed {
+                    crate::seal::checksums::sum(p.bytes)
+                } else {
+                    0
+                };
+                assert_eq!(*sum, want, "{what}");
+            }
+        };
+        for meet in [0, 33, pieces.len() / 2, pieces.len() - 1] {
+            for helper_first in [true, false] {
+                let _ = std::fs::remove_file(dir.path().join("f"));
+                let file = file_in(dir.path(), 0o600);
+                file.set_len(len).unwrap();
+                let map = MmapRaw::map_raw(&file).unwrap();
+                let target = Target(map.as_mut_ptr());
+                let back = || {
+                    let claims = Claims::new((meet, pieces.len()));
+                    copy_from_the_back(&file, &target, &placed, &pieces, &claims, &after, false)
+                };
+                let front = || {
+                    let claims = Claims::new((0, meet));
+                    write_from_the_front(&file, &placed, &pieces, &claims, &after)
+                };
+                let (front, back) = if helper_first {
+                    let back = back();
+                    (front(), back)
+                } else {
+                    (front(), back())
+                };
+                let sums = every_sum(&placed, front.unwrap().into_iter().chain(back.unwrap()));
+                check(sums, &format!("meet {meet}, helper first {helper_first}"));
+            }
+        }
+        for round in 0..2 {
+            let _ = std::fs::remove_file(dir.path().join("f"));
+            let file = file_in(dir.path(), 0o600);
+            let sums = fill(&file, len, &placed, &after, Writers::Both).unwrap();
+            check(sums, &format!("both, round {round}"));
         }
     }
 }
