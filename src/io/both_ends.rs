@@ -11,8 +11,9 @@
 //!
 //! Checksums: each writer sums a value as it goes through it in order, while the bytes are in
 //! cache. The helper's runs go backwards, so a value it writes in several runs is summed whole
-//! once its first piece is written, and the one value where the two meet is summed after both
-//! are done: from the caller's bytes, the ones written.
+//! once its first piece is written if it is small (up to `HELPER_SUMS_UP_TO`); a larger one,
+//! and the one value where the two meet, are summed after both are done: from the caller's
+//! bytes, the ones written.
 //!
 //! Why only tmpfs, and only a file no one else may write: a store into a mapping whose page
 //! cannot be had (a full filesystem, or the file truncated by another process) is SIGBUS, the
