@@ -219,21 +219,7 @@ pub fn write_staged(
     if let (Some((len, values)), Some(data)) = (&external, staged.data()) {
         let written: Vec<(u64, &[u8])> = values.iter().copied().filter(|(_, b)| !hole(b)).collect();
         progress.add(values_len as u64 - written.iter().map(|(_, b)| b.len() as u64).sum::<u64>());
-        let file = data.file();
-        let sums = if both_ends::pays_for(file, *len, options.threads) {
-            let placed: Vec<Placed> = written
-                .iter()
-                .map(|&(offset, bytes)| Placed {
-                    offset,
-                    bytes,
-                    summed: true,
-                })
-                .collect();
-            both_ends::write_from_both_ends(file, *len, &placed, &after)
-        } else {
-            io::write_at_parallel(file, *len, &written, options.threads, &after)
-        };
-        let mut sums = sums
+        let mut sums = io::write_at_parallel(data.file(), *len, &written, options.threads, &after)
             .map_err(|e| Error::from(e).in_file(&external_data_path(path)))?
             .into_iter();
         external_sums = values

@@ -11,6 +11,7 @@ use std::io::{self, IoSlice, Seek, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use super::both_ends::{self, Placed};
 use super::siblings::{self, hidden_prefix, still_named, writers_mode, NO_FOLLOW};
 use super::writeback::{AfterEachPiece, PIECE};
 use crate::error::{Error, Result};
@@ -339,8 +340,10 @@ fn write_all_vectored(file: &mut File, slices: &mut [IoSlice<'_>]) -> io::Result
 /// the kernel throttles dirty pages, two pwrite threads had the best median and
 /// the tightest spread; at 1 GiB they were within 8 % of one sequential writer,
 /// and the memory map was slowest at both sizes (a page fault per 4 KiB page).
-/// `after` runs on each [`PIECE`] as soon as it is written. Returns each value's checksum,
-/// taken piece by piece just before the piece is written (while it is in cache).
+/// On tmpfs, where a file takes one write(2) at a time, a private file is filled from both
+/// ends instead ([`super::both_ends`]). `after` runs on each [`PIECE`] as soon as it is
+/// written. Returns each value's checksum, taken piece by piece just before the piece is
+/// written (while it is in cache).
 pub fn write_at_parallel(
     file: &File,
     len: u64,
@@ -349,6 +352,18 @@ pub fn write_at_parallel(
     after: &AfterEachPiece<'_>,
 ) -> io::Result<Vec<Sum>> {
     use std::os::unix::fs::FileExt;
+
+    if both_ends::pays_for(file, len, threads) {
+        let placed: Vec<Placed> = values
+            .iter()
+            .map(|&(offset, bytes)| Placed {
+                offset,
+                bytes,
+                summed: true,
+            })
+            .collect();
+        return both_ends::write_from_both_ends(file, len, &placed, after);
+    }
 
     file.set_len(len)?;
     let threads = threads.clamp(1, values.len().max(1));

@@ -740,22 +740,59 @@ pub(crate) mod tests {
         (bytes, places, at + 100)
     }
 
+    fn after_for(progress: &Progress) -> AfterEachPiece<'_> {
+        AfterEachPiece {
+            writeback: false,
+            progress,
+        }
+    }
+
+    fn placed_from<'a>(bytes: &'a [Vec<u8>], places: &[(u64, bool)]) -> Vec<Placed<'a>> {
+        bytes
+            .iter()
+            .zip(places)
+            .map(|(bytes, &(offset, summed))| Placed {
+                offset,
+                bytes,
+                summed,
+            })
+            .collect()
+    }
+
+    /// The file `placed` should make: their bytes where they go, zeros between.
+    fn expected_file(placed: &[Placed<'_>], len: u64) -> Vec<u8> {
+        let mut expected = vec![0u8; len as usize];
+        for p in placed {
+            expected[p.offset as usize..][..p.bytes.len()].copy_from_slice(p.bytes);
+        }
+        expected
+    }
+
+    /// The file at `path` is `expected` and `sums` are the checksums of the summed values (0 of
+    /// the others).
+    fn assert_written(
+        path: &std::path::Path,
+        expected: &[u8],
+        placed: &[Placed<'_>],
+        sums: &[Sum],
+        what: &str,
+    ) {
+        let got = std::fs::read(path).unwrap();
+        if got != expected {
+            let wrong = got.iter().zip(expected).position(|(a, b)| a != b);
+            panic!("{what}: {} bytes, first wrong at {wrong:?}", got.len());
+        }
+        for (p, sum) in placed.iter().zip(sums) {
+            let want = if p.summed { checksums::sum(p.bytes) } else { 0 };
+            assert_eq!(*sum, want, "{what}");
+        }
+    }
+
     #[test]
     fn every_value_lands_in_place_with_its_checksum_and_the_gaps_read_zero() {
         let (bytes, places, len) = values();
-        let placed: Vec<Placed> = bytes
-            .iter()
-            .zip(&places)
-            .map(|(b, &(offset, summed))| Placed {
-                offset,
-                bytes: b,
-                summed,
-            })
-            .collect();
-        let mut expected = vec![0u8; len as usize];
-        for p in &placed {
-            expected[p.offset as usize..p.offset as usize + p.bytes.len()].copy_from_slice(p.bytes);
-        }
+        let placed = placed_from(&bytes, &places);
+        let expected = expected_file(&placed, len);
         let writers = [Writers::Both, Writers::FrontOnly, Writers::HelperOnly];
         for (dir, writers) in [tmpfs_dir(), tempfile::tempdir().unwrap()]
             .iter()
@@ -764,20 +801,9 @@ pub(crate) mod tests {
             let _ = std::fs::remove_file(dir.path().join("f"));
             let file = file_in(dir.path(), 0o600);
             let progress = Progress::default();
-            let after = AfterEachPiece {
-                writeback: false,
-                progress: &progress,
-            };
+            let after = after_for(&progress);
             let sums = fill(&file, len, &placed, &after, writers).unwrap();
-            assert!(std::fs::read(dir.path().join("f")).unwrap() == expected);
-            for (p, sum) in placed.iter().zip(&sums) {
-                let want = if p.summed {
-                    crate::seal::checksums::sum(p.bytes)
-                } else {
-                    0
-                };
-                assert_eq!(*sum, want);
-            }
+            assert_written(&dir.path().join("f"), &expected, &placed, &sums, "");
             let value_bytes: usize = bytes.iter().map(Vec::len).sum();
             assert_eq!(progress.written(), value_bytes as u64);
         }
@@ -788,22 +814,11 @@ pub(crate) mod tests {
     #[test]
     fn wherever_the_writers_meet_every_byte_and_checksum_is_right() {
         let (bytes, places, len) = values();
-        let placed: Vec<Placed> = bytes
-            .iter()
-            .zip(&places)
-            .map(|(b, &(offset, summed))| Placed {
-                offset,
-                bytes: b,
-                summed,
-            })
-            .collect();
+        let placed = placed_from(&bytes, &places);
         let pieces = pieces_of(&placed);
         let dir = tmpfs_dir();
         let progress = Progress::default();
-        let after = AfterEachPiece {
-            writeback: false,
-            progress: &progress,
-        };
+        let after = after_for(&progress);
         let meetings = [
             0,
             1,
@@ -830,23 +845,14 @@ pub(crate) mod tests {
             let front =
                 write_from_the_front(&file, &placed, &pieces, &Claims::new((0, meet)), &after);
             let sums = every_sum(&placed, front.unwrap().into_iter().chain(back.unwrap()));
-            let mut expected = vec![0u8; len as usize];
-            for p in &placed {
-                let at = p.offset as usize;
-                expected[at..at + p.bytes.len()].copy_from_slice(p.bytes);
-            }
-            assert!(
-                std::fs::read(dir.path().join("f")).unwrap() == expected,
-                "meet at {meet}"
+            let expected = expected_file(&placed, len);
+            assert_written(
+                &dir.path().join("f"),
+                &expected,
+                &placed,
+                &sums,
+                &format!("meet at {meet}"),
             );
-            for (p, sum) in placed.iter().zip(&sums) {
-                let want = if p.summed {
-                    crate::seal::checksums::sum(p.bytes)
-                } else {
-                    0
-                };
-                assert_eq!(*sum, want, "meet at {meet}");
-            }
         }
     }
 
@@ -878,22 +884,11 @@ pub(crate) mod tests {
     #[test]
     fn a_panic_of_the_helper_is_an_error_of_the_fill() {
         let (bytes, places, len) = values();
-        let placed: Vec<Placed> = bytes
-            .iter()
-            .zip(&places)
-            .map(|(b, &(offset, summed))| Placed {
-                offset,
-                bytes: b,
-                summed,
-            })
-            .collect();
+        let placed = placed_from(&bytes, &places);
         let dir = tmpfs_dir();
         let file = file_in(dir.path(), 0o600);
         let progress = Progress::default();
-        let after = AfterEachPiece {
-            writeback: false,
-            progress: &progress,
-        };
+        let after = after_for(&progress);
         let e = fill(&file, len, &placed, &after, Writers::HelperPanics).unwrap_err();
         assert_eq!(e.to_string(), "the helper writer panicked");
     }
@@ -909,10 +904,7 @@ pub(crate) mod tests {
             summed: true,
         }];
         let progress = Progress::default();
-        let after = AfterEachPiece {
-            writeback: false,
-            progress: &progress,
-        };
+        let after = after_for(&progress);
         let e = fill(&file, 8050, &placed, &after, Writers::Both).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         assert_eq!(progress.written(), 0);
@@ -983,35 +975,18 @@ pub(crate) mod tests {
                     summed: true,
                 })
                 .collect();
-            let mut expected = vec![0u8; len as usize];
-            for p in &placed {
-                expected[p.offset as usize..p.offset as usize + p.bytes.len()]
-                    .copy_from_slice(p.bytes);
-            }
+            let expected = expected_file(&placed, len);
             let file = file_in(dir.path(), 0o600);
             let progress = Progress::default();
-            let after = AfterEachPiece {
-                writeback: false,
-                progress: &progress,
-            };
-            let sums = fill(&file, len, &placed, &after, Writers::Both).unwrap();
-            let got = std::fs::read(dir.path().join("f")).unwrap();
-            let wrong = got.iter().zip(&expected).position(|(a, b)| a != b);
-            assert!(
-                got.len() == expected.len() && wrong.is_none(),
-                "round {round}: at {wrong:?}"
+            let sums = fill(&file, len, &placed, &after_for(&progress), Writers::Both).unwrap();
+            assert_written(
+                &dir.path().join("f"),
+                &expected,
+                &placed,
+                &sums,
+                &format!("round {round}"),
             );
-            for (p, sum) in placed.iter().zip(&sums) {
-                assert_eq!(*sum, crate::seal::checksums::sum(p.bytes), "round {round}");
-            }
             std::fs::remove_file(dir.path().join("f")).unwrap();
-        }
-    }
-
-    fn after_for(progress: &Progress) -> AfterEachPiece<'_> {
-        AfterEachPiece {
-            writeback: false,
-            progress,
         }
     }
 
@@ -1108,27 +1083,12 @@ pub(crate) mod tests {
             })
             .collect();
         let len = at + 11;
-        let mut expected = vec![0u8; len as usize];
-        for p in &placed {
-            expected[p.offset as usize..][..p.bytes.len()].copy_from_slice(p.bytes);
-        }
+        let expected = expected_file(&placed, len);
         let pieces = pieces_of(&placed);
         let progress = Progress::default();
         let after = after_for(&progress);
         let check = |sums: Vec<Sum>, what: &str| {
-            let got = std::fs::read(dir.path().join("f")).unwrap();
-            if got != expected {
-                let wrong = got.iter().zip(&expected).position(|(a, b)| a != b);
-                panic!("{what}: {} bytes, first wrong at {wrong:?}", got.len());
-            }
-            for (p, sum) in placed.iter().zip(&sums) {
-                let want = if p.summed {
-                    crate::seal::checksums::sum(p.bytes)
-                } else {
-                    0
-                };
-                assert_eq!(*sum, want, "{what}");
-            }
+            assert_written(&dir.path().join("f"), &expected, &placed, &sums, what)
         };
         for meet in [0, 33, pieces.len() / 2, pieces.len() - 1] {
             for helper_first in [true, false] {

@@ -13,11 +13,9 @@ from __future__ import annotations
 import gc
 import io
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import pytest
 from goldens import EVAL_MODEL, GOLDEN
 from ortckpt import CheckpointState, _boundary
 from ortckpt.errors import InternalError
-from privileges import needs_root
+from privileges import needs_root, small_tmpfs
 
 
 @pytest.fixture(scope="session")
@@ -157,14 +155,7 @@ def test_finding_temporaries_of_dead_saves_never_fill_the_disk_for_good(shim):
     tmpfs) a save killed after staging 2.5 MiB leaves its temporaries, which nothing but a commit
     removes; every later save then fails with ENOSPC while staging, before any commit, so the space
     is never given back, although the dead saves' locks prove them removable. Every time."""
-    directory = Path(tempfile.mkdtemp(prefix="ortckpt-full-"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(directory)], check=False, capture_output=True
-    )
-    if mounted.returncode != 0:
-        shutil.rmtree(directory)
-        pytest.fail(f"a 4 MiB tmpfs could not be mounted (the suite runs as root): {mounted.stderr}")
-    try:
+    with small_tmpfs("size=4M") as directory:
         path = directory / "ck"
         quarter = 1 << 18  # float32 values in a MiB
         ortckpt.save_checkpoint(state_of(1.0, quarter), path, external_data_threshold=0)  # 1 MiB
@@ -182,9 +173,6 @@ def test_finding_temporaries_of_dead_saves_never_fill_the_disk_for_good(shim):
         assert value_of(loaded) == 3.0
         del loaded
         gc.collect()
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_finding_lock_timeouts_out_of_range_are_refused_not_internal_errors(tmp_path):

@@ -8,11 +8,9 @@ import errno
 import os
 import random
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ortckpt import CheckpointState
-from privileges import needs_root
+from privileges import needs_root, small_tmpfs
 
 TRIALS = 200
 
@@ -129,14 +127,7 @@ def test_a_full_tmpfs_is_an_oserror_while_a_helper_copies_through_a_mapping(exte
     both ends, its second writer storing through a shared mapping, where a page that cannot be
     had would be SIGBUS. Each save must fail with ENOSPC naming the file (in a child, so that a
     signal shows as one), and leave the old checkpoint and nothing else."""
-    directory = Path(tempfile.mkdtemp(prefix="ortckpt-full-"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=24M,mode=0700", "tmpfs", str(directory)], check=False, capture_output=True
-    )
-    if mounted.returncode != 0:
-        shutil.rmtree(directory)
-        pytest.fail(f"a 24 MiB tmpfs could not be mounted (the suite runs as root): {mounted.stderr}")
-    try:
+    with small_tmpfs("size=24M,mode=0700") as directory:
         target = directory / "ckpt"
         olds = _arrays(1)
         threshold = 0 if external else 1 << 40
@@ -163,9 +154,6 @@ def test_a_full_tmpfs_is_an_oserror_while_a_helper_copies_through_a_mapping(exte
         assert len(run.stdout.splitlines()) == 4
         assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # no temporaries either
         assert _matches(CheckpointState.load_checkpoint(target), olds)
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external"])
