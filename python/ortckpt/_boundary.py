@@ -30,6 +30,11 @@ rename_directory = _core.rename_directory
 # A held signal handed back to Python once the saving call has returned (see ortckpt.interrupts).
 SignalOnDrop = _core.SignalOnDrop
 acquire_lock = _core.acquire_lock
+# ONNX Runtime's saver given a buffer that grows in place, in a forked child (ortckpt.forked_save).
+InPlacePlan = _core.InPlacePlan
+in_place_plan = _core.in_place_plan
+grow_in_place = _core.grow_in_place
+placed_in_place = _core.placed_in_place
 # The package's version: the crate's, as the core was built (Cargo.toml is its one place).
 VERSION: str = _core.__version__
 CHECKPOINT_VERSION = _core.CHECKPOINT_VERSION

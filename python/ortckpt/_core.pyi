@@ -7,6 +7,7 @@ from typing import Any, Protocol, final
 __all__ = [
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
+    "InPlacePlan",
     "PAYLOAD_ALIGNMENT",
     "TEMP_MARKER",
     "Lock",
@@ -23,9 +24,12 @@ __all__ = [
     "encode_segments",
     "encode_sharing_segments",
     "file_span",
+    "grow_in_place",
     "histogram",
+    "in_place_plan",
     "load",
     "load_buffer",
+    "placed_in_place",
     "record_watched",
     "rename_directory",
     "save",
@@ -97,6 +101,13 @@ class Lock:
     def held(self) -> bool: ...
 
 def stage(target: str | os.PathLike[str], *, with_data: bool = False) -> Staging: ...
+@final
+class InPlacePlan:
+    """Where ONNX Runtime's library calls operator new[] and delete[] (in_place_plan)."""
+
+def in_place_plan(library: str) -> InPlacePlan | None: ...
+def grow_in_place(plan: InPlacePlan) -> bool: ...
+def placed_in_place() -> int: ...
 def rename_directory(
     source: str | os.PathLike[str], target: str | os.PathLike[str], *, durable: bool = False
 ) -> None: ...

@@ -389,12 +389,15 @@ class CheckpointState:
                 and external_data_threshold == _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD
                 and not progress
             ):
-                # The moments are ONNX Runtime's to save: its saver writes the staged files itself.
-                from . import live
+                # The moments are ONNX Runtime's to save: its saver writes the staged files itself,
+                # in a forked child where it can (its buffer grown in place there), else here.
+                from . import forked_save, live
 
-                if live.save_through_ort(
-                    state._backing.ort_state, target.path, durable=durable, lock_timeout=lock_timeout
-                ):
+                ort_state = state._backing.ort_state
+                values = 0 if state.is_nominal else sum(int(p.data.nbytes) for _, p in state.parameters)
+                if forked_save.save(
+                    ort_state, target.path, checkpoint_bytes=3 * values, durable=durable, lock_timeout=lock_timeout
+                ) or live.save_through_ort(ort_state, target.path, durable=durable, lock_timeout=lock_timeout):
                     return
             try:
                 core = state.core_state(include_optimizer_state)

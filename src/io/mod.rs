@@ -6,6 +6,7 @@ mod atomic;
 pub mod both_ends;
 pub mod commit;
 mod file_backed;
+pub mod in_place;
 pub mod locks;
 mod mapped;
 pub mod page_watch;

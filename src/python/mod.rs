@@ -7,6 +7,7 @@
 
 mod compute;
 mod errors;
+mod in_place;
 mod mapped;
 mod parameters;
 mod records;
@@ -562,6 +563,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveProgress>()?;
     m.add_class::<Staging>()?;
     m.add_class::<Lock>()?;
+    m.add_class::<in_place::InPlacePlan>()?;
+    m.add_function(wrap_pyfunction!(in_place::in_place_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(in_place::grow_in_place, m)?)?;
+    m.add_function(wrap_pyfunction!(in_place::placed_in_place, m)?)?;
     // The package's version is the crate's (one place: Cargo.toml), read from the compiled core
     // rather than the installed metadata, so a source tree and a wheel say the same.
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -587,7 +587,7 @@ def hostile_tmpdir(out: str) -> dict:
     with open(victim, "rb") as f:
         victim_text = f.read().decode("utf-8", "replace")
     return {
-        "swaps": len(planted),
+        "swaps": len([e for e in os.listdir(out) if e.startswith("moved-")]),  # (the save's in its forked child)
         "bound": inner.get_parameter("w").data.numpy().tolist(),
         "saved": ortckpt.load_checkpoint(os.path.join(out, "saved.ckpt")).parameters["w"].data.tolist(),
         "victim": victim_text,
