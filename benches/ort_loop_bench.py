@@ -15,10 +15,10 @@ wall time and of the process's CPU time (user + system: what the save cost, on a
 
   - a full save (parameters and optimizer state), to --dir and to --tmpfs: ONNX Runtime's
     ``save_checkpoint(state, path, True)`` (it builds the file in memory, then writes it in place)
-    against ortckpt's (ONNX Runtime's saver writes the staged temporary files, ortckpt seals and
-    commits them: ``live.save_through_ort``), and against the path before it (ONNX Runtime saves
-    into a memfd, ortckpt's writer writes the file atomically); of ortckpt's state and of ONNX
-    Runtime's own; none fsyncs;
+    against ortckpt's (a forked child runs ONNX Runtime's saver, its buffer grown in place, into
+    the staged temporary files; ortckpt seals and commits them: ``forked_save.save``), and against
+    the path before it (ONNX Runtime's saver in this process writes the staged files:
+    ``live.save_through_ort``); of ortckpt's state and of ONNX Runtime's own; none fsyncs;
   - ONNX Runtime's serialisation alone (its save to /dev/null: building the file in memory, the
     floor of any full save through its public API), for the record;
   - a params-only save: ONNX Runtime's against ortckpt's (from the live views, no copy);
@@ -143,9 +143,11 @@ def own_state(work: Path, layers: int, features: int) -> tuple[object, object, o
 
 
 def cpu_seconds() -> float:
-    """User and system time of this process so far, every thread's."""
+    """User and system time of this process so far, every thread's, and of its children
+    reaped (a forked save's)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime + children.ru_utime + children.ru_stime
 
 
 def timed_rounds(
@@ -184,7 +186,7 @@ def main() -> None:
 
     import ortckpt
     from onnxruntime.capi import _pybind_state as C
-    from ortckpt import _boundary
+    from ortckpt import live
 
     work = Path(tempfile.mkdtemp(prefix="ortckpt-ort-loop-", dir=args.dir))
     shm = Path(tempfile.mkdtemp(prefix="ortckpt-ort-loop-", dir=args.tmpfs))
@@ -224,28 +226,36 @@ def main() -> None:
         def ortckpt_full(what: object, path: Path, **options: object) -> Callable[[], None]:
             return lambda: ortckpt.CheckpointState.save_checkpoint(what, path, include_optimizer_state=True, **options)
 
-        # The path before this one (ONNX Runtime saves into a memfd, ortckpt's writer writes the
-        # file): taken whenever the threshold is not the default.
-        memfd_path = {"external_data_threshold": _boundary.DEFAULT_EXTERNAL_DATA_THRESHOLD - 1}
+        def in_process(ort_state: object, path: Path) -> Callable[[], None]:
+            # The path before this one: ONNX Runtime's saver in this process writes the staged files.
+            def save() -> None:
+                assert live.save_through_ort(ort_state, path)
+
+            return save
+
         ort_disk = "ONNX Runtime save_checkpoint(state, path, True), to disk"
         ort_tmpfs = "ONNX Runtime save_checkpoint(state, path, True), to tmpfs"
         ort_own = "ONNX Runtime save_checkpoint(its own state, path, True), to disk"
+        ort_own_tmpfs = "ONNX Runtime save_checkpoint(its own state, path, True), to tmpfs"
         ort_params = "ONNX Runtime save_checkpoint(state, path) (params only)"
         contenders: dict[str, Callable[[], float | None]] = {
             ort_disk: lambda: C.save_checkpoint(inner, str(out / "ort.ckpt"), True),
             "ortckpt save_checkpoint(state, path, include_optimizer_state=True), to disk": ortckpt_full(
                 state, out / "ortckpt.ckpt"
             ),
-            "the previous path (ONNX Runtime into a memfd, ortckpt's writer), to disk": ortckpt_full(
-                state, out / "memfd.ckpt", **memfd_path
-            ),
+            "the path before (ONNX Runtime's saver in this process), to disk": in_process(inner, out / "before.ckpt"),
             ort_tmpfs: lambda: C.save_checkpoint(inner, str(shm / "ort.ckpt"), True),
             "ortckpt save_checkpoint(state, path, include_optimizer_state=True), to tmpfs": ortckpt_full(
                 state, shm / "ortckpt.ckpt"
             ),
+            "the path before (ONNX Runtime's saver in this process), to tmpfs": in_process(inner, shm / "before.ckpt"),
             ort_own: lambda: C.save_checkpoint(own_inner, str(out / "ort_own.ckpt"), True),
             "ortckpt save_checkpoint(its own state, path, include_optimizer_state=True), to disk": ortckpt_full(
                 own, out / "ortckpt_own.ckpt"
+            ),
+            ort_own_tmpfs: lambda: C.save_checkpoint(own_inner, str(shm / "ort_own.ckpt"), True),
+            "ortckpt save_checkpoint(its own state, path, include_optimizer_state=True), to tmpfs": ortckpt_full(
+                own, shm / "ortckpt_own.ckpt"
             ),
             "ONNX Runtime save to /dev/null (building the file alone: the floor)": lambda: C.save_checkpoint(
                 inner, os.devnull, True
@@ -269,7 +279,7 @@ def main() -> None:
             if "params only" in name:
                 return ort_params
             if "its own state" in name:
-                return ort_own
+                return ort_own_tmpfs if "tmpfs" in name else ort_own
             return ort_tmpfs if "tmpfs" in name else ort_disk
 
         lines = [

@@ -26,6 +26,7 @@ SaveProgress = _core.SaveProgress
 Staging = _core.Staging
 Lock = _core.Lock
 stage = _core.stage
+release_clean_cache = _core.release_clean_cache
 rename_directory = _core.rename_directory
 # A held signal handed back to Python once the saving call has returned (see ortckpt.interrupts).
 SignalOnDrop = _core.SignalOnDrop

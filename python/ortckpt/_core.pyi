@@ -7,9 +7,9 @@ from typing import Any, Protocol, final
 __all__ = [
     "CHECKPOINT_VERSION",
     "DEFAULT_EXTERNAL_DATA_THRESHOLD",
-    "InPlacePlan",
     "PAYLOAD_ALIGNMENT",
     "TEMP_MARKER",
+    "InPlacePlan",
     "Lock",
     "MappedFile",
     "ParameterIndex",
@@ -31,6 +31,7 @@ __all__ = [
     "load_buffer",
     "placed_in_place",
     "record_watched",
+    "release_clean_cache",
     "rename_directory",
     "save",
     "save_bytes",
@@ -101,6 +102,8 @@ class Lock:
     def held(self) -> bool: ...
 
 def stage(target: str | os.PathLike[str], *, with_data: bool = False) -> Staging: ...
+def release_clean_cache(target: str | os.PathLike[str]) -> bool: ...
+
 @final
 class InPlacePlan:
     """Where ONNX Runtime's library calls operator new[] and delete[] (in_place_plan)."""

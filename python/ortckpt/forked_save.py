@@ -133,6 +133,7 @@ class ForkedSave:
             raise
         finally:
             self._close_report()
+        self._reap(block=True)  # (it left once it reported: its exit ran beside the seal and commit)
 
     def abandon(self) -> None:
         """Kills the child if it still runs, reaps it and removes the staged files."""
@@ -144,7 +145,8 @@ class ForkedSave:
         self._close_report()
 
     def _wait(self) -> ForkedSaveError | None:
-        """The child's failure, or None once it reported success and exited."""
+        """The child's failure, or None once it reported success (its files are written then:
+        its exit, tearing down a copy of the trainer's address space, is not waited for)."""
         deadline = self._started + self.timeout
         report = b""
         waiting = select.poll()  # (poll, not select: a descriptor past 1023 is fine)
@@ -163,6 +165,8 @@ class ForkedSave:
                 chunk = os.read(self._report, 65536)
                 report += chunk
                 ended = not chunk  # (end of file: the child is gone)
+            if _succeeded(report):  # (one write under PIPE_BUF: read whole)
+                return self._verdict(report, None)
             status = self._reap(block=ended)
             if status is not None or ended:
                 # (the child's last words may still be in the pipe once it has exited)
@@ -181,7 +185,7 @@ class ForkedSave:
         return data
 
     def _verdict(self, report: bytes, status: int | None) -> ForkedSaveError | None:
-        if report.startswith(b"ok:") and report[3:].isdigit():
+        if _succeeded(report):
             self.placed = int(report[3:])
             return None  # (the report is written after the files are: the exit status is only the way out)
         if report.startswith(b"error:"):
@@ -210,6 +214,11 @@ class ForkedSave:
         if self._report >= 0:
             os.close(self._report)
             self._report = -1
+
+
+def _succeeded(report: bytes) -> bool:
+    """Whether ``report`` is a child's success: ``ok:`` and the bytes its buffer took in place."""
+    return report.startswith(b"ok:") and report[3:].isdigit()
 
 
 class ForkFailed(OSError):
@@ -282,7 +291,7 @@ def _child(
         try:
             os.write(write, report)
         finally:
-            os._exit(0 if report.startswith(b"ok:") else 1)
+            os._exit(0 if _succeeded(report) else 1)
 
 
 def save(
@@ -305,6 +314,10 @@ def save(
         child = start(ort_state, target, checkpoint_bytes=checkpoint_bytes)
     except ForkFailed:
         return None
+    # While the child serialises: the clean page cache of the files it replaces, dropped (their
+    # bytes stay), so the child's write reuses that memory as an overwrite in place would.
+    for replaced in (target, Path(f"{target}.data")):
+        _boundary.release_clean_cache(replaced)
     try:
         child.finish(durable=durable, lock_timeout=lock_timeout, before_commit=interrupts.before_commit)
     except ForkedSaveError:

@@ -58,7 +58,7 @@ impl Held {
     /// it is the first held or a growth (at least half again) of the one held; else None (the
     /// original operator's). Lengths not a multiple of 8 are no builder's.
     fn place(&mut self, len: usize, start: usize, end: usize) -> Option<usize> {
-        if len < IN_PLACE_FROM || len > end - start || len % 8 != 0 {
+        if len < IN_PLACE_FROM || len > end - start || !len.is_multiple_of(8) {
             return None;
         }
         match self.arrays.as_slice() {
@@ -135,8 +135,8 @@ unsafe extern "C-unwind" fn grown_delete(at: *mut libc::c_void) {
         return;
     }
     // SAFETY: as in grown_new.
-    let original: DeleteFn =
-        unsafe { std::mem::transmute(ORIGINAL_DELETE.load(Ordering::Acquire)) };
+    let original =
+        unsafe { std::mem::transmute::<usize, DeleteFn>(ORIGINAL_DELETE.load(Ordering::Acquire)) };
     unsafe { original(at) }
 }
 
@@ -445,7 +445,7 @@ mod tests {
         let mut reserved = 1024usize;
         let mut before: Option<(usize, usize)> = None;
         let mut placed = 0;
-        while reserved < 1500 * MIB {
+        while reserved < 1300 * MIB {
             let grown = (reserved + (reserved / 2).max(1)).div_ceil(8) * 8;
             let at = held.place(grown, START_AT, END_AT);
             if grown < IN_PLACE_FROM {
@@ -485,6 +485,77 @@ mod tests {
             Some(END_AT - 9 * MIB)
         );
         assert!(held.release(second));
+    }
+
+    unsafe extern "C-unwind" fn fake_new(len: usize) -> *mut libc::c_void {
+        // SAFETY: malloc has no preconditions.
+        unsafe { libc::malloc(len) }
+    }
+    unsafe extern "C-unwind" fn fake_delete(at: *mut libc::c_void) {
+        // SAFETY: only ever given what fake_new returned.
+        unsafe { libc::free(at) }
+    }
+
+    /// Installed over two slots of ours (as a library's would be): the slots call ortckpt's
+    /// operators; a builder's arrays end at the mapping's end, each holding the one before,
+    /// and the helper populates them (resident before any byte is written); a small array and
+    /// its delete[] are the original operators'. A second install, or one over slots that no
+    /// longer hold what was planned, changes nothing.
+    #[test]
+    fn installed_slots_grow_the_buffer_in_place_and_pass_the_rest_on() {
+        let slots: Box<[usize; 2]> =
+            Box::new([fake_new as NewFn as usize, fake_delete as DeleteFn as usize]);
+        let plan = Plan {
+            new_slot: &slots[0] as *const usize as usize,
+            delete_slot: &slots[1] as *const usize as usize,
+            original_new: slots[0],
+            original_delete: slots[1],
+        };
+        let stale = Plan {
+            original_new: 1,
+            ..plan
+        };
+        // SAFETY: the slots are ours; nothing else calls through them.
+        assert!(!unsafe { install(&stale) });
+        assert_eq!(slots[0], fake_new as NewFn as usize);
+        assert!(unsafe { install(&plan) });
+        assert!(!unsafe { install(&plan) }); // (once per process)
+        let (new, delete): (NewFn, DeleteFn) = unsafe {
+            (
+                std::mem::transmute::<usize, NewFn>(slots[0]),
+                std::mem::transmute::<usize, DeleteFn>(slots[1]),
+            )
+        };
+        let end = END.load(Ordering::Acquire);
+        let small = unsafe { new(4096) };
+        assert!(!(START.load(Ordering::Acquire)..end).contains(&(small as usize)));
+        unsafe { delete(small) };
+        let first = unsafe { new(4 * MIB) } as usize;
+        assert_eq!(first + 4 * MIB, end);
+        // SAFETY: the array is ours, 4 MiB.
+        unsafe { std::ptr::write_bytes((end - 16) as *mut u8, 7, 16) };
+        let grown = unsafe { new(8 * MIB) } as usize;
+        assert_eq!(grown + 8 * MIB, end);
+        assert_eq!(unsafe { *((end - 1) as *const u8) }, 7); // (the old array's bytes, in place)
+        unsafe { delete(first as *mut libc::c_void) };
+        let resident = |at: usize, len: usize| -> bool {
+            let mut pages = vec![0u8; len.div_ceil(4096)];
+            // SAFETY: our mapping's pages, one byte per page out.
+            let rc = unsafe { libc::mincore(at as *mut libc::c_void, len, pages.as_mut_ptr()) };
+            rc == 0 && pages.iter().all(|p| p & 1 == 1)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !resident(grown, 8 * MIB) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the helper populated nothing"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!resident(end - 16 * MIB, 4096)); // (nothing past the largest array)
+        unsafe { delete(grown as *mut libc::c_void) };
+        assert!(HELD.lock().unwrap().arrays.is_empty());
+        assert!(placed() >= (12 * MIB) as u64);
     }
 
     /// No loaded object by that name: no plan. The plan for the C library's own objects, which

@@ -23,4 +23,4 @@ pub use file_backed::FileBacked;
 pub use locks::{LockFile, PathLock};
 pub use mapped::{map_private, map_private_any, open as open_regular, FileId};
 pub use progress::Progress;
-pub use writeback::AfterEachPiece;
+pub use writeback::{release_clean_cache, AfterEachPiece};

@@ -30,7 +30,7 @@ use crate::io::Progress;
 use errors::to_py_err;
 use mapped::MappedFile;
 use records::{payloads_in, CheckpointIn, WriteOptionsIn};
-use staging::{acquire_lock, rename_directory, stage, Lock, Staging};
+use staging::{acquire_lock, release_clean_cache, rename_directory, stage, Lock, Staging};
 
 /// Runs `f`, turning a panic into ortckpt.errors.InternalError: no panic crosses into Python.
 fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
@@ -550,6 +550,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_segments, m)?)?;
     m.add_function(wrap_pyfunction!(encode_sharing_segments, m)?)?;
     m.add_function(wrap_pyfunction!(stage, m)?)?;
+    m.add_function(wrap_pyfunction!(release_clean_cache, m)?)?;
     m.add_function(wrap_pyfunction!(rename_directory, m)?)?;
     m.add_function(wrap_pyfunction!(acquire_lock, m)?)?;
     m.add_function(wrap_pyfunction!(compute::combine, m)?)?;

@@ -19,6 +19,13 @@ pub(super) fn stage(py: Python<'_>, target: PathBuf, with_data: bool) -> PyResul
     })
 }
 
+/// Drops the clean page cache of the file at `target` (never followed), which a staged save is
+/// about to replace (`io::release_clean_cache`); false where nothing was done.
+#[pyfunction]
+pub(super) fn release_clean_cache(py: Python<'_>, target: PathBuf) -> bool {
+    py.detach(|| crate::io::release_clean_cache(&target))
+}
+
 /// A staged file (and data file): written by Python through `fileno()`, published by
 /// `commit()`, dropped by `discard()` (or when collected uncommitted).
 #[pyclass(frozen, module = "ortckpt._core")]

@@ -41,6 +41,10 @@ Each command prints one JSON object on its last line of stdout.
   forked_failures ARTIFACTS OUT  forked saves whose child is SIGKILLed mid-save, hangs past its
       deadline, raises, or is sent SIGTERM and SIGINT; after each, what the run holds and a save
   forked_orphan ARTIFACTS OUT  a forked save whose child hangs: prints the child's pid, then sleeps
+  in_place OUT  full saves of a 12 MiB AdamW state (4 x MatMul 512x512, artifacts generated in
+      OUT), ortckpt's state and ONNX Runtime's own: by a forked child whose buffer grows in
+      place, by one whose buffer grows as ONNX Runtime's does, and in this process (no fork to be
+      had); ONNX Runtime's own save of the same moment beside them
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
@@ -692,6 +696,104 @@ def through_ort(artifacts: str, out: str) -> dict:
     return {"files": files, "failures": failures, "left": sorted(os.listdir(out))}
 
 
+def _matmul_artifacts(directory: str, layers: int, features: int) -> None:
+    """generate_artifacts for x[2, F] -> ``layers`` MatMuls of F x F -> y, MSE loss, AdamW."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.training import artifacts
+
+    rng = np.random.default_rng(5)
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((features, features)) / features).astype(np.float32), f"w{i}")
+        for i in range(layers)
+    ]
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"], [f"h{i + 1}"]) for i in range(layers)]
+    nodes.append(helper.make_node("Identity", [f"h{layers}"], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "matmuls",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, features])],
+        weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=[w.name for w in weights],
+        loss=artifacts.LossType.MSELoss,
+        optimizer=artifacts.OptimType.AdamW,
+        artifact_directory=directory,
+    )
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        path = os.path.join(directory, name)  # (ONNX Runtime 1.19.2 reads IR 10 at most)
+        generated = onnx.load(path)
+        generated.ir_version = min(generated.ir_version, 10)
+        onnx.save(generated, path)
+
+
+def in_place(out: str) -> dict:
+    import errno
+
+    from ortckpt import forked_save
+
+    artifacts = os.path.join(out, "artifacts")
+    os.mkdir(artifacts)
+    _matmul_artifacts(artifacts, 4, 512)
+    children: list = []
+    start = forked_save.start
+
+    def watched_start(*args: object, **kwargs: object) -> object:
+        children.append(start(*args, **kwargs))
+        return children[-1]
+
+    def no_fork() -> int:
+        raise OSError(errno.EAGAIN, "no process to be had (simulated)")
+
+    forked_save.start = watched_start
+    result: dict = {}
+    for kind in ("ortckpt", "onnxruntime"):
+        cls = ortckpt.CheckpointState if kind == "ortckpt" else ort_api.CheckpointState
+        state = cls.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+        model = ort_api.Module(
+            os.path.join(artifacts, "training_model.onnx"), state, os.path.join(artifacts, "eval_model.onnx")
+        )
+        optimizer = ort_api.Optimizer(os.path.join(artifacts, "optimizer_model.onnx"), model)
+        rng = np.random.default_rng(3)
+        for _ in range(2):
+            model(*(rng.standard_normal((2, 512)).astype(np.float32) for _ in range(2)))
+            optimizer.step()
+            model.lazy_reset_grad()
+        reference = os.path.join(out, f"{kind}_ort.ckpt")
+        ort_api.CheckpointState.save_checkpoint(state, reference, True)
+        with open(reference, "rb") as f:
+            ort_bytes = f.read()
+        saves = {}
+        for how in ("in_place", "grown_as_onnx_runtime", "in_process"):
+            children.clear()
+            forked_save.GROW_IN_PLACE = how != "grown_as_onnx_runtime"
+            fork = os.fork
+            if how == "in_process":
+                os.fork = no_fork
+            try:
+                saved = os.path.join(out, f"{kind}_{how}.ckpt")
+                ortckpt.CheckpointState.save_checkpoint(state, saved, include_optimizer_state=True)
+            finally:
+                os.fork = fork
+                forked_save.GROW_IN_PLACE = True
+            with open(saved, "rb") as f:
+                saved_bytes = f.read()
+            saves[how] = {
+                "forked": bool(children),
+                "placed": children[0].placed if children else None,
+                "onnx_runtimes_bytes_then_the_seal": saved_bytes.startswith(ort_bytes)
+                and len(saved_bytes) > len(ort_bytes),
+                "verified": bool(ortckpt.verify(saved).checksums),
+            }
+        result[kind] = {"saves": saves, "checkpoint_bytes": len(ort_bytes)}
+    return result
+
+
 def _file_sha(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -799,6 +901,7 @@ def main(argv: list[str]) -> None:
         "preempt_run": preempt_run,
         "through_ort": through_ort,
         "backings_alike": backings_alike,
+        "in_place": in_place,
     }
     result = commands[command](*args)
     print(json.dumps(result))

@@ -204,6 +204,24 @@ def test_a_full_save_is_onnx_runtimes_serialisation_written_into_the_staged_file
     assert not [name for name in report["left"] if "ortckpt-tmp" in name or name.startswith(".")]
 
 
+def test_a_full_save_grows_onnx_runtimes_buffer_in_place_in_a_forked_child_and_writes_its_bytes(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """A full save of a 12 MiB AdamW state, ortckpt's and ONNX Runtime's own: a forked child runs
+    ONNX Runtime's saver with its buffer grown in place (every array of 1 MiB or more it took
+    placed so: more bytes than the file), and the file is ONNX Runtime's own save of the same
+    moment byte for byte, then ortckpt's seal; the same with the buffer grown as ONNX Runtime
+    grows it (nothing placed), and in this process where no fork can be had."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "in_place", tmp_path)
+    for kind in ("ortckpt", "onnxruntime"):
+        saves = report[kind]["saves"]
+        assert saves["in_place"]["forked"] and saves["in_place"]["placed"] > report[kind]["checkpoint_bytes"] > 12 << 20
+        assert saves["grown_as_onnx_runtime"]["forked"] and saves["grown_as_onnx_runtime"]["placed"] == 0
+        assert not saves["in_process"]["forked"]
+        for how in ("in_place", "grown_as_onnx_runtime", "in_process"):
+            assert saves[how]["onnx_runtimes_bytes_then_the_seal"] and saves[how]["verified"], (kind, how)
+
+
 def test_a_manager_run_on_either_class_gives_the_same_steps(ort_loop_python: str, tmp_path: Path) -> None:
     runs = {}
     for kind in ("ortckpt", "onnxruntime"):
