@@ -1,5 +1,6 @@
-"""A full save of the state ONNX Runtime trains, taken by a forked process: the trainer is
-blocked only while it forks (``CheckpointManager(async_save="fork")``).
+"""A full save of the state ONNX Runtime trains, taken by a forked process whose copy of ONNX
+Runtime's buffer grows in place: synchronous (``save_checkpoint(state, path, True)``: :func:`save`),
+or with the trainer blocked only while it forks (``CheckpointManager(async_save="fork")``).
 
 The optimizer's moments are reachable only through ONNX Runtime's ``save_checkpoint``, which
 serialises the whole state in the calling thread (seconds, for a large state). A fork gives a

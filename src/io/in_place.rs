@@ -24,9 +24,7 @@
 //! The child exits once ONNX Runtime's save returns, so nothing is ever put back.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
-use std::thread::Thread;
-use std::time::Duration;
+use std::sync::Mutex;
 
 /// Arrays of this size or more are placed in the reserved mapping.
 const IN_PLACE_FROM: usize = 1 << 20;
@@ -90,7 +88,6 @@ static ORIGINAL_NEW: AtomicUsize = AtomicUsize::new(0);
 static ORIGINAL_DELETE: AtomicUsize = AtomicUsize::new(0);
 /// Bytes below the mapping's end the helper is to populate (the largest array placed).
 static AHEAD: AtomicUsize = AtomicUsize::new(0);
-static HELPER: OnceLock<Thread> = OnceLock::new();
 /// Bytes of arrays placed in the mapping (a report: the saver's buffer did grow in place).
 static PLACED: AtomicU64 = AtomicU64::new(0);
 
@@ -108,9 +105,6 @@ unsafe extern "C-unwind" fn grown_new(len: usize) -> *mut libc::c_void {
         Some(at) => {
             PLACED.fetch_add(len as u64, Ordering::Relaxed);
             AHEAD.fetch_max(len, Ordering::Release);
-            if let Some(helper) = HELPER.get() {
-                helper.unpark();
-            }
             at as *mut libc::c_void
         }
         None => {
@@ -140,22 +134,25 @@ unsafe extern "C-unwind" fn grown_delete(at: *mut libc::c_void) {
     unsafe { original(at) }
 }
 
-/// The helper: populates the mapping from its end downwards, as far as [`AHEAD`] says, then
-/// waits for more. Stops at the first refusal (an old kernel, no memory: the builder's own
-/// page faults then do it).
-fn populate_ahead(end: usize) {
+/// The helper (a bare pthread: started in a forked child, where a lock of Rust's runtime
+/// another thread held at the fork would stay held): populates the mapping from its end
+/// downwards, as far as [`AHEAD`] says, looking again every 100 us once it is there. Stops at
+/// the first refusal (an old kernel, no memory: the builder's own page faults then do it).
+extern "C" fn populate_ahead(_: *mut libc::c_void) -> *mut libc::c_void {
+    let end = END.load(Ordering::Acquire);
     let mut done = 0usize;
     loop {
         let ahead = AHEAD.load(Ordering::Acquire);
         if done >= ahead {
-            std::thread::park_timeout(Duration::from_millis(5));
+            // SAFETY: usleep has no preconditions.
+            unsafe { libc::usleep(100) };
             continue;
         }
         let piece = PIECE.min(ahead - done);
         let first = end - done - piece;
         // SAFETY: pages of our own reserved mapping; populating changes no byte.
         if unsafe { libc::madvise(first as *mut libc::c_void, piece, MADV_POPULATE_WRITE) } != 0 {
-            return;
+            return std::ptr::null_mut();
         }
         done += piece;
     }
@@ -410,14 +407,19 @@ pub unsafe fn install(plan: &Plan) -> bool {
     END.store(start + RESERVE, Ordering::Release);
     ORIGINAL_NEW.store(plan.original_new, Ordering::Release);
     ORIGINAL_DELETE.store(plan.original_delete, Ordering::Release);
-    if let Ok(helper) = std::thread::Builder::new()
-        .name("ortckpt-ahead".into())
-        .spawn(move || populate_ahead(start + RESERVE))
-    {
-        let _ = HELPER.set(helper.thread().clone());
-    } // (no thread to be had: the builder's own faults populate)
-      // delete[] first: from here on an array of ours is freed by ours.
-      // SAFETY: the slots, writable now, hold function addresses the library calls through.
+    let mut helper: libc::pthread_t = 0;
+    // SAFETY: a detached-in-effect thread running populate_ahead, which needs no argument; no
+    // thread to be had (an error) leaves the builder's own page faults to populate.
+    unsafe {
+        libc::pthread_create(
+            &mut helper,
+            std::ptr::null(),
+            populate_ahead,
+            std::ptr::null_mut(),
+        );
+    }
+    // delete[] first: from here on an array of ours is freed by ours.
+    // SAFETY: the slots, writable now, hold function addresses the library calls through.
     unsafe {
         std::ptr::write_volatile(
             plan.delete_slot as *mut usize,
@@ -544,13 +546,13 @@ mod tests {
             let rc = unsafe { libc::mincore(at as *mut libc::c_void, len, pages.as_mut_ptr()) };
             rc == 0 && pages.iter().all(|p| p & 1 == 1)
         };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while !resident(grown, 8 * MIB) {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the helper populated nothing"
             );
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(!resident(end - 16 * MIB, 4096)); // (nothing past the largest array)
         unsafe { delete(grown as *mut libc::c_void) };
