@@ -76,7 +76,7 @@ pub fn pays_for(file: &File, bytes: u64, threads: usize) -> bool {
     threads >= 2 && bytes >= MIN_BYTES && on_tmpfs(file) && writable_by_us_alone(file)
 }
 
-pub(crate) fn on_tmpfs(file: &File) -> bool {
+fn on_tmpfs(file: &File) -> bool {
     // SAFETY: fstatfs fills the struct it is given, for a descriptor open for the call.
     unsafe {
         let mut fs: libc::statfs = std::mem::zeroed();
