@@ -46,7 +46,8 @@ Each command prints one JSON object on its last line of stdout.
       place, by one whose buffer grows as ONNX Runtime's does, and in this process (no fork to be
       had); ONNX Runtime's own save of the same moment beside them
   forked_save_signalled ARTIFACTS OUT  synchronous forked full saves whose SIGTERM handler raises
-      SystemExit as the fork's signals are unblocked, and while the replaced file's cache is dropped
+      SystemExit as the fork's signals are unblocked, and while the replaced file's cache is
+      dropped; one with a Ctrl-C (SIGINT) while the child saves
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
@@ -812,7 +813,8 @@ def _children_of_this_process() -> list[str]:
 
 def forked_save_signalled(artifacts: str, out: str) -> dict:
     """Synchronous forked full saves whose trainer's SIGTERM handler raises SystemExit as the
-    fork's signals are unblocked, and while the parent drops the replaced file's cache."""
+    fork's signals are unblocked, and while the parent drops the replaced file's cache; one
+    with a Ctrl-C while the child saves."""
     import contextlib
 
     from ortckpt import _boundary, forked_save
@@ -840,6 +842,12 @@ def forked_save_signalled(artifacts: str, out: str) -> dict:
     patches = {
         "as_the_fork_unblocks_signals": (forked_save, "_fork_warning_silenced", sigterm_while_blocked),
         "while_the_cache_is_dropped": (_boundary, "release_clean_cache", lambda path: sigterm()),
+        # (a Ctrl-C while the child saves: held until just before the commit, then raised)
+        "ctrl_c_while_the_child_saves": (
+            _boundary,
+            "release_clean_cache",
+            lambda path: os.kill(os.getpid(), signal.SIGINT),
+        ),
     }
     previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     descriptors = len(os.listdir("/proc/self/fd"))
@@ -853,6 +861,8 @@ def forked_save_signalled(artifacts: str, out: str) -> dict:
                 raised = None
             except SystemExit as e:
                 raised = f"SystemExit({e.code})"
+            except KeyboardInterrupt:
+                raised = "KeyboardInterrupt"
             finally:
                 forked_save._fork_warning_silenced, _boundary.release_clean_cache = silenced, release
             with open(target, "rb") as f:

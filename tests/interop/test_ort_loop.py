@@ -228,11 +228,16 @@ def test_a_signal_handlers_exception_around_a_synchronous_forked_save_leaves_no_
     """A trainer whose SIGTERM handler raises SystemExit, signalled as the fork's signals are
     unblocked and while the parent drops the replaced file's cache: the SystemExit comes out of
     the save, the child is killed and reaped (no process of it left, not even a zombie), no
-    temporary or descriptor stays, the old file stands, and the next save is ONNX Runtime's."""
+    temporary or descriptor stays, the old file stands, and the next save is ONNX Runtime's. A
+    Ctrl-C while the child saves: KeyboardInterrupt before the commit, the same left."""
     report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_save_signalled", ARTIFACTS, tmp_path)
-    for kind in ("as_the_fork_unblocks_signals", "while_the_cache_is_dropped"):
+    for kind, raised in (
+        ("as_the_fork_unblocks_signals", "SystemExit(143)"),
+        ("while_the_cache_is_dropped", "SystemExit(143)"),
+        ("ctrl_c_while_the_child_saves", "KeyboardInterrupt"),
+    ):
         assert report[kind] == {
-            "raised": "SystemExit(143)",
+            "raised": raised,
             "children": [],
             "old_file_intact": True,
             "left": ["state.ckpt"],
