@@ -232,16 +232,16 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
     checkpoint's name in messages (default: ``target``)."""
     timeout = TIMEOUT if TIMEOUT is not None else default_timeout(checkpoint_bytes)
     staging = _boundary.stage(target, with_data=True)
+    read = write = -1
+    pid = 0
+    # Anything raised from here to the return (a SIGTERM handler's SystemExit, run as the signals
+    # are unblocked after the fork) leaves nothing behind: no descriptor, no temporary, no child.
     try:
         read, write = os.pipe2(os.O_CLOEXEC)
-    except BaseException:
-        staging.discard()
-        raise
-    parent = os.getpid()
-    handled = _python_handled_signals()
-    prctl = _prctl()  # (looked up here: the child asks the dynamic loader nothing)
-    plan = _in_place_plan()
-    try:
+        parent = os.getpid()
+        handled = _python_handled_signals()
+        prctl = _prctl()  # (looked up here: the child asks the dynamic loader nothing)
+        plan = _in_place_plan()
         with _signals_blocked(handled), _fork_warning_silenced():
             try:
                 pid = os.fork()
@@ -249,13 +249,24 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
                 raise ForkFailed(e.errno, f"fork: {e.strerror}") from None
             if pid == 0:  # the child: never returns
                 _child(ort_state, staging, read, write, parent, handled, prctl, plan)
-    except BaseException:
-        os.close(read)
         os.close(write)
+        write = -1
+        return ForkedSave(pid, read, staging, Path(shown) if shown is not None else target, timeout)
+    except BaseException:
+        if pid > 0:
+            _kill_and_reap(pid)
+        for descriptor in (read, write):
+            if descriptor >= 0:
+                os.close(descriptor)
         staging.discard()
         raise
-    os.close(write)
-    return ForkedSave(pid, read, staging, Path(shown) if shown is not None else target, timeout)
+
+
+def _kill_and_reap(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):  # (reaped by a SIGCHLD handler of the program's)
+        os.waitpid(pid, 0)
 
 
 def _child(
@@ -317,8 +328,12 @@ def save(
         return None
     # While the child serialises: the clean page cache of the files it replaces, dropped (their
     # bytes stay), so the child's write reuses that memory as an overwrite in place would.
-    for replaced in (target, Path(f"{target}.data")):
-        _boundary.release_clean_cache(replaced)
+    try:
+        for replaced in (target, Path(f"{target}.data")):
+            _boundary.release_clean_cache(replaced)
+    except BaseException:  # (a signal handler's exception here: the child killed and reaped, nothing staged left)
+        child.abandon()
+        raise
     try:
         child.finish(durable=durable, lock_timeout=lock_timeout, before_commit=interrupts.before_commit)
     except ForkedSaveError:

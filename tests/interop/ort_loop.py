@@ -45,6 +45,9 @@ Each command prints one JSON object on its last line of stdout.
       OUT), ortckpt's state and ONNX Runtime's own: by a forked child whose buffer grows in
       place, by one whose buffer grows as ONNX Runtime's does, and in this process (no fork to be
       had); ONNX Runtime's own save of the same moment beside them
+  forked_save_signalled ARTIFACTS OUT  synchronous forked full saves whose SIGTERM handler raises
+      SystemExit as the fork's signals are unblocked, and while the replaced file's cache is
+      dropped; one with a Ctrl-C (SIGINT) while the child saves
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
@@ -794,6 +797,94 @@ def in_place(out: str) -> dict:
     return result
 
 
+def _children_of_this_process() -> list[str]:
+    """The pids of this process's children, running or exited and not yet reaped."""
+    me, found = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            found.append(pid)
+    return found
+
+
+def forked_save_signalled(artifacts: str, out: str) -> dict:
+    """Synchronous forked full saves whose trainer's SIGTERM handler raises SystemExit as the
+    fork's signals are unblocked, and while the parent drops the replaced file's cache; one
+    with a Ctrl-C while the child saves."""
+    import contextlib
+
+    from ortckpt import _boundary, forked_save
+
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    model, optimizer = _session(artifacts, state)
+    target = os.path.join(out, "state.ckpt")
+    _train_step(model, optimizer, 1)
+    ortckpt.CheckpointState.save_checkpoint(state, target, include_optimizer_state=True)
+    with open(target, "rb") as f:
+        old = f.read()
+
+    def exit_on_sigterm(signum: int, frame: object) -> None:
+        raise SystemExit(143)
+
+    def sigterm() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def sigterm_while_blocked() -> object:  # (runs last inside the fork's blocked signals: delivered as they end)
+        yield
+        sigterm()
+
+    silenced, release = forked_save._fork_warning_silenced, _boundary.release_clean_cache
+    patches = {
+        "as_the_fork_unblocks_signals": (forked_save, "_fork_warning_silenced", sigterm_while_blocked),
+        "while_the_cache_is_dropped": (_boundary, "release_clean_cache", lambda path: sigterm()),
+        # (a Ctrl-C while the child saves: held until just before the commit, then raised)
+        "ctrl_c_while_the_child_saves": (
+            _boundary,
+            "release_clean_cache",
+            lambda path: os.kill(os.getpid(), signal.SIGINT),
+        ),
+    }
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    report: dict = {}
+    try:
+        for step, (kind, (module, name, patch)) in enumerate(patches.items(), start=2):
+            _train_step(model, optimizer, step)
+            setattr(module, name, patch)
+            try:
+                ortckpt.CheckpointState.save_checkpoint(state, target, include_optimizer_state=True)
+                raised = None
+            except SystemExit as e:
+                raised = f"SystemExit({e.code})"
+            except KeyboardInterrupt:
+                raised = "KeyboardInterrupt"
+            finally:
+                forked_save._fork_warning_silenced, _boundary.release_clean_cache = silenced, release
+            with open(target, "rb") as f:
+                intact = f.read() == old
+            report[kind] = {
+                "raised": raised,
+                "children": _children_of_this_process(),
+                "old_file_intact": intact,
+                "left": sorted(os.listdir(out)),
+                "descriptors_added": len(os.listdir("/proc/self/fd")) - descriptors,
+            }
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    reference = os.path.join(out, "reference")
+    os.mkdir(reference)
+    ort_api.CheckpointState.save_checkpoint(state, os.path.join(reference, "ort.ckpt"), True)
+    ortckpt.CheckpointState.save_checkpoint(state, target, include_optimizer_state=True)
+    with open(target, "rb") as f, open(os.path.join(reference, "ort.ckpt"), "rb") as g:
+        report["next_save_is_onnx_runtimes_then_the_seal"] = f.read().startswith(g.read())
+    return report
+
+
 def _file_sha(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -902,6 +993,7 @@ def main(argv: list[str]) -> None:
         "through_ort": through_ort,
         "backings_alike": backings_alike,
         "in_place": in_place,
+        "forked_save_signalled": forked_save_signalled,
     }
     result = commands[command](*args)
     print(json.dumps(result))

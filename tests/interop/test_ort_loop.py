@@ -222,6 +222,30 @@ def test_a_full_save_grows_onnx_runtimes_buffer_in_place_in_a_forked_child_and_w
             assert saves[how]["onnx_runtimes_bytes_then_the_seal"] and saves[how]["verified"], (kind, how)
 
 
+def test_a_signal_handlers_exception_around_a_synchronous_forked_save_leaves_no_child_and_no_temporary(
+    ort_loop_python: str, tmp_path: Path
+) -> None:
+    """A trainer whose SIGTERM handler raises SystemExit, signalled as the fork's signals are
+    unblocked and while the parent drops the replaced file's cache: the SystemExit comes out of
+    the save, the child is killed and reaped (no process of it left, not even a zombie), no
+    temporary or descriptor stays, the old file stands, and the next save is ONNX Runtime's. A
+    Ctrl-C while the child saves: KeyboardInterrupt before the commit, the same left."""
+    report = run_loop(ort_loop_python, HERE / "ort_loop.py", "forked_save_signalled", ARTIFACTS, tmp_path)
+    for kind, raised in (
+        ("as_the_fork_unblocks_signals", "SystemExit(143)"),
+        ("while_the_cache_is_dropped", "SystemExit(143)"),
+        ("ctrl_c_while_the_child_saves", "KeyboardInterrupt"),
+    ):
+        assert report[kind] == {
+            "raised": raised,
+            "children": [],
+            "old_file_intact": True,
+            "left": ["state.ckpt"],
+            "descriptors_added": 0,
+        }, kind
+    assert report["next_save_is_onnx_runtimes_then_the_seal"]
+
+
 def test_a_manager_run_on_either_class_gives_the_same_steps(ort_loop_python: str, tmp_path: Path) -> None:
     runs = {}
     for kind in ("ortckpt", "onnxruntime"):
