@@ -168,10 +168,6 @@ fn values_len(ckpt: &Checkpoint<Payload<'_>>) -> u64 {
 /// Invalid states (bytes that disagree with dims, duplicate names) and OS errors,
 /// naming the file and tensor; the previous file at `path` is left intact.
 pub fn save(path: &Path, ckpt: &Checkpoint<Payload<'_>>, options: &SaveOptions) -> Result<()> {
-    // The clean page cache of the files this save replaces, dropped first (their bytes stay
-    // until the commit): the write reuses that memory, as an overwrite in place would.
-    io::release_clean_cache(path);
-    io::release_clean_cache(&external_data_path(path));
     write_staged(path, ckpt, options)?
         .0
         .commit(&io::CommitOptions {

@@ -116,8 +116,12 @@ impl PendingFile {
 
     /// Renames the temporary file over its target (atomic within a filesystem).
     pub(crate) fn rename_into_place(&mut self) -> Result<()> {
+        let replaced = held_if_large(&self.target);
         fs::rename(&self.temp, &self.target).map_err(|e| Error::from(e).in_file(&self.target))?;
         self.committed = true;
+        if let Some(replaced) = replaced {
+            let_go_of(replaced);
+        }
         Ok(())
     }
 }
@@ -129,6 +133,36 @@ impl Drop for PendingFile {
         }
         // The lock goes with the file descriptor, after the name is gone.
     }
+}
+
+/// Files from this size on are let go of on a thread of their own once replaced or removed.
+const LET_GO_FROM: u64 = 16 << 20;
+
+/// The regular file of `LET_GO_FROM` bytes or more that `path` names now (never followed),
+/// held open across a rename or removal that unlinks it: the last close, not the unlink, then
+/// frees its pages and blocks (tens of milliseconds per 100 MiB), and [`let_go_of`] takes that
+/// off the saving thread.
+pub(crate) fn held_if_large(path: &Path) -> Option<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(NO_FOLLOW)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    (meta.is_file() && meta.len() >= LET_GO_FROM).then_some(file)
+}
+
+/// Files handed to [`let_go_of`] so far (tests count them).
+#[cfg(test)]
+pub(crate) static LET_GO: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Closes `file` on a thread of its own (here, where none can be started).
+pub(crate) fn let_go_of(file: File) {
+    #[cfg(test)]
+    LET_GO.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _ = std::thread::Builder::new()
+        .name("ortckpt-let-go".into())
+        .spawn(move || drop(file));
 }
 
 /// The process's umask, read without changing it (umask(2) sets as it reads, racing

@@ -26,7 +26,9 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::atomic::{pending_temps_of, remove_stale_temps, sync_parent_dir, PendingFile};
+use super::atomic::{
+    held_if_large, let_go_of, pending_temps_of, remove_stale_temps, sync_parent_dir, PendingFile,
+};
 use super::locks::{self, PathLock};
 use super::siblings::{self, NO_FOLLOW};
 use crate::error::{Error, Result};
@@ -152,7 +154,11 @@ impl Staged {
                     return Err(e);
                 }
                 if let Some(previous) = previous {
+                    let held = held_if_large(&previous);
                     let _ = fs::remove_file(previous);
+                    if let Some(held) = held {
+                        let_go_of(held);
+                    }
                 }
                 // Only now, and under the lock: until a save has committed, a crashed save's
                 // temporary checkpoint may be the one that matches the data file (see load).
@@ -341,6 +347,39 @@ mod tests {
         let mut out = body.to_vec();
         out.extend_from_slice(&trailer(id));
         out
+    }
+
+    /// A replaced file of 16 MiB or more is held across the rename and closed on a thread of its
+    /// own: the new bytes are in place at once, and the old file is not kept open for long.
+    #[test]
+    fn a_large_replaced_file_is_let_go_of_off_the_saving_thread_and_not_kept() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("big");
+        fs::write(&target, vec![1u8; 17 << 20]).unwrap();
+        let old = fs::metadata(&target).unwrap().ino();
+        let let_go = super::super::atomic::LET_GO.load(std::sync::atomic::Ordering::Relaxed);
+        write_file(&target, b"new", &CommitOptions::default()).unwrap();
+        assert!(super::super::atomic::LET_GO.load(std::sync::atomic::Ordering::Relaxed) > let_go);
+        assert_eq!(fs::read(&target).unwrap(), b"new");
+        let open_still = || {
+            fs::read_dir("/proc/self/fd")
+                .unwrap()
+                .flatten()
+                .any(|fd| fs::metadata(fd.path()).is_ok_and(|m| m.ino() == old && m.nlink() == 0))
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while open_still() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the replaced file stayed open"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(held_if_large(&target).is_none()); // (3 bytes: closed where it is)
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(held_if_large(&link).is_none()); // (never followed)
     }
 
     #[test]
