@@ -394,9 +394,12 @@ class CheckpointState:
                 from . import forked_save, live
 
                 ort_state = state._backing.ort_state
-                values = 0 if state.is_nominal else sum(int(p.data.nbytes) for _, p in state.parameters)
                 if forked_save.save(
-                    ort_state, target.path, checkpoint_bytes=3 * values, durable=durable, lock_timeout=lock_timeout
+                    ort_state,
+                    target.path,
+                    checkpoint_bytes=3 * state._parameter_bytes(),
+                    durable=durable,
+                    lock_timeout=lock_timeout,
                 ) or live.save_through_ort(ort_state, target.path, durable=durable, lock_timeout=lock_timeout):
                     return
             try:
@@ -517,7 +520,16 @@ class CheckpointState:
         (the manager's async saves). Of a state ONNX Runtime trains, with the optimizer state,
         every value is of one moment (a copy ONNX Runtime saves, in memory).
         """
-        source = self._backing.settled(include_optimizer_state)
+        source: Backing | None = None
+        ort_state = self._backing.ort_state
+        if ort_state is not None and include_optimizer_state:
+            # The moments are ONNX Runtime's to copy: its saver, in a forked child where it can
+            # (its buffer grown in place there), writes everything into memory; else here.
+            from . import forked_save
+
+            source = forked_save.snapshot(ort_state, checkpoint_bytes=3 * self._parameter_bytes())
+        if source is None:
+            source = self._backing.settled(include_optimizer_state)
         nominal = source.is_nominal
         backing = ArraysBacking(frozen=set(source.frozen), nominal=nominal)
         values = {} if nominal else dict(_tensors_of(source, include_optimizer_state=False))
@@ -547,6 +559,12 @@ class CheckpointState:
                                 moms[m] = copy_value(key, intake(f"{param}/{m}", v))
                 backing.groups[group_name] = OptimizerGroup(group.step, group.initial_learning_rate, momentums)
         return state
+
+    def _parameter_bytes(self) -> int:
+        """The bytes of the parameters' values (0 for a nominal state): what sizes a deadline."""
+        if self.is_nominal:
+            return 0
+        return sum(int(getattr(p.data, "nbytes", 0)) for _, p in self.parameters)
 
     def tensor_records(self) -> list[TensorRecord]:
         """Every parameter's name, ONNX type code, dims and ``requires_grad``, in the state's

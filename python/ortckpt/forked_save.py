@@ -64,7 +64,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import _boundary, interrupts, live
+from . import _boundary, interrupts, live, safe_io
+from .backings.mapped import MappedBacking
 from .errors import ForkedSaveError, ForkedSaveTimeoutError
 
 # The deadline of a child's save: a fixed allowance plus the time to write the checkpoint at a
@@ -97,10 +98,20 @@ def default_timeout(checkpoint_bytes: int) -> float:
 
 
 class ForkedSave:
-    """A child writing the staged checkpoint ``target``; :meth:`finish` commits it, :meth:`abandon` drops it."""
+    """A child writing the staged checkpoint ``target`` (or, with no staging, files in memory);
+    :meth:`finish` commits it, :meth:`abandon` drops it."""
 
-    def __init__(self, pid: int, report: int, staging: _boundary.Staging, target: Path, timeout: float) -> None:
+    def __init__(
+        self,
+        pid: int,
+        report: int,
+        staging: _boundary.Staging | None,
+        scratch: contextlib.ExitStack,
+        target: Path,
+        timeout: float,
+    ) -> None:
         self.pid = pid
+        self._scratch = scratch  # (the scratch directory the child's saver was given the files through)
         self.target = target
         self.timeout = timeout
         # Bytes ONNX Runtime's buffer took in place in the child (0: it grew as ONNX Runtime's
@@ -121,6 +132,7 @@ class ForkedSave:
         """Waits for the child (at most the deadline), then seals and commits its files at the
         target (``before_commit()`` run just before). Any failure: the child killed, the staged
         files removed, then raised."""
+        assert self._staging is not None, "finish() commits staged files"
         try:
             problem = self._wait()
             if problem is not None:
@@ -142,7 +154,8 @@ class ForkedSave:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self._reap(block=True)
-        self._staging.discard()
+        if self._staging is not None:
+            self._staging.discard()
         self._close_report()
 
     def _wait(self) -> ForkedSaveError | None:
@@ -212,6 +225,7 @@ class ForkedSave:
         return status
 
     def _close_report(self) -> None:
+        self._scratch.close()
         if self._report >= 0:
             os.close(self._report)
             self._report = -1
@@ -230,13 +244,31 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
     """Stages the checkpoint ``target`` (and its data file) and forks a child that has ONNX
     Runtime save ``ort_state`` as it is now into them; returns once forked. ``shown``: the
     checkpoint's name in messages (default: ``target``)."""
-    timeout = TIMEOUT if TIMEOUT is not None else default_timeout(checkpoint_bytes)
     staging = _boundary.stage(target, with_data=True)
+    return _fork(
+        lambda directory: live.write_staged(ort_state, staging, directory),
+        staging,
+        Path(shown) if shown is not None else target,
+        checkpoint_bytes,
+    )
+
+
+def _fork(
+    work: Callable[[Path], None], staging: _boundary.Staging | None, shown: Path, checkpoint_bytes: int
+) -> ForkedSave:
+    """Forks a child that runs ``work(directory)`` (a scratch directory made here) with ONNX
+    Runtime's buffer grown in place, and reports; returns once forked. ``staging`` is discarded
+    when this fails."""
+    timeout = TIMEOUT if TIMEOUT is not None else default_timeout(checkpoint_bytes)
     read = write = -1
     pid = 0
+    scratch = contextlib.ExitStack()
     # Anything raised from here to the return (a SIGTERM handler's SystemExit, run as the signals
     # are unblocked after the fork) leaves nothing behind: no descriptor, no temporary, no child.
     try:
+        # The directory through which ONNX Runtime's saver is given the files, made here: the
+        # child takes no lock of tempfile's (another thread may have held one at the fork).
+        directory = scratch.enter_context(safe_io.scratch_directory())
         read, write = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
         handled = _python_handled_signals()
@@ -248,17 +280,19 @@ def start(ort_state: Any, target: Path, *, checkpoint_bytes: int, shown: str | N
             except OSError as e:
                 raise ForkFailed(e.errno, f"fork: {e.strerror}") from None
             if pid == 0:  # the child: never returns
-                _child(ort_state, staging, read, write, parent, handled, prctl, plan)
+                _child(work, directory, read, write, parent, handled, prctl, plan)
         os.close(write)
         write = -1
-        return ForkedSave(pid, read, staging, Path(shown) if shown is not None else target, timeout)
+        return ForkedSave(pid, read, staging, scratch, shown, timeout)
     except BaseException:
         if pid > 0:
             _kill_and_reap(pid)
         for descriptor in (read, write):
             if descriptor >= 0:
                 os.close(descriptor)
-        staging.discard()
+        if staging is not None:
+            staging.discard()
+        scratch.close()
         raise
 
 
@@ -270,8 +304,8 @@ def _kill_and_reap(pid: int) -> None:
 
 
 def _child(
-    ort_state: Any,
-    staging: _boundary.Staging,
+    work: Callable[[Path], None],
+    directory: Path,
     read: int,
     write: int,
     parent: int,
@@ -279,7 +313,7 @@ def _child(
     prctl: Any,
     plan: _boundary.InPlacePlan | None,
 ) -> None:
-    """ONNX Runtime's save into the staged files, its outcome written to ``write``; then
+    """``work(directory)`` (ONNX Runtime's save), its outcome written to ``write``; then
     ``os._exit`` (no atexit handler, no buffer flushed, no thread joined)."""
     report = b"error: nothing (the child stopped before its save)"
     try:
@@ -294,7 +328,7 @@ def _child(
             os._exit(3)
         if plan is not None:
             _boundary.grow_in_place(plan)  # (false, and nothing changed, where it cannot)
-        live.write_staged(ort_state, staging)
+        work(directory)
         report = b"ok:%d" % _boundary.placed_in_place()
     except BaseException as e:
         text = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -339,6 +373,33 @@ def save(
     except ForkedSaveError:
         return None
     return child
+
+
+def snapshot(ort_state: Any, *, checkpoint_bytes: int) -> MappedBacking | None:
+    """A copy of everything ``ort_state`` holds now, its optimizer state included, as ONNX
+    Runtime saves it into memory (:func:`ortckpt.live.snapshot`), taken by a forked child (its
+    buffer grown in place) while this thread waits; None where no child could take it (the
+    caller then has ONNX Runtime save into memory here)."""
+    if not available(ort_state) or live.is_nominal(ort_state):
+        return None
+    with live.memory_files() as files:
+        try:
+            child = _fork(
+                lambda directory: live.write_into(ort_state, files, directory), None, Path("(memory)"), checkpoint_bytes
+            )
+        except ForkFailed:
+            return None
+        try:
+            problem = child._wait()
+        except BaseException:
+            child.abandon()
+            raise
+        finally:
+            child._close_report()
+        child._reap(block=True)
+        if problem is not None:
+            return None
+        return live.opened(files)
 
 
 def _in_place_plan() -> _boundary.InPlacePlan | None:

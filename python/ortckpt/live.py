@@ -102,6 +102,31 @@ def snapshot(ort_state: Any, include_optimizer_state: bool) -> MappedBacking:
         return MappedBacking(_boundary.load(path))  # (mapped: the memory stays while the backing does)
 
 
+@contextlib.contextmanager
+def memory_files() -> Iterator[_MemoryFiles]:
+    """A checkpoint and its data file in memory (memfds), for the block: what :func:`write_into`
+    fills (in another process, a fork of this one) and :func:`opened` opens."""
+    with _memory_checkpoint() as files:
+        yield files
+
+
+def write_into(ort_state: Any, files: _MemoryFiles, directory: Path) -> None:
+    """ONNX Runtime's full save of ``ort_state`` written into ``files`` (made by
+    :func:`memory_files`, here or in the process this one forked from), given to its saver by
+    descriptor through the scratch ``directory``."""
+    C = _training_api()
+    linked = _MemoryFiles(directory, linked=files.descriptors())
+    try:
+        C.save_checkpoint(ort_state, linked.path, True)
+    finally:
+        linked.close()
+
+
+def opened(files: _MemoryFiles) -> MappedBacking:
+    """What :func:`write_into` wrote into ``files``, opened by ortckpt (as :func:`snapshot`)."""
+    return MappedBacking(_boundary.load(files.path))
+
+
 def _refused_type(core: Any, message: str) -> UnsupportedDataTypeError | None:
     """ONNX Runtime's "Unsupported data type: N" (its loader takes fewer types than the format
     holds: no FLOAT16, BFLOAT16, FLOAT8, 4-bit or STRING tensors in 1.19), naming the tensor."""
@@ -158,12 +183,15 @@ def save_through_ort(
     return True
 
 
-def write_staged(ort_state: Any, staging: _boundary.Staging) -> None:
+def write_staged(ort_state: Any, staging: _boundary.Staging, directory: Path | None = None) -> None:
     """ONNX Runtime's full save of ``ort_state`` written into ``staging``'s temporary files
-    (given to its saver by descriptor), not sealed: what :func:`save_through_ort` and a forked
-    async save (:mod:`ortckpt.forked_save`, in its child) both have ONNX Runtime do."""
+    (given to its saver by descriptor, through the scratch ``directory``: a new one by default),
+    not sealed: what :func:`save_through_ort` and a forked save (:mod:`ortckpt.forked_save`, in
+    its child) both have ONNX Runtime do."""
     C = _training_api()
-    with safe_io.scratch_directory() as directory:
+    with contextlib.ExitStack() as scratch:
+        if directory is None:
+            directory = scratch.enter_context(safe_io.scratch_directory())
         files = _MemoryFiles(directory, linked=(staging.fileno(), staging.fileno(data=True)))
         try:
             C.save_checkpoint(ort_state, files.path, True)
@@ -246,6 +274,11 @@ class _MemoryFiles:
                 for offset, segment in parts:
                     out.seek(offset)
                     out.write(segment)
+
+    def descriptors(self) -> tuple[int, int]:
+        """The memfds of the checkpoint and its data file."""
+        main, data = self._fds
+        return main, data
 
     def close(self) -> None:
         for fd in [*self._fds, self._dir_fd]:

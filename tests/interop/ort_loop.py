@@ -443,13 +443,13 @@ def _wrapped_saver(pid_file: str, before: object = None, after: object = None) -
 
     real = live.write_staged
 
-    def saver(ort_state: object, staging: object) -> None:
+    def saver(ort_state: object, staging: object, *directory: object) -> None:
         with open(pid_file + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(pid_file + ".tmp", pid_file)
         if callable(before):
             before()
-        real(ort_state, staging)
+        real(ort_state, staging, *directory)
         if callable(after):
             after()
 
