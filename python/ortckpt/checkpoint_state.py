@@ -530,6 +530,8 @@ class CheckpointState:
             source = forked_save.snapshot(ort_state, checkpoint_bytes=3 * self._parameter_bytes())
         if source is None:
             source = self._backing.settled(include_optimizer_state)
+        if source is not self._backing:
+            copy_value = None  # (a copy of its own already, taken now: nothing else can change it)
         nominal = source.is_nominal
         backing = ArraysBacking(frozen=set(source.frozen), nominal=nominal)
         values = {} if nominal else dict(_tensors_of(source, include_optimizer_state=False))
