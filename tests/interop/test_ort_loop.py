@@ -554,14 +554,27 @@ def test_a_forked_saves_child_dies_with_a_trainer_killed_outright_and_frees_the_
     process.wait(timeout=30)
     deadline = time.monotonic() + 30
     try:
-        while Path(f"/proc/{child}").exists() and "Z" not in _state_of(child) and time.monotonic() < deadline:
+        while not _exited(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not Path(f"/proc/{child}").exists() or "Z" in _state_of(child), "the child outlived its trainer"
+        assert _exited(child), "the child outlived its trainer"
     finally:  # (a failure here leaves no child behind)
         if Path(f"/proc/{child}").exists():
             os.kill(child, signal.SIGKILL)
     with CheckpointManager(tmp_path / "run") as manager:  # (the writer lock is free)
         assert manager.all_steps() == []
+
+
+def _exited(pid: int) -> bool:
+    """Whether every thread of ``pid`` has exited (its descriptors, the run's lock among them, closed).
+    A zombie leader is not enough: a forked save's child has a second thread (the in-place
+    allocator's helper), which may still be exiting, tearing down the address space and holding the
+    descriptors, while the leader shows "Z" (the run's lock then refused a writer, once in a loaded
+    session)."""
+    if not Path(f"/proc/{pid}").exists():
+        return True
+    with contextlib.suppress(OSError):
+        return "Z" in _state_of(pid) and os.listdir(f"/proc/{pid}/task") == [str(pid)]
+    return not Path(f"/proc/{pid}").exists()
 
 
 def _state_of(pid: int) -> str:
