@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import hashlib
 import json
 import os
@@ -919,6 +920,7 @@ def forked_snapshots(artifacts: str, out: str) -> dict:
             "children": _children_of_this_process(),
             "temporaries": _ortckpt_temporaries(),
             "threads": threading.active_count(),
+            "mapped": sum("/memfd:" in line for line in open("/proc/self/maps")),  # (snapshots still mapped)
         }
 
     def run(name: str, trained: object, steps: int, **options: object) -> None:
@@ -933,6 +935,7 @@ def forked_snapshots(artifacts: str, out: str) -> dict:
                     _train_step(model, optimizer, 1000 * step + later)
         report[name] = manager.all_steps()
 
+    gc.disable()  # (a snapshot freed only by the collector stays mapped: a whole checkpoint)
     run("warm", state, 1, async_save=True)  # (what stays open for good: ONNX Runtime's and the manager's first use,
     run("warm_sync", state, 1)  # a synchronous save's page watch)
     before = held()
@@ -981,6 +984,7 @@ def forked_snapshots(artifacts: str, out: str) -> dict:
         signal.signal(signal.SIGCHLD, previous)
     report["reaped_by_handler"] = len(reaped)
     report["held_at_end"] = held()
+    gc.enable()
     return report
 
 
