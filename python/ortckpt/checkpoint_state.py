@@ -228,8 +228,9 @@ class CheckpointState:
         # Where the tensors, properties and optimizer state are (ortckpt.backings): arrays, a loaded
         # file, or ONNX Runtime's own state once this one is handed to its Module (replaced then).
         self._backing: Backing = ArraysBacking() if backing is None else backing
-        self._parameters = Parameters(self)
-        self._props_view = Properties(self)
+        # (no view of itself kept: a state is no reference cycle, and goes, with the memory its values
+        # map, as its last reference does: a manager's async snapshot, written, not at the next
+        # collection of the cycles)
 
     @property
     def _state(self) -> Any:
@@ -466,12 +467,12 @@ class CheckpointState:
     @property
     def parameters(self) -> Parameters:
         """Returns the model parameters from the checkpoint state"""
-        return self._parameters
+        return Parameters(self)
 
     @property
     def properties(self) -> Properties:
         """Returns the properties from the checkpoint state"""
-        return self._props_view
+        return Properties(self)
 
     @property
     def optimizer_groups(self) -> dict[str, OptimizerGroup]:

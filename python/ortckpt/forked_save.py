@@ -394,11 +394,11 @@ def snapshot(ort_state: Any, *, checkpoint_bytes: int) -> MappedBacking | None:
         except BaseException:
             child.abandon()
             raise
-        finally:
-            child._close_report()
-        child._reap(block=True)
         if problem is not None:
+            child.abandon()  # (one past its deadline still runs: killed, then reaped)
             return None
+        child._close_report()
+        child._reap(block=True)
         return live.opened(files)
 
 

@@ -152,17 +152,48 @@ pub(crate) fn held_if_large(path: &Path) -> Option<File> {
     (meta.is_file() && meta.len() >= LET_GO_FROM).then_some(file)
 }
 
-/// Files handed to [`let_go_of`] so far (tests count them).
-#[cfg(test)]
-pub(crate) static LET_GO: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Closes `file` on a thread of its own (here, where none can be started).
+/// Closes `file` on a thread of its own (here, where none can be started, or where its
+/// filesystem has less room left than twice its size: the next save of its size, begun at once,
+/// may need the blocks this close frees, and a thread's close may come after that save's write,
+/// which would then fail for want of space that a close here leaves it).
 pub(crate) fn let_go_of(file: File) {
+    if !room_without(&file) {
+        return; // (closed here, as it goes out of scope)
+    }
     #[cfg(test)]
-    LET_GO.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    LET_GO.with(|n| n.set(n.get() + 1));
     let _ = std::thread::Builder::new()
         .name("ortckpt-let-go".into())
         .spawn(move || drop(file));
+}
+
+/// Whether `file`'s filesystem has room for two more of it while its own blocks are still held
+/// (false where that cannot be read).
+fn room_without(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    #[cfg(test)]
+    if let Some(free) = FREE_SPACE.with(|f| f.get()) {
+        return free >= meta.len().saturating_mul(2);
+    }
+    // SAFETY: fstatvfs writes only into the struct it is given, from a descriptor we hold.
+    let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut fs) } != 0 {
+        return false;
+    }
+    #[allow(clippy::useless_conversion)] // (u64 on 64-bit Linux, narrower elsewhere)
+    let free = u64::from(fs.f_bavail).saturating_mul(u64::from(fs.f_frsize));
+    free >= meta.len().saturating_mul(2)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Files this thread handed to a thread of their own so far (tests count them).
+    pub(crate) static LET_GO: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// The free space [`room_without`] sees on this thread, where a test sets it.
+    pub(crate) static FREE_SPACE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
 }
 
 /// The process's umask, read without changing it (umask(2) sets as it reads, racing

@@ -358,9 +358,9 @@ mod tests {
         let target = dir.path().join("big");
         fs::write(&target, vec![1u8; 17 << 20]).unwrap();
         let old = fs::metadata(&target).unwrap().ino();
-        let let_go = super::super::atomic::LET_GO.load(std::sync::atomic::Ordering::Relaxed);
+        let let_go = super::super::atomic::LET_GO.with(|n| n.get());
         write_file(&target, b"new", &CommitOptions::default()).unwrap();
-        assert!(super::super::atomic::LET_GO.load(std::sync::atomic::Ordering::Relaxed) > let_go);
+        assert_eq!(super::super::atomic::LET_GO.with(|n| n.get()), let_go + 1);
         assert_eq!(fs::read(&target).unwrap(), b"new");
         let open_still = || {
             fs::read_dir("/proc/self/fd")
@@ -380,6 +380,34 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&target, &link).unwrap();
         assert!(held_if_large(&link).is_none()); // (never followed)
+    }
+
+    /// Where the filesystem has less room left than twice the replaced file, it is closed on the
+    /// saving thread, before the save returns: the next save of its size, begun at once, finds
+    /// its blocks free (a thread's close, still under way, failed 30 of 200 such saves on a
+    /// 48 MiB tmpfs with ENOSPC).
+    #[test]
+    fn a_large_replaced_file_on_a_nearly_full_filesystem_is_closed_before_the_save_returns() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("big");
+        fs::write(&target, vec![1u8; 17 << 20]).unwrap();
+        let old = fs::metadata(&target).unwrap().ino();
+        let let_go = super::super::atomic::LET_GO.with(|n| n.get());
+        super::super::atomic::FREE_SPACE.with(|f| f.set(Some(30 << 20)));
+        let written = write_file(&target, b"new", &CommitOptions::default());
+        super::super::atomic::FREE_SPACE.with(|f| f.set(None));
+        written.unwrap();
+        assert_eq!(super::super::atomic::LET_GO.with(|n| n.get()), let_go); // (none handed to a thread)
+        assert_eq!(fs::read(&target).unwrap(), b"new");
+        let open_still = fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .any(|fd| fs::metadata(fd.path()).is_ok_and(|m| m.ino() == old && m.nlink() == 0));
+        assert!(
+            !open_still,
+            "the replaced file was still open when the save returned"
+        );
     }
 
     #[test]

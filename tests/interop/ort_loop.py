@@ -48,13 +48,19 @@ Each command prints one JSON object on its last line of stdout.
   forked_save_signalled ARTIFACTS OUT  synchronous forked full saves whose SIGTERM handler raises
       SystemExit as the fork's signals are unblocked, and while the replaced file's cache is
       dropped; one with a Ctrl-C (SIGINT) while the child saves
+  forked_snapshots ARTIFACTS OUT  manager saves with the optimizer state (async, training on at
+      once, and synchronous) whose snapshot a forked child takes into memory, ONNX Runtime's own
+      save of each save() beside them; snapshots whose child hangs, raises or cannot be forked;
+      saves under a SIGCHLD handler that reaps every child; what the process holds before and after
   backings_alike ARTIFACTS OUT  one checkpoint through each backing (arrays, the mapped file, ONNX
       Runtime's live state bound and adopted): what the public API shows of each, and of its save
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import gc
 import hashlib
 import json
 import os
@@ -885,6 +891,103 @@ def forked_save_signalled(artifacts: str, out: str) -> dict:
     return report
 
 
+def _memfds() -> int:
+    """This process's descriptors of memfds (ortckpt's memory checkpoints)."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    return found
+
+
+def forked_snapshots(artifacts: str, out: str) -> dict:
+    """Manager saves of a state ONNX Runtime trains with its optimizer state (async, training on at
+    once, and synchronous), whose snapshot a forked child takes into memfds: ONNX Runtime's own save
+    of each save() beside it (OUT/ort_NAME_STEP.ckpt for OUT/NAME/step_STEP); then snapshots whose
+    child hangs past its deadline, raises or cannot be forked, and saves under a SIGCHLD handler
+    that reaps every child; what the process holds before and after."""
+    from ortckpt import forked_save, live
+
+    state = ortckpt.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))
+    own = ort_api.CheckpointState.load_checkpoint(os.path.join(artifacts, "checkpoint"))  # ONNX Runtime's class
+    sessions = {id(state): _session(artifacts, state), id(own): _session(artifacts, own)}
+    report: dict = {}
+
+    def held() -> dict:
+        return {
+            "fds": len(os.listdir("/proc/self/fd")),
+            "memfds": _memfds(),
+            "children": _children_of_this_process(),
+            "temporaries": _ortckpt_temporaries(),
+            "threads": threading.active_count(),
+            "mapped": sum("/memfd:" in line for line in open("/proc/self/maps")),  # (snapshots still mapped)
+        }
+
+    def run(name: str, trained: object, steps: int, **options: object) -> None:
+        model, optimizer = sessions[id(trained)]
+        bound = getattr(trained, "_state", trained)
+        with ortckpt.CheckpointManager(os.path.join(out, name), durable=False, **options) as manager:  # type: ignore[arg-type]
+            for step in range(1, steps + 1):
+                _train_step(model, optimizer, step)
+                C.save_checkpoint(bound, os.path.join(out, f"ort_{name}_{step}.ckpt"), True)
+                manager.save(trained, step)
+                for later in range(2):  # (at once: the pending async save holds the state of save())
+                    _train_step(model, optimizer, 1000 * step + later)
+        report[name] = manager.all_steps()
+
+    gc.disable()  # (a snapshot freed only by the collector stays mapped: a whole checkpoint)
+    run("warm", state, 1, async_save=True)  # (what stays open for good: ONNX Runtime's and the manager's first use,
+    run("warm_sync", state, 1)  # a synchronous save's page watch)
+    before = held()
+    run("async", state, 12, async_save=True, max_to_keep=3)
+    run("async_whole", state, 4, async_save=True, share_unchanged=False)
+    run("sync", state, 3)
+    run("own", own, 3, async_save=True)
+    report["held"] = [before, held()]
+
+    real = live.write_into
+    failures: dict = {}
+
+    def sleeper(*_args: object) -> None:
+        time.sleep(3600)
+
+    def boom(*_args: object) -> None:
+        raise RuntimeError("the saver failed")
+
+    def no_fork() -> int:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    for kind in ("hung", "raised", "forkless"):
+        forked_save.TIMEOUT = 1.0 if kind == "hung" else None
+        live.write_into = sleeper if kind == "hung" else boom if kind == "raised" else real
+        fork, os.fork = os.fork, no_fork if kind == "forkless" else os.fork  # type: ignore[assignment]
+        started = time.monotonic()
+        try:
+            run(kind, state, 2, async_save=True)
+        finally:
+            live.write_into, os.fork, forked_save.TIMEOUT = real, fork, None
+        failures[kind] = time.monotonic() - started < 30  # (fell back: never waited for a hung child)
+    report["fell_back"] = failures
+
+    reaped: list[int] = []
+
+    def reap_all(_signum: int, _frame: object) -> None:  # (a program's own reaper of every child)
+        with contextlib.suppress(ChildProcessError):
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
+                reaped.append(pid)
+
+    previous = signal.signal(signal.SIGCHLD, reap_all)
+    try:
+        run("reaped", state, 3, async_save=True)
+        run("reaped_sync", state, 2)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    report["reaped_by_handler"] = len(reaped)
+    report["held_at_end"] = held()
+    gc.enable()
+    return report
+
+
 def _file_sha(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -994,6 +1097,7 @@ def main(argv: list[str]) -> None:
         "backings_alike": backings_alike,
         "in_place": in_place,
         "forked_save_signalled": forked_save_signalled,
+        "forked_snapshots": forked_snapshots,
     }
     result = commands[command](*args)
     print(json.dumps(result))

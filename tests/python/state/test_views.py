@@ -143,6 +143,29 @@ def test_views_keep_the_mapping_alive_after_the_state_is_gone(saved):
         _same(arrays[name], want)
 
 
+def test_a_state_is_no_reference_cycle_and_its_mapping_goes_with_its_last_reference(saved):
+    """A state (loaded, used through its views, or a snapshot of one) is freed by its last reference,
+    not at the next collection of cycles: a manager's async snapshot maps a whole checkpoint (ONNX
+    Runtime's save into memfds), which stayed mapped until the collector ran (kept views of itself)."""
+    import weakref
+
+    path, _ = saved
+    gc.collect()
+    gc.disable()
+    try:
+        for snapshot in (False, True):
+            state = CheckpointState.load_checkpoint(path)
+            if snapshot:
+                state = state.snapshot(include_optimizer_state=True)
+            assert len(state.parameters) and "x" not in state.properties  # (its views used)
+            gone = weakref.ref(state)
+            backing = weakref.ref(state._backing)
+            del state
+            assert gone() is None and backing() is None
+    finally:
+        gc.enable()
+
+
 def test_views_over_a_read_only_buffer_are_read_only_and_over_a_bytearray_write_it(saved):
     path, values = saved
     data = path.read_bytes()
