@@ -107,7 +107,8 @@ class OrtClient:
     def evaluate(self, message: Any, batches: Iterable[Sequence[np.ndarray]]) -> Any:
         """The reply to an ``evaluate`` message: ``num-examples`` and ``eval_loss`` (the mean of
         the eval model's losses over ``batches``) of the message's arrays."""
-        _, module, _, _ = self._session(message.content["arrays"], CheckpointState.load_checkpoint(self.checkpoint))
+        # (the state held to the last step: ONNX Runtime's Module uses its memory and keeps no reference)
+        state, module, _, _ = self._session(message.content["arrays"], CheckpointState.load_checkpoint(self.checkpoint))
         C = _training_api()
         examples, losses = 0, []
         for batch in batches:
@@ -115,6 +116,7 @@ class OrtClient:
             module.eval_step(list(batch), fetches)
             losses.append(float(fetches[0].numpy()))
             examples += len(batch[0])
+        del module, state
         metrics = flwr_app.MetricRecord({"num-examples": examples, "eval_loss": _mean(losses)})
         return flwr_app.Message(flwr_app.RecordDict({"metrics": metrics}), reply_to=message)
 

@@ -704,6 +704,9 @@ PACKED_MEMORY_CHILD = textwrap.dedent(
             "changed": changes.changed,
             "flipped": int(np.count_nonzero((raw[::7] ^ changed[::7]) != 0)),
         }
+        # (freed before the next tensor's arrays are made: its VmHWM then bounds its own work,
+        # not this tensor's arrays and the next one's side by side)
+        del raw, changed, a, b, state_a, state_b, stats, changes, counts
     print(json.dumps(found))
     """
 )
