@@ -74,6 +74,9 @@ TIMEOUT: float | None = None
 BASE_TIMEOUT = 120.0
 BYTES_PER_SECOND = 64 << 20
 
+# The environment variable that keeps ortckpt from forking (set, and not "0").
+NO_FORK = "ORTCKPT_NO_FORK"
+
 # Whether a child grows ONNX Runtime's buffer in place (tests compare with it off).
 GROW_IN_PLACE = True
 _ORT_LIBRARY = "onnxruntime_pybind11_state"  # (the file ONNX Runtime's saver is compiled into)
@@ -85,7 +88,10 @@ _PR_SET_PDEATHSIG = 1
 
 def available(ort_state: Any) -> bool:
     """Whether a save of ``ort_state`` can be taken by a fork here: Linux (fork, ``/proc``,
-    ``prctl``) and a state in CPU memory."""
+    ``prctl``), a state in CPU memory, and no ``ORTCKPT_NO_FORK`` (set and not ``0``) in the
+    environment (a program that must not fork: every save then runs in the process)."""
+    if os.environ.get(NO_FORK, "") not in ("", "0"):
+        return False
     if not (sys.platform.startswith("linux") and hasattr(os, "fork") and os.path.isdir("/proc/self/fd")):
         return False
     names = ort_state.parameter_names()

@@ -778,18 +778,21 @@ def in_place(out: str) -> dict:
         with open(reference, "rb") as f:
             ort_bytes = f.read()
         saves = {}
-        for how in ("in_place", "grown_as_onnx_runtime", "in_process"):
+        for how in ("in_place", "grown_as_onnx_runtime", "in_process", "told_not_to_fork"):
             children.clear()
             forked_save.GROW_IN_PLACE = how != "grown_as_onnx_runtime"
             fork = os.fork
             if how == "in_process":
                 os.fork = no_fork
+            if how == "told_not_to_fork":
+                os.environ["ORTCKPT_NO_FORK"] = "1"
             try:
                 saved = os.path.join(out, f"{kind}_{how}.ckpt")
                 ortckpt.CheckpointState.save_checkpoint(state, saved, include_optimizer_state=True)
             finally:
                 os.fork = fork
                 forked_save.GROW_IN_PLACE = True
+                os.environ.pop("ORTCKPT_NO_FORK", None)
             with open(saved, "rb") as f:
                 saved_bytes = f.read()
             saves[how] = {

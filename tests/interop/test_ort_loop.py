@@ -211,14 +211,15 @@ def test_a_full_save_grows_onnx_runtimes_buffer_in_place_in_a_forked_child_and_w
     ONNX Runtime's saver with its buffer grown in place (every array of 1 MiB or more it took
     placed so: more bytes than the file), and the file is ONNX Runtime's own save of the same
     moment byte for byte, then ortckpt's seal; the same with the buffer grown as ONNX Runtime
-    grows it (nothing placed), and in this process where no fork can be had."""
+    grows it (nothing placed), and in this process where no fork can be had or ORTCKPT_NO_FORK says
+    not to."""
     report = run_loop(ort_loop_python, HERE / "ort_loop.py", "in_place", tmp_path)
     for kind in ("ortckpt", "onnxruntime"):
         saves = report[kind]["saves"]
         assert saves["in_place"]["forked"] and saves["in_place"]["placed"] > report[kind]["checkpoint_bytes"] > 12 << 20
         assert saves["grown_as_onnx_runtime"]["forked"] and saves["grown_as_onnx_runtime"]["placed"] == 0
-        assert not saves["in_process"]["forked"]
-        for how in ("in_place", "grown_as_onnx_runtime", "in_process"):
+        assert not saves["in_process"]["forked"] and not saves["told_not_to_fork"]["forked"]
+        for how in ("in_place", "grown_as_onnx_runtime", "in_process", "told_not_to_fork"):
             assert saves[how]["onnx_runtimes_bytes_then_the_seal"] and saves[how]["verified"], (kind, how)
 
 
