@@ -138,21 +138,35 @@ class ForkedSave:
         """Waits for the child (at most the deadline), then seals and commits its files at the
         target (``before_commit()`` run just before). Any failure: the child killed, the staged
         files removed, then raised."""
-        assert self._staging is not None, "finish() commits staged files"
+        staging = self._staging
+        assert staging is not None, "finish() commits staged files"
+
+        def commit() -> None:
+            staging.seal()
+            if before_commit is not None:
+                before_commit()
+            staging.commit(durable=durable, lock_timeout=lock_timeout)
+
+        self.completed(then=commit)
+
+    def completed(self, *, then: Callable[[], None] = lambda: None) -> None:
+        """Waits for the child's report (at most the deadline), then runs ``then()``; the child
+        is reaped after it. Any failure (the child's, as a :class:`ForkedSaveError`, or
+        ``then()``'s): the child killed, the staged files removed, then raised."""
         try:
             problem = self._wait()
             if problem is not None:
-                raise problem
-            self._staging.seal()
-            if before_commit is not None:
-                before_commit()
-            self._staging.commit(durable=durable, lock_timeout=lock_timeout)
+                try:
+                    raise problem
+                finally:
+                    del problem  # (no cycle through this frame: with the collector off it would hold the caller's)
+            then()
         except BaseException:
             self.abandon()
             raise
         finally:
             self._close_report()
-        self._reap(block=True)  # (it left once it reported: its exit ran beside the seal and commit)
+        self._reap(block=True)  # (it left once it reported: its exit ran beside then())
 
     def abandon(self) -> None:
         """Kills the child if it still runs, reaps it and removes the staged files."""
@@ -396,15 +410,9 @@ def snapshot(ort_state: Any, *, checkpoint_bytes: int) -> MappedBacking | None:
         except ForkFailed:
             return None
         try:
-            problem = child._wait()
-        except BaseException:
-            child.abandon()
-            raise
-        if problem is not None:
-            child.abandon()  # (one past its deadline still runs: killed, then reaped)
+            child.completed()
+        except ForkedSaveError:  # (killed and reaped, one past its deadline too)
             return None
-        child._close_report()
-        child._reap(block=True)
         return live.opened(files)
 
 

@@ -143,13 +143,8 @@ const LET_GO_FROM: u64 = 16 << 20;
 /// frees its pages and blocks (tens of milliseconds per 100 MiB), and [`let_go_of`] takes that
 /// off the saving thread.
 pub(crate) fn held_if_large(path: &Path) -> Option<File> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(NO_FOLLOW)
-        .open(path)
-        .ok()?;
-    let meta = file.metadata().ok()?;
-    (meta.is_file() && meta.len() >= LET_GO_FROM).then_some(file)
+    let (file, len, _) = super::mapped::open(path, false).ok()?;
+    (len >= LET_GO_FROM).then_some(file)
 }
 
 /// Closes `file` on a thread of its own (here, where none can be started, or where its

@@ -66,18 +66,10 @@ impl AfterEachPiece<'_> {
 #[cfg(target_os = "linux")]
 pub fn release_clean_cache(path: &std::path::Path) -> bool {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
 
-    let Ok(file) = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-    else {
-        return false;
+    let Ok((file, _, _)) = super::mapped::open(path, false) else {
+        return false; // (missing, a symlink, not a regular file)
     };
-    if !file.metadata().is_ok_and(|m| m.is_file()) {
-        return false;
-    }
     match cache_of(&file) {
         Some(stat) if stat.dirty == 0 && stat.writeback == 0 => {
             // SAFETY: a plain system call on our descriptor.

@@ -705,50 +705,18 @@ def through_ort(artifacts: str, out: str) -> dict:
     return {"files": files, "failures": failures, "left": sorted(os.listdir(out))}
 
 
-def _matmul_artifacts(directory: str, layers: int, features: int) -> None:
-    """generate_artifacts for x[2, F] -> ``layers`` MatMuls of F x F -> y, MSE loss, AdamW."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime.training import artifacts
-
-    rng = np.random.default_rng(5)
-    weights = [
-        numpy_helper.from_array((rng.standard_normal((features, features)) / features).astype(np.float32), f"w{i}")
-        for i in range(layers)
-    ]
-    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"], [f"h{i + 1}"]) for i in range(layers)]
-    nodes.append(helper.make_node("Identity", [f"h{layers}"], ["y"]))
-    graph = helper.make_graph(
-        nodes,
-        "matmuls",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, features])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, features])],
-        weights,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    artifacts.generate_artifacts(
-        model,
-        requires_grad=[w.name for w in weights],
-        loss=artifacts.LossType.MSELoss,
-        optimizer=artifacts.OptimType.AdamW,
-        artifact_directory=directory,
-    )
-    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
-        path = os.path.join(directory, name)  # (ONNX Runtime 1.19.2 reads IR 10 at most)
-        generated = onnx.load(path)
-        generated.ir_version = min(generated.ir_version, 10)
-        onnx.save(generated, path)
-
-
 def in_place(out: str) -> dict:
     import errno
 
     from ortckpt import forked_save
 
+    # The benchmark's model (benches/ort_loop_bench.py), small: arrays of 1 MiB and more to grow.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+    from ort_loop_bench import artifacts_for
+
     artifacts = os.path.join(out, "artifacts")
     os.mkdir(artifacts)
-    _matmul_artifacts(artifacts, 4, 512)
+    artifacts_for(Path(artifacts), 4, 512)
     children: list = []
     start = forked_save.start
 
